@@ -1,0 +1,1 @@
+"""Speculative decoding (Leviathan, Kalman & Matias 2023, Algorithm 1)."""

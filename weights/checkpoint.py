@@ -1,0 +1,168 @@
+"""Reading and writing Hugging Face-layout checkpoints (config.json + safetensors).
+
+The model is built on the meta device (no memory), then each tensor is read from the
+memory-mapped safetensors file, converted to the wanted dtype and device, and assigned
+in place, so peak host memory stays near one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from model import ConfigError, Llama, ModelConfig
+from weights.registry import resolve
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is missing, incomplete or does not match its config."""
+
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def read_config(directory: str | os.PathLike) -> ModelConfig:
+    """Parse ``directory/config.json`` into a :class:`ModelConfig` (no weights read)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: an HF-layout checkpoint needs a config.json")
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    try:
+        return ModelConfig.from_hf(hf)
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = directory / "model.safetensors.index.json"
+    single = directory / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index} is not a valid index (expected a 'weight_map' object)") from None
+        files = {}
+        for name, shard in weight_map.items():
+            path = directory / shard
+            if not path.is_file():
+                raise CheckpointError(f"shard {shard} named in {index.name} is missing from {directory}")
+            files[name] = path
+        return files
+    if single.is_file():
+        return {name: single for name in _names_in(single)}
+    raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+
+
+def _names_in(path: Path) -> list[str]:
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> the HF LlamaForCausalLM tensor name."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> Llama:
+    """Load an HF-layout checkpoint (a registry name such as ``7b`` or a directory) for inference."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64")
+    directory = resolve(name_or_path)
+    config = read_config(directory)
+    files = weight_files(directory)
+    with torch.device("meta"):
+        model = Llama(config)
+    expected = {hf_name(n): p.shape for n, p in model.named_parameters()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        files.pop("lm_head.weight", None)  # some tied checkpoints store the head anyway
+    unknown = sorted(set(files) - set(expected))
+    if unknown:
+        raise CheckpointError(f"{directory}: unknown tensors not in a Llama model: {', '.join(unknown[:5])}"
+                              + (" ..." if len(unknown) > 5 else ""))
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensors: {', '.join(missing[:5])}"
+                              + (" ..." if len(missing) > 5 else ""))
+
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in names:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(expected[name]):
+                        raise CheckpointError(f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
+                                              f"implies {list(expected[name])}")
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
+    ours = {n.removeprefix("model."): t for n, t in state.items()}
+    if config.tie_word_embeddings:
+        ours["lm_head.weight"] = ours["embed_tokens.weight"]
+    model.load_state_dict(ours, assign=True, strict=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+               max_shard_bytes: int | None = None) -> Path:
+    """Write ``model`` as an HF-layout checkpoint that transformers' LlamaForCausalLM loads.
+
+    ``dtype`` converts on the way out (float16 keeps shipped weights small);
+    ``max_shard_bytes`` splits the weights into shards with an index file.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, param in model.named_parameters():  # tied weights appear once
+        tensors[hf_name(name)] = param.detach().to(dtype or param.dtype).cpu().contiguous()
+    out_dtype = next(iter(tensors.values())).dtype
+    config = model.config.to_hf()
+    config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for stale in list(directory.glob("model*.safetensors")) + list(directory.glob("model.safetensors.index.json")):
+        stale.unlink()
+    if max_shard_bytes is None:
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        return directory
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / filename, metadata={"format": "pt"})
+        weight_map.update({name: filename for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return directory

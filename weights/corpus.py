@@ -1,0 +1,59 @@
+"""Text corpora for training: split into documents, tokenised once, cached as a numpy memmap.
+
+The cache file is keyed by the corpus files' paths, sizes and modification times and by
+the tokenizer's bytes, so a second run with the same inputs starts at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from weights.tokenizer import Tokenizer
+
+STORY_SEPARATOR = "<|endoftext|>"
+
+
+def read_documents(path: str | os.PathLike) -> list[str]:
+    """Stories of a TinyStories-style file: split on ``<|endoftext|>`` lines when present,
+    otherwise on blank lines (paragraphs); empty pieces are dropped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus file {path} does not exist")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    pieces = text.split(STORY_SEPARATOR) if STORY_SEPARATOR in text else text.split("\n\n")
+    return [" ".join(p.split()) for p in pieces if p.strip()]
+
+
+def _cache_key(paths: list[Path], tokenizer: Tokenizer) -> str:
+    h = hashlib.sha256(tokenizer.fingerprint())
+    for p in paths:
+        st = p.stat()
+        h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def tokenize_corpus(paths: list[str | os.PathLike], tokenizer: Tokenizer,
+                    cache_dir: str | os.PathLike) -> np.memmap:
+    """All documents as one stream ``BOS doc EOS BOS doc EOS ...`` of uint16 ids (memory-mapped)."""
+    paths = [Path(p) for p in paths]
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"corpus file {p} does not exist")
+    if tokenizer.vocab_size > 65535:
+        raise ValueError("the uint16 corpus cache needs a vocabulary below 65536")
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache = cache_dir / f"corpus-{_cache_key(paths, tokenizer)}.u16"
+    if not cache.is_file():
+        ids: list[int] = []
+        for p in paths:
+            for doc in read_documents(p):
+                ids.extend(tokenizer.encode(doc, bos=True, eos=True))
+        tmp = cache.with_suffix(".tmp")
+        np.asarray(ids, dtype=np.uint16).tofile(tmp)
+        tmp.replace(cache)  # atomic: an interrupted run never leaves a half-written cache
+    return np.memmap(cache, dtype=np.uint16, mode="r")

@@ -1,0 +1,64 @@
+"""Short names for checkpoints: ``7b`` -> a Llama-2-7b-hf directory, ``tiny-target`` -> the shipped pair.
+
+Real Llama-2 checkpoints are looked up, in order, under the directory named by the
+environment variable ``SPECDEC_WEIGHTS`` and under this ``weights/`` folder. Anything
+that is not a short name is treated as a path to an HF-layout directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+WEIGHTS_DIR = Path(__file__).resolve().parent
+ENV_VAR = "SPECDEC_WEIGHTS"
+
+# short name -> (directory name, Hugging Face repository to download it from)
+LLAMA2 = {
+    "7b": ("Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf"),
+    "13b": ("Llama-2-13b-hf", "meta-llama/Llama-2-13b-hf"),
+    "70b": ("Llama-2-70b-hf", "meta-llama/Llama-2-70b-hf"),
+    "7b-chat": ("Llama-2-7b-chat-hf", "meta-llama/Llama-2-7b-chat-hf"),
+    "13b-chat": ("Llama-2-13b-chat-hf", "meta-llama/Llama-2-13b-chat-hf"),
+    "70b-chat": ("Llama-2-70b-chat-hf", "meta-llama/Llama-2-70b-chat-hf"),
+}
+# The tiny pair trained by train.py and committed in this folder.
+SHIPPED = ("tiny-target", "tiny-draft", "tiny-draft-undistilled")
+
+
+class UnknownCheckpointError(ValueError):
+    """A name is neither a registry short name nor an existing directory."""
+
+
+def search_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get(ENV_VAR):
+        dirs.append(Path(os.environ[ENV_VAR]).expanduser())
+    dirs.append(WEIGHTS_DIR)
+    return dirs
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """The checkpoint directory for a short name or a path; a clear error when it is not there."""
+    name = str(name_or_path)
+    if name in SHIPPED:
+        path = WEIGHTS_DIR / name
+        if not path.is_dir():
+            raise UnknownCheckpointError(f"the shipped checkpoint {path} is missing; restore it with git checkout")
+        return path
+    if name in LLAMA2:
+        dirname, repo = LLAMA2[name]
+        for base in search_dirs():
+            if (base / dirname).is_dir():
+                return base / dirname
+        where = " or ".join(str(d / dirname) for d in search_dirs())
+        raise UnknownCheckpointError(
+            f"checkpoint '{name}' not found: download {repo} from Hugging Face (after accepting Meta's "
+            f"license) and put it at {where}, or set {ENV_VAR} to the folder that holds {dirname}")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if os.sep in name or name.startswith("."):
+        raise UnknownCheckpointError(f"checkpoint directory {name} does not exist")
+    known = ", ".join(list(LLAMA2) + list(SHIPPED))
+    raise UnknownCheckpointError(f"unknown checkpoint '{name}': use one of {known}, or a path to an HF-layout directory")
