@@ -31,8 +31,6 @@ from speculative.distill import DIVERGENCES, divergence
 from weights import Tokenizer, load_model, load_tokenizer, save_model
 from weights.corpus import read_documents, tokenize_corpus
 
-CACHE_DIR = Path("runs/cache")
-
 
 # ----------------------------------------------------------------------------- helpers
 def seed_everything(seed: int) -> None:
@@ -148,8 +146,8 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(args.tokenizer)
-    train_data = tokenize_corpus(args.corpus, tokenizer, CACHE_DIR)
-    eval_data = tokenize_corpus(args.eval_corpus, tokenizer, CACHE_DIR) if args.eval_corpus else None
+    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
+    eval_data = tokenize_corpus(args.eval_corpus, tokenizer, args.cache_dir) if args.eval_corpus else None
     config = ModelConfig(vocab_size=tokenizer.vocab_size, dim=args.dim, n_layers=args.n_layers,
                          n_heads=args.n_heads, n_kv_heads=args.n_kv_heads or args.n_heads,
                          hidden_dim=args.hidden_dim, max_seq_len=args.max_seq_len, norm_eps=1e-5,
@@ -157,7 +155,8 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     model = Llama(config)
     for name, p in model.named_parameters():  # GPT-2-style init, scaled down on residual outputs
         if p.dim() == 2:
-            std = 0.02 / math.sqrt(2 * config.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+            std = 0.02 / math.sqrt(2 * config.n_layers) if residual else 0.02
             torch.nn.init.normal_(p, mean=0.0, std=std)
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -188,7 +187,8 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         step += 1
         elapsed = time.perf_counter() - t0
         t0 = time.perf_counter()
-        row = {"step": step, "loss": loss.item(), "lr": lr_at(step - 1, args), "tokens_per_s": tokens_per_step / elapsed}
+        row = {"step": step, "loss": loss.item(), "lr": lr_at(step - 1, args),
+               "tokens_per_s": tokens_per_step / elapsed}
         if eval_data is not None and (step % args.eval_every == 0 or step == args.steps):
             row["eval_loss"] = evaluate(model, eval_data, args.seq_len)
         log(out, row)
@@ -216,7 +216,8 @@ def row_mean_tail(log_path: Path, n: int = 20) -> float:
 
 
 # ----------------------------------------------------------------------------- distill
-def held_out_prompts(paths: list[str], tokenizer: Tokenizer, count: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+def held_out_prompts(paths: list[str], tokenizer: Tokenizer, count: int, prompt_tokens: int,
+                     seed: int) -> list[list[int]]:
     """The first ``prompt_tokens`` tokens of ``count`` documents drawn at random (fixed seed)."""
     docs = [d for p in paths for d in read_documents(p)]
     rng = random.Random(seed)
@@ -270,7 +271,12 @@ def cmd_distill(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args.target)
     if draft.config.vocab_size != target.config.vocab_size:
         sys.exit("error: draft and target vocabularies differ")
-    docs = [d for p in args.corpus for d in read_documents(p)]
+    # Prompts are story openings; only stories at least --prompt-tokens long are used, so that a
+    # batch of prompts has one length and needs no padding.
+    openings = [tokenizer.encode(d)[:args.prompt_tokens] for p in args.corpus for d in read_documents(p)]
+    openings = [o for o in openings if len(o) == args.prompt_tokens]
+    if len(openings) < args.batch_size:
+        sys.exit(f"error: the corpus has fewer than {args.batch_size} stories of {args.prompt_tokens}+ tokens")
     eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed)
@@ -286,15 +292,15 @@ def cmd_distill(args: argparse.Namespace) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         t0 = time.perf_counter()
-        prompts = [tokenizer.encode(d)[:args.prompt_tokens] for d in rng.sample(docs, args.batch_size)]
-        prompts = [p for p in prompts if len(p) == args.prompt_tokens] or [prompts[0][:1] * args.prompt_tokens]
+        prompts = rng.sample(openings, args.batch_size)
         # On-policy data (DistillSpec): sequences the draft itself generates; with probability
         # --target-mix the target writes them instead.
         writer = target if rng.random() < args.target_mix else draft
         draft.eval()
         seqs = sample_sequences(writer, prompts, args.gen_tokens, gen)
         draft.train()
-        target_logits = target(seqs)[:, args.prompt_tokens - 1:-1]
+        with torch.no_grad():
+            target_logits = target(seqs)[:, args.prompt_tokens - 1:-1]
         draft_logits = draft(seqs)[:, args.prompt_tokens - 1:-1]
         loss = divergence(args.divergence, target_logits, draft_logits)
         optimizer.zero_grad(set_to_none=True)
@@ -359,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--seq-len", type=int, default=256, help="training context (default 256)")
     pre.add_argument("--max-seq-len", type=int, default=1024, help="max_position_embeddings written to config.json")
     pre.add_argument("--weight-decay", type=float, default=0.1)
+    pre.add_argument("--cache-dir", default="runs/cache", help="tokenised-corpus cache folder (default runs/cache)")
     pre.add_argument("--eval-every", type=int, default=50)
     pre.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward (float32 weights)")
     common(pre, steps=1000, lr=1e-3)

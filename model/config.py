@@ -182,8 +182,10 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if merged:
             raise ConfigError(f"rope parameters {sorted(merged)} are not implemented without a scaling type")
         return theta, None
-    needed = {"linear": {"factor"},
-              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}[rope_type]
+    needed = {
+        "linear": {"factor"},
+        "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    }[rope_type]
     if set(merged) != needed:
         raise ConfigError(f"rope scaling {rope_type!r} expects exactly {sorted(needed)}, got {sorted(merged)}")
     for key, value in merged.items():

@@ -88,6 +88,11 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     directory = resolve(name_or_path)
     config = read_config(directory)
     files = weight_files(directory)
+    # Checkpoints written before transformers made it a non-persistent buffer (the Llama-2 *-hf
+    # repos among them: their index's total_size counts 32 x 64 float32 of it for 7B) also hold
+    # each layer's rotary inverse frequencies. Those follow from config.json, so they are skipped.
+    for name in [n for n in files if n.endswith(".self_attn.rotary_emb.inv_freq")]:
+        del files[name]
     with torch.device("meta"):
         model = Llama(config)
     expected = {hf_name(n): p.shape for n, p in model.named_parameters()}

@@ -61,4 +61,5 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     if os.sep in name or name.startswith("."):
         raise UnknownCheckpointError(f"checkpoint directory {name} does not exist")
     known = ", ".join(list(LLAMA2) + list(SHIPPED))
-    raise UnknownCheckpointError(f"unknown checkpoint '{name}': use one of {known}, or a path to an HF-layout directory")
+    raise UnknownCheckpointError(
+        f"unknown checkpoint '{name}': use one of {known}, or a path to an HF-layout directory")

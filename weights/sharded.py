@@ -1,0 +1,132 @@
+"""Loading one rank's share of a checkpoint (tensor parallelism), optionally as int8.
+
+:func:`load_model_tp` is :func:`weights.checkpoint.load_model` for a process in a
+tensor-parallel group: it builds the model on the meta device, swaps the blocks for
+their sharded versions (:mod:`model.tensor_parallel`), and reads from the safetensors
+files only this rank's rows or columns of each split matrix, through
+``safe_open(...).get_slice(name)[rows]`` / ``[:, cols]``. A rank of Llama-2-70B on 8
+GPUs therefore reads (and holds in host memory) about 1/8 of the 138 GB, never a whole
+tensor it does not keep.
+
+With ``quantize="int8"`` each block's linear weight is quantized as soon as it has been
+read, one matrix at a time on the target device, so the full-precision model never
+exists: that is what lets 70B (69 GB of int8) load on one 80 GB GPU.
+
+Without a process group (or with one rank) it loads the whole model, so the same
+function serves ``generate.py --quantize int8`` on one GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from model import Llama, ModelConfig
+from model.memory import LLAMA2_CONFIGS
+from model.quantize import Int8Linear, quantize_weight
+from model.tensor_parallel import check_divisible, parallelize, shard_index, sync_logits
+from weights.checkpoint import SUPPORTED_DTYPES, CheckpointError, hf_name, read_config, weight_files
+from weights.registry import UnknownCheckpointError, resolve
+
+QUANTIZE_MODES = (None, "int8")
+
+
+def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32, quantize: str | None = None,
+                  group: dist.ProcessGroup | None = None, sync: bool = True) -> Llama:
+    """This rank's tensor-parallel share of an HF-layout checkpoint, ready for inference.
+
+    The rank and world size come from ``group`` (default: the default process group;
+    none means one rank, the whole model). ``quantize="int8"`` stores the blocks'
+    linear weights as int8 (:mod:`model.quantize`). ``sync`` installs
+    :func:`model.tensor_parallel.sync_logits`, so that every rank returns rank 0's
+    logits and speculative decoding takes the same decisions everywhere.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64")
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+    device = torch.device(device)
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    else:
+        rank, world_size = 0, 1
+    directory = resolve(name_or_path)
+    config = read_config(directory)
+    check_divisible(config, world_size)  # before a byte is read
+    files = weight_files(directory)
+
+    with torch.device("meta"):
+        full = Llama(config)
+        model = parallelize(Llama(config), world_size, group)
+    expected = {hf_name(n): tuple(p.shape) for n, p in full.named_parameters()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        files.pop("lm_head.weight", None)
+    unknown = sorted(set(files) - set(expected))
+    if unknown:
+        raise CheckpointError(f"{directory}: unknown tensors not in a Llama model: {', '.join(unknown[:5])}"
+                              + (" ..." if len(unknown) > 5 else ""))
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensors: {', '.join(missing[:5])}"
+                              + (" ..." if len(missing) > 5 else ""))
+
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in sorted(by_file.items()):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in names:
+                    tensor_slice = f.get_slice(name)
+                    shape = tuple(tensor_slice.get_shape())
+                    if shape != expected[name]:
+                        raise CheckpointError(f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
+                                              f"implies {list(expected[name])}")
+                    index = shard_index(name, shape, rank, world_size)
+                    tensor = tensor_slice[index] if index is not None else tensor_slice[:]
+                    _place(model, name.removeprefix("model."), tensor.to(device=device, dtype=dtype), quantize)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    left = [n for n, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
+    if left:
+        raise CheckpointError(f"{directory}: tensors never filled in: {', '.join(left[:5])}")
+    model.eval()
+    return sync_logits(model) if sync else model
+
+
+def _place(model: Llama, name: str, tensor: torch.Tensor, quantize: str | None) -> None:
+    """Put ``tensor`` where parameter ``name`` lives; block linears become Int8Linear with int8."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, attr)
+    if tuple(current.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"{name}: this rank's slice has shape {list(tensor.shape)}, the sharded model "
+                              f"expects {list(current.shape)}")
+    if quantize == "int8" and isinstance(module, nn.Linear) and name.startswith("layers."):
+        parent_name, _, child = module_name.rpartition(".")
+        q, scale = quantize_weight(tensor)
+        setattr(model.get_submodule(parent_name), child, Int8Linear(q, scale))
+        return
+    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def plan_config(name_or_path: str | os.PathLike) -> ModelConfig:
+    """The config to plan memory with: the checkpoint's config.json when it is on disk,
+    else the published shape of a Llama-2 short name (``7b``, ``70b-chat``...), so that
+    ``generate.py --plan`` answers before anything has been downloaded."""
+    try:
+        return read_config(resolve(name_or_path))
+    except (UnknownCheckpointError, CheckpointError):
+        base = str(name_or_path).removesuffix("-chat")
+        if base in LLAMA2_CONFIGS:
+            return LLAMA2_CONFIGS[base]
+        raise
