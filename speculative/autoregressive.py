@@ -1,0 +1,72 @@
+"""The baseline: plain autoregressive decoding with the target alone, one target call per token.
+
+This is what speculative decoding is measured against, so it is kept as lean as the
+speculative loop: one forward per token through the KV cache, the same warping and the
+same sampling, and no device-to-host copy per token unless the caller needs to see each
+token as it comes (an EOS id to stop at, or a callback).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from speculative.inputs import check_max_new_tokens, check_prompt, check_seed, model_device
+from speculative.sampling import Sampling, make_generator, sample, warp
+from speculative.stats import AutoregressiveStats, GenerationResult, clock
+
+Callback = Callable[[list[int], list[bool]], None]
+
+
+def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                            eos_id: int | None = None, seed: int | None = None,
+                            callback: Callback | None = None) -> GenerationResult[AutoregressiveStats]:
+    """Sample up to ``max_new_tokens`` tokens from ``model`` after ``prompt_ids``.
+
+    Stops after max_new_tokens, after emitting eos_id, or when prompt + output reaches the
+    model's max_seq_len. ``callback(new_ids, from_draft)`` is called with each token
+    (from_draft is always [False]). Returns the new token ids and AutoregressiveStats.
+    """
+    wall_start = time.perf_counter()
+    sampling = Sampling(temperature, top_k, top_p)
+    check_max_new_tokens(max_new_tokens)
+    check_seed(seed)
+    limit = model.config.max_seq_len
+    prompt = check_prompt(prompt_ids, model.config.vocab_size, limit)
+    steps = min(max_new_tokens, limit - len(prompt))
+    stats = AutoregressiveStats()
+    tokens: list[int] = []
+    with torch.inference_mode():
+        model.setup_cache(1, min(limit, len(prompt) + max_new_tokens))
+        device = model_device(model)
+        generator = make_generator(device, seed)
+        feed = torch.tensor([prompt], device=device)
+        on_device: list[torch.Tensor] = []  # tokens not yet copied to the host
+        per_token = eos_id is not None or callback is not None
+        start_pos = 0
+        start = clock(device)
+        for _ in range(steps):
+            logits = model(feed, start_pos=start_pos)[0, -1]
+            start_pos += feed.shape[1]
+            token = sample(warp(logits, sampling), generator)
+            feed = token.view(1, 1)
+            stats.target_calls += 1
+            if not per_token:
+                on_device.append(token)
+                continue
+            value = int(token)
+            tokens.append(value)
+            if callback is not None:
+                callback([value], [False])
+            if value == eos_id:
+                break
+        if on_device:
+            tokens = torch.stack(on_device).tolist()
+        stats.target_time_s = clock(device) - start
+    stats.new_tokens = len(tokens)
+    stats.wall_time_s = time.perf_counter() - wall_start
+    return GenerationResult(tokens=tokens, stats=stats)

@@ -1,0 +1,68 @@
+"""Checking the arguments of a generation call, before any model runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Any
+
+import torch
+
+from speculative.gamma import GAMMA_MAX
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_prompt(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, max_seq_len: int) -> list[int]:
+    """The prompt as a list of ints; ValueError if it is empty, holds ids outside the
+    vocabulary, or is longer than max_seq_len."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+            prompt_ids = prompt_ids[0]
+        if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+            raise ValueError(f"prompt_ids must be a 1-D integer tensor (or [1, T]), got shape "
+                             f"{tuple(prompt_ids.shape)} and dtype {prompt_ids.dtype}")
+        prompt = prompt_ids.tolist()
+    else:
+        prompt = list(prompt_ids)
+        if not all(_is_int(t) for t in prompt):
+            raise ValueError("prompt_ids must be integers (token ids)")
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token id (e.g. BOS)")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt ids must lie in [0, {vocab_size}), got min {min(prompt)}, max {max(prompt)}")
+    if len(prompt) > max_seq_len:
+        raise ValueError(f"the prompt has {len(prompt)} tokens, more than max_seq_len {max_seq_len}")
+    return [int(t) for t in prompt]
+
+
+def check_max_new_tokens(max_new_tokens: Any) -> None:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
+def check_seed(seed: Any) -> None:
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
+def check_gamma(gamma: Any) -> int:
+    """Validate gamma (an int >= 1 or "auto") and return the most tokens one iteration may draft."""
+    if gamma == "auto":
+        return GAMMA_MAX
+    if not _is_int(gamma) or gamma < 1:
+        raise ValueError(f'gamma must be an integer >= 1 or "auto", got {gamma!r}')
+    return int(gamma)
+
+
+def model_device(model: Any) -> torch.device:
+    """Where a model's inputs go: the device of its first parameter or buffer (CPU for a
+    model without any). Its logits, and so every probability, live there too."""
+    if isinstance(model, torch.nn.Module):
+        for tensor in model.parameters():
+            return tensor.device
+        for tensor in model.buffers():
+            return tensor.device
+    return torch.device("cpu")

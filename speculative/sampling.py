@@ -1,0 +1,98 @@
+"""From logits to the distributions that Algorithm 1 samples from, and the sampling itself.
+
+Algorithm 1 (Leviathan et al. 2023) is stated for any two distributions: p from the target
+M_p and q from the draft M_q. Decoding settings change those distributions, not the
+algorithm: :func:`warp` turns logits into probabilities (temperature, then top-k, then
+top-p) and the loop applies it *identically* to both models, so speculative sampling
+reproduces the warped target distribution exactly (the proof in docs/algorithm.md never
+asks where p and q came from).
+
+Temperature 0 is greedy decoding. The warped distribution is then one-hot on the argmax,
+and Algorithm 1 run on one-hot p and q *is* greedy speculative decoding: p(x)/q(x) is 1
+when the draft's token is the target's argmax and 0 otherwise, and the residual
+max(0, p - q) is one-hot on the target's argmax. No separate code path is needed.
+
+All randomness of a generation call comes from one ``torch.Generator`` (:func:`make_generator`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding settings, validated once; applied to target and draft logits alike.
+
+    temperature: 0 means greedy (then top_k and top_p change nothing); otherwise logits are divided by it.
+    top_k: keep the k largest logits (ties with the k-th are kept too); None keeps all.
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p; None keeps all.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, Real) or not t >= 0 or t == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, Integral) or k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 or None, got {k!r}")
+        tp = self.top_p
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, Real) or not 0 < tp <= 1):
+            raise ValueError(f"top_p must lie in (0, 1] or be None, got {tp!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Probabilities [..., V] from logits [..., V], in the logits' dtype and on their device.
+
+    Order as in Hugging Face transformers: temperature, top-k, top-p. Top-p keeps token j
+    of the descending order iff the mass of the tokens before it is below top_p, so the
+    most likely token always survives (among equal probabilities the lower id comes first).
+    """
+    if sampling.temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    if sampling.temperature != 1:
+        logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth_largest = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
+        mass_before = F.pad(sorted_probs.cumsum(-1)[..., :-1], (1, 0))
+        drop_sorted = mass_before >= sampling.top_p
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id per distribution: probs [..., V] -> LongTensor [...].
+
+    Tokens of probability 0 are never drawn, so sampling a one-hot distribution returns
+    its argmax (greedy decoding needs nothing else).
+    """
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The one generator of a generation call: seeded, or from OS entropy when seed is None."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,358 @@
+"""Exactness without sampling: Algorithm 1 emits tokens with exactly the target's distribution.
+
+Everything here is computed, not sampled, in float64, from the implementation's own
+``acceptance_probability``, ``residual_distribution`` and ``warp``:
+
+* one verification step, for arbitrary p and q (zeros, disjoint supports, p = q, near one-hot);
+* several steps of the whole algorithm on toy n-gram models, by enumerating every drafted
+  continuation and every accept/reject branch, against the target's own autoregressive
+  distribution computed with the plain-Python reference warp (temperature, top-k, top-p);
+* the cost model's formulas and gamma="auto" against values worked out by hand or by brute force.
+
+Each identity is also shown to fail for a deliberately broken acceptance rule or residual.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from toy_models import NGramModel, ref_warp, sequence_distribution
+
+import speculative.verify as verify
+from speculative.gamma import (
+    GAMMA_MAX,
+    GAMMA_START,
+    AutoGamma,
+    best_gamma,
+    expected_speedup,
+    expected_tokens_per_iteration,
+)
+from speculative.sampling import Sampling, warp
+
+torch.set_num_threads(1)
+
+TOL = 1e-12
+Acceptance = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+Residual = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- one step
+def one_step_distribution(p: torch.Tensor, q: torch.Tensor, acceptance: Acceptance = verify.acceptance_probability,
+                          residual: Residual = verify.residual_distribution) -> torch.Tensor:
+    """P(emitted token = x) for one drafted position: x ~ q is kept with probability
+    acceptance(x); otherwise a token is drawn from residual(p, q)."""
+    vocab = p.shape[-1]
+    kept = torch.stack([q[x] * acceptance(p, q, x) for x in range(vocab)])
+    rejected = 1 - kept.sum()
+    return kept + rejected * residual(p, q)
+
+
+def distribution(values: list[float]) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64)
+    return t / t.sum()
+
+
+weight = st.one_of(st.just(0.0), st.floats(1e-9, 1.0), st.floats(0.5, 1.0))
+
+
+@st.composite
+def distribution_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """p and q over 2..6 tokens: arbitrary, with zeros, equal, disjoint, or near one-hot."""
+    vocab = draw(st.integers(2, 6))
+    kind = draw(st.sampled_from(["any", "equal", "disjoint", "one-hot-ish"]))
+
+    def weights() -> list[float]:
+        w = draw(st.lists(weight, min_size=vocab, max_size=vocab))
+        w[draw(st.integers(0, vocab - 1))] = draw(st.floats(0.1, 1.0))  # never all zero
+        return w
+
+    if kind == "equal":
+        p = distribution(weights())
+        return p, p.clone()
+    if kind == "disjoint":
+        cut = draw(st.integers(1, vocab - 1))
+        w = weights()
+        a = [x if i < cut else 0.0 for i, x in enumerate(w)]
+        b = [x if i >= cut else 0.0 for i, x in enumerate(w)]
+        a[0], b[-1] = max(a[0], 0.3), max(b[-1], 0.3)
+        return distribution(a), distribution(b)
+    if kind == "one-hot-ish":
+        eps = draw(st.floats(1e-15, 1e-6))
+        i, j = draw(st.integers(0, vocab - 1)), draw(st.integers(0, vocab - 1))
+        a = [1.0 if k == i else eps for k in range(vocab)]
+        b = [1.0 if k == j else eps * draw(st.floats(0.1, 10.0)) for k in range(vocab)]
+        return distribution(a), distribution(b)
+    return distribution(weights()), distribution(weights())
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(pair=distribution_pairs())
+def test_one_step_emits_exactly_p(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+    p, q = pair
+    got = one_step_distribution(p, q)
+    assert torch.allclose(got, p, atol=TOL, rtol=0), (p, q, got)
+
+
+def test_one_step_special_cases() -> None:
+    p = distribution([1, 2, 3, 0])
+    # p == q: everything is accepted, the residual has no mass and falls back to p
+    assert torch.equal(verify.residual_distribution(p, p), p)
+    assert torch.equal(torch.stack([verify.acceptance_probability(p, p, x) for x in range(4)]),
+                       torch.tensor([1.0, 1, 1, 1], dtype=torch.float64))
+    # q(x) = 0: the value is finite (the draft never proposes x)
+    q = distribution([0, 1, 1, 1])
+    assert verify.acceptance_probability(p, q, 0).item() == 1.0
+    # p(x) = 0: never accepted
+    assert verify.acceptance_probability(p, q, 3).item() == 0.0
+    # worked by hand: p = (1/6, 2/6, 3/6, 0), q = (0, 1/3, 1/3, 1/3)
+    assert verify.acceptance_probability(p, q, 1).item() == pytest.approx(1.0)
+    assert verify.acceptance_probability(p, q, 2).item() == pytest.approx(1.0)
+    # max(0, p - q) = (1/6, 0, 1/6, 0) -> (1/2, 0, 1/2, 0)
+    assert torch.allclose(verify.residual_distribution(p, q), distribution([1, 0, 1, 0]), atol=TOL, rtol=0)
+    # beta = sum min(p, q) = 0 + 1/3 + 1/3 + 0
+    assert verify.expected_acceptance(p, q).item() == pytest.approx(2 / 3, abs=TOL)
+    # disjoint supports: nothing accepted, the residual is p
+    a, b = distribution([1, 1, 0, 0]), distribution([0, 0, 1, 1])
+    assert verify.acceptance_probability(a, b, 2).item() == 0.0
+    assert torch.allclose(verify.residual_distribution(a, b), a, atol=TOL, rtol=0)
+
+
+def test_acceptance_is_vectorised_over_positions() -> None:
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(5, 7, generator=gen, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(5, 7, generator=gen, dtype=torch.float64), -1)
+    tokens = torch.randint(0, 7, (5,), generator=gen)
+    batched = verify.acceptance_probability(p, q, tokens)
+    single = torch.stack([verify.acceptance_probability(p[i], q[i], int(tokens[i])) for i in range(5)])
+    expected = torch.minimum(torch.ones(5, dtype=torch.float64), p[range(5), tokens] / q[range(5), tokens])
+    assert torch.equal(batched, single) and torch.allclose(batched, expected, atol=TOL, rtol=0)
+    residual = verify.residual_distribution(p, q)
+    assert torch.allclose(residual, torch.stack([verify.residual_distribution(p[i], q[i]) for i in range(5)]))
+
+
+def inverted_acceptance(p: torch.Tensor, q: torch.Tensor, token: int) -> torch.Tensor:
+    return verify.acceptance_probability(q, p, token)  # min(1, q/p): the ratio upside down
+
+
+def residual_is_p(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return p
+
+
+def residual_unnormalised(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return (p - q).clamp(min=0)
+
+
+@pytest.mark.parametrize("acceptance, residual", [
+    (inverted_acceptance, verify.residual_distribution),
+    (verify.acceptance_probability, residual_is_p),
+    (verify.acceptance_probability, residual_unnormalised),
+])
+def test_one_step_identity_catches_broken_rules(acceptance: Acceptance, residual: Residual) -> None:
+    p, q = distribution([1, 2, 3, 4]), distribution([4, 1, 1, 2])
+    assert not torch.allclose(one_step_distribution(p, q, acceptance, residual), p, atol=1e-3, rtol=0)
+
+
+# ----------------------------------------------------------------------------- several steps
+def speculative_distribution(target: NGramModel, draft: NGramModel, prompt: tuple[int, ...], gamma: int,
+                             length: int, sampling: Sampling,
+                             acceptance: Acceptance = verify.acceptance_probability,
+                             residual: Residual = verify.residual_distribution) -> dict[tuple[int, ...], float]:
+    """Exact P(first `length` emitted tokens) of Algorithm 1 with a fixed gamma: every drafted
+    token, every accept/reject outcome and every residual or bonus token is a branch."""
+    out: dict[tuple[int, ...], float] = {}
+    cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def probs(model: NGramModel, name: str, context: tuple[int, ...]) -> torch.Tensor:
+        if (name, context) not in cache:
+            cache[name, context] = warp(model.next_logits(context), sampling)
+        return cache[name, context]
+
+    def emit(context: tuple[int, ...], prob: float) -> bool:
+        """Record the path if `length` tokens are out; True when done."""
+        if len(context) - len(prompt) < length:
+            return False
+        key = context[len(prompt):len(prompt) + length]
+        out[key] = out.get(key, 0.0) + prob
+        return True
+
+    def iteration(context: tuple[int, ...], prob: float) -> None:
+        if not emit(context, prob):
+            position(context, 0, prob)
+
+    def position(context: tuple[int, ...], i: int, prob: float) -> None:
+        """i drafted tokens of this iteration were accepted so far; context includes them."""
+        if i > 0 and emit(context, prob):
+            return
+        p = probs(target, "p", context)
+        if i == gamma:  # all accepted: the bonus token from p_{gamma+1}
+            for y in range(len(p)):
+                if p[y] > 0:
+                    iteration(context + (y,), prob * p[y].item())
+            return
+        q = probs(draft, "q", context)  # q_{i+1}, conditioned on the drafted prefix
+        reject = 1.0
+        for x in range(len(q)):
+            if q[x] > 0:
+                keep = q[x].item() * acceptance(p, q, x).item()
+                reject -= keep
+                if keep > 0:
+                    position(context + (x,), i + 1, prob * keep)
+        if reject > 1e-15:
+            r = residual(p, q)
+            for y in range(len(r)):
+                if r[y] > 0:
+                    iteration(context + (y,), prob * reject * r[y].item())
+
+    iteration(prompt, 1.0)
+    return out
+
+
+def target_distribution(target: NGramModel, prompt: tuple[int, ...], length: int,
+                        sampling: Sampling) -> dict[tuple[int, ...], float]:
+    """The target's own autoregressive distribution, with the reference warp."""
+    return sequence_distribution(
+        lambda ctx: ref_warp(target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p),
+        prompt, length)
+
+
+def max_gap(a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float]) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def toy_table(vocab: int, order: int, seed: int, holes: float) -> torch.Tensor:
+    """Logits N(0, 2) with a fraction `holes` of -inf (probability 0), never a whole row."""
+    gen = torch.Generator().manual_seed(seed)
+    table = 2.0 * torch.randn([vocab] * order, generator=gen, dtype=torch.float64)
+    mask = torch.rand(table.shape, generator=gen, dtype=torch.float64) < holes
+    mask[..., 0] &= ~mask.all(-1)  # keep one token alive per row
+    return table.masked_fill(mask, -math.inf)
+
+
+samplings = st.one_of(
+    st.just(Sampling()),
+    st.builds(Sampling, temperature=st.sampled_from([0.0, 0.5, 1.6])),
+    st.builds(Sampling, temperature=st.sampled_from([0.7, 1.0]), top_k=st.integers(1, 3)),
+    st.builds(Sampling, temperature=st.sampled_from([0.7, 1.0]), top_p=st.sampled_from([0.3, 0.61, 0.87])),
+    st.builds(Sampling, top_k=st.just(3), top_p=st.just(0.77)),
+)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(vocab=st.integers(2, 4), gamma=st.integers(1, 3), orders=st.sampled_from([(2, 2), (3, 2), (2, 3), (3, 3)]),
+       seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]), relation=st.sampled_from(["other", "same"]),
+       sampling=samplings)
+def test_several_steps_emit_exactly_the_target_distribution(vocab: int, gamma: int, orders: tuple[int, int],
+                                                            seed: int, holes: float, relation: str,
+                                                            sampling: Sampling) -> None:
+    target = NGramModel(toy_table(vocab, orders[0], seed, holes))
+    draft = target if relation == "same" else NGramModel(toy_table(vocab, orders[1], seed + 1, holes))
+    prompt, length = (1 % vocab,), 3
+    got = speculative_distribution(target, draft, prompt, gamma, length, sampling)
+    expected = target_distribution(target, prompt, length, sampling)
+    assert math.isclose(sum(got.values()), 1.0, abs_tol=TOL)
+    assert max_gap(got, expected) < TOL
+
+
+def test_disjoint_supports_several_steps() -> None:
+    """The draft proposes only tokens the target never emits: every token comes from the residual."""
+    neg = -math.inf
+    target = NGramModel(torch.tensor([[0.0, 1.0, neg, neg]] * 4, dtype=torch.float64))
+    draft = NGramModel(torch.tensor([[neg, neg, 0.5, 0.0]] * 4, dtype=torch.float64))
+    for gamma in (1, 3):
+        got = speculative_distribution(target, draft, (0,), gamma, 3, Sampling())
+        assert max_gap(got, target_distribution(target, (0,), 3, Sampling())) < TOL
+
+
+@pytest.mark.parametrize("acceptance, residual", [
+    (inverted_acceptance, verify.residual_distribution),
+    (verify.acceptance_probability, residual_is_p),
+])
+def test_several_steps_catch_broken_rules(acceptance: Acceptance, residual: Residual) -> None:
+    target = NGramModel(toy_table(3, 2, 5, 0.0))
+    draft = NGramModel(toy_table(3, 2, 6, 0.0))
+    got = speculative_distribution(target, draft, (0,), 2, 3, Sampling(), acceptance, residual)
+    assert max_gap(got, target_distribution(target, (0,), 3, Sampling())) > 1e-3
+
+
+def test_several_steps_catch_a_warp_applied_to_one_model_only() -> None:
+    """Warping q with another temperature than p is itself fine (any q works), as long as
+    the token is drawn from the q used in the ratio. Drafting from one q and judging with
+    another is the bug: emulate it by judging with the untempered draft distribution."""
+    target = NGramModel(toy_table(3, 2, 7, 0.0))
+    draft = NGramModel(toy_table(3, 2, 8, 0.0))
+    sampling = Sampling(temperature=0.5)
+
+    def untempered(q: torch.Tensor) -> torch.Tensor:
+        raw = q ** sampling.temperature  # softmax(l / T) ** T is proportional to softmax(l)
+        return raw / raw.sum()
+
+    def acceptance(p: torch.Tensor, q: torch.Tensor, token: int) -> torch.Tensor:
+        return verify.acceptance_probability(p, untempered(q), token)
+
+    def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return verify.residual_distribution(p, untempered(q))
+
+    got = speculative_distribution(target, draft, (0,), 2, 3, sampling, acceptance, residual)
+    assert max_gap(got, target_distribution(target, (0,), 3, sampling)) > 1e-3
+
+
+# ----------------------------------------------------------------------------- cost model and gamma="auto"
+def test_expected_tokens_per_iteration_by_hand() -> None:
+    assert expected_tokens_per_iteration(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096, abs=1e-12)
+    assert expected_tokens_per_iteration(0.5, 1) == pytest.approx(1.5, abs=1e-12)
+    assert expected_tokens_per_iteration(1.0, 4) == 5.0  # the limit gamma + 1
+    assert expected_tokens_per_iteration(1 - 1e-13, 4) == pytest.approx(5.0, abs=1e-9)  # no cancellation
+    assert expected_tokens_per_iteration(0.0, 7) == 1.0
+
+
+def test_expected_speedup_by_hand() -> None:
+    # docs/cost_model.md: alpha .8, gamma 4, c .05 -> 3.3616 / 1.2
+    assert expected_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2, abs=1e-12)
+    assert expected_speedup(0.5, 4, 0.25) == pytest.approx(1.9375 / 2.0, abs=1e-12)
+    assert expected_speedup(1.0, 3, 0.0) == 4.0
+
+
+def brute_force_speedup(alpha: float, gamma: int, c: float) -> float:
+    return sum(alpha ** k for k in range(gamma + 1)) / (gamma * c + 1)
+
+
+def brute_force_best_gamma(alpha: float, c: float) -> int:
+    speedups = [brute_force_speedup(alpha, g, c) for g in range(1, GAMMA_MAX + 1)]
+    return 1 + max(range(GAMMA_MAX), key=lambda i: (round(speedups[i], 12), -i))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0])
+@pytest.mark.parametrize("c", [0.0, 0.01, 0.05, 0.1, 0.3, 1.0, 2.0])
+def test_best_gamma_is_the_brute_force_optimum(alpha: float, c: float) -> None:
+    best = max(brute_force_speedup(alpha, g, c) for g in range(1, GAMMA_MAX + 1))
+    chosen = best_gamma(alpha, c)
+    assert 1 <= chosen <= GAMMA_MAX
+    assert brute_force_speedup(alpha, chosen, c) == pytest.approx(best, rel=1e-12)
+
+
+def test_best_gamma_known_points() -> None:
+    assert best_gamma(0.0, 0.1) == 1  # nothing is ever accepted: draft as little as possible
+    assert best_gamma(1.0, 0.0) == GAMMA_MAX  # free and always right: draft as much as allowed
+    assert best_gamma(0.8, 0.05) == 8  # docs/cost_model.md's table
+    assert best_gamma(0.7, 0.1) == 4
+
+
+def test_auto_gamma_starts_at_4_then_follows_the_estimates() -> None:
+    auto = AutoGamma()
+    assert auto.gamma == GAMMA_START == 4
+    auto.update([0.9, 0.9], None, None)  # acceptance but no timing yet: stay at the start value
+    assert auto.gamma == 4
+    auto.update([0.8], draft_step_s=0.005, target_call_s=0.1)
+    assert auto.alpha == pytest.approx(0.9 * 0.9 + 0.1 * 0.8)  # moving average, weight 0.9 on the past
+    assert auto.gamma == brute_force_best_gamma(0.89, 0.05)
+    for _ in range(200):
+        auto.update([1.0, 1.0, 1.0], draft_step_s=0.0001, target_call_s=0.1)
+    assert auto.gamma == GAMMA_MAX
+    for _ in range(200):
+        auto.update([0.0], draft_step_s=0.05, target_call_s=0.1)
+    assert auto.gamma == 1  # never below 1
