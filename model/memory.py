@@ -174,7 +174,7 @@ class MemoryPlan:
                 "total": self.total, "fits": self.fits, "max_context": self.max_context}
 
     def render(self) -> str:
-        """A readable table, in decimal GB."""
+        """A readable table, in decimal GB (MB for a tiny model's lines)."""
         dtype = str(self.dtype).removeprefix("torch.")
         weights = f"int8 + {dtype}" if self.quantize else dtype
         pair = f"draft {self.draft_name} -> target {self.target_name}" if self.draft_name else self.target_name
@@ -190,12 +190,12 @@ class MemoryPlan:
         rows.append(("runtime reserve and temporaries", self.workspace))
         width = max(len(r[0]) for r in rows) + 2
         lines = [f"memory plan: {pair}, {weights} weights, {split}, per GPU on {self.device_name}"]
-        lines += [f"  {label:<{width}}{n / GB:>9.2f} GB" for label, n in rows]
-        lines.append(f"  {'total per GPU':<{width}}{self.total / GB:>9.2f} GB of {self.capacity / GB:.2f} GB")
+        lines += [f"  {label:<{width}}{_size(n):>12}" for label, n in rows]
+        lines.append(f"  {'total per GPU':<{width}}{_size(self.total):>12} of {_size(self.capacity)}")
         if self.fits:
-            verdict = f"fits, {self.free / GB:.2f} GB to spare"
+            verdict = f"fits, {_size(self.free)} to spare"
         else:
-            verdict = f"does NOT fit: {-self.free / GB:.2f} GB short"
+            verdict = f"does NOT fit: {_size(-self.free)} short"
         if self.max_context and self.max_context != self.context:
             verdict += f"; longest context that fits: {self.max_context} positions"
         elif not self.max_context:
@@ -204,14 +204,20 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def _size(n: int) -> str:
+    return f"{n / GB:.2f} GB" if abs(n) >= 0.1 * GB else f"{n / 1e6:.2f} MB"
+
+
 def plan(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: torch.dtype = torch.bfloat16,
          tp_size: int = 1, context: int | None = None, quantize: str | None = None, device_name: str = "h200",
          batch: int = 1, reserve: int = DEFAULT_RESERVE, target_name: str = "target",
-         draft_name: str = "draft") -> MemoryPlan:
+         draft_name: str = "draft", capacity_bytes: int | None = None) -> MemoryPlan:
     """Bytes per GPU to run ``config_target`` split over ``tp_size`` GPUs with ``config_draft`` on each.
 
     ``context`` defaults to the shorter max_position_embeddings of the two models.
     ``quantize="int8"`` applies to both models' block weights (generate.py --quantize).
+    ``capacity_bytes`` replaces the named device's size (e.g. the free memory measured
+    right now); ``device_name`` is then only a label.
     """
     # Imported here: model.tensor_parallel imports torch.distributed, which a plan does not need.
     from model.tensor_parallel import check_divisible
@@ -222,7 +228,7 @@ def plan(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: to
         context = min(c.max_seq_len for c in configs)
     if context < 1 or batch < 1:
         raise ValueError(f"context and batch must be >= 1, got {context} and {batch}")
-    spec = device_spec(device_name)
+    spec = device_spec(device_name) if capacity_bytes is None else DeviceSpec(device_name, int(capacity_bytes))
     sharded, replicated = weights_per_rank(config_target, dtype, tp_size, quantize)
     draft = sum(weights_per_rank(config_draft, dtype, 1, quantize)) if config_draft is not None else 0
     per_pos = kv_bytes_per_position(config_target, dtype, tp_size, batch)

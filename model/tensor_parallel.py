@@ -115,6 +115,8 @@ def broadcast_seed(seed: int | None, device: torch.device | str = "cpu") -> int:
     rank, size = world()
     if seed is None:
         seed = secrets.randbits(62) if rank == 0 else 0
+    elif not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must fit in 64 signed bits to be broadcast, got {seed}")
     if size == 1:
         return int(seed)
     value = torch.tensor([seed], dtype=torch.int64, device=device)

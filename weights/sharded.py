@@ -38,12 +38,13 @@ QUANTIZE_MODES = (None, "int8")
 
 def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32, quantize: str | None = None,
-                  group: dist.ProcessGroup | None = None, sync: bool = True) -> Llama:
+                  group: dist.ProcessGroup | None = None, shard: bool = True, sync: bool = True) -> Llama:
     """This rank's tensor-parallel share of an HF-layout checkpoint, ready for inference.
 
     The rank and world size come from ``group`` (default: the default process group;
-    none means one rank, the whole model). ``quantize="int8"`` stores the blocks'
-    linear weights as int8 (:mod:`model.quantize`). ``sync`` installs
+    none means one rank, the whole model). ``shard=False`` loads the whole model on
+    every rank instead: that is how the draft is loaded, replicated. ``quantize="int8"``
+    stores the blocks' linear weights as int8 (:mod:`model.quantize`). ``sync`` installs
     :func:`model.tensor_parallel.sync_logits`, so that every rank returns rank 0's
     logits and speculative decoding takes the same decisions everywhere.
     """
@@ -52,7 +53,7 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     device = torch.device(device)
-    if dist.is_available() and dist.is_initialized():
+    if shard and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     else:
         rank, world_size = 0, 1
@@ -60,6 +61,10 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     config = read_config(directory)
     check_divisible(config, world_size)  # before a byte is read
     files = weight_files(directory)
+    # As in load_model: older HF checkpoints (the Llama-2 *-hf repos) also store each layer's
+    # rotary inverse frequencies, which follow from config.json and are not weights.
+    for name in [n for n in files if n.endswith(".self_attn.rotary_emb.inv_freq")]:
+        del files[name]
 
     with torch.device("meta"):
         full = Llama(config)
@@ -90,8 +95,15 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
                         raise CheckpointError(f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
                                               f"implies {list(expected[name])}")
                     index = shard_index(name, shape, rank, world_size)
-                    tensor = tensor_slice[index] if index is not None else tensor_slice[:]
-                    _place(model, name.removeprefix("model."), tensor.to(device=device, dtype=dtype), quantize)
+                    # A zero-copy view of the memory-mapped file: only the pages under this
+                    # rank's rows (or columns) are ever read from disk.
+                    view = tensor_slice[index] if index is not None else tensor_slice[:]
+                    tensor = view.to(device=device, dtype=dtype)
+                    if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                        # .to() copied nothing (CPU, same dtype): the slice still points into the
+                        # whole mapped tensor. Copy it out, dense, so the rank owns just its slice.
+                        tensor = tensor.clone(memory_format=torch.contiguous_format)
+                    _place(model, name.removeprefix("model."), tensor, quantize)
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
     if config.tie_word_embeddings:

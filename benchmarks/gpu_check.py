@@ -1,0 +1,226 @@
+"""The checks that need a CUDA GPU, in one run of at most about five minutes.
+
+    python benchmarks/gpu_check.py --out gpu_check.json
+
+1. ``pytest -m cuda``: the CUDA variants of the tensor-parallel and int8 tests.
+2. Memory bandwidth, measured with a large device-to-device copy (read + write bytes / time).
+3. Decode tokens/s of a Llama-2-7B-shaped model with random weights in bfloat16, built
+   directly on the GPU (no download), against the memory-bandwidth bound: a decode step
+   must read every weight once (the embedding table excepted: one row), so tokens/s can
+   not exceed bandwidth / bytes per token. Then the same model with int8 weights.
+4. Speculative decoding against the target alone on the shipped pair (tiny-draft ->
+   tiny-target), on the GPU, greedy: tokens/s of each, acceptance rate, identical output.
+
+Every figure goes into one JSON file (``--out``); a section that fails records its error
+and the others still run. Exit status: 0 when every section ran and pytest passed, 1
+otherwise, 2 without a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from model import Llama, ModelConfig  # noqa: E402
+from model.memory import DEVICES, LLAMA2_CONFIGS  # noqa: E402
+from model.quantize import quantize_int8  # noqa: E402
+from model.tensor_parallel import weight_bytes  # noqa: E402
+
+
+def sync(device: str = "cuda") -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_pytest(timeout: float) -> dict[str, Any]:
+    """``pytest -m cuda`` in a subprocess, so that a crash there cannot take this script down."""
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "tests"]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"passed": False, "error": f"timed out after {timeout:.0f}s"}
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return {"passed": proc.returncode == 0, "returncode": proc.returncode, "summary": lines[-1] if lines else "",
+            "tail": lines[-15:], "seconds": round(time.perf_counter() - start, 1)}
+
+
+def measure_bandwidth(gib: float = 2.0, repeats: int = 10) -> dict[str, Any]:
+    """Bytes read + written per second by ``dst.copy_(src)`` of a ``gib`` GiB buffer."""
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    sync()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    sync()
+    seconds = start.elapsed_time(end) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes_per_second": 2 * n * repeats / seconds, "buffer_gib": gib, "repeats": repeats}
+
+
+def nominal_bandwidth() -> float | None:
+    """The datasheet bandwidth of the GPU, when its name is one we know."""
+    name = torch.cuda.get_device_name().lower()
+    for key, spec in DEVICES.items():
+        family, _, size = key.partition("-")
+        if family in name and (not size or size.removesuffix("gb") in name):
+            return spec.bandwidth
+    return None
+
+
+def decode_tokens_per_second(model: Llama, prompt_len: int = 32, steps: int = 64, warmup: int = 8) -> float:
+    """Greedy one-token steps with the KV cache, timed after a warm-up."""
+    vocab, device = model.config.vocab_size, model.device
+    model.setup_cache(1, prompt_len + warmup + steps + 1)
+    tokens = torch.randint(0, vocab, (1, prompt_len), device=device)
+    with torch.inference_mode():
+        nxt = model(tokens, start_pos=0)[:, -1:].argmax(-1)
+        pos = prompt_len
+        for _ in range(warmup):
+            nxt = model(nxt, start_pos=pos)[:, -1:].argmax(-1)
+            pos += 1
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            nxt = model(nxt, start_pos=pos)[:, -1:].argmax(-1)
+            pos += 1
+        sync(device)
+    return steps / (time.perf_counter() - start)
+
+
+def bytes_read_per_token(model: Llama) -> int:
+    """Every weight once, except the embedding table, of which a decode step reads one row."""
+    embed = model.embed_tokens.weight
+    return weight_bytes(model) - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
+
+
+def check_7b_decode(bandwidth: float | None, config: ModelConfig = LLAMA2_CONFIGS["7b"], device: str = "cuda",
+                    steps: int = 64) -> dict[str, Any]:
+    """A random-weight Llama-2-7B in bfloat16 built on the GPU, then quantized to int8.
+
+    ``config``, ``device`` and ``steps`` exist for a smoke test on the CPU with a tiny model.
+    """
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: no float32 copy of 7B ever exists
+    try:
+        with torch.device(device):
+            model = Llama(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    out: dict[str, Any] = {}
+    for label in ("bfloat16", "int8"):
+        if label == "int8":
+            with torch.no_grad():
+                quantize_int8(model)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        per_token = bytes_read_per_token(model)
+        tps = decode_tokens_per_second(model, steps=steps)
+        entry = {"tokens_per_second": tps, "weight_bytes_read_per_token": per_token,
+                 "weight_bytes": weight_bytes(model)}
+        if device == "cuda":
+            entry["gpu_memory_allocated"] = torch.cuda.memory_allocated()
+        if bandwidth:
+            bound = bandwidth / per_token
+            entry.update(bandwidth_bound_tokens_per_second=bound, fraction_of_bound=tps / bound)
+        out[label] = entry
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def check_shipped_pair(max_new_tokens: int = 128, gamma: int = 4) -> dict[str, Any]:
+    """Speculative vs target-only on tiny-draft -> tiny-target on the GPU, greedy."""
+    from speculative import autoregressive_generate, speculative_generate
+    from weights import load_model, load_tokenizer
+
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        target = load_model("tiny-target", "cuda", dtype)
+        draft = load_model("tiny-draft", "cuda", dtype)
+        prompt = load_tokenizer("tiny-target").encode("Once upon a time", bos=True)
+        with torch.inference_mode():
+            autoregressive_generate(target, prompt, 8, temperature=0.0)  # warm-up (kernels, allocator)
+            speculative_generate(target, draft, prompt, 8, gamma=gamma, temperature=0.0)
+            alone = autoregressive_generate(target, prompt, max_new_tokens, temperature=0.0)
+            spec = speculative_generate(target, draft, prompt, max_new_tokens, gamma=gamma, temperature=0.0)
+        a, s = alone.stats, spec.stats
+        out[str(dtype).removeprefix("torch.")] = {
+            "target_alone_tokens_per_second": a.tokens_per_second,
+            "speculative_tokens_per_second": s.tokens_per_second,
+            "speedup": s.tokens_per_second / a.tokens_per_second,
+            "acceptance_rate": s.acceptance_rate, "tokens_per_target_call": s.tokens_per_target_call,
+            "gamma": gamma, "new_tokens": s.new_tokens,
+            "same_output": list(spec.tokens) == list(alone.tokens)}
+    return out
+
+
+def section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
+    """Run one check, record its result or its error, never raise."""
+    start = time.perf_counter()
+    try:
+        report[name] = fn()
+    except Exception as err:  # noqa: BLE001 - a failed check is a result to record
+        report[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=5)}
+    report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+    print(f"[gpu_check] {name}: {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return report[name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON (default gpu_check.json)")
+    parser.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds allowed for pytest -m cuda")
+    parser.add_argument("--skip-pytest", action="store_true", help="only the measurements")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    report: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    if not torch.cuda.is_available():
+        report["error"] = "no CUDA GPU is visible: this script is for a machine with one"
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"error: {report['error']}", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    report.update(gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_bytes=props.total_memory,
+                  cuda=torch.version.cuda)
+    start = time.perf_counter()
+    if not args.skip_pytest:
+        section(report, "pytest_cuda", lambda: run_pytest(args.pytest_timeout))
+    bandwidth = section(report, "bandwidth", measure_bandwidth)
+    measured = bandwidth.get("bytes_per_second") if isinstance(bandwidth, dict) else None
+    nominal = report["nominal_bandwidth_bytes_per_second"] = nominal_bandwidth()
+    section(report, "decode_7b_random", lambda: check_7b_decode(measured or nominal))
+    if (ROOT / "weights" / "tiny-target").is_dir() and (ROOT / "weights" / "tiny-draft").is_dir():
+        section(report, "shipped_pair", check_shipped_pair)
+    else:
+        report["shipped_pair"] = {"skipped": "weights/tiny-target or weights/tiny-draft is missing"}
+    report["total_seconds"] = round(time.perf_counter() - start, 1)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(json.dumps(report, indent=2, default=str))
+    failed = any(isinstance(v, dict) and "error" in v for v in report.values())
+    pytest_ok = args.skip_pytest or report.get("pytest_cuda", {}).get("passed", False)
+    return 0 if pytest_ok and not failed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
