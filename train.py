@@ -228,17 +228,27 @@ def held_out_prompts(paths: list[str], tokenizer: Tokenizer, count: int, prompt_
 @torch.no_grad()
 def measure_acceptance(target: Llama, draft: Llama, prompts: list[list[int]], new_tokens: int,
                        gamma: int, seed: int) -> dict[str, float]:
-    """Acceptance rate of speculative decoding on the prompts, greedy and at temperature 1."""
+    """Acceptance of speculative decoding on the prompts, greedy and at temperature 1.
+
+    ``alpha_*`` is the paper's alpha: the mean over verified positions of sum_x min(p, q), the
+    probability that a drafted token is accepted. ``acceptance_*`` is the empirical fraction of
+    drafted tokens that were kept, which is lower because the tokens after a rejection count
+    as drafted but never get their chance.
+    """
     from speculative import speculative_generate
 
     result = {}
     for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
         accepted = drafted = 0
+        alpha_sum = alpha_count = 0.0
         for i, prompt in enumerate(prompts):
             out = speculative_generate(target, draft, prompt, new_tokens, gamma=gamma,
                                        temperature=temperature, seed=seed + i)
             accepted += out.stats.accepted_draft_tokens
             drafted += out.stats.drafted_tokens
+            alpha_sum += out.stats.overlap_sum
+            alpha_count += out.stats.verified_positions
+        result[f"alpha_{name}"] = alpha_sum / max(1.0, alpha_count)
         result[f"acceptance_{name}"] = accepted / max(1, drafted)
     return result
 
