@@ -55,6 +55,8 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
             token = sample(warp(logits, sampling), generator)
             feed = token.view(1, 1)
             stats.target_calls += 1
+            if stats.target_calls == 1:  # the prompt's forward: timed apart from decoding
+                stats.first_call_s = clock(device) - start
             if not per_token:
                 on_device.append(token)
                 continue

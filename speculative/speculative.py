@@ -142,6 +142,9 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
             # Roll back: both caches are valid up to, not including, the newest token.
             target_next = length - 1
             draft_next = min(draft_next, length - 1)
+            if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
+                stats.first_iteration_s = clock(device) - decode_start
+                stats.first_iteration_tokens = len(emitted)
             if callback is not None:
                 callback(emitted, [i < step.accepted for i in range(len(emitted))])
             if emitted[-1] == eos_id:

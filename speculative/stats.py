@@ -48,6 +48,9 @@ class SpeculativeStats:
     draft_time_s: float = 0.0  # wall time drafting (draft forwards, warping, sampling)
     target_time_s: float = 0.0  # wall time in target forwards and warping
     decode_time_s: float = 0.0  # wall time of the generation loop
+    # The first iteration also reads the prompt; decode speed leaves it out.
+    first_iteration_s: float = 0.0
+    first_iteration_tokens: int = 0
     wall_time_s: float = 0.0  # the whole call, cache allocation included
 
     def record(self, gamma: int, accepted: int, overlaps: list[float]) -> None:
@@ -119,6 +122,12 @@ class SpeculativeStats:
 
     @property
     def tokens_per_second(self) -> float | None:
+        """Decode speed, prompt excluded: the tokens and time after the first iteration (which
+        also processes the prompt); the whole loop when there was only one iteration."""
+        tokens = self.new_tokens - self.first_iteration_tokens
+        seconds = self.decode_time_s - self.first_iteration_s
+        if self.target_calls > 1 and tokens > 0 and seconds > 0:
+            return tokens / seconds
         return self.new_tokens / self.decode_time_s if self.decode_time_s else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,9 +149,14 @@ class AutoregressiveStats:
     new_tokens: int = 0
     target_time_s: float = 0.0  # wall time of the generation loop: forwards, warping, sampling
     wall_time_s: float = 0.0  # the whole call, cache allocation included
+    first_call_s: float = 0.0  # the first forward, which reads the prompt and gives token 1
 
     @property
     def tokens_per_second(self) -> float | None:
+        """Decode speed, prompt excluded: tokens 2.. over the time after the first forward."""
+        seconds = self.target_time_s - self.first_call_s
+        if self.new_tokens > 1 and seconds > 0:
+            return (self.new_tokens - 1) / seconds
         return self.new_tokens / self.target_time_s if self.target_time_s else None
 
     def to_dict(self) -> dict[str, Any]:
