@@ -75,6 +75,22 @@ def _names_in(path: Path) -> list[str]:
         raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
 
 
+def check_tensor_names(directory: Path, files: dict[str, Path], expected: dict, tied: bool) -> None:
+    """Refuse a checkpoint whose tensor names are not exactly the model's (both dicts keyed by HF name).
+    With tied embeddings the output head is not a tensor of its own: it is dropped from both."""
+    if tied:
+        expected.pop("lm_head.weight", None)
+        files.pop("lm_head.weight", None)  # some tied checkpoints store the head anyway
+    unknown = sorted(set(files) - set(expected))
+    if unknown:
+        raise CheckpointError(f"{directory}: unknown tensors not in a Llama model: {', '.join(unknown[:5])}"
+                              + (" ..." if len(unknown) > 5 else ""))
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensors: {', '.join(missing[:5])}"
+                              + (" ..." if len(missing) > 5 else ""))
+
+
 def hf_name(name: str) -> str:
     """Our parameter name -> the HF LlamaForCausalLM tensor name."""
     return name if name.startswith("lm_head.") else f"model.{name}"
@@ -96,17 +112,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     with torch.device("meta"):
         model = Llama(config)
     expected = {hf_name(n): p.shape for n, p in model.named_parameters()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        files.pop("lm_head.weight", None)  # some tied checkpoints store the head anyway
-    unknown = sorted(set(files) - set(expected))
-    if unknown:
-        raise CheckpointError(f"{directory}: unknown tensors not in a Llama model: {', '.join(unknown[:5])}"
-                              + (" ..." if len(unknown) > 5 else ""))
-    missing = sorted(set(expected) - set(files))
-    if missing:
-        raise CheckpointError(f"{directory}: missing tensors: {', '.join(missing[:5])}"
-                              + (" ..." if len(missing) > 5 else ""))
+    check_tensor_names(directory, files, expected, config.tie_word_embeddings)
 
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}

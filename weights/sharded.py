@@ -30,7 +30,14 @@ from model import Llama, ModelConfig
 from model.memory import LLAMA2_CONFIGS
 from model.quantize import Int8Linear, quantize_weight
 from model.tensor_parallel import check_divisible, parallelize, shard_index, sync_logits
-from weights.checkpoint import SUPPORTED_DTYPES, CheckpointError, hf_name, read_config, weight_files
+from weights.checkpoint import (
+    SUPPORTED_DTYPES,
+    CheckpointError,
+    check_tensor_names,
+    hf_name,
+    read_config,
+    weight_files,
+)
 from weights.registry import UnknownCheckpointError, resolve
 
 QUANTIZE_MODES = (None, "int8")
@@ -70,17 +77,7 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
         full = Llama(config)
         model = parallelize(Llama(config), world_size, group)
     expected = {hf_name(n): tuple(p.shape) for n, p in full.named_parameters()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        files.pop("lm_head.weight", None)
-    unknown = sorted(set(files) - set(expected))
-    if unknown:
-        raise CheckpointError(f"{directory}: unknown tensors not in a Llama model: {', '.join(unknown[:5])}"
-                              + (" ..." if len(unknown) > 5 else ""))
-    missing = sorted(set(expected) - set(files))
-    if missing:
-        raise CheckpointError(f"{directory}: missing tensors: {', '.join(missing[:5])}"
-                              + (" ..." if len(missing) > 5 else ""))
+    check_tensor_names(directory, files, expected, config.tie_word_embeddings)
 
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
