@@ -30,12 +30,15 @@ from types import SimpleNamespace
 from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 
 from model import ConfigError, Llama, ModelConfig
-from model.memory import DEFAULT_RESERVE, MemoryPlan, plan
+from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, plan
+from model.tensor_parallel import broadcast_seed, init_distributed
 from speculative import PairMismatchError, autoregressive_generate, check_pair, speculative_generate
 from speculative.gamma import GAMMA_MAX
 from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer, read_config, resolve
+from weights.sharded import load_model_tp, plan_config
 
 DEFAULT_TARGET = "tiny-target"
 DEFAULT_DRAFT = "tiny-draft"
@@ -89,6 +92,19 @@ def build_parser() -> ArgumentParser:
                       help="weights and KV cache dtype (default: bfloat16 on cuda, float16 on a GPU without native "
                            "bfloat16, float32 on cpu). The cpu runs all four; bfloat16 on cuda needs compute "
                            "capability 8.0+; float64 (slow) makes greedy output free of rounding ties")
+    pair.add_argument("--quantize", choices=["int8"], default=None,
+                      help="store both models' transformer-block weights as int8 with one scale per output row "
+                           "(weight-only: activations and the KV cache stay in --dtype): half the memory of "
+                           "bfloat16, e.g. 7b -> 70b on one 80 GB GPU")
+    pair.add_argument("--plan", action="store_true",
+                      help="print the memory each GPU needs for this pair (weights, KV caches) and exit; reads "
+                           "config.json only, or the published Llama-2 shapes when the weights are not downloaded")
+    pair.add_argument("--plan-device", default=None,
+                      help=f"the GPU --plan plans for: {', '.join(DEVICES)}, or auto, the visible GPU (default: "
+                           "auto when a GPU is visible, else h200)")
+    pair.add_argument("--tp", type=int, default=None,
+                      help="the tensor-parallel size --plan plans for (default: WORLD_SIZE under torchrun, else 1). "
+                           "To run tensor-parallel, launch with: torchrun --nproc-per-node N generate.py ...")
     pair.add_argument("--threads", type=int, default=None,
                       help="torch CPU threads (default: torch's choice, normally all cores)")
 
@@ -121,8 +137,8 @@ def build_parser() -> ArgumentParser:
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object {text, tokens, prompt_tokens, settings, stats} on stdout and "
-                             "nothing else. stats.tokens_per_second is new tokens / time of the generation loop "
-                             "(loading and cache allocation excluded; its first call also reads the prompt). "
+                             "nothing else. stats.tokens_per_second is the decode speed: new tokens / time of the "
+                             "generation loop after its first iteration, which also reads the prompt. "
                              "Without a draft, acceptance_rate, gamma and predicted_speedup are null and "
                              "draft_calls is 0")
     output.add_argument("--no-color", action="store_true",
@@ -145,6 +161,11 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if (args.tp is not None or args.plan_device is not None) and not args.plan:
+        raise UsageError("--tp and --plan-device are only used with --plan; to run on N GPUs, launch with "
+                         "torchrun --nproc-per-node N generate.py ...")
+    if args.tp is not None and args.tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {args.tp}")
     if args.system is not None and not args.chat:
         raise UsageError("--system is only used with --chat")
 
@@ -240,6 +261,38 @@ def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig]
                          f"KV cache {gb(result.kv_cache)} for {positions} positions{extra}) but {device} has "
                          f"{gb(free)} free; use a smaller dtype, a smaller pair, or a device with more memory")
     return result
+
+
+def check_plan(args: argparse.Namespace, configs: dict[str, ModelConfig], positions: int, dtype: torch.dtype,
+               device: torch.device, world_size: int) -> None:
+    """check_memory for a tensor-parallel or int8 run: this rank's share (model/memory.py) against free memory."""
+    free = available_bytes(device)
+    if free is None:
+        return
+    if device.type == "cpu":  # the ranks on this host share its memory
+        free //= int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    reserve = DEFAULT_RESERVE if device.type == "cuda" else 0  # as check_memory
+    result = plan(configs["target"], configs.get("draft"), dtype, tp_size=world_size, context=positions,
+                  quantize=args.quantize, device_name=f"{device} (free now)", capacity_bytes=free, reserve=reserve,
+                  target_name=args.target, draft_name=args.draft)
+    if not result.fits:
+        raise UsageError(f"this pair needs about {gb(result.total)} per device ({result.tp_size} rank(s), "
+                         f"{'int8' if args.quantize else str(dtype).removeprefix('torch.')} weights, "
+                         f"{positions} positions) but {device} has {gb(free)} free; see generate.py --plan")
+
+
+def print_plan(args: argparse.Namespace) -> int:
+    """--plan: the per-GPU memory of this pair, from configs only; nothing is loaded."""
+    names = {"target": args.target} if args.no_draft else {"target": args.target, "draft": args.draft}
+    configs = {role: plan_config(name) for role, name in names.items()}
+    tp = args.tp or int(os.environ.get("WORLD_SIZE", "1"))
+    device_name = args.plan_device or ("auto" if torch.cuda.is_available() else "h200")
+    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16
+    result = plan(configs["target"], configs.get("draft"), dtype, tp_size=tp, quantize=args.quantize,
+                  device_name=device_name, target_name=args.target, draft_name=args.draft)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result.to_dict()) if args.json else result.render())
+    return 0
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -340,7 +393,8 @@ def _num(value: float | None, spec: str) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Loaded, list[int]]:
+def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+         world_size: int = 1) -> tuple[Loaded, list[int]]:
     """Resolve, check and load the pair; everything that can be refused is refused before loading."""
     names = {"target": args.target} if args.no_draft else {"target": args.target, "draft": args.draft}
     dirs = {role: resolve(name) for role, name in names.items()}
@@ -365,29 +419,51 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
                          f"context of {' and '.join(names.values())}")
     slack = 0 if args.no_draft else (GAMMA_MAX if args.gamma == "auto" else args.gamma) + 1  # as the loop allocates
     positions = min(context, len(prompt_ids) + args.max_new_tokens + slack)
-    check_memory((args.target, configs["target"]), None if args.no_draft else (args.draft, configs["draft"]),
-                 positions, dtype, device)
+    sharded = world_size > 1 or args.quantize is not None
+    if sharded:
+        check_plan(args, configs, positions, dtype, device, world_size)
+    else:
+        check_memory((args.target, configs["target"]), None if args.no_draft else (args.draft, configs["draft"]),
+                     positions, dtype, device)
 
     t0 = time.perf_counter()
-    target = load_model(dirs["target"], device=device, dtype=dtype)
-    draft = None if args.no_draft else load_model(dirs["draft"], device=device, dtype=dtype)
+    if sharded:  # this rank's slices of the target; the draft whole on every rank; int8 if asked
+        target = load_model_tp(dirs["target"], device, dtype, quantize=args.quantize)
+        draft = None if args.no_draft else load_model_tp(dirs["draft"], device, dtype, quantize=args.quantize,
+                                                         shard=False)
+    else:
+        target = load_model(dirs["target"], device=device, dtype=dtype)
+        draft = None if args.no_draft else load_model(dirs["draft"], device=device, dtype=dtype)
     return Loaded(target, draft, tokenizer, time.perf_counter() - t0), prompt_ids
 
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
+    if args.plan:
+        return print_plan(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:  # under torchrun: one process per GPU (cuda:LOCAL_RANK), NCCL; gloo on the CPU
+        if pick_device(args.device).type == "cuda" and args.device is not None and ":" in args.device:
+            raise UsageError("under torchrun each rank uses GPU LOCAL_RANK: pass --device cuda, not a numbered one")
+        info = init_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device, is_main = info.device, info.is_main
+    else:
+        device, is_main = pick_device(args.device), True
     dtype = pick_dtype(args.dtype, device)
-    loaded, prompt_ids = load(args, device, dtype)
+    loaded, prompt_ids = load(args, device, dtype, world_size)
+    # Every rank must draw the same random numbers: one seed, rank 0's, even when --seed is not given.
+    seed = broadcast_seed(args.seed, device) if world_size > 1 else args.seed
     tokenizer = loaded.tokenizer
     speculative = loaded.draft is not None
     color = not args.json and not args.no_color and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
     streamer = None
-    if not args.json:
-        dtype_name = str(dtype).removeprefix("torch.")
+    if not args.json and is_main:  # only rank 0 prints; the others compute the same tokens silently
+        dtype_name = str(dtype).removeprefix("torch.") + (" with int8 weights" if args.quantize else "")
+        if world_size > 1:
+            dtype_name += f", tensor-parallel over {world_size} ranks"
         pair = f"draft {args.draft} -> target {args.target}" if speculative else f"target {args.target} alone"
         decoding = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
         gamma = f", gamma {args.gamma}" if speculative else ""
@@ -403,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
         streamer = Streamer(tokenizer, prompt_ids, sys.stdout, color)
 
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tokenizer.eos_id,
-                    seed=args.seed, callback=streamer)
+                    seed=seed, callback=streamer)
     with torch.inference_mode():
         if speculative:
             result = speculative_generate(loaded.target, loaded.draft, prompt_ids, args.max_new_tokens,
@@ -412,12 +488,15 @@ def run(args: argparse.Namespace) -> int:
             result = autoregressive_generate(loaded.target, prompt_ids, args.max_new_tokens, **sampling)
     tokens = [int(t) for t in result.tokens]
     stats = stats_dict(result.stats, speculative)
+    if not is_main:
+        return 0
 
     if args.json:
         settings = {"target": args.target, "draft": None if args.no_draft else args.draft, "device": str(device),
                     "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
                     "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                    "max_new_tokens": args.max_new_tokens, "seed": args.seed, "chat": args.chat}
+                    "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
+                    "quantize": args.quantize, "tensor_parallel": world_size}
         doc = {"text": continuation_text(tokenizer, prompt_ids, tokens), "tokens": tokens,
                "prompt_tokens": len(prompt_ids), "settings": settings, "stats": stats}
         print(json.dumps(_jsonable(doc), allow_nan=False))
@@ -444,10 +523,13 @@ def _jsonable(value: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Under torchrun every rank meets the same bad input: rank 0 alone reports it.
+    quiet = int(os.environ.get("RANK", "0")) != 0
     try:
         return run(build_parser().parse_args(argv))
     except (UsageError, UnknownCheckpointError, CheckpointError, ConfigError, PairMismatchError, ValueError) as err:
-        print(f"error: {err}".splitlines()[0], file=sys.stderr)
+        if not quiet:
+            print(f"error: {err}".splitlines()[0], file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:
         print("error: out of GPU memory; try a smaller pair, a smaller dtype or fewer --max-new-tokens",
@@ -459,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `python generate.py | head -1`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""generate.py with tensor parallelism, int8 weights and memory planning.
+
+* Under ``torchrun --nproc-per-node 2`` (gloo, on the CPU) the target is sharded over two
+  ranks, the draft replicated, and rank 0 alone prints: greedy float64 tokens equal the
+  single-process run's.
+* ``--quantize int8``: speculative decoding still reproduces the (quantized) target's own
+  greedy output.
+* ``--plan`` prints bytes per GPU from configs alone; checked against a hand count of the
+  Llama-2 70B architecture, not against model.memory.
+* ``--tp`` misuse ends with exit status 2 and one ``error:`` line.
+
+Subprocesses run with one thread, for the 2-core CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ROOT / "weights" / "tiny-target"
+DRAFT = ROOT / "weights" / "tiny-draft"
+
+needs_pair = pytest.mark.skipif(
+    not (TARGET / "config.json").is_file() or not (DRAFT / "config.json").is_file(),
+    reason="the shipped pair weights/tiny-target + weights/tiny-draft is absent",
+)
+
+GREEDY = ["--json", "--temperature", "0", "--max-new-tokens", "24", "--dtype", "float64"]
+
+
+def env() -> dict[str, str]:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    for name in ("NO_COLOR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        full.pop(name, None)
+    return full
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
+                          env=env(), cwd=ROOT, timeout=timeout)
+
+
+def torchrun() -> list[str]:
+    """This interpreter's torchrun, else `python -m torch.distributed.run` (the same program)."""
+    found = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def run_json(*args: str) -> dict[str, Any]:
+    proc = cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+# ----------------------------------------------------------------------------- torchrun
+@needs_pair
+def test_torchrun_two_ranks_equals_one_process() -> None:
+    single = run_json(*GREEDY)
+    proc = subprocess.run([*torchrun(), "--standalone", "--nproc-per-node", "2", str(ROOT / "generate.py"), *GREEDY],
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout  # rank 0 alone prints
+    doc = json.loads(lines[0])
+    assert doc["settings"]["tensor_parallel"] == 2
+    assert doc["settings"]["quantize"] is None
+    assert len(doc["tokens"]) == 24
+    assert doc["tokens"] == single["tokens"]
+    assert doc["text"] == single["text"]
+
+
+# ----------------------------------------------------------------------------- int8
+@needs_pair
+def test_int8_speculative_equals_the_int8_target_alone() -> None:
+    args = ["--quantize", "int8", *GREEDY]
+    with_draft = run_json(*args)
+    alone = run_json(*args, "--no-draft")
+    assert with_draft["settings"]["quantize"] == "int8"
+    assert with_draft["stats"]["draft_calls"] > 0
+    assert len(with_draft["tokens"]) == 24
+    assert with_draft["tokens"] == alone["tokens"]
+
+
+# ----------------------------------------------------------------------------- --plan
+# Llama-2-70B (meta-llama/Llama-2-70b-hf config.json), written out here on purpose.
+DIM, LAYERS, HEADS, KV_HEADS, HIDDEN, VOCAB, CONTEXT = 8192, 80, 64, 8, 28672, 32000, 4096
+HEAD_DIM = DIM // HEADS
+BF16 = 2
+
+
+def test_plan_70b_over_two_gpus_by_hand() -> None:
+    tp = 2
+    per_layer = (DIM * HEADS * HEAD_DIM            # q_proj
+                 + 2 * DIM * KV_HEADS * HEAD_DIM   # k_proj, v_proj
+                 + HEADS * HEAD_DIM * DIM          # o_proj
+                 + 3 * DIM * HIDDEN)               # gate, up, down
+    block_bytes = LAYERS * per_layer * BF16 // tp
+    replicated_bytes = (2 * VOCAB * DIM + (2 * LAYERS + 1) * DIM) * BF16  # embed, lm_head, norms
+    kv_bytes = 2 * LAYERS * (KV_HEADS // tp) * HEAD_DIM * CONTEXT * BF16
+    assert block_bytes == 68_451_041_280  # 68.45 GB: about 69e9 parameters / 2 ranks x 2 bytes
+
+    base = ["--plan", "--draft", "7b", "--target", "70b", "--tp", "2", "--plan-device", "h200"]
+    proc = cli(*base)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "tensor-parallel over 2 GPUs" in text
+    assert f"{block_bytes / 1e9:.2f} GB" in text
+    assert f"{replicated_bytes / 1e9:.2f} GB" in text
+    assert f"{kv_bytes / 1e9:.2f} GB" in text
+    assert "of 141.00 GB" in text and "fits" in text
+
+    doc = run_json(*base, "--json")
+    assert doc["target_sharded"] == block_bytes
+    assert doc["target_replicated"] == replicated_bytes
+    assert doc["target_kv"] == kv_bytes
+    assert doc["tp_size"] == 2 and doc["fits"] is True
+
+
+# ----------------------------------------------------------------------------- bad --tp
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--plan", "--tp", "0"], "--tp must be >= 1"),
+    (["--tp", "2"], "only used with --plan"),
+])
+def test_bad_tp_exits_2_with_one_line(argv: list[str], fragment: str) -> None:
+    proc = cli(*argv, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip("\n").splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and fragment in lines[0], lines[0]
+    assert proc.stdout == ""
