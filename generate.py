@@ -374,8 +374,8 @@ def summary_lines(stats: dict[str, Any], speculative: bool) -> list[str]:
     """The run's numbers next to the paper's cost model (docs/cost_model.md)."""
     tps = stats.get("tokens_per_second")
     rate = f"{tps:.1f} tokens/s" if tps else "? tokens/s"
-    lines = [f"{stats.get('new_tokens')} new tokens at {rate} (the generation loop, whose first call also reads "
-             f"the prompt; loading excluded); {stats.get('target_calls')} target calls"
+    lines = [f"{stats.get('new_tokens')} new tokens at {rate} (decoding: the prompt's pass and loading "
+             f"excluded); {stats.get('target_calls')} target calls"
              + (f", {stats.get('draft_calls')} draft calls" if speculative else " (one per token)")]
     alpha, gamma, c = stats.get("acceptance_rate"), stats.get("gamma"), stats.get("cost_ratio")
     if speculative and alpha is not None and gamma is not None:
