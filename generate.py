@@ -238,47 +238,35 @@ def gb(n: float) -> str:
 
 
 def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig] | None, positions: int,
-                 dtype: torch.dtype, device: torch.device) -> MemoryPlan | None:
+                 dtype: torch.dtype, device: torch.device, tp_size: int = 1,
+                 quantize: str | None = None) -> MemoryPlan | None:
     """Refuse, before loading anything, a pair that will not fit in the memory free right now.
 
-    The plan (model/memory.py) counts parameters x dtype bytes for the weights and
+    The plan (model/memory.py) counts parameters x dtype bytes for the weights (this rank's
+    share under tensor parallelism, int8 blocks with --quantize) and
     2 x layers x kv_heads x head_dim x positions x dtype bytes for each KV cache, plus,
     on a GPU, a reserve for the CUDA context and workspaces.
     """
     free = available_bytes(device)
     if free is None:
         return None
+    if device.type == "cpu" and tp_size > 1:  # the ranks on this host share its memory
+        free //= int(os.environ.get("LOCAL_WORLD_SIZE", str(tp_size)))
     reserve = DEFAULT_RESERVE if device.type == "cuda" else 0
-    result = plan(target[1], draft[1] if draft else None, dtype, tp_size=1, context=positions,
-                  device_name=f"{device} (free)", reserve=reserve, target_name=target[0],
+    result = plan(target[1], draft[1] if draft else None, dtype, tp_size=tp_size, context=positions,
+                  quantize=quantize, device_name=f"{device} (free)", reserve=reserve, target_name=target[0],
                   draft_name=draft[0] if draft else "draft", capacity_bytes=free)
     if not result.fits:
         names = f"{target[0]} + {draft[0]}" if draft else target[0]
         verb = "need" if draft else "needs"
-        dtype_name = str(dtype).removeprefix("torch.")
+        weights = "int8" if quantize else str(dtype).removeprefix("torch.")
+        ranks = f" per device over {tp_size} ranks" if tp_size > 1 else ""
         extra = f" + {gb(result.workspace)} runtime reserve" if result.workspace else ""
-        raise UsageError(f"{names} {verb} about {gb(result.total)} in {dtype_name} (weights {gb(result.weights)} + "
-                         f"KV cache {gb(result.kv_cache)} for {positions} positions{extra}) but {device} has "
-                         f"{gb(free)} free; use a smaller dtype, a smaller pair, or a device with more memory")
+        raise UsageError(f"{names} {verb} about {gb(result.total)}{ranks} in {weights} (weights "
+                         f"{gb(result.weights)} + KV cache {gb(result.kv_cache)} for {positions} positions{extra}) "
+                         f"but {device} has {gb(free)} free; use a smaller dtype, a smaller pair, or a device "
+                         "with more memory (see generate.py --plan)")
     return result
-
-
-def check_plan(args: argparse.Namespace, configs: dict[str, ModelConfig], positions: int, dtype: torch.dtype,
-               device: torch.device, world_size: int) -> None:
-    """check_memory for a tensor-parallel or int8 run: this rank's share (model/memory.py) against free memory."""
-    free = available_bytes(device)
-    if free is None:
-        return
-    if device.type == "cpu":  # the ranks on this host share its memory
-        free //= int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    reserve = DEFAULT_RESERVE if device.type == "cuda" else 0  # as check_memory
-    result = plan(configs["target"], configs.get("draft"), dtype, tp_size=world_size, context=positions,
-                  quantize=args.quantize, device_name=f"{device} (free now)", capacity_bytes=free, reserve=reserve,
-                  target_name=args.target, draft_name=args.draft)
-    if not result.fits:
-        raise UsageError(f"this pair needs about {gb(result.total)} per device ({result.tp_size} rank(s), "
-                         f"{'int8' if args.quantize else str(dtype).removeprefix('torch.')} weights, "
-                         f"{positions} positions) but {device} has {gb(free)} free; see generate.py --plan")
 
 
 def print_plan(args: argparse.Namespace) -> int:
@@ -420,11 +408,8 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
     slack = 0 if args.no_draft else (GAMMA_MAX if args.gamma == "auto" else args.gamma) + 1  # as the loop allocates
     positions = min(context, len(prompt_ids) + args.max_new_tokens + slack)
     sharded = world_size > 1 or args.quantize is not None
-    if sharded:
-        check_plan(args, configs, positions, dtype, device, world_size)
-    else:
-        check_memory((args.target, configs["target"]), None if args.no_draft else (args.draft, configs["draft"]),
-                     positions, dtype, device)
+    check_memory((args.target, configs["target"]), None if args.no_draft else (args.draft, configs["draft"]),
+                 positions, dtype, device, tp_size=world_size, quantize=args.quantize)
 
     t0 = time.perf_counter()
     if sharded:  # this rank's slices of the target; the draft whole on every rank; int8 if asked
