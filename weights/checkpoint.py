@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -75,10 +77,23 @@ def _names_in(path: Path) -> list[str]:
         raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
 
 
-def check_tensor_names(directory: Path, files: dict[str, Path], expected: dict, tied: bool) -> None:
-    """Refuse a checkpoint whose tensor names are not exactly the model's (both dicts keyed by HF name).
-    With tied embeddings the output head is not a tensor of its own: it is dropped from both."""
-    if tied:
+def read_tensors(directory: Path, config: ModelConfig,
+                 take: Callable[[str, Any], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the checkpoint in ``directory``, as (HF name, tensor), after checking that the
+    names and shapes are exactly those ``config`` implies.
+
+    ``take(name, tensor_slice)`` reads one tensor from its memory-mapped safetensors slice (all of
+    it, or the rows one tensor-parallel rank needs); broken files become CheckpointError.
+    """
+    files = weight_files(directory)
+    # Checkpoints written before transformers made it a non-persistent buffer (the Llama-2 *-hf
+    # repos among them: their index's total_size counts 32 x 64 float32 of it for 7B) also hold
+    # each layer's rotary inverse frequencies. Those follow from config.json, so they are skipped.
+    for name in [n for n in files if n.endswith(".self_attn.rotary_emb.inv_freq")]:
+        del files[name]
+    with torch.device("meta"):
+        expected = {hf_name(n): tuple(p.shape) for n, p in Llama(config).named_parameters()}
+    if config.tie_word_embeddings:  # the output head is the embedding, not a tensor of its own
         expected.pop("lm_head.weight", None)
         files.pop("lm_head.weight", None)  # some tied checkpoints store the head anyway
     unknown = sorted(set(files) - set(expected))
@@ -89,6 +104,23 @@ def check_tensor_names(directory: Path, files: dict[str, Path], expected: dict, 
     if missing:
         raise CheckpointError(f"{directory}: missing tensors: {', '.join(missing[:5])}"
                               + (" ..." if len(missing) > 5 else ""))
+
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in names:
+                    tensor_slice = f.get_slice(name)
+                    shape = tuple(tensor_slice.get_shape())
+                    if shape != expected[name]:
+                        raise CheckpointError(f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
+                                              f"implies {list(expected[name])}")
+                    tensor = take(name, tensor_slice)
+                    yield name, tensor
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
 
 
 def hf_name(name: str) -> str:
@@ -103,33 +135,13 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
         raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64")
     directory = resolve(name_or_path)
     config = read_config(directory)
-    files = weight_files(directory)
-    # Checkpoints written before transformers made it a non-persistent buffer (the Llama-2 *-hf
-    # repos among them: their index's total_size counts 32 x 64 float32 of it for 7B) also hold
-    # each layer's rotary inverse frequencies. Those follow from config.json, so they are skipped.
-    for name in [n for n in files if n.endswith(".self_attn.rotary_emb.inv_freq")]:
-        del files[name]
     with torch.device("meta"):
         model = Llama(config)
-    expected = {hf_name(n): p.shape for n, p in model.named_parameters()}
-    check_tensor_names(directory, files, expected, config.tie_word_embeddings)
 
-    state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in names:
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(expected[name]):
-                        raise CheckpointError(f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
-                                              f"implies {list(expected[name])}")
-                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
-    ours = {n.removeprefix("model."): t for n, t in state.items()}
+    def take(name: str, tensor_slice: Any) -> torch.Tensor:
+        return tensor_slice[:].to(device=device, dtype=dtype)
+
+    ours = {n.removeprefix("model."): t for n, t in read_tensors(directory, config, take)}
     if config.tie_word_embeddings:
         ours["lm_head.weight"] = ours["embed_tokens.weight"]
     model.load_state_dict(ours, assign=True, strict=True)

@@ -19,25 +19,17 @@ function serves ``generate.py --quantize int8`` on one GPU.
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from model import Llama, ModelConfig
 from model.memory import LLAMA2_CONFIGS
 from model.quantize import Int8Linear, quantize_weight
 from model.tensor_parallel import check_divisible, parallelize, shard_index, sync_logits
-from weights.checkpoint import (
-    SUPPORTED_DTYPES,
-    CheckpointError,
-    check_tensor_names,
-    hf_name,
-    read_config,
-    weight_files,
-)
+from weights.checkpoint import SUPPORTED_DTYPES, CheckpointError, read_config, read_tensors
 from weights.registry import UnknownCheckpointError, resolve
 
 QUANTIZE_MODES = (None, "int8")
@@ -67,42 +59,23 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     directory = resolve(name_or_path)
     config = read_config(directory)
     check_divisible(config, world_size)  # before a byte is read
-    files = weight_files(directory)
-    # As in load_model: older HF checkpoints (the Llama-2 *-hf repos) also store each layer's
-    # rotary inverse frequencies, which follow from config.json and are not weights.
-    for name in [n for n in files if n.endswith(".self_attn.rotary_emb.inv_freq")]:
-        del files[name]
-
     with torch.device("meta"):
-        full = Llama(config)
         model = parallelize(Llama(config), world_size, group)
-    expected = {hf_name(n): tuple(p.shape) for n, p in full.named_parameters()}
-    check_tensor_names(directory, files, expected, config.tie_word_embeddings)
 
-    by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    for path, names in sorted(by_file.items()):
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in names:
-                    tensor_slice = f.get_slice(name)
-                    shape = tuple(tensor_slice.get_shape())
-                    if shape != expected[name]:
-                        raise CheckpointError(f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
-                                              f"implies {list(expected[name])}")
-                    index = shard_index(name, shape, rank, world_size)
-                    # A zero-copy view of the memory-mapped file: only the pages under this
-                    # rank's rows (or columns) are ever read from disk.
-                    view = tensor_slice[index] if index is not None else tensor_slice[:]
-                    tensor = view.to(device=device, dtype=dtype)
-                    if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
-                        # .to() copied nothing (CPU, same dtype): the slice still points into the
-                        # whole mapped tensor. Copy it out, dense, so the rank owns just its slice.
-                        tensor = tensor.clone(memory_format=torch.contiguous_format)
-                    _place(model, name.removeprefix("model."), tensor, quantize)
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
+    def take(name: str, tensor_slice: Any) -> torch.Tensor:
+        index = shard_index(name, tuple(tensor_slice.get_shape()), rank, world_size)
+        # A zero-copy view of the memory-mapped file: only the pages under this
+        # rank's rows (or columns) are ever read from disk.
+        view = tensor_slice[index] if index is not None else tensor_slice[:]
+        tensor = view.to(device=device, dtype=dtype)
+        if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+            # .to() copied nothing (CPU, same dtype): the slice still points into the
+            # whole mapped tensor. Copy it out, dense, so the rank owns just its slice.
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        return tensor
+
+    for name, tensor in read_tensors(directory, config, take):
+        _place(model, name.removeprefix("model."), tensor, quantize)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     left = [n for n, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
