@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -13,8 +12,8 @@ from torch import nn
 from model import Llama, ModelConfig
 from model.quantize import QMAX, Int8Linear, dequantize_weight, max_abs_error_bound, quantize_int8, quantize_weight
 from model.tensor_parallel import weight_bytes
+from speculative import autoregressive_generate, speculative_generate
 
-HAS_SPECULATIVE = importlib.util.find_spec("speculative.speculative") is not None
 CONFIG = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=160, max_seq_len=64)
 DRAFT = ModelConfig(vocab_size=96, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64)
 PROMPT = [1, 4, 9, 16, 25, 36, 49]
@@ -102,15 +101,12 @@ def test_tied_head_is_never_quantized() -> None:
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
-@pytest.mark.skipif(not HAS_SPECULATIVE, reason="speculative/speculative.py is not in the tree yet")
 def test_speculative_greedy_equals_target_greedy_under_int8() -> None:
     """Speculation stays lossless with a quantized pair: it reproduces the int8 target's own greedy output.
 
     float64 activations (the int8 weights dequantise exactly) remove rounding ties between
     the one-token and the gamma+1-token forward passes.
     """
-    from speculative import autoregressive_generate, speculative_generate
-
     target = quantize_int8(random_model(CONFIG, 5, torch.float64))
     draft = quantize_int8(random_model(DRAFT, 6, torch.float64))
     with torch.inference_mode():

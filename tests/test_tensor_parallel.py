@@ -7,7 +7,6 @@ computed to a file and the tests below compare those with the single-process mod
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,11 @@ from model.tensor_parallel import (
     sync_logits,
     weight_bytes,
 )
+from speculative import autoregressive_generate, speculative_generate
 from weights import load_model, save_model
 from weights.sharded import load_model_tp
 
 WORLD = 2
-HAS_SPECULATIVE = importlib.util.find_spec("speculative.speculative") is not None
-SPEC_SKIP = "speculative/speculative.py (speculative_generate) is not in the tree yet"
 # Grouped-query attention (4 query heads sharing 2 KV heads) so that a rank holds
 # 2 query heads and 1 KV head, and the query -> KV head pairing is exercised.
 TARGET = ModelConfig(vocab_size=80, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=64)
@@ -85,17 +83,14 @@ def rank_main(directory: str) -> None:
         out["int8_logits"] = quantized(tokens())
         out["int8_bytes"] = weight_bytes(quantized)
 
-        if HAS_SPECULATIVE:
-            from speculative import autoregressive_generate, speculative_generate
-
-            target64 = load_model_tp(ckpt, "cpu", torch.float64)
-            draft64 = load_model_tp(draft_ckpt, "cpu", torch.float64, shard=False)  # replicated, rank 0's logits
-            out["spec_greedy"] = speculative_generate(target64, draft64, PROMPT, NEW_TOKENS, gamma=3,
-                                                      temperature=0.0).tokens
-            out["target_greedy"] = autoregressive_generate(target64, PROMPT, NEW_TOKENS, temperature=0.0).tokens
-            # Sampling: the same seed and rank 0's logits everywhere -> the same draws on every rank.
-            out["spec_sampled"] = speculative_generate(target64, draft64, PROMPT, NEW_TOKENS, gamma=3,
-                                                       temperature=1.0, seed=1234).tokens
+        target64 = load_model_tp(ckpt, "cpu", torch.float64)
+        draft64 = load_model_tp(draft_ckpt, "cpu", torch.float64, shard=False)  # replicated, rank 0's logits
+        out["spec_greedy"] = speculative_generate(target64, draft64, PROMPT, NEW_TOKENS, gamma=3,
+                                                  temperature=0.0).tokens
+        out["target_greedy"] = autoregressive_generate(target64, PROMPT, NEW_TOKENS, temperature=0.0).tokens
+        # Sampling: the same seed and rank 0's logits everywhere -> the same draws on every rank.
+        out["spec_sampled"] = speculative_generate(target64, draft64, PROMPT, NEW_TOKENS, gamma=3,
+                                                   temperature=1.0, seed=1234).tokens
     torch.save(out, Path(directory) / f"rank{info.rank}.pt")
 
 
@@ -174,10 +169,7 @@ def test_int8_tensor_parallel_close_and_half_the_bytes(ranks: dict) -> None:
         assert result["int8_bytes"] < 0.5 * result["bytes"]
 
 
-@pytest.mark.skipif(not HAS_SPECULATIVE, reason=SPEC_SKIP)
 def test_speculative_greedy_on_two_ranks_equals_single_process(ranks: dict) -> None:
-    from speculative import speculative_generate
-
     with torch.inference_mode():
         target = load_model(ranks["dir"] / "target", "cpu", torch.float64)
         draft = load_model(ranks["dir"] / "draft", "cpu", torch.float64)
@@ -188,7 +180,6 @@ def test_speculative_greedy_on_two_ranks_equals_single_process(ranks: dict) -> N
         assert result["target_greedy"] == expected  # and both equal the target's own greedy output
 
 
-@pytest.mark.skipif(not HAS_SPECULATIVE, reason=SPEC_SKIP)
 def test_sampling_decisions_agree_across_ranks(ranks: dict) -> None:
     first, second = (r["spec_sampled"] for r in ranks["results"])
     assert first == second and len(first) == NEW_TOKENS
