@@ -135,16 +135,22 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
         raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64")
     directory = resolve(name_or_path)
     config = read_config(directory)
-    with torch.device("meta"):
-        model = Llama(config)
 
     def take(name: str, tensor_slice: Any) -> torch.Tensor:
         return tensor_slice[:].to(device=device, dtype=dtype)
 
-    ours = {n.removeprefix("model."): t for n, t in read_tensors(directory, config, take)}
+    return build_model(config, dict(read_tensors(directory, config, take)))
+
+
+def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Llama:
+    """A Llama for inference that uses ``tensors`` (keyed by HF name) as its weights, without copying:
+    built on the meta device, then each parameter is assigned; a tied head shares the embedding."""
+    with torch.device("meta"):
+        model = Llama(config)
+    state = {name.removeprefix("model."): t for name, t in tensors.items()}
     if config.tie_word_embeddings:
-        ours["lm_head.weight"] = ours["embed_tokens.weight"]
-    model.load_state_dict(ours, assign=True, strict=True)
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, assign=True, strict=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()

@@ -33,7 +33,7 @@ import sentencepiece as spm
 import torch
 
 from model import ConfigError, Llama, ModelConfig
-from weights.checkpoint import CheckpointError, save_model
+from weights.checkpoint import CheckpointError, build_model, save_model
 
 _HEADER = struct.Struct("<7i")
 _FLOAT_BYTES = 4
@@ -188,15 +188,7 @@ def load_llama2c(path: str | Path, bos_id: int = 1, eos_id: int = 2) -> Llama:
         )
     except ConfigError as err:
         raise CheckpointError(f"{path}: {err}") from None
-    state = {name.removeprefix("model."): t for name, t in tensors.items()}
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    with torch.device("meta"):
-        model = Llama(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model.eval()
+    return build_model(config, tensors)
 
 
 def convert_llama2c(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> Path:
