@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from model import ConfigError, Llama, ModelConfig
 from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, plan
+from model.prepack import prepack_linears
 from model.tensor_parallel import broadcast_seed, init_distributed
 from speculative import PairMismatchError, autoregressive_generate, check_pair, speculative_generate
 from speculative.gamma import GAMMA_MAX
@@ -105,6 +106,9 @@ def build_parser() -> ArgumentParser:
     pair.add_argument("--tp", type=int, default=None,
                       help="the tensor-parallel size --plan plans for (default: WORLD_SIZE under torchrun, else 1). "
                            "To run tensor-parallel, launch with: torchrun --nproc-per-node N generate.py ...")
+    pair.add_argument("--no-prepack", action="store_true",
+                      help="on cpu in float32, keep PyTorch's default matmul instead of weights reordered once for "
+                           "oneDNN, which make verifying several tokens cost about one step (model/prepack.py)")
     pair.add_argument("--threads", type=int, default=None,
                       help="torch CPU threads (default: torch's choice, normally all cores)")
 
@@ -347,6 +351,7 @@ class Loaded:
     draft: Llama | None
     tokenizer: Tokenizer
     load_s: float
+    prepacked: int = 0  # linear layers reordered for oneDNN (model/prepack.py)
 
 
 def stats_dict(stats: Any, speculative: bool) -> dict[str, Any]:
@@ -419,7 +424,10 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
     else:
         target = load_model(dirs["target"], device=device, dtype=dtype)
         draft = None if args.no_draft else load_model(dirs["draft"], device=device, dtype=dtype)
-    return Loaded(target, draft, tokenizer, time.perf_counter() - t0), prompt_ids
+    prepacked = 0
+    if not args.no_prepack:  # a no-op off the CPU, off float32, and on int8 layers
+        prepacked = sum(prepack_linears(model) for model in (target, draft) if model is not None)
+    return Loaded(target, draft, tokenizer, time.perf_counter() - t0, prepacked), prompt_ids
 
 
 def run(args: argparse.Namespace) -> int:
@@ -447,6 +455,8 @@ def run(args: argparse.Namespace) -> int:
     streamer = None
     if not args.json and is_main:  # only rank 0 prints; the others compute the same tokens silently
         dtype_name = str(dtype).removeprefix("torch.") + (" with int8 weights" if args.quantize else "")
+        if loaded.prepacked:
+            dtype_name += f" ({loaded.prepacked} layers oneDNN-prepacked)"
         if world_size > 1:
             dtype_name += f", tensor-parallel over {world_size} ranks"
         pair = f"draft {args.draft} -> target {args.target}" if speculative else f"target {args.target} alone"
@@ -481,7 +491,8 @@ def run(args: argparse.Namespace) -> int:
                     "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
                     "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                     "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
-                    "quantize": args.quantize, "tensor_parallel": world_size}
+                    "quantize": args.quantize, "tensor_parallel": world_size,
+                    "prepacked_layers": loaded.prepacked}
         doc = {"text": continuation_text(tokenizer, prompt_ids, tokens), "tokens": tokens,
                "prompt_tokens": len(prompt_ids), "settings": settings, "stats": stats}
         print(json.dumps(_jsonable(doc), allow_nan=False))

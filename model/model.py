@@ -186,7 +186,7 @@ class Llama(nn.Module):
         """Allocate (or reallocate) a zeroed KV cache for every layer, and the rotary table for it."""
         if max_seq_len > self.config.max_seq_len:
             raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
-        kv_heads = self.layers[0].self_attn.k_proj.weight.shape[0] // self.config.head_dim
+        kv_heads = self.layers[0].self_attn.k_proj.out_features // self.config.head_dim
         for layer in self.layers:
             layer.self_attn.cache = KVCache(max_batch_size, kv_heads, max_seq_len,
                                             self.config.head_dim, self.dtype, self.device)

@@ -75,7 +75,8 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--draft", "--target", "--prompt", "--device", "--dtype", "--gamma", "--temperature", "--top-k",
-                 "--top-p", "--max-new-tokens", "--seed", "--no-draft", "--chat", "--json", "--no-color"):
+                 "--top-p", "--max-new-tokens", "--seed", "--no-draft", "--chat", "--json", "--no-color",
+                 "--no-prepack"):
         assert flag in text
 
 
@@ -247,6 +248,26 @@ def test_greedy_float32_differs_only_at_near_ties(greedy_alone: dict[str, list[i
         logits = model(torch.tensor([tokenizer.encode(generate.DEFAULT_PROMPT) + alone[:k]]))[0, -1]
     top2 = logits.topk(2).values
     assert float(top2[0] - top2[1]) < NEAR_TIE, f"greedy outputs diverge at token {k} without a near-tie"
+
+
+@needs_pair
+def test_prepacking_is_on_by_default_on_cpu_float32_and_can_be_turned_off() -> None:
+    from model.prepack import prepack_supported
+
+    args = ("--target", str(TARGET), "--no-draft", "--max-new-tokens", "20", "--dtype", "float32")
+    packed, plain = run_json(*args), run_json(*args, "--no-prepack")
+    assert plain["settings"]["prepacked_layers"] == 0
+    if prepack_supported():
+        assert packed["settings"]["prepacked_layers"] > 0
+    # the same greedy tokens, up to float32 near-ties (the two differ only in the order of additions)
+    if packed["tokens"] != plain["tokens"]:
+        k = next(i for i, (a, b) in enumerate(zip(packed["tokens"], plain["tokens"])) if a != b)
+        tokenizer = generate.load_tokenizer(TARGET)
+        model = generate.load_model(TARGET, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(torch.tensor([tokenizer.encode(generate.DEFAULT_PROMPT) + plain["tokens"][:k]]))[0, -1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < NEAR_TIE, f"prepacked greedy output diverges at token {k}"
 
 
 @needs_pair

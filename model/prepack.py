@@ -1,0 +1,89 @@
+"""Float32 linear layers whose weights are reordered once for oneDNN: decoding on a CPU.
+
+Why this exists. Speculative decoding's cost model assumes that the target scores γ + 1
+tokens in about the time it takes to score one: decoding is memory-bound, and the weights
+are read once either way. On a CPU, PyTorch sends a float32 ``F.linear`` to MKL's sgemm,
+which copies ("packs") the whole weight matrix into its blocked layout at *every* call
+with more than one input row. The copy costs as much as the product, so on the shipped
+pair (2 cores) a 5-token verification took 1.6 one-token steps, and a 4096 x 4096 layer
+of a 7B model takes 4x longer for 5 rows than for 1. oneDNN can reorder a weight into
+its blocked layout once, ahead of time; its products then cost about the same for 1 to 8
+rows (measurements in docs/cost_model.md).
+
+:func:`prepack_linears` swaps large ``nn.Linear`` layers of a float32 CPU model for
+:class:`PrepackedLinear`, in place. Small layers keep MKL: oneDNN's fixed cost per call
+(about 16 microseconds here) exceeds the whole product of a 128 x 128 matrix. The result
+differs from ``F.linear`` only by the order of float32 additions (about 1e-6 relative).
+
+It uses two operators that PyTorch's own compiler (Inductor) uses for the same purpose,
+``torch.ops.mkldnn._reorder_linear_weight`` and ``torch.ops.mkldnn._linear_pointwise``.
+They are internal, so :func:`prepack_linears` checks them on a small matrix first and
+leaves the model untouched where they are missing or disagree with ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Below this many weights a layer stays an nn.Linear (see the module docstring).
+MIN_ELEMENTS = 1 << 17
+
+
+class PrepackedLinear(nn.Module):
+    """y = x W^T for a bias-free float32 weight held in oneDNN's blocked layout.
+
+    Only the packed copy is kept, so the layer costs no extra memory; it is for decoding
+    (no gradients, not saved by ``state_dict``). ``in_features`` and ``out_features`` are
+    those of the layer it replaces.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # batch_size=None: a layout that serves any number of rows (prefill, verification, one token).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
+
+def prepack_supported() -> bool:
+    """Whether this PyTorch build can prepack, checked on a small product against F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(96, 64, generator=generator)
+        x = torch.randn(1, 3, 64, generator=generator)
+        with torch.inference_mode():
+            got = PrepackedLinear(weight)(x)
+        return bool(torch.allclose(got, F.linear(x, weight), rtol=1e-5, atol=1e-5))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
+    """Replace every plain ``nn.Linear`` of a float32 CPU model holding at least
+    ``min_elements`` weights by a :class:`PrepackedLinear`, in place; returns how many.
+
+    Does nothing (returns 0) on other devices or dtypes, where PyTorch's kernels do not
+    repack per call, or when this build lacks the oneDNN operators. Subclasses of
+    ``nn.Linear`` (tensor parallelism's all-reducing layer) and layers with a bias are
+    left alone. Call it after loading, for inference only.
+    """
+    candidates = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if (type(child) is nn.Linear and child.bias is None and child.weight.numel() >= min_elements
+                    and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32):
+                candidates.append((parent, name, child))
+    if not candidates or not prepack_supported():
+        return 0
+    for parent, name, child in candidates:
+        setattr(parent, name, PrepackedLinear(child.weight))
+    return len(candidates)
