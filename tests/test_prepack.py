@@ -16,6 +16,7 @@ from torch import nn
 from model import Llama, ModelConfig
 from model.prepack import MIN_ELEMENTS, PrepackedLinear, prepack_linears, prepack_supported
 from speculative import autoregressive_generate, speculative_generate
+from weights import save_model
 
 needs_onednn = pytest.mark.skipif(not prepack_supported(),
                                   reason="this PyTorch build lacks the oneDNN prepacking operators")
@@ -113,3 +114,12 @@ def test_speculative_greedy_on_a_prepacked_pair_is_the_targets_greedy(gamma: int
     got = speculative_generate(target, draft, prompt, 40, gamma=gamma, temperature=0.0).tokens
     assert len(expected) == 40
     assert got == expected
+
+
+@needs_onednn
+def test_a_prepacked_model_is_not_saved_with_layers_missing(tmp_path) -> None:
+    model = random_model()
+    save_model(model, tmp_path / "plain")  # the whole model: fine
+    prepack_linears(model)
+    with pytest.raises(ValueError, match="prepacked"):
+        save_model(model, tmp_path / "packed")

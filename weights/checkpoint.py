@@ -168,6 +168,11 @@ def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | 
     tensors = {}
     for name, param in model.named_parameters():  # tied weights appear once
         tensors[hf_name(name)] = param.detach().to(dtype or param.dtype).cpu().contiguous()
+    held, needed = sum(t.numel() for t in tensors.values()), model.config.num_parameters()
+    if held != needed:  # never write a checkpoint with layers missing
+        raise ValueError(f"the model holds {held:,} of the {needed:,} parameters its config describes: some layers "
+                         "were prepacked, quantized or sharded in place (model/prepack.py, model/quantize.py, "
+                         "model/tensor_parallel.py); save it before that")
     out_dtype = next(iter(tensors.values())).dtype
     config = model.config.to_hf()
     config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
