@@ -1,0 +1,69 @@
+"""What one float32 linear layer costs on this CPU for 1..8 input rows, with PyTorch's default
+matmul and with the weight reordered once for oneDNN (model/prepack.py).
+
+    python benchmarks/matmul_rows.py              # prints a markdown table
+
+Speculative decoding assumes that verifying gamma + 1 tokens costs about one decode step.
+This shows whether the machine's matmul honours that: a decode step multiplies one row,
+a verification gamma + 1 rows, by the same weights. Shapes: the shipped target's MLP
+(1024 x 384) and a Llama-2-7B projection (4096 x 4096). Medians of many calls; run it on a
+quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.prepack import PrepackedLinear, prepack_supported  # noqa: E402
+
+
+def median_us(fn, calls: int) -> float:
+    for _ in range(max(3, calls // 20)):  # warm-up
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8], help="input rows (default 1 2 5 8)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    args = parser.parse_args(argv)
+    if not prepack_supported():
+        sys.exit("error: this PyTorch build lacks the oneDNN prepacking operators")
+    torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; microseconds per call (median)\n")
+    print("| weight [out x in] | rows | PyTorch default | prepacked | default / one row | prepacked / one row |")
+    print("|---|---:|---:|---:|---:|---:|")
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features, calls in ((1024, 384, 2000), (4096, 4096, 60)):
+        weight = torch.randn(out_features, in_features, generator=generator)
+        packed = PrepackedLinear(weight)
+        first: tuple[float, float] | None = None
+        with torch.inference_mode():
+            for rows in args.rows:
+                x = torch.randn(1, rows, in_features, generator=generator)
+                plain_us = median_us(lambda: F.linear(x, weight), calls)
+                packed_us = median_us(lambda: packed(x), calls)
+                first = first or (plain_us, packed_us)
+                print(f"| {out_features} x {in_features} | {rows} | {plain_us:.1f} | {packed_us:.1f} | "
+                      f"{plain_us / first[0]:.2f} | {packed_us / first[1]:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
