@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,13 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model.prepack import PrepackedLinear, prepack_supported  # noqa: E402
 
 
-def median_us(fn, calls: int) -> float:
+def median_us(layer, x: torch.Tensor, calls: int) -> float:
+    """Median microseconds of layer(x)."""
     for _ in range(max(3, calls // 20)):  # warm-up
-        fn()
+        layer(x)
     times = []
     for _ in range(calls):
         start = time.perf_counter()
-        fn()
+        layer(x)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 
@@ -52,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features, calls in ((1024, 384, 2000), (4096, 4096, 60)):
         weight = torch.randn(out_features, in_features, generator=generator)
-        packed = PrepackedLinear(weight)
+        plain, packed = partial(F.linear, weight=weight), PrepackedLinear(weight)
         first: tuple[float, float] | None = None
         with torch.inference_mode():
             for rows in args.rows:
                 x = torch.randn(1, rows, in_features, generator=generator)
-                plain_us = median_us(lambda: F.linear(x, weight), calls)
-                packed_us = median_us(lambda: packed(x), calls)
+                plain_us = median_us(plain, x, calls)
+                packed_us = median_us(packed, x, calls)
                 first = first or (plain_us, packed_us)
                 print(f"| {out_features} x {in_features} | {rows} | {plain_us:.1f} | {packed_us:.1f} | "
                       f"{plain_us / first[0]:.2f} | {packed_us / first[1]:.2f} |")
