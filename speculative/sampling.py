@@ -79,21 +79,27 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token id per distribution: probs [..., V] -> LongTensor [...], by inverse CDF.
+    """One token id per distribution: probs [..., V] -> LongTensor [...].
 
-    With C the running sum of probs and u uniform on [0, C[-1]), the token is the first j
-    with C[j] > u, which happens with probability probs[j] / C[-1]. Tokens of probability 0
-    are never drawn (their C[j] equals C[j-1]), so sampling a one-hot distribution returns
-    its argmax: greedy decoding needs nothing else.
+    Tokens of probability 0 are never drawn, so sampling a one-hot distribution returns
+    its argmax (greedy decoding needs nothing else).
 
-    Why not torch.multinomial: on a CPU it costs about 55 microseconds per draw here, 6x
-    this, and the speculative loop draws once per drafted token and once per verification.
-    u stays strictly below C[-1]: torch.rand is at most 1 - 2^-mantissa, and rounding
-    x * (1 - 2^-mantissa) to nearest never gives back x.
+    On a CPU this draws by inverse CDF: with C the running sum of probs and u uniform on
+    [0, C[-1]), the token is the first j with C[j] > u, which happens with probability
+    probs[j] / C[-1]. torch.multinomial costs about 55 microseconds per draw on a CPU here,
+    6x this, and the speculative loop draws once per drafted token and once per
+    verification. Two facts make it exact in floating point: PyTorch's CPU cumsum adds
+    sequentially (in double for float32), so a zero-probability entry repeats C[j-1]
+    exactly and can never be the first C[j] > u; and u stays strictly below C[-1], since
+    torch.rand is at most 1 - 2^-mantissa and rounding x * (1 - 2^-mantissa) to nearest
+    never gives back x. A GPU's cumsum is a parallel scan whose rounding can break the
+    first fact, so other devices use torch.multinomial.
     """
     flat = probs.reshape(-1, probs.shape[-1])
+    if flat.device.type != "cpu":
+        return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
     cdf = flat.cumsum(-1, dtype=torch.float64 if flat.dtype == torch.float64 else torch.float32)
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).view(probs.shape[:-1])
 
 

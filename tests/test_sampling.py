@@ -118,6 +118,18 @@ def test_sample_never_draws_a_zero_probability_token() -> None:
     assert set(draws[:, 0].tolist()) == {0, 2} and set(draws[:, 1].tolist()) == {2}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sample_never_draws_a_masked_token_among_many(dtype: torch.dtype) -> None:
+    """Top-k/top-p leave long runs of exact zeros between kept tokens; none may ever come out."""
+    gen = make_generator(torch.device("cpu"), 3)
+    weights = torch.rand(64, 2048, generator=gen, dtype=dtype)
+    weights *= torch.rand(64, 2048, generator=gen) < 0.02  # about 40 kept tokens per row
+    weights[:, 7] += 1e-3  # every row keeps at least one
+    probs = weights / weights.sum(-1, keepdim=True)
+    draws = torch.stack([sample(probs, gen) for _ in range(300)])  # 19,200 draws
+    assert bool((probs.gather(-1, draws.T) > 0).all())
+
+
 def test_sample_frequencies() -> None:
     gen = make_generator(torch.device("cpu"), 1)
     probs = torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64)
