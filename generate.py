@@ -123,7 +123,8 @@ def build_parser() -> ArgumentParser:
     sampling.add_argument("--gamma", type=gamma_arg, default=DEFAULT_GAMMA,
                           help=f"draft tokens proposed per target call, an integer >= 1, or 'auto' to choose it "
                                f"before every iteration from the measured acceptance rate and cost ratio (default "
-                               f"{DEFAULT_GAMMA}: on the shipped pair 4 to 6 are about equally fast, auto a little slower)")
+                               f"{DEFAULT_GAMMA}: on the shipped pair 4 to 6 are about equally fast, auto a little "
+                               "slower)")
     sampling.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                           help="0 is greedy decoding: deterministic, and the output equals the target's own greedy "
                                "output; 1 samples from the target's distribution, as in the paper. Default 0: on "
