@@ -219,6 +219,20 @@ def test_seeded_sampling_is_reproducible() -> None:
     assert run_json(*args)["tokens"] == run_json(*args)["tokens"]
 
 
+def assert_equal_up_to_a_near_tie(got: list[int], reference: list[int], what: str) -> None:
+    """float32 greedy token lists may part only where the target's top two logits (after the
+    common prefix, computed here in float32 with PyTorch's default matmul) are a near-tie."""
+    if got == reference:
+        return
+    k = next(i for i, (a, b) in enumerate(zip(got, reference)) if a != b)
+    tokenizer = generate.load_tokenizer(TARGET)
+    model = generate.load_model(TARGET, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer.encode(generate.DEFAULT_PROMPT) + reference[:k]]))[0, -1]
+    top2 = logits.topk(2).values
+    assert float(top2[0] - top2[1]) < NEAR_TIE, f"{what} diverge at token {k} without a near-tie"
+
+
 @pytest.fixture(scope="module")
 def greedy_alone() -> dict[str, list[int]]:
     """The target's own greedy tokens, per dtype (computed once)."""
@@ -238,16 +252,7 @@ def test_greedy_float64_equals_the_target_alone(greedy_alone: dict[str, list[int
 @needs_pair
 def test_greedy_float32_differs_only_at_near_ties(greedy_alone: dict[str, list[int]]) -> None:
     spec = run_json(*PAIR, "--max-new-tokens", "40", "--dtype", "float32", "--gamma", "3")["tokens"]
-    alone = greedy_alone["float32"]
-    if spec == alone:
-        return
-    k = next(i for i, (a, b) in enumerate(zip(spec, alone)) if a != b)
-    tokenizer = generate.load_tokenizer(TARGET)
-    model = generate.load_model(TARGET, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([tokenizer.encode(generate.DEFAULT_PROMPT) + alone[:k]]))[0, -1]
-    top2 = logits.topk(2).values
-    assert float(top2[0] - top2[1]) < NEAR_TIE, f"greedy outputs diverge at token {k} without a near-tie"
+    assert_equal_up_to_a_near_tie(spec, greedy_alone["float32"], "greedy outputs")
 
 
 @needs_pair
@@ -260,14 +265,7 @@ def test_prepacking_is_on_by_default_on_cpu_float32_and_can_be_turned_off() -> N
     if prepack_supported():
         assert packed["settings"]["prepacked_layers"] > 0
     # the same greedy tokens, up to float32 near-ties (the two differ only in the order of additions)
-    if packed["tokens"] != plain["tokens"]:
-        k = next(i for i, (a, b) in enumerate(zip(packed["tokens"], plain["tokens"])) if a != b)
-        tokenizer = generate.load_tokenizer(TARGET)
-        model = generate.load_model(TARGET, dtype=torch.float32)
-        with torch.no_grad():
-            logits = model(torch.tensor([tokenizer.encode(generate.DEFAULT_PROMPT) + plain["tokens"][:k]]))[0, -1]
-        top2 = logits.topk(2).values
-        assert float(top2[0] - top2[1]) < NEAR_TIE, f"prepacked greedy output diverges at token {k}"
+    assert_equal_up_to_a_near_tie(packed["tokens"], plain["tokens"], "prepacked and plain greedy outputs")
 
 
 @needs_pair
