@@ -271,6 +271,10 @@ def _launch_entry(rank: int, fn: Callable[..., None], world_size: int, port: int
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         fn(*args)
+        if dist.is_initialized():
+            # Every rank done before any tears down: rank 0 hosts the rendezvous store, and a rank
+            # still using the group when rank 0 exits can abort in gloo's teardown.
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
