@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from model import ConfigError, Llama, ModelConfig
+from model.fuse import fuse_projections
 from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, plan
 from model.prepack import prepack_linears
 from model.tensor_parallel import broadcast_seed, init_distributed
@@ -109,6 +110,9 @@ def build_parser() -> ArgumentParser:
     pair.add_argument("--no-prepack", action="store_true",
                       help="on cpu in float32, keep PyTorch's default matmul instead of weights reordered once for "
                            "oneDNN, which make verifying several tokens cost about one step (model/prepack.py)")
+    pair.add_argument("--no-fuse", action="store_true",
+                      help="keep q/k/v and gate/up as separate products instead of stacking each group into one "
+                           "(model/fuse.py: fewer operators per decode step)")
     pair.add_argument("--threads", type=int, default=None,
                       help="torch CPU threads (default: torch's choice, normally all cores)")
 
@@ -353,6 +357,7 @@ class Loaded:
     tokenizer: Tokenizer
     load_s: float
     prepacked: int = 0  # linear layers reordered for oneDNN (model/prepack.py)
+    fused: int = 0  # q/k/v and gate/up groups stacked into one product each (model/fuse.py)
 
 
 def stats_dict(stats: Any, speculative: bool) -> dict[str, Any]:
@@ -425,10 +430,12 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
     else:
         target = load_model(dirs["target"], device=device, dtype=dtype)
         draft = None if args.no_draft else load_model(dirs["draft"], device=device, dtype=dtype)
+    models = [model for model in (target, draft) if model is not None]
+    fused = 0 if args.no_fuse else sum(fuse_projections(model) for model in models)  # before prepacking
     prepacked = 0
     if not args.no_prepack:  # a no-op off the CPU, off float32, and on int8 layers
-        prepacked = sum(prepack_linears(model) for model in (target, draft) if model is not None)
-    return Loaded(target, draft, tokenizer, time.perf_counter() - t0, prepacked), prompt_ids
+        prepacked = sum(prepack_linears(model) for model in models)
+    return Loaded(target, draft, tokenizer, time.perf_counter() - t0, prepacked, fused), prompt_ids
 
 
 def run(args: argparse.Namespace) -> int:
@@ -493,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
                     "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                     "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
                     "quantize": args.quantize, "tensor_parallel": world_size,
-                    "prepacked_layers": loaded.prepacked}
+                    "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused}
         doc = {"text": continuation_text(tokenizer, prompt_ids, tokens), "tokens": tokens,
                "prompt_tokens": len(prompt_ids), "settings": settings, "stats": stats}
         print(json.dumps(_jsonable(doc), allow_nan=False))

@@ -41,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from model.fuse import fuse_projections  # noqa: E402
 from model.prepack import prepack_linears  # noqa: E402
 from speculative import (  # noqa: E402
     autoregressive_generate,
@@ -245,10 +246,12 @@ def report(args: argparse.Namespace, methods: list[Method], results: dict[tuple[
 
 
 def prepack_note(args: argparse.Namespace) -> str:
+    fused = (f"q/k/v and gate/up stacked into one product each ({args.fused} groups, model/fuse.py)"
+             if args.fused else "projections not stacked (--no-fuse)")
     if args.prepacked:
-        return (f"; this project's runs use weights reordered once for oneDNN ({args.prepacked} linear layers, "
-                "model/prepack.py, as generate.py does), transformers' use PyTorch's default matmul")
-    return "; no weights prepacked (--no-prepack, or not a float32 CPU run)"
+        return (f"; this project's runs, as generate.py: {fused}, and weights reordered once for oneDNN "
+                f"({args.prepacked} linear layers, model/prepack.py); transformers' runs use PyTorch's defaults")
+    return f"; this project's runs: {fused}, no weights prepacked (--no-prepack, or not a float32 CPU run)"
 
 
 def refined_speedup(baseline: Runs, runs: Runs) -> float | None:
@@ -403,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prepack", action="store_true",
                         help="do not reorder this project's float32 CPU weights for oneDNN (model/prepack.py), as "
                              "generate.py --no-prepack")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="do not stack q/k/v and gate/up into one product each (model/fuse.py), as "
+                             "generate.py --no-fuse")
     parser.add_argument("--hf-gamma", type=int, default=4,
                         help="gamma of the constant-gamma assisted-generation row (default 4)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -423,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     target = load_model(args.target, device=args.device, dtype=dtype)
     draft = load_model(args.draft, device=args.device, dtype=dtype)
-    args.prepacked = 0 if args.no_prepack else prepack_linears(target) + prepack_linears(draft)  # as generate.py
+    # The same decoding set-up as generate.py: stacked projections, then prepacked weights.
+    args.fused = 0 if args.no_fuse else fuse_projections(target) + fuse_projections(draft)
+    args.prepacked = 0 if args.no_prepack else prepack_linears(target) + prepack_linears(draft)
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:args.prompts]]
     limit = min(target.config.max_seq_len, draft.config.max_seq_len)

@@ -36,9 +36,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide.to(x.dtype)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return self.weight * self._normalise(x.float()).to(x.dtype)
+        return self.weight * self._normalise(x)
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 # ----------------------------------------------------------------------------- rotary
@@ -66,17 +69,24 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [T, head_dim] for the given absolute positions (float32)."""
+    """cos and signed sin tables [T, head_dim] for the given absolute positions (float32).
+
+    Rotate-half layout: dimensions i and i + d/2 form a pair and share a frequency. The
+    sin table carries the rotation's sign, -sin on the first half and +sin on the second,
+    which is what lets :func:`apply_rope` do without a negation and a concatenation."""
     angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((angles, angles), dim=-1)  # rotate-half layout: both halves share a frequency
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    return torch.cat((angles, angles), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+d/2}) by the position's angle. x: [B, H, T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+d/2}) by the position's angle. x: [B, H, T, D].
+
+    The HF form is x * cos + cat(-x_2, x_1) * sin with x = cat(x_1, x_2); rolling x by
+    half a head gives cat(x_2, x_1), and the signed sin table supplies the minus: the same
+    products, bit for bit, in four operators instead of six (a one-token decode step of a
+    small draft is bound by the number of operators, not by arithmetic)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 # ----------------------------------------------------------------------------- cache
@@ -109,17 +119,34 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        # Set by model/fuse.py for decoding: q, k and v stacked into one layer, and the
+        # number of query and KV heads it holds; q_proj, k_proj and v_proj are then None.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_heads = (0, 0)
         self.cache: KVCache | None = None
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this module holds: all of them, or a tensor-parallel shard's share."""
+        if self.qkv_proj is not None:
+            return self.qkv_heads[1]
+        return self.k_proj.out_features // self.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 start_pos: int | None, mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # [B, T, H*D] -> [B, H, T, D]; the head count is read from the weights so that a
         # tensor-parallel shard (which holds only some heads) runs the same code.
-        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qkv_proj is None:
+            q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # the same, with one product, and one rotation for the query and key heads together
+            n_q, n_kv = self.qkv_heads
+            qkv = self.qkv_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            qk = apply_rope(qkv[:, :n_q + n_kv], cos, sin)
+            q, k, v = qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv:]
         if start_pos is not None:
             k, v = self.cache.update(start_pos, k, v)
         gqa = q.shape[1] != k.shape[1]
@@ -138,9 +165,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
         self.up_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
         self.down_proj = nn.Linear(config.hidden_dim, config.dim, bias=False)
+        # Set by model/fuse.py for decoding: gate and up stacked into one layer (gate_proj
+        # and up_proj are then None).
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -172,6 +206,7 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.cache_len = 0  # max_seq_len of the allocated cache; 0 means none
+        self.cache_batch = 0  # and its max_batch_size
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin for every cache position
 
     @property
@@ -186,14 +221,14 @@ class Llama(nn.Module):
         """Allocate (or reallocate) a zeroed KV cache for every layer, and the rotary table for it."""
         if max_seq_len > self.config.max_seq_len:
             raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
-        kv_heads = self.layers[0].self_attn.k_proj.out_features // self.config.head_dim
+        kv_heads = self.layers[0].self_attn.local_kv_heads
         for layer in self.layers:
             layer.self_attn.cache = KVCache(max_batch_size, kv_heads, max_seq_len,
                                             self.config.head_dim, self.dtype, self.device)
         inv_freq = rope_inverse_frequencies(self.config).to(self.device)
         cos, sin = rope_cos_sin(inv_freq, torch.arange(max_seq_len, device=self.device))
         self._rope = (cos.to(self.dtype), sin.to(self.dtype))
-        self.cache_len = max_seq_len
+        self.cache_len, self.cache_batch = max_seq_len, max_batch_size
 
     def forward(self, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for ``tokens`` [B, T] placed at positions start_pos.. (0 if no cache)."""
@@ -211,7 +246,7 @@ class Llama(nn.Module):
             if start_pos < 0 or end > self.cache_len:
                 raise ValueError(f"positions {start_pos}..{end - 1} fall outside the KV cache "
                                  f"(max_seq_len {self.cache_len})")
-            if batch > self.layers[0].self_attn.cache.k.shape[0]:
+            if batch > self.cache_batch:
                 raise ValueError(f"batch {batch} exceeds the cache's max_batch_size")
             cos, sin = self._rope[0][start_pos:end], self._rope[1][start_pos:end]
             # Query i sits at position start_pos+i and may see keys 0..start_pos+i.

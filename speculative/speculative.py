@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from speculative.gamma import AutoGamma
 from speculative.inputs import check_gamma, check_max_new_tokens, check_prompt, check_seed, model_device
@@ -49,17 +50,28 @@ def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, 
     iteration, then the sequence's last token or two), placed at start_pos.
     Returns the drafted tokens [gamma] and their distributions q [gamma, V]. x_gamma is
     never fed to the draft here.
+
+    Greedy (temperature 0) takes a shortcut with the same result: q_i is one-hot on the
+    argmax and sampling it returns the argmax, so x_i is the argmax and the one-hot rows
+    are built once at the end. A draft step of a small model costs about as much as the
+    operators it runs, and warping and sampling each row would add a dozen.
     """
     tokens, probs = [], []
     for _ in range(gamma):
         logits = draft(context, start_pos=start_pos)[0, -1]
         start_pos += context.shape[1]
-        q_i = warp(logits, sampling)
-        x_i = sample(q_i, generator)
+        if sampling.greedy:
+            x_i = logits.argmax()
+        else:
+            q_i = warp(logits, sampling)
+            x_i = sample(q_i, generator)
+            probs.append(q_i)
         tokens.append(x_i)
-        probs.append(q_i)
         context = x_i.view(1, 1)
-    return torch.stack(tokens), torch.stack(probs)
+    drafted = torch.stack(tokens)
+    if sampling.greedy:
+        return drafted, F.one_hot(drafted, logits.shape[-1]).to(logits.dtype)
+    return drafted, torch.stack(probs)
 
 
 def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,

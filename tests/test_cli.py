@@ -76,7 +76,7 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     for flag in ("--draft", "--target", "--prompt", "--device", "--dtype", "--gamma", "--temperature", "--top-k",
                  "--top-p", "--max-new-tokens", "--seed", "--no-draft", "--chat", "--json", "--no-color",
-                 "--no-prepack"):
+                 "--no-prepack", "--no-fuse"):
         assert flag in text
 
 
@@ -266,6 +266,17 @@ def test_prepacking_is_on_by_default_on_cpu_float32_and_can_be_turned_off() -> N
         assert packed["settings"]["prepacked_layers"] > 0
     # the same greedy tokens, up to float32 near-ties (the two differ only in the order of additions)
     assert_equal_up_to_a_near_tie(packed["tokens"], plain["tokens"], "prepacked and plain greedy outputs")
+
+
+@needs_pair
+def test_stacked_projections_are_on_by_default_and_can_be_turned_off() -> None:
+    args = (*PAIR, "--max-new-tokens", "20", "--dtype", "float32", "--no-prepack")
+    fused, plain = run_json(*args), run_json(*args, "--no-fuse")
+    assert plain["settings"]["fused_groups"] == 0
+    target_layers = json.loads((TARGET / "config.json").read_text())["num_hidden_layers"]
+    draft_layers = json.loads((DRAFT / "config.json").read_text())["num_hidden_layers"]
+    assert fused["settings"]["fused_groups"] == 2 * (target_layers + draft_layers)  # attention and MLP per block
+    assert_equal_up_to_a_near_tie(fused["tokens"], plain["tokens"], "stacked and plain greedy outputs")
 
 
 @needs_pair

@@ -208,3 +208,22 @@ def test_llama2_parameter_counts(size: str) -> None:
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == expected
     assert config.num_parameters() == expected
+
+
+# ----------------------------------------------------------------------------- rotary
+def test_rolled_rope_is_the_rotate_half_formula_bit_for_bit() -> None:
+    """apply_rope (roll + signed sin) against transformers' form x * cos + cat(-x2, x1) * sin,
+    written out here from its definition, with the unsigned sin computed independently."""
+    from model.model import apply_rope, rope_cos_sin
+
+    head_dim, positions = 64, torch.arange(40)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, signed_sin = rope_cos_sin(inv_freq, positions)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    sin = torch.cat((angles, angles), dim=-1).sin()
+    x = torch.randn(2, 3, 40, head_dim, generator=torch.Generator().manual_seed(0))
+    x1, x2 = x[..., :head_dim // 2], x[..., head_dim // 2:]
+    expected = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    assert torch.equal(apply_rope(x, cos, signed_sin), expected)
+    # and the check can fail: the sign on the wrong half is a rotation the other way
+    assert not torch.allclose(apply_rope(x, cos, -signed_sin), expected, atol=1e-3)

@@ -165,14 +165,18 @@ def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | 
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # Never write a checkpoint that is not the config's: layers prepacked, stacked, quantized or
+    # sharded in place have other names or shapes, or are gone from the parameters.
+    with torch.device("meta"):
+        expected = {name: param.shape for name, param in Llama(model.config).named_parameters()}
+    held = {name: param.shape for name, param in model.named_parameters()}
+    if held != expected:
+        raise ValueError("the model's parameters are not those its config describes: some layers were prepacked, "
+                         "stacked, quantized or sharded in place (model/prepack.py, model/fuse.py, "
+                         "model/quantize.py, model/tensor_parallel.py); save it before that")
     tensors = {}
     for name, param in model.named_parameters():  # tied weights appear once
         tensors[hf_name(name)] = param.detach().to(dtype or param.dtype).cpu().contiguous()
-    held, needed = sum(t.numel() for t in tensors.values()), model.config.num_parameters()
-    if held != needed:  # never write a checkpoint with layers missing
-        raise ValueError(f"the model holds {held:,} of the {needed:,} parameters its config describes: some layers "
-                         "were prepacked, quantized or sharded in place (model/prepack.py, model/quantize.py, "
-                         "model/tensor_parallel.py); save it before that")
     out_dtype = next(iter(tensors.values())).dtype
     config = model.config.to_hf()
     config["torch_dtype"] = str(out_dtype).removeprefix("torch.")

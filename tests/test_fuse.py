@@ -1,0 +1,128 @@
+"""Stacked projections (model/fuse.py): the same logits and generations with fewer products.
+
+Stacking q/k/v and gate/up computes the same dot products, so a fused model must agree
+with the plain one to rounding (to 1e-12 in float64), cached and uncached, with grouped-
+query heads, and the comparison must see a wrongly stacked matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from model import Llama, ModelConfig
+from model.fuse import fuse_projections
+from model.prepack import prepack_linears, prepack_supported
+from model.quantize import Int8Linear
+from speculative import autoregressive_generate, speculative_generate
+from weights import save_model
+
+# Grouped-query attention (6 query heads, 2 KV heads), so that the split of the stack matters.
+CONFIG = ModelConfig(dim=384, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=512, hidden_dim=1024,
+                     max_seq_len=64)
+
+
+def random_model(config: ModelConfig = CONFIG, seed: int = 0, dtype: torch.dtype = torch.float64) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.08)
+    return model.to(dtype).eval()
+
+
+def copy_of(model: Llama) -> Llama:
+    twin = Llama(model.config).to(model.dtype).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def max_difference(a: Llama, b: Llama, tokens: torch.Tensor) -> float:
+    """Largest logit difference over an uncached forward and a cached prefill + verification + steps."""
+    with torch.inference_mode():
+        worst = (a(tokens) - b(tokens)).abs().max().item()
+        for model in (a, b):
+            model.setup_cache(tokens.shape[0], CONFIG.max_seq_len)
+        for start, end in ((0, 30), (30, 35), (35, 36), (36, 40)):
+            worst = max(worst, (a(tokens[:, start:end], start) - b(tokens[:, start:end], start)).abs().max().item())
+    return worst
+
+
+TOKENS = torch.randint(0, CONFIG.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def test_fused_logits_equal_plain_ones() -> None:
+    plain = random_model()
+    fused = copy_of(plain)
+    assert fuse_projections(fused) == 2 * CONFIG.n_layers  # one attention and one MLP group per block
+    attention, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert attention.q_proj is None and attention.k_proj is None and mlp.gate_proj is None
+    assert attention.qkv_proj.weight.shape == ((6 + 2 * 2) * CONFIG.head_dim, CONFIG.dim)
+    assert attention.qkv_heads == (6, 2)
+    with torch.inference_mode():
+        assert plain(TOKENS).abs().max() > 1.0
+    assert max_difference(plain, fused, TOKENS) < 1e-12
+    assert fused.layers[0].self_attn.cache.k.shape[1] == 2  # the cache reads the KV head count from the stack
+    assert fuse_projections(fused) == 0  # nothing left to fuse
+
+
+@pytest.mark.parametrize("swap", ["k and v", "gate and up"])
+def test_the_comparison_sees_a_wrong_stack(swap: str) -> None:
+    """Stacking in the wrong order (k where v belongs, up where gate belongs) is caught."""
+    plain = random_model()
+    fused = copy_of(plain)
+    fuse_projections(fused)
+    kv_rows = CONFIG.n_kv_heads * CONFIG.head_dim
+    with torch.no_grad():
+        if swap == "k and v":
+            w = fused.layers[1].self_attn.qkv_proj.weight
+            k, v = w[-2 * kv_rows:-kv_rows].clone(), w[-kv_rows:].clone()
+            w[-2 * kv_rows:-kv_rows], w[-kv_rows:] = v, k
+        else:
+            w = fused.layers[1].mlp.gate_up_proj.weight
+            w.copy_(torch.cat(w.chunk(2)[::-1]))
+    assert max_difference(plain, fused, TOKENS) > 1e-3
+
+
+def test_only_plain_layers_are_stacked() -> None:
+    model = random_model(dtype=torch.float32)
+    model.layers[0].self_attn.k_proj = nn.Linear(CONFIG.dim, CONFIG.n_kv_heads * CONFIG.head_dim, bias=True)
+    second = model.layers[1]  # int8 layers are not plain nn.Linear
+    second.self_attn.q_proj = Int8Linear.from_float(second.self_attn.q_proj.weight.detach())
+    second.mlp.up_proj = Int8Linear.from_float(second.mlp.up_proj.weight.detach())
+    assert fuse_projections(model) == 1  # only the first block's MLP
+    assert model.layers[0].mlp.gate_up_proj is not None and model.layers[0].self_attn.qkv_proj is None
+    assert second.self_attn.qkv_proj is None and second.mlp.gate_up_proj is None
+
+
+@pytest.mark.skipif(not prepack_supported(), reason="this PyTorch build lacks the oneDNN prepacking operators")
+def test_fused_then_prepacked_float32_logits_equal_plain_ones() -> None:
+    plain = random_model(dtype=torch.float32)
+    fast = copy_of(plain)
+    fuse_projections(fast)
+    # qkv (640 x 384), o, gate_up (2048 x 384) and down per block, and the head
+    assert prepack_linears(fast) == 2 * 4 + 1
+    assert max_difference(plain, fast, TOKENS) < 1e-4
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 7])
+def test_speculative_greedy_on_a_fused_pair_is_the_targets_greedy(gamma: int) -> None:
+    target = random_model(seed=3)
+    draft = random_model(dataclasses.replace(CONFIG, n_layers=1), seed=4)
+    prompt = [5, 17, 42, 7]
+    expected = autoregressive_generate(target, prompt, 40, temperature=0.0).tokens
+    for model in (target, draft):
+        assert fuse_projections(model) > 0
+    got = speculative_generate(target, draft, prompt, 40, gamma=gamma, temperature=0.0).tokens
+    assert len(expected) == 40
+    assert got == expected
+
+
+def test_a_fused_model_is_not_saved(tmp_path) -> None:
+    model = random_model(dtype=torch.float32)
+    fuse_projections(model)
+    with pytest.raises(ValueError, match="stacked"):
+        save_model(model, tmp_path / "fused")
