@@ -463,8 +463,10 @@ def run(args: argparse.Namespace) -> int:
     streamer = None
     if not args.json and is_main:  # only rank 0 prints; the others compute the same tokens silently
         dtype_name = str(dtype).removeprefix("torch.") + (" with int8 weights" if args.quantize else "")
-        if loaded.prepacked:
-            dtype_name += f" ({loaded.prepacked} layers oneDNN-prepacked)"
+        tuning = [f"{loaded.fused} projection groups stacked"] if loaded.fused else []
+        tuning += [f"{loaded.prepacked} layers oneDNN-prepacked"] if loaded.prepacked else []
+        if tuning:
+            dtype_name += f" ({', '.join(tuning)})"
         if world_size > 1:
             dtype_name += f", tensor-parallel over {world_size} ranks"
         pair = f"draft {args.draft} -> target {args.target}" if speculative else f"target {args.target} alone"
