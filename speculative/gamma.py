@@ -10,14 +10,23 @@ step) / (time of a target call) the expected speedup over plain decoding is
 
     speedup(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))      (theorem 3.8)
 
-gamma="auto" (:class:`AutoGamma`) keeps exponential moving averages of alpha (fed with the
-exact per-position acceptance probabilities sum_x min(p_i, q_i) of every verified
-position) and of the two call times, and before each iteration picks the gamma in
-[1, GAMMA_MAX] that maximises speedup(gamma) for the current estimates. Until it has both
-an alpha and a c (the first iteration's times include the prompt and are not used) it
-proposes GAMMA_START. Changing gamma from one iteration to the next does not affect the
-output distribution: each emitted token has the target's distribution given everything
-before it, whatever gamma the history led to.
+gamma="auto" (:class:`AutoGamma`) estimates alpha from the exact per-position acceptance
+probabilities sum_x min(p_i, q_i) of the verified positions, and c from exponential moving
+averages of the two call times, and before each iteration picks the gamma in
+[1, GAMMA_MAX] that maximises speedup(gamma) for the current estimates. Until it has a c
+(the first iteration's times include the prompt and are not used) it proposes GAMMA_START.
+
+The alpha estimate is (S + 1) / (N + 2), Laplace's rule of succession, where S sums the
+acceptance probabilities and N counts the positions, both fading by a factor 0.95 per new
+position (about the last 20 count). A plain moving average starts from the first
+observation: in greedy decoding those are 0 or 1, so two accepted tokens made alpha 1 and
+gamma jump to 16. The two pseudo-observations keep an estimate from few positions near
+1/2 and vanish in the fading counts as evidence comes in (docs/benchmarks.md has the
+effect on the shipped pair).
+
+Changing gamma from one iteration to the next does not affect the output distribution:
+each emitted token has the target's distribution given everything before it, whatever
+gamma the history led to.
 """
 
 from __future__ import annotations
@@ -53,12 +62,15 @@ def best_gamma(alpha: float, c: float, gamma_max: int = GAMMA_MAX) -> int:
 class AutoGamma:
     """Chooses gamma before each iteration from running estimates of alpha and c."""
 
-    decay: float = 0.9  # weight of the past in the moving averages
+    decay: float = 0.9  # weight of the past in the moving averages of the call times
+    fade: float = 0.95  # per position, of the past acceptance counts
     gamma_max: int = GAMMA_MAX
     gamma: int = GAMMA_START  # the gamma to use next
     alpha: float | None = None
     draft_step_s: float | None = None
     target_call_s: float | None = None
+    accepted_mass: float = 0.0  # S: faded sum of acceptance probabilities
+    positions: float = 0.0  # N: faded count of verified positions
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -67,7 +79,10 @@ class AutoGamma:
         """Feed one iteration's measurements: the acceptance probabilities of its verified
         positions, and (None to skip) the mean time of its draft steps and of its target call."""
         for beta in overlaps:
-            self.alpha = self._average(self.alpha, beta)
+            self.accepted_mass = self.fade * self.accepted_mass + beta
+            self.positions = self.fade * self.positions + 1
+        if overlaps:
+            self.alpha = (self.accepted_mass + 1) / (self.positions + 2)
         if draft_step_s is not None and target_call_s is not None:
             self.draft_step_s = self._average(self.draft_step_s, draft_step_s)
             self.target_call_s = self._average(self.target_call_s, target_call_s)

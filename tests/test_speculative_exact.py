@@ -348,11 +348,27 @@ def test_auto_gamma_starts_at_4_then_follows_the_estimates() -> None:
     auto.update([0.9, 0.9], None, None)  # acceptance but no timing yet: stay at the start value
     assert auto.gamma == 4
     auto.update([0.8], draft_step_s=0.005, target_call_s=0.1)
-    assert auto.alpha == pytest.approx(0.9 * 0.9 + 0.1 * 0.8)  # moving average, weight 0.9 on the past
-    assert auto.gamma == brute_force_best_gamma(0.89, 0.05)
+    # Laplace's rule on counts fading by 0.95 per position: S = 0.95^2 0.9 + 0.95 0.9 + 0.8
+    mass, count = 0.95 ** 2 * 0.9 + 0.95 * 0.9 + 0.8, 0.95 ** 2 + 0.95 + 1
+    assert auto.alpha == pytest.approx((mass + 1) / (count + 2))
+    assert auto.gamma == brute_force_best_gamma((mass + 1) / (count + 2), 0.05)
     for _ in range(200):
         auto.update([1.0, 1.0, 1.0], draft_step_s=0.0001, target_call_s=0.1)
     assert auto.gamma == GAMMA_MAX
     for _ in range(200):
         auto.update([0.0], draft_step_s=0.05, target_call_s=0.1)
     assert auto.gamma == 1  # never below 1
+
+
+def test_auto_gamma_does_not_jump_on_the_first_accepted_tokens() -> None:
+    """Two fully accepted positions are weak evidence: alpha stays well below 1 and gamma
+    moves only a little (a plain moving average would make alpha 1 and gamma 16)."""
+    auto = AutoGamma()
+    auto.update([1.0, 1.0], draft_step_s=0.0005, target_call_s=0.005)
+    assert auto.alpha == pytest.approx((1.95 + 1) / (1.95 + 2))
+    assert auto.alpha < 0.8
+    assert auto.gamma <= 6
+    for _ in range(100):  # but it does follow sustained evidence
+        auto.update([1.0] * 4, draft_step_s=0.0005, target_call_s=0.005)
+    assert auto.alpha > 0.95
+    assert auto.gamma > 8
