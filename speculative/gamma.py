@@ -21,7 +21,7 @@ acceptance probabilities and N counts the positions, both fading by a factor 0.9
 position (about the last 20 count). A plain moving average starts from the first
 observation: in greedy decoding those are 0 or 1, so two accepted tokens made alpha 1 and
 gamma jump to 16. The two pseudo-observations keep an estimate from few positions near
-1/2 and vanish in the fading counts as evidence comes in (docs/benchmarks.md has the
+1/2 and vanish in the fading counts as evidence comes in (docs/algorithm.md gives the
 effect on the shipped pair).
 
 Changing gamma from one iteration to the next does not affect the output distribution:
