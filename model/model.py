@@ -84,8 +84,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
     The HF form is x * cos + cat(-x_2, x_1) * sin with x = cat(x_1, x_2); rolling x by
     half a head gives cat(x_2, x_1), and the signed sin table supplies the minus: the same
-    products, bit for bit, in four operators instead of six (a one-token decode step of a
-    small draft is bound by the number of operators, not by arithmetic)."""
+    products, bit for bit, with one roll in place of two slices, a negation and a
+    concatenation (a one-token decode step of a small draft is bound by the number of
+    operators it runs, not by arithmetic)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
