@@ -33,9 +33,8 @@ import torch
 import torch.distributed as dist
 
 from model import ConfigError, Llama, ModelConfig
-from model.fuse import fuse_projections
+from model.fuse import prepare_for_decoding
 from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, plan
-from model.prepack import prepack_linears
 from model.tensor_parallel import broadcast_seed, init_distributed
 from speculative import PairMismatchError, autoregressive_generate, check_pair, speculative_generate
 from speculative.gamma import GAMMA_MAX
@@ -430,11 +429,10 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
     else:
         target = load_model(dirs["target"], device=device, dtype=dtype)
         draft = None if args.no_draft else load_model(dirs["draft"], device=device, dtype=dtype)
-    models = [model for model in (target, draft) if model is not None]
-    fused = 0 if args.no_fuse else sum(fuse_projections(model) for model in models)  # before prepacking
-    prepacked = 0
-    if not args.no_prepack:  # a no-op off the CPU, off float32, and on int8 layers
-        prepacked = sum(prepack_linears(model) for model in models)
+    # Prepacking is a no-op off the CPU, off float32, and on int8 layers.
+    counts = [prepare_for_decoding(model, stack=not args.no_fuse, prepack=not args.no_prepack)
+              for model in (target, draft) if model is not None]
+    fused, prepacked = (sum(column) for column in zip(*counts))
     return Loaded(target, draft, tokenizer, time.perf_counter() - t0, prepacked, fused), prompt_ids
 
 

@@ -41,8 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model.fuse import fuse_projections  # noqa: E402
-from model.prepack import prepack_linears  # noqa: E402
+from model.fuse import prepare_for_decoding  # noqa: E402
 from speculative import (  # noqa: E402
     autoregressive_generate,
     expected_speedup,
@@ -429,9 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     target = load_model(args.target, device=args.device, dtype=dtype)
     draft = load_model(args.draft, device=args.device, dtype=dtype)
-    # The same decoding set-up as generate.py: stacked projections, then prepacked weights.
-    args.fused = 0 if args.no_fuse else fuse_projections(target) + fuse_projections(draft)
-    args.prepacked = 0 if args.no_prepack else prepack_linears(target) + prepack_linears(draft)
+    counts = [prepare_for_decoding(model, stack=not args.no_fuse, prepack=not args.no_prepack)
+              for model in (target, draft)]  # as generate.py
+    args.fused, args.prepacked = (sum(column) for column in zip(*counts))
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:args.prompts]]
     limit = min(target.config.max_seq_len, draft.config.max_seq_len)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from model.model import MLP, Attention
+from model.prepack import prepack_linears
 
 
 def _plain(*layers: nn.Module | None) -> bool:
@@ -60,3 +61,11 @@ def fuse_projections(model: nn.Module) -> int:
             module.gate_proj = module.up_proj = None
             fused += 1
     return fused
+
+
+def prepare_for_decoding(model: nn.Module, stack: bool = True, prepack: bool = True) -> tuple[int, int]:
+    """The decoding set-up of generate.py and the benchmarks, in the order it needs: stack
+    the projections, then prepack (model/prepack.py), which then packs the stacked weights.
+    Either step can be turned off; returns (groups stacked, layers prepacked)."""
+    stacked = fuse_projections(model) if stack else 0
+    return stacked, prepack_linears(model) if prepack else 0
