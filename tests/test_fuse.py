@@ -7,10 +7,12 @@ query heads, and the comparison must see a wrongly stacked matrix.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
+from conftest import randomize_
 from torch import nn
 
 from model import Llama, ModelConfig
@@ -26,18 +28,8 @@ CONFIG = ModelConfig(dim=384, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=51
 
 
 def random_model(config: ModelConfig = CONFIG, seed: int = 0, dtype: torch.dtype = torch.float64) -> Llama:
-    torch.manual_seed(seed)
-    model = Llama(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.08)
-    return model.to(dtype).eval()
-
-
-def copy_of(model: Llama) -> Llama:
-    twin = Llama(model.config).to(model.dtype).eval()
-    twin.load_state_dict(model.state_dict())
-    return twin
+    """Weights N(0, 0.08), sharper than init, so that logits spread and disagreements show."""
+    return randomize_(Llama(config), seed=seed, std=0.08).to(dtype).eval()
 
 
 def max_difference(a: Llama, b: Llama, tokens: torch.Tensor) -> float:
@@ -56,7 +48,7 @@ TOKENS = torch.randint(0, CONFIG.vocab_size, (2, 40), generator=torch.Generator(
 
 def test_fused_logits_equal_plain_ones() -> None:
     plain = random_model()
-    fused = copy_of(plain)
+    fused = copy.deepcopy(plain)
     assert fuse_projections(fused) == 2 * CONFIG.n_layers  # one attention and one MLP group per block
     attention, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
     assert attention.q_proj is None and attention.k_proj is None and mlp.gate_proj is None
@@ -73,7 +65,7 @@ def test_fused_logits_equal_plain_ones() -> None:
 def test_the_comparison_sees_a_wrong_stack(swap: str) -> None:
     """Stacking in the wrong order (k where v belongs, up where gate belongs) is caught."""
     plain = random_model()
-    fused = copy_of(plain)
+    fused = copy.deepcopy(plain)
     fuse_projections(fused)
     kv_rows = CONFIG.n_kv_heads * CONFIG.head_dim
     with torch.no_grad():
@@ -101,7 +93,7 @@ def test_only_plain_layers_are_stacked() -> None:
 @pytest.mark.skipif(not prepack_supported(), reason="this PyTorch build lacks the oneDNN prepacking operators")
 def test_fused_then_prepacked_float32_logits_equal_plain_ones() -> None:
     plain = random_model(dtype=torch.float32)
-    fast = copy_of(plain)
+    fast = copy.deepcopy(plain)
     fuse_projections(fast)
     # qkv (640 x 384), o, gate_up (2048 x 384) and down per block, and the head
     assert prepack_linears(fast) == 2 * 4 + 1

@@ -7,10 +7,12 @@ greedy decoding on a prepacked pair must still return the target's own greedy ou
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
+from conftest import randomize_
 from torch import nn
 
 from model import Llama, ModelConfig
@@ -27,27 +29,14 @@ CONFIG = ModelConfig(dim=384, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=51
 
 
 def random_model(config: ModelConfig = CONFIG, seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama:
-    torch.manual_seed(seed)
-    model = Llama(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08)  # sharper than init, so that logits spread and disagreements show
-        for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
-                p.fill_(1.0)
-    return model.to(dtype).eval()
-
-
-def copy_of(model: Llama) -> Llama:
-    twin = Llama(model.config).to(model.dtype).eval()
-    twin.load_state_dict(model.state_dict())
-    return twin
+    """Weights N(0, 0.08), sharper than init, so that logits spread and disagreements show."""
+    return randomize_(Llama(config), seed=seed, std=0.08).to(dtype).eval()
 
 
 @needs_onednn
 def test_prepacked_logits_equal_plain_ones() -> None:
     plain = random_model()
-    packed = copy_of(plain)
+    packed = copy.deepcopy(plain)
     count = prepack_linears(packed)
     # q, o, gate, up, down per block and the head pass the threshold; k and v (384 x 128) do not.
     assert count == 2 * 5 + 1
@@ -71,7 +60,7 @@ def test_prepacked_logits_equal_plain_ones() -> None:
 def test_the_comparison_can_fail() -> None:
     """A prepacked layer holding the wrong matrix is seen: the tolerance above is not loose."""
     plain = random_model()
-    packed = copy_of(plain)
+    packed = copy.deepcopy(plain)
     prepack_linears(packed)
     wrong = plain.layers[1].mlp.down_proj.weight.detach().clone()
     wrong[0] += 0.01  # one output feature off by a hundredth per weight
