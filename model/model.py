@@ -250,13 +250,14 @@ class Llama(nn.Module):
             if batch > self.cache_batch:
                 raise ValueError(f"batch {batch} exceeds the cache's max_batch_size")
             cos, sin = self._rope[0][start_pos:end], self._rope[1][start_pos:end]
-            # Query i sits at position start_pos+i and may see keys 0..start_pos+i.
+            # Query i sits at position start_pos+i and may see keys 0..start_pos+i: an additive
+            # mask, -inf on keys j > start_pos+i and 0 elsewhere, built once for every layer
+            # (attention would turn a boolean mask into this one in each layer).
             # A single query sees the whole prefix, so it needs no mask at all.
             mask = None
             if seq > 1:
-                keys = torch.arange(end, device=self.device)
-                queries = torch.arange(start_pos, end, device=self.device)
-                mask = keys[None, :] <= queries[:, None]
+                mask = torch.full((seq, end), float("-inf"), dtype=self.dtype, device=self.device)
+                mask = mask.triu_(start_pos + 1)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, start_pos, mask)

@@ -10,7 +10,9 @@ asks where p and q came from).
 Temperature 0 is greedy decoding. The warped distribution is then one-hot on the argmax,
 and Algorithm 1 run on one-hot p and q *is* greedy speculative decoding: p(x)/q(x) is 1
 when the draft's token is the target's argmax and 0 otherwise, and the residual
-max(0, p - q) is one-hot on the target's argmax. No separate code path is needed.
+max(0, p - q) is one-hot on the target's argmax. No separate code path is needed for
+correctness; the loop takes shortcuts that give the same tokens with fewer operators
+(argmax in place of sampling a one-hot row, speculative.verify.verify_greedy).
 
 All randomness of a generation call comes from one ``torch.Generator`` (:func:`make_generator`).
 """

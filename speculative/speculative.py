@@ -10,6 +10,8 @@ One iteration, with L tokens in the sequence so far (prompt + output):
 2. Target (line 4): ONE call on [last token, x_1..x_gamma] gives p_1..p_{gamma+1}.
 3. Verify (lines 5-9, :func:`speculative.verify.verify_step`): keep x_1..x_n, then one
    token t from the residual at the first rejection, or the bonus token from p_{gamma+1}.
+   At temperature 0 p and q are one-hot, and :func:`speculative.verify.verify_greedy`
+   computes the same outcome by comparing argmaxes.
 4. Emit x_1..x_n, t (line 10), and roll back with the models' start_pos convention
    (docs/kv_cache.md): a call at start_pos s overwrites the cache from s on, so each model
    only needs to remember the next slot to feed. With L' = L + n + 1 the new length:
@@ -37,7 +39,7 @@ from speculative.inputs import check_gamma, check_max_new_tokens, check_prompt, 
 from speculative.pair import check_pair
 from speculative.sampling import Sampling, make_generator, sample, warp
 from speculative.stats import GenerationResult, SpeculativeStats, clock
-from speculative.verify import verify_step
+from speculative.verify import verify_greedy, verify_step
 
 Callback = Callable[[list[int], list[bool]], None]
 
@@ -131,12 +133,13 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
             t1 = clock(device)
             # line 4: one target call over the g+1 positions L-1 .. L+g-1
             feed = torch.cat([seq[:, target_next:length], drafted.view(1, -1)], dim=1)
-            p = warp(target(feed, start_pos=target_next)[0, -(g + 1):], sampling)
+            logits = target(feed, start_pos=target_next)[0, -(g + 1):]
             t2 = clock(device)
-            if g == 0:
-                q = p[:0]  # nothing drafted: t comes from p_1 alone
-
-            step = verify_step(p, q, drafted, generator)  # lines 5-9
+            if sampling.greedy:  # lines 5-9 with one-hot p and q: a comparison of argmaxes
+                step = verify_greedy(logits.argmax(-1), drafted)
+            else:  # lines 5-9
+                p = warp(logits, sampling)
+                step = verify_step(p, q if g > 0 else p[:0], drafted, generator)  # g = 0: t from p_1 alone
             stats.record(g, step.accepted, step.overlap)
             stats.draft_time_s += t1 - t0
             stats.target_time_s += t2 - t1

@@ -157,6 +157,34 @@ def test_one_step_identity_catches_broken_rules(acceptance: Acceptance, residual
     assert not torch.allclose(one_step_distribution(p, q, acceptance, residual), p, atol=1e-3, rtol=0)
 
 
+def shifted_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> verify.Verification:
+    """Broken on purpose: x_i compared with the target's choice one position later."""
+    return verify.verify_greedy(torch.cat([target_choice[1:], target_choice[-1:]]), drafted)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_verify_greedy_is_verify_step_on_one_hot_distributions(broken: bool) -> None:
+    """At temperature 0 the loop calls verify_greedy instead of verify_step on one-hot p and
+    q: both must give the same tokens, count and overlaps, ties included (integer logits)."""
+    check = shifted_greedy if broken else verify.verify_greedy
+    gen = torch.Generator().manual_seed(0)
+    greedy, differences = Sampling(temperature=0), 0
+    for case in range(300):
+        gamma, vocab = 1 + case % 6, 2 + case % 5
+        target_logits = torch.randint(0, 3, (gamma + 1, vocab), generator=gen).double()
+        draft_logits = torch.randint(0, 3, (gamma, vocab), generator=gen).double()
+        # a draft that often agrees with the target, so that long accepted runs occur
+        agree = torch.rand(gamma, generator=gen) < 0.7
+        draft_logits[agree] = target_logits[:gamma][agree]
+        p, q = warp(target_logits, greedy), warp(draft_logits, greedy)
+        drafted = draft_logits.argmax(-1)
+        expected = verify.verify_step(p, q, drafted, torch.Generator().manual_seed(case))
+        got = check(target_logits.argmax(-1), drafted)
+        differences += (got.tokens, got.accepted, got.overlap) != (expected.tokens, expected.accepted,
+                                                                   expected.overlap)
+    assert (differences > 30) if broken else (differences == 0)
+
+
 # ----------------------------------------------------------------------------- several steps
 def speculative_distribution(target: NGramModel, draft: NGramModel, prompt: tuple[int, ...], gamma: int,
                              length: int, sampling: Sampling,
