@@ -23,6 +23,8 @@ leaves the model untouched where they are missing or disagree with ``F.linear``.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,14 +75,20 @@ def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
 
     Does nothing (returns 0) on other devices or dtypes, where PyTorch's kernels do not
     repack per call, or when this build lacks the oneDNN operators. Subclasses of
-    ``nn.Linear`` (tensor parallelism's all-reducing layer) and layers with a bias are
-    left alone. Call it after loading, for inference only.
+    ``nn.Linear`` (tensor parallelism's all-reducing layer), layers with a bias and layers
+    whose weight is tied to another module's are left alone. Call it after loading, for inference only.
     """
+    # A weight held by more than one module (an output head tied to the embeddings) stays
+    # as it is: the packed copy would sit beside the original, doubling its memory (1 GB
+    # more for a Llama-3.2-1B head in float32), and the extra copy to stream through the
+    # caches made the shipped draft's step slower, not faster.
+    holders = Counter(id(weight) for module in model.modules() for weight in module.parameters(recurse=False))
     candidates = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if (type(child) is nn.Linear and child.bias is None and child.weight.numel() >= min_elements
-                    and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32):
+                    and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32
+                    and holders[id(child.weight)] == 1):
                 candidates.append((parent, name, child))
     if not candidates or not prepack_supported():
         return 0

@@ -91,6 +91,17 @@ def test_only_plain_large_float32_cpu_layers_are_swapped() -> None:
 
 
 @needs_onednn
+def test_a_tied_output_head_is_not_packed() -> None:
+    """A packed copy of a head tied to the embeddings would double that matrix's memory."""
+    tied = random_model(dataclasses.replace(CONFIG, tie_word_embeddings=True))
+    untied = random_model()
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    assert prepack_linears(untied) == 2 * 5 + 1 and isinstance(untied.lm_head, PrepackedLinear)
+    assert prepack_linears(tied) == 2 * 5 and type(tied.lm_head) is nn.Linear
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+
+
+@needs_onednn
 @pytest.mark.parametrize("gamma", [1, 4, 7])
 def test_speculative_greedy_on_a_prepacked_pair_is_the_targets_greedy(gamma: int) -> None:
     target = random_model(seed=3)
