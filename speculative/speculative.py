@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from speculative.gamma import AutoGamma
 from speculative.inputs import check_gamma, check_max_new_tokens, check_prompt, check_seed, model_device
@@ -45,7 +44,7 @@ Callback = Callable[[list[int], list[bool]], None]
 
 
 def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, sampling: Sampling,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Algorithm 1, lines 1-3: for i = 1..gamma, q_i = M_q(prefix + x_1..x_{i-1}) and x_i ~ q_i.
 
     context: [1, T] tokens the draft has not seen yet (T >= 1: the prompt on the first
@@ -54,9 +53,10 @@ def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, 
     never fed to the draft here.
 
     Greedy (temperature 0) takes a shortcut with the same result: q_i is one-hot on the
-    argmax and sampling it returns the argmax, so x_i is the argmax and the one-hot rows
-    are built once at the end. A draft step of a small model costs about as much as the
-    operators it runs, and warping and sampling each row would add a dozen.
+    argmax and sampling it returns the argmax, so x_i is the argmax. q is then None: it is
+    one-hot on the drafted tokens, and verify_greedy needs only the tokens. A draft step of
+    a small model costs about as much as the operators it runs, and warping and sampling
+    each row would add a dozen.
     """
     tokens, probs = [], []
     for _ in range(gamma):
@@ -70,10 +70,7 @@ def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, 
             probs.append(q_i)
         tokens.append(x_i)
         context = x_i.view(1, 1)
-    drafted = torch.stack(tokens)
-    if sampling.greedy:
-        return drafted, F.one_hot(drafted, logits.shape[-1]).to(logits.dtype)
-    return drafted, torch.stack(probs)
+    return torch.stack(tokens), None if sampling.greedy else torch.stack(probs)
 
 
 def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,

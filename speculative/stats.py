@@ -46,7 +46,7 @@ class SpeculativeStats:
     gamma_history: list[int] = field(default_factory=list)  # drafted tokens per iteration
     overlap_sum: float = 0.0  # sum over verified positions of sum_x min(p, q)
     draft_time_s: float = 0.0  # wall time drafting (draft forwards, warping, sampling)
-    target_time_s: float = 0.0  # wall time in target forwards and warping
+    target_time_s: float = 0.0  # wall time in target forwards (verification is loop work)
     decode_time_s: float = 0.0  # wall time of the generation loop
     # The first iteration also reads the prompt; decode speed leaves it out.
     first_iteration_s: float = 0.0
