@@ -249,6 +249,52 @@ def plan(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: to
                       draft_kv=per_pos_draft * context, workspace=workspace, max_context=int(max_context))
 
 
+TP_SIZES = (2, 4, 8, 16, 32, 64)  # tensor-parallel sizes a suggestion may propose
+
+
+def cheapest_fit(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: torch.dtype = torch.bfloat16,
+                 tp_size: int = 1, quantize: str | None = None, device_name: str = "h200",
+                 context: int | None = None) -> str | None:
+    """The cheapest single change of generate.py flags that makes a plan that does not fit fit, or None.
+
+    "Cheapest" in what it asks of the user, tried in this order: ``--dtype bfloat16`` when
+    the plan is for 4- or 8-byte weights (the default on a GPU); ``--quantize int8`` on the
+    same GPUs (no hardware, a small quality cost, benchmarks/int8_quality.py); then the
+    fewest more GPUs of the same kind (``--tp``); then one bigger GPU (``--plan-device``);
+    then int8 on the fewest more GPUs. None when none of those fits (nor when the plan
+    already fits): then only a smaller pair or a shorter context helps, which the plan's
+    "longest context that fits" already says.
+    """
+    def fits(**changes: object) -> bool:
+        settings: dict[str, object] = dict(dtype=dtype, tp_size=tp_size, quantize=quantize,
+                                           device_name=device_name, context=context)
+        settings.update(changes)
+        try:
+            return plan(config_target, config_draft, **settings).fits  # type: ignore[arg-type]
+        except ValueError:  # a split the heads do not allow (TensorParallelError), an unusable device
+            return False
+
+    if fits():
+        return None
+    more_gpus = [tp for tp in TP_SIZES if tp > tp_size]
+    if dtype_bytes(dtype) > 2 and fits(dtype=torch.bfloat16):
+        return "--dtype bfloat16"
+    if quantize is None and fits(quantize="int8"):
+        return "--quantize int8"
+    for tp in more_gpus:
+        if fits(tp_size=tp):
+            return f"--tp {tp} (run with torchrun --nproc-per-node {tp} generate.py ...)"
+    capacity = plan(config_target, config_draft, dtype, tp_size, context, quantize, device_name).capacity
+    for name, spec in sorted(DEVICES.items(), key=lambda item: item[1].memory_bytes):
+        if spec.memory_bytes > capacity and fits(device_name=name):
+            return f"--plan-device {name} (a {spec.name})"
+    if quantize is None:
+        for tp in more_gpus:
+            if fits(quantize="int8", tp_size=tp):
+                return f"--quantize int8 --tp {tp} (run with torchrun --nproc-per-node {tp} generate.py ...)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m model.memory --draft 7b --target 70b --tp 2 --device h200``: Llama-2 shapes only."""
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -13,6 +13,12 @@ Calling convention (the contract the rest of the project relies on):
 * ``model(tokens, start_pos=p)``: write keys/values for positions p..p+T-1 into
   the cache and attend to positions < p+T. Rolling back is calling again with a
   smaller ``start_pos``: entries past it are simply overwritten later.
+* ``model(tokens, ..., return_hidden=True)``: ``(logits, hidden)``, where hidden [B, T, dim]
+  is what the output head reads (the final norm's output), from the same forward.
+* ``model(tokens, start_pos=p, positions=pos, mask=m)``: the same writes to slots p..p+T-1,
+  but token i is rotated as position pos[i] and sees new token j only where m[i, j] (every
+  token still sees all slots < p). ``model.keep_cache(slots, dst)`` copies chosen slots'
+  keys and values to dst, dst+1, ... These say nothing of what the caller builds with them.
 """
 
 from __future__ import annotations
@@ -79,6 +85,56 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return torch.cat((angles, angles), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
 
 
+def rope_tables(config: ModelConfig, length: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin tables [length, head_dim] for positions 0..length-1, in ``dtype``."""
+    inv_freq = rope_inverse_frequencies(config).to(device)
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(length, device=device))
+    return cos.to(dtype), sin.to(dtype)
+
+
+def causal_mask(seq: int, start_pos: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The additive mask of a cached call of ``seq`` queries at positions start_pos..: query i
+    may see keys 0..start_pos+i, so -inf on keys j > start_pos+i and 0 elsewhere. Built once
+    for every layer (attention would turn a boolean mask into this one in each layer). A
+    single query sees the whole prefix and needs no mask at all (None)."""
+    if seq == 1:
+        return None
+    return torch.full((seq, start_pos + seq), float("-inf"), dtype=dtype, device=device).triu_(start_pos + 1)
+
+
+def explicit_rope(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                  seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the rotary tables for explicit positions [seq], in any order, repeats allowed:
+    a token's rotation depends on the position it is given, not on the cache slot it goes to."""
+    positions = torch.as_tensor(positions, device=rope[0].device)
+    if positions.shape != (seq,) or positions.dtype != torch.long:
+        raise ValueError(f"positions must be a LongTensor of shape ({seq},), one per new token; "
+                         f"got {positions.dtype} of shape {tuple(positions.shape)}")
+    low, high = (int(v) for v in torch.aminmax(positions))  # one sync, on this path only
+    if low < 0 or high >= rope[0].shape[0]:
+        raise ValueError(f"positions {low}..{high} fall outside the rotary table (0..{rope[0].shape[0] - 1})")
+    return rope[0][positions], rope[1][positions]
+
+
+def explicit_mask(mask: torch.Tensor, start_pos: int, seq: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """The additive mask [seq, start_pos+seq] of a cached call whose new tokens see each other as
+    the boolean ``mask`` [seq, seq] says (True: query i may attend new token j) and all see every
+    cached slot < start_pos. A row with no True is allowed, since the token still sees the
+    cache, unless start_pos is 0: then it would see nothing and softmax would give NaN."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (seq, seq):
+        got = f"{mask.dtype} of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a BoolTensor of shape ({seq}, {seq}) over the new tokens; got {got}")
+    mask = mask.to(device)
+    if start_pos == 0 and not bool(mask.any(dim=1).all()):
+        raise ValueError("with start_pos 0 every row of the mask needs a True: a token that sees no "
+                         "new token and no cached slot has nothing to attend")
+    full = torch.zeros((seq, start_pos + seq), dtype=dtype, device=device)
+    full[:, start_pos:].masked_fill_(~mask, float("-inf"))
+    return full
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x_i, x_{i+d/2}) by the position's angle. x: [B, H, T, D].
 
@@ -107,6 +163,33 @@ class KVCache(nn.Module):
         self.k[:batch, :, start_pos:end] = k
         self.v[:batch, :, start_pos:end] = v
         return self.k[:batch, :, :end], self.v[:batch, :, :end]
+
+    def keep(self, slots: torch.Tensor, dst_start: int) -> None:
+        """Copy the entries of ``slots`` (in order) into slots dst_start, dst_start+1, ... of every
+        batch row. index_select gathers them into a new tensor before anything is written, so
+        sources and destinations may overlap. Keys are moved as they are, not re-rotated."""
+        end = dst_start + slots.shape[0]
+        self.k[:, :, dst_start:end] = self.k.index_select(2, slots)
+        self.v[:, :, dst_start:end] = self.v.index_select(2, slots)
+
+
+def slots_to_keep(slots: torch.Tensor | list[int], dst_start: int, cache_len: int,
+                  device: torch.device) -> torch.Tensor:
+    """``slots`` as a LongTensor on ``device``, after checking that they and their destinations
+    dst_start.. lie inside a cache of ``cache_len`` slots (for :meth:`KVCache.keep`)."""
+    if not isinstance(slots, torch.Tensor):
+        slots = torch.tensor(list(slots), dtype=torch.long)
+    if slots.dim() != 1 or slots.dtype != torch.long:
+        raise ValueError(f"slots to keep must be a LongTensor [n] or a list of ints; "
+                         f"got {slots.dtype} of shape {tuple(slots.shape)}")
+    slots = slots.to(device)
+    if dst_start < 0 or dst_start + len(slots) > cache_len:
+        raise ValueError(f"keeping {len(slots)} slots at {dst_start}.. falls outside the KV cache ({cache_len})")
+    if len(slots):
+        low, high = (int(v) for v in torch.aminmax(slots))
+        if low < 0 or high >= cache_len:
+            raise ValueError(f"slots {low}..{high} fall outside the KV cache ({cache_len})")
+    return slots
 
 
 # ----------------------------------------------------------------------------- layers
@@ -226,20 +309,41 @@ class Llama(nn.Module):
         for layer in self.layers:
             layer.self_attn.cache = KVCache(max_batch_size, kv_heads, max_seq_len,
                                             self.config.head_dim, self.dtype, self.device)
-        inv_freq = rope_inverse_frequencies(self.config).to(self.device)
-        cos, sin = rope_cos_sin(inv_freq, torch.arange(max_seq_len, device=self.device))
-        self._rope = (cos.to(self.dtype), sin.to(self.dtype))
+        self._rope = rope_tables(self.config, max_seq_len, self.device, self.dtype)
         self.cache_len, self.cache_batch = max_seq_len, max_batch_size
 
-    def forward(self, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] for ``tokens`` [B, T] placed at positions start_pos.. (0 if no cache)."""
+    def keep_cache(self, src_slots: torch.Tensor | list[int], dst_start: int) -> None:
+        """In every layer, copy the keys and values of ``src_slots`` (in that order) into slots
+        dst_start, dst_start+1, ...; overlapping sources and destinations are fine. Slots after
+        the copied ones are left as they are (the next call's start_pos decides what counts)."""
+        if self._rope is None:
+            raise RuntimeError("model.keep_cache(...) needs model.setup_cache(...) first")
+        slots = slots_to_keep(src_slots, dst_start, self.cache_len, self.device)
+        for layer in self.layers:
+            layer.self_attn.cache.keep(slots, dst_start)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int | None = None, return_hidden: bool = False,
+                positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, T, vocab] for ``tokens`` [B, T] placed at positions start_pos.. (0 if no cache).
+
+        With return_hidden, also the hidden states [B, T, dim] the output head read: the final
+        norm's output, in the model's dtype (a drafter that reads the target's features wants
+        them, and a second forward to get them would cost a whole step).
+
+        A cached call may also say how the new tokens relate, the same for every batch row:
+        ``positions`` (LongTensor [T]) are the absolute positions that rotate them (default
+        start_pos..start_pos+T-1), and ``mask`` (BoolTensor [T, T], True where new token i may
+        attend new token j; default causal) which new tokens each one sees. The tokens still go
+        to slots start_pos..start_pos+T-1, and each sees all slots < start_pos whatever the mask
+        says (so a row of False sees only those; at start_pos 0 that is nothing: a ValueError)."""
         batch, seq = tokens.shape
         if start_pos is None:
+            if positions is not None or mask is not None:
+                raise ValueError("positions and mask are for a cached call: pass start_pos too")
             if seq > self.config.max_seq_len:
                 raise ValueError(f"{seq} tokens exceed the model's max_seq_len {self.config.max_seq_len}")
-            inv_freq = rope_inverse_frequencies(self.config).to(self.device)
-            cos, sin = rope_cos_sin(inv_freq, torch.arange(seq, device=self.device))
-            cos, sin, mask = cos.to(self.dtype), sin.to(self.dtype), None
+            (cos, sin), mask = rope_tables(self.config, seq, self.device, self.dtype), None
         else:
             if self._rope is None:
                 raise RuntimeError("model(tokens, start_pos=...) needs model.setup_cache(...) first")
@@ -249,17 +353,19 @@ class Llama(nn.Module):
                                  f"(max_seq_len {self.cache_len})")
             if batch > self.cache_batch:
                 raise ValueError(f"batch {batch} exceeds the cache's max_batch_size")
-            cos, sin = self._rope[0][start_pos:end], self._rope[1][start_pos:end]
-            # Query i sits at position start_pos+i and may see keys 0..start_pos+i: an additive
-            # mask, -inf on keys j > start_pos+i and 0 elsewhere, built once for every layer
-            # (attention would turn a boolean mask into this one in each layer).
-            # A single query sees the whole prefix, so it needs no mask at all.
-            mask = None
-            if seq > 1:
-                mask = torch.full((seq, end), float("-inf"), dtype=self.dtype, device=self.device)
-                mask = mask.triu_(start_pos + 1)
+            if positions is None:
+                cos, sin = self._rope[0][start_pos:end], self._rope[1][start_pos:end]
+            else:
+                cos, sin = explicit_rope(self._rope, positions, seq)
+            # From here on `mask` is the additive float mask every layer reads, built once.
+            if mask is None:
+                mask = causal_mask(seq, start_pos, self.dtype, self.device)
+            else:
+                mask = explicit_mask(mask, start_pos, seq, self.dtype, self.device)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, start_pos, mask)
-        logits = self.lm_head(self.norm(x))
-        return logits if logits.dtype == torch.float64 else logits.float()
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        return (logits, hidden) if return_hidden else logits

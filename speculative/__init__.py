@@ -2,6 +2,9 @@
 
 * :mod:`speculative.sampling`: logits -> probabilities (temperature, top-k, top-p), sampling.
 * :mod:`speculative.verify`: the acceptance test, the residual distribution, one verification step.
+* :mod:`speculative.drafter`: what proposes tokens (:class:`Drafter`), and a small model as one (:class:`ModelDrafter`).
+* :mod:`speculative.lookup`: prompt lookup (:class:`PromptLookupDrafter`); :mod:`speculative.eagle`: a head
+  that drafts from the target's features (:class:`FeatureDrafter`).
 * :mod:`speculative.speculative`: the loop (:func:`speculative_generate`).
 * :mod:`speculative.autoregressive`: the baseline (:func:`autoregressive_generate`).
 * :mod:`speculative.stats`: what a call measured; :mod:`speculative.gamma`: the cost model and gamma="auto".
@@ -10,10 +13,14 @@
 """
 
 from speculative.autoregressive import autoregressive_generate
+from speculative.drafter import Draft, Drafter, ModelDrafter, as_drafter, draft_tokens
+from speculative.eagle import FeatureDrafter
 from speculative.gamma import AutoGamma, best_gamma, expected_speedup, expected_tokens_per_iteration
+from speculative.inputs import NonFiniteLogitsError
+from speculative.lookup import PromptLookupDrafter
 from speculative.pair import PairMismatchError, check_pair
 from speculative.sampling import Sampling, sample, warp
-from speculative.speculative import draft_tokens, speculative_generate
+from speculative.speculative import speculative_generate
 from speculative.stats import AutoregressiveStats, GenerationResult, SpeculativeStats
 from speculative.verify import (
     Verification,
@@ -24,8 +31,9 @@ from speculative.verify import (
 )
 
 __all__ = [
-    "AutoGamma", "AutoregressiveStats", "GenerationResult", "PairMismatchError", "Sampling", "SpeculativeStats",
-    "Verification", "acceptance_probability", "autoregressive_generate", "best_gamma", "check_pair", "draft_tokens",
-    "expected_acceptance", "expected_speedup", "expected_tokens_per_iteration", "residual_distribution", "sample",
-    "speculative_generate", "verify_step", "warp",
+    "AutoGamma", "AutoregressiveStats", "Draft", "Drafter", "FeatureDrafter", "GenerationResult", "ModelDrafter",
+    "NonFiniteLogitsError", "PairMismatchError", "PromptLookupDrafter", "Sampling", "SpeculativeStats",
+    "Verification", "acceptance_probability", "as_drafter", "autoregressive_generate", "best_gamma", "check_pair",
+    "draft_tokens", "expected_acceptance", "expected_speedup", "expected_tokens_per_iteration",
+    "residual_distribution", "sample", "speculative_generate", "verify_step", "warp",
 ]

@@ -14,9 +14,16 @@ from typing import Any
 
 import torch
 
-from speculative.inputs import check_max_new_tokens, check_prompt, check_seed, model_device
+from speculative.inputs import (
+    NonFiniteLogitsError,
+    check_finite,
+    check_max_new_tokens,
+    check_prompt,
+    check_seed,
+    model_device,
+)
 from speculative.sampling import Sampling, make_generator, sample, warp
-from speculative.stats import AutoregressiveStats, GenerationResult, clock
+from speculative.stats import AutoregressiveStats, GenerationResult, clock, stop_reason
 
 Callback = Callable[[list[int], list[bool]], None]
 
@@ -28,8 +35,10 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
     """Sample up to ``max_new_tokens`` tokens from ``model`` after ``prompt_ids``.
 
     Stops after max_new_tokens, after emitting eos_id, or when prompt + output reaches the
-    model's max_seq_len. ``callback(new_ids, from_draft)`` is called with each token
-    (from_draft is always [False]). Returns the new token ids and AutoregressiveStats.
+    model's max_seq_len (stats.stop_reason says which). ``callback(new_ids, from_draft)`` is
+    called with each token (from_draft is always [False]). Returns the new token ids and
+    AutoregressiveStats. Raises NonFiniteLogitsError if the model's logits are not finite:
+    at once when tokens are seen one by one, else when the loop ends (no token is returned).
     """
     wall_start = time.perf_counter()
     sampling = Sampling(temperature, top_k, top_p)
@@ -47,6 +56,7 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
         feed = torch.tensor([prompt], device=device)
         on_device: list[torch.Tensor] = []  # tokens not yet copied to the host
         per_token = eos_id is not None or callback is not None
+        finite = torch.ones((), dtype=torch.bool, device=device)  # all logits so far, without a host read per token
         start_pos = 0
         start = clock(device)
         for _ in range(steps):
@@ -60,17 +70,22 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
             if stats.target_calls == 1:  # the prompt's forward: timed apart from decoding
                 stats.first_call_s = clock(device) - start
             if not per_token:
+                finite &= torch.isfinite(logits.amax(-1)).all()  # as check_finite, without the host read
                 on_device.append(token)
                 continue
+            check_finite(logits)
             value = int(token)
             tokens.append(value)
             if callback is not None:
                 callback([value], [False])
             if value == eos_id:
                 break
+        if not bool(finite):
+            raise NonFiniteLogitsError()
         if on_device:
             tokens = torch.stack(on_device).tolist()
         stats.target_time_s = clock(device) - start
     stats.new_tokens = len(tokens)
+    stats.stop_reason = stop_reason(tokens, eos_id, max_new_tokens)
     stats.wall_time_s = time.perf_counter() - wall_start
     return GenerationResult(tokens=tokens, stats=stats)

@@ -18,11 +18,14 @@ class PairMismatchError(ValueError):
 def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> None:
     """Raise PairMismatchError unless draft and target share a vocabulary.
 
-    Compares ``config.vocab_size`` always, and ``tokenizer.fingerprint()`` (the serialized
-    tokenizer, see weights/tokenizer.py) when both tokenizers are given.
+    Compares ``config.vocab_size`` always (a drafter's ``vocab_size``; None for a drafter
+    that only proposes ids taken from the sequence, such as prompt lookup), and
+    ``tokenizer.fingerprint()`` (the serialized tokenizer, see weights/tokenizer.py) when
+    both tokenizers are given.
     """
-    v_target, v_draft = target.config.vocab_size, draft.config.vocab_size
-    if v_target != v_draft:
+    v_target = target.config.vocab_size
+    v_draft = draft.config.vocab_size if hasattr(draft, "config") else draft.vocab_size
+    if v_draft is not None and v_target != v_draft:
         raise PairMismatchError(
             f"the draft's vocabulary has {v_draft} tokens but the target's has {v_target}: "
             "speculative decoding needs both models to share one vocabulary"

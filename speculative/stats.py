@@ -20,7 +20,15 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from speculative.gamma import expected_speedup, expected_tokens_per_iteration
+from speculative.gamma import expected_tokens_per_iteration
+
+
+def stop_reason(new_tokens: list[int], eos_id: int | None, max_new_tokens: int) -> str:
+    """Why a generation call stopped: it emitted EOS, it reached max_new_tokens, or else the
+    sequence filled the context (max_seq_len)."""
+    if new_tokens and eos_id is not None and new_tokens[-1] == eos_id:
+        return "eos"
+    return "max_new_tokens" if len(new_tokens) >= max_new_tokens else "max_seq_len"
 
 
 def clock(device: torch.device) -> float:
@@ -36,14 +44,14 @@ class SpeculativeStats:
 
     gamma_setting: int | str  # what was asked for: an int, or "auto"
     target_calls: int = 0  # target forwards = iterations (the prompt rides along with the first)
-    draft_calls: int = 0  # draft forwards, one per drafted token
+    draft_calls: int = 0  # the drafter's forwards (one per drafted token for a model, 0 for a lookup)
     new_tokens: int = 0
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0  # as verified: accepted tokens cut off after an EOS still count
     # [i]: how often draft position i+1 was accepted / was verified (all earlier ones accepted)
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
-    gamma_history: list[int] = field(default_factory=list)  # drafted tokens per iteration
+    gamma_history: list[int] = field(default_factory=list)  # positions drafted ahead per iteration (tree: depth)
     overlap_sum: float = 0.0  # sum over verified positions of sum_x min(p, q)
     draft_time_s: float = 0.0  # wall time drafting (draft forwards, warping, sampling)
     target_time_s: float = 0.0  # wall time in target forwards (verification is loop work)
@@ -52,12 +60,14 @@ class SpeculativeStats:
     first_iteration_s: float = 0.0
     first_iteration_tokens: int = 0
     wall_time_s: float = 0.0  # the whole call, cache allocation included
+    stop_reason: str | None = None  # "eos", "max_new_tokens" or "max_seq_len"
 
-    def record(self, gamma: int, accepted: int, overlaps: list[float]) -> None:
-        """Count one iteration that drafted `gamma` tokens and accepted `accepted` of them."""
+    def record(self, gamma: int, calls: int, accepted: int, overlaps: list[float], drafted: int | None = None) -> None:
+        """Count one iteration that drafted `gamma` positions ahead (`drafted` tokens: more for
+        a tree, whose depth is gamma) with `calls` drafter forwards and accepted `accepted`."""
         self.target_calls += 1
-        self.draft_calls += gamma
-        self.drafted_tokens += gamma
+        self.draft_calls += calls
+        self.drafted_tokens += gamma if drafted is None else drafted
         self.accepted_draft_tokens += accepted
         self.gamma_history.append(gamma)
         verified = min(accepted + 1, gamma)
@@ -103,22 +113,34 @@ class SpeculativeStats:
 
     @property
     def cost_ratio(self) -> float | None:
-        """c: mean time of one draft step / mean time of one target call."""
-        if not self.draft_calls or not self.target_calls or not self.target_time_s:
+        """c: drafting time per position drafted ahead / mean time of one target call. For a
+        model drafter that is one draft step per token, the paper's c; a tree costs one
+        call per depth."""
+        ahead = sum(self.gamma_history)
+        if not ahead or not self.target_calls or not self.target_time_s:
             return None
-        return (self.draft_time_s / self.draft_calls) / (self.target_time_s / self.target_calls)
+        return (self.draft_time_s / ahead) / (self.target_time_s / self.target_calls)
 
     @property
     def predicted_tokens_per_target_call(self) -> float | None:
-        """(1 - alpha^(gamma+1)) / (1 - alpha) with this run's alpha and gamma."""
-        alpha, gamma = self.acceptance_rate, self.gamma
-        return None if alpha is None or gamma is None else expected_tokens_per_iteration(alpha, gamma)
+        """The paper's eq. 1, (1 - alpha^(g+1)) / (1 - alpha), with this run's alpha, averaged
+        over the g each iteration actually drafted (near max_new_tokens, the context's end or
+        a lookup without a match it drafts fewer than gamma, or none)."""
+        alpha = self.acceptance_rate
+        if alpha is None or not self.gamma_history:
+            return None
+        return sum(expected_tokens_per_iteration(alpha, g) for g in self.gamma_history) / len(self.gamma_history)
 
     @property
     def predicted_speedup(self) -> float | None:
-        """(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) with this run's alpha, gamma and c."""
-        alpha, gamma, c = self.acceptance_rate, self.gamma, self.cost_ratio
-        return None if alpha is None or gamma is None or c is None else expected_speedup(alpha, gamma, c)
+        """Theorem 3.8 over the iterations of this run: the expected tokens of every iteration,
+        sum (1 - alpha^(g_i+1)) / (1 - alpha), over its expected cost in target calls,
+        sum (g_i c + 1); for a fixed g that is (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1))."""
+        alpha, c = self.acceptance_rate, self.cost_ratio
+        if alpha is None or c is None or not self.gamma_history:
+            return None
+        tokens = sum(expected_tokens_per_iteration(alpha, g) for g in self.gamma_history)
+        return tokens / sum(g * c + 1 for g in self.gamma_history)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -150,6 +172,7 @@ class AutoregressiveStats:
     target_time_s: float = 0.0  # wall time of the generation loop: forwards, warping, sampling
     wall_time_s: float = 0.0  # the whole call, cache allocation included
     first_call_s: float = 0.0  # the first forward, which reads the prompt and gives token 1
+    stop_reason: str | None = None  # "eos", "max_new_tokens" or "max_seq_len"
 
     @property
     def tokens_per_second(self) -> float | None:

@@ -287,8 +287,13 @@ def test_stats_sanity(gamma: int | str) -> None:
     assert s.draft_time_s > 0 and s.target_time_s > 0 and s.wall_time_s >= s.decode_time_s > 0
     c = (s.draft_time_s / s.draft_calls) / (s.target_time_s / s.target_calls)
     assert s.cost_ratio == pytest.approx(c)
-    a, g = s.acceptance_rate, s.gamma
-    assert s.predicted_speedup == pytest.approx((1 - a ** (g + 1)) / ((1 - a) * (g * c + 1)))
+    # The paper's formulas over the gamma each iteration actually drafted (the last ones are
+    # capped by max_new_tokens), not over the mean gamma.
+    a, history = s.acceptance_rate, s.gamma_history
+    assert min(history) < max(history)  # the run did cap gamma, so the two readings differ
+    tokens = [(1 - a ** (g + 1)) / (1 - a) for g in history]
+    assert s.predicted_tokens_per_target_call == pytest.approx(sum(tokens) / len(history))
+    assert s.predicted_speedup == pytest.approx(sum(tokens) / sum(g * c + 1 for g in history))
     assert sum(s.gamma_histogram.values()) == s.target_calls
     if gamma == "auto":
         assert s.gamma_history[0] == 4 and all(0 <= x <= 16 for x in s.gamma_history)

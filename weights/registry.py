@@ -22,8 +22,8 @@ LLAMA2 = {
     "13b-chat": ("Llama-2-13b-chat-hf", "meta-llama/Llama-2-13b-chat-hf"),
     "70b-chat": ("Llama-2-70b-chat-hf", "meta-llama/Llama-2-70b-chat-hf"),
 }
-# The tiny pair trained by train.py and committed in this folder.
-SHIPPED = ("tiny-target", "tiny-draft", "tiny-draft-undistilled")
+# The tiny pair trained by train.py and committed in this folder, and the feature head for its target.
+SHIPPED = ("tiny-target", "tiny-draft", "tiny-draft-undistilled", "tiny-eagle")
 
 
 class UnknownCheckpointError(ValueError):

@@ -1,0 +1,175 @@
+"""The drafter interface: what Algorithm 1's loop needs of whatever proposes tokens.
+
+Algorithm 1 never asks where q came from. Lines 1-3 say "draft x_1..x_gamma with their
+distributions q_1..q_gamma"; lines 5-9 accept x_i with probability min(1, p_i(x_i)/q_i(x_i))
+and otherwise sample from norm(max(0, p_i - q_i)). Any procedure that draws x_i from a
+q_i it can report, given the sequence so far, keeps the output exactly the target's. So a
+drafter is three calls (the seams of the loop in speculative/speculative.py):
+
+* ``start(cache_len, target)``: a new sequence begins (allocate or reset state);
+* ``propose(seq, ids, gamma, sampling, generator) -> Draft``: up to gamma tokens after
+  the sequence so far, and the distributions they were drawn from;
+* ``commit(length, hidden, hidden_start)``: after verification the sequence has ``length``
+  tokens; roll back whatever state depended on rejected tokens. A drafter whose
+  ``reads_features`` is True also gets the target's hidden states of the positions the
+  target just read (``hidden`` [T, dim] for positions hidden_start..hidden_start+T-1),
+  from the same target call that verified the draft.
+
+A drafter that can also grow token trees has ``propose_tree(seq, ids, branching, mode,
+sampling, generator) -> (TokenTree, calls)`` (speculative.tree_drafting); the model and
+feature drafters do, prompt lookup does not.
+
+A deterministic drafter (prompt lookup, or any drafter at temperature 0) reports q = None:
+its q is one-hot on each token it proposed. Algorithm 1 then accepts x with probability
+p(x), and the residual is p with x removed and renormalised; the loop builds the one-hot
+rows only where it needs them (temperature > 0).
+
+Three drafters implement it: :class:`ModelDrafter` (a smaller model of the same family,
+the paper's M_q), :class:`speculative.lookup.PromptLookupDrafter` (n-gram copying from the
+sequence) and :class:`speculative.eagle.FeatureDrafter` (a head that reads the target's
+own features, EAGLE). docs/drafters.md compares them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from speculative.sampling import Sampling, sample, warp
+from speculative.tree import TokenTree
+from speculative.tree_drafting import grow_tree, tree_inputs
+
+
+@dataclass
+class Draft:
+    """One iteration's proposal (Algorithm 1, lines 1-3)."""
+
+    tokens: torch.Tensor  # [g] LongTensor on the target's device; g may be 0 (nothing to propose)
+    q: torch.Tensor | None  # [g, V] the distributions the tokens were drawn from; None: one-hot on tokens
+    calls: int = 0  # forward calls the drafter made for it (0 for a lookup)
+    tree: TokenTree | None = None  # a token tree (its nodes are `tokens`, its q its own); None: a chain
+
+    @property
+    def depth(self) -> int:
+        """Positions drafted ahead: the chain's length, or the tree's depth."""
+        if self.tree is None:
+            return self.tokens.shape[0]
+        return max(self.tree.depths(), default=0)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Anything that proposes tokens for the loop of Algorithm 1 (see the module docstring)."""
+
+    reads_features: bool  # commit() wants the target's hidden states
+    vocab_size: int | None  # the ids it proposes lie below this (None: any id of the sequence)
+    max_seq_len: int | None  # the longest sequence it can draft for (None: no limit of its own)
+
+    def start(self, cache_len: int, target: Any) -> None: ...
+
+    def propose(self, seq: torch.Tensor, ids: list[int], gamma: int, sampling: Sampling,
+                generator: torch.Generator) -> Draft: ...
+
+    def commit(self, length: int, hidden: torch.Tensor | None = None, hidden_start: int = 0) -> None: ...
+
+
+def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, sampling: Sampling,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Algorithm 1, lines 1-3, with a draft model: for i = 1..gamma, q_i = M_q(prefix +
+    x_1..x_{i-1}) and x_i ~ q_i.
+
+    context: [1, T] tokens the draft has not seen yet (T >= 1: the prompt on the first
+    iteration, then the sequence's last token or two), placed at start_pos.
+    Returns the drafted tokens [gamma] and their distributions q [gamma, V]. x_gamma is
+    never fed to the draft here.
+
+    Greedy (temperature 0) takes a shortcut with the same result: q_i is one-hot on the
+    argmax and sampling it returns the argmax, so x_i is the argmax. q is then None: it is
+    one-hot on the drafted tokens, and verify_greedy needs only the tokens. A draft step of
+    a small model costs about as much as the operators it runs, and warping and sampling
+    each row would add a dozen.
+    """
+    tokens, probs = [], []
+    for _ in range(gamma):
+        logits = draft(context, start_pos=start_pos)[0, -1]
+        start_pos += context.shape[1]
+        if sampling.greedy:
+            x_i = logits.argmax()
+        else:
+            q_i = warp(logits, sampling)
+            x_i = sample(q_i, generator)
+            probs.append(q_i)
+        tokens.append(x_i)
+        context = x_i.view(1, 1)
+    return torch.stack(tokens), None if sampling.greedy else torch.stack(probs)
+
+
+class ModelDrafter:
+    """The paper's M_q: a smaller model of the target's family, with its own KV cache.
+
+    Its rollback is the start_pos convention of docs/kv_cache.md: a call at start_pos s
+    overwrites the cache from s on, so the drafter only remembers ``next``, its first cache
+    slot not holding a token of the sequence. It is fed the last token and x_1..x_{gamma-1},
+    never its own last proposal x_gamma, so after proposing next = L + gamma - 1; after
+    verification (length L') everything before the newest token is valid at most:
+    next = min(next, L' - 1). When all gamma were accepted, its next call therefore feeds
+    [x_gamma, t] together, and it never re-runs a proposal.
+
+    The model is used only through ``model(tokens, start_pos=...)``, ``setup_cache`` and
+    ``config.vocab_size`` / ``config.max_seq_len``.
+    """
+
+    reads_features = False
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.max_seq_len = model.config.max_seq_len
+        self.next = 0
+
+    def start(self, cache_len: int, target: Any = None) -> None:
+        self.model.setup_cache(1, cache_len)
+        self.next = 0
+
+    def propose(self, seq: torch.Tensor, ids: list[int], gamma: int, sampling: Sampling,
+                generator: torch.Generator) -> Draft:
+        length = len(ids)
+        tokens, q = draft_tokens(self.model, seq[:, self.next:length], self.next, gamma, sampling, generator)
+        self.next = length + gamma - 1
+        return Draft(tokens, q, calls=gamma)
+
+    def propose_tree(self, seq: torch.Tensor, ids: list[int], branching: Sequence[int], mode: str,
+                     sampling: Sampling, generator: torch.Generator) -> tuple[TokenTree, int]:
+        """A tree of the static shape ``branching`` (speculative.tree_drafting): one call that
+        catches up to the sequence and gives the root's distribution, then one call per
+        further depth over all nodes so far, placed after the sequence with tree attention
+        (the nodes are re-fed each time: a call of a small draft costs its fixed overhead
+        more than its rows). Its cache slots from L on then hold tree nodes: next = L."""
+        length = len(ids)
+        root = self.model(seq[:, self.next:length], start_pos=self.next)[0, -1]
+        self.next = length
+
+        def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
+            tree = TokenTree(tokens, parents, mode="deterministic")
+            positions, mask = tree_inputs(tree, length - 1)
+            logits = self.model(tokens.view(1, -1), start_pos=length, positions=positions, mask=mask)[0]
+            return logits[torch.tensor(rows, device=logits.device)]
+
+        tree = grow_tree(root, expand, branching, mode, sampling, generator)
+        return tree, len(branching)
+
+    def commit(self, length: int, hidden: torch.Tensor | None = None, hidden_start: int = 0) -> None:
+        self.next = min(self.next, length - 1)
+
+
+def as_drafter(draft: Any) -> Drafter:
+    """A drafter as it is, or a plain model (anything with a ``config``) wrapped in ModelDrafter."""
+    if isinstance(draft, Drafter):
+        return draft
+    if hasattr(draft, "config") and callable(draft):
+        return ModelDrafter(draft)
+    raise TypeError(f"draft must be a model (with .config, callable as model(tokens, start_pos=...)) or a "
+                    f"drafter (start/propose/commit, see speculative.drafter), got {type(draft).__name__}")

@@ -1,0 +1,127 @@
+"""Drafting from the target's own features (EAGLE, Li et al. 2024): a drafter around
+model.feature_head.FeatureHead.
+
+Why it agrees with the target more often than a small model does: the target's feature
+f_j (what its output head reads) already holds everything the target computed about the
+sequence; a small draft model has to recompute a poorer version of it from the tokens.
+The head only has to predict how f moves by one token, and the target's own output head
+turns its prediction into a distribution (docs/drafters.md).
+
+Bookkeeping, with L tokens in the sequence and the target's cache holding 0..L-2:
+
+* the target's features f_0..f_{L-2} are known (every position the target has read); the
+  head's input at position j is (f_j, e(x_{j+1})), so positions 0..L-2 have true inputs;
+* propose: one head call over the true inputs it has not read yet (``next``..L-2) gives
+  f^_{L-1} and so q_1 = warp(head(f^_{L-1})); then, feeding its own prediction back,
+  (f^_{L-1}, e(x_1)) at position L-1 gives f^_L and q_2, and so on: gamma calls for gamma
+  tokens, x_gamma never fed. Head cache slots from L-1 on now hold inputs built from
+  predicted features, so ``next`` = L-1;
+* commit: the target's call read positions hidden_start.. and its features up to the new
+  L' - 2 are on the accepted path; they are stored, and the next proposal re-reads
+  positions L-1..L'-2 with true features (EAGLE recomputes accepted positions the same way).
+
+On the first iteration no feature is known yet: the drafter proposes nothing, and the
+loop's first target call (which reads the prompt) is a plain step.
+
+The target is used through its call contract plus two of its modules: ``embed_tokens``
+(ids -> embeddings) and ``lm_head`` (features -> logits), shared and not copied, and
+``target(tokens, start_pos=..., return_hidden=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from speculative.drafter import Draft
+from speculative.sampling import Sampling, sample, warp
+from speculative.tree import TokenTree
+from speculative.tree_drafting import grow_tree, tree_inputs
+
+
+class FeatureDrafter:
+    """An EAGLE-1 style drafter: ``head`` is a model.feature_head.FeatureHead trained for ``target``."""
+
+    reads_features = True
+
+    def __init__(self, head: Any, target: Any) -> None:
+        self.head, self.target = head, target
+        self.vocab_size = target.config.vocab_size
+        self.max_seq_len = head.config.max_seq_len
+        self.features: torch.Tensor | None = None  # [cache_len, dim] the target's features by position
+        self.known = 0  # positions 0..known-1 of `features` hold the target's own
+        self.next = 0  # the head's first cache slot not holding a true input
+
+    def start(self, cache_len: int, target: Any = None) -> None:
+        if target is not None and target is not self.target:
+            raise ValueError("this feature drafter was built for another target object")
+        self.head.setup_cache(1, cache_len)
+        self.features = torch.empty(cache_len, self.head.config.dim, dtype=self.head.dtype, device=self.head.device)
+        self.known = self.next = 0
+
+    def _logits(self, feature: torch.Tensor) -> torch.Tensor:
+        logits = self.target.lm_head(feature)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def propose(self, seq: torch.Tensor, ids: list[int], gamma: int, sampling: Sampling,
+                generator: torch.Generator) -> Draft:
+        length = len(ids)
+        if self.known < length - 1 or self.known == 0:  # nothing read by the target yet: a plain step
+            return Draft(seq.new_empty(0), None, calls=0)
+        start = self.next
+        feats = self.features[start:length - 1].unsqueeze(0)  # true inputs f_start..f_{L-2}
+        nxt = seq[:, start + 1:length]  # and the tokens after them
+        tokens, probs = [], []
+        for _ in range(gamma):
+            predicted = self.head(feats, self.target.embed_tokens(nxt), start_pos=start)[:, -1:]
+            start += feats.shape[1]
+            logits = self._logits(predicted)[0, -1]
+            if sampling.greedy:
+                x_i = logits.argmax()
+            else:
+                q_i = warp(logits, sampling)
+                x_i = sample(q_i, generator)
+                probs.append(q_i)
+            tokens.append(x_i)
+            feats, nxt = predicted, x_i.view(1, 1)
+        self.next = length - 1
+        return Draft(torch.stack(tokens), None if sampling.greedy else torch.stack(probs), calls=gamma)
+
+    def propose_tree(self, seq: torch.Tensor, ids: list[int], branching: Sequence[int], mode: str,
+                     sampling: Sampling, generator: torch.Generator) -> tuple[TokenTree, int] | None:
+        """A tree of the static shape ``branching``: the first call catches up with the true
+        features and predicts the root's feature f^_{L-1}; each further call feeds every node
+        drafted so far, each with the predicted feature of its parent (the root's for depth
+        1) and its own token's embedding, at head position L - 2 + depth, seeing its
+        ancestors (tree attention); its output is the node's own predicted feature, whose
+        logits give its children. None before the target has read anything."""
+        length = len(ids)
+        if self.known < length - 1 or self.known == 0:
+            return None
+        start = self.next
+        feats = self.features[start:length - 1].unsqueeze(0)
+        root = self.head(feats, self.target.embed_tokens(seq[:, start + 1:length]), start_pos=start)[0, -1:]
+        self.next = length - 1
+        node_features = [root[:0]]  # predicted features of the nodes fed in the last call
+
+        def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
+            known = torch.cat([root, node_features[0]])  # row 0: the root; row j + 1: node j
+            parent_features = known[torch.tensor(parents, device=tokens.device) + 1]
+            positions, mask = tree_inputs(TokenTree(tokens, parents, mode="deterministic"), length - 2)
+            out = self.head(parent_features.unsqueeze(0), self.target.embed_tokens(tokens.view(1, -1)),
+                            start_pos=length - 1, positions=positions, mask=mask)[0]
+            node_features[0] = out
+            return self._logits(out[torch.tensor(rows, device=out.device)])
+
+        tree = grow_tree(self._logits(root[0]), expand, branching, mode, sampling, generator)
+        return tree, len(branching)
+
+    def commit(self, length: int, hidden: torch.Tensor | None = None, hidden_start: int = 0) -> None:
+        if hidden is None:
+            raise ValueError("FeatureDrafter.commit needs the target's hidden states")
+        keep = length - 1 - hidden_start  # features on the accepted path: positions < length - 1
+        self.features[hidden_start:hidden_start + keep] = hidden[:keep]
+        self.known = length - 1
+        self.next = min(self.next, length - 1)

@@ -1,0 +1,124 @@
+"""Growing a token tree of a static shape (SpecInfer, Medusa, EAGLE): the drafting half of
+tree speculation; speculative.tree verifies what is grown here.
+
+A shape is the branching per depth, e.g. (3, 2, 1, 1): 3 candidates after the sequence,
+2 after each of them, then one more after each: 3 + 6 + 6 + 6 = 21 nodes in breadth-first
+order (speculative.tree.branching_parents). A drafter grows it one depth per call: the
+first call reads what the drafter has not seen of the sequence and gives the root's
+distribution; each later call scores every node drafted so far in one batch of tree
+attention (each node at its depth, seeing its ancestors) and gives the distributions of
+the newest depth's nodes. A depth-D tree costs D calls, like a chain of D tokens; the
+nodes of the deepest level are never fed, like a chain's x_gamma.
+
+How a node's children are drawn from its distribution (``mode``, speculative.tree):
+
+* "deterministic": the k most likely tokens of the drafter's logits. The only mode at
+  temperature 0, where verification follows the child equal to the target's argmax;
+* "without_replacement": k distinct tokens drawn one after another from q, each time
+  with the tokens already drawn removed and the rest renormalised (the default when
+  sampling: no two siblings repeat a token, so no verification trial is wasted);
+* "iid": k independent draws from q (SpecInfer's setting; siblings may repeat).
+
+The law used for drawing is the warped q that verification is given: drafting from one
+q and judging with another is the bug the mutants of tests/test_tree_verification.py show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from speculative.sampling import Sampling, sample, warp
+from speculative.tree import TokenTree, branching_parents
+
+TREE_MODES = ("without_replacement", "iid", "deterministic")
+
+# expand(tokens [n], parents, depths, rows) -> logits [len(rows), V] of the nodes in `rows`,
+# which are the newest depth's nodes, given every node drafted so far.
+Expand = Callable[[torch.Tensor, list[int], list[int], list[int]], torch.Tensor]
+
+
+def check_tree(branching: Sequence[int]) -> tuple[int, ...]:
+    """The branching as a tuple of ints >= 1 (ValueError otherwise): at least one depth."""
+    parents = branching_parents(branching)  # validates
+    if not parents:
+        raise ValueError("a tree needs at least one depth, e.g. (3, 2, 1, 1)")
+    return tuple(int(b) for b in branching)
+
+
+def draw_children(logits: torch.Tensor, k: int, mode: str, sampling: Sampling,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k children for each of M nodes: tokens [M, k], and the warped q [M, V] they were drawn
+    from (None for "deterministic", whose children are chosen, not drawn)."""
+    if mode == "deterministic":
+        if k > logits.shape[-1]:
+            raise ValueError(f"{k} deterministic children but only {logits.shape[-1]} tokens")
+        return logits.topk(k, dim=-1).indices, None
+    q = warp(logits, sampling)
+    if mode == "iid":
+        return torch.stack([sample(q, generator) for _ in range(k)], dim=-1), q
+    left, picks = q.clone(), []
+    for _ in range(k):  # without replacement: draw, remove, renormalise
+        token = sample(left, generator)
+        picks.append(token)
+        left.scatter_(-1, token[:, None], 0.0)
+        mass = left.sum(-1, keepdim=True)
+        left = torch.where(mass > 0, left / mass, left)
+    return torch.stack(picks, dim=-1), q
+
+
+def grow_tree(root_logits: torch.Tensor, expand: Expand, branching: Sequence[int], mode: str,
+              sampling: Sampling, generator: torch.Generator) -> TokenTree:
+    """Grow a static tree from the root's logits [V], calling ``expand`` once per depth below
+    the first. Returns the TokenTree with q [N+1, V] (rows of leaves are zeros)."""
+    if sampling.greedy:
+        mode = "deterministic"
+    tokens = torch.empty(0, dtype=torch.long, device=root_logits.device)
+    parents: list[int] = []
+    depths: list[int] = []
+    q_rows: list[torch.Tensor] = []  # (row, q) pairs are placed at the end
+    q_index: list[int] = []
+    level, logits = [-1], root_logits.unsqueeze(0)  # the nodes of the current depth, and their logits
+    for depth, k in enumerate(branching, start=1):
+        if depth > 1:
+            logits = expand(tokens, parents, depths, level)
+        children, q = draw_children(logits, k, mode, sampling, generator)
+        if q is not None:
+            q_rows.append(q)
+            q_index.extend(node + 1 for node in level)
+        first = len(parents)
+        for node in level:
+            parents.extend([node] * k)
+            depths.extend([depth] * k)
+        tokens = torch.cat([tokens, children.reshape(-1)])
+        level = list(range(first, len(parents)))
+    q_all = None
+    if q_rows:
+        stacked = torch.cat(q_rows)
+        q_all = stacked.new_zeros(len(parents) + 1, stacked.shape[-1])
+        q_all[torch.tensor(q_index, device=stacked.device)] = stacked
+    return TokenTree(tokens=tokens, parents=parents, mode=mode, q=q_all)
+
+
+def tree_inputs(tree: TokenTree, root_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [N] (the root's position + each node's depth) and the ancestor mask [N, N]
+    of the tree's nodes, for a model call that scores them all at once."""
+    device = tree.tokens.device
+    depths = torch.tensor(tree.depths(), dtype=torch.long, device=device)
+    return root_position + depths, tree.ancestor_mask().to(device)
+
+
+def prefix_and_tree_inputs(prefix: int, start_pos: int, tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and mask for one call that feeds ``prefix`` chain tokens at start_pos.. and
+    then the tree's nodes (the root is the last chain token): the chain tokens see each
+    other causally, every node sees all of them and its own ancestors."""
+    device = tree.tokens.device
+    n = tree.num_nodes
+    node_positions, node_mask = tree_inputs(tree, start_pos + prefix - 1)
+    positions = torch.cat([torch.arange(start_pos, start_pos + prefix, device=device), node_positions])
+    mask = torch.zeros(prefix + n, prefix + n, dtype=torch.bool, device=device)
+    mask[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool, device=device).tril_()
+    mask[prefix:, :prefix] = True
+    mask[prefix:, prefix:] = node_mask
+    return positions, mask

@@ -1,0 +1,117 @@
+"""Loading and saving drafters: a draft model, the shipped feature head, or prompt lookup.
+
+``load_drafter(name, target)`` is what ``generate.py --draft NAME`` calls:
+
+* ``lookup`` -> speculative.PromptLookupDrafter (no file at all);
+* a folder whose config.json says ``"model_type": "llama-feature-head"`` (``tiny-eagle``)
+  -> speculative.FeatureDrafter around a model.feature_head.FeatureHead, after checking
+  that the head was trained for this target (below);
+* any other checkpoint -> speculative.ModelDrafter around a Llama.
+
+A feature head's config.json holds the head's own LLaMA shape under "head", and under
+"target" the shape it was trained against (hidden size, vocabulary, layer count) and a
+fingerprint of that target's weights (model.feature_head.fingerprint). A head reads the
+target's features and uses its output head, so on another target it would be wrong and
+say nothing: the loader refuses it, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from model import ModelConfig
+from model.feature_head import FeatureHead, fingerprint, same_fingerprint
+from speculative import FeatureDrafter, ModelDrafter, PromptLookupDrafter
+from weights.checkpoint import CheckpointError, _normal_permissions, load_model
+from weights.registry import resolve
+
+HEAD_TYPE = "llama-feature-head"
+LOOKUP = "lookup"
+
+
+def is_feature_head(directory: Path) -> bool:
+    path = directory / "config.json"
+    try:
+        return path.is_file() and json.loads(path.read_text()).get("model_type") == HEAD_TYPE
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+def save_feature_head(head: FeatureHead, directory: str | os.PathLike, target: Any,
+                      dtype: torch.dtype | None = None, target_name: str | None = None) -> Path:
+    """Write ``head`` (trained for ``target``) as config.json + model.safetensors."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().to(dtype or p.dtype).cpu().contiguous() for name, p in head.named_parameters()}
+    config = {
+        "architectures": ["LlamaFeatureHead"], "model_type": HEAD_TYPE,
+        "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
+        "head": head.config.to_hf(),
+        "target": {"name": target_name, "hidden_size": target.config.dim, "vocab_size": target.config.vocab_size,
+                   "num_hidden_layers": target.config.n_layers, "fingerprint": fingerprint(target)},
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    _normal_permissions(directory / "model.safetensors")
+    return directory
+
+
+def load_feature_head(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target") -> FeatureHead:
+    """A FeatureHead from its folder, in the target's dtype and on its device; CheckpointError if
+    the files are broken or the head was trained for another target."""
+    directory = resolve(name_or_path)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        head_config = ModelConfig.from_hf(config["head"])
+        trained_for = config["target"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{directory}/config.json is not a feature head's config ({err})") from None
+    head_name, trained_name = str(name_or_path), trained_for.get("name") or "another target"
+    mine = {"hidden_size": target.config.dim, "vocab_size": target.config.vocab_size,
+            "num_hidden_layers": target.config.n_layers}
+    for key, value in mine.items():
+        if trained_for.get(key) != value:
+            raise CheckpointError(f"feature head {head_name} was trained for {trained_name} ({key} "
+                                  f"{trained_for.get(key)}), not for {target_name} ({key} {value})")
+    if not same_fingerprint(fingerprint(target), trained_for.get("fingerprint") or []):
+        raise CheckpointError(f"feature head {head_name} was trained for {trained_name}, whose weights differ from "
+                              f"{target_name}'s (fingerprint mismatch): train one for it with train.py eagle")
+    with torch.device("meta"):
+        head = FeatureHead(head_config)
+    path = directory / "model.safetensors"
+    try:
+        from safetensors.torch import load_file
+        state = load_file(path, device="cpu")
+    except (OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{path} is missing or not a readable safetensors file ({err})") from None
+    expected = {name: tuple(p.shape) for name, p in head.named_parameters()}
+    got = {name: tuple(t.shape) for name, t in state.items()}
+    if got != expected:
+        raise CheckpointError(f"{path}: tensors {sorted(set(got) ^ set(expected)) or 'shapes'} do not match its "
+                              "config.json")
+    for name, tensor in state.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{path}: tensor {name} holds non-finite values (NaN or inf)")
+    embedding = target.embed_tokens.weight  # never prepacked or quantized: the target's device and dtype
+    state = {name: t.to(device=embedding.device, dtype=embedding.dtype) for name, t in state.items()}
+    head.load_state_dict(state, assign=True, strict=True)
+    return head.eval()
+
+
+def load_drafter(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target",
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> Any:
+    """The drafter ``generate.py --draft NAME`` means (see the module docstring)."""
+    if str(name_or_path) == LOOKUP:
+        return PromptLookupDrafter()
+    directory = resolve(name_or_path)
+    if is_feature_head(directory):
+        return FeatureDrafter(load_feature_head(directory, target, target_name), target)
+    device = device if device is not None else target.embed_tokens.weight.device
+    dtype = dtype if dtype is not None else target.embed_tokens.weight.dtype
+    return ModelDrafter(load_model(directory, device=device, dtype=dtype))
