@@ -4,15 +4,36 @@
     python generate.py --draft 7b --target 70b --prompt "The capital of France is"
     python generate.py --draft 7b-chat --target 70b-chat --chat --prompt "Write a haiku about the sea"
     python generate.py --no-draft                        # the target alone: the baseline
+    python generate.py --compare                         # both, one after the other: the measured speedup
     python generate.py --json                            # one JSON object on stdout
+    echo "Once upon a time" | python generate.py --prompt -
+
+(From a clone set up by the README's quick start, run it as .venv/bin/python generate.py,
+or activate the environment first: source .venv/bin/activate.)
 
 The continuation streams to stdout as the target accepts it. On a terminal, draft tokens
 the target accepted are green and tokens the target produced itself (the fix-up after a
 rejection, and the bonus token after a fully accepted block) are yellow. Statistics and
 the comparison with the paper's cost model go to stderr, so ``> out.txt`` keeps only text.
 
-Bad input (an unknown checkpoint, a mismatched pair, impossible settings, a pair that does
-not fit in memory) ends with exit status 2 and one ``error: ...`` line on stderr.
+The summary says why the run stopped: "eos" (the model ended the text), "max_new_tokens"
+(the --max-new-tokens limit) or "max_seq_len" (the context is full). It has two acceptance
+numbers: acceptance_rate is the paper's alpha, the probability that the target accepts a
+drafted token (the mean of sum_x min(p, q) over the positions it verified); it is the alpha
+of the cost model. empirical_acceptance is the share of drafted tokens that were kept,
+lower, because the tokens drafted after a rejection are never verified. docs/cli.md
+describes every field of --json.
+
+A flag that a run cannot use is not an error: it gets one ``warning: ...`` line on stderr
+and the run goes on exactly as without it. For example --top-k, --top-p or --seed at
+temperature 0; --draft, --gamma or --compare with --no-draft; --system without --chat;
+--tp or --plan-device without --plan; the decoding flags with --plan; --no-color with
+--json. A value that cannot be right (--gamma 0, --top-p 2) is an error.
+
+Exit status: 0 when the run is done; 1 when --plan finds that the pair does not fit (it
+suggests the cheapest change that would); 2 for bad input (an unknown checkpoint, a
+mismatched pair, impossible settings, damaged weights, a pair that does not fit in memory),
+with one ``error: ...`` line on stderr.
 """
 
 from __future__ import annotations
@@ -34,11 +55,20 @@ import torch.distributed as dist
 
 from model import ConfigError, Llama, ModelConfig
 from model.fuse import prepare_for_decoding
-from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, plan
+from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, cheapest_fit, plan
 from model.tensor_parallel import broadcast_seed, init_distributed
 from speculative import PairMismatchError, autoregressive_generate, check_pair, speculative_generate
 from speculative.gamma import GAMMA_MAX
-from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer, read_config, resolve
+from weights import (
+    CheckpointError,
+    NonFiniteWeightsError,
+    Tokenizer,
+    UnknownCheckpointError,
+    load_model,
+    load_tokenizer,
+    read_config,
+    resolve,
+)
 from weights.sharded import load_model_tp, plan_config
 
 DEFAULT_TARGET = "tiny-target"
@@ -98,8 +128,10 @@ def build_parser() -> ArgumentParser:
                            "(weight-only: activations and the KV cache stay in --dtype): half the memory of "
                            "bfloat16, e.g. 7b -> 70b on one 80 GB GPU")
     pair.add_argument("--plan", action="store_true",
-                      help="print the memory each GPU needs for this pair (weights, KV caches) and exit; reads "
-                           "config.json only, or the published Llama-2 shapes when the weights are not downloaded")
+                      help="print the memory each GPU needs for this pair (weights, KV caches) and exit: status 0 "
+                           "when it fits, 1 when it does not, with the cheapest change that would fit (--quantize "
+                           "int8, more GPUs with --tp, a bigger --plan-device). Reads config.json only, or the "
+                           "published Llama-2 shapes when the weights are not downloaded")
     pair.add_argument("--plan-device", default=None,
                       help=f"the GPU --plan plans for: {', '.join(DEVICES)}, or auto, the visible GPU (default: "
                            "auto when a GPU is visible, else h200)")
@@ -113,13 +145,18 @@ def build_parser() -> ArgumentParser:
                       help="keep q/k/v and gate/up as separate products instead of stacking each group into one "
                            "(model/fuse.py: fewer operators per decode step)")
     pair.add_argument("--threads", type=int, default=None,
-                      help="torch CPU threads (default: torch's choice, normally all cores)")
+                      help="torch CPU threads (default: torch's choice, normally all cores). On a machine where "
+                           "other processes are busy, several threads wait on each other and decoding can be 10-40x "
+                           "slower than with --threads 1; a run that sees it prints a hint")
 
     text = parser.add_argument_group("prompt")
-    text.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"the text to continue (default {DEFAULT_PROMPT!r})")
+    text.add_argument("--prompt", default=DEFAULT_PROMPT,
+                      help=f"the text to continue, or - to read it from standard input (trailing newlines dropped) "
+                           f"(default {DEFAULT_PROMPT!r})")
     text.add_argument("--chat", action="store_true",
                       help="wrap the prompt in the Llama-2 chat template '<s>[INST] <<SYS>>..<</SYS>> prompt [/INST]' "
-                           "(for the -chat checkpoints)")
+                           "(for the -chat checkpoints; a warning says so when the target's name or config does not "
+                           "mark it as a chat or instruct model)")
     text.add_argument("--system", default=None, help="system prompt for --chat (default: none)")
 
     sampling = parser.add_argument_group("decoding")
@@ -127,28 +164,40 @@ def build_parser() -> ArgumentParser:
                           help=f"draft tokens proposed per target call, an integer >= 1, or 'auto' to choose it "
                                f"before every iteration from the measured acceptance rate and cost ratio (default "
                                f"{DEFAULT_GAMMA}: on the shipped pair 4 to 6 are about equally fast, auto a little "
-                               "slower)")
+                               "slower). Fewer are drafted where the output or the context is about to end")
     sampling.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                           help="0 is greedy decoding: deterministic, and the output equals the target's own greedy "
                                "output; 1 samples from the target's distribution, as in the paper. Default 0: on "
                                "the shipped pair greedy has the higher acceptance rate and so shows the speedup best "
                                "(docs/benchmarks.md)")
-    sampling.add_argument("--top-k", type=int, default=None, help="sample only among the k most likely tokens")
+    sampling.add_argument("--top-k", type=int, default=None,
+                          help="sample only among the k most likely tokens (default: all; unused at temperature 0)")
     sampling.add_argument("--top-p", type=float, default=None,
-                          help="nucleus sampling: the smallest set of tokens whose probability reaches p, 0 < p <= 1")
+                          help="nucleus sampling: the smallest set of tokens whose probability reaches p, 0 < p <= 1 "
+                               "(default: all; unused at temperature 0)")
     sampling.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                           help=f"stop after this many new tokens, at end-of-sequence, or when the context is full "
                                f"(default {DEFAULT_MAX_NEW_TOKENS})")
     sampling.add_argument("--seed", type=int, default=None,
-                          help="seed for sampling (default: a fresh one each run; greedy needs none)")
+                          help="seed for sampling (default: a fresh one each run, shown in the header so that the "
+                               "run can be repeated; greedy needs none)")
+    sampling.add_argument("--compare", action="store_true",
+                          help="run the same prompt twice in this process, with the draft and with the target alone, "
+                               "and print the measured speedup (decode tokens/s of the one over the other) next to "
+                               "the cost model's prediction")
 
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true",
-                        help="print one JSON object {text, tokens, prompt_tokens, settings, stats} on stdout and "
-                             "nothing else. stats.tokens_per_second is the decode speed: new tokens / time of the "
-                             "generation loop after its first iteration, which also reads the prompt. "
-                             "Without a draft, acceptance_rate, gamma and predicted_speedup are null and "
-                             "draft_calls is 0")
+                        help="print one JSON object {text, tokens, prompt_tokens, settings, stats, notes} on stdout "
+                             "and nothing else (warnings still go to stderr; docs/cli.md lists every field). "
+                             "stats.tokens_per_second is the decode speed: new tokens / time of the generation loop "
+                             "after its first iteration, which also reads the prompt. stats.stop_reason is eos, "
+                             "max_new_tokens or max_seq_len. stats.acceptance_rate is the paper's alpha (the "
+                             "probability that a drafted token is accepted, the cost model's alpha); "
+                             "stats.empirical_acceptance is accepted / drafted tokens, lower because tokens drafted "
+                             "after a rejection are never verified; notes says the same. Without a draft, "
+                             "acceptance_rate, gamma and predicted_speedup are null and draft_calls is 0. With "
+                             "--compare, a compare object holds the baseline's stats and both speedups")
     output.add_argument("--no-color", action="store_true",
                         help="no ANSI colours (they are used only when stdout is a terminal and NO_COLOR is unset)")
     return parser
@@ -169,13 +218,97 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
-    if (args.tp is not None or args.plan_device is not None) and not args.plan:
-        raise UsageError("--tp and --plan-device are only used with --plan; to run on N GPUs, launch with "
-                         "torchrun --nproc-per-node N generate.py ...")
     if args.tp is not None and args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
-    if args.system is not None and not args.chat:
-        raise UsageError("--system is only used with --chat")
+
+
+def given_flags(argv: list[str] | None) -> set[str]:
+    """The options the command line set (dest names), even to their default value.
+
+    Parsed a second time with every default replaced by a marker, because a parsed namespace
+    alone cannot tell ``--gamma 4`` from no --gamma at all."""
+    unset = object()
+    probe = build_parser()
+    probe.set_defaults(**{dest: unset for dest in vars(probe.parse_args([]))})
+    return {dest for dest, value in vars(probe.parse_args(argv)).items() if value is not unset}
+
+
+# What --plan does not read: it plans from the configs, the dtype, --quantize and --tp alone.
+RUN_ONLY = ("prompt", "chat", "system", "gamma", "temperature", "top_k", "top_p", "max_new_tokens", "seed",
+            "compare", "threads", "device", "no_prepack", "no_fuse", "no_color")
+
+
+def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """One warning for each group of flags given on the command line that this run cannot use.
+
+    The rule (the module docstring): a flag that changes nothing is a warning, never an error
+    and never silence, so that a run does what it would do without it and says so."""
+    warnings = []
+
+    def unused(dests: Sequence[str], why: str) -> None:
+        names = [flag(dest) for dest in dests if dest in given]
+        if names:
+            joined = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+            warnings.append(f"{joined} {'has' if len(names) == 1 else 'have'} no effect {why}")
+
+    if args.plan:
+        unused(RUN_ONLY, "with --plan, which reads only the configs")
+        if args.no_draft:
+            unused(["draft"], "with --no-draft")
+    else:
+        unused(["tp", "plan_device"], "without --plan; to run on N GPUs, launch with torchrun --nproc-per-node N "
+                                      "generate.py ...")
+        if args.temperature == 0:
+            unused(["top_k", "top_p", "seed"], "at temperature 0: greedy decoding takes the most likely token")
+        if args.no_draft:
+            unused(["draft", "gamma", "compare"], "with --no-draft: the target decodes alone")
+        if not args.chat:
+            unused(["system"], "without --chat")
+    if args.json:
+        unused(["no_color"], "with --json, which prints no colours")
+    return warnings
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def read_prompt(text: str, world_size: int) -> str:
+    """--prompt as given, or standard input for ``-`` (its trailing newlines dropped: ``echo`` adds one)."""
+    if text != "-":
+        return text
+    if world_size > 1:
+        raise UsageError("--prompt - is not supported under torchrun, which does not give every rank the same "
+                         "standard input; pass the text itself")
+    prompt = sys.stdin.read().rstrip("\r\n")
+    if not prompt:
+        raise UsageError("--prompt -: standard input is empty; pipe the prompt in, e.g. echo 'Once upon a time' | "
+                         "generate.py --prompt -")
+    return prompt
+
+
+CHAT_MARKERS = ("chat", "instruct")
+
+
+def chat_warning(name: str) -> str | None:
+    """A warning for --chat when nothing marks the target as trained for chat: no "chat" or
+    "instruct" in its short name, folder name or config.json's _name_or_path, and no
+    chat_template in a tokenizer_config.json. A base model does not follow the template: it
+    continues the text after [/INST], often mid-sentence or by writing more of the prompt."""
+    directory = resolve(name)
+    labels = [Path(name).name, directory.name]  # the folders above say nothing about the model
+    try:
+        labels.append(str(json.loads((directory / "config.json").read_text()).get("_name_or_path", "")))
+        tokenizer_config = directory / "tokenizer_config.json"
+        if tokenizer_config.is_file() and "chat_template" in json.loads(tokenizer_config.read_text()):
+            return None
+    except (OSError, ValueError, AttributeError):
+        pass  # read_config reports a broken config.json properly, later
+    if any(marker in label.lower() for label in labels for marker in CHAT_MARKERS):
+        return None
+    return (f"--chat: the target {name} is not marked as a chat model (no 'chat' or 'instruct' in its name or "
+            "config, no chat_template): a base model does not follow the template, and its output may start "
+            "mid-sentence")
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -278,7 +411,10 @@ def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig]
 
 
 def print_plan(args: argparse.Namespace) -> int:
-    """--plan: the per-GPU memory of this pair, from configs only; nothing is loaded."""
+    """--plan: the per-GPU memory of this pair, from configs only; nothing is loaded.
+
+    Exit status 1 when it does not fit, with the cheapest change that would (model/memory.py
+    cheapest_fit): a script can test the status, and a reader sees what to do."""
     names = {"target": args.target} if args.no_draft else {"target": args.target, "draft": args.draft}
     configs = {role: plan_config(name) for role, name in names.items()}
     tp = args.tp or int(os.environ.get("WORLD_SIZE", "1"))
@@ -286,9 +422,18 @@ def print_plan(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16
     result = plan(configs["target"], configs.get("draft"), dtype, tp_size=tp, quantize=args.quantize,
                   device_name=device_name, target_name=args.target, draft_name=args.draft)
+    suggestion = None
+    if not result.fits:
+        change = cheapest_fit(configs["target"], configs.get("draft"), dtype, tp_size=tp, quantize=args.quantize,
+                              device_name=device_name)
+        suggestion = (f"the cheapest change that fits: {change}" if change else
+                      "no single change of --dtype, --quantize, --tp or --plan-device fits it: use a smaller pair")
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result.to_dict()) if args.json else result.render())
-    return 0
+        if args.json:
+            print(json.dumps({**result.to_dict(), "suggestion": suggestion}))
+        else:
+            print(result.render() + (f"\n  {suggestion}" if suggestion else ""))
+    return 0 if result.fits else 1
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -314,12 +459,18 @@ class Streamer:
     multi-byte characters; decoding the whole sequence and printing what is new does
     neither. A suffix ending in U+FFFD is an incomplete UTF-8 sequence (byte-fallback
     tokens) and waits for the token that completes it.
+
+    ``prefix`` (the prompt's text) is written together with the first new text, not before
+    the run: a run that fails before its first token (an error such as non-finite logits)
+    leaves stdout empty.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], out: TextIO, color: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], out: TextIO, color: bool,
+                 prefix: str = "") -> None:
         self.tokenizer, self.out, self.color = tokenizer, out, color
         self.ids = list(prompt_ids)
         self.printed = len(tokenizer.decode(self.ids))
+        self.prefix = prefix
 
     def __call__(self, new_ids: Sequence[int], from_draft: Sequence[bool]) -> None:
         runs: list[tuple[bool, str]] = []  # consecutive pieces of one colour, merged
@@ -335,17 +486,69 @@ class Streamer:
                 runs.append((drafted, piece))
         if runs:
             if self.color:
-                self.out.write("".join(f"{GREEN if d else YELLOW}{text}{RESET}" for d, text in runs))
+                text = "".join(f"{GREEN if d else YELLOW}{text}{RESET}" for d, text in runs)
             else:
-                self.out.write("".join(text for _, text in runs))
+                text = "".join(text for _, text in runs)
+            self.out.write(self.prefix + text)
+            self.prefix = ""
             self.out.flush()
 
     def finish(self) -> None:
         text = self.tokenizer.decode(self.ids)  # whatever was held back (a truly broken byte sequence)
-        if len(text) > self.printed:
-            self.out.write(text[self.printed:])
-        self.out.write("\n")
+        self.out.write(self.prefix + text[self.printed:] + "\n")
+        self.prefix = ""
         self.out.flush()
+
+
+class StepClock:
+    """The loop's callback, timed: ``times`` holds when each call came (one per iteration of
+    the speculative loop, one per token without a draft), then the call is passed on.
+
+    This is how generate.py sees per-iteration times without asking the loop for them; the
+    gaps include the streamer's printing, which is small next to a model step."""
+
+    now = staticmethod(time.perf_counter)  # replaceable, for a test that needs a busy machine's times
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+        self.times: list[float] = []
+
+    def __call__(self, new_ids: Sequence[int], from_draft: Sequence[bool]) -> None:
+        self.times.append(self.now())
+        if self.inner is not None:
+            self.inner(new_ids, from_draft)
+
+
+BUSY_SPREAD = 3.0  # 90th / 10th percentile of the step times above which the CPU looks contended
+
+
+def busy_hint(times: Sequence[float], sizes: Sequence[int], threads: int, device: torch.device) -> str | None:
+    """One hint to try --threads 1, when steps of one size took very different times on a CPU.
+
+    ``times``: when each iteration ended (StepClock); ``sizes``: the tokens each drafted
+    (all 0 without a draft). Only decode iterations of the most common size are compared:
+    the first also read the prompt, and iterations that drafted fewer tokens are cheaper.
+    With several threads each operator waits for all of them, so when other processes hold
+    the cores most steps wait for a descheduled thread: measured on 2 cores with 2 spinning
+    processes, the shipped pair's iterations took 7.5 ms (10th percentile) to 556 ms (90th)
+    with 2 threads, 11 tokens/s, against 8.1 to 9.7 ms and 401 tokens/s with --threads 1; on
+    the idle machine, 7.0 to 8.6 ms with 2 threads. Needs 10 such iterations; else None.
+    """
+    if device.type != "cpu" or threads <= 1:
+        return None
+    steps = [(b - a, size) for a, b, size in zip(times, times[1:], sizes[1:])]
+    if not steps:
+        return None
+    modal = max(set(size for _, size in steps), key=[size for _, size in steps].count)
+    same = sorted(seconds for seconds, size in steps if size == modal)
+    if len(same) < 10:
+        return None
+    fast, slow = same[len(same) // 10], same[(9 * len(same)) // 10]
+    if slow < BUSY_SPREAD * fast:
+        return None
+    return (f"hint: decode steps took {fast * 1e3:.1f} ms to {slow * 1e3:.1f} ms (10th to 90th percentile): other "
+            f"processes seem to be using the CPU, and each of the {threads} threads waits for the slowest; "
+            "--threads 1 is often many times faster then")
 
 
 # ----------------------------------------------------------------------------- stats
@@ -368,22 +571,56 @@ def stats_dict(stats: Any, speculative: bool) -> dict[str, Any]:
     return out
 
 
-def summary_lines(stats: dict[str, Any], speculative: bool) -> list[str]:
+STOP_REASONS = {"eos": "the model ended the text (end-of-sequence)",
+                "max_new_tokens": "--max-new-tokens reached",
+                "max_seq_len": "the context is full (max_seq_len)"}
+
+
+def stop_reason(tokens: Sequence[int], eos_id: int | None, max_new_tokens: int) -> str:
+    """Why a run stopped, from its tokens: what the loops record, for stats that lack it."""
+    if tokens and eos_id is not None and tokens[-1] == eos_id:
+        return "eos"
+    return "max_new_tokens" if len(tokens) >= max_new_tokens else "max_seq_len"
+
+
+def summary_lines(stats: dict[str, Any], speculative: bool, compare: bool = False) -> list[str]:
     """The run's numbers next to the paper's cost model (docs/cost_model.md)."""
     tps = stats.get("tokens_per_second")
     rate = f"{tps:.1f} tokens/s" if tps else "? tokens/s"
+    reason = stats.get("stop_reason")
     lines = [f"{stats.get('new_tokens')} new tokens at {rate} (decoding: the prompt's pass and loading "
              f"excluded); {stats.get('target_calls')} target calls"
-             + (f", {stats.get('draft_calls')} draft calls" if speculative else " (one per token)")]
+             + (f", {stats.get('draft_calls')} draft calls" if speculative else " (one per token)")
+             + f"; stopped: {reason} ({STOP_REASONS.get(reason, 'unknown')})"]
     alpha, gamma, c = stats.get("acceptance_rate"), stats.get("gamma"), stats.get("cost_ratio")
     if speculative and alpha is not None and gamma is not None:
         measured, predicted = stats.get("tokens_per_target_call"), stats.get("predicted_tokens_per_target_call")
-        line = (f"cost model: alpha={alpha:.3f} gamma={gamma:g} c={_num(c, '.3f')}: tokens/target call "
+        drafted = stats.get("gamma_history") or []
+        mean = sum(drafted) / len(drafted) if drafted else None
+        # gamma is what was asked for (or auto's mean); near the end of the output or of the
+        # context fewer are drafted, and the prediction uses what each iteration drafted.
+        used = f" (drafted {mean:.2f} per iteration)" if mean is not None and abs(mean - gamma) > 1e-9 else ""
+        line = (f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(c, '.3f')}: tokens/target call "
                 f"{_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
-                f"(1-alpha^(gamma+1))/(1-alpha); predicted speedup (1-alpha^(gamma+1))/((1-alpha)(gamma*c+1)) = "
-                f"{_num(stats.get('predicted_speedup'), '.2f')}x (run --no-draft for the measured baseline)")
+                f"(1-alpha^(g+1))/(1-alpha) over the g drafted in each iteration; predicted speedup "
+                f"(1-alpha^(g+1))/((1-alpha)(g*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x"
+                + ("" if compare else " (--compare measures it)"))
         lines.append(line)
     return lines
+
+
+def compare_line(compare: dict[str, Any]) -> str:
+    """--compare's result: the measured speedup next to the predicted one."""
+    same, first = compare.get("same_tokens"), compare.get("first_difference")
+    # Greedy outputs may part only at a near-tie of the target's top two logits (rounding:
+    # docs/algorithm.md, numerics policy); sampled runs draw differently and are not compared.
+    tokens = "" if same is None else ("; the same greedy tokens" if same else
+                                      f"; the greedy tokens part at token {first} (see the numerics policy in "
+                                      "docs/algorithm.md)")
+    return (f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
+            f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s: measured speedup "
+            f"{_num(compare['measured_speedup'], '.2f')}x, predicted {_num(compare['predicted_speedup'], '.2f')}x by "
+            f"the cost model{tokens}")
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -438,28 +675,47 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
+    given = getattr(args, "given", None)
+    if given is None:  # called without main(): count the options that differ from their defaults
+        defaults = vars(build_parser().parse_args([]))
+        given = {dest for dest, value in vars(args).items() if dest in defaults and value != defaults[dest]}
+    is_main = int(os.environ.get("RANK", "0")) == 0  # only rank 0 prints; the others compute silently
+    notes = unused_flags(args, given)
+    if args.chat and not args.plan:
+        notes += [w for w in [chat_warning(args.target)] if w]
+    if is_main:
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+    if args.temperature == 0:  # the warned-about flags are dropped, so that settings show what ran
+        args.top_k = args.top_p = args.seed = None
     if args.plan:
         return print_plan(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.prompt = read_prompt(args.prompt, world_size)
     if world_size > 1:  # under torchrun: one process per GPU (cuda:LOCAL_RANK), NCCL; gloo on the CPU
         if pick_device(args.device).type == "cuda" and args.device is not None and ":" in args.device:
             raise UsageError("under torchrun each rank uses GPU LOCAL_RANK: pass --device cuda, not a numbered one")
         info = init_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         device, is_main = info.device, info.is_main
     else:
-        device, is_main = pick_device(args.device), True
+        device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
+    if "no_prepack" in given and is_main and (device.type != "cpu" or dtype != torch.float32):
+        print(f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
+              "prepacked only on the CPU in float32", file=sys.stderr)
     loaded, prompt_ids = load(args, device, dtype, world_size)
-    # Every rank must draw the same random numbers: one seed, rank 0's, even when --seed is not given.
-    seed = broadcast_seed(args.seed, device) if world_size > 1 else args.seed
+    # Every rank must draw the same random numbers: one seed, rank 0's. A sampled run without
+    # --seed gets a fresh one too, chosen here so that the header can show it for repeating the run.
+    seed = broadcast_seed(args.seed, device) if args.temperature > 0 else None  # greedy draws no random number
     tokenizer = loaded.tokenizer
     speculative = loaded.draft is not None
+    compare = args.compare and speculative
     color = not args.json and not args.no_color and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
     streamer = None
-    if not args.json and is_main:  # only rank 0 prints; the others compute the same tokens silently
+    if not args.json and is_main:
         dtype_name = str(dtype).removeprefix("torch.") + (" with int8 weights" if args.quantize else "")
         tuning = [f"{loaded.fused} projection groups stacked"] if loaded.fused else []
         tuning += [f"{loaded.prepacked} layers oneDNN-prepacked"] if loaded.prepacked else []
@@ -468,29 +724,45 @@ def run(args: argparse.Namespace) -> int:
         if world_size > 1:
             dtype_name += f", tensor-parallel over {world_size} ranks"
         pair = f"draft {args.draft} -> target {args.target}" if speculative else f"target {args.target} alone"
-        decoding = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
-        gamma = f", gamma {args.gamma}" if speculative else ""
-        print(f"{pair} on {device} in {dtype_name} (loaded in {loaded.load_s:.1f}s), {decoding}{gamma}",
-              file=sys.stderr)
+        print(f"{pair} on {device} in {dtype_name} (loaded in {loaded.load_s:.1f}s), "
+              f"{sampling_setup(args, seed, speculative)}", file=sys.stderr)
         if color and speculative:
             print(f"colours: {GREEN}draft tokens accepted by the target{RESET}, "
                   f"{YELLOW}tokens produced by the target{RESET} (after a rejection, or the bonus token)",
                   file=sys.stderr)
-        if not args.chat:
-            sys.stdout.write(tokenizer.decode(prompt_ids))
-            sys.stdout.flush()
-        streamer = Streamer(tokenizer, prompt_ids, sys.stdout, color)
+        prefix = "" if args.chat else tokenizer.decode(prompt_ids)
+        streamer = Streamer(tokenizer, prompt_ids, sys.stdout, color, prefix=prefix)
 
+    step_clock = StepClock(streamer)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tokenizer.eos_id,
-                    seed=seed, callback=streamer)
+                    seed=seed)
+    # NonFiniteLogitsError (a ValueError) from either loop ends the run in main(): one error line, no tokens.
     with torch.inference_mode():
         if speculative:
             result = speculative_generate(loaded.target, loaded.draft, prompt_ids, args.max_new_tokens,
-                                          gamma=args.gamma, **sampling)
+                                          gamma=args.gamma, callback=step_clock, **sampling)
         else:
-            result = autoregressive_generate(loaded.target, prompt_ids, args.max_new_tokens, **sampling)
+            result = autoregressive_generate(loaded.target, prompt_ids, args.max_new_tokens, callback=step_clock,
+                                             **sampling)
     tokens = [int(t) for t in result.tokens]
     stats = stats_dict(result.stats, speculative)
+    if stats.get("stop_reason") is None:
+        stats["stop_reason"] = stop_reason(tokens, tokenizer.eos_id, args.max_new_tokens)
+    if streamer is not None:
+        streamer.finish()
+        for line in summary_lines(stats, speculative, compare=compare):
+            print(line, file=sys.stderr)
+    sizes = list(getattr(result.stats, "gamma_history", [])) or [0] * len(step_clock.times)
+    hint = busy_hint(step_clock.times, sizes, torch.get_num_threads(), device)
+    comparison = None
+    if compare:  # the same prompt and settings, the target alone: every rank runs it, as it ran the first
+        if streamer is not None:
+            print("compare: now the target alone, on the same prompt with the same settings ...", file=sys.stderr)
+        with torch.inference_mode():
+            # A callback, as in the first run, so that both loops copy each token to the host alike.
+            baseline = autoregressive_generate(loaded.target, prompt_ids, args.max_new_tokens,
+                                               callback=StepClock(), **sampling)
+        comparison = compare_stats(stats, baseline, tokens, args.temperature)
     if not is_main:
         return 0
 
@@ -500,15 +772,54 @@ def run(args: argparse.Namespace) -> int:
                     "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                     "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
                     "quantize": args.quantize, "tensor_parallel": world_size,
-                    "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused}
+                    "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused,
+                    "threads": torch.get_num_threads(), "compare": compare}
         doc = {"text": continuation_text(tokenizer, prompt_ids, tokens), "tokens": tokens,
                "prompt_tokens": len(prompt_ids), "settings": settings, "stats": stats}
+        if comparison is not None:
+            doc["compare"] = comparison
+        doc["notes"] = JSON_NOTES
         print(json.dumps(_jsonable(doc), allow_nan=False))
-        return 0
-    streamer.finish()
-    for line in summary_lines(stats, speculative):
-        print(line, file=sys.stderr)
+    elif comparison is not None:
+        print(compare_line(comparison), file=sys.stderr)
+    if hint:
+        print(hint, file=sys.stderr)
     return 0
+
+
+def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool) -> str:
+    """The header's decoding settings, all of them: what was given and what was defaulted."""
+    if args.temperature == 0:
+        text = "greedy (temperature 0)"
+    else:
+        text = (f"temperature {args.temperature:g}, top-k {args.top_k or 'off'}, top-p {args.top_p or 'off'}, "
+                f"seed {seed}" + ("" if args.seed is not None else " (fresh; --seed repeats it)"))
+    return text + (f", gamma {args.gamma}" if speculative else "")
+
+
+def compare_stats(stats: dict[str, Any], baseline: Any, tokens: list[int], temperature: float) -> dict[str, Any]:
+    """--compare: both decode speeds, their ratio (the measured speedup) and the predicted one."""
+    fast, slow = stats.get("tokens_per_second"), baseline.stats.tokens_per_second
+    base_tokens = [int(t) for t in baseline.tokens]
+    same = None if temperature > 0 else base_tokens == tokens  # sampled runs draw differently, by design
+    first = None if same is None or same else next(
+        (i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), min(len(tokens), len(base_tokens)))
+    return {"speculative_tokens_per_second": fast, "baseline_tokens_per_second": slow,
+            "measured_speedup": fast / slow if fast and slow else None,
+            "predicted_speedup": stats.get("predicted_speedup"), "same_tokens": same, "first_difference": first,
+            "baseline": stats_dict(baseline.stats, False), "baseline_tokens": base_tokens}
+
+
+# What the two acceptance numbers mean, in the JSON itself (docs/cli.md has every field).
+JSON_NOTES = {
+    "acceptance_rate": "the paper's alpha: the probability that the target accepts a drafted token, the mean of "
+                       "sum_x min(p(x), q(x)) over the draft positions it verified; the alpha of the cost model",
+    "empirical_acceptance": "accepted_draft_tokens / drafted_tokens in this run: lower than alpha, because the "
+                            "tokens drafted after a rejection are counted but never verified",
+    "tokens_per_second": "decode speed: new tokens over the loop's time after its first iteration (the prompt's)",
+    "stop_reason": "eos: the model ended the text; max_new_tokens: --max-new-tokens reached; max_seq_len: the "
+                   "context is full",
+}
 
 
 def _jsonable(value: Any) -> Any:
@@ -527,12 +838,19 @@ def _jsonable(value: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Under torchrun every rank meets the same bad input: rank 0 alone reports it.
-    quiet = int(os.environ.get("RANK", "0")) != 0
+    # Under torchrun every rank meets the same bad input: rank 0 alone reports it. Damaged
+    # weights are the exception: each rank reads only its own slice, so whichever rank finds
+    # them says so.
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        return run(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        args.given = given_flags(argv)
+        return run(args)
+    except NonFiniteWeightsError as err:
+        print(f"error: {'' if rank == 0 else f'rank {rank}: '}{err}".splitlines()[0], file=sys.stderr)
+        return 2
     except (UsageError, UnknownCheckpointError, CheckpointError, ConfigError, PairMismatchError, ValueError) as err:
-        if not quiet:
+        if rank == 0:
             print(f"error: {err}".splitlines()[0], file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:

@@ -95,7 +95,7 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     (["--dtype", "int4"], "invalid choice"),
     (["--device", "tpu"], "device"),
     (["--threads", "0"], "--threads"),
-    (["--system", "Be brief."], "--chat"),
+    (["--tp", "0"], "--tp must be >= 1"),
     (["--frobnicate"], "unrecognized"),
 ])
 def test_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str) -> None:
@@ -398,3 +398,393 @@ def test_checkpoint_without_weights(capsys: pytest.CaptureFixture[str], tmp_path
     broken = copy_draft(tmp_path)
     (broken / "model.safetensors").unlink()
     main_error(capsys, ["--target", str(TARGET), "--draft", str(broken)], "model.safetensors")
+
+
+# ----------------------------------------------------------------------------- a new user's first hour (issue 12)
+def main_ok(capsys: pytest.CaptureFixture[str], argv: list[str], status: int = 0) -> tuple[str, list[str]]:
+    """generate.main(argv) in-process: the status, then (stdout, stderr lines); never a traceback."""
+    got = generate.main(argv)
+    out = capsys.readouterr()
+    assert got == status, out.err
+    assert "Traceback" not in out.err
+    return out.out, out.err.strip("\n").splitlines()
+
+
+def main_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    out, err = main_ok(capsys, [*argv, "--json"])
+    return json.loads(out), err
+
+
+def warnings_in(err: list[str]) -> list[str]:
+    return [line for line in err if line.startswith("warning: ")]
+
+
+def copy_checkpoint(source: Path, tmp_path: Path, name: str) -> Path:
+    out = tmp_path / name
+    shutil.copytree(source, out)
+    return out
+
+
+@needs_pair
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_corrupted_weights_are_one_error_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                              role: str) -> None:
+    """A safetensors file with its header intact and 0xFF (NaN) bytes in the middle of its data:
+    greedy used to print token 0 forever and sampling to crash in the tokenizer. Now loading
+    refuses it, naming the file and the tensor, whatever the decoding settings."""
+    from damage import overwrite_middle
+
+    broken = copy_checkpoint(DRAFT if role == "draft" else TARGET, tmp_path, role)
+    name = overwrite_middle(broken / "model.safetensors")
+    pair = {"target": TARGET, "draft": DRAFT, role: broken}
+    argv = ["--target", str(pair["target"]), "--draft", str(pair["draft"]), "--max-new-tokens", "4"]
+    main_error(capsys, argv, str(broken / "model.safetensors"), f"tensor {name}", "non-finite")
+    if role == "target":  # the issue's crash: sampling from the target alone
+        main_error(capsys, ["--target", str(broken), "--no-draft", "--temperature", "1", "--max-new-tokens", "4"],
+                   f"tensor {name}", "non-finite")
+
+
+@needs_pair
+def test_corrupted_weights_in_a_real_process(tmp_path: Path) -> None:
+    from damage import overwrite_middle
+
+    broken = copy_checkpoint(DRAFT, tmp_path, "draft")
+    name = overwrite_middle(broken / "model.safetensors")
+    proc = cli("--target", str(TARGET), "--draft", str(broken), "--max-new-tokens", "4")
+    assert_one_error_line(proc.returncode, proc.stderr, proc.stdout, f"tensor {name}", "NaN or inf")
+
+
+@needs_pair
+def test_non_finite_logits_are_one_error_line_and_no_tokens(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    """Finite weights whose arithmetic overflows: the final norm's weight at float16's largest value
+    makes every normalised activation above 1 infinite, so the logits are inf/NaN. The run ends with
+    one error line, after its header, and stdout holds nothing (not even the prompt)."""
+    from safetensors.torch import load_file, save_file
+
+    hot = copy_checkpoint(TARGET, tmp_path, "hot")
+    tensors = load_file(hot / "model.safetensors")
+    tensors["model.norm.weight"].fill_(torch.finfo(torch.float16).max)
+    save_file(tensors, hot / "model.safetensors")
+    for extra in ([], ["--no-draft", "--temperature", "1"]):
+        status = generate.main(["--target", str(hot), "--draft", str(DRAFT), "--dtype", "float16",
+                                "--max-new-tokens", "4", *extra])
+        out = capsys.readouterr()
+        assert status == 2 and out.out == "" and "Traceback" not in out.err, out.err
+        lines = out.err.strip().splitlines()
+        assert lines[-1].startswith("error: ") and "non-finite logits" in lines[-1], lines
+        assert not any(line.startswith("error: ") for line in lines[:-1]), lines
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--top-k", "5"], ["--top-k has no effect at temperature 0"]),
+    (["--top-p", "0.5", "--seed", "5"], ["--top-p and --seed have no effect at temperature 0"]),
+    (["--top-k", "5", "--temperature", "1"], []),
+    (["--no-draft", "--gamma", "8", "--draft", "x"], ["--draft and --gamma have no effect with --no-draft"]),
+    (["--no-draft", "--gamma", "4"], ["--gamma has no effect with --no-draft"]),  # even at its default value
+    (["--no-draft", "--compare"], ["--compare has no effect with --no-draft"]),
+    (["--system", "Be brief."], ["--system has no effect without --chat"]),
+    (["--system", "Be brief.", "--chat"], []),
+    (["--tp", "2"], ["--tp has no effect without --plan; to run on N GPUs, launch with torchrun"]),
+    (["--plan-device", "h200"], ["--plan-device has no effect without --plan"]),
+    (["--plan", "--prompt", "Hi", "--temperature", "1", "--max-new-tokens", "9"],
+     ["--prompt, --temperature and --max-new-tokens have no effect with --plan"]),
+    (["--json", "--no-color"], ["--no-color has no effect with --json"]),
+    (["--temperature", "0", "--gamma", "4"], []),
+])
+def test_flags_a_run_cannot_use_get_one_warning_each(argv: list[str], expected: list[str]) -> None:
+    args = generate.build_parser().parse_args(argv)
+    got = generate.unused_flags(args, generate.given_flags(argv))
+    assert len(got) == len(expected), got
+    for line, fragment in zip(got, expected):
+        assert line.startswith(fragment), (line, fragment)
+
+
+@needs_pair
+def test_unused_flags_warn_on_stderr_and_the_run_goes_on(capsys: pytest.CaptureFixture[str]) -> None:
+    doc, err = main_json(capsys, ["--target", str(TARGET), "--no-draft", "--max-new-tokens", "3", "--top-k", "5",
+                                  "--seed", "5", "--gamma", "8", "--system", "Be brief.", "--tp", "2"])
+    assert warnings_in(err) == [
+        "warning: --tp has no effect without --plan; to run on N GPUs, launch with torchrun --nproc-per-node N "
+        "generate.py ...",
+        "warning: --top-k and --seed have no effect at temperature 0: greedy decoding takes the most likely token",
+        "warning: --gamma has no effect with --no-draft: the target decodes alone",
+        "warning: --system has no effect without --chat",
+    ]
+    assert len(doc["tokens"]) == 3 and doc["settings"]["seed"] is None  # greedy: the seed was not used
+
+
+def test_help_states_the_rule_for_unused_flags_and_the_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        generate.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for fragment in ("A flag that a run cannot use", "warning: ...", "Exit status: 0", "1 when --plan",
+                     "acceptance_rate is the paper's alpha", "empirical_acceptance", "max_seq_len", "--compare",
+                     "--prompt -", ".venv/bin/python generate.py", "docs/cli.md"):
+        assert fragment in text, fragment
+
+
+@needs_pair
+def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str]) -> None:
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "0.8", "--top-k", "50",
+                              "--top-p", "0.9", "--seed", "11", "--gamma", "3"])
+    assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3"), err[0]
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4"])
+    assert err[0].endswith("greedy (temperature 0), gamma 4"), err[0]
+
+
+@needs_pair
+def test_a_fresh_seed_is_shown_and_repeats_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*PAIR, "--max-new-tokens", "12", "--temperature", "1"]
+    first, _ = main_json(capsys, args)
+    seed = first["settings"]["seed"]
+    assert isinstance(seed, int)
+    again, _ = main_json(capsys, [*args, "--seed", str(seed)])
+    assert again["tokens"] == first["tokens"]
+    _, err = main_ok(capsys, [*args, "--seed", str(seed)])
+    assert f"seed {seed}, gamma 4" in err[0]
+    _, err = main_ok(capsys, args)
+    assert "(fresh; --seed repeats it)" in err[0]
+
+
+@needs_pair
+def test_cost_model_uses_the_gamma_actually_drafted(capsys: pytest.CaptureFixture[str]) -> None:
+    """--gamma 100 with 12 new tokens drafts at most 11 a call. The prediction used to take gamma =
+    100 at its word (101 tokens per call against 12 measured); it averages the paper's formula
+    over what each iteration drafted."""
+    args = [*PAIR, "--gamma", "100", "--max-new-tokens", "12", "--prompt", "The dog and the cat"]
+    doc, _ = main_json(capsys, args)
+    stats = doc["stats"]
+    assert stats["gamma"] == 100 and max(stats["gamma_history"]) <= 11
+    measured, predicted = stats["tokens_per_target_call"], stats["predicted_tokens_per_target_call"]
+    assert predicted <= 12 and abs(predicted - measured) <= 0.5 * measured, (measured, predicted)
+    _, err = main_ok(capsys, args)
+    line = next(line for line in err if line.startswith("cost model:"))
+    assert "gamma=100 (drafted " in line and "over the g drafted in each iteration" in line, line
+    assert f"{predicted:.2f} predicted" in line, line
+
+
+def prompt_of(tokenizer: Any, length: int) -> str:
+    """A story opening that encodes (with BOS) to exactly ``length`` tokens or one fewer."""
+    words = ("Once upon a time there was a little dog who liked to run in the park. " * 200).split(" ")
+    low, high = 1, len(words)
+    while low < high:  # the longest prefix of words that stays within length
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if len(tokenizer.encode(" ".join(words[:mid]))) <= length else (low, mid - 1)
+    return " ".join(words[:low])
+
+
+@needs_pair
+def test_every_run_says_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
+    tokenizer = generate.load_tokenizer(TARGET)
+    doc, _ = main_json(capsys, [*PAIR, "--max-new-tokens", "400"])  # the default story ends well before
+    assert doc["stats"]["stop_reason"] == "eos" and doc["tokens"][-1] == tokenizer.eos_id
+    assert len(doc["tokens"]) < 400
+    context = generate.read_config(TARGET).max_seq_len
+    long_prompt = prompt_of(tokenizer, context - 6)
+    for extra in ([], ["--no-draft"]):
+        doc, _ = main_json(capsys, [*PAIR, "--prompt", long_prompt, "--max-new-tokens", "100", *extra])
+        assert doc["stats"]["stop_reason"] == "max_seq_len", doc["stats"]
+        assert doc["prompt_tokens"] + len(doc["tokens"]) == context
+        doc, _ = main_json(capsys, [*PAIR, "--max-new-tokens", "5", *extra])
+        assert doc["stats"]["stop_reason"] == "max_new_tokens" and len(doc["tokens"]) == 5
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "5"])
+    assert "; stopped: max_new_tokens (--max-new-tokens reached)" in err[1], err
+    _, err = main_ok(capsys, ["--target", str(TARGET), "--max-new-tokens", "400", "--no-draft"])
+    assert "; stopped: eos (the model ended the text" in err[1], err
+
+
+def test_plan_that_does_not_fit_exits_1_with_the_cheapest_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--plan", "--draft", "7b", "--target", "70b"]
+    out, err = main_ok(capsys, [*base, "--plan-device", "h200"], status=1)
+    assert "does NOT fit" in out and "the cheapest change that fits: --quantize int8" in out and not err
+    out, _ = main_ok(capsys, [*base, "--plan-device", "a100-80gb"], status=1)
+    assert "the cheapest change that fits: --tp 4 (run with torchrun --nproc-per-node 4" in out
+    out, _ = main_ok(capsys, [*base, "--plan-device", "h200", "--tp", "2"], status=0)
+    assert "fits," in out and "cheapest" not in out
+    out, _ = main_ok(capsys, [*base, "--plan-device", "a100-40gb", "--json"], status=1)
+    doc = json.loads(out)
+    assert doc["fits"] is False and doc["suggestion"] == ("the cheapest change that fits: --tp 8 (run with torchrun "
+                                                          "--nproc-per-node 8 generate.py ...)")
+
+
+def test_cheapest_fit_by_hand() -> None:
+    """The order: bfloat16 for wider weights, then int8, then the fewest more GPUs, then a bigger GPU,
+    then int8 on more GPUs. Each suggestion is checked to fit, and the cheaper ones not to."""
+    from dataclasses import replace
+
+    from model.memory import LLAMA2_CONFIGS, cheapest_fit, plan
+
+    t70, d7, t13 = LLAMA2_CONFIGS["70b"], LLAMA2_CONFIGS["7b"], LLAMA2_CONFIGS["13b"]
+    assert cheapest_fit(t70, d7, device_name="h200", tp_size=2) is None  # it fits already
+    assert cheapest_fit(t13, None, torch.float32, device_name="a100-40gb") == "--dtype bfloat16"
+    assert not plan(t13, None, torch.float32, device_name="a100-40gb").fits
+    assert plan(t13, None, torch.bfloat16, device_name="a100-40gb").fits
+    assert cheapest_fit(t70, d7, device_name="h200") == "--quantize int8"
+    assert plan(t70, d7, quantize="int8", device_name="h200").fits
+    # 70B + 7B on 80 GB GPUs: int8 is not enough (80.6 GB) and neither are two; four are.
+    assert not plan(t70, d7, quantize="int8", device_name="a100-80gb").fits
+    assert not plan(t70, d7, tp_size=2, device_name="a100-80gb").fits
+    assert plan(t70, d7, tp_size=4, device_name="a100-80gb").fits
+    assert cheapest_fit(t70, d7, device_name="a100-80gb") == "--tp 4 (run with torchrun --nproc-per-node 4 " \
+                                                              "generate.py ...)"
+    # A model whose 5 heads split over no number of GPUs, 77 GB in bfloat16 and 41 GB in int8: on a
+    # 40 GB GPU only a bigger GPU helps, the smallest that is big enough.
+    odd = replace(t13, n_layers=164, n_heads=5, n_kv_heads=5)
+    assert not plan(odd, None, quantize="int8", device_name="a100-40gb").fits
+    assert cheapest_fit(odd, None, device_name="a100-40gb") == "--plan-device h100-80gb (a NVIDIA H100 80GB (SXM))"
+    assert plan(odd, None, device_name="h100-80gb").fits
+    # float32 70B + 7B on one 40 GB GPU: no single change is enough; int8 on four GPUs is the first to fit.
+    got = cheapest_fit(t70, d7, torch.float32, device_name="a100-40gb")
+    assert got == "--quantize int8 --tp 4 (run with torchrun --nproc-per-node 4 generate.py ...)"
+    assert plan(t70, d7, torch.float32, tp_size=4, quantize="int8", device_name="a100-40gb").fits
+    assert not plan(t70, d7, torch.float32, tp_size=2, quantize="int8", device_name="a100-40gb").fits
+    huge = replace(odd, n_layers=1000)  # 240 GB in int8, and no split of its heads: nothing helps
+    assert not plan(huge, None, quantize="int8", device_name="h200").fits
+    assert cheapest_fit(huge, None, device_name="a100-40gb") is None
+
+
+@needs_pair
+def test_chat_on_a_base_model_warns(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["--no-draft", "--chat", "--prompt", "Tell me a story.", "--max-new-tokens", "2"]
+    _, err = main_json(capsys, ["--target", str(TARGET), *args])
+    assert len(warnings_in(err)) == 1 and "is not marked as a chat model" in warnings_in(err)[0], err
+    marked = tmp_path / "tiny-chat"
+    marked.symlink_to(TARGET, target_is_directory=True)
+    _, err = main_json(capsys, ["--target", str(marked), *args])
+    assert warnings_in(err) == []
+
+
+def test_chat_warning_reads_the_name_the_config_and_the_chat_template(tmp_path: Path) -> None:
+    folder = tmp_path / "base"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Llama-2-7b-hf"}))
+    assert "not marked as a chat model" in generate.chat_warning(str(folder))
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct"}))
+    assert generate.chat_warning(str(folder)) is None
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert generate.chat_warning(str(folder)) is None
+
+
+@needs_pair
+def test_compare_measures_the_speedup_next_to_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    doc, _ = main_json(capsys, [*PAIR, "--compare", "--max-new-tokens", "16"])
+    compare = doc["compare"]
+    assert compare["measured_speedup"] == pytest.approx(
+        compare["speculative_tokens_per_second"] / compare["baseline_tokens_per_second"])
+    assert compare["predicted_speedup"] == doc["stats"]["predicted_speedup"] > 0
+    assert compare["baseline"]["draft_calls"] == 0 and compare["baseline"]["target_calls"] == 16
+    if not compare["same_tokens"]:
+        assert_equal_up_to_a_near_tie(doc["tokens"], compare["baseline_tokens"], "--compare's two greedy runs")
+    assert doc["settings"]["compare"] is True
+    out, err = main_ok(capsys, [*PAIR, "--compare", "--max-new-tokens", "8", "--temperature", "1", "--seed", "1"])
+    line = err[-1]
+    assert line.startswith("compare: speculative ") and "target alone" in line, err
+    assert "measured speedup" in line and "predicted" in line and "greedy" not in line, line  # sampled: not compared
+    assert out.startswith(generate.DEFAULT_PROMPT) and out.count("\n") == 1  # the text once, not twice
+
+
+@needs_pair
+def test_prompt_from_standard_input(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    tokenizer = generate.load_tokenizer(TARGET)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The dog and the cat\n"))
+    doc, _ = main_json(capsys, [*PAIR, "--prompt", "-", "--max-new-tokens", "3"])
+    assert doc["prompt_tokens"] == len(tokenizer.encode("The dog and the cat"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    main_error(capsys, [*PAIR, "--prompt", "-"], "--prompt -", "standard input is empty")
+
+
+@needs_pair
+def test_prompt_from_standard_input_in_a_real_process() -> None:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "generate.py"), *PAIR, "--prompt", "-", "--max-new-tokens",
+                           "3", "--no-color"], input="The dog and the cat\n", capture_output=True, text=True,
+                          env=full_env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The dog and the cat")
+
+
+def test_busy_hint_from_step_times() -> None:
+    cpu = torch.device("cpu")
+    steady = [0.008 * i for i in range(40)]
+    assert generate.busy_hint(steady, [4] * 40, threads=2, device=cpu) is None
+    # Measured with 2 threads next to two spinning processes: most steps wait for a descheduled thread.
+    times, t = [], 0.0
+    for i in range(40):
+        t += 0.0075 if i % 3 == 0 else 0.55
+        times.append(t)
+    hint = generate.busy_hint(times, [4] * 40, threads=2, device=cpu)
+    assert hint is not None and hint.startswith("hint: ") and "--threads 1" in hint, hint
+    assert generate.busy_hint(times, [4] * 40, threads=1, device=cpu) is None  # nothing to suggest
+    assert generate.busy_hint(times, [4] * 40, threads=2, device=torch.device("cuda", 0)) is None
+    assert generate.busy_hint(times[:8], [4] * 8, threads=2, device=cpu) is None  # too few steps to tell
+    # Iterations that drafted fewer tokens are cheaper by design: they are not compared with the rest.
+    mixed = [0.008 * i + (0.02 if i % 2 else 0) for i in range(40)]
+    assert generate.busy_hint(mixed, [4 if i % 2 else 1 for i in range(40)], threads=2, device=cpu) is None
+
+
+@needs_pair
+def test_busy_machine_prints_one_hint(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's own step times, as a busy machine gives them (a fake clock: no timing in the test)."""
+    clock = {"t": 0.0, "calls": 0}
+
+    def busy_now() -> float:  # two steps in three wait 0.5 s for a descheduled thread
+        clock["calls"] += 1
+        clock["t"] += 0.008 if clock["calls"] % 3 == 0 else 0.5
+        return clock["t"]
+
+    monkeypatch.setattr(generate.StepClock, "now", staticmethod(busy_now))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    _, err = main_ok(capsys, ["--target", str(TARGET), "--no-draft", "--max-new-tokens", "30"])
+    hints = [line for line in err if line.startswith("hint: ")]
+    assert len(hints) == 1 and "--threads 1" in hints[0], err
+
+
+def test_json_documents_the_acceptance_numbers() -> None:
+    assert "alpha" in generate.JSON_NOTES["acceptance_rate"]
+    assert "never verified" in generate.JSON_NOTES["empirical_acceptance"]
+    text = (ROOT / "docs" / "cli.md").read_text()
+    for field in ("acceptance_rate", "empirical_acceptance", "stop_reason", "predicted_tokens_per_target_call",
+                  "gamma_history", "compare", "notes", "measured_speedup"):
+        assert f"`{field}`" in text, field
+
+
+@needs_pair
+def test_json_carries_the_notes_and_the_stop_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    doc, _ = main_json(capsys, [*PAIR, "--max-new-tokens", "6"])
+    assert doc["notes"] == generate.JSON_NOTES
+    assert doc["stats"]["stop_reason"] == "max_new_tokens"
+    assert 0 <= doc["stats"]["empirical_acceptance"] <= 1
+
+
+def test_readme_examples_use_the_virtual_environment() -> None:
+    """A fresh clone has torch only in .venv: `python generate.py` fails with ModuleNotFoundError."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = readme.split("```")[1::2]
+    commands = [line.strip() for block in blocks for line in block.splitlines()
+                if line.strip().startswith(("python", "torchrun", ".venv/", "source"))]
+    assert commands, "no command examples found"
+    for command in commands:
+        assert not command.startswith("python "), command
+        assert not command.startswith("torchrun ") or ".venv/bin/torchrun" in command, command
+    quick = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    assert [line for line in quick.splitlines() if line.strip()] == [
+        'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[test]" && .venv/bin/python generate.py',
+        ".venv/bin/python -m pytest -q",
+    ]
+    assert "## Train your own pair" in readme
+    for card in ("weights/tiny-target/README.md", "weights/tiny-draft/README.md"):
+        assert card in readme and (ROOT / card).is_file()
+
+
+@needs_pair
+def test_no_prepack_where_nothing_is_prepacked_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--target", str(TARGET), "--no-draft", "--max-new-tokens", "1", "--no-prepack"]
+    _, err = main_json(capsys, [*args, "--dtype", "float64"])
+    assert warnings_in(err) == ["warning: --no-prepack has no effect on cpu in float64: weights are prepacked only "
+                                "on the CPU in float32"]
+    _, err = main_json(capsys, [*args, "--dtype", "float32"])
+    assert warnings_in(err) == []

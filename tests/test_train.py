@@ -3,7 +3,10 @@ transformers, and distillation raises the draft's measured acceptance."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,81 @@ def test_distillation_raises_acceptance(corpus: dict[str, Path], tmp_path: Path)
     assert after["acceptance_t1"] > before["acceptance_t1"] + 0.05, summary
     assert after["acceptance_greedy"] > before["acceptance_greedy"], summary
     assert load_model(out / "hf").config.vocab_size == 512
+
+
+@needs_shared
+def test_a_run_folder_of_another_shape_is_one_clear_error(corpus: dict[str, Path], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Rerunning into the same --out with another --dim: one line naming the difference, status 2,
+    instead of load_state_dict's size-mismatch traceback; state.pt is left as it was."""
+    out = pretrain(corpus, tmp_path / "run", steps=2, dim=32, layers=2)
+    before = (out / "state.pt").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain(corpus, out, steps=4, dim=48, layers=2)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "holds a run of another shape" in lines[0] and "--dim 32 there, 48 now" in lines[0], lines[0]
+    assert (out / "state.pt").read_bytes() == before
+
+
+@needs_shared
+def test_exported_files_and_loss_names(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """Every file of a run is written with the usual mode (safetensors alone used to make 0600), and
+    the two held-out figures say how many windows each averages."""
+    old = os.umask(0o022)
+    try:
+        out = pretrain(corpus, tmp_path / "run", steps=3, dim=32, layers=1)
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    assert "hf/model.safetensors" in modes and "hf/tokenizer.model" in modes
+    assert all(mode == 0o644 for mode in modes.values()), modes
+    summary = json.loads((out / "summary.json").read_text())
+    evals = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "eval_loss" in line]
+    assert summary["held_out_windows"] == train.FINAL_EVAL_BATCHES * train.EVAL_BATCH == 256
+    assert evals and all(row["eval_windows"] == train.LOG_EVAL_BATCHES * train.EVAL_BATCH == 64 for row in evals)
+    assert "eval_loss" in summary["note"] and "held_out_loss" in summary["note"]
+    # The log's windows are the first of the summary's: the two differ, but not by much.
+    assert abs(summary["held_out_loss"] - evals[-1]["eval_loss"]) < 0.5
+
+
+def test_every_option_has_help_and_a_default() -> None:
+    parser = train.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"tokenizer", "pretrain", "distill"} <= set(subparsers)
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            where = f"train.py {name} {action.option_strings}"
+            assert action.help, f"{where} has no help text"
+            if action.required or isinstance(action, argparse._StoreTrueAction):
+                continue  # nothing to default to: given or refused; a switch is off unless given
+            assert "default" in action.help, f"{where} does not show its default"
+
+
+def test_distill_help_explains_the_acceptance_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        train.main(["distill", "--help"])
+    text = capsys.readouterr().out
+    for name in ("alpha_greedy", "acceptance_greedy", "never verified", "sum_x min(p, q)"):
+        assert name in text, name
+    assert set(train.ACCEPTANCE_NOTES) == {"alpha", "acceptance", "tau"}
+
+
+def test_bad_command_line_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["pretrain", "--corpus", "x.txt", "--tokenizer", "t.model", "--out", "o", "--dim", "wide"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--dim" in lines[0], lines
+
+
+def test_a_missing_corpus_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["tokenizer", "--corpus", str(tmp_path / "absent.txt"), "--out", str(tmp_path / "tok")])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: corpus file {tmp_path / 'absent.txt'} does not exist"], lines

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import hf_config, hf_logits, hf_model, random_tokens, randomize_
+from damage import overwrite_middle
 from safetensors.torch import load_file, save_file
 
 from model import ConfigError, Llama, ModelConfig
-from weights import CheckpointError, UnknownCheckpointError, load_model, load_tokenizer, save_model
+from weights import (
+    CheckpointError,
+    NonFiniteWeightsError,
+    UnknownCheckpointError,
+    load_model,
+    load_tokenizer,
+    save_model,
+)
 from weights.registry import ENV_VAR, LLAMA2, WEIGHTS_DIR
 
 
@@ -173,6 +183,67 @@ def test_truncated_shard(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match=re.escape(f"{path} is truncated or corrupt")):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("save_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_corrupted_data_is_refused_naming_file_and_tensor(tmp_path: Path, save_dtype: torch.dtype) -> None:
+    """Header intact, data overwritten in the middle: the file opens and every shape checks out,
+    so only the values betray it. Both loaders refuse it (the tensor-parallel one, here with one
+    rank, is what --quantize uses)."""
+    from weights.sharded import load_model_tp
+
+    _saved(tmp_path, dtype=save_dtype)
+    path = tmp_path / "model.safetensors"
+    name = overwrite_middle(path)
+    pattern = re.escape(f"{path}: tensor {name} holds ") + r"\d+ non-finite values \(NaN or inf\)"
+    with pytest.raises(NonFiniteWeightsError, match=pattern):
+        load_model(tmp_path)
+    with pytest.raises(NonFiniteWeightsError, match=pattern):
+        load_model_tp(tmp_path, quantize="int8")
+    assert issubclass(NonFiniteWeightsError, CheckpointError)
+
+
+def test_corrupted_shard_is_refused(tmp_path: Path) -> None:
+    _saved(tmp_path, max_shard_bytes=40_000)
+    path = sorted(tmp_path.glob("model-*-of-*.safetensors"))[1]
+    name = overwrite_middle(path)
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: tensor {name} holds ")):
+        load_model(tmp_path)
+
+
+def test_an_infinity_saved_on_purpose_is_refused(tmp_path: Path) -> None:
+    model = randomize_(Llama(ModelConfig.from_hf(hf_config("gqa"))), seed=1).eval()
+    with torch.no_grad():
+        model.norm.weight[3] = float("inf")
+    save_model(model, tmp_path)
+    with pytest.raises(NonFiniteWeightsError, match=r"tensor model\.norm\.weight holds 1 non-finite values"):
+        load_model(tmp_path)
+
+
+def test_a_value_that_overflows_the_load_dtype_is_refused(tmp_path: Path) -> None:
+    """1e6 is finite in the float32 file but infinite in float16: said so, with what to do instead."""
+    model = randomize_(Llama(ModelConfig.from_hf(hf_config("gqa"))), seed=1).eval()
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight[0, 0] = 1e6
+    save_model(model, tmp_path)
+    assert load_model(tmp_path, dtype=torch.float32) is not None
+    with pytest.raises(NonFiniteWeightsError, match=r"tensor model\.layers\.1\.mlp\.down_proj\.weight has values "
+                                                     r"up to 1e\+06, which overflow float16; load it in float32"):
+        load_model(tmp_path, dtype=torch.float16)
+
+
+def test_saved_files_get_the_usual_permissions(tmp_path: Path) -> None:
+    """safetensors creates its files 0600; save_model gives them what open() gives (0644 under umask 022)."""
+    old = os.umask(0o022)
+    try:
+        _saved(tmp_path / "single")
+        _saved(tmp_path / "sharded", max_shard_bytes=40_000)
+    finally:
+        os.umask(old)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) > 5
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
 
 
 def test_shape_contradicts_config(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from weights.checkpoint import CheckpointError, load_model, read_config, save_model
+from weights.checkpoint import CheckpointError, NonFiniteWeightsError, load_model, read_config, save_model
 from weights.registry import UnknownCheckpointError, resolve
 from weights.tokenizer import Tokenizer
 
@@ -18,5 +18,13 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
     return Tokenizer(path)
 
 
-__all__ = ["CheckpointError", "Tokenizer", "UnknownCheckpointError", "load_model", "load_tokenizer",
-           "read_config", "resolve", "save_model"]
+def load_drafter(name_or_path: str | os.PathLike, target, target_name: str = "the target"):
+    """The drafter a name means: ``lookup``, a feature head such as ``tiny-eagle``, or a draft
+    model (see weights/drafters.py, which is imported only when a drafter is loaded)."""
+    from weights.drafters import load_drafter as load
+
+    return load(name_or_path, target, target_name)
+
+
+__all__ = ["CheckpointError", "NonFiniteWeightsError", "Tokenizer", "UnknownCheckpointError", "load_drafter",
+           "load_model", "load_tokenizer", "read_config", "resolve", "save_model"]

@@ -2,12 +2,15 @@
 
 The model is built on the meta device (no memory), then each tensor is read from the
 memory-mapped safetensors file, converted to the wanted dtype and device, and assigned
-in place, so peak host memory stays near one copy of the weights.
+in place, so peak host memory stays near one copy of the weights. Each tensor is checked
+for NaN and infinities as it is read (one min/max reduction, no temporary the size of
+the tensor): a damaged file or a diverged training run is refused, never decoded.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +26,13 @@ from weights.registry import resolve
 
 class CheckpointError(ValueError):
     """A checkpoint on disk is missing, incomplete or does not match its config."""
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """A tensor of a checkpoint holds NaN or infinities (or overflows the dtype it is loaded in).
+
+    Under tensor parallelism each rank reads only its own slice, so unlike the other
+    CheckpointErrors only some ranks may meet it."""
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -118,9 +128,35 @@ def read_tensors(directory: Path, config: ModelConfig,
                         raise CheckpointError(f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
                                               f"implies {list(expected[name])}")
                     tensor = take(name, tensor_slice)
+                    check_finite(path, name, tensor, tensor_slice)
                     yield name, tensor
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
+
+
+def check_finite(path: Path, name: str, tensor: torch.Tensor, tensor_slice: Any) -> None:
+    """NonFiniteWeightsError if ``tensor`` (as loaded: converted, maybe one rank's slice) holds NaN or inf.
+
+    aminmax propagates NaN and returns inf when there is one, and it allocates two scalars,
+    where isfinite().all() would allocate a bool per element and run ~100x slower on a CPU.
+    Only when the check fails is more work done: counting, and reading the stored tensor
+    again to tell damage on disk from a finite value that overflows the dtype loaded in.
+    """
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return
+    low, high = torch.stack(torch.aminmax(tensor)).float().tolist()  # one device sync
+    if math.isfinite(low) and math.isfinite(high):
+        return
+    stored = tensor_slice[:]
+    bad = int((~torch.isfinite(stored)).sum()) if stored.is_floating_point() else 0
+    if bad:
+        raise NonFiniteWeightsError(f"{path}: tensor {name} holds {bad} non-finite values (NaN or inf) of "
+                                    f"{stored.numel()}: the file is damaged or the weights diverged in training; "
+                                    "download or train it again")
+    largest = float(stored.abs().max())
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    raise NonFiniteWeightsError(f"{path}: tensor {name} has values up to {largest:.4g}, which overflow {dtype}; "
+                                "load it in float32 or bfloat16")
 
 
 def hf_name(name: str) -> str:
@@ -185,6 +221,7 @@ def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | 
         stale.unlink()
     if max_shard_bytes is None:
         save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        _normal_permissions(directory / "model.safetensors")
         return directory
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -199,8 +236,20 @@ def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | 
     for i, shard in enumerate(shards):
         filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, directory / filename, metadata={"format": "pt"})
+        _normal_permissions(directory / filename)
         weight_map.update({name: filename for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return directory
+
+
+def _normal_permissions(path: Path) -> None:
+    """Give a file written by safetensors the mode open() would have given it (0644 under umask 022).
+
+    safetensors' save_file creates its file with mode 0600, so without this the weights alone,
+    of all the files of a checkpoint, would be unreadable to other users.
+    """
+    umask = os.umask(0)  # the only portable way to read the umask is to set it and put it back
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
