@@ -45,7 +45,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TextIO
@@ -59,16 +59,20 @@ from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, cheapest_fit, pla
 from model.tensor_parallel import broadcast_seed, init_distributed
 from speculative import PairMismatchError, autoregressive_generate, check_pair, speculative_generate
 from speculative.gamma import GAMMA_MAX
+from speculative.tree import branching_parents
 from weights import (
     CheckpointError,
     NonFiniteWeightsError,
     Tokenizer,
     UnknownCheckpointError,
+    load_drafter,
     load_model,
     load_tokenizer,
     read_config,
     resolve,
 )
+from weights.drafters import LOOKUP, is_feature_head
+from weights.registry import SHIPPED
 from weights.sharded import load_model_tp, plan_config
 
 DEFAULT_TARGET = "tiny-target"
@@ -106,6 +110,17 @@ def gamma_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
+def tree_arg(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"must be the branching per depth as integers >= 1 joined by commas, e.g. "
+                                         f"3,2,1,1; got {text!r}")
+    return shape
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     pair = parser.add_argument_group("models")
@@ -113,8 +128,11 @@ def build_parser() -> ArgumentParser:
                       help="target model: 7b, 13b, 70b, 7b-chat, 13b-chat, 70b-chat, tiny-target, or a path to an "
                            f"HF-layout folder (default {DEFAULT_TARGET})")
     pair.add_argument("--draft", default=DEFAULT_DRAFT,
-                      help="draft model, same choices; it must share the target's tokenizer "
-                           f"(default {DEFAULT_DRAFT}; tiny-draft-undistilled is the same draft before distillation)")
+                      help="what proposes the tokens (docs/drafters.md): a draft model (the same choices as "
+                           "--target, sharing its tokenizer; tiny-draft, or tiny-draft-undistilled, the same draft "
+                           "before distillation), a feature head trained for the target (tiny-eagle, or a folder "
+                           "written by train.py eagle), or 'lookup' (prompt lookup: copies what followed the "
+                           f"latest earlier occurrence of the sequence's last 1-3 tokens) (default {DEFAULT_DRAFT})")
     pair.add_argument("--no-draft", action="store_true",
                       help="decode with the target alone, one token per call: the baseline to compare against")
     pair.add_argument("--device", default=None,
@@ -165,6 +183,19 @@ def build_parser() -> ArgumentParser:
                                f"before every iteration from the measured acceptance rate and cost ratio (default "
                                f"{DEFAULT_GAMMA}: on the shipped pair 4 to 6 are about equally fast, auto a little "
                                "slower). Fewer are drafted where the output or the context is about to end")
+    sampling.add_argument("--verify", choices=["token", "block"], default="token",
+                          help="how a drafted chain is verified: token by token (Algorithm 1) or as a block (Sun "
+                               "et al. 2025: the same output distribution, never fewer accepted tokens in "
+                               "expectation; the same as token at temperature 0) (default token)")
+    sampling.add_argument("--tree", type=tree_arg, default=None,
+                          help="draft a token tree instead of a chain: the branching per depth, e.g. 3,2,1,1 (3 "
+                               "candidates, 2 after each, then 1 and 1: 21 nodes scored in one target call); its "
+                               "depth replaces --gamma. Needs a draft model or a feature head (default: a chain)")
+    sampling.add_argument("--tree-mode", choices=["without_replacement", "iid", "deterministic"],
+                          default="without_replacement",
+                          help="how a tree node's children are drawn when sampling: distinct tokens from q, "
+                               "independent draws from q, or q's top-k (greedy decoding always takes the top-k) "
+                               "(default without_replacement)")
     sampling.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                           help="0 is greedy decoding: deterministic, and the output equals the target's own greedy "
                                "output; 1 samples from the target's distribution, as in the paper. Default 0: on "
@@ -220,6 +251,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.tp is not None and args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    if args.tree is not None and args.verify == "block" and not args.no_draft:
+        raise UsageError("--verify block is block verification of a chain; a --tree is verified by its own walk")
 
 
 def given_flags(argv: list[str] | None) -> set[str]:
@@ -234,7 +267,8 @@ def given_flags(argv: list[str] | None) -> set[str]:
 
 
 # What --plan does not read: it plans from the configs, the dtype, --quantize and --tp alone.
-RUN_ONLY = ("prompt", "chat", "system", "gamma", "temperature", "top_k", "top_p", "max_new_tokens", "seed",
+RUN_ONLY = ("prompt", "chat", "system", "gamma", "verify", "tree", "tree_mode", "temperature", "top_k", "top_p",
+            "max_new_tokens", "seed",
             "compare", "threads", "device", "no_prepack", "no_fuse", "no_color")
 
 
@@ -261,7 +295,12 @@ def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
         if args.temperature == 0:
             unused(["top_k", "top_p", "seed"], "at temperature 0: greedy decoding takes the most likely token")
         if args.no_draft:
-            unused(["draft", "gamma", "compare"], "with --no-draft: the target decodes alone")
+            unused(["draft", "gamma", "compare", "verify", "tree", "tree_mode"],
+                   "with --no-draft: the target decodes alone")
+        elif args.tree is not None:
+            unused(["gamma"], "with --tree: the tree's depth is its gamma")
+        else:
+            unused(["tree_mode"], "without --tree")
         if not args.chat:
             unused(["system"], "without --chat")
     if args.json:
@@ -415,8 +454,10 @@ def print_plan(args: argparse.Namespace) -> int:
 
     Exit status 1 when it does not fit, with the cheapest change that would (model/memory.py
     cheapest_fit): a script can test the status, and a reader sees what to do."""
-    names = {"target": args.target} if args.no_draft else {"target": args.target, "draft": args.draft}
-    configs = {role: plan_config(name) for role, name in names.items()}
+    configs = {"target": plan_config(args.target)}
+    draft = planned_draft(args, configs["target"])
+    if draft is not None:
+        configs["draft"] = draft
     tp = args.tp or int(os.environ.get("WORLD_SIZE", "1"))
     device_name = args.plan_device or ("auto" if torch.cuda.is_available() else "h200")
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16
@@ -555,7 +596,7 @@ def busy_hint(times: Sequence[float], sizes: Sequence[int], threads: int, device
 @dataclass
 class Loaded:
     target: Llama
-    draft: Llama | None
+    draft: Any  # a draft model, a drafter (speculative.drafter), or None for --no-draft
     tokenizer: Tokenizer
     load_s: float
     prepacked: int = 0  # linear layers reordered for oneDNN (model/prepack.py)
@@ -600,8 +641,8 @@ def summary_lines(stats: dict[str, Any], speculative: bool, compare: bool = Fals
         # gamma is what was asked for (or auto's mean); near the end of the output or of the
         # context fewer are drafted, and the prediction uses what each iteration drafted.
         used = f" (drafted {mean:.2f} per iteration)" if mean is not None and abs(mean - gamma) > 1e-9 else ""
-        line = (f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(c, '.3f')}: tokens/target call "
-                f"{_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
+        line = (f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(c, '.3f')}: tau (tokens per target "
+                f"call) {_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
                 f"(1-alpha^(g+1))/(1-alpha) over the g drafted in each iteration; predicted speedup "
                 f"(1-alpha^(g+1))/((1-alpha)(g*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x"
                 + ("" if compare else " (--compare measures it)"))
@@ -628,14 +669,37 @@ def _num(value: float | None, spec: str) -> str:
 
 
 # ----------------------------------------------------------------------------- main
+def planned_draft(args: argparse.Namespace, target: ModelConfig) -> ModelConfig | None:
+    """The draft's shape for the memory plan: none for --no-draft and lookup, a 1-layer model
+    of the target's shape for a feature head (its embedding and output head are the
+    target's, so this overestimates a little), the draft model's config otherwise."""
+    kind = draft_kind(args, plan=True)
+    if kind == "head":
+        return replace(target, n_layers=1)
+    return plan_config(args.draft) if kind == "model" else None
+
+
+def draft_kind(args: argparse.Namespace, plan: bool = False) -> str | None:
+    """What --draft names: None (--no-draft), "lookup", "head" (a feature head's folder) or "model"."""
+    if args.no_draft:
+        return None
+    if args.draft == LOOKUP:
+        return "lookup"
+    if plan and args.draft not in SHIPPED and not Path(args.draft).expanduser().is_dir():
+        return "model"  # --plan knows the published shapes of checkpoints that are not downloaded
+    return "head" if is_feature_head(resolve(args.draft)) else "model"
+
+
 def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
          world_size: int = 1) -> tuple[Loaded, list[int]]:
-    """Resolve, check and load the pair; everything that can be refused is refused before loading."""
-    names = {"target": args.target} if args.no_draft else {"target": args.target, "draft": args.draft}
+    """Resolve, check and load the target and the drafter; everything that can be refused is
+    refused before loading."""
+    kind = draft_kind(args)
+    names = {"target": args.target} if kind != "model" else {"target": args.target, "draft": args.draft}
     dirs = {role: resolve(name) for role, name in names.items()}
     configs = {role: read_config(path) for role, path in dirs.items()}
     tokenizers = {role: load_tokenizer(path) for role, path in dirs.items()}
-    if not args.no_draft:
+    if kind == "model":
         # check_pair reads only .config and the tokenizers, so it runs before gigabytes are read.
         try:
             check_pair(SimpleNamespace(config=configs["target"]), SimpleNamespace(config=configs["draft"]),
@@ -646,31 +710,49 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                 hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)"
             raise PairMismatchError(f"draft {args.draft} cannot speculate for target {args.target}: {err}{hint}") \
                 from None
+    if kind == "head" and world_size > 1:
+        raise UsageError(f"--draft {args.draft} is a feature head, which reads the target's whole output head: not "
+                         "supported under tensor parallelism; use a draft model or --draft lookup")
+    if args.tree is not None and kind == "lookup":
+        raise UsageError("--tree needs a drafter that can build trees (a draft model or a feature head); prompt "
+                         "lookup proposes one chain")
     tokenizer = tokenizers["target"]
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat, args.system)
     context = min(c.max_seq_len for c in configs.values())
     if len(prompt_ids) >= context:
         raise UsageError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room in the {context}-token "
                          f"context of {' and '.join(names.values())}")
-    slack = 0 if args.no_draft else (GAMMA_MAX if args.gamma == "auto" else args.gamma) + 1  # as the loop allocates
+    ahead = len(branching_parents(args.tree)) if args.tree else GAMMA_MAX if args.gamma == "auto" else args.gamma
+    if args.tree and ahead + 1 >= context:
+        raise UsageError(f"--tree {','.join(map(str, args.tree))} has {ahead} nodes, which cannot fit in the "
+                         f"{context}-token context (the target scores them all in one call)")
+    slack = 0 if kind is None else ahead + 1  # as the loop allocates
     positions = min(context, len(prompt_ids) + args.max_new_tokens + slack)
     sharded = world_size > 1 or args.quantize is not None
-    check_memory((args.target, configs["target"]), None if args.no_draft else (args.draft, configs["draft"]),
-                 positions, dtype, device, tp_size=world_size, quantize=args.quantize)
+    # A feature head is counted as a 1-layer model of the target's shape (see planned_draft).
+    planned = configs.get("draft") or (replace(configs["target"], n_layers=1) if kind == "head" else None)
+    check_memory((args.target, configs["target"]), None if planned is None else (args.draft, planned), positions,
+                 dtype, device, tp_size=world_size, quantize=args.quantize)
 
     t0 = time.perf_counter()
     if sharded:  # this rank's slices of the target; the draft whole on every rank; int8 if asked
         target = load_model_tp(dirs["target"], device, dtype, quantize=args.quantize)
-        draft = None if args.no_draft else load_model_tp(dirs["draft"], device, dtype, quantize=args.quantize,
-                                                         shard=False)
+        draft = load_model_tp(dirs["draft"], device, dtype, quantize=args.quantize, shard=False) \
+            if kind == "model" else None
     else:
         target = load_model(dirs["target"], device=device, dtype=dtype)
-        draft = None if args.no_draft else load_model(dirs["draft"], device=device, dtype=dtype)
+        draft = load_model(dirs["draft"], device=device, dtype=dtype) if kind == "model" else None
+    drafter = None
+    if kind == "model":
+        drafter = draft
+    elif kind is not None:  # the head is checked against the target it was trained for
+        drafter = load_drafter(args.draft, target, args.target)
     # Prepacking is a no-op off the CPU, off float32, and on int8 layers.
-    counts = [prepare_for_decoding(model, stack=not args.no_fuse, prepack=not args.no_prepack)
-              for model in (target, draft) if model is not None]
+    networks = [target, draft, getattr(drafter, "head", None)]
+    counts = [prepare_for_decoding(net, stack=not args.no_fuse, prepack=not args.no_prepack)
+              for net in networks if net is not None]
     fused, prepacked = (sum(column) for column in zip(*counts))
-    return Loaded(target, draft, tokenizer, time.perf_counter() - t0, prepacked, fused), prompt_ids
+    return Loaded(target, drafter, tokenizer, time.perf_counter() - t0, prepacked, fused), prompt_ids
 
 
 def run(args: argparse.Namespace) -> int:
@@ -740,7 +822,8 @@ def run(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         if speculative:
             result = speculative_generate(loaded.target, loaded.draft, prompt_ids, args.max_new_tokens,
-                                          gamma=args.gamma, callback=step_clock, **sampling)
+                                          gamma=len(args.tree) if args.tree else args.gamma, callback=step_clock,
+                                          verify=args.verify, tree=args.tree, tree_mode=args.tree_mode, **sampling)
         else:
             result = autoregressive_generate(loaded.target, prompt_ids, args.max_new_tokens, callback=step_clock,
                                              **sampling)
@@ -769,6 +852,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         settings = {"target": args.target, "draft": None if args.no_draft else args.draft, "device": str(device),
                     "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
+                    "verify": args.verify if speculative else None, "tree": args.tree if speculative else None,
                     "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                     "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
                     "quantize": args.quantize, "tensor_parallel": world_size,
@@ -794,7 +878,12 @@ def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool
     else:
         text = (f"temperature {args.temperature:g}, top-k {args.top_k or 'off'}, top-p {args.top_p or 'off'}, "
                 f"seed {seed}" + ("" if args.seed is not None else " (fresh; --seed repeats it)"))
-    return text + (f", gamma {args.gamma}" if speculative else "")
+    if not speculative:
+        return text
+    if args.tree:
+        shape = ",".join(map(str, args.tree))
+        return text + f", tree {shape} ({len(branching_parents(args.tree))} nodes, children {args.tree_mode})"
+    return text + f", gamma {args.gamma}, {args.verify}-wise verification"
 
 
 def compare_stats(stats: dict[str, Any], baseline: Any, tokens: list[int], temperature: float) -> dict[str, Any]:
