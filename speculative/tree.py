@@ -6,12 +6,13 @@ and verification walks the tree from the root, keeping at most one child per nod
 
 * :class:`TokenTree` -- the drafted nodes, their parents, how each node's children were
   drawn (``mode``) and the draft distributions they were drawn from (``q``).
-* :func:`child_acceptance`, :func:`reject_child`, :func:`passes` -- the rule for one child:
-  its acceptance probability, what a rejection leaves for the next sibling, the comparison.
+* :func:`child_distribution`, :func:`child_acceptance`, :func:`reject_child`, :func:`passes`
+  -- the rule for one child: the law it was drawn from, its acceptance probability, what a
+  rejection leaves for the next sibling, the comparison with the uniform draw.
 * :func:`node_rules` -- that rule run over all children of M nodes at once: each child's
   acceptance probability given that its earlier siblings were rejected, and the
   distribution of the target's own token when all of them were rejected. The exact
-  enumeration tests call this same function, and inject their mutants into the three above.
+  enumeration tests call this same function, and inject their mutants into the ones above.
 * :func:`tree_rules` -- :func:`node_rules` for every node of a tree, rows placed.
 * :func:`verify_tree` -- the walk with random draws; :func:`verify_tree_greedy` -- temperature 0.
 
@@ -63,8 +64,9 @@ holds for any tree shape chosen before the children are drawn (or, for determini
 children, any shape computed from the draft model alone, like EAGLE-2's expansion): what it
 must not do is make a node's children depend on their own draws.
 
-What the draft gives up by drafting a tree is only acceptance: children repeated by an
-"iid" draw are tried again and again against a residual that has already lost their mass.
+A bad tree costs acceptance, never exactness. One cost is specific to "iid": a token
+drawn twice among siblings is wasted the second time, because its first copy was rejected
+only if p_cur(x) < q(x), and then the residual max(0, p_cur - q) is 0 at x.
 
 Float corner cases, none of which can happen in exact arithmetic: a residual with no mass
 (p_cur == q_k) falls back to p_cur (speculative.verify.residual_distribution); a child that
@@ -327,6 +329,17 @@ def check_rows(p: torch.Tensor, tree: TokenTree) -> None:
         raise ValueError(f"p has {p.shape[1]} tokens per row but q has {tree.q.shape[1]}")
 
 
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """A LongTensor of host-side indices on `device`. torch.tensor(values, device=cuda) is a
+    blocking copy, which waits for everything queued (the target's forward) before the rule
+    is even launched; from pinned memory the copy is queued like any other operation (the
+    caching host allocator keeps the pinned buffer alive until the copy is done)."""
+    index = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
 def tree_rules(p: torch.Tensor, tree: TokenTree) -> TreeRules:
     """All rows of the tree go through one batched :func:`node_rules`: the rows with children,
     widest first. A leaf keeps stop = p[row] (the bonus)."""
@@ -348,12 +361,12 @@ def tree_rules(p: torch.Tensor, tree: TokenTree) -> TreeRules:
             slot[j] = m * k_max + k
     # index_select rather than advanced indexing: the same values, a fraction of the fixed cost on a CPU
     device = p.device
-    row_index = torch.tensor(rows, device=device)
-    flat_children = torch.tensor([j for kids in padded for j in kids], device=device)
+    row_index = device_index(rows, device)
+    flat_children = device_index([j for kids in padded for j in kids], device)
     children = tree.tokens.to(device).index_select(0, flat_children).view(len(rows), k_max)
     q = None if tree.mode == "deterministic" else tree.q.to(device=device, dtype=p.dtype).index_select(0, row_index)
     rules = node_rules(p.index_select(0, row_index), q, children, widths, tree.mode)
-    ratios = rules.ratios.reshape(-1).index_select(0, torch.tensor(slot, device=device))
+    ratios = rules.ratios.reshape(-1).index_select(0, device_index(slot, device))
     stop = p.index_copy(0, row_index, rules.fallback)
     overlap = overlap.index_copy(0, row_index, rules.overlap)
     node_acceptance = node_acceptance.index_copy(0, row_index, 1 - (1 - rules.ratios).prod(-1))

@@ -48,24 +48,28 @@ def check_tree(branching: Sequence[int]) -> tuple[int, ...]:
 
 
 def draw_children(logits: torch.Tensor, k: int, mode: str, sampling: Sampling,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """k children for each of M nodes: tokens [M, k], and the warped q [M, V] they were drawn
-    from (None for "deterministic", whose children are chosen, not drawn)."""
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None, list[list[bool]] | None]:
+    """k children for each of M nodes: tokens [M, k], the warped q [M, V] they were drawn from
+    (None for "deterministic", whose children are chosen, not drawn), and for
+    "without_replacement" which draws were possible at all ([M][k] on the host; None: all):
+    a q with fewer than k tokens of positive probability runs out, and those children are
+    dropped (a draw from nothing is no draw)."""
     if mode == "deterministic":
         if k > logits.shape[-1]:
             raise ValueError(f"{k} deterministic children but only {logits.shape[-1]} tokens")
-        return logits.topk(k, dim=-1).indices, None
+        return logits.topk(k, dim=-1).indices, None, None
     q = warp(logits, sampling)
     if mode == "iid":
-        return torch.stack([sample(q, generator) for _ in range(k)], dim=-1), q
-    left, picks = q.clone(), []
+        return torch.stack([sample(q, generator) for _ in range(k)], dim=-1), q, None
+    left, picks, alive = q.clone(), [], []
     for _ in range(k):  # without replacement: draw, remove, renormalise
-        token = sample(left, generator)
+        mass = left.sum(-1, keepdim=True)
+        alive.append(mass[:, 0] > 0)
+        left = torch.where(mass > 0, left / mass, left)
+        token = sample(torch.where(mass > 0, left, q), generator)  # a placeholder draw where nothing is left
         picks.append(token)
         left.scatter_(-1, token[:, None], 0.0)
-        mass = left.sum(-1, keepdim=True)
-        left = torch.where(mass > 0, left / mass, left)
-    return torch.stack(picks, dim=-1), q
+    return torch.stack(picks, dim=-1), q, torch.stack(alive, dim=-1).tolist()
 
 
 def grow_tree(root_logits: torch.Tensor, expand: Expand, branching: Sequence[int], mode: str,
@@ -83,14 +87,19 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, branching: Sequence[int
     for depth, k in enumerate(branching, start=1):
         if depth > 1:
             logits = expand(tokens, parents, depths, level)
-        children, q = draw_children(logits, k, mode, sampling, generator)
+        children, q, alive = draw_children(logits, k, mode, sampling, generator)
         if q is not None:
             q_rows.append(q)
             q_index.extend(node + 1 for node in level)
-        first = len(parents)
-        for node in level:
-            parents.extend([node] * k)
-            depths.extend([depth] * k)
+        first, kept = len(parents), []
+        for i, node in enumerate(level):
+            for j in range(k):
+                if alive is None or alive[i][j]:
+                    parents.append(node)
+                    depths.append(depth)
+                    kept.append(i * k + j)
+        if len(kept) < children.numel():
+            children = children.reshape(-1)[torch.tensor(kept, dtype=torch.long, device=children.device)]
         tokens = torch.cat([tokens, children.reshape(-1)])
         level = list(range(first, len(parents)))
     q_all = None

@@ -1,0 +1,170 @@
+"""Token trees end to end: speculative_generate(..., tree=...) with a draft model and with the
+feature drafter, on a LLaMA target (tree attention, each node at its depth, the accepted
+path moved into place with keep_cache).
+
+* Chi-square: the first tokens have the target's exact distribution, for every way of
+  drawing children (without replacement, i.i.d., deterministic top-k), for both drafters;
+  and the same test rejects the tree mutants injected into the real loop (a: the residual
+  not updated between siblings; b: siblings drawn without replacement judged with an
+  unrenormalised q; g: the bonus token at a leaf drawn from the parent's p).
+* Greedy: the output is the target's own greedy output, token for token (float64).
+* Bookkeeping: a tree that shrinks near max_new_tokens and the context's end, and the stats.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_drafters import random_head
+from test_speculative_statistical import P_VALUE, sample_counts, window_distribution
+from toy_models import chi_square_pvalue, llama_next_logits, noisy_copy, random_llama, ref_warp, reference_greedy
+
+from speculative import FeatureDrafter, PromptLookupDrafter, speculative_generate
+from speculative.sampling import Sampling
+
+tree_module = importlib.import_module("speculative.tree")
+real_reject = tree_module.reject_child
+real_tree_rules = tree_module.tree_rules
+
+RUNS = 1000
+
+
+def residual_not_updated(mp: pytest.MonkeyPatch) -> None:
+    """a. every sibling judged against the node's first p (xLLM-style residual bookkeeping bug)."""
+    mp.setattr(tree_module, "reject_child", lambda p_cur, q_child, token, mode: (p_cur, real_reject(
+        p_cur, q_child, token, mode)[1]))
+
+
+def q_not_renormalised(mp: pytest.MonkeyPatch) -> None:
+    """b. siblings drawn without replacement, but q kept as it was."""
+    mp.setattr(tree_module, "reject_child", lambda p_cur, q_child, token, mode: (real_reject(
+        p_cur, q_child, token, mode)[0], q_child))
+
+
+def bonus_from_parent(mp: pytest.MonkeyPatch) -> None:
+    """g. at an accepted leaf, the bonus token drawn from the parent's row of p."""
+    def rules(p, tree):
+        out = real_tree_rules(p, tree)
+        by_row = tree.children_by_row()
+        for node, parent in enumerate(tree.parents):
+            if not by_row[node + 1]:  # a leaf
+                out.stop[node + 1] = p[parent + 1]
+        return out
+
+    mp.setattr(tree_module, "tree_rules", rules)
+
+
+MUTANTS = {"residual-not-updated": residual_not_updated, "q-not-renormalised": q_not_renormalised,
+           "bonus-from-parent": bonus_from_parent}
+
+
+@pytest.fixture(scope="module")
+def pair() -> dict:
+    target = random_llama(vocab=6, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0,
+                          dtype=torch.float64)
+    return {"target": target, "draft": random_llama(vocab=6, dim=8, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                    hidden_dim=16, seed=1, dtype=torch.float64),
+            "head": random_head(target), "logits": llama_next_logits(target)}
+
+
+CASES = [
+    ("model", "without_replacement", None),
+    ("model", "iid", None),
+    ("model", "deterministic", None),
+    ("feature", "without_replacement", None),
+    ("feature", "iid", None),
+    ("model", "iid", "residual-not-updated"),
+    ("model", "without_replacement", "q-not-renormalised"),
+    ("feature", "without_replacement", "bonus-from-parent"),
+]
+
+
+@pytest.mark.parametrize("drafter, mode, mutant", CASES, ids=[f"{d}-{m}-{b or 'correct'}" for d, m, b in CASES])
+def test_tree_first_tokens_have_the_target_distribution(pair: dict, drafter: str, mode: str, mutant: str | None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tree (3, 2) at temperature 1 over 6 tokens, two tokens jointly: tokens 1-2 for the draft
+    model, 2-3 for the feature drafter (whose first iteration is a plain step, so its first
+    tree decides token 2 onwards)."""
+    if mutant is not None:
+        MUTANTS[mutant](monkeypatch)
+    target = pair["target"]
+    draft = pair["draft"] if drafter == "model" else FeatureDrafter(pair["head"], target)
+    sampling = Sampling(temperature=1.0)
+    drafted = 0
+
+    def generate(seed: int) -> list[int]:
+        nonlocal drafted
+        out = speculative_generate(target, draft, [1, 4], 3, temperature=1.0, seed=seed, tree=(3, 2), tree_mode=mode)
+        drafted += out.stats.drafted_tokens
+        return out.tokens
+
+    skip = 0 if drafter == "model" else 1
+    counts = sample_counts(generate, RUNS, skip, 2)
+
+    def next_probs(ctx: tuple[int, ...]) -> list[float]:
+        return ref_warp(pair["logits"](ctx).tolist(), sampling.temperature)
+
+    p_value = chi_square_pvalue(counts, window_distribution(next_probs, [1, 4], skip, 2))
+    assert drafted > RUNS
+    if mutant is not None:
+        assert p_value < P_VALUE, f"the test did not catch {mutant} (p = {p_value:.3g})"
+    else:
+        assert p_value > P_VALUE, f"{drafter}/{mode} rejected (p = {p_value:.3g})"
+
+
+@pytest.fixture(scope="module")
+def llama64() -> dict:
+    target = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64,
+                          seed=3, dtype=torch.float64)
+    return {"target": target, "close": noisy_copy(target, 0.05), "head": random_head(target, std=0.2)}
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (3, 2, 1, 1), (2, 2, 2), (4, 1, 1, 1, 1)])
+@pytest.mark.parametrize("kind", ["close", "feature"])
+def test_greedy_trees_give_the_target_greedy_output(llama64: dict, shape: tuple[int, ...], kind: str) -> None:
+    target = llama64["target"]
+    draft = llama64["close"] if kind == "close" else FeatureDrafter(llama64["head"], target)
+    for prompt in ([1], [3, 1, 4, 1, 5]):
+        out = speculative_generate(target, draft, prompt, 30, temperature=0, tree=shape)
+        assert out.tokens == reference_greedy(target, prompt, 30)
+
+
+def test_a_tree_accepts_more_than_its_chain(llama64: dict) -> None:
+    """Greedy, a close draft: the (3, 2, 1, 1) tree keeps at least as many tokens per target call
+    as the 4-token chain, and the chain of the tree's first children is the chain itself."""
+    target, draft = llama64["target"], llama64["close"]
+    chain = speculative_generate(target, draft, [2, 7], 40, gamma=4, temperature=0)
+    tree = speculative_generate(target, draft, [2, 7], 40, temperature=0, tree=(3, 2, 1, 1))
+    assert tree.tokens == chain.tokens
+    assert tree.stats.tokens_per_target_call >= chain.stats.tokens_per_target_call
+
+
+def test_trees_shrink_at_the_limits_and_the_stats_add_up(llama64: dict) -> None:
+    target, draft = llama64["target"], llama64["close"]
+    for max_new in (1, 2, 5, 13):
+        out = speculative_generate(target, draft, [1, 2], max_new, temperature=1.0, seed=max_new, tree=(2, 2, 2))
+        assert len(out.tokens) == max_new and out.stats.stop_reason == "max_new_tokens"
+        assert max(out.stats.gamma_history) <= 3 and out.stats.drafted_tokens >= sum(out.stats.gamma_history)
+    long = speculative_generate(target, draft, list(range(1, 16)) * 3, 100, temperature=0, tree=(2, 2, 2))
+    assert 45 + len(long.tokens) == 64 and long.stats.stop_reason == "max_seq_len"
+    assert long.tokens == reference_greedy(target, list(range(1, 16)) * 3, len(long.tokens))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tree": (0, 2)}, "integers >= 1"),
+    ({"tree": ()}, "at least one depth"),
+    ({"tree": (2, 2), "tree_mode": "topk"}, "tree_mode must be one of"),
+    ({"tree": (2, 2), "verify": "block"}, "block verification is for a chain"),
+    ({"tree": (2, 2), "gamma": 7}, "leave gamma alone"),
+    ({"tree": (8, 8)}, "cannot fit"),
+])
+def test_bad_tree_requests(llama64: dict, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(llama64["target"], llama64["close"], [1], 5, **kwargs)
+
+
+def test_a_drafter_without_trees_is_refused(llama64: dict) -> None:
+    with pytest.raises(ValueError, match="cannot build token trees"):
+        speculative_generate(llama64["target"], PromptLookupDrafter(), [1], 5, tree=(2, 1))
