@@ -166,3 +166,38 @@ def test_a_missing_corpus_file_is_one_line(tmp_path: Path, capsys: pytest.Captur
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"error: corpus file {tmp_path / 'absent.txt'} does not exist"], lines
+
+
+def eagle(target: Path, corpus: dict[str, Path], out: Path, steps: int) -> dict:
+    train.main(["eagle", "--target", str(target), "--corpus", str(corpus["train"]), "--eval-corpus",
+                str(corpus["valid"]), "--out", str(out), "--steps", str(steps), "--lr", "3e-3", "--warmup", "2",
+                "--batch-size", "8", "--seq-len", "48", "--self-mix", "0.5", "--eval-prompts", "6",
+                "--eval-new-tokens", "24", "--seed", "0", "--save-every", "10", "--save-dtype", "float32",
+                "--no-progress", "--threads", "1", "--cache-dir", str(corpus["root"] / "cache")])
+    return json.loads((out / "summary.json").read_text())
+
+
+@needs_shared
+def test_eagle_head_learns_to_draft_for_its_target_and_resumes(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """A few dozen steps on a small target: the head's greedy acceptance rises far above an
+    untrained head's, the run resumes, and the head loads only for its own target."""
+    from speculative import FeatureDrafter
+    from weights import CheckpointError, load_drafter
+    from weights.drafters import load_feature_head
+
+    target_dir = pretrain(corpus, tmp_path / "target", steps=60, dim=64, layers=2, seed=0) / "hf"
+    first = eagle(target_dir, corpus, tmp_path / "eagle", steps=10)
+    summary = eagle(target_dir, corpus, tmp_path / "eagle", steps=150)  # resumes at step 10
+    steps = [json.loads(line)["step"] for line in (tmp_path / "eagle" / "log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 151)) and summary["steps"] == 150
+    rows = [json.loads(line) for line in (tmp_path / "eagle" / "log.jsonl").read_text().splitlines()]
+    assert rows[-1]["classification"] < rows[0]["classification"] - 0.5
+    assert any(r["self_written"] for r in rows) and not all(r["self_written"] for r in rows)
+    assert (tmp_path / "eagle" / "loss.png").stat().st_size > 1000
+    assert summary["held_out"]["alpha_greedy"] > first["held_out"]["alpha_greedy"] + 0.1, (first, summary)
+    assert summary["held_out"]["tau_greedy"] > 1.3, summary
+    target = load_model(target_dir)
+    assert isinstance(load_drafter(tmp_path / "eagle" / "hf", target), FeatureDrafter)
+    other = load_model(pretrain(corpus, tmp_path / "other", steps=2, dim=64, layers=2, seed=5) / "hf")
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        load_feature_head(tmp_path / "eagle" / "hf", other, "other")
