@@ -331,7 +331,9 @@ def sample_sequences(model: Llama, prompts: list[list[int]], length: int, gen: t
     return torch.cat(out, dim=1)
 
 
-def cmd_distill(args: argparse.Namespace) -> None:
+def frozen_target(args: argparse.Namespace) -> tuple[Path, Llama]:
+    """Seeds, threads, the --out folder, and the target with gradients off: the start of the
+    two subcommands that train something against a frozen target."""
     seed_everything(args.seed)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -339,6 +341,11 @@ def cmd_distill(args: argparse.Namespace) -> None:
     target = load_model(args.target).eval()
     for p in target.parameters():
         p.requires_grad_(False)
+    return out, target
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    out, target = frozen_target(args)
     draft = load_model(args.draft)
     tokenizer = load_tokenizer(args.target)
     if draft.config.vocab_size != target.config.vocab_size:
@@ -432,13 +439,7 @@ def cmd_eagle(args: argparse.Namespace) -> None:
     from speculative import FeatureDrafter
     from weights.drafters import save_feature_head
 
-    seed_everything(args.seed)
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    target = load_model(args.target).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    out, target = frozen_target(args)
     tokenizer = load_tokenizer(args.target)
     train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
     # The head is one block of the target's own shape (EAGLE-1), with the target's context length.

@@ -96,15 +96,21 @@ def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, 
     for _ in range(gamma):
         logits = draft(context, start_pos=start_pos)[0, -1]
         start_pos += context.shape[1]
-        if sampling.greedy:
-            x_i = logits.argmax()
-        else:
-            q_i = warp(logits, sampling)
-            x_i = sample(q_i, generator)
-            probs.append(q_i)
+        x_i = draw(logits, sampling, generator, probs)
         tokens.append(x_i)
         context = x_i.view(1, 1)
     return torch.stack(tokens), None if sampling.greedy else torch.stack(probs)
+
+
+def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator,
+         probs: list[torch.Tensor]) -> torch.Tensor:
+    """Line 3 for one position: x ~ q = warp(logits), q appended to ``probs``; at temperature 0
+    the argmax, without building the one-hot q (see draft_tokens)."""
+    if sampling.greedy:
+        return logits.argmax()
+    q = warp(logits, sampling)
+    probs.append(q)
+    return sample(q, generator)
 
 
 class ModelDrafter:

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from speculative.drafter import Draft
-from speculative.sampling import Sampling, sample, warp
+from speculative.drafter import Draft, draw
+from speculative.sampling import Sampling
 from speculative.tree import TokenTree
 from speculative.tree_drafting import grow_tree, tree_inputs
 
@@ -77,13 +77,7 @@ class FeatureDrafter:
         for _ in range(gamma):
             predicted = self.head(feats, self.target.embed_tokens(nxt), start_pos=start)[:, -1:]
             start += feats.shape[1]
-            logits = self._logits(predicted)[0, -1]
-            if sampling.greedy:
-                x_i = logits.argmax()
-            else:
-                q_i = warp(logits, sampling)
-                x_i = sample(q_i, generator)
-                probs.append(q_i)
+            x_i = draw(self._logits(predicted)[0, -1], sampling, generator, probs)
             tokens.append(x_i)
             feats, nxt = predicted, x_i.view(1, 1)
         self.next = length - 1

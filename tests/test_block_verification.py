@@ -28,6 +28,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import max_gap, samplings, toy_table
 from toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
 import speculative.verify as verify
@@ -167,10 +168,6 @@ def continue_with_target(law: dict[Context, float], target: Probs, length: int) 
     return out
 
 
-def max_gap(a: dict[Context, float], b: dict[Context, float]) -> float:
-    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
-
-
 # ----------------------------------------------------------------------------- one block, any distributions
 KINDS = ["any", "equal", "disjoint", "q-one-hot", "p-one-hot", "close", "q-zeros"]
 
@@ -245,15 +242,6 @@ def test_one_block_emits_exactly_p_and_never_accepts_less(
 
 
 # ----------------------------------------------------------------------------- several iterations of toy models
-def toy_table(vocab: int, order: int, seed: int, holes: float) -> torch.Tensor:
-    """Logits N(0, 2) with a fraction `holes` of -inf (probability 0), never a whole row."""
-    gen = torch.Generator().manual_seed(seed)
-    table = 2.0 * torch.randn([vocab] * order, generator=gen, dtype=torch.float64)
-    mask = torch.rand(table.shape, generator=gen, dtype=torch.float64) < holes
-    mask[..., 0] &= ~mask.all(-1)  # keep one token alive per row
-    return table.masked_fill(mask, -math.inf)
-
-
 def warped(model: NGramModel, sampling: Sampling) -> Probs:
     cache: dict[Context, torch.Tensor] = {}
 
@@ -271,15 +259,6 @@ def target_distribution(target: NGramModel, prompt: Context, length: int,
     return sequence_distribution(
         lambda ctx: ref_warp(target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p),
         prompt, length)
-
-
-samplings = st.one_of(
-    st.just(Sampling()),
-    st.builds(Sampling, temperature=st.sampled_from([0.0, 0.5, 1.6])),
-    st.builds(Sampling, temperature=st.sampled_from([0.7, 1.0]), top_k=st.integers(1, 3)),
-    st.builds(Sampling, temperature=st.sampled_from([0.7, 1.0]), top_p=st.sampled_from([0.3, 0.61, 0.87])),
-    st.builds(Sampling, top_k=st.just(3), top_p=st.just(0.77)),
-)
 
 
 @settings(max_examples=120, derandomize=True, deadline=None)

@@ -528,9 +528,11 @@ def test_help_states_the_rule_for_unused_flags_and_the_exit_statuses(capsys: pyt
 def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str]) -> None:
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "0.8", "--top-k", "50",
                               "--top-p", "0.9", "--seed", "11", "--gamma", "3"])
-    assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3"), err[0]
-    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4"])
-    assert err[0].endswith("greedy (temperature 0), gamma 4"), err[0]
+    assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3, token-wise verification"), err[0]
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--verify", "block"])
+    assert err[0].endswith("greedy (temperature 0), gamma 4, block-wise verification"), err[0]
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--tree", "3,2,1,1"])
+    assert err[0].endswith("greedy (temperature 0), tree 3,2,1,1 (21 nodes, children without_replacement)"), err[0]
 
 
 @needs_pair

@@ -26,7 +26,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_speculative_exact import TOL, max_gap, samplings, target_distribution, toy_table
+from strategies import max_gap, samplings, toy_table
+from test_speculative_exact import TOL, target_distribution
 from test_speculative_statistical import (
     BUGS,
     NOT_BUGS,

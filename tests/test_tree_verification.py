@@ -28,6 +28,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
 from toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
 import speculative.tree as tree
@@ -45,11 +46,6 @@ Dist = dict[tuple[int, ...], float]
 REAL_REJECT_CHILD = tree.reject_child
 REAL_NODE_RULES = tree.node_rules
 REAL_TREE_RULES = tree.tree_rules
-
-
-def distribution(values: list[float]) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.float64)
-    return t / t.sum()
 
 
 # ----------------------------------------------------------------------------- drafting laws and one node
@@ -110,38 +106,6 @@ def node_gap(p: torch.Tensor, q: torch.Tensor, mode: str, b: int, draft_q: torch
     return max(abs(a + s - t) for a, s, t in zip(move, stop, p.tolist()))
 
 
-weight = st.one_of(st.just(0.0), st.floats(1e-9, 1.0), st.floats(0.5, 1.0))
-
-
-@st.composite
-def distribution_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
-    """p and q over 2..5 tokens: arbitrary with zeros, equal, disjoint, or near one-hot."""
-    vocab = draw(st.integers(2, 5))
-    kind = draw(st.sampled_from(["any", "equal", "disjoint", "one-hot-ish"]))
-
-    def weights() -> list[float]:
-        w = draw(st.lists(weight, min_size=vocab, max_size=vocab))
-        w[draw(st.integers(0, vocab - 1))] = draw(st.floats(0.1, 1.0))  # never all zero
-        return w
-
-    if kind == "equal":
-        p = distribution(weights())
-        return p, p.clone()
-    if kind == "disjoint":
-        cut = draw(st.integers(1, vocab - 1))
-        w = weights()
-        a = [x if i < cut else 0.0 for i, x in enumerate(w)]
-        b = [x if i >= cut else 0.0 for i, x in enumerate(w)]
-        a[0], b[-1] = max(a[0], 0.3), max(b[-1], 0.3)
-        return distribution(a), distribution(b)
-    if kind == "one-hot-ish":
-        eps = draw(st.floats(1e-15, 1e-6))
-        i, j = draw(st.integers(0, vocab - 1)), draw(st.integers(0, vocab - 1))
-        return (distribution([1.0 if k == i else eps for k in range(vocab)]),
-                distribution([1.0 if k == j else eps * draw(st.floats(0.1, 10.0)) for k in range(vocab)]))
-    return distribution(weights()), distribution(weights())
-
-
 @settings(max_examples=300, derandomize=True, deadline=None)
 @given(pair=distribution_pairs(), mode=st.sampled_from(tree.MODES), b=st.integers(1, 3), data=st.data())
 def test_one_node_emits_exactly_p(pair: tuple[torch.Tensor, torch.Tensor], mode: str, b: int,
@@ -158,15 +122,6 @@ def test_one_node_emits_exactly_p(pair: tuple[torch.Tensor, torch.Tensor], mode:
 
 
 # ----------------------------------------------------------------------------- several iterations
-def toy_table(vocab: int, order: int, seed: int, holes: float) -> torch.Tensor:
-    """Logits N(0, 2) with a fraction `holes` of -inf (probability 0), never a whole row."""
-    gen = torch.Generator().manual_seed(seed)
-    table = 2.0 * torch.randn([vocab] * order, generator=gen, dtype=torch.float64)
-    mask = torch.rand(table.shape, generator=gen, dtype=torch.float64) < holes
-    mask[..., 0] &= ~mask.all(-1)  # keep one token alive per row
-    return table.masked_fill(mask, -math.inf)
-
-
 def toy_pair(vocab: int, orders: tuple[int, int], seed: int, holes: float,
              relation: str) -> tuple[NGramModel, NGramModel]:
     target = NGramModel(toy_table(vocab, orders[0], seed, holes))
@@ -230,19 +185,6 @@ def reference_next(target: NGramModel, sampling: Sampling) -> Callable[[tuple[in
     """The target's next-token distribution with the plain-Python reference warp."""
     return lambda ctx: ref_warp(target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k,
                                 sampling.top_p)
-
-
-def max_gap(a: Dist, b: Dist) -> float:
-    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
-
-
-samplings = st.one_of(
-    st.just(Sampling()),
-    st.builds(Sampling, temperature=st.sampled_from([0.0, 0.5, 1.6])),
-    st.builds(Sampling, temperature=st.sampled_from([0.7, 1.0]), top_k=st.integers(1, 3)),
-    st.builds(Sampling, temperature=st.sampled_from([0.7, 1.0]), top_p=st.sampled_from([0.3, 0.61, 0.87])),
-    st.builds(Sampling, top_k=st.just(3), top_p=st.just(0.77)),
-)
 
 
 @pytest.mark.parametrize("mode", tree.MODES)

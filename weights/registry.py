@@ -23,7 +23,9 @@ LLAMA2 = {
     "70b-chat": ("Llama-2-70b-chat-hf", "meta-llama/Llama-2-70b-chat-hf"),
 }
 # The tiny pair trained by train.py and committed in this folder, and the feature head for its target.
-SHIPPED = ("tiny-target", "tiny-draft", "tiny-draft-undistilled", "tiny-eagle")
+SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled")
+SHIPPED_HEADS = ("tiny-eagle",)
+SHIPPED = SHIPPED_MODELS + SHIPPED_HEADS
 
 
 class UnknownCheckpointError(ValueError):
