@@ -1,23 +1,29 @@
-"""Tokens per second of speculative decoding against its baselines, in one run on one machine.
+"""Tokens per second of speculative decoding with each drafter against its baselines, in one run on one machine.
 
-    python benchmarks/benchmark.py                                   # the full run: docs/benchmarks.md + PNG
-    python benchmarks/benchmark.py --prompts 1 --repeats 1 --max-new-tokens 16 --gammas 1 2 \\
-        --out /tmp/bench.md --plot /tmp/bench.png                    # a smoke run
+    python benchmarks/benchmark.py                                   # the full run: docs/benchmarks.md + 2 PNGs
+    python benchmarks/benchmark.py --prompts 1 --repeats 1 --max-new-tokens 16 --gammas 2 --threads 1 \\
+        --drafters tiny-draft lookup --prompt-sets stories --no-hf --out /tmp/b.md --plot /tmp/b.png   # a smoke run
 
-For the same pair, the same prompts and the same number of new tokens (end-of-sequence
-ignored), greedy and at temperature 1, it times:
+For the same target, the same prompts and the same number of new tokens (end-of-sequence
+ignored), greedy and at temperature 1, with 1 and with all torch threads, it times:
 
 * this project, target alone (``autoregressive_generate``): the baseline;
-* this project, speculative with gamma = 1..8 and "auto" (``speculative_generate``);
+* this project, speculative (``speculative_generate``) with every drafter of ``--drafters``
+  (a draft model, ``tiny-eagle``, a head that drafts from the target's features, and
+  ``lookup``, prompt lookup; weights.drafters.load_drafter), at gamma = 1..8 and "auto";
 * transformers' ``generate`` on the same HF-layout checkpoints, target alone, and with
-  ``assistant_model`` (assisted generation) both with its defaults and with a constant
-  gamma, the same algorithm as ours.
+  ``assistant_model`` (assisted generation, ``--hf-draft``) both with its defaults and with
+  a constant gamma, the same algorithm as ours; on the story openings only.
+
+Two prompt sets (benchmarks/benchmark_prompts.py): story openings, and an input-grounded
+set (a held-out story, then "Retell the story:" and its first words) where copying from
+the prompt pays, which is what prompt lookup is for.
 
 Every call is timed end to end with the wall clock (cache allocation and the prompt's
-forward included, the same for every method). Runs are interleaved (repeat > prompt >
-temperature > method) so that a change in machine load hits all methods alike; each
-table cell is a median over prompts x repeats. The measured speedup is compared with the
-paper's prediction (1 - a^(g+1)) / ((1 - a)(g c + 1)) from the measured alpha and c.
+forward included, the same for every method). Runs are interleaved (repeat > threads >
+prompt set > prompt > temperature > method) so that a change in machine load hits all
+methods alike; each table cell is a median over prompts x repeats. The measured speedup
+is compared with the paper's prediction from the measured alpha and c.
 
 Do not run it while anything else loads the machine: it measures the machine.
 transformers is used here only as a reference, never by the runtime code.
@@ -29,10 +35,12 @@ import argparse
 import datetime
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,74 +48,50 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from benchmark_prompts import PROMPT_SETS, RETELL_CORPUS, STORY_OPENINGS, PromptSet, build_prompt_sets  # noqa: E402
+from benchmark_report import Method, Report, Results, Runs, plot_cost_model, plot_drafters, render  # noqa: E402
 
 from model.fuse import prepare_for_decoding  # noqa: E402
-from speculative import (  # noqa: E402
-    autoregressive_generate,
-    expected_speedup,
-    expected_tokens_per_iteration,
-    speculative_generate,
-)
+from speculative import autoregressive_generate, check_pair, speculative_generate  # noqa: E402
+from speculative.gamma import GAMMA_MAX  # noqa: E402
+from speculative.inputs import check_finite  # noqa: E402
 from weights import load_model, load_tokenizer, resolve  # noqa: E402
+from weights.drafters import load_drafter  # noqa: E402
 
-PROMPTS = [
-    "Once upon a time",
-    "One day, a little girl named Lily found a",
-    "Tom and his dog went to the park. They",
-    "The sun was shining and the birds were singing. Ben wanted to",
-    "There was a big red ball in the garden.",
-    "Mia had a small cat called Fluffy. Every morning,",
-    "Once upon a time, in a land far away, there lived a wise old owl who",
-    "The boy looked at the sky and said,",
-]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DRAFTERS = ["tiny-draft", "tiny-eagle", "lookup"]
+# transformers' runs only on the story openings: they are a reference for this project's loop, which the
+# second set would not tell more about, and they are the slowest calls of the run.
+HF_PROMPT_SET = "stories"
+# CPU flags that decide which kernels run (vector width, fused multiply-add, low-precision dot products)
+SIMD_FLAGS = ("sse", "ssse3", "avx", "fma", "f16c", "amx", "vnni", "bf16", "fp16")
 
 
 @dataclass
-class Method:
-    """One row of the table."""
-
-    key: str  # "target", "spec", "hf-target", "hf-assisted", "hf-assisted-const"
-    gamma: int | str | None = None
-    label: str = ""
-
-
-@dataclass
-class Runs:
-    """Every timed run of one method at one temperature."""
-
-    tps: list[float] = field(default_factory=list)
-    alpha: list[float] = field(default_factory=list)
-    c: list[float] = field(default_factory=list)
-    per_call: list[float] = field(default_factory=list)  # tokens per target call
-    gamma: list[float] = field(default_factory=list)  # mean gamma (differs from the setting under auto)
-    # where the time goes, in seconds: one autoregressive step; one draft step, one verification call and the
-    # loop's own overhead (verification arithmetic, sampling, bookkeeping) per iteration
-    ar_step: list[float] = field(default_factory=list)
-    draft_step: list[float] = field(default_factory=list)
-    verify_call: list[float] = field(default_factory=list)
-    overhead: list[float] = field(default_factory=list)
-    tokens: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> tokens of the first repeat
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+class Models:
+    target: Any
+    drafters: dict[str, Any]  # --drafters name -> drafter
+    hf_target: Any = None
+    hf_draft: Any = None
 
 
 # ----------------------------------------------------------------------------- runners
-def run_ours(method: Method, target: Any, draft: Any, prompt: list[int], new_tokens: int, temperature: float,
+def run_ours(method: Method, models: Models, prompt: list[int], new_tokens: int, temperature: float,
              seed: int) -> tuple[float, list[int], Any]:
     start = time.perf_counter()
     if method.key == "target":
-        result = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=seed)
+        result = autoregressive_generate(models.target, prompt, new_tokens, temperature=temperature, seed=seed)
     else:
-        result = speculative_generate(target, draft, prompt, new_tokens, gamma=method.gamma,
-                                      temperature=temperature, seed=seed)
+        result = speculative_generate(models.target, models.drafters[method.drafter], prompt, new_tokens,
+                                      gamma=method.gamma, temperature=temperature, seed=seed)
     return time.perf_counter() - start, result.tokens, result.stats
 
 
-def run_hf(method: Method, hf_target: Any, hf_draft: Any, prompt: list[int], new_tokens: int, temperature: float,
+def run_hf(method: Method, models: Models, prompt: list[int], new_tokens: int, temperature: float,
            seed: int) -> tuple[float, list[int], Any]:
+    hf_target, hf_draft = models.hf_target, models.hf_draft
     kwargs: dict[str, Any] = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
     if temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -133,6 +117,12 @@ def run_hf(method: Method, hf_target: Any, hf_draft: Any, prompt: list[int], new
     return seconds, out[0, len(prompt):].tolist(), None
 
 
+def call(method: Method, models: Models, prompt: list[int], new_tokens: int, temperature: float,
+         seed: int) -> tuple[float, list[int], Any]:
+    runner = run_hf if method.key.startswith("hf") else run_ours
+    return runner(method, models, prompt, new_tokens, temperature, seed)
+
+
 def load_hf(directory: Path, dtype: torch.dtype, device: str) -> Any:
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -144,258 +134,151 @@ def load_hf(directory: Path, dtype: torch.dtype, device: str) -> Any:
     return model
 
 
-def record(runs: Runs, stats: Any, key: str) -> None:
-    """Keep what the library measured inside one call."""
-    if key == "target":
-        runs.ar_step.append(stats.target_time_s / stats.target_calls)
-        return
-    for name, values in (("acceptance_rate", runs.alpha), ("cost_ratio", runs.c),
-                         ("tokens_per_target_call", runs.per_call), ("gamma", runs.gamma)):
-        value = getattr(stats, name)
-        if value is not None:
-            values.append(float(value))
-    if stats.draft_calls:
-        runs.draft_step.append(stats.draft_time_s / stats.draft_calls)
-    runs.verify_call.append(stats.target_time_s / stats.target_calls)
-    runs.overhead.append((stats.decode_time_s - stats.draft_time_s - stats.target_time_s) / stats.target_calls)
+def network(drafter: Any) -> torch.nn.Module | None:
+    """The network a drafter runs (a draft model, a feature head), for the decoding set-up; None for a lookup."""
+    for name in ("model", "head"):
+        if isinstance(getattr(drafter, name, None), torch.nn.Module):
+            return getattr(drafter, name)
+    return None
 
 
-# ----------------------------------------------------------------------------- report
-def machine() -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
+def load_drafters(names: list[str], target: Any, target_name: str) -> tuple[dict[str, Any], list[str]]:
+    """The drafters that load and fit the target, by label; a one-line note (printed, and kept for the report)
+    for each that does not, so that a missing head (tiny-eagle before it ships) skips its rows instead of the
+    run. ``LABEL=PATH`` names a drafter's rows (and its goals) apart from where it is loaded from."""
+    drafters, notes = {}, []
+    for name in names:
+        label, source = name.split("=", 1) if "=" in name else (name, name)
+        try:
+            drafter = load_drafter(source, target, target_name)
+            check_pair(target, drafter)
+        except (ValueError, OSError) as err:  # CheckpointError, UnknownCheckpointError, PairMismatchError
+            notes.append(f"drafter {label} skipped: {err}")
+            print(f"note: {notes[-1]}", file=sys.stderr)
+            continue
+        drafters[label] = drafter
+    return drafters, notes
+
+
+def methods_for(prompt_set: str, drafters: list[str], args: argparse.Namespace) -> list[Method]:
+    methods = [Method("target")]
+    for name in drafters:
+        methods += [Method("spec", g, name) for g in args.gammas]
+        if not args.no_auto:
+            methods.append(Method("spec", "auto", name))
+    if not args.no_hf and prompt_set == HF_PROMPT_SET:
+        methods += [Method("hf-target"), Method("hf-assisted"), Method("hf-assisted-const", args.hf_gamma)]
+    return methods
+
+
+def check_finite_micros(rows: int, vocab: int, dtype: torch.dtype, device: str, calls: int = 2000) -> float:
+    """Median microseconds of one speculative.inputs.check_finite call on [rows, vocab] logits, timed one by
+    one (the check ends with a host read, so each call has finished when it returns)."""
+    logits = torch.randn(rows, vocab, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                         device=device)  # the models return float32 logits (float64 for a float64 model)
+    times = []
+    with torch.inference_mode():
+        for _ in range(calls):
+            start = time.perf_counter_ns()
+            check_finite(logits)
+            times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1e3
+
+
+# ----------------------------------------------------------------------------- the machine
+def lscpu() -> dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines())}
+
+
+def proc_cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (Linux), else nothing."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            if not line.strip():
                 break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    info = {"CPU": cpu, "cores": str(os.cpu_count()), "torch threads": str(torch.get_num_threads()),
-            "torch": torch.__version__, "python": platform.python_version(), "OS": platform.platform(),
-            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    return fields
+
+
+def machine(threads: list[int]) -> tuple[dict[str, str], str]:
+    """The machine table of the report, and the CPU's whole flag list."""
+    cpu, ls = proc_cpuinfo(), lscpu()
+    name = cpu.get("model name") or ls.get("Model name") or platform.processor() or platform.machine()
+    ident = ", ".join(f"{k} {cpu[k]}" for k in ("cpu family", "model", "stepping") if k in cpu)
+    flags = (cpu.get("flags") or ls.get("Flags") or "").split()
+    info = {"host": platform.node(), "CPU": name + (f" ({ident})" if ident else "")}
+    if ls.get("Hypervisor vendor"):
+        info["virtualisation"] = f"{ls['Hypervisor vendor']} guest ({ls.get('Virtualization type', '?')})"
+    info["cores"] = str(os.cpu_count())
+    caches = [f"{level} {ls[level]}" for level in ("L1d cache", "L2 cache", "L3 cache") if ls.get(level)]
+    if caches:
+        info["caches"] = "; ".join(caches)
+    if flags:
+        info["SIMD flags"] = " ".join(f for f in flags if f.startswith(SIMD_FLAGS) or f in SIMD_FLAGS)
+    info["PyTorch CPU kernels"] = torch.backends.cpu.get_cpu_capability()
+    info["torch threads"] = ", ".join(map(str, threads)) + " (each table names its own)"
+    info.update({"torch": torch.__version__, "python": platform.python_version(), "OS": platform.platform(),
+                 "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")})
     try:
         import transformers
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
-    return info
+    return info, " ".join(flags)
 
 
-def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if value is None else format(value, spec) + suffix
-
-
-def report(args: argparse.Namespace, methods: list[Method], results: dict[tuple[float, str], Runs],
-           info: dict[str, str], plot_name: str | None) -> tuple[str, list[str]]:
-    lines = ["# Benchmarks", "",
-             "Generated by `benchmarks/benchmark.py`; do not edit by hand. Command:", "",
-             f"    python benchmarks/benchmark.py {' '.join(sys.argv[1:])}".rstrip(), "",
-             "## Setup", "",
-             f"Pair: draft `{args.draft}` → target `{args.target}`, {args.dtype} on {args.device}"
-             f"{prepack_note(args)}. "
-             f"{args.prompts} prompts × {args.repeats} repeats, {args.max_new_tokens} new tokens each "
-             "(end-of-sequence ignored). tokens/s is the median over prompts and repeats of new tokens / wall "
-             "time of the whole call (cache allocation and the prompt's forward included, for every method alike). "
-             "α is the paper's acceptance rate (mean of Σ min(p, q) over verified positions), c the measured cost "
-             "ratio (draft step / target call), both medians over runs; the prediction is "
-             "(1 − α^(γ+1)) / ((1 − α)(γc + 1)) with the row's own α, c and γ.", "",
-             "| machine | |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in info.items()]
-    notes: list[str] = []
-    for temperature in args.temperatures:
-        base = median(results[(temperature, "target")].tps)
-        hf_base = median(results[(temperature, "hf-target")].tps) if (temperature, "hf-target") in results else None
-        title = "greedy (temperature 0)" if temperature == 0 else f"temperature {temperature:g}"
-        lines += ["", f"## {title}", "",
-                  "| method | γ | tokens/s | speedup vs target alone | α | c | tokens/target call | predicted "
-                  "tokens/call | predicted speedup | measured / predicted |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for m in methods:
-            runs = results.get((temperature, m.label))
-            if runs is None or not runs.tps:
-                continue
-            tps = median(runs.tps)
-            speedup = tps / base if base else None
-            alpha, c, gamma = median(runs.alpha), median(runs.c), median(runs.gamma)
-            pred_call = pred = None
-            if alpha is not None and gamma is not None:
-                pred_call = expected_tokens_per_iteration(alpha, gamma)
-                pred = expected_speedup(alpha, gamma, c) if c is not None else None
-            ratio = speedup / pred if speedup and pred else None
-            shown_gamma = m.gamma if m.gamma != "auto" else f"auto (mean {fmt(gamma, '.1f')})"
-            lines.append(f"| {m.label} | {shown_gamma if shown_gamma is not None else '–'} | {tps:.1f} | "
-                         f"{fmt(speedup, '.2f', '×')} | {fmt(alpha, '.3f')} | {fmt(c, '.3f')} | "
-                         f"{fmt(median(runs.per_call))} | {fmt(pred_call)} | {fmt(pred, '.2f', '×')} | "
-                         f"{fmt(ratio, '.2f')} |")
-        lines += decomposition(temperature, methods, results)
-        if hf_base and base:
-            lines += ["", f"This project's target alone runs at {base / hf_base:.2f}× the tokens/s of transformers' "
-                          "`generate` on the same checkpoint."]
-        notes += goals(args, temperature, results)
-    if notes:
-        lines += ["", "## Goals", ""] + [f"* {n}" for n in notes]
-    agree = greedy_agreement(args, results)
-    if agree:
-        lines += ["", "## Sanity", "", agree]
-    if plot_name:
-        lines += ["", "## Measured speedup against the cost model", "", f"![speedup vs gamma]({plot_name})", "",
-                  "Points: measured speedup over the target alone (median tokens/s ratio). Lines: the paper's "
-                  "prediction from the α and c measured over all fixed-γ runs at that temperature."]
-    return "\n".join(lines) + "\n", notes
-
-
-def prepack_note(args: argparse.Namespace) -> str:
+def decoding_note(args: argparse.Namespace) -> str:
     fused = (f"q/k/v and gate/up stacked into one product each ({args.fused} groups, model/fuse.py)"
              if args.fused else "projections not stacked (--no-fuse)")
     if args.prepacked:
-        return (f"; this project's runs, as generate.py: {fused}, and weights reordered once for oneDNN "
-                f"({args.prepacked} linear layers, model/prepack.py); transformers' runs use PyTorch's defaults")
-    return f"; this project's runs: {fused}, no weights prepacked (--no-prepack, or not a float32 CPU run)"
+        return (f"this project's runs, as generate.py: {fused}, and weights reordered once for oneDNN "
+                f"({args.prepacked} linear layers, model/prepack.py), in the target and in every drafter's network; "
+                "transformers' runs use PyTorch's defaults")
+    return f"this project's runs: {fused}, no weights prepacked (--no-prepack, or not a float32 CPU run)"
 
 
-def refined_speedup(baseline: Runs, runs: Runs) -> float | None:
-    """E[tokens per iteration] x (AR step) / (gamma x draft step + verify call + loop overhead), all measured."""
-    values = (median(runs.alpha), median(runs.gamma), median(runs.draft_step), median(runs.verify_call),
-              median(runs.overhead), median(baseline.ar_step))
-    if any(v is None for v in values):
-        return None
-    alpha, gamma, draft, verify, overhead, ar = values
-    return expected_tokens_per_iteration(alpha, gamma) * ar / (gamma * draft + verify + overhead)
-
-
-def decomposition(temperature: float, methods: list[Method], results: dict[tuple[float, str], Runs]) -> list[str]:
-    """Where an iteration's time goes, and the prediction with the measured times instead of the paper's
-    assumption that verifying gamma + 1 tokens costs one autoregressive step."""
-    ar = median(results[(temperature, "target")].ar_step)
-    rows = []
-    for m in methods:
-        runs = results.get((temperature, m.label))
-        if m.key != "spec" or runs is None or not runs.verify_call:
-            continue
-        draft, verify, overhead = median(runs.draft_step), median(runs.verify_call), median(runs.overhead)
-        refined = refined_speedup(results[(temperature, "target")], runs)
-        if refined is None or ar is None:
-            continue
-        rows.append(f"| {m.label} | {ar * 1e3:.2f} | {draft * 1e3:.2f} | {draft / ar:.3f} | {verify * 1e3:.2f} | "
-                    f"{verify / ar:.2f} | {overhead * 1e3:.2f} | {refined:.2f}× |")
-    if not rows:
-        return []
-    return ["", "Where the time goes (medians, milliseconds). The paper assumes a verification call on γ + 1 tokens "
-            "costs one autoregressive step (verify / AR step = 1) and ignores the loop's own work; the last column "
-            "predicts with the measured times instead: E[tokens] × AR step / (γ × draft step + verify call + "
-            "overhead).", "",
-            "| method | AR step | draft step | draft / AR step | verify call | verify / AR step | overhead per "
-            "iteration | prediction from measured times |",
-            "|---|---|---|---|---|---|---|---|"] + rows
-
-
-def goals(args: argparse.Namespace, temperature: float, results: dict[tuple[float, str], Runs]) -> list[str]:
-    """The repository's targets for the shipped pair, checked against this run."""
-    base = median(results[(temperature, "target")].tps)
-    spec = {label: median(r.tps) for (t, label), r in results.items() if t == temperature and label.startswith("spec")}
-    if not spec or not base:
-        return []
-    best_label = max(spec, key=lambda k: spec[k])
-    name = "greedy" if temperature == 0 else f"T={temperature:g}"
-    out = []
-    speedup = spec[best_label] / base
-    if temperature == 0:
-        out.append(f"{name}: best speculative ({best_label}) is {speedup:.2f}× the target alone "
-                   f"(goal ≥ 2×: {'met' if speedup >= 2 else 'NOT met'}).")
-    off: list[tuple[float, str, float]] = []
-    off_refined: list[float] = []
-    for (t, label), runs in results.items():
-        if t != temperature or not label.startswith("spec γ="):
-            continue
-        alpha, c, gamma = median(runs.alpha), median(runs.c), median(runs.gamma)
-        if alpha is None or c is None or gamma is None:
-            continue
-        ratio = (median(runs.tps) / base) / expected_speedup(alpha, gamma, c)
-        off.append((abs(ratio - 1), label, ratio))
-        refined = refined_speedup(results[(temperature, "target")], runs)
-        if refined is not None:
-            off_refined.append(abs((median(runs.tps) / base) / refined - 1))
-    if off:
-        worst = max(off)
-        within = sum(1 for d, _, _ in off if d <= 0.10)
-        out.append(f"{name}: measured speedup within 10% of the paper's prediction for {within} of {len(off)} fixed "
-                   f"γ (worst: {worst[1]}, measured/predicted {worst[2]:.2f}).")
-    if off_refined:
-        within = sum(1 for d in off_refined if d <= 0.10)
-        out.append(f"{name}: within 10% of the prediction from measured call times for {within} of "
-                   f"{len(off_refined)} fixed γ (worst deviation {100 * max(off_refined):.0f}%).")
-    for hf_label in ("hf assisted (defaults)", f"hf assisted (γ={args.hf_gamma}, constant)"):
-        hf = results.get((temperature, hf_label))
-        if hf and hf.tps:
-            ratio = spec[best_label] / median(hf.tps)
-            goal = " (goal ≥ 3×: " + ("met)" if ratio >= 3 else "NOT met)") if "defaults" in hf_label else ""
-            out.append(f"{name}: best speculative is {ratio:.2f}× the tokens/s of transformers' {hf_label}{goal}.")
-    return out
-
-
-def greedy_agreement(args: argparse.Namespace, results: dict[tuple[float, str], Runs]) -> str:
-    """Greedy speculative output must equal greedy target output (up to float ties)."""
-    if 0.0 not in args.temperatures:
-        return ""
-    ref = results[(0.0, "target")].tokens
-    parts = []
-    for (t, label), runs in results.items():
-        if t != 0.0 or label == "target":
-            continue
-        same = sum(runs.tokens.get(i) == ref.get(i) for i in ref)
-        parts.append(f"{label} {same}/{len(ref)}")
-    return ("Greedy outputs identical to this project's target alone, prompts out of "
-            f"{len(ref)} (float32 near-ties may legitimately differ): " + "; ".join(parts) + ".")
-
-
-def plot(path: Path, args: argparse.Namespace, results: dict[tuple[float, str], Runs]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    gammas = sorted(g for g in args.gammas)
-    for temperature, color in zip(args.temperatures, ["tab:blue", "tab:orange", "tab:green", "tab:red"]):
-        base = median(results[(temperature, "target")].tps)
-        fixed = [results[(temperature, f"spec γ={g}")] for g in gammas]
-        measured = [median(r.tps) / base for r in fixed]
-        alpha = median([a for r in fixed for a in r.alpha])
-        c = median([x for r in fixed for x in r.c])
-        name = "greedy" if temperature == 0 else f"T={temperature:g}"
-        ax.plot(gammas, measured, "o", color=color, label=f"{name}: measured")
-        if alpha is not None and c is not None:
-            dense = [g / 10 for g in range(10, 10 * max(gammas) + 1)]
-            ax.plot(dense, [expected_speedup(alpha, g, c) for g in dense], "--", color=color,
-                    label=f"{name}: predicted (α={alpha:.2f}, c={c:.3f})")
-        refined = [refined_speedup(results[(temperature, "target")], r) for r in fixed]
-        if all(v is not None for v in refined):
-            ax.plot(gammas, refined, "x:", color=color, label=f"{name}: predicted from measured call times")
-        auto = results.get((temperature, "spec auto"))
-        if auto and auto.tps:
-            ax.plot([median(auto.gamma)], [median(auto.tps) / base], "*", ms=12, color=color,
-                    label=f"{name}: γ=auto (at its mean γ)")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("γ (draft tokens per target call)")
-    ax.set_ylabel("speedup over the target alone")
-    ax.set_title(f"{args.draft} → {args.target}, {args.device} {args.dtype}, {torch.get_num_threads()} threads")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def setup_text(args: argparse.Namespace, drafters: list[str]) -> str:
+    hf = "" if args.no_hf else (f" transformers' assisted generation drafts with `{args.hf_draft}`, on the "
+                                f"{HF_PROMPT_SET} set only.")
+    return (f"Target `{args.target}`, {args.dtype} on {args.device}; drafters: "
+            f"{', '.join(f'`{d}`' for d in drafters) or 'none'}; {decoding_note(args)}.{hf} "
+            f"Fixed γ ∈ {{{', '.join(map(str, args.gammas))}}}{'' if args.no_auto else ' and γ = auto'}. "
+            f"{args.prompts} prompts per set × {args.repeats} repeats, {args.max_new_tokens} new tokens each "
+            "(end-of-sequence ignored). tokens/s is the median over prompts and repeats of new tokens / wall time of "
+            "the whole call (cache allocation and the prompt's forward included, for every method alike); the "
+            "speedup is the ratio of medians against the target alone in the same prompt set, decoding and thread "
+            "count. α, τ and c are medians over runs. Prompt sets:")
 
 
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="tiny-target", help="target checkpoint (default tiny-target)")
-    parser.add_argument("--draft", default="tiny-draft", help="draft checkpoint (default tiny-draft)")
+    parser.add_argument("--drafters", nargs="+", default=DRAFTERS,
+                        help=f"drafters to compare, as generate.py --draft takes them: a draft checkpoint, a feature "
+                             f"head's folder or 'lookup', or LABEL=PATH to name its rows (tiny-eagle=runs/eagle/hf); "
+                             f"one that does not load is skipped with a note (default {' '.join(DRAFTERS)})")
+    parser.add_argument("--prompt-sets", nargs="+", default=list(PROMPT_SETS), choices=PROMPT_SETS,
+                        help="stories: story openings; retell: a held-out story, then started again "
+                             "(default both)")
+    parser.add_argument("--retell-corpus", type=Path, default=RETELL_CORPUS,
+                        help=f"held-out TinyStories text for the retell set, read in place (default {RETELL_CORPUS}; "
+                             "absent: the set is skipped with a note)")
+    parser.add_argument("--hf-draft", default="tiny-draft",
+                        help="draft checkpoint of transformers' assisted generation (default tiny-draft)")
     parser.add_argument("--device", default="cpu", help="device (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype (default float32)")
-    parser.add_argument("--prompts", type=int, default=5, help=f"how many built-in prompts, 1..{len(PROMPTS)} "
-                                                                 "(default 5)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of every prompt (default 3)")
+    parser.add_argument("--prompts", type=int, default=5,
+                        help=f"prompts per set, 1..{len(STORY_OPENINGS)} (default 5)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed repeats of every prompt (default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per call (default 128)")
     parser.add_argument("--gammas", type=int, nargs="+", default=list(range(1, 9)), help="fixed gammas (default 1..8)")
     parser.add_argument("--no-auto", action="store_true", help="skip gamma=auto")
@@ -410,84 +293,126 @@ def build_parser() -> argparse.ArgumentParser:
                              "generate.py --no-fuse")
     parser.add_argument("--hf-gamma", type=int, default=4,
                         help="gamma of the constant-gamma assisted-generation row (default 4)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(),
-                        help=f"torch CPU threads (default: all cores, {os.cpu_count()} here)")
+    default_threads = sorted({1, os.cpu_count() or 1})
+    parser.add_argument("--threads", type=int, nargs="+", default=default_threads,
+                        help="torch CPU thread counts, each a full set of runs, interleaved with the others (default "
+                             f"{' '.join(map(str, default_threads))}: one, and all cores)")
     parser.add_argument("--seed", type=int, default=0, help="base seed for sampling (default 0)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown report")
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "benchmark_speedup.png"), help="PNG plot ('' for none)")
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "benchmark_speedup.png"),
+                        help="PNG: measured speedup against gamma and the cost model, per drafter ('' for none)")
+    parser.add_argument("--drafter-plot", default=None,
+                        help="PNG: the drafters side by side (default: --plot's name with _drafters; '' for none)")
     return parser
+
+
+def validate(args: argparse.Namespace) -> None:
+    if not 1 <= args.prompts <= len(STORY_OPENINGS) or args.repeats < 1 or args.max_new_tokens < 1:
+        sys.exit(f"error: --prompts must be in 1..{len(STORY_OPENINGS)}, --repeats and --max-new-tokens >= 1")
+    if any(n < 1 for n in args.threads) or any(g < 1 for g in args.gammas) or any(t < 0 for t in args.temperatures):
+        sys.exit("error: --threads and --gammas must be >= 1 and --temperatures >= 0")
+    args.threads = list(dict.fromkeys(args.threads))  # a count named twice would only be measured twice
+    args.drafters = list(dict.fromkeys(args.drafters))
+    if args.drafter_plot is None:
+        args.drafter_plot = str(Path(args.plot).with_name(Path(args.plot).stem + "_drafters.png")) if args.plot else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not 1 <= args.prompts <= len(PROMPTS) or args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 1:
-        sys.exit("error: --prompts must be in 1..8, --repeats, --max-new-tokens and --threads >= 1")
-    if any(g < 1 for g in args.gammas) or any(t < 0 for t in args.temperatures):
-        sys.exit("error: gammas must be >= 1 and temperatures >= 0")
-    torch.set_num_threads(args.threads)
+    validate(args)
     dtype = DTYPES[args.dtype]
     target = load_model(args.target, device=args.device, dtype=dtype)
-    draft = load_model(args.draft, device=args.device, dtype=dtype)
-    counts = [prepare_for_decoding(model, stack=not args.no_fuse, prepack=not args.no_prepack)
-              for model in (target, draft)]  # as generate.py
+    drafters, notes = load_drafters(args.drafters, target, args.target)
+    networks = [target] + [n for n in map(network, drafters.values()) if n is not None]
+    counts = [prepare_for_decoding(n, stack=not args.no_fuse, prepack=not args.no_prepack) for n in networks]
     args.fused, args.prepacked = (sum(column) for column in zip(*counts))
     tokenizer = load_tokenizer(args.target)
-    prompts = [tokenizer.encode(p) for p in PROMPTS[:args.prompts]]
-    limit = min(target.config.max_seq_len, draft.config.max_seq_len)
-    if max(len(p) for p in prompts) + args.max_new_tokens > limit:
+    limit = min([target.config.max_seq_len] + [d.max_seq_len for d in drafters.values() if d.max_seq_len])
+    # Room for the prompt and the output with every gamma at full length up to the last token (the loop
+    # shrinks gamma near the context's end, which would change what is measured).
+    room = limit - min(max(args.gammas), GAMMA_MAX) - 1
+    sets = build_prompt_sets(args.prompt_sets, tokenizer, args.prompts, args.max_new_tokens, room,
+                             args.retell_corpus)
+    for s in sets:
+        if s.note:
+            notes.append(s.note)
+            print(f"note: {s.note}", file=sys.stderr)
+    sets = [s for s in sets if s.prompts]
+    if not sets:
+        sys.exit("error: no prompt set has a prompt to run")
+    if max(len(p) for s in sets for p in s.prompts) + args.max_new_tokens > room:
         sys.exit(f"error: --max-new-tokens {args.max_new_tokens} does not fit in the {limit}-token context")
 
-    methods = [Method("target", None, "target")]
-    methods += [Method("spec", g, f"spec γ={g}") for g in args.gammas]
-    if not args.no_auto:
-        methods.append(Method("spec", "auto", "spec auto"))
-    hf_target = hf_draft = None
-    if not args.no_hf:
-        hf_target = load_hf(resolve(args.target), dtype, args.device)
-        hf_draft = load_hf(resolve(args.draft), dtype, args.device)
-        methods += [Method("hf-target", None, "hf target"), Method("hf-assisted", None, "hf assisted (defaults)"),
-                    Method("hf-assisted-const", args.hf_gamma, f"hf assisted (γ={args.hf_gamma}, constant)")]
+    models = Models(target, drafters)
+    methods = {s.name: methods_for(s.name, list(drafters), args) for s in sets}
+    if any(m.key.startswith("hf") for ms in methods.values() for m in ms):
+        models.hf_target = load_hf(resolve(args.target), dtype, args.device)
+        models.hf_draft = load_hf(resolve(args.hf_draft), dtype, args.device)
 
-    def call(m: Method, prompt: list[int], n: int, t: float, seed: int) -> tuple[float, list[int], Any]:
-        if m.key.startswith("hf"):
-            return run_hf(m, hf_target, hf_draft, prompt, n, t, seed)
-        return run_ours(m, target, draft, prompt, n, t, seed)
+    results, finite = measure(args, models, sets, methods)
 
-    for m in methods:  # warm-up: first-call allocations and lazy initialisation stay out of the numbers
-        for t in args.temperatures:
-            call(m, prompts[0], min(8, args.max_new_tokens), t, args.seed)
-
-    results: dict[tuple[float, str], Runs] = {(t, m.label): Runs() for t in args.temperatures for m in methods}
-    total = args.repeats * len(prompts) * len(args.temperatures) * len(methods)
-    done, start = 0, time.perf_counter()
-    for r in range(args.repeats):
-        for i, prompt in enumerate(prompts):
-            for t in args.temperatures:
-                for m in methods:
-                    seed = args.seed + 1000 * i + r
-                    seconds, tokens, stats = call(m, prompt, args.max_new_tokens, t, seed)
-                    runs = results[(t, m.label)]
-                    runs.tps.append(len(tokens) / seconds)
-                    if r == 0:
-                        runs.tokens[i] = tokens
-                    if stats is not None:
-                        record(runs, stats, m.key)
-                    done += 1
-                    print(f"\r[{done}/{total}] {time.perf_counter() - start:.0f}s  T={t:g} prompt {i} repeat {r} "
-                          f"{m.label}: {len(tokens) / seconds:.1f} tokens/s   ", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-
-    plot_path = Path(args.plot) if args.plot else None
-    if plot_path is not None:
-        plot(plot_path, args, results)
+    info, flags = machine(args.threads)
+    command = f"python benchmarks/benchmark.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+    rep = Report(command, setup_text(args, list(drafters)), info, flags, args.threads, args.temperatures, sets,
+                 list(drafters), notes, finite, max(args.gammas) + 1, args.hf_gamma, plots=[])
     out = Path(args.out)
-    rel = os.path.relpath(plot_path, out.parent) if plot_path is not None else None
-    text, notes = report(args, methods, results, machine(), rel)
+    title = f"{args.target}, {args.device} {args.dtype}"
+    if args.plot and drafters:
+        first = sets[0]
+        plot_cost_model(Path(args.plot), f"{title}, {first.name} prompts", rep, methods[first.name], results,
+                        first.name)
+        rep.plots.append((os.path.relpath(args.plot, out.parent),
+                          f"Measured speedup against the cost model, {first.name} prompts. Points: measured speedup "
+                          "over the target alone (median tokens/s ratio). Dashed lines: the paper's prediction from "
+                          "the α and c measured over all fixed-γ runs of the drafter at that decoding; crosses: the "
+                          "prediction from the measured call times; stars: γ = auto at its mean γ."))
+    if args.drafter_plot and drafters:
+        plot_drafters(Path(args.drafter_plot), title, rep, methods, results)
+        rep.plots.append((os.path.relpath(args.drafter_plot, out.parent),
+                          "Drafters side by side. Bars: speedup over the target alone at each drafter's best fixed γ "
+                          "(solid) and at γ = auto (hatched), per prompt set and decoding."))
+    text, goal_lines = render(rep, methods, results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print("\n".join(notes))
-    print(f"wrote {out}" + (f" and {plot_path}" if plot_path else ""))
+    print("\n".join(goal_lines))
+    print(f"wrote {out}" + "".join(f" and {p}" for p in (args.plot, args.drafter_plot) if p and drafters))
     return 0
+
+
+def measure(args: argparse.Namespace, models: Models, sets: list[PromptSet],
+            methods: dict[str, list[Method]]) -> tuple[Results, dict[int, float]]:
+    """Every timed run, interleaved (see the module docstring), and check_finite's cost at each thread count."""
+    results: Results = {(n, s.name, t): {m.label: Runs() for m in methods[s.name]}
+                        for n in args.threads for s in sets for t in args.temperatures}
+    finite: dict[int, float] = {}
+    per_repeat = sum(len(s.prompts) * len(methods[s.name]) for s in sets) * len(args.temperatures)
+    total, done, start = args.repeats * len(args.threads) * per_repeat, 0, time.perf_counter()
+    for r in range(args.repeats):
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            # Untimed first calls: at the first repeat every method (first-call allocations, lazy
+            # initialisation); later one short call, so that the thread pool is up after the switch.
+            warm = [(s, m) for s in sets for m in methods[s.name]] if r == 0 else [(sets[0], Method("target"))]
+            for s, m in warm:
+                for t in args.temperatures:
+                    call(m, models, s.prompts[0], min(8, args.max_new_tokens), t, args.seed)
+            if r == 0:
+                finite[threads] = check_finite_micros(max(args.gammas) + 1, models.target.config.vocab_size,
+                                                      DTYPES[args.dtype], args.device)
+            for s in sets:
+                for i, prompt in enumerate(s.prompts):
+                    for t in args.temperatures:
+                        for m in methods[s.name]:
+                            seconds, tokens, stats = call(m, models, prompt, args.max_new_tokens, t,
+                                                          args.seed + 1000 * i + r)
+                            results[(threads, s.name, t)][m.label].add(seconds, tokens, stats, i, r == 0)
+                            done += 1
+                            elapsed = time.perf_counter() - start
+                            print(f"\r[{done}/{total}] {elapsed:.0f}s, about {elapsed / done * (total - done):.0f}s "
+                                  f"left; {threads} threads, {s.name} {i}, T={t:g}, repeat {r}, {m.label}: "
+                                  f"{len(tokens) / seconds:.1f} tokens/s      ", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return results, finite
 
 
 if __name__ == "__main__":
