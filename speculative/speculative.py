@@ -44,6 +44,7 @@ from speculative.tree_drafting import TREE_MODES, check_tree, prefix_and_tree_in
 from speculative.verify import Verification, verify_greedy, verify_step
 
 Callback = Callable[[list[int], list[bool]], None]
+DEFAULT_GAMMA = 4
 # Lines 5-9 at temperature > 0, one signature: (p [g+1, V], q [g, V], drafted [g], generator) -> Verification.
 # Looked up at call time, so that the tests' mutants (patched module attributes) take effect.
 VERIFIERS: dict[str, Callable[..., Any]] = {
@@ -53,7 +54,7 @@ VERIFIERS: dict[str, Callable[..., Any]] = {
 
 
 def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                         gamma: int | str = 4, temperature: float = 1.0, top_k: int | None = None,
+                         gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0, top_k: int | None = None,
                          top_p: float | None = None, eos_id: int | None = None, seed: int | None = None,
                          callback: Callback | None = None, verify: str = "token", tree: Sequence[int] | None = None,
                          tree_mode: str = "without_replacement") -> GenerationResult[SpeculativeStats]:
@@ -247,7 +248,7 @@ def check_tree_request(tree: Sequence[int], tree_mode: str, drafter: Any, gamma:
         raise ValueError(f"tree_mode must be one of {', '.join(map(repr, TREE_MODES))}, got {tree_mode!r}")
     if not hasattr(drafter, "propose_tree"):
         raise ValueError(f"{type(drafter).__name__} cannot build token trees (a draft model or a feature head can)")
-    if gamma not in (4, len(shape)):
+    if gamma not in (DEFAULT_GAMMA, len(shape)):
         raise ValueError("gamma and tree both set: a tree's depth is its gamma; leave gamma alone")
     if verify != "token":
         raise ValueError("block verification is for a chain; a tree is verified by its own walk")
