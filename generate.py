@@ -617,13 +617,6 @@ STOP_REASONS = {"eos": "the model ended the text (end-of-sequence)",
                 "max_seq_len": "the context is full (max_seq_len)"}
 
 
-def stop_reason(tokens: Sequence[int], eos_id: int | None, max_new_tokens: int) -> str:
-    """Why a run stopped, from its tokens: what the loops record, for stats that lack it."""
-    if tokens and eos_id is not None and tokens[-1] == eos_id:
-        return "eos"
-    return "max_new_tokens" if len(tokens) >= max_new_tokens else "max_seq_len"
-
-
 def summary_lines(stats: dict[str, Any], speculative: bool, compare: bool = False) -> list[str]:
     """The run's numbers next to the paper's cost model (docs/cost_model.md)."""
     tps = stats.get("tokens_per_second")
@@ -829,8 +822,6 @@ def run(args: argparse.Namespace) -> int:
                                              **sampling)
     tokens = [int(t) for t in result.tokens]
     stats = stats_dict(result.stats, speculative)
-    if stats.get("stop_reason") is None:
-        stats["stop_reason"] = stop_reason(tokens, tokenizer.eos_id, args.max_new_tokens)
     if streamer is not None:
         streamer.finish()
         for line in summary_lines(stats, speculative, compare=compare):

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from model import ModelConfig
 from model.feature_head import FeatureHead, fingerprint, same_fingerprint
 from speculative import FeatureDrafter, ModelDrafter, PromptLookupDrafter
-from weights.checkpoint import CheckpointError, _normal_permissions, load_model
+from weights.checkpoint import CheckpointError, _normal_permissions, check_finite, load_model
 from weights.registry import resolve
 
 HEAD_TYPE = "llama-feature-head"
@@ -95,9 +95,8 @@ def load_feature_head(name_or_path: str | os.PathLike, target: Any, target_name:
     if got != expected:
         raise CheckpointError(f"{path}: tensors {sorted(set(got) ^ set(expected)) or 'shapes'} do not match its "
                               "config.json")
-    for name, tensor in state.items():
-        if not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"{path}: tensor {name} holds non-finite values (NaN or inf)")
+    for name, tensor in state.items():  # the checkpoint loader's check (NonFiniteWeightsError names both)
+        check_finite(path, name, tensor, tensor)
     embedding = target.embed_tokens.weight  # never prepacked or quantized: the target's device and dtype
     state = {name: t.to(device=embedding.device, dtype=embedding.dtype) for name, t in state.items()}
     head.load_state_dict(state, assign=True, strict=True)
