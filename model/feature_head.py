@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.model import Block, KVCache, causal_mask, explicit_mask, explicit_rope, rope_tables, slots_to_keep
+from model.model import Block, KVCache, cached_call_inputs, rope_tables, slots_to_keep
 
 
 class FeatureHead(nn.Module):
@@ -71,14 +71,7 @@ class FeatureHead(nn.Module):
         end = start_pos + seq
         if start_pos < 0 or end > self.cache_len:
             raise ValueError(f"positions {start_pos}..{end - 1} fall outside the head's KV cache ({self.cache_len})")
-        if positions is None:
-            cos, sin = self._rope[0][start_pos:end], self._rope[1][start_pos:end]
-        else:
-            cos, sin = explicit_rope(self._rope, positions, seq)
-        if mask is None:
-            mask = causal_mask(seq, start_pos, self.dtype, self.device)
-        else:
-            mask = explicit_mask(mask, start_pos, seq, self.dtype, self.device)
+        cos, sin, mask = cached_call_inputs(self._rope, start_pos, seq, positions, mask, self.dtype, self.device)
         return self.layers[0](x, cos, sin, start_pos, mask)
 
 

@@ -135,6 +135,21 @@ def explicit_mask(mask: torch.Tensor, start_pos: int, seq: int, dtype: torch.dty
     return full
 
 
+def cached_call_inputs(rope: tuple[torch.Tensor, torch.Tensor], start_pos: int, seq: int,
+                       positions: torch.Tensor | None, mask: torch.Tensor | None, dtype: torch.dtype,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """cos, sin and the additive mask every layer of a cached call of ``seq`` tokens at
+    start_pos reads, built once: the table rows of the chain's positions and the causal mask
+    by default, or those of explicit ``positions`` and a boolean ``mask`` over the new tokens."""
+    if positions is None:
+        cos, sin = rope[0][start_pos:start_pos + seq], rope[1][start_pos:start_pos + seq]
+    else:
+        cos, sin = explicit_rope(rope, positions, seq)
+    if mask is None:
+        return cos, sin, causal_mask(seq, start_pos, dtype, device)
+    return cos, sin, explicit_mask(mask, start_pos, seq, dtype, device)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x_i, x_{i+d/2}) by the position's angle. x: [B, H, T, D].
 
@@ -353,15 +368,8 @@ class Llama(nn.Module):
                                  f"(max_seq_len {self.cache_len})")
             if batch > self.cache_batch:
                 raise ValueError(f"batch {batch} exceeds the cache's max_batch_size")
-            if positions is None:
-                cos, sin = self._rope[0][start_pos:end], self._rope[1][start_pos:end]
-            else:
-                cos, sin = explicit_rope(self._rope, positions, seq)
             # From here on `mask` is the additive float mask every layer reads, built once.
-            if mask is None:
-                mask = causal_mask(seq, start_pos, self.dtype, self.device)
-            else:
-                mask = explicit_mask(mask, start_pos, seq, self.dtype, self.device)
+            cos, sin, mask = cached_call_inputs(self._rope, start_pos, seq, positions, mask, self.dtype, self.device)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, start_pos, mask)
