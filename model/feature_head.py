@@ -13,11 +13,22 @@ This module is a network and nothing else; speculative/eagle.py drafts with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.model import Block, KVCache, cached_call_inputs, rope_tables, slots_to_keep
+from model.model import (
+    Block,
+    KVCache,
+    cached_call_inputs,
+    one_start,
+    rope_tables,
+    row_call_inputs,
+    rows_to_keep,
+    slots_to_keep,
+)
 
 
 class FeatureHead(nn.Module):
@@ -29,6 +40,7 @@ class FeatureHead(nn.Module):
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=True)
         self.layers = nn.ModuleList([Block(config)])  # a list, so that names read like a LLaMA's
         self.cache_len = 0
+        self.cache_batch = 0
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -45,7 +57,7 @@ class FeatureHead(nn.Module):
         attn.cache = KVCache(max_batch_size, attn.local_kv_heads, max_seq_len, self.config.head_dim,
                              self.dtype, self.device)
         self._rope = rope_tables(self.config, max_seq_len, self.device, self.dtype)
-        self.cache_len = max_seq_len
+        self.cache_len, self.cache_batch = max_seq_len, max_batch_size
 
     def keep_cache(self, src_slots: torch.Tensor | list[int], dst_start: int) -> None:
         """Copy the block's keys and values of ``src_slots`` into slots dst_start.. (as Llama.keep_cache)."""
@@ -54,12 +66,20 @@ class FeatureHead(nn.Module):
         slots = slots_to_keep(src_slots, dst_start, self.cache_len, self.device)
         self.layers[0].self_attn.cache.keep(slots, dst_start)
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, start_pos: int | None = None,
+    def keep_cache_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Cache rows 0..n-1 become the old rows ``rows`` (as Llama.keep_cache_rows)."""
+        if self._rope is None:
+            raise RuntimeError("head.keep_cache_rows(...) needs head.setup_cache(...) first")
+        self.layers[0].self_attn.cache.keep_rows(rows_to_keep(rows, self.cache_batch, self.device))
+
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, start_pos: int | Sequence[int] | None = None,
                 positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted next features [B, T, dim] for features and next-token embeddings [B, T, dim]
         at positions start_pos.. (through the KV cache), or 0.. without a cache (training).
-        ``positions`` and ``mask`` mean what they mean for Llama.forward, in a cached call."""
-        seq = features.shape[1]
+        ``positions``, ``mask`` and a list of per-row ``start_pos`` mean what they mean for
+        Llama.forward, in a cached call."""
+        batch, seq = features.shape[:2]
+        start_pos = one_start(start_pos, batch, seq, self.cache_len, positions, mask)
         if start_pos is None and (positions is not None or mask is not None):
             raise ValueError("positions and mask are for a cached call: pass start_pos too")
         x = self.fc(torch.cat([features, embeddings], dim=-1))
@@ -68,6 +88,12 @@ class FeatureHead(nn.Module):
             return self.layers[0](x, cos, sin, None, None)
         if self._rope is None:
             raise RuntimeError("head(features, embeddings, start_pos=...) needs head.setup_cache(...) first")
+        if isinstance(start_pos, list):
+            if batch > self.cache_batch:
+                raise ValueError(f"batch {batch} exceeds the head cache's max_batch_size")
+            cos, sin, mask, where = row_call_inputs(self._rope, start_pos, seq, self.cache_len, self.dtype,
+                                                    self.device)
+            return self.layers[0](x, cos, sin, where, mask)
         end = start_pos + seq
         if start_pos < 0 or end > self.cache_len:
             raise ValueError(f"positions {start_pos}..{end - 1} fall outside the head's KV cache ({self.cache_len})")

@@ -19,11 +19,19 @@ Calling convention (the contract the rest of the project relies on):
   but token i is rotated as position pos[i] and sees new token j only where m[i, j] (every
   token still sees all slots < p). ``model.keep_cache(slots, dst)`` copies chosen slots'
   keys and values to dst, dst+1, ... These say nothing of what the caller builds with them.
+* ``model(tokens, start_pos=[p_0, .., p_{B-1}])``: each batch row at its own position: row b
+  writes slots p_b..p_b+T-1 of its cache row and attends to its slots < p_b+i+1, so rows of
+  different lengths share one call. Rows with fewer new tokens are padded at the end; the
+  padding's outputs mean nothing, its writes land in slots the row has not filled yet, and
+  writes past the cache's end are dropped. ``model.keep_cache_rows(rows)`` makes cache rows
+  0..n-1 the old rows ``rows`` (a batch that lost or reordered rows).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +158,57 @@ def cached_call_inputs(rope: tuple[torch.Tensor, torch.Tensor], start_pos: int, 
     return cos, sin, explicit_mask(mask, start_pos, seq, dtype, device)
 
 
+@dataclass(frozen=True)
+class RowSlots:
+    """Where a per-row cached call writes: new token ``cols[n]`` of batch row ``rows[n]`` goes to
+    cache slot ``slots[n]`` (LongTensors [N]); every row then reads its slots < ``end``."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    slots: torch.Tensor
+    end: int
+
+
+def row_call_inputs(rope: tuple[torch.Tensor, torch.Tensor], starts: Sequence[int], seq: int, cache_len: int,
+                    dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RowSlots]:
+    """cos, sin [B, 1, T, D], the additive mask [B, 1, T, S] and the writes of a cached call
+    whose row b puts its T new tokens at slots starts[b].. (a ragged batch, padded at the end).
+
+    Token i of row b is at position starts[b] + i and sees that row's slots up to it. A
+    padding token past the cache's end is not written and is rotated as the last slot; it
+    sees the whole row, so its (meaningless) output is finite. Built once per call, on the
+    host where it is cheap (B * T indices), so nothing waits for the device."""
+    starts = [int(s) for s in starts]
+    if any(s < 0 or s >= cache_len for s in starts):
+        raise ValueError(f"row start positions {min(starts)}..{max(starts)} fall outside the KV cache ({cache_len})")
+    end = min(max(starts) + seq, cache_len)
+    position = [[min(s + i, cache_len - 1) for i in range(seq)] for s in starts]
+    writes = [(b, i, s + i) for b, s in enumerate(starts) for i in range(seq) if s + i < cache_len]
+    rows, cols, slots = torch.tensor(writes, dtype=torch.long).T.to(device)
+    pos = torch.tensor(position, dtype=torch.long, device=device)  # [B, T]
+    cos, sin = rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1)
+    hidden = torch.arange(end, device=device) > pos.unsqueeze(-1)  # [B, T, S]: keys after the query
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    return cos, sin, mask.unsqueeze(1), RowSlots(rows, cols, slots, end)
+
+
+def one_start(start_pos: int | Sequence[int] | None, batch: int, seq: int, cache_len: int,
+              positions: torch.Tensor | None, mask: torch.Tensor | None) -> int | list[int] | None:
+    """start_pos as given, or per-row positions as a list of ints; one row that fits is the
+    plain int (so a batch of one runs exactly the single-sequence path)."""
+    if start_pos is None or isinstance(start_pos, int):
+        return start_pos
+    starts = [int(s) for s in start_pos]
+    if len(starts) != batch:
+        raise ValueError(f"start_pos has {len(starts)} row positions for a batch of {batch}")
+    if positions is not None or mask is not None:
+        raise ValueError("positions and mask take one start_pos for all rows, not one per row")
+    if batch == 1 and starts[0] + seq <= cache_len:
+        return starts[0]
+    return starts
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x_i, x_{i+d/2}) by the position's angle. x: [B, H, T, D].
 
@@ -179,6 +238,20 @@ class KVCache(nn.Module):
         self.v[:batch, :, start_pos:end] = v
         return self.k[:batch, :, :end], self.v[:batch, :, :end]
 
+    def write_rows(self, where: RowSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's new keys and values at its own slots (a per-row call) and return
+        every row's slots < where.end."""
+        batch = k.shape[0]
+        self.k[where.rows, :, where.slots] = k.transpose(1, 2)[where.rows, where.cols]
+        self.v[where.rows, :, where.slots] = v.transpose(1, 2)[where.rows, where.cols]
+        return self.k[:batch, :, :where.end], self.v[:batch, :, :where.end]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Rows 0..n-1 become the old rows ``rows`` (gathered first, so any order works)."""
+        n = rows.shape[0]
+        self.k[:n] = self.k.index_select(0, rows)
+        self.v[:n] = self.v.index_select(0, rows)
+
     def keep(self, slots: torch.Tensor, dst_start: int) -> None:
         """Copy the entries of ``slots`` (in order) into slots dst_start, dst_start+1, ... of every
         batch row. index_select gathers them into a new tensor before anything is written, so
@@ -207,6 +280,14 @@ def slots_to_keep(slots: torch.Tensor | list[int], dst_start: int, cache_len: in
     return slots
 
 
+def rows_to_keep(rows: torch.Tensor | list[int], cache_batch: int, device: torch.device) -> torch.Tensor:
+    """``rows`` as a LongTensor on ``device``, after checking that they are rows of the cache."""
+    rows = torch.as_tensor(list(rows) if not isinstance(rows, torch.Tensor) else rows, dtype=torch.long)
+    if rows.dim() != 1 or any(r < 0 or r >= cache_batch for r in rows.tolist()):
+        raise ValueError(f"rows to keep must be a list of cache rows 0..{cache_batch - 1}, got {rows.tolist()}")
+    return rows.to(device)
+
+
 # ----------------------------------------------------------------------------- layers
 class Attention(nn.Module):
     """Multi-head attention with grouped-query heads: each KV head serves n_heads/n_kv_heads queries."""
@@ -232,7 +313,7 @@ class Attention(nn.Module):
         return self.k_proj.out_features // self.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                start_pos: int | None, mask: torch.Tensor | None) -> torch.Tensor:
+                start_pos: int | RowSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # [B, T, H*D] -> [B, H, T, D]; the head count is read from the weights so that a
         # tensor-parallel shard (which holds only some heads) runs the same code.
@@ -246,7 +327,9 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             qk = apply_rope(qkv[:, :n_q + n_kv], cos, sin)
             q, k, v = qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv:]
-        if start_pos is not None:
+        if isinstance(start_pos, RowSlots):  # each row at its own slots
+            k, v = self.cache.write_rows(start_pos, k, v)
+        elif start_pos is not None:
             k, v = self.cache.update(start_pos, k, v)
         gqa = q.shape[1] != k.shape[1]
         if mask is None:  # no cache: plain causal attention (or a single query, which sees all)
@@ -287,7 +370,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                start_pos: int | None, mask: torch.Tensor | None) -> torch.Tensor:
+                start_pos: int | RowSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -337,7 +420,16 @@ class Llama(nn.Module):
         for layer in self.layers:
             layer.self_attn.cache.keep(slots, dst_start)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int | None = None, return_hidden: bool = False,
+    def keep_cache_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """In every layer, cache rows 0..n-1 become the old rows ``rows`` (for a batch whose rows
+        finished or were reordered; rows after n keep stale entries nobody reads)."""
+        if self._rope is None:
+            raise RuntimeError("model.keep_cache_rows(...) needs model.setup_cache(...) first")
+        rows = rows_to_keep(rows, self.cache_batch, self.device)
+        for layer in self.layers:
+            layer.self_attn.cache.keep_rows(rows)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int | Sequence[int] | None = None, return_hidden: bool = False,
                 positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] for ``tokens`` [B, T] placed at positions start_pos.. (0 if no cache).
@@ -351,9 +443,20 @@ class Llama(nn.Module):
         start_pos..start_pos+T-1), and ``mask`` (BoolTensor [T, T], True where new token i may
         attend new token j; default causal) which new tokens each one sees. The tokens still go
         to slots start_pos..start_pos+T-1, and each sees all slots < start_pos whatever the mask
-        says (so a row of False sees only those; at start_pos 0 that is nothing: a ValueError)."""
+        says (so a row of False sees only those; at start_pos 0 that is nothing: a ValueError).
+
+        ``start_pos`` may instead be a list of one position per batch row (a ragged batch; see
+        the module docstring and :func:`row_call_inputs`); positions and mask are then not taken."""
         batch, seq = tokens.shape
-        if start_pos is None:
+        start_pos = one_start(start_pos, batch, seq, self.cache_len, positions, mask)
+        if isinstance(start_pos, list):
+            if self._rope is None:
+                raise RuntimeError("model(tokens, start_pos=...) needs model.setup_cache(...) first")
+            if batch > self.cache_batch:
+                raise ValueError(f"batch {batch} exceeds the cache's max_batch_size")
+            cos, sin, mask, start_pos = row_call_inputs(self._rope, start_pos, seq, self.cache_len, self.dtype,
+                                                        self.device)
+        elif start_pos is None:
             if positions is not None or mask is not None:
                 raise ValueError("positions and mask are for a cached call: pass start_pos too")
             if seq > self.config.max_seq_len:

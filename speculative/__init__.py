@@ -7,13 +7,16 @@
   that drafts from the target's features (:class:`FeatureDrafter`).
 * :mod:`speculative.speculative`: the loop (:func:`speculative_generate`).
 * :mod:`speculative.autoregressive`: the baseline (:func:`autoregressive_generate`).
+* :mod:`speculative.batch`: many prompts at once, each row accepting its own count
+  (:func:`speculative_generate_batch`, :func:`autoregressive_generate_batch`).
 * :mod:`speculative.stats`: what a call measured; :mod:`speculative.gamma`: the cost model and gamma="auto".
 * :mod:`speculative.pair`: can two models speculate together (:func:`check_pair`).
 * :mod:`speculative.distill`: divergences for distilling a draft toward its target.
 """
 
 from speculative.autoregressive import autoregressive_generate
-from speculative.drafter import Draft, Drafter, ModelDrafter, as_drafter, draft_tokens
+from speculative.batch import BatchResult, BatchStats, autoregressive_generate_batch, speculative_generate_batch
+from speculative.drafter import Draft, Drafter, ModelDrafter, RowDrafter, as_drafter, draft_tokens
 from speculative.eagle import FeatureDrafter
 from speculative.gamma import AutoGamma, best_gamma, expected_speedup, expected_tokens_per_iteration
 from speculative.inputs import NonFiniteLogitsError
@@ -31,9 +34,11 @@ from speculative.verify import (
 )
 
 __all__ = [
-    "AutoGamma", "AutoregressiveStats", "Draft", "Drafter", "FeatureDrafter", "GenerationResult", "ModelDrafter",
+    "AutoGamma", "AutoregressiveStats", "BatchResult", "BatchStats", "Draft", "Drafter", "FeatureDrafter",
+    "GenerationResult", "ModelDrafter",
     "NonFiniteLogitsError", "PairMismatchError", "PromptLookupDrafter", "Sampling", "SpeculativeStats",
-    "Verification", "acceptance_probability", "as_drafter", "autoregressive_generate", "best_gamma", "check_pair",
+    "RowDrafter", "Verification", "acceptance_probability", "as_drafter", "autoregressive_generate",
+    "autoregressive_generate_batch", "best_gamma", "check_pair",
     "draft_tokens", "expected_acceptance", "expected_speedup", "expected_tokens_per_iteration",
-    "residual_distribution", "sample", "speculative_generate", "verify_step", "warp",
+    "residual_distribution", "sample", "speculative_generate", "speculative_generate_batch", "verify_step", "warp",
 ]

@@ -19,6 +19,11 @@ A drafter that can also grow token trees has ``propose_tree(seq, ids, branching,
 sampling, generator) -> (TokenTree, calls)`` (speculative.tree_drafting); the model and
 feature drafters do, prompt lookup does not.
 
+Batched speculation (speculative.batch) needs the same three calls for many sequences at
+once, each row with its own length and its own random stream: a :class:`RowDrafter` has
+``start_rows``, ``propose_rows``, ``commit_rows`` and ``keep_rows`` (rows that finished
+leave, new prompts join). All three drafters have them.
+
 A deterministic drafter (prompt lookup, or any drafter at temperature 0) reports q = None:
 its q is one-hot on each token it proposed. Algorithm 1 then accepts x with probability
 p(x), and the residual is p with x removed and renormalised; the loop builds the one-hot
@@ -37,8 +42,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
-from speculative.sampling import Sampling, sample, warp
+from speculative.sampling import Sampling, sample, sample_rows, warp
 from speculative.tree import TokenTree
 from speculative.tree_drafting import grow_tree, tree_inputs
 
@@ -76,6 +82,28 @@ class Drafter(Protocol):
     def commit(self, length: int, hidden: torch.Tensor | None = None, hidden_start: int = 0) -> None: ...
 
 
+@runtime_checkable
+class RowDrafter(Protocol):
+    """A drafter for a batch of sequences (rows), each at its own length (speculative.batch).
+
+    ``propose_rows(seq, ids, gammas, sampling, generators)`` drafts gammas[b] tokens for row
+    b (seq [rows, cache_len] on the device, ids the rows' tokens on the host), drawing them
+    with generators[b] only, and returns one Draft per row; ``commit_rows(lengths, hidden,
+    hidden_starts)`` is commit() for every row (hidden [rows, T, dim], row b's features
+    of positions hidden_starts[b]..); ``keep_rows(rows, new)`` makes rows 0..len(rows)-1 the
+    old rows ``rows``, followed by ``new`` fresh sequences."""
+
+    def start_rows(self, max_rows: int, cache_len: int, target: Any) -> None: ...
+
+    def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+                     generators: list[torch.Generator]) -> list[Draft]: ...
+
+    def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
+                    hidden_starts: list[int] | None = None) -> None: ...
+
+    def keep_rows(self, rows: list[int], new: int = 0) -> None: ...
+
+
 def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, sampling: Sampling,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Algorithm 1, lines 1-3, with a draft model: for i = 1..gamma, q_i = M_q(prefix +
@@ -111,6 +139,36 @@ def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator,
     q = warp(logits, sampling)
     probs.append(q)
     return sample(q, generator)
+
+
+def draw_rows(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator | None],
+              probs: list[torch.Tensor]) -> torch.Tensor:
+    """Line 3 for every row at once: logits [B, V] -> tokens [B], row b drawn with generators[b]
+    exactly as :func:`draw` would draw it alone (a row whose generator is None draws
+    nothing); q [B, V] appended to ``probs`` unless greedy."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    q = warp(logits, sampling)
+    probs.append(q)
+    return sample_rows(q, generators)
+
+
+def drafted_rows(tokens: list[torch.Tensor], probs: list[torch.Tensor], gammas: list[int],
+                 calls: int) -> list[Draft]:
+    """Per-step drafts of a batch (tokens [B] and q [B, V] per step) as one Draft per row,
+    cut to that row's own gamma."""
+    if not tokens:
+        return [Draft(torch.empty(0, dtype=torch.long), None, calls=0) for _ in gammas]
+    stacked = torch.stack(tokens, dim=1)  # [B, steps]
+    q = torch.stack(probs, dim=1) if probs else None  # [B, steps, V]
+    return [Draft(stacked[b, :g], None if q is None else q[b, :g], calls=calls) for b, g in enumerate(gammas)]
+
+
+def pad_rows(feeds: list[torch.Tensor]) -> torch.Tensor:
+    """Token rows of different lengths as one [B, max length] batch, padded at the end with 0
+    (a ragged call: the model ignores what the padding computes, see model.model)."""
+    width = max(1, max(f.shape[0] for f in feeds))
+    return torch.stack([F.pad(f, (0, width - f.shape[0])) for f in feeds])
 
 
 class ModelDrafter:
@@ -169,6 +227,44 @@ class ModelDrafter:
 
     def commit(self, length: int, hidden: torch.Tensor | None = None, hidden_start: int = 0) -> None:
         self.next = min(self.next, length - 1)
+
+    # ------------------------------------------------------------------------- rows (a batch)
+    def start_rows(self, max_rows: int, cache_len: int, target: Any = None) -> None:
+        self.model.setup_cache(max_rows, cache_len)
+        self.row_next: list[int] = []
+
+    def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+                     generators: list[torch.Generator]) -> list[Draft]:
+        """draft_tokens for every row in one draft call per step: the first call catches each
+        row up (its own number of tokens, padded), later ones feed each row's x_i. A row that
+        has drafted its gamma (fewer, near its limits) feeds a placeholder that it writes at
+        its first unused slot, and draws nothing."""
+        steps = max(gammas, default=0)
+        if steps == 0:
+            return drafted_rows([], [], gammas, 0)
+        starts = list(self.row_next)
+        feeds = [seq[b, starts[b]:len(row)] if g else seq[b, :1] for b, (row, g) in enumerate(zip(ids, gammas))]
+        widths = [f.shape[0] if g else 0 for f, g in zip(feeds, gammas)]
+        batch, tokens, probs = pad_rows(feeds), [], []
+        last = torch.tensor([max(w - 1, 0) for w in widths], device=seq.device)
+        rows = torch.arange(len(ids), device=seq.device)
+        for i in range(steps):
+            logits = self.model(batch, start_pos=starts)[rows, last]  # [B, V]: each row's newest position
+            live = [gen if g > i else None for gen, g in zip(generators, gammas)]
+            tokens.append(draw_rows(logits, sampling, live, probs))
+            starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
+            batch, widths, last = tokens[-1].view(-1, 1), [1] * len(ids), torch.zeros_like(last)
+        self.row_next = [len(row) + g - 1 if g else nxt for row, g, nxt in zip(ids, gammas, self.row_next)]
+        return drafted_rows(tokens, probs, gammas, steps)
+
+    def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
+                    hidden_starts: list[int] | None = None) -> None:
+        self.row_next = [min(nxt, length - 1) for nxt, length in zip(self.row_next, lengths)]
+
+    def keep_rows(self, rows: list[int], new: int = 0) -> None:
+        if rows != list(range(len(rows))):
+            self.model.keep_cache_rows(rows)
+        self.row_next = [self.row_next[r] for r in rows] + [0] * new
 
 
 def as_drafter(draft: Any) -> Drafter:

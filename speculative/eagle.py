@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from speculative.drafter import Draft, draw
+from speculative.drafter import Draft, drafted_rows, draw, draw_rows, pad_rows
 from speculative.sampling import Sampling
 from speculative.tree import TokenTree
 from speculative.tree_drafting import grow_tree, tree_inputs
@@ -119,3 +120,66 @@ class FeatureDrafter:
         self.features[hidden_start:hidden_start + keep] = hidden[:keep]
         self.known = length - 1
         self.next = min(self.next, length - 1)
+
+    # ------------------------------------------------------------------------- rows (a batch)
+    def start_rows(self, max_rows: int, cache_len: int, target: Any = None) -> None:
+        """As start(), for a batch: one features table, one head cache row and one known/next
+        pair per row."""
+        if target is not None and target is not self.target:
+            raise ValueError("this feature drafter was built for another target object")
+        self.head.setup_cache(max_rows, cache_len)
+        # zeros, not empty: a placeholder row reads it, and NaN in a masked cache slot would still
+        # poison attention (0 * NaN)
+        self.row_features = torch.zeros(max_rows, cache_len, self.head.config.dim, dtype=self.head.dtype,
+                                        device=self.head.device)
+        self.row_known: list[int] = []
+        self.row_next: list[int] = []
+
+    def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+                     generators: list[torch.Generator]) -> list[Draft]:
+        """propose() for every row, one head call per step: the first catches each row up on
+        its true features (its own number of positions, padded), later ones feed each row's
+        predicted feature and x_i. A row the target has not read yet drafts nothing, and a
+        row that has drafted its gamma feeds a placeholder at its first unused slot."""
+        gammas = [g if known >= len(row) - 1 and known > 0 else 0
+                  for g, known, row in zip(gammas, self.row_known, ids)]
+        steps = max(gammas, default=0)
+        if steps == 0:
+            return drafted_rows([], [], gammas, 0)
+        starts = list(self.row_next)
+        spans = [(nxt, len(row) - 1) if g else (nxt, nxt + 1) for nxt, row, g in zip(starts, ids, gammas)]
+        widths = [hi - lo if g else 0 for (lo, hi), g in zip(spans, gammas)]
+        width = max(widths)
+        feats = torch.stack([F.pad(self.row_features[b, lo:hi], (0, 0, 0, width - (hi - lo)))
+                             for b, (lo, hi) in enumerate(spans)])
+        nxt = pad_rows([seq[b, lo + 1:hi + 1] for b, (lo, hi) in enumerate(spans)])[:, :width]
+        rows = torch.arange(len(ids), device=seq.device)
+        last = torch.tensor([max(w - 1, 0) for w in widths], device=seq.device)
+        tokens, probs = [], []
+        for i in range(steps):
+            predicted = self.head(feats, self.target.embed_tokens(nxt), start_pos=starts)[rows, last]  # [B, dim]
+            live = [gen if g > i else None for gen, g in zip(generators, gammas)]
+            tokens.append(draw_rows(self._logits(predicted), sampling, live, probs))
+            starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
+            feats, nxt = predicted.unsqueeze(1), tokens[-1].view(-1, 1)
+            widths, last = [1] * len(ids), torch.zeros_like(last)
+        self.row_next = [len(row) - 1 if g else n for row, g, n in zip(ids, gammas, self.row_next)]
+        return drafted_rows(tokens, probs, gammas, steps)
+
+    def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
+                    hidden_starts: list[int] | None = None) -> None:
+        if hidden is None or hidden_starts is None:
+            raise ValueError("FeatureDrafter.commit_rows needs the target's hidden states")
+        for b, (length, start) in enumerate(zip(lengths, hidden_starts)):
+            keep = length - 1 - start
+            self.row_features[b, start:start + keep] = hidden[b, :keep]
+        self.row_known = [length - 1 for length in lengths]
+        self.row_next = [min(n, length - 1) for n, length in zip(self.row_next, lengths)]
+
+    def keep_rows(self, rows: list[int], new: int = 0) -> None:
+        if rows != list(range(len(rows))):
+            self.head.keep_cache_rows(rows)
+            index = torch.tensor(rows, dtype=torch.long, device=self.row_features.device)
+            self.row_features[:len(rows)] = self.row_features.index_select(0, index)
+        self.row_known = [self.row_known[r] for r in rows] + [0] * new
+        self.row_next = [self.row_next[r] for r in rows] + [0] * new

@@ -72,3 +72,20 @@ class PromptLookupDrafter:
 
     def commit(self, length: int, hidden: torch.Tensor | None = None, hidden_start: int = 0) -> None:
         pass  # stateless beyond the index, which only grows with the sequence
+
+    # ------------------------------------------------------------------------- rows (a batch)
+    def start_rows(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
+        self.rows: list[PromptLookupDrafter] = []  # one index per row: rows share nothing
+
+    def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+                     generators: list[torch.Generator]) -> list[Draft]:
+        return [Draft(torch.tensor(row.lookup(row_ids, g) if g else [], dtype=torch.long, device=seq.device), None)
+                for row, row_ids, g in zip(self.rows, ids, gammas)]
+
+    def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
+                    hidden_starts: list[int] | None = None) -> None:
+        pass
+
+    def keep_rows(self, rows: list[int], new: int = 0) -> None:
+        self.rows = [self.rows[r] for r in rows] + [PromptLookupDrafter(self.max_ngram, self.min_ngram)
+                                                     for _ in range(new)]

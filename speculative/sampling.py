@@ -105,6 +105,26 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).view(probs.shape[:-1])
 
 
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [B, V], row b drawn with its own generator: the same draw,
+    bit for bit, as ``sample(probs[b], generators[b])``, so a row of a batch consumes its
+    random stream exactly as the same sequence alone would. A row whose generator is None
+    draws nothing (its token is the argmax, and its stream is left untouched). The cumulative
+    sums and the search run once for the whole batch; only the uniforms are drawn per row."""
+    if probs.device.type != "cpu":
+        return torch.stack([sample(row, gen) if gen is not None else row.argmax()
+                            for row, gen in zip(probs, generators)])
+    cdf = probs.cumsum(-1, dtype=torch.float64 if probs.dtype == torch.float64 else torch.float32)
+    zero = torch.zeros(1, 1, dtype=cdf.dtype)
+    u = torch.cat([torch.rand(1, 1, generator=gen, dtype=cdf.dtype) if gen is not None else zero
+                   for gen in generators]) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True).view(-1)
+    if any(gen is None for gen in generators):
+        idle = torch.tensor([gen is None for gen in generators])
+        tokens = torch.where(idle, probs.argmax(-1), tokens)
+    return tokens
+
+
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     """The one generator of a generation call: seeded, or from OS entropy when seed is None."""
     generator = torch.Generator(device=device)

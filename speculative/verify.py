@@ -119,7 +119,13 @@ def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> Verific
     """
     gamma = drafted.shape[0]
     host = torch.cat([drafted, target_choice]).tolist()  # one copy to the host
-    xs, ys = host[:gamma], host[gamma:]
+    return greedy_outcome(host[:gamma], host[gamma:])
+
+
+def greedy_outcome(xs: list[int], ys: list[int]) -> Verification:
+    """verify_greedy on the host: drafted tokens xs [gamma] against the target's choices ys
+    [gamma+1]; keep the matching prefix, then the target's choice at the first mismatch."""
+    gamma = len(xs)
     matches = [x == y for x, y in zip(xs, ys)]
     n = matches.index(False) if False in matches else gamma
     return Verification(tokens=xs[:n] + [ys[n]], accepted=n, overlap=[float(m) for m in matches])
