@@ -7,6 +7,7 @@
     python generate.py --compare                         # both, one after the other: the measured speedup
     python generate.py --json                            # one JSON object on stdout
     echo "Once upon a time" | python generate.py --prompt -
+    python generate.py --prompts-file prompts.txt        # one prompt per line, decoded together in a batch
 
 (From a clone set up by the README's quick start, run it as .venv/bin/python generate.py,
 or activate the environment first: source .venv/bin/activate.)
@@ -15,6 +16,13 @@ The continuation streams to stdout as the target accepts it. On a terminal, draf
 the target accepted are green and tokens the target produced itself (the fix-up after a
 rejection, and the bonus token after a fully accepted block) are yellow. Statistics and
 the comparison with the paper's cost model go to stderr, so ``> out.txt`` keeps only text.
+
+--prompts-file FILE (- for stdin) decodes one prompt per line as a batch: one target call
+per iteration for all rows, at most --batch-size rows at a time (default: all). Prompt i
+(from 0, line i + 1) samples with seed + i: its tokens are those of a run of --prompt
+"<that line>" --seed <seed + i>, whatever the batch size. Nothing streams: after the run
+each completion is printed in prompt order under a ``--- prompt i (line i + 1, seed s) ---``
+line, then the batch's summary. Token trees (--tree) and tensor parallelism are not batched.
 
 The summary says why the run stopped: "eos" (the model ended the text), "max_new_tokens"
 (the --max-new-tokens limit) or "max_seq_len" (the context is full). It has two acceptance
@@ -28,7 +36,8 @@ A flag that a run cannot use is not an error: it gets one ``warning: ...`` line 
 and the run goes on exactly as without it. For example --top-k, --top-p or --seed at
 temperature 0; --draft, --gamma or --compare with --no-draft; --system without --chat;
 --tp or --plan-device without --plan; the decoding flags with --plan; --no-color with
---json. A value that cannot be right (--gamma 0, --top-p 2) is an error.
+--json or --prompts-file; --batch-size without --prompts-file. A value that cannot be
+right (--gamma 0, --top-p 2) is an error.
 
 Exit status: 0 when the run is done; 1 when --plan finds that the pair does not fit (it
 suggests the cheapest change that would); 2 for bad input (an unknown checkpoint, a
@@ -44,6 +53,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,7 +67,15 @@ from model import ConfigError, Llama, ModelConfig
 from model.fuse import prepare_for_decoding
 from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, cheapest_fit, plan
 from model.tensor_parallel import broadcast_seed, init_distributed
-from speculative import PairMismatchError, autoregressive_generate, check_pair, speculative_generate
+from speculative import (
+    BatchResult,
+    PairMismatchError,
+    autoregressive_generate,
+    autoregressive_generate_batch,
+    check_pair,
+    speculative_generate,
+    speculative_generate_batch,
+)
 from speculative.gamma import GAMMA_MAX
 from speculative.tree import branching_parents
 from weights import (
@@ -176,6 +194,16 @@ def build_parser() -> ArgumentParser:
                            "(for the -chat checkpoints; a warning says so when the target's name or config does not "
                            "mark it as a chat or instruct model)")
     text.add_argument("--system", default=None, help="system prompt for --chat (default: none)")
+    text.add_argument("--prompts-file", default=None, metavar="FILE",
+                      help="decode many prompts as one batch: FILE holds one prompt per line (UTF-8; each line is "
+                           "encoded as a --prompt value would be, --chat and --system included; an empty or "
+                           "whitespace-only line is an error), - reads them from standard input. Prompt i (from 0) "
+                           "samples with seed + i. The completions are printed after the run, in order, each under "
+                           "a '--- prompt i (line i+1, seed s) ---' line, then the batch's summary. Not with "
+                           "--prompt, --tree or torchrun")
+    text.add_argument("--batch-size", type=int, default=None, metavar="N",
+                      help="with --prompts-file: at most N rows in one target call; a finished row's place goes to "
+                           "the next waiting prompt (default: all the prompts at once)")
 
     sampling = parser.add_argument_group("decoding")
     sampling.add_argument("--gamma", type=gamma_arg, default=DEFAULT_GAMMA,
@@ -215,7 +243,8 @@ def build_parser() -> ArgumentParser:
     sampling.add_argument("--compare", action="store_true",
                           help="run the same prompt twice in this process, with the draft and with the target alone, "
                                "and print the measured speedup (decode tokens/s of the one over the other) next to "
-                               "the cost model's prediction")
+                               "the cost model's prediction. With --prompts-file: the batch twice, with the draft "
+                               "and with the target alone (batched alike), and the ratio of their total tokens/s")
 
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true",
@@ -228,7 +257,9 @@ def build_parser() -> ArgumentParser:
                              "stats.empirical_acceptance is accepted / drafted tokens, lower because tokens drafted "
                              "after a rejection are never verified; notes says the same. Without a draft, "
                              "acceptance_rate, gamma and predicted_speedup are null and draft_calls is 0. With "
-                             "--compare, a compare object holds the baseline's stats and both speedups")
+                             "--compare, a compare object holds the baseline's stats and both speedups. With "
+                             "--prompts-file, one object {prompts: [{prompt_index, line, prompt, seed, text, tokens, "
+                             "prompt_tokens, stats}, ...], batch, settings, notes} (and compare with --compare)")
     output.add_argument("--no-color", action="store_true",
                         help="no ANSI colours (they are used only when stdout is a terminal and NO_COLOR is unset)")
     return parser
@@ -253,6 +284,10 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
     if args.tree is not None and args.verify == "block" and not args.no_draft:
         raise UsageError("--verify block is block verification of a chain; a --tree is verified by its own walk")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    if args.prompts_file is not None and args.tree is not None and not args.no_draft:
+        raise UsageError("token trees are not batched; drop --tree or --prompts-file")
 
 
 def given_flags(argv: list[str] | None) -> set[str]:
@@ -267,8 +302,8 @@ def given_flags(argv: list[str] | None) -> set[str]:
 
 
 # What --plan does not read: it plans from the configs, the dtype, --quantize and --tp alone.
-RUN_ONLY = ("prompt", "chat", "system", "gamma", "verify", "tree", "tree_mode", "temperature", "top_k", "top_p",
-            "max_new_tokens", "seed",
+RUN_ONLY = ("prompt", "prompts_file", "batch_size", "chat", "system", "gamma", "verify", "tree", "tree_mode",
+            "temperature", "top_k", "top_p", "max_new_tokens", "seed",
             "compare", "threads", "device", "no_prepack", "no_fuse", "no_color")
 
 
@@ -303,8 +338,12 @@ def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
             unused(["tree_mode"], "without --tree")
         if not args.chat:
             unused(["system"], "without --chat")
+        if args.prompts_file is None:
+            unused(["batch_size"], "without --prompts-file: a single prompt is one row")
     if args.json:
         unused(["no_color"], "with --json, which prints no colours")
+    elif args.prompts_file is not None and not args.plan:
+        unused(["no_color"], "with --prompts-file, which prints no colours")
     return warnings
 
 
@@ -324,6 +363,31 @@ def read_prompt(text: str, world_size: int) -> str:
         raise UsageError("--prompt -: standard input is empty; pipe the prompt in, e.g. echo 'Once upon a time' | "
                          "generate.py --prompt -")
     return prompt
+
+
+def read_prompts(path: str) -> list[str]:
+    """--prompts-file: one prompt per line of the file (or of standard input for ``-``).
+
+    The empty string after a final newline is not a line; any other empty or whitespace-only
+    line is an error naming its number, as is a file that cannot be read or holds no prompt.
+    A line's closing ``\r`` (a Windows file) is dropped; nothing else is stripped."""
+    where = "- (standard input)" if path == "-" else path
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).expanduser().read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--prompts-file {where} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise UsageError(f"--prompts-file {where} cannot be read: {err.strerror or err}") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    if not lines:
+        raise UsageError(f"--prompts-file {where} holds no prompts: write one prompt per line")
+    prompts = [line.removesuffix("\r") for line in lines]
+    for number, prompt in enumerate(prompts, 1):
+        if not prompt.strip():
+            raise UsageError(f"--prompts-file {where}: line {number} is empty; every line must hold a prompt")
+    return prompts
 
 
 CHAT_MARKERS = ("chat", "instruct")
@@ -419,13 +483,13 @@ def gb(n: float) -> str:
 
 def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig] | None, positions: int,
                  dtype: torch.dtype, device: torch.device, tp_size: int = 1,
-                 quantize: str | None = None) -> MemoryPlan | None:
+                 quantize: str | None = None, batch: int = 1) -> MemoryPlan | None:
     """Refuse, before loading anything, a pair that will not fit in the memory free right now.
 
     The plan (model/memory.py) counts parameters x dtype bytes for the weights (this rank's
     share under tensor parallelism, int8 blocks with --quantize) and
-    2 x layers x kv_heads x head_dim x positions x dtype bytes for each KV cache, plus,
-    on a GPU, a reserve for the CUDA context and workspaces.
+    2 x layers x kv_heads x head_dim x positions x dtype bytes for each KV cache (times
+    ``batch``, its rows), plus, on a GPU, a reserve for the CUDA context and workspaces.
     """
     free = available_bytes(device)
     if free is None:
@@ -433,7 +497,7 @@ def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig]
     if device.type == "cpu" and tp_size > 1:  # the ranks on this host share its memory
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", str(tp_size)))
     reserve = DEFAULT_RESERVE if device.type == "cuda" else 0
-    result = plan(target[1], draft[1] if draft else None, dtype, tp_size=tp_size, context=positions,
+    result = plan(target[1], draft[1] if draft else None, dtype, tp_size=tp_size, context=positions, batch=batch,
                   quantize=quantize, device_name=f"{device} (free)", reserve=reserve, target_name=target[0],
                   draft_name=draft[0] if draft else "draft", capacity_bytes=free)
     if not result.fits:
@@ -442,8 +506,10 @@ def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig]
         weights = "int8" if quantize else str(dtype).removeprefix("torch.")
         ranks = f" per device over {tp_size} ranks" if tp_size > 1 else ""
         extra = f" + {gb(result.workspace)} runtime reserve" if result.workspace else ""
+        rows = f" x {batch} rows" if batch > 1 else ""
         raise UsageError(f"{names} {verb} about {gb(result.total)}{ranks} in {weights} (weights "
-                         f"{gb(result.weights)} + KV cache {gb(result.kv_cache)} for {positions} positions{extra}) "
+                         f"{gb(result.weights)} + KV cache {gb(result.kv_cache)} for {positions} positions{rows}"
+                         f"{extra}) "
                          f"but {device} has {gb(free)} free; use a smaller dtype, a smaller pair, or a device "
                          "with more memory (see generate.py --plan)")
     return result
@@ -683,10 +749,11 @@ def draft_kind(args: argparse.Namespace, plan: bool = False) -> str | None:
     return "head" if is_feature_head(resolve(args.draft)) else "model"
 
 
-def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
-         world_size: int = 1) -> tuple[Loaded, list[int]]:
+def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, world_size: int = 1,
+         prompts: list[str] | None = None) -> tuple[Loaded, list[list[int]]]:
     """Resolve, check and load the target and the drafter; everything that can be refused is
-    refused before loading."""
+    refused before loading. Returns them and the encoded prompts: ``prompts`` (the lines of
+    --prompts-file, decoded as a batch), or else [--prompt]."""
     kind = draft_kind(args)
     names = {"target": args.target} if kind != "model" else {"target": args.target, "draft": args.draft}
     dirs = {role: resolve(name) for role, name in names.items()}
@@ -710,22 +777,25 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
         raise UsageError("--tree needs a drafter that can build trees (a draft model or a feature head); prompt "
                          "lookup proposes one chain")
     tokenizer = tokenizers["target"]
-    prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat, args.system)
+    encoded = [encode_prompt(tokenizer, text, args.chat, args.system) for text in prompts or [args.prompt]]
     context = min(c.max_seq_len for c in configs.values())
-    if len(prompt_ids) >= context:
-        raise UsageError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room in the {context}-token "
-                         f"context of {' and '.join(names.values())}")
+    for line, prompt_ids in enumerate(encoded, 1):
+        if len(prompt_ids) >= context:
+            where = f"--prompts-file line {line}: the prompt" if prompts else "the prompt"
+            raise UsageError(f"{where} is {len(prompt_ids)} tokens, which leaves no room in the {context}-token "
+                             f"context of {' and '.join(names.values())}")
     ahead = len(branching_parents(args.tree)) if args.tree else GAMMA_MAX if args.gamma == "auto" else args.gamma
     if args.tree and ahead + 1 >= context:
         raise UsageError(f"--tree {','.join(map(str, args.tree))} has {ahead} nodes, which cannot fit in the "
                          f"{context}-token context (the target scores them all in one call)")
     slack = 0 if kind is None else ahead + 1  # as the loop allocates
-    positions = min(context, len(prompt_ids) + args.max_new_tokens + slack)
+    positions = min(context, max(map(len, encoded)) + args.max_new_tokens + slack)
+    rows = min(args.batch_size or len(encoded), len(encoded)) if prompts else 1  # the KV caches' rows
     sharded = world_size > 1 or args.quantize is not None
     # A feature head is counted as a 1-layer model of the target's shape (see planned_draft).
     planned = configs.get("draft") or (replace(configs["target"], n_layers=1) if kind == "head" else None)
     check_memory((args.target, configs["target"]), None if planned is None else (args.draft, planned), positions,
-                 dtype, device, tp_size=world_size, quantize=args.quantize)
+                 dtype, device, tp_size=world_size, quantize=args.quantize, batch=rows)
 
     t0 = time.perf_counter()
     if sharded:  # this rank's slices of the target; the draft whole on every rank; int8 if asked
@@ -745,7 +815,7 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
     counts = [prepare_for_decoding(net, stack=not args.no_fuse, prepack=not args.no_prepack)
               for net in networks if net is not None]
     fused, prepacked = (sum(column) for column in zip(*counts))
-    return Loaded(target, drafter, tokenizer, time.perf_counter() - t0, prepacked, fused), prompt_ids
+    return Loaded(target, drafter, tokenizer, time.perf_counter() - t0, prepacked, fused), encoded
 
 
 def run(args: argparse.Namespace) -> int:
@@ -754,6 +824,8 @@ def run(args: argparse.Namespace) -> int:
     if given is None:  # called without main(): count the options that differ from their defaults
         defaults = vars(build_parser().parse_args([]))
         given = {dest for dest, value in vars(args).items() if dest in defaults and value != defaults[dest]}
+    if args.prompts_file is not None and "prompt" in given:
+        raise UsageError("give --prompt or --prompts-file, not both")
     is_main = int(os.environ.get("RANK", "0")) == 0  # only rank 0 prints; the others compute silently
     notes = unused_flags(args, given)
     if args.chat and not args.plan:
@@ -768,7 +840,14 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args.prompt = read_prompt(args.prompt, world_size)
+    texts = None  # the prompts of --prompts-file, decoded as one batch
+    if args.prompts_file is not None:
+        if world_size > 1:
+            raise UsageError("--prompts-file is not supported under torchrun: batches do not run tensor-parallel; "
+                             "run it in one process, or give one --prompt")
+        texts = read_prompts(args.prompts_file)
+    else:
+        args.prompt = read_prompt(args.prompt, world_size)
     if world_size > 1:  # under torchrun: one process per GPU (cuda:LOCAL_RANK), NCCL; gloo on the CPU
         if pick_device(args.device).type == "cuda" and args.device is not None and ":" in args.device:
             raise UsageError("under torchrun each rank uses GPU LOCAL_RANK: pass --device cuda, not a numbered one")
@@ -780,10 +859,13 @@ def run(args: argparse.Namespace) -> int:
     if "no_prepack" in given and is_main and (device.type != "cpu" or dtype != torch.float32):
         print(f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
               "prepacked only on the CPU in float32", file=sys.stderr)
-    loaded, prompt_ids = load(args, device, dtype, world_size)
+    loaded, encoded = load(args, device, dtype, world_size, texts)
     # Every rank must draw the same random numbers: one seed, rank 0's. A sampled run without
     # --seed gets a fresh one too, chosen here so that the header can show it for repeating the run.
     seed = broadcast_seed(args.seed, device) if args.temperature > 0 else None  # greedy draws no random number
+    if texts is not None:
+        return run_batch(args, loaded, texts, encoded, device, dtype, seed)
+    prompt_ids = encoded[0]
     tokenizer = loaded.tokenizer
     speculative = loaded.draft is not None
     compare = args.compare and speculative
@@ -791,16 +873,7 @@ def run(args: argparse.Namespace) -> int:
 
     streamer = None
     if not args.json and is_main:
-        dtype_name = str(dtype).removeprefix("torch.") + (" with int8 weights" if args.quantize else "")
-        tuning = [f"{loaded.fused} projection groups stacked"] if loaded.fused else []
-        tuning += [f"{loaded.prepacked} layers oneDNN-prepacked"] if loaded.prepacked else []
-        if tuning:
-            dtype_name += f" ({', '.join(tuning)})"
-        if world_size > 1:
-            dtype_name += f", tensor-parallel over {world_size} ranks"
-        pair = f"draft {args.draft} -> target {args.target}" if speculative else f"target {args.target} alone"
-        print(f"{pair} on {device} in {dtype_name} (loaded in {loaded.load_s:.1f}s), "
-              f"{sampling_setup(args, seed, speculative)}", file=sys.stderr)
+        print(header_line(args, loaded, device, dtype, world_size, seed), file=sys.stderr)
         if color and speculative:
             print(f"colours: {GREEN}draft tokens accepted by the target{RESET}, "
                   f"{YELLOW}tokens produced by the target{RESET} (after a rejection, or the bonus token)",
@@ -841,14 +914,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     if args.json:
-        settings = {"target": args.target, "draft": None if args.no_draft else args.draft, "device": str(device),
-                    "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
-                    "verify": args.verify if speculative else None, "tree": args.tree if speculative else None,
-                    "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                    "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
-                    "quantize": args.quantize, "tensor_parallel": world_size,
-                    "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused,
-                    "threads": torch.get_num_threads(), "compare": compare}
+        settings = run_settings(args, loaded, device, dtype, world_size, seed, compare)
         doc = {"text": continuation_text(tokenizer, prompt_ids, tokens), "tokens": tokens,
                "prompt_tokens": len(prompt_ids), "settings": settings, "stats": stats}
         if comparison is not None:
@@ -862,19 +928,148 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def header_line(args: argparse.Namespace, loaded: Loaded, device: torch.device, dtype: torch.dtype,
+                world_size: int, seed: int | None) -> str:
+    """The run's first line on stderr: the pair, where it runs, and the whole decoding setup."""
+    speculative = loaded.draft is not None
+    dtype_name = str(dtype).removeprefix("torch.") + (" with int8 weights" if args.quantize else "")
+    tuning = [f"{loaded.fused} projection groups stacked"] if loaded.fused else []
+    tuning += [f"{loaded.prepacked} layers oneDNN-prepacked"] if loaded.prepacked else []
+    if tuning:
+        dtype_name += f" ({', '.join(tuning)})"
+    if world_size > 1:
+        dtype_name += f", tensor-parallel over {world_size} ranks"
+    pair = f"draft {args.draft} -> target {args.target}" if speculative else f"target {args.target} alone"
+    return (f"{pair} on {device} in {dtype_name} (loaded in {loaded.load_s:.1f}s), "
+            f"{sampling_setup(args, seed, speculative)}")
+
+
+def run_settings(args: argparse.Namespace, loaded: Loaded, device: torch.device, dtype: torch.dtype,
+                 world_size: int, seed: int | None, compare: bool) -> dict[str, Any]:
+    """--json's ``settings``: what the run used (top_k, top_p and seed are None when greedy)."""
+    speculative = loaded.draft is not None
+    return {"target": args.target, "draft": None if args.no_draft else args.draft, "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
+            "verify": args.verify if speculative else None, "tree": args.tree if speculative else None,
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
+            "quantize": args.quantize, "tensor_parallel": world_size,
+            "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused,
+            "threads": torch.get_num_threads(), "compare": compare}
+
+
 def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool) -> str:
     """The header's decoding settings, all of them: what was given and what was defaulted."""
     if args.temperature == 0:
         text = "greedy (temperature 0)"
     else:
+        notes = [] if args.seed is not None else ["fresh; --seed repeats it"]
+        notes += ["prompt i uses seed + i"] if getattr(args, "prompts_file", None) is not None else []
         text = (f"temperature {args.temperature:g}, top-k {args.top_k or 'off'}, top-p {args.top_p or 'off'}, "
-                f"seed {seed}" + ("" if args.seed is not None else " (fresh; --seed repeats it)"))
+                f"seed {seed}" + (f" ({'; '.join(notes)})" if notes else ""))
     if not speculative:
         return text
     if args.tree:
         shape = ",".join(map(str, args.tree))
         return text + f", tree {shape} ({len(branching_parents(args.tree))} nodes, children {args.tree_mode})"
     return text + f", gamma {args.gamma}, {args.verify}-wise verification"
+
+
+# ----------------------------------------------------------------------------- --prompts-file: a batch
+def run_batch(args: argparse.Namespace, loaded: Loaded, texts: list[str], encoded: list[list[int]],
+              device: torch.device, dtype: torch.dtype, seed: int | None) -> int:
+    """--prompts-file: every prompt in one batched run (speculative/batch.py), at most
+    --batch-size rows per target call, prompt i sampling with seed + i. Nothing streams: the
+    completions are printed after the run, in prompt order, then the batch's summary; with
+    --compare the same batch runs again with the target alone."""
+    speculative = loaded.draft is not None
+    compare = args.compare and speculative
+    tokenizer = loaded.tokenizer
+    rows = min(args.batch_size or len(encoded), len(encoded))
+    if not args.json:
+        print(header_line(args, loaded, device, dtype, 1, seed), file=sys.stderr)
+        where = "standard input" if args.prompts_file == "-" else args.prompts_file
+        print(f"{len(encoded)} prompts from {where}, decoded as a batch of at most {rows} rows per target call",
+              file=sys.stderr)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=tokenizer.eos_id,
+                    seed=seed, batch_size=rows)
+    # NonFiniteLogitsError (a ValueError) ends the run in main(): one error line, nothing on stdout.
+    if speculative:
+        result = speculative_generate_batch(loaded.target, loaded.draft, encoded, args.max_new_tokens,
+                                            gamma=args.gamma, verify=args.verify, **sampling)
+    else:
+        result = autoregressive_generate_batch(loaded.target, encoded, args.max_new_tokens, **sampling)
+    docs = []
+    for i, (text, prompt_ids, row) in enumerate(zip(texts, encoded, result.results)):
+        tokens = [int(t) for t in row.tokens]
+        docs.append({"prompt_index": i, "line": i + 1, "prompt": text, "seed": None if seed is None else seed + i,
+                     "text": continuation_text(tokenizer, prompt_ids, tokens), "tokens": tokens,
+                     "prompt_tokens": len(prompt_ids), "stats": stats_dict(row.stats, speculative)})
+    if not args.json:
+        for doc, prompt_ids in zip(docs, encoded):
+            seed_note = "" if doc["seed"] is None else f", seed {doc['seed']}"
+            prefix = "" if args.chat else tokenizer.decode(prompt_ids)  # as the single run prints it
+            print(f"--- prompt {doc['prompt_index']} (line {doc['line']}{seed_note}) ---\n{prefix}{doc['text']}")
+        sys.stdout.flush()
+        for line in batch_summary_lines(result, speculative):
+            print(line, file=sys.stderr)
+    comparison = None
+    if compare:
+        if not args.json:
+            print("compare: now the target alone, on the same prompts in batches of the same size ...",
+                  file=sys.stderr)
+        baseline = autoregressive_generate_batch(loaded.target, encoded, args.max_new_tokens, **sampling)
+        comparison = compare_batch(result, baseline, args.temperature)
+    if args.json:
+        settings = {**run_settings(args, loaded, device, dtype, 1, seed, compare),
+                    "prompts_file": args.prompts_file, "batch_size": rows}
+        out = {"prompts": docs, "batch": result.stats.to_dict(), "settings": settings}
+        if comparison is not None:
+            out["compare"] = comparison
+        out["notes"] = {**JSON_NOTES, **BATCH_NOTES}
+        print(json.dumps(_jsonable(out), allow_nan=False))
+    elif comparison is not None:
+        print(batch_compare_line(comparison), file=sys.stderr)
+    return 0
+
+
+def batch_summary_lines(result: BatchResult, speculative: bool) -> list[str]:
+    """The batch's totals: its rows, speed, calls and acceptance (no cost model: it is for one sequence)."""
+    stats = result.stats
+    reasons = Counter(row.stats.stop_reason for row in result.results)
+    stopped = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
+    lines = [f"batch: {stats.prompts} prompts, batch size {stats.batch_size} (mean {_num(stats.mean_batch, '.2f')} "
+             f"rows per target call), {stats.new_tokens} new tokens at {_num(stats.tokens_per_second, '.1f')} "
+             f"tokens/s over all rows (the prompts' passes included); {stats.iterations} target calls"
+             + (f", {stats.draft_calls} draft calls" if speculative else " (one token per row each)")
+             + f", {stats.decode_time_s:.2f}s decoding; stopped: {stopped}"]
+    if speculative:
+        lines.append(f"alpha={_num(stats.acceptance_rate, '.3f')}, tau {_num(stats.tokens_per_row_iteration, '.2f')} "
+                     f"tokens per row per target call ({stats.row_iterations} row-iterations); "
+                     f"{stats.accepted_draft_tokens} of {stats.drafted_tokens} drafted tokens accepted")
+    return lines
+
+
+def compare_batch(result: BatchResult, baseline: BatchResult, temperature: float) -> dict[str, Any]:
+    """--compare with --prompts-file: the batch's total tokens/s with the draft and without, and their ratio."""
+    fast, slow = result.stats.tokens_per_second, baseline.stats.tokens_per_second
+    base_tokens = [[int(t) for t in row.tokens] for row in baseline.results]
+    differ = None if temperature > 0 else [i for i, (row, base) in enumerate(zip(result.results, base_tokens))
+                                           if [int(t) for t in row.tokens] != base]
+    return {"speculative_tokens_per_second": fast, "baseline_tokens_per_second": slow,
+            "measured_speedup": fast / slow if fast and slow else None,
+            "same_tokens": None if differ is None else not differ, "differing_prompts": differ,
+            "baseline": baseline.stats.to_dict(), "baseline_tokens": base_tokens}
+
+
+def batch_compare_line(compare: dict[str, Any]) -> str:
+    differ = compare["differing_prompts"]
+    tokens = "" if differ is None else ("; the same greedy tokens for every prompt" if not differ else
+                                        f"; the greedy tokens differ for prompt(s) {', '.join(map(str, differ))} "
+                                        "(see the numerics policy in docs/algorithm.md)")
+    return (f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
+            f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s (both batched alike, all rows): measured "
+            f"speedup {_num(compare['measured_speedup'], '.2f')}x{tokens}")
 
 
 def compare_stats(stats: dict[str, Any], baseline: Any, tokens: list[int], temperature: float) -> dict[str, Any]:
@@ -899,6 +1094,16 @@ JSON_NOTES = {
     "tokens_per_second": "decode speed: new tokens over the loop's time after its first iteration (the prompt's)",
     "stop_reason": "eos: the model ended the text; max_new_tokens: --max-new-tokens reached; max_seq_len: the "
                    "context is full",
+}
+
+
+# And for --prompts-file.
+BATCH_NOTES = {
+    "batch": "the batch's totals (speculative/batch.py BatchStats): an iteration is one target call for all rows; "
+             "tokens_per_second is all rows' new tokens over the whole loop (the prompts' passes included); "
+             "tokens_per_row_iteration is tau, the tokens a row gained per target call it was in",
+    "prompts": "one entry per line of --prompts-file, in order; prompt_index i (from 0, line i + 1) sampled with "
+               "seed + i; each stats is that row's own, its times those of the batched calls it shared",
 }
 
 
