@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +170,16 @@ class RowSlots:
     end: int
 
 
+@dataclass(frozen=True)
+class StaticSlots:
+    """Where a static-shape call writes (model/compile.py): token i of row b goes to slot
+    positions[b, i] of cache row b (``rows`` is arange(B)[:, None]); every row then reads its
+    whole cache row, masked, so that no shape depends on a position."""
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+
+
 def row_call_inputs(rope: tuple[torch.Tensor, torch.Tensor], starts: Sequence[int], seq: int, cache_len: int,
                     dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RowSlots]:
@@ -246,6 +257,13 @@ class KVCache(nn.Module):
         self.v[where.rows, :, where.slots] = v.transpose(1, 2)[where.rows, where.cols]
         return self.k[:batch, :, :where.end], self.v[:batch, :, :where.end]
 
+    def write_static(self, where: StaticSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write at explicit slots and return the rows' whole caches (static shapes)."""
+        batch = k.shape[0]
+        self.k[where.rows, :, where.positions] = k.transpose(1, 2)
+        self.v[where.rows, :, where.positions] = v.transpose(1, 2)
+        return self.k[:batch], self.v[:batch]
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Rows 0..n-1 become the old rows ``rows`` (gathered first, so any order works)."""
         n = rows.shape[0]
@@ -313,7 +331,7 @@ class Attention(nn.Module):
         return self.k_proj.out_features // self.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                start_pos: int | RowSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
+                start_pos: int | RowSlots | StaticSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # [B, T, H*D] -> [B, H, T, D]; the head count is read from the weights so that a
         # tensor-parallel shard (which holds only some heads) runs the same code.
@@ -329,6 +347,8 @@ class Attention(nn.Module):
             q, k, v = qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv:]
         if isinstance(start_pos, RowSlots):  # each row at its own slots
             k, v = self.cache.write_rows(start_pos, k, v)
+        elif isinstance(start_pos, StaticSlots):  # a compiled call: the whole cache, masked
+            k, v = self.cache.write_static(start_pos, k, v)
         elif start_pos is not None:
             k, v = self.cache.update(start_pos, k, v)
         gqa = q.shape[1] != k.shape[1]
@@ -370,7 +390,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                start_pos: int | RowSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
+                start_pos: int | RowSlots | StaticSlots | None, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -390,6 +410,9 @@ class Llama(nn.Module):
         self.cache_len = 0  # max_seq_len of the allocated cache; 0 means none
         self.cache_batch = 0  # and its max_batch_size
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin for every cache position
+        # Set by model/compile.py: compiled static-shape steps that forward() hands cached calls
+        # to when one fits (None: every call runs eagerly).
+        self.compiled: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -400,9 +423,17 @@ class Llama(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocate (or reallocate) a zeroed KV cache for every layer, and the rotary table for it."""
+        """Allocate (or reallocate) a zeroed KV cache for every layer, and the rotary table for it.
+        A compiled model keeps its static cache when the request fits in it (compiled steps must
+        see the same buffers; stale entries are never visible, see docs/kv_cache.md)."""
         if max_seq_len > self.config.max_seq_len:
             raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
+        if self.compiled is not None:
+            if not self.compiled.fits(max_batch_size, max_seq_len):
+                raise ValueError(f"this model was compiled for at most {max(self.compiled.rows)} rows and "
+                                 f"{self.compiled.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit")
+            self.cache_len, self.cache_batch = max_seq_len, max_batch_size
+            return
         kv_heads = self.layers[0].self_attn.local_kv_heads
         for layer in self.layers:
             layer.self_attn.cache = KVCache(max_batch_size, kv_heads, max_seq_len,
@@ -448,6 +479,10 @@ class Llama(nn.Module):
         ``start_pos`` may instead be a list of one position per batch row (a ragged batch; see
         the module docstring and :func:`row_call_inputs`); positions and mask are then not taken."""
         batch, seq = tokens.shape
+        if self.compiled is not None and start_pos is not None and positions is None and mask is None:
+            out = self.compiled(self, tokens, start_pos, return_hidden)
+            if out is not None:  # None: no compiled shape fits this call, which runs eagerly
+                return out
         start_pos = one_start(start_pos, batch, seq, self.cache_len, positions, mask)
         if isinstance(start_pos, list):
             if self._rope is None:
@@ -473,6 +508,11 @@ class Llama(nn.Module):
                 raise ValueError(f"batch {batch} exceeds the cache's max_batch_size")
             # From here on `mask` is the additive float mask every layer reads, built once.
             cos, sin, mask = cached_call_inputs(self._rope, start_pos, seq, positions, mask, self.dtype, self.device)
+        return self.decode(tokens, cos, sin, start_pos, mask, return_hidden)
+
+    def decode(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: Any,
+               mask: torch.Tensor | None, return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The layers, given the rotary rows, the mask and where the cache writes go."""
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, start_pos, mask)
@@ -480,3 +520,17 @@ class Llama(nn.Module):
         logits = self.lm_head(hidden)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         return (logits, hidden) if return_hidden else logits
+
+    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, return_hidden: bool = False
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A cached call whose shapes depend only on tokens' shape [B, T] (what torch.compile
+        and CUDA graphs need): token i of row b is written at slot positions[b, i] and rotated
+        as that position, and sees the slots of its row up to it, read over the whole cache
+        with a mask. model/compile.py compiles this once per shape."""
+        cos, sin = self._rope[0][positions].unsqueeze(1), self._rope[1][positions].unsqueeze(1)
+        cache = self.layers[0].self_attn.cache
+        slots = torch.arange(cache.k.shape[2], device=tokens.device)
+        hidden = slots > positions.unsqueeze(-1)  # [B, T, S]: slots after the token
+        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=tokens.device).masked_fill(hidden, float("-inf"))
+        rows = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
+        return self.decode(tokens, cos, sin, StaticSlots(positions, rows), mask.unsqueeze(1), return_hidden)

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from speculative.drafter import RowDrafter, as_drafter, pad_rows
+from speculative.drafter import RowDrafter, RowDrafts, as_drafter, pad_rows
 from speculative.gamma import AutoGamma
 from speculative.inputs import (
     NonFiniteLogitsError,
@@ -303,19 +303,19 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
             g = auto.gamma if auto else gamma_max
             gammas = [min(g, max_new_tokens - row.produced - 1, limit - len(row.ids) - 1) for row in rows]
             t0 = clock(device)
-            proposals = drafter.propose_rows(batch.seq, [row.ids for row in rows], gammas, sampling,
-                                             [row.generator for row in rows])  # lines 1-3
+            drafts = drafter.propose_rows(batch.seq, [row.ids for row in rows], gammas, sampling,
+                                          [row.generator for row in rows])  # lines 1-3
             t1 = clock(device)
-            logits, hidden = score_rows(target, batch.seq, rows, proposals, drafter.reads_features)  # line 4
+            logits, hidden = score_rows(target, batch.seq, rows, drafts, drafter.reads_features)  # line 4
             t2 = clock(device)
-            steps = judge_rows(logits, proposals, sampling, verify_sampled, rows)  # lines 5-9
+            steps = judge_rows(logits, drafts, sampling, verify_sampled, rows)  # lines 5-9
             starts = [row.target_next for row in rows]
             batch.write([cut_at_eos(step.tokens, eos_id) for step in steps])  # line 10
             advance(rows, steps)
             drafter.commit_rows([len(row.ids) for row in rows], hidden, starts)
             t3 = clock(device)
 
-            count(totals, rows, proposals, steps, (t1 - t0, t2 - t1, t3 - t2), t3)
+            count(totals, rows, drafts, steps, (t1 - t0, t2 - t1, t3 - t2), t3)
             if auto is not None and totals.iterations > 1 and max(gammas) > 0:
                 auto.update([o for step in steps for o in step.overlap[:step.accepted + 1]],
                             (t1 - t0) / max(gammas), t2 - t1)
@@ -338,39 +338,45 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
 
 
 # ----------------------------------------------------------------------------- the seams, per row
-def score_rows(target: Any, seq: torch.Tensor, rows: list[Row], proposals: list[Any],
+def score_rows(target: Any, seq: torch.Tensor, rows: list[Row], drafts: RowDrafts,
                reads_features: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Line 4 for every row in ONE target call: row b feeds what the target has not read of
     it and its draft, at its own cache position. Returns row b's logits for its g_b + 1
-    positions L_b-1 .. L_b+g_b-1 and, for a drafter that reads them, the call's features."""
-    feeds = [torch.cat([seq[b, row.target_next:len(row.ids)], proposal.tokens.to(seq.device)])
-             for b, (row, proposal) in enumerate(zip(rows, proposals))]
+    positions L_b-1 .. L_b+g_b-1 and, for a drafter that reads them, the call's features.
+    The input is built in a handful of operators whatever B is: the unread tokens from the
+    host in one copy, the drafted ones placed by one indexed write."""
+    unread = [row.ids[row.target_next:] for row in rows]
+    sizes = [len(u) + g for u, g in zip(unread, drafts.lengths)]
+    feed = pad_rows(unread, seq.device, max(sizes))
+    at = [(b, len(u) + j, j) for b, (u, g) in enumerate(zip(unread, drafts.lengths)) for j in range(g)]
+    if at:
+        index = torch.tensor(at, device=seq.device).T
+        feed[index[0], index[1]] = drafts.tokens[index[0], index[2]]
     options: dict[str, Any] = {"return_hidden": True} if reads_features else {}
-    out = target(pad_rows(feeds), start_pos=[row.target_next for row in rows], **options)
+    out = target(feed, start_pos=[row.target_next for row in rows], **options)
     logits, hidden = out if reads_features else (out, None)
-    sizes = [proposal.tokens.shape[0] + 1 for proposal in proposals]
-    at_row = [b for b, size in enumerate(sizes) for _ in range(size)]
-    at_col = [feed.shape[0] - size + j for feed, size in zip(feeds, sizes) for j in range(size)]
+    wanted = [g + 1 for g in drafts.lengths]
+    at_row = [b for b, n in enumerate(wanted) for _ in range(n)]
+    at_col = [size - n + j for size, n in zip(sizes, wanted) for j in range(n)]
     index = torch.tensor([at_row, at_col], device=logits.device)
     picked = check_finite(logits[index[0], index[1]])
-    return list(picked.split(sizes)), hidden
+    return list(picked.split(wanted)), hidden
 
 
-def judge_rows(logits: list[torch.Tensor], proposals: list[Any], sampling: Sampling, verify_sampled: Any,
+def judge_rows(logits: list[torch.Tensor], drafts: RowDrafts, sampling: Sampling, verify_sampled: Any,
                rows: list[Row]) -> list[Verification]:
     """Lines 5-9 for every row, each with its own p, q and generator: the single loop's judge.
     At temperature 0 the argmaxes of all rows and their drafts reach the host in one copy."""
     if not sampling.greedy:
-        return [judge(p, proposal, sampling, verify_sampled, row.generator)
-                for p, proposal, row in zip(logits, proposals, rows)]
+        return [judge(p, drafts.row(b), sampling, verify_sampled, row.generator)
+                for b, (p, row) in enumerate(zip(logits, rows))]
     choices = torch.cat(logits).argmax(-1)
-    drafted = [proposal.tokens.to(choices.device) for proposal in proposals]
-    host = torch.cat([choices, *drafted]).tolist()
-    out, at, drafted_at = [], 0, choices.shape[0]
-    for d in drafted:
-        g = d.shape[0]
-        out.append(greedy_outcome(host[drafted_at:drafted_at + g], host[at:at + g + 1]))
-        at, drafted_at = at + g + 1, drafted_at + g
+    width = drafts.tokens.shape[1]
+    host = torch.cat([choices, drafts.tokens.flatten().to(choices.device)]).tolist()
+    out, at, base = [], 0, choices.shape[0]
+    for b, g in enumerate(drafts.lengths):
+        out.append(greedy_outcome(host[base + b * width:base + b * width + g], host[at:at + g + 1]))
+        at += g + 1
     return out
 
 
@@ -381,22 +387,21 @@ def advance(rows: list[Row], steps: list[Verification]) -> None:
         row.target_next = len(row.ids) - 1
 
 
-def count(totals: BatchStats, rows: list[Row], proposals: list[Any], steps: list[Verification],
+def count(totals: BatchStats, rows: list[Row], drafts: RowDrafts, steps: list[Verification],
           times: tuple[float, float, float], now: float) -> None:
     """One iteration into every row's stats and the batch's totals."""
     draft_s, target_s, verify_s = times
     totals.iterations += 1
-    totals.draft_calls += max((p.calls for p in proposals), default=0)
+    totals.draft_calls += drafts.calls
     totals.row_iterations += len(rows)
     totals.rows_history.append(len(rows))
     totals.draft_time_s += draft_s
     totals.target_time_s += target_s
     totals.verify_time_s += verify_s
-    for row, proposal, step in zip(rows, proposals, steps):
+    for row, depth, step in zip(rows, drafts.lengths, steps):
         stats = row.stats
-        depth = proposal.tokens.shape[0]
         before = stats.overlap_sum, stats.verified_positions
-        stats.record(depth, proposal.calls, step.accepted, step.overlap, drafted=depth)
+        stats.record(depth, drafts.calls if depth else 0, step.accepted, step.overlap, drafted=depth)
         stats.draft_time_s += draft_s
         stats.target_time_s += target_s
         if stats.target_calls == 1:
@@ -436,9 +441,9 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
             rows = batch.rows
             t0 = clock(device)
             if feed is None:  # the first call of a row reads its prompt: widths differ, padded
-                feeds = [torch.tensor(row.ids[row.target_next:], device=device) for row in rows]
-                feed = pad_rows(feeds)
-                last = torch.tensor([f.shape[0] - 1 for f in feeds], device=device)
+                feeds = [row.ids[row.target_next:] for row in rows]
+                feed = pad_rows(feeds, device)
+                last = torch.tensor([len(f) - 1 for f in feeds], device=device)
             out = model(feed, start_pos=[row.target_next for row in rows])
             logits = out[torch.arange(len(rows), device=device), last]
             tokens = logits.argmax(-1) if sampling.greedy else sample_rows(warp(logits, sampling),

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
 from speculative.sampling import Sampling, sample, sample_rows, warp
 from speculative.tree import TokenTree
@@ -64,6 +63,22 @@ class Draft:
         if self.tree is None:
             return self.tokens.shape[0]
         return max(self.tree.depths(), default=0)
+
+
+@dataclass
+class RowDrafts:
+    """One iteration's proposals for a batch (lines 1-3 for every row): row b drafted
+    tokens[b, :lengths[b]] from q[b, :lengths[b]]. One tensor for all rows, so that the loop
+    builds the target's input and reads the greedy outcome in a few operators, not a few per row."""
+
+    tokens: torch.Tensor  # [B, width] LongTensor; width >= max(lengths) (0 when nobody drafted)
+    lengths: list[int]
+    q: torch.Tensor | None = None  # [B, width, V]; None: one-hot on the tokens
+    calls: int = 0  # batched drafter calls
+
+    def row(self, b: int) -> Draft:
+        n = self.lengths[b]
+        return Draft(self.tokens[b, :n], None if self.q is None else self.q[b, :n], calls=self.calls)
 
 
 @runtime_checkable
@@ -96,7 +111,7 @@ class RowDrafter(Protocol):
     def start_rows(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
     def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
-                     generators: list[torch.Generator]) -> list[Draft]: ...
+                     generators: list[torch.Generator]) -> RowDrafts: ...
 
     def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
                     hidden_starts: list[int] | None = None) -> None: ...
@@ -153,22 +168,21 @@ def draw_rows(logits: torch.Tensor, sampling: Sampling, generators: list[torch.G
     return sample_rows(q, generators)
 
 
-def drafted_rows(tokens: list[torch.Tensor], probs: list[torch.Tensor], gammas: list[int],
-                 calls: int) -> list[Draft]:
-    """Per-step drafts of a batch (tokens [B] and q [B, V] per step) as one Draft per row,
-    cut to that row's own gamma."""
+def drafted_rows(tokens: list[torch.Tensor], probs: list[torch.Tensor], gammas: list[int], calls: int,
+                 device: torch.device) -> RowDrafts:
+    """Per-step drafts of a batch (tokens [B] and q [B, V] per step) as RowDrafts."""
     if not tokens:
-        return [Draft(torch.empty(0, dtype=torch.long), None, calls=0) for _ in gammas]
-    stacked = torch.stack(tokens, dim=1)  # [B, steps]
+        return RowDrafts(torch.empty(len(gammas), 0, dtype=torch.long, device=device), list(gammas))
     q = torch.stack(probs, dim=1) if probs else None  # [B, steps, V]
-    return [Draft(stacked[b, :g], None if q is None else q[b, :g], calls=calls) for b, g in enumerate(gammas)]
+    return RowDrafts(torch.stack(tokens, dim=1), list(gammas), q, calls)
 
 
-def pad_rows(feeds: list[torch.Tensor]) -> torch.Tensor:
-    """Token rows of different lengths as one [B, max length] batch, padded at the end with 0
-    (a ragged call: the model ignores what the padding computes, see model.model)."""
-    width = max(1, max(f.shape[0] for f in feeds))
-    return torch.stack([F.pad(f, (0, width - f.shape[0])) for f in feeds])
+def pad_rows(rows: list[list[int]], device: torch.device, width: int | None = None) -> torch.Tensor:
+    """Token rows of different lengths (host lists) as one [B, width] batch on the device,
+    padded at the end with 0 (a ragged call: the model ignores what the padding computes, see
+    model.model); one copy to the device."""
+    width = max(1, max(map(len, rows))) if width is None else width
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
 
 
 class ModelDrafter:
@@ -234,18 +248,18 @@ class ModelDrafter:
         self.row_next: list[int] = []
 
     def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
-                     generators: list[torch.Generator]) -> list[Draft]:
+                     generators: list[torch.Generator]) -> RowDrafts:
         """draft_tokens for every row in one draft call per step: the first call catches each
         row up (its own number of tokens, padded), later ones feed each row's x_i. A row that
         has drafted its gamma (fewer, near its limits) feeds a placeholder that it writes at
         its first unused slot, and draws nothing."""
         steps = max(gammas, default=0)
         if steps == 0:
-            return drafted_rows([], [], gammas, 0)
+            return drafted_rows([], [], gammas, 0, seq.device)
         starts = list(self.row_next)
-        feeds = [seq[b, starts[b]:len(row)] if g else seq[b, :1] for b, (row, g) in enumerate(zip(ids, gammas))]
-        widths = [f.shape[0] if g else 0 for f, g in zip(feeds, gammas)]
-        batch, tokens, probs = pad_rows(feeds), [], []
+        feeds = [row[nxt:] if g else row[:1] for row, nxt, g in zip(ids, starts, gammas)]
+        widths = [len(f) if g else 0 for f, g in zip(feeds, gammas)]
+        batch, tokens, probs = pad_rows(feeds, seq.device), [], []
         last = torch.tensor([max(w - 1, 0) for w in widths], device=seq.device)
         rows = torch.arange(len(ids), device=seq.device)
         for i in range(steps):
@@ -255,7 +269,7 @@ class ModelDrafter:
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
             batch, widths, last = tokens[-1].view(-1, 1), [1] * len(ids), torch.zeros_like(last)
         self.row_next = [len(row) + g - 1 if g else nxt for row, g, nxt in zip(ids, gammas, self.row_next)]
-        return drafted_rows(tokens, probs, gammas, steps)
+        return drafted_rows(tokens, probs, gammas, steps, seq.device)
 
     def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
                     hidden_starts: list[int] | None = None) -> None:

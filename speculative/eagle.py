@@ -34,9 +34,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from speculative.drafter import Draft, drafted_rows, draw, draw_rows, pad_rows
+from speculative.drafter import Draft, RowDrafts, drafted_rows, draw, draw_rows, pad_rows
 from speculative.sampling import Sampling
 from speculative.tree import TokenTree
 from speculative.tree_drafting import grow_tree, tree_inputs
@@ -136,7 +135,7 @@ class FeatureDrafter:
         self.row_next: list[int] = []
 
     def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
-                     generators: list[torch.Generator]) -> list[Draft]:
+                     generators: list[torch.Generator]) -> RowDrafts:
         """propose() for every row, one head call per step: the first catches each row up on
         its true features (its own number of positions, padded), later ones feed each row's
         predicted feature and x_i. A row the target has not read yet drafts nothing, and a
@@ -145,15 +144,17 @@ class FeatureDrafter:
                   for g, known, row in zip(gammas, self.row_known, ids)]
         steps = max(gammas, default=0)
         if steps == 0:
-            return drafted_rows([], [], gammas, 0)
+            return drafted_rows([], [], gammas, 0, seq.device)
         starts = list(self.row_next)
         spans = [(nxt, len(row) - 1) if g else (nxt, nxt + 1) for nxt, row, g in zip(starts, ids, gammas)]
         widths = [hi - lo if g else 0 for (lo, hi), g in zip(spans, gammas)]
         width = max(widths)
-        feats = torch.stack([F.pad(self.row_features[b, lo:hi], (0, 0, 0, width - (hi - lo)))
-                             for b, (lo, hi) in enumerate(spans)])
-        nxt = pad_rows([seq[b, lo + 1:hi + 1] for b, (lo, hi) in enumerate(spans)])[:, :width]
+        # true features f_lo..f_{hi-1} and the tokens after them, each row padded (with copies of its
+        # last feature: any finite value will do) to the widest row, gathered in one operator
+        cols = torch.tensor([[min(lo + j, hi - 1) for j in range(width)] for lo, hi in spans], device=seq.device)
         rows = torch.arange(len(ids), device=seq.device)
+        feats = self.row_features[rows[:, None], cols]
+        nxt = pad_rows([row[lo + 1:hi + 1] for row, (lo, hi) in zip(ids, spans)], seq.device, width)
         last = torch.tensor([max(w - 1, 0) for w in widths], device=seq.device)
         tokens, probs = [], []
         for i in range(steps):
@@ -164,15 +165,19 @@ class FeatureDrafter:
             feats, nxt = predicted.unsqueeze(1), tokens[-1].view(-1, 1)
             widths, last = [1] * len(ids), torch.zeros_like(last)
         self.row_next = [len(row) - 1 if g else n for row, g, n in zip(ids, gammas, self.row_next)]
-        return drafted_rows(tokens, probs, gammas, steps)
+        return drafted_rows(tokens, probs, gammas, steps, seq.device)
 
     def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
                     hidden_starts: list[int] | None = None) -> None:
+        """Store every row's target features of its accepted path (positions < its new
+        length - 1), in one indexed copy."""
         if hidden is None or hidden_starts is None:
             raise ValueError("FeatureDrafter.commit_rows needs the target's hidden states")
-        for b, (length, start) in enumerate(zip(lengths, hidden_starts)):
-            keep = length - 1 - start
-            self.row_features[b, start:start + keep] = hidden[b, :keep]
+        where = [(b, start + j, j) for b, (length, start) in enumerate(zip(lengths, hidden_starts))
+                 for j in range(length - 1 - start)]
+        if where:
+            rows, slots, cols = torch.tensor(where, device=hidden.device).T
+            self.row_features[rows, slots] = hidden[rows, cols]
         self.row_known = [length - 1 for length in lengths]
         self.row_next = [min(n, length - 1) for n, length in zip(self.row_next, lengths)]
 

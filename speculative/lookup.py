@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from speculative.drafter import Draft
+from speculative.drafter import Draft, RowDrafts, pad_rows
 from speculative.sampling import Sampling
 
 
@@ -78,9 +78,10 @@ class PromptLookupDrafter:
         self.rows: list[PromptLookupDrafter] = []  # one index per row: rows share nothing
 
     def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
-                     generators: list[torch.Generator]) -> list[Draft]:
-        return [Draft(torch.tensor(row.lookup(row_ids, g) if g else [], dtype=torch.long, device=seq.device), None)
-                for row, row_ids, g in zip(self.rows, ids, gammas)]
+                     generators: list[torch.Generator]) -> RowDrafts:
+        found = [row.lookup(row_ids, g) if g else [] for row, row_ids, g in zip(self.rows, ids, gammas)]
+        width = max(map(len, found), default=0)
+        return RowDrafts(pad_rows(found, seq.device, width), [len(f) for f in found])
 
     def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
                     hidden_starts: list[int] | None = None) -> None:
