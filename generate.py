@@ -55,7 +55,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TextIO
@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from model import ConfigError, Llama, ModelConfig
+from model.compile import compile_if_faster, decode_widths
 from model.fuse import prepare_for_decoding
 from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, cheapest_fit, plan
 from model.tensor_parallel import broadcast_seed, init_distributed
@@ -177,6 +178,13 @@ def build_parser() -> ArgumentParser:
     pair.add_argument("--no-prepack", action="store_true",
                       help="on cpu in float32, keep PyTorch's default matmul instead of weights reordered once for "
                            "oneDNN, which make verifying several tokens cost about one step (model/prepack.py)")
+    pair.add_argument("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None,
+                      help="compile the decode steps of the target and of a draft model (torch.compile: Inductor on "
+                           "a CPU, CUDA graphs on a GPU) for the call widths this run uses, time each model's step "
+                           "compiled and eager, and keep the faster one (the choice is printed on stderr); --compile "
+                           "force keeps the compiled steps. Compiling takes tens of seconds on a CPU, and a note says "
+                           "when a run is too short to pay for it. Not with --quantize, --prompts-file or torchrun; "
+                           "a feature head and token-tree calls run eagerly")
     pair.add_argument("--no-fuse", action="store_true",
                       help="keep q/k/v and gate/up as separate products instead of stacking each group into one "
                            "(model/fuse.py: fewer operators per decode step)")
@@ -286,6 +294,10 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("--verify block is block verification of a chain; a --tree is verified by its own walk")
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    if args.compile and args.quantize:
+        raise UsageError("--compile does not compile int8 layers yet; drop --compile or --quantize")
+    if args.compile and args.prompts_file is not None:
+        raise UsageError("--compile compiles single-sequence steps; batches (--prompts-file) run eagerly: drop one")
     if args.prompts_file is not None and args.tree is not None and not args.no_draft:
         raise UsageError("token trees are not batched; drop --tree or --prompts-file")
 
@@ -667,6 +679,8 @@ class Loaded:
     load_s: float
     prepacked: int = 0  # linear layers reordered for oneDNN (model/prepack.py)
     fused: int = 0  # q/k/v and gate/up groups stacked into one product each (model/fuse.py)
+    compiled: list[str] = field(default_factory=list)  # --compile: what was measured and chosen, per model
+    compile_notes: list[str] = field(default_factory=list)
 
 
 def stats_dict(stats: Any, speculative: bool) -> dict[str, Any]:
@@ -770,6 +784,9 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
                 hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)"
             raise PairMismatchError(f"draft {args.draft} cannot speculate for target {args.target}: {err}{hint}") \
                 from None
+    if args.compile and world_size > 1:
+        raise UsageError("--compile does not compile tensor-parallel shards (their all-reduces would run outside the "
+                         "graph); drop --compile under torchrun")
     if kind == "head" and world_size > 1:
         raise UsageError(f"--draft {args.draft} is a feature head, which reads the target's whole output head: not "
                          "supported under tensor parallelism; use a draft model or --draft lookup")
@@ -812,10 +829,39 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
         drafter = load_drafter(args.draft, target, args.target)
     # Prepacking is a no-op off the CPU, off float32, and on int8 layers.
     networks = [target, draft, getattr(drafter, "head", None)]
-    counts = [prepare_for_decoding(net, stack=not args.no_fuse, prepack=not args.no_prepack)
+    compiling = [target, draft] if args.compile else []  # models --compile considers (not a feature head)
+    counts = [prepare_for_decoding(net, stack=not args.no_fuse, prepack=not args.no_prepack and net not in compiling)
               for net in networks if net is not None]
     fused, prepacked = (sum(column) for column in zip(*counts))
-    return Loaded(target, drafter, tokenizer, time.perf_counter() - t0, prepacked, fused), encoded
+    loaded = Loaded(target, drafter, tokenizer, time.perf_counter() - t0, prepacked, fused)
+    if args.compile:
+        compile_models(args, loaded, kind, min(context, positions + 1))
+    return loaded, encoded
+
+
+def compile_models(args: argparse.Namespace, loaded: Loaded, kind: str | None, cache_len: int) -> None:
+    """--compile: each model's decode steps compiled for the widths this run calls it with,
+    timed against its eager set-up, and the faster kept (model/compile.py)."""
+    force = args.compile == "force"
+    gamma = args.gamma if kind is not None else 1
+    reads_features = kind == "head"
+    target, choice = compile_if_faster(loaded.target, decode_widths(gamma, GAMMA_MAX) if kind else (1,),
+                                       cache_len, hidden=reads_features, prepack=not args.no_prepack, force=force)
+    loaded.target = target
+    choices = [("target", choice)]
+    if kind == "model":
+        draft, choice = compile_if_faster(loaded.draft, (1, 2), cache_len, prepack=not args.no_prepack, force=force)
+        loaded.draft = draft
+        choices.append(("draft", choice))
+    loaded.compiled = [c.line(name) for name, c in choices]
+    spent = sum(c.compile_s for _, c in choices)
+    # At most one call of each model per new token, each saving the mean difference of a step.
+    saved = sum(max(0.0, c.eager_ms - c.compiled_ms) / c.widths for _, c in choices if c.chosen == "compiled")
+    saved *= args.max_new_tokens / 1e3
+    if saved < spent:
+        loaded.compile_notes.append(f"compiling took {spent:.1f}s and saves at most {saved:.1f}s over "
+                                    f"{args.max_new_tokens} tokens: this run does not pay for its compile time "
+                                    "(a longer run, or a process that serves many, would)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -874,6 +920,10 @@ def run(args: argparse.Namespace) -> int:
     streamer = None
     if not args.json and is_main:
         print(header_line(args, loaded, device, dtype, world_size, seed), file=sys.stderr)
+        for line in loaded.compiled:
+            print(f"compile: {line}", file=sys.stderr)
+        for note in loaded.compile_notes:
+            print(f"note: {note}", file=sys.stderr)
         if color and speculative:
             print(f"colours: {GREEN}draft tokens accepted by the target{RESET}, "
                   f"{YELLOW}tokens produced by the target{RESET} (after a rejection, or the bonus token)",
@@ -954,7 +1004,7 @@ def run_settings(args: argparse.Namespace, loaded: Loaded, device: torch.device,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
             "quantize": args.quantize, "tensor_parallel": world_size,
-            "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused,
+            "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused, "compile": loaded.compiled or None,
             "threads": torch.get_num_threads(), "compare": compare}
 
 
