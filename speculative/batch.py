@@ -18,8 +18,8 @@ One iteration over the rows in the batch, with the seams of the single-sequence 
 
 Why a second loop and not speculative_generate run per row: the point is the one shared
 target call, and with it every row's state (sequence, cache position, drafter state,
-generator) becomes a list, the verification a loop over rows and the sequence a [rows,
-cache_len] tensor. The per-row work calls the single loop's own functions.
+generator) becomes a list and the verification a loop over rows. The per-row work calls the
+single loop's own functions.
 
 Rows and their lifetime: a row finishes on EOS, max_new_tokens or the context. At the end of
 the iteration it leaves the batch: the KV caches drop its row (model.keep_cache_rows
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from speculative.drafter import RowDrafter, RowDrafts, as_drafter, pad_rows
+from speculative.drafter import RowDrafter, RowDrafts, pad_rows
 from speculative.gamma import AutoGamma
 from speculative.inputs import (
     NonFiniteLogitsError,
@@ -56,9 +56,8 @@ from speculative.inputs import (
     check_prompt,
     model_device,
 )
-from speculative.pair import check_pair
 from speculative.sampling import Sampling, make_generator, sample_rows, warp
-from speculative.speculative import DEFAULT_GAMMA, VERIFIERS, judge
+from speculative.speculative import DEFAULT_GAMMA, VERIFIERS, drafter_for, judge
 from speculative.stats import AutoregressiveStats, GenerationResult, SpeculativeStats, clock, stop_reason
 from speculative.verify import Verification, greedy_outcome
 
@@ -181,18 +180,17 @@ def check_batch_size(batch_size: Any, count: int) -> int:
 
 
 class Batch:
-    """The rows in the batch, the prompts waiting, the finished results, and every row's
-    tokens on the device (``seq`` [batch_size, cache_len]: row b of the batch is row b of
-    every KV cache)."""
+    """The rows in the batch (row b of the batch is row b of every KV cache), the prompts
+    waiting, and the finished rows. Every row's tokens live on the host (``Row.ids``): each
+    call's input is built from them in one copy."""
 
-    def __init__(self, prompts: list[list[int]], seeds: list[int | None], batch_size: int, cache_len: int,
-                 device: torch.device, new_stats: Any) -> None:
+    def __init__(self, prompts: list[list[int]], seeds: list[int | None], batch_size: int, device: torch.device,
+                 new_stats: Any) -> None:
         self.prompts, self.seeds, self.batch_size, self.device = prompts, seeds, batch_size, device
         self.new_stats = new_stats
         self.waiting = deque(range(len(prompts)))
         self.rows: list[Row] = []
         self.done: dict[int, Row] = {}
-        self.seq = torch.zeros(batch_size, cache_len, dtype=torch.long, device=device)
 
     def refill(self, finished: list[bool]) -> tuple[list[int], int]:
         """Drop the finished rows, move the rest to the front and admit waiting prompts behind
@@ -201,8 +199,6 @@ class Batch:
         for b, f in enumerate(finished):
             if f:
                 self.done[self.rows[b].index] = self.rows[b]
-        if len(kept) < len(self.rows) and kept != list(range(len(kept))):
-            self.seq[:len(kept)] = self.seq.index_select(0, torch.tensor(kept, device=self.device))
         self.rows = [self.rows[b] for b in kept]
         new = 0
         while self.waiting and len(self.rows) < self.batch_size:
@@ -210,22 +206,14 @@ class Batch:
             prompt = self.prompts[index]
             row = Row(index, prompt, row_generator(self.device, self.seeds, index), self.new_stats(),
                       clock(self.device), ids=list(prompt))
-            self.seq[len(self.rows), :len(prompt)] = torch.tensor(prompt, device=self.device)
             self.rows.append(row)
             new += 1
         return kept, new
 
     def write(self, emitted: list[list[int]]) -> None:
-        """Append each row's emitted tokens to its ids and to ``seq``, in one copy to the device."""
-        rows, cols, values = [], [], []
-        for b, (row, tokens) in enumerate(zip(self.rows, emitted)):
-            rows += [b] * len(tokens)
-            cols += range(len(row.ids), len(row.ids) + len(tokens))
-            values += tokens
+        """Append each row's emitted tokens to its ids."""
+        for row, tokens in zip(self.rows, emitted):
             row.ids.extend(tokens)
-        if values:
-            index = torch.tensor([rows, cols], device=self.device)
-            self.seq[index[0], index[1]] = torch.tensor(values, device=self.device)
 
     def results(self, eos_id: int | None, max_new_tokens: int) -> list[GenerationResult]:
         out = []
@@ -266,11 +254,7 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
     ``verify`` is "token" or "block", as in speculative_generate. Token trees are not
     batched."""
     wall_start = time.perf_counter()
-    drafter = as_drafter(draft)
-    check_pair(target, drafter)
-    if draft is target or getattr(drafter, "model", None) is target:
-        raise ValueError("draft and target are the same object and would share one KV cache; "
-                         "pass a copy (copy.deepcopy(model)) as the draft")
+    drafter = drafter_for(target, draft)
     if not isinstance(drafter, RowDrafter):
         raise ValueError(f"{type(drafter).__name__} cannot draft for a batch (it has no propose_rows)")
     sampling = Sampling(temperature, top_k, top_p)
@@ -295,7 +279,7 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
         target.setup_cache(batch_size, cache_len)
         drafter.start_rows(batch_size, cache_len, target)
         device = model_device(target)
-        batch = Batch(prompts, seeds, batch_size, cache_len, device, new_stats)
+        batch = Batch(prompts, seeds, batch_size, device, new_stats)
         decode_start = clock(device)
         drafter.keep_rows(*batch.refill([]))
         while batch.rows:
@@ -303,10 +287,10 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
             g = auto.gamma if auto else gamma_max
             gammas = [min(g, max_new_tokens - row.produced - 1, limit - len(row.ids) - 1) for row in rows]
             t0 = clock(device)
-            drafts = drafter.propose_rows(batch.seq, [row.ids for row in rows], gammas, sampling,
-                                          [row.generator for row in rows])  # lines 1-3
+            drafts = drafter.propose_rows([row.ids for row in rows], gammas, sampling,
+                                          [row.generator for row in rows], device)  # lines 1-3
             t1 = clock(device)
-            logits, hidden = score_rows(target, batch.seq, rows, drafts, drafter.reads_features)  # line 4
+            logits, hidden = score_rows(target, rows, drafts, drafter.reads_features, device)  # line 4
             t2 = clock(device)
             steps = judge_rows(logits, drafts, sampling, verify_sampled, rows)  # lines 5-9
             starts = [row.target_next for row in rows]
@@ -338,8 +322,8 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
 
 
 # ----------------------------------------------------------------------------- the seams, per row
-def score_rows(target: Any, seq: torch.Tensor, rows: list[Row], drafts: RowDrafts,
-               reads_features: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def score_rows(target: Any, rows: list[Row], drafts: RowDrafts, reads_features: bool,
+               device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Line 4 for every row in ONE target call: row b feeds what the target has not read of
     it and its draft, at its own cache position. Returns row b's logits for its g_b + 1
     positions L_b-1 .. L_b+g_b-1 and, for a drafter that reads them, the call's features.
@@ -347,10 +331,10 @@ def score_rows(target: Any, seq: torch.Tensor, rows: list[Row], drafts: RowDraft
     host in one copy, the drafted ones placed by one indexed write."""
     unread = [row.ids[row.target_next:] for row in rows]
     sizes = [len(u) + g for u, g in zip(unread, drafts.lengths)]
-    feed = pad_rows(unread, seq.device, max(sizes))
+    feed = pad_rows(unread, device, max(sizes))
     at = [(b, len(u) + j, j) for b, (u, g) in enumerate(zip(unread, drafts.lengths)) for j in range(g)]
     if at:
-        index = torch.tensor(at, device=seq.device).T
+        index = torch.tensor(at, device=device).T
         feed[index[0], index[1]] = drafts.tokens[index[0], index[2]]
     options: dict[str, Any] = {"return_hidden": True} if reads_features else {}
     out = target(feed, start_pos=[row.target_next for row in rows], **options)
@@ -433,7 +417,7 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
         cache_len = min(limit, max(len(p) for p in prompts) + max_new_tokens)
         model.setup_cache(batch_size, cache_len)
         device = model_device(model)
-        batch = Batch(prompts, seeds, batch_size, cache_len, device, AutoregressiveStats)
+        batch = Batch(prompts, seeds, batch_size, device, AutoregressiveStats)
         decode_start = clock(device)
         batch.refill([])
         feed, last = None, None  # the next call's tokens: rebuilt whenever the rows change

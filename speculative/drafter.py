@@ -101,8 +101,8 @@ class Drafter(Protocol):
 class RowDrafter(Protocol):
     """A drafter for a batch of sequences (rows), each at its own length (speculative.batch).
 
-    ``propose_rows(seq, ids, gammas, sampling, generators)`` drafts gammas[b] tokens for row
-    b (seq [rows, cache_len] on the device, ids the rows' tokens on the host), drawing them
+    ``propose_rows(ids, gammas, sampling, generators, device)`` drafts gammas[b] tokens for row
+    b (ids: the rows' tokens, on the host; the drafts are tensors on ``device``), drawing them
     with generators[b] only, and returns one Draft per row; ``commit_rows(lengths, hidden,
     hidden_starts)`` is commit() for every row (hidden [rows, T, dim], row b's features
     of positions hidden_starts[b]..); ``keep_rows(rows, new)`` makes rows 0..len(rows)-1 the
@@ -110,8 +110,8 @@ class RowDrafter(Protocol):
 
     def start_rows(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
-    def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
-                     generators: list[torch.Generator]) -> RowDrafts: ...
+    def propose_rows(self, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+                     generators: list[torch.Generator], device: torch.device) -> RowDrafts: ...
 
     def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
                     hidden_starts: list[int] | None = None) -> None: ...
@@ -247,21 +247,21 @@ class ModelDrafter:
         self.model.setup_cache(max_rows, cache_len)
         self.row_next: list[int] = []
 
-    def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
-                     generators: list[torch.Generator]) -> RowDrafts:
+    def propose_rows(self, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+                     generators: list[torch.Generator], device: torch.device) -> RowDrafts:
         """draft_tokens for every row in one draft call per step: the first call catches each
         row up (its own number of tokens, padded), later ones feed each row's x_i. A row that
         has drafted its gamma (fewer, near its limits) feeds a placeholder that it writes at
         its first unused slot, and draws nothing."""
         steps = max(gammas, default=0)
         if steps == 0:
-            return drafted_rows([], [], gammas, 0, seq.device)
+            return drafted_rows([], [], gammas, 0, device)
         starts = list(self.row_next)
         feeds = [row[nxt:] if g else row[:1] for row, nxt, g in zip(ids, starts, gammas)]
         widths = [len(f) if g else 0 for f, g in zip(feeds, gammas)]
-        batch, tokens, probs = pad_rows(feeds, seq.device), [], []
-        last = torch.tensor([max(w - 1, 0) for w in widths], device=seq.device)
-        rows = torch.arange(len(ids), device=seq.device)
+        batch, tokens, probs = pad_rows(feeds, device), [], []
+        last = torch.tensor([max(w - 1, 0) for w in widths], device=device)
+        rows = torch.arange(len(ids), device=device)
         for i in range(steps):
             logits = self.model(batch, start_pos=starts)[rows, last]  # [B, V]: each row's newest position
             live = [gen if g > i else None for gen, g in zip(generators, gammas)]
@@ -269,7 +269,7 @@ class ModelDrafter:
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
             batch, widths, last = tokens[-1].view(-1, 1), [1] * len(ids), torch.zeros_like(last)
         self.row_next = [len(row) + g - 1 if g else nxt for row, g, nxt in zip(ids, gammas, self.row_next)]
-        return drafted_rows(tokens, probs, gammas, steps, seq.device)
+        return drafted_rows(tokens, probs, gammas, steps, device)
 
     def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
                     hidden_starts: list[int] | None = None) -> None:

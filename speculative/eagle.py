@@ -134,8 +134,8 @@ class FeatureDrafter:
         self.row_known: list[int] = []
         self.row_next: list[int] = []
 
-    def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
-                     generators: list[torch.Generator]) -> RowDrafts:
+    def propose_rows(self, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+                     generators: list[torch.Generator], device: torch.device) -> RowDrafts:
         """propose() for every row, one head call per step: the first catches each row up on
         its true features (its own number of positions, padded), later ones feed each row's
         predicted feature and x_i. A row the target has not read yet drafts nothing, and a
@@ -144,18 +144,18 @@ class FeatureDrafter:
                   for g, known, row in zip(gammas, self.row_known, ids)]
         steps = max(gammas, default=0)
         if steps == 0:
-            return drafted_rows([], [], gammas, 0, seq.device)
+            return drafted_rows([], [], gammas, 0, device)
         starts = list(self.row_next)
         spans = [(nxt, len(row) - 1) if g else (nxt, nxt + 1) for nxt, row, g in zip(starts, ids, gammas)]
         widths = [hi - lo if g else 0 for (lo, hi), g in zip(spans, gammas)]
         width = max(widths)
         # true features f_lo..f_{hi-1} and the tokens after them, each row padded (with copies of its
         # last feature: any finite value will do) to the widest row, gathered in one operator
-        cols = torch.tensor([[min(lo + j, hi - 1) for j in range(width)] for lo, hi in spans], device=seq.device)
-        rows = torch.arange(len(ids), device=seq.device)
+        cols = torch.tensor([[min(lo + j, hi - 1) for j in range(width)] for lo, hi in spans], device=device)
+        rows = torch.arange(len(ids), device=device)
         feats = self.row_features[rows[:, None], cols]
-        nxt = pad_rows([row[lo + 1:hi + 1] for row, (lo, hi) in zip(ids, spans)], seq.device, width)
-        last = torch.tensor([max(w - 1, 0) for w in widths], device=seq.device)
+        nxt = pad_rows([row[lo + 1:hi + 1] for row, (lo, hi) in zip(ids, spans)], device, width)
+        last = torch.tensor([max(w - 1, 0) for w in widths], device=device)
         tokens, probs = [], []
         for i in range(steps):
             predicted = self.head(feats, self.target.embed_tokens(nxt), start_pos=starts)[rows, last]  # [B, dim]
@@ -165,7 +165,7 @@ class FeatureDrafter:
             feats, nxt = predicted.unsqueeze(1), tokens[-1].view(-1, 1)
             widths, last = [1] * len(ids), torch.zeros_like(last)
         self.row_next = [len(row) - 1 if g else n for row, g, n in zip(ids, gammas, self.row_next)]
-        return drafted_rows(tokens, probs, gammas, steps, seq.device)
+        return drafted_rows(tokens, probs, gammas, steps, device)
 
     def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
                     hidden_starts: list[int] | None = None) -> None:

@@ -77,11 +77,11 @@ class PromptLookupDrafter:
     def start_rows(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
         self.rows: list[PromptLookupDrafter] = []  # one index per row: rows share nothing
 
-    def propose_rows(self, seq: torch.Tensor, ids: list[list[int]], gammas: list[int], sampling: Sampling,
-                     generators: list[torch.Generator]) -> RowDrafts:
+    def propose_rows(self, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+                     generators: list[torch.Generator], device: torch.device) -> RowDrafts:
         found = [row.lookup(row_ids, g) if g else [] for row, row_ids, g in zip(self.rows, ids, gammas)]
         width = max(map(len, found), default=0)
-        return RowDrafts(pad_rows(found, seq.device, width), [len(f) for f in found])
+        return RowDrafts(pad_rows(found, device, width), [len(f) for f in found])
 
     def commit_rows(self, lengths: list[int], hidden: torch.Tensor | None = None,
                     hidden_starts: list[int] | None = None) -> None:

@@ -84,11 +84,7 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     SpeculativeStats. Raises NonFiniteLogitsError if the target's logits are not finite.
     """
     wall_start = time.perf_counter()
-    drafter = as_drafter(draft)
-    check_pair(target, drafter)
-    if draft is target or getattr(drafter, "model", None) is target:
-        raise ValueError("draft and target are the same object and would share one KV cache; "
-                         "pass a copy (copy.deepcopy(model)) as the draft")
+    drafter = drafter_for(target, draft)
     sampling = Sampling(temperature, top_k, top_p)
     verify_sampled = VERIFIERS.get(verify) if isinstance(verify, str) else None
     if verify_sampled is None:
@@ -164,6 +160,17 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     stats.stop_reason = stop_reason(out, eos_id, max_new_tokens)
     stats.wall_time_s = time.perf_counter() - wall_start
     return GenerationResult(tokens=out, stats=stats)
+
+
+def drafter_for(target: Any, draft: Any) -> Any:
+    """``draft`` as a drafter (a model is wrapped in ModelDrafter), checked against ``target``
+    (speculative.pair), and never the target object itself: the two would share one KV cache."""
+    drafter = as_drafter(draft)
+    check_pair(target, drafter)
+    if draft is target or getattr(drafter, "model", None) is target:
+        raise ValueError("draft and target are the same object and would share one KV cache; "
+                         "pass a copy (copy.deepcopy(model)) as the draft")
+    return drafter
 
 
 # ----------------------------------------------------------------------------- the seams

@@ -22,7 +22,7 @@ import random
 
 import pytest
 import torch
-from toy_models import noisy_copy, random_llama, reference_greedy
+from toy_models import far_from_argmax, noisy_copy, random_llama, reference_greedy
 
 from model.config import ModelConfig
 from model.feature_head import FeatureHead
@@ -39,7 +39,6 @@ from speculative.verify import Verification
 
 torch.set_num_threads(1)
 batch_module = importlib.import_module("speculative.batch")
-NEAR_TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -223,17 +222,6 @@ def llama32() -> dict:
     target = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64,
                           seed=3)
     return {"target": target, "close": noisy_copy(target, std=0.02, seed=4)}
-
-
-@torch.no_grad()
-def far_from_argmax(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[tuple[int, float]]:
-    bad, seq = [], list(prompt)
-    for i, token in enumerate(tokens):
-        logits = model(torch.tensor([seq]))[0, -1].double()
-        if (logits.max() - logits[token]).item() > NEAR_TIE:
-            bad.append((i, (logits.max() - logits[token]).item()))
-        seq.append(token)
-    return bad
 
 
 @pytest.mark.parametrize("size", [1, 3, 8])

@@ -493,6 +493,11 @@ def test_non_finite_logits_are_one_error_line_and_no_tokens(capsys: pytest.Captu
     (["--temperature", "0", "--gamma", "4"], []),
 ])
 def test_flags_a_run_cannot_use_get_one_warning_each(argv: list[str], expected: list[str]) -> None:
+    assert_unused_flags(argv, expected)
+
+
+def assert_unused_flags(argv: list[str], expected: list[str]) -> None:
+    """generate.unused_flags for ``argv``: one warning per expected fragment, each starting with it."""
     args = generate.build_parser().parse_args(argv)
     got = generate.unused_flags(args, generate.given_flags(argv))
     assert len(got) == len(expected), got

@@ -19,7 +19,15 @@ import json
 import pytest
 import torch
 from test_cli import PAIR, main_error, main_ok, needs_pair
-from toy_models import chi_square_pvalue, llama_next_logits, noisy_copy, random_llama, ref_warp, sequence_distribution
+from toy_models import (
+    chi_square_pvalue,
+    far_from_argmax,
+    llama_next_logits,
+    noisy_copy,
+    random_llama,
+    ref_warp,
+    sequence_distribution,
+)
 
 from model.compile import CompileError, compile_for_decoding, decode_widths
 from model.prepack import prepack_linears, prepack_supported
@@ -27,7 +35,6 @@ from speculative import autoregressive_generate, speculative_generate
 from speculative.gamma import GAMMA_MAX
 
 torch.set_num_threads(1)
-NEAR_TIE = 1e-4
 
 
 def pair(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -82,17 +89,6 @@ def test_a_compiled_run_never_recompiles(compiled_pair: dict, gamma: int | str) 
                 assert out.stats.target_calls > 1
             autoregressive_generate(compiled_pair["ctarget"], prompt, 12, temperature=1.0, seed=seed)
     assert graphs() == before
-
-
-@torch.no_grad()
-def far_from_argmax(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[tuple[int, float]]:
-    bad, seq = [], list(prompt)
-    for i, token in enumerate(tokens):
-        logits = model(torch.tensor([seq]))[0, -1].double()
-        if (logits.max() - logits[token]).item() > NEAR_TIE:
-            bad.append((i, (logits.max() - logits[token]).item()))
-        seq.append(token)
-    return bad
 
 
 @pytest.mark.parametrize("gamma", [1, 4, "auto"])

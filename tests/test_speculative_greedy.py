@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Sequence
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy_models import FakeTokenizer, NGramModel, Recording, noisy_copy, random_llama, reference_greedy
+from toy_models import (
+    FakeTokenizer,
+    NGramModel,
+    Recording,
+    far_from_argmax,
+    noisy_copy,
+    random_llama,
+    reference_greedy,
+)
 
 from speculative import (
     PairMismatchError,
@@ -29,7 +36,6 @@ torch.set_num_threads(1)
 verify_module = importlib.import_module("speculative.verify")
 loop_module = importlib.import_module("speculative.speculative")
 
-NEAR_TIE = 1e-4
 
 
 # ----------------------------------------------------------------------------- models
@@ -51,20 +57,6 @@ def llama32() -> dict[str, torch.nn.Module]:
                           seed=3, dtype=torch.float32)
     return {"target": target, "close": noisy_copy(target, std=0.02, seed=4),
             "independent": random_llama(vocab=16, dim=16, max_seq_len=64, seed=5)}
-
-
-@torch.no_grad()
-def far_from_argmax(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> list[tuple[int, float]]:
-    """(index, gap) of every emitted token whose logit is more than NEAR_TIE below the
-    target's maximum logit after the emitted prefix (no-cache forward)."""
-    bad, seq = [], list(prompt)
-    for i, token in enumerate(tokens):
-        logits = model(torch.tensor([seq]))[0, -1].double()
-        gap = (logits.max() - logits[token]).item()
-        if gap > NEAR_TIE:
-            bad.append((i, gap))
-        seq.append(token)
-    return bad
 
 
 def chain_table(vocab: int, step: int = 1, strength: float = 12.0) -> torch.Tensor:

@@ -127,6 +127,24 @@ def reference_greedy(model: torch.nn.Module, prompt: Sequence[int], count: int) 
     return seq[len(prompt):]
 
 
+NEAR_TIE = 1e-4  # docs/algorithm.md, numerics policy: float32 greedy may differ from the argmax only this close
+
+
+@torch.no_grad()
+def far_from_argmax(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> list[tuple[int, float]]:
+    """(index, gap) of every emitted token whose logit is more than NEAR_TIE below the
+    model's maximum logit after the emitted prefix (no-cache forward): [] for greedy output
+    that is the model's own up to the numerics policy's near-ties."""
+    bad, seq = [], list(prompt)
+    for i, token in enumerate(tokens):
+        logits = model(torch.tensor([seq]))[0, -1].double()
+        gap = (logits.max() - logits[token]).item()
+        if gap > NEAR_TIE:
+            bad.append((i, gap))
+        seq.append(token)
+    return bad
+
+
 def llama_next_logits(model: torch.nn.Module) -> Callable[[Sequence[int]], torch.Tensor]:
     """Next-token logits of a model.Llama for any context, by a plain no-cache forward."""
 
