@@ -8,18 +8,28 @@
    directly on the GPU (no download), against the memory-bandwidth bound: a decode step
    must read every weight once (the embedding table excepted: one row), so tokens/s can
    not exceed bandwidth / bytes per token. Then the same model with int8 weights.
-4. Speculative decoding against the target alone on the shipped pair (tiny-draft ->
+4. The same 7B-shaped model eager against compiled (model/compile.py: CUDA graphs through
+   torch.compile's "reduce-overhead"): tokens/s and the fraction of the bandwidth bound.
+5. A 7B-shaped target with a 1B-shaped draft (random weights; the draft is the target's
+   embedding, first layers, norm and head, so that it agrees with the target often enough):
+   speculative against the target alone, eager and compiled, greedy, identical tokens.
+6. Speculative decoding against the target alone on the shipped pair (tiny-draft ->
    tiny-target), on the GPU, greedy: tokens/s of each, acceptance rate, identical output.
 
-Every figure goes into one JSON file (``--out``); a section that fails records its error
-and the others still run. Exit status: 0 when every section ran and pytest passed, 1
-otherwise, 2 without a CUDA GPU.
+Every figure goes into one JSON file (``--out``); a section that fails or runs past its
+timeout records its error and the others still run. Exit status: 0 when every section ran
+and pytest passed, 1 otherwise, 2 without a CUDA GPU.
+
+``--dry-run`` runs sections 4-6 on the CPU with tiny shapes in float32 (no pytest, no
+bandwidth), so that CI knows the script runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +47,9 @@ from model import Llama, ModelConfig  # noqa: E402
 from model.memory import DEVICES, LLAMA2_CONFIGS  # noqa: E402
 from model.quantize import quantize_int8  # noqa: E402
 from model.tensor_parallel import weight_bytes  # noqa: E402
+
+# The dry run's shapes: a "7B" and a "1B" small enough to compile and run on a CPU in seconds.
+DRY_CONFIG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=256)
 
 
 def sync(device: str = "cuda") -> None:
@@ -149,15 +162,93 @@ def check_7b_decode(bandwidth: float | None, config: ModelConfig = LLAMA2_CONFIG
     return out
 
 
-def check_shipped_pair(max_new_tokens: int = 128, gamma: int = 4) -> dict[str, Any]:
+def random_model(config: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0) -> Llama:
+    """A Llama with random weights built directly in ``dtype`` on ``device`` (no float32 copy)."""
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Llama(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def bound_entry(model: Llama, tps: float, bandwidth: float | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"tokens_per_second": tps}
+    if bandwidth:
+        bound = bandwidth / bytes_read_per_token(model)
+        entry.update(bandwidth_bound_tokens_per_second=bound, fraction_of_bound=tps / bound)
+    return entry
+
+
+def check_compiled_decode(bandwidth: float | None, config: ModelConfig = LLAMA2_CONFIGS["7b"], device: str = "cuda",
+                          dtype: torch.dtype = torch.bfloat16, steps: int = 64) -> dict[str, Any]:
+    """Decode tokens/s of one random model, eager and then compiled (one-token steps), and
+    each against the bandwidth bound."""
+    from model.compile import compile_for_decoding
+
+    model = random_model(config, device, dtype)
+    out = {"eager": bound_entry(model, decode_tokens_per_second(model, steps=steps), bandwidth)}
+    compiled = compile_for_decoding(model, (1,), cache_len=min(config.max_seq_len, 32 + 8 + steps + 1))
+    out["compiled"] = bound_entry(model, decode_tokens_per_second(model, steps=steps), bandwidth)
+    out["compile_seconds"] = compiled.compile_s
+    out["compiled_over_eager"] = out["compiled"]["tokens_per_second"] / out["eager"]["tokens_per_second"]
+    return out
+
+
+def early_exit_draft(target: Llama, layers: int) -> Llama:
+    """A draft of the target's shape with its first ``layers`` layers (and its embedding, final
+    norm and head): random weights that still agree with the target now and then."""
+    draft = copy.deepcopy(target)
+    draft.layers = draft.layers[:layers]
+    draft.config = ModelConfig(**{**vars(target.config), "n_layers": layers})
+    return draft
+
+
+def check_speculative_7b(config: ModelConfig = LLAMA2_CONFIGS["7b"], draft_layers: int = 4, device: str = "cuda",
+                         dtype: torch.dtype = torch.bfloat16, max_new_tokens: int = 64,
+                         gamma: int = 4) -> dict[str, Any]:
+    """A 7B-shaped target and a 1B-shaped early-exit draft (4 of 32 layers: ~1.1B parameters),
+    greedy: speculative against the target alone, eager, then both models compiled."""
+    from model.compile import compile_for_decoding, decode_widths
+    from speculative import autoregressive_generate, speculative_generate
+
+    target = random_model(config, device, dtype)
+    draft = early_exit_draft(target, draft_layers)
+    prompt = torch.randint(0, config.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    out: dict[str, Any] = {"draft_parameters": sum(p.numel() for p in draft.parameters()),
+                           "target_parameters": sum(p.numel() for p in target.parameters())}
+    for label in ("eager", "compiled"):
+        if label == "compiled":
+            cache_len = min(config.max_seq_len, len(prompt) + max_new_tokens + gamma + 2)
+            seconds = sum(compile_for_decoding(m, widths, cache_len=cache_len).compile_s
+                          for m, widths in ((target, decode_widths(gamma, gamma)), (draft, (1, 2))))
+        with torch.inference_mode():
+            autoregressive_generate(target, prompt, 4, temperature=0.0)  # warm-up
+            alone = autoregressive_generate(target, prompt, max_new_tokens, temperature=0.0)
+            spec = speculative_generate(target, draft, prompt, max_new_tokens, gamma=gamma, temperature=0.0)
+        out[label] = {"target_alone_tokens_per_second": alone.stats.tokens_per_second,
+                      "speculative_tokens_per_second": spec.stats.tokens_per_second,
+                      "speedup": spec.stats.tokens_per_second / alone.stats.tokens_per_second,
+                      "acceptance_rate": spec.stats.acceptance_rate, "cost_ratio": spec.stats.cost_ratio,
+                      "same_output": list(spec.tokens) == list(alone.tokens), "tokens": list(spec.tokens)}
+        if label == "compiled":
+            out[label]["compile_seconds"] = seconds
+            out[label]["same_output_as_eager"] = out[label]["tokens"] == out["eager"]["tokens"]
+    return out
+
+
+def check_shipped_pair(max_new_tokens: int = 128, gamma: int = 4, device: str = "cuda",
+                       dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, Any]:
     """Speculative vs target-only on tiny-draft -> tiny-target on the GPU, greedy."""
     from speculative import autoregressive_generate, speculative_generate
     from weights import load_model, load_tokenizer
 
     out: dict[str, Any] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        target = load_model("tiny-target", "cuda", dtype)
-        draft = load_model("tiny-draft", "cuda", dtype)
+    for dtype in dtypes:
+        target = load_model("tiny-target", device, dtype)
+        draft = load_model("tiny-draft", device, dtype)
         prompt = load_tokenizer("tiny-target").encode("Once upon a time", bos=True)
         with torch.inference_mode():
             autoregressive_generate(target, prompt, 8, temperature=0.0)  # warm-up (kernels, allocator)
@@ -175,16 +266,42 @@ def check_shipped_pair(max_new_tokens: int = 128, gamma: int = 4) -> dict[str, A
     return out
 
 
-def section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
-    """Run one check, record its result or its error, never raise."""
+class SectionTimeoutError(Exception):
+    pass
+
+
+def section(report: dict[str, Any], name: str, fn: Callable[[], Any], timeout_s: float = 120.0) -> Any:
+    """Run one check, record its result or its error, never raise. A check still running
+    after ``timeout_s`` is interrupted (SIGALRM, between Python operations) and recorded as
+    timed out, so the script cannot hang on one section."""
     start = time.perf_counter()
+
+    def expire(signum: int, frame: Any) -> None:
+        raise SectionTimeoutError(f"{name} ran past its {timeout_s:.0f}s timeout")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         report[name] = fn()
     except Exception as err:  # noqa: BLE001 - a failed check is a result to record
         report[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=5)}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
     report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
     print(f"[gpu_check] {name}: {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return report[name]
+
+
+def dry_run(out: Path) -> int:
+    """Sections 4-6 on the CPU, tiny shapes, float32: the code paths CI can run."""
+    report: dict[str, Any] = {"torch": torch.__version__, "dry_run": True}
+    section(report, "decode_compiled", lambda: check_compiled_decode(1e10, DRY_CONFIG, "cpu", torch.float32, 8))
+    section(report, "speculative_7b_shaped", lambda: check_speculative_7b(DRY_CONFIG, 1, "cpu", torch.float32, 16))
+    if (ROOT / "weights" / "tiny-target").is_dir() and (ROOT / "weights" / "tiny-draft").is_dir():
+        section(report, "shipped_pair", lambda: check_shipped_pair(16, device="cpu", dtypes=(torch.float32,)))
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 1 if any(isinstance(v, dict) and "error" in v for v in report.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,8 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON (default gpu_check.json)")
     parser.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds allowed for pytest -m cuda")
     parser.add_argument("--skip-pytest", action="store_true", help="only the measurements")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run the compiled and speculative sections on the CPU with tiny shapes (for CI)")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if args.dry_run:
+        return dry_run(out)
     report: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
     if not torch.cuda.is_available():
         report["error"] = "no CUDA GPU is visible: this script is for a machine with one"
@@ -210,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     measured = bandwidth.get("bytes_per_second") if isinstance(bandwidth, dict) else None
     nominal = report["nominal_bandwidth_bytes_per_second"] = nominal_bandwidth()
     section(report, "decode_7b_random", lambda: check_7b_decode(measured or nominal))
+    section(report, "decode_7b_compiled", lambda: check_compiled_decode(measured or nominal), timeout_s=150)
+    section(report, "speculative_7b_1b", check_speculative_7b, timeout_s=180)
     if (ROOT / "weights" / "tiny-target").is_dir() and (ROOT / "weights" / "tiny-draft").is_dir():
         section(report, "shipped_pair", check_shipped_pair)
     else:

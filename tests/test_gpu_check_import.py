@@ -52,3 +52,28 @@ def test_decode_check_smoke_on_cpu() -> None:
     assert result["bfloat16"]["weight_bytes_read_per_token"] == (10240 + 2048 + 96 + 32) * 2
     assert result["int8"]["weight_bytes_read_per_token"] == 10240 + 288 * 2 + (2048 + 96 + 32) * 2
     assert result["int8"]["bandwidth_bound_tokens_per_second"] == 1e9 / (10240 + 288 * 2 + (2048 + 96 + 32) * 2)
+
+
+def test_dry_run_runs_the_compiled_and_speculative_sections(tmp_path: Path) -> None:
+    """--dry-run: the eager/compiled decode, the 7B-shaped speculative run (tiny shapes, CPU)
+    and the shipped pair run without an error, and greedy speculation gives the target's tokens."""
+    out = tmp_path / "dry.json"
+    assert load_script().main(["--dry-run", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    decode, spec = report["decode_compiled"], report["speculative_7b_shaped"]
+    assert decode["eager"]["tokens_per_second"] > 0 and decode["compiled"]["tokens_per_second"] > 0
+    assert 0 < decode["compiled"]["fraction_of_bound"] and decode["compile_seconds"] > 0
+    for label in ("eager", "compiled"):
+        assert spec[label]["same_output"] and spec[label]["acceptance_rate"] > 0
+    assert spec["compiled"]["same_output_as_eager"]
+    assert spec["draft_parameters"] < spec["target_parameters"]
+
+
+def test_a_section_past_its_timeout_is_recorded_not_waited_for() -> None:
+    import time
+
+    report: dict = {}
+    start = time.perf_counter()
+    load_script().section(report, "slow", lambda: time.sleep(30), timeout_s=0.5)
+    assert time.perf_counter() - start < 5
+    assert "timeout" in report["slow"]["error"]
