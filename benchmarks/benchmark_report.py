@@ -346,7 +346,8 @@ class Report:
 OTHER_PAGES = ("Other benchmark pages: chains verified token by token and as a block, and token trees, in "
                "[benchmarks_trees.md](benchmarks_trees.md) (`benchmarks/trees.py`); batched speculation against the "
                "batched target alone, batch 1..32, with the crossover, in [benchmarks_batch.md](benchmarks_batch.md) "
-               "and [benchmarks_batch_continuous.md](benchmarks_batch_continuous.md) (`benchmarks/batch.py`).")
+               "and [benchmarks_batch_continuous.md](benchmarks_batch_continuous.md) (`benchmarks/batch.py`); eager "
+               "against compiled steps in [benchmarks_compiled.md](benchmarks_compiled.md) (`benchmarks/compiled.py`).")
 
 
 def render(rep: Report, methods: dict[str, list[Method]], results: Results) -> tuple[str, list[str]]:

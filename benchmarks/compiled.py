@@ -1,0 +1,157 @@
+"""Eager against compiled decoding on this machine: step times, c and tokens/s per drafter.
+
+    python benchmarks/compiled.py                     # 1 and 2 threads, docs/benchmarks_compiled.md
+    python benchmarks/compiled.py --threads 2 --max-new-tokens 64
+
+For every thread count: the eager set-up of generate.py (projections stacked, float32
+weights prepacked for oneDNN) and the compiled one (model/compile.py, stacked, Inductor),
+timed apart (one step of the target at widths 1 and gamma + 1, one step of each drafter's
+network) and in whole runs: the target alone, and speculative decoding with tiny-draft,
+tiny-eagle (the head itself runs eagerly; its target is compiled with hidden states) and
+prompt lookup, greedy and at T = 1, gamma fixed. "compiled" here is the compiled step
+whatever it measured (`--compile force`); `--compile` would keep the faster one per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from benchmark import machine  # noqa: E402
+from benchmark_prompts import STORY_OPENINGS  # noqa: E402
+
+from model.compile import compile_for_decoding, decode_widths, step_ms  # noqa: E402
+from model.fuse import fuse_projections, prepare_for_decoding  # noqa: E402
+from speculative import PromptLookupDrafter, autoregressive_generate, speculative_generate  # noqa: E402
+from weights import load_drafter, load_model, load_tokenizer  # noqa: E402
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def setups(args: argparse.Namespace) -> dict[str, dict]:
+    """The models of both set-ups: eager (stacked + prepacked) and compiled (stacked, compiled)."""
+    cache_len = 64 + args.max_new_tokens + args.gamma + 2
+    out = {}
+    for name in ("eager", "compiled"):
+        target, draft = load_model(args.target), load_model("tiny-draft")
+        target_h = copy.deepcopy(target)
+        head = load_drafter("tiny-eagle", target_h)
+        compile_s = 0.0
+        if name == "eager":
+            for net in (target, draft, target_h, head.head):
+                prepare_for_decoding(net, stack=True, prepack=True)
+        else:
+            for net in (target, draft, target_h, head.head):
+                fuse_projections(net)
+            widths = decode_widths(args.gamma, args.gamma)
+            compile_s += compile_for_decoding(target, widths, cache_len=cache_len).compile_s
+            compile_s += compile_for_decoding(draft, (1, 2), cache_len=cache_len).compile_s
+            compile_s += compile_for_decoding(target_h, widths, cache_len=cache_len, hidden=True).compile_s
+        out[name] = {"target": target, "tiny-draft": draft, "target_h": target_h, "tiny-eagle": head,
+                     "compile_s": compile_s, "cache_len": cache_len}
+    return out
+
+
+def step_times(models: dict, args: argparse.Namespace) -> dict[str, float]:
+    target, draft = models["target"], models["tiny-draft"]
+    for net in (target, draft):
+        net.setup_cache(1, models["cache_len"])
+    return {"target_1": step_ms(target, (1,), False), f"target_{args.gamma + 1}": step_ms(target, (args.gamma + 1,),
+                                                                                          False),
+            "draft_1": step_ms(draft, (1,), False)}
+
+
+def runs(models: dict, prompts: list[list[int]], args: argparse.Namespace, temperature: float,
+         mixed_draft=None) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    alone = [autoregressive_generate(models["target"], p, args.max_new_tokens, temperature=temperature, seed=i)
+             .stats.tokens_per_second for i, p in enumerate(prompts)]
+    out["target alone"] = {"tps": median(alone)}
+    drafters = {"tiny-draft": (models["target"], models["tiny-draft"]),
+                "tiny-eagle": (models["target_h"], models["tiny-eagle"]),
+                "lookup": (models["target"], PromptLookupDrafter())}
+    if mixed_draft is not None:  # what --compile keeps here: the eager target, the compiled draft
+        drafters["tiny-draft, draft compiled"] = (models["target"], mixed_draft)
+    for name, (target, drafter) in drafters.items():
+        stats = [speculative_generate(target, drafter, p, args.max_new_tokens, gamma=args.gamma,
+                                      temperature=temperature, seed=i).stats for i, p in enumerate(prompts)]
+        out[name] = {"tps": median([s.tokens_per_second for s in stats]),
+                     "c": median([s.cost_ratio for s in stats if s.cost_ratio is not None]),
+                     "alpha": median([s.acceptance_rate or 0.0 for s in stats])}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="tiny-target")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_compiled.md"))
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(args.target)
+    prompts = [tokenizer.encode(text) for text in STORY_OPENINGS[:args.prompts]] * args.repeats
+    info, flags = machine(args.threads)
+    command = f"python benchmarks/compiled.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+    lines = ["# Eager against compiled decoding", "",
+             "Generated by `benchmarks/compiled.py`; the design is in [compiled.md](compiled.md).", "",
+             f"Command: `{command}`", "", "| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in info.items()]
+    lines += ["", f"<details><summary>CPU flags</summary>\n\n{flags}\n\n</details>", "",
+              f"Target `{args.target}`, float32, γ {args.gamma}, {args.prompts} story openings × {args.repeats}, "
+              f"{args.max_new_tokens} new tokens each; tokens/s and c are medians over the runs (decode speed, the "
+              "prompt's pass excluded). Eager: projections stacked and weights prepacked for oneDNN (generate.py's "
+              "default); compiled: stacked and compiled with Inductor, whatever it measured (`--compile force`). "
+              "The feature head itself always runs eagerly. The row \"tiny-draft, draft compiled\" is what `--compile` "
+              "keeps on this machine: the eager target with the compiled draft (its compiled column).", ""]
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        built = setups(args)
+        steps = {name: step_times(models, args) for name, models in built.items()}
+        lines += [f"## {threads} thread(s)", "",
+                  f"Compile time of the three compiled models: {built['compiled']['compile_s']:.1f}s.", "",
+                  "| step (ms) | eager | compiled | compiled / eager |", "|---|---|---|---|"]
+        for key, label in (("target_1", "target, 1 token"), (f"target_{args.gamma + 1}",
+                                                               f"target, {args.gamma + 1} tokens"),
+                           ("draft_1", "tiny-draft, 1 token")):
+            e, c = steps["eager"][key], steps["compiled"][key]
+            lines.append(f"| {label} | {e:.3f} | {c:.3f} | {c / e:.2f} |")
+        for temperature in (0.0, 1.0):
+            results = {name: runs(models, prompts, args, temperature) for name, models in built.items()}
+            mixed = runs(built["eager"], prompts, args, temperature, mixed_draft=built["compiled"]["tiny-draft"])
+            results["eager"]["tiny-draft, draft compiled"] = results["eager"]["tiny-draft"]
+            results["compiled"]["tiny-draft, draft compiled"] = mixed["tiny-draft, draft compiled"]
+            label = "greedy" if temperature == 0 else f"T = {temperature:g}"
+            lines += ["", f"### {label}", "", "| | eager tok/s | compiled tok/s | compiled / eager | c eager | "
+                      "c compiled | α |", "|---|---|---|---|---|---|---|"]
+            for name in results["eager"]:
+                e, c = results["eager"][name], results["compiled"][name]
+                ce = f"{e['c']:.3f}" if "c" in e else ""
+                cc = f"{c['c']:.3f}" if "c" in c else ""
+                alpha = f"{e['alpha']:.3f}" if "alpha" in e else ""
+                lines.append(f"| {name} | {e['tps']:.0f} | {c['tps']:.0f} | {c['tps'] / e['tps']:.2f} | {ce} | {cc} | "
+                             f"{alpha} |")
+            print(f"threads {threads} {label}: " + ", ".join(
+                f"{n} {results['compiled'][n]['tps'] / results['eager'][n]['tps']:.2f}x" for n in results["eager"]),
+                file=sys.stderr, flush=True)
+        lines.append("")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
