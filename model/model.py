@@ -198,10 +198,18 @@ def row_call_inputs(rope: tuple[torch.Tensor, torch.Tensor], starts: Sequence[in
     writes = [(b, i, s + i) for b, s in enumerate(starts) for i in range(seq) if s + i < cache_len]
     rows, cols, slots = torch.tensor(writes, dtype=torch.long).T.to(device)
     pos = torch.tensor(position, dtype=torch.long, device=device)  # [B, T]
-    cos, sin = rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1)
-    hidden = torch.arange(end, device=device) > pos.unsqueeze(-1)  # [B, T, S]: keys after the query
-    mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-    return cos, sin, mask.unsqueeze(1), RowSlots(rows, cols, slots, end)
+    cos, sin, mask = positions_inputs(rope, pos, end, dtype)
+    return cos, sin, mask, RowSlots(rows, cols, slots, end)
+
+
+def positions_inputs(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, slots: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, D] for token positions [B, T], and the additive mask [B, 1, T, slots]
+    that lets each token see its row's slots up to its own position (-inf on the later ones)."""
+    cos, sin = rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1)
+    later = torch.arange(slots, device=positions.device) > positions.unsqueeze(-1)  # [B, T, S]
+    mask = torch.zeros(later.shape, dtype=dtype, device=positions.device).masked_fill(later, float("-inf"))
+    return cos, sin, mask.unsqueeze(1)
 
 
 def one_start(start_pos: int | Sequence[int] | None, batch: int, seq: int, cache_len: int,
@@ -527,10 +535,6 @@ class Llama(nn.Module):
         and CUDA graphs need): token i of row b is written at slot positions[b, i] and rotated
         as that position, and sees the slots of its row up to it, read over the whole cache
         with a mask. model/compile.py compiles this once per shape."""
-        cos, sin = self._rope[0][positions].unsqueeze(1), self._rope[1][positions].unsqueeze(1)
-        cache = self.layers[0].self_attn.cache
-        slots = torch.arange(cache.k.shape[2], device=tokens.device)
-        hidden = slots > positions.unsqueeze(-1)  # [B, T, S]: slots after the token
-        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=tokens.device).masked_fill(hidden, float("-inf"))
+        cos, sin, mask = positions_inputs(self._rope, positions, self.layers[0].self_attn.cache.k.shape[2], self.dtype)
         rows = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
-        return self.decode(tokens, cos, sin, StaticSlots(positions, rows), mask.unsqueeze(1), return_hidden)
+        return self.decode(tokens, cos, sin, StaticSlots(positions, rows), mask, return_hidden)

@@ -20,6 +20,7 @@ from speculative.inputs import (
     check_max_new_tokens,
     check_prompt,
     check_seed,
+    finite_flag,
     model_device,
 )
 from speculative.sampling import Sampling, make_generator, sample, warp
@@ -70,7 +71,7 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
             if stats.target_calls == 1:  # the prompt's forward: timed apart from decoding
                 stats.first_call_s = clock(device) - start
             if not per_token:
-                finite &= torch.isfinite(logits.amax(-1)).all()  # as check_finite, without the host read
+                finite &= finite_flag(logits)  # as check_finite, without the host read
                 on_device.append(token)
                 continue
             check_finite(logits)

@@ -54,10 +54,11 @@ from speculative.inputs import (
     check_gamma,
     check_max_new_tokens,
     check_prompt,
+    finite_flag,
     model_device,
 )
 from speculative.sampling import Sampling, make_generator, sample_rows, warp
-from speculative.speculative import DEFAULT_GAMMA, VERIFIERS, drafter_for, judge
+from speculative.speculative import DEFAULT_GAMMA, VERIFIERS, cut_at_eos, drafter_for, judge
 from speculative.stats import AutoregressiveStats, GenerationResult, SpeculativeStats, clock, stop_reason
 from speculative.verify import Verification, greedy_outcome
 
@@ -229,13 +230,6 @@ class Batch:
 def finished(row: Row, eos_id: int | None, max_new_tokens: int, limit: int) -> bool:
     return (row.produced >= max_new_tokens or len(row.ids) >= limit
             or (eos_id is not None and row.ids[-1] == eos_id and row.produced > 0))
-
-
-def cut_at_eos(tokens: list[int], eos_id: int | None) -> list[int]:
-    """Nothing after an emitted EOS, even in the middle of an accepted block."""
-    if eos_id is not None and eos_id in tokens:
-        return tokens[:tokens.index(eos_id) + 1]
-    return tokens
 
 
 # ----------------------------------------------------------------------------- speculative
@@ -432,7 +426,7 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
             logits = out[torch.arange(len(rows), device=device), last]
             tokens = logits.argmax(-1) if sampling.greedy else sample_rows(warp(logits, sampling),
                                                                            [row.generator for row in rows])
-            finite = torch.isfinite(logits.amax(-1)).all().view(1)  # as check_finite, in the same copy
+            finite = finite_flag(logits).view(1)  # as check_finite, in the same copy as the tokens
             host = torch.cat([tokens, finite.long()]).tolist()
             if not host[-1]:
                 raise NonFiniteLogitsError()

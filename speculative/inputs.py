@@ -78,6 +78,12 @@ class NonFiniteLogitsError(ValueError):
         super().__init__(message)
 
 
+def finite_flag(logits: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on the logits' device: every row of ``logits`` is usable (see
+    check_finite). Loops that fold the host read into another copy, or defer it, use this."""
+    return torch.isfinite(logits.amax(-1)).all()
+
+
 def check_finite(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` [..., V] unchanged, or NonFiniteLogitsError if a row holds NaN or +inf, or
     holds nothing but -inf. A -inf logit on its own is legitimate: a token of probability 0
@@ -89,6 +95,6 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
     forward (benchmarks/benchmark.py prints the cost). It is what stands between a corrupted
     model and a stream of token 0 (the greedy argmax of NaN rows) or an out-of-range id
     (sampling them)."""
-    if not bool(torch.isfinite(logits.amax(-1)).all()):
+    if not bool(finite_flag(logits)):
         raise NonFiniteLogitsError()
     return logits

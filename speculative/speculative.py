@@ -136,9 +136,7 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
                 auto.update(step.overlap[:min(step.accepted + 1, depth)],
                             (t1 - t0) / depth if timed else None, t2 - t1 if timed else None)
 
-            emitted = step.tokens  # line 10: x_1..x_n, t
-            if eos_id is not None and eos_id in emitted:
-                emitted = emitted[:emitted.index(eos_id) + 1]
+            emitted = cut_at_eos(step.tokens, eos_id)  # line 10: x_1..x_n, t
             seq[0, length:length + len(emitted)] = torch.tensor(emitted, device=device)
             ids.extend(emitted)
             # Roll back: the target's cache is valid up to, not including, the newest token
@@ -160,6 +158,13 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     stats.stop_reason = stop_reason(out, eos_id, max_new_tokens)
     stats.wall_time_s = time.perf_counter() - wall_start
     return GenerationResult(tokens=out, stats=stats)
+
+
+def cut_at_eos(tokens: list[int], eos_id: int | None) -> list[int]:
+    """Nothing after an emitted EOS, even in the middle of an accepted block."""
+    if eos_id is not None and eos_id in tokens:
+        return tokens[:tokens.index(eos_id) + 1]
+    return tokens
 
 
 def drafter_for(target: Any, draft: Any) -> Any:
