@@ -64,9 +64,10 @@ import torch
 import torch.distributed as dist
 
 from model import ConfigError, Llama, ModelConfig
-from model.compile import compile_if_faster, decode_widths
+from model.compile import decode_widths
 from model.fuse import prepare_for_decoding
 from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, cheapest_fit, plan
+from model.setup import SETUPS, choose_setup
 from model.tensor_parallel import broadcast_seed, init_distributed
 from speculative import (
     BatchResult,
@@ -118,6 +119,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+
+SETUP_CHOICES = ("default", "measure", *SETUPS)
 
 
 def gamma_arg(text: str) -> int | str:
@@ -178,13 +182,20 @@ def build_parser() -> ArgumentParser:
     pair.add_argument("--no-prepack", action="store_true",
                       help="on cpu in float32, keep PyTorch's default matmul instead of weights reordered once for "
                            "oneDNN, which make verifying several tokens cost about one step (model/prepack.py)")
+    pair.add_argument("--setup", choices=SETUP_CHOICES, default="default",
+                      help="how the target and a draft model run a decode step: default (projections stacked, and "
+                           "float32 weights prepacked for oneDNN on a CPU; a fixed choice, see model/setup.py), "
+                           "measure (time plain, stacked and prepacked on this machine and keep the fastest per "
+                           "model; printed on stderr), or one of plain, stacked, prepacked, compiled to force it")
     pair.add_argument("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None,
-                      help="compile the decode steps of the target and of a draft model (torch.compile: Inductor on "
-                           "a CPU, CUDA graphs on a GPU) for the call widths this run uses, time each model's step "
-                           "compiled and eager, and keep the faster one (the choice is printed on stderr); --compile "
-                           "force keeps the compiled steps. Compiling takes tens of seconds on a CPU, and a note says "
-                           "when a run is too short to pay for it. Not with --quantize, --prompts-file or torchrun; "
-                           "a feature head and token-tree calls run eagerly")
+                      help="compile the decode steps of the target and of a draft model (torch.compile: Inductor's "
+                           "autotuned C++ kernels on a CPU, CUDA graphs on a GPU) for the call widths this run uses; "
+                           "--compile times compiled against every eager set-up and keeps the fastest per model "
+                           "(the choice is printed on stderr), --compile force keeps the compiled steps (the same "
+                           "as --setup compiled). Compiling takes about a minute per model on a 2-core CPU the first "
+                           "time (Inductor's cache makes later runs start in seconds), and a note says when a run "
+                           "is too short to pay for it. Not with --quantize or torchrun; a feature head and "
+                           "token-tree calls run eagerly")
     pair.add_argument("--no-fuse", action="store_true",
                       help="keep q/k/v and gate/up as separate products instead of stacking each group into one "
                            "(model/fuse.py: fewer operators per decode step)")
@@ -294,12 +305,28 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("--verify block is block verification of a chain; a --tree is verified by its own walk")
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
-    if args.compile and args.quantize:
-        raise UsageError("--compile does not compile int8 layers yet; drop --compile or --quantize")
-    if args.compile and args.prompts_file is not None:
-        raise UsageError("--compile compiles single-sequence steps; batches (--prompts-file) run eagerly: drop one")
+    if args.compile and args.setup != "default":
+        raise UsageError(f"--compile and --setup {args.setup} both choose the set-up: give one (--compile force is "
+                         "--setup compiled)")
+    if args.compile:  # --compile is the measurement with the compiled set-up among the candidates
+        args.setup = "compiled" if args.compile == "force" else "measure-all"
+    if args.setup != "default" and args.quantize:
+        raise UsageError(f"{setup_flag(args)} does not apply to int8 layers, which have one set-up; drop one of "
+                         f"{setup_flag(args)} and --quantize")
+    if args.setup != "default" and (args.no_fuse or args.no_prepack):
+        raise UsageError(f"--no-fuse and --no-prepack change the default set-up; with {setup_flag(args)} name the "
+                         "set-up you want instead (plain, stacked, prepacked, compiled)")
+    if args.setup in ("compiled", "measure-all") and args.prompts_file is not None:
+        raise UsageError(f"{setup_flag(args)} compiles single-sequence steps; batches (--prompts-file) run eagerly: "
+                         "drop one")
     if args.prompts_file is not None and args.tree is not None and not args.no_draft:
         raise UsageError("token trees are not batched; drop --tree or --prompts-file")
+
+
+def setup_flag(args: argparse.Namespace) -> str:
+    """How the command line asked for its set-up, for messages."""
+    return {"measure-all": "--compile", "compiled": "--compile force" if args.compile else "--setup compiled"}.get(
+        args.setup, f"--setup {args.setup}")
 
 
 def given_flags(argv: list[str] | None) -> set[str]:
@@ -316,7 +343,7 @@ def given_flags(argv: list[str] | None) -> set[str]:
 # What --plan does not read: it plans from the configs, the dtype, --quantize and --tp alone.
 RUN_ONLY = ("prompt", "prompts_file", "batch_size", "chat", "system", "gamma", "verify", "tree", "tree_mode",
             "temperature", "top_k", "top_p", "max_new_tokens", "seed",
-            "compare", "threads", "device", "no_prepack", "no_fuse", "no_color")
+            "compare", "threads", "device", "no_prepack", "no_fuse", "setup", "compile", "no_color")
 
 
 def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
@@ -679,8 +706,8 @@ class Loaded:
     load_s: float
     prepacked: int = 0  # linear layers reordered for oneDNN (model/prepack.py)
     fused: int = 0  # q/k/v and gate/up groups stacked into one product each (model/fuse.py)
-    compiled: list[str] = field(default_factory=list)  # --compile: what was measured and chosen, per model
-    compile_notes: list[str] = field(default_factory=list)
+    setups: list[str] = field(default_factory=list)  # --setup / --compile: what was timed and chosen, per model
+    setup_notes: list[str] = field(default_factory=list)
 
 
 def stats_dict(stats: Any, speculative: bool) -> dict[str, Any]:
@@ -784,9 +811,10 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
                 hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)"
             raise PairMismatchError(f"draft {args.draft} cannot speculate for target {args.target}: {err}{hint}") \
                 from None
-    if args.compile and world_size > 1:
-        raise UsageError("--compile does not compile tensor-parallel shards (their all-reduces would run outside the "
-                         "graph); drop --compile under torchrun")
+    if args.setup != "default" and world_size > 1:
+        raise UsageError(f"{setup_flag(args)} is for one process: tensor-parallel shards keep the default set-up (a "
+                         f"compiled shard's all-reduces would run outside the graph); drop {setup_flag(args)} under "
+                         "torchrun")
     if kind == "head" and world_size > 1:
         raise UsageError(f"--draft {args.draft} is a feature head, which reads the target's whole output head: not "
                          "supported under tensor parallelism; use a draft model or --draft lookup")
@@ -829,39 +857,45 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
         drafter = load_drafter(args.draft, target, args.target)
     # Prepacking is a no-op off the CPU, off float32, and on int8 layers.
     networks = [target, draft, getattr(drafter, "head", None)]
-    compiling = [target, draft] if args.compile else []  # models --compile considers (not a feature head)
-    counts = [prepare_for_decoding(net, stack=not args.no_fuse, prepack=not args.no_prepack and net not in compiling)
-              for net in networks if net is not None]
-    fused, prepacked = (sum(column) for column in zip(*counts))
+    choosing = [target, draft] if args.setup != "default" else []  # models --setup chooses for (not a head)
+    counts = [prepare_for_decoding(net, stack=not args.no_fuse, prepack=not args.no_prepack)
+              for net in networks if net is not None and net not in choosing]
+    fused, prepacked = (sum(column) for column in zip(*counts)) if counts else (0, 0)
     loaded = Loaded(target, drafter, tokenizer, time.perf_counter() - t0, prepacked, fused)
-    if args.compile:
-        compile_models(args, loaded, kind, min(context, positions + 1))
+    if choosing:
+        choose_setups(args, loaded, kind, min(context, positions + 1))
     return loaded, encoded
 
 
-def compile_models(args: argparse.Namespace, loaded: Loaded, kind: str | None, cache_len: int) -> None:
-    """--compile: each model's decode steps compiled for the widths this run calls it with,
-    timed against its eager set-up, and the faster kept (model/compile.py)."""
-    force = args.compile == "force"
+def choose_setups(args: argparse.Namespace, loaded: Loaded, kind: str | None, cache_len: int) -> None:
+    """--setup / --compile: each model's set-up measured (or forced) for the call widths this
+    run uses (model/setup.py), with a note when compiling does not pay for itself."""
+    candidates = {"measure": ("plain", "stacked", "prepacked"), "measure-all": SETUPS}.get(args.setup, (args.setup,))
     gamma = args.gamma if kind is not None else 1
     reads_features = kind == "head"
-    target, choice = compile_if_faster(loaded.target, decode_widths(gamma, GAMMA_MAX) if kind else (1,),
-                                       cache_len, hidden=reads_features, prepack=not args.no_prepack, force=force)
+    choices = []
+    try:
+        target, choice = choose_setup(loaded.target, candidates, decode_widths(gamma, GAMMA_MAX) if kind else (1,),
+                                      cache_len, hidden=reads_features)
+    except ValueError as err:
+        raise UsageError(f"--setup {args.setup}: {err}") from None
+    if getattr(loaded.draft, "target", None) is loaded.target:  # a feature head reads the target it runs with
+        loaded.draft.target = target
     loaded.target = target
-    choices = [("target", choice)]
+    choices.append(("target", choice))
     if kind == "model":
-        draft, choice = compile_if_faster(loaded.draft, (1, 2), cache_len, prepack=not args.no_prepack, force=force)
-        loaded.draft = draft
+        loaded.draft, choice = choose_setup(loaded.draft, candidates, (1, 2), cache_len)
         choices.append(("draft", choice))
-    loaded.compiled = [c.line(name) for name, c in choices]
+    loaded.setups = [c.line(name) for name, c in choices]
     spent = sum(c.compile_s for _, c in choices)
-    # At most one call of each model per new token, each saving the mean difference of a step.
-    saved = sum(max(0.0, c.eager_ms - c.compiled_ms) / c.widths for _, c in choices if c.chosen == "compiled")
-    saved *= args.max_new_tokens / 1e3
-    if saved < spent:
-        loaded.compile_notes.append(f"compiling took {spent:.1f}s and saves at most {saved:.1f}s over "
-                                    f"{args.max_new_tokens} tokens: this run does not pay for its compile time "
-                                    "(a longer run, or a process that serves many, would)")
+    # At most one call of each model per new token, each saving the mean difference of a step
+    # against the best eager set-up timed.
+    saved = sum(c.saved_s_per_token(min((s for s in c.times_ms if s != "compiled"), key=c.times_ms.get,
+                                        default="prepacked")) for _, c in choices) * args.max_new_tokens
+    if spent > 0 and saved < spent:
+        loaded.setup_notes.append(f"compiling took {spent:.1f}s and saves at most {saved:.1f}s over "
+                                  f"{args.max_new_tokens} tokens: this run does not pay for its compile time "
+                                  "(a longer run, or a process that serves many, would)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -920,9 +954,9 @@ def run(args: argparse.Namespace) -> int:
     streamer = None
     if not args.json and is_main:
         print(header_line(args, loaded, device, dtype, world_size, seed), file=sys.stderr)
-        for line in loaded.compiled:
-            print(f"compile: {line}", file=sys.stderr)
-        for note in loaded.compile_notes:
+        for line in loaded.setups:
+            print(f"setup: {line}", file=sys.stderr)
+        for note in loaded.setup_notes:
             print(f"note: {note}", file=sys.stderr)
         if color and speculative:
             print(f"colours: {GREEN}draft tokens accepted by the target{RESET}, "
@@ -1004,7 +1038,7 @@ def run_settings(args: argparse.Namespace, loaded: Loaded, device: torch.device,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
             "quantize": args.quantize, "tensor_parallel": world_size,
-            "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused, "compile": loaded.compiled or None,
+            "prepacked_layers": loaded.prepacked, "fused_groups": loaded.fused, "setup": loaded.setups or args.setup,
             "threads": torch.get_num_threads(), "compare": compare}
 
 

@@ -24,19 +24,37 @@ The model knows nothing of what calls it; the widths to compile are the caller's
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
 from model.model import KVCache, rope_tables
 
 _SHAPES = 0  # shapes compiled so far in this process, over all models
+
+# What compile_for_decoding's ``mode`` names: torch.compile's own modes, or Inductor options.
+# "autotune" (the CPU default): Inductor's C++ GEMM kernels, chosen by timing them against
+# the ATen product once per shape (max_autotune), over weights it lays out once as constants
+# of the graph (freezing): on the shipped target, 2.1 ms a step against 4.2 ms eager and
+# 6 ms for "default", which calls MKL's sgemm and repacks the weights at every call (see
+# docs/compiled.md). Its costs: about a minute of compiling per model on 2 cores the first
+# time (Inductor's cache keeps the result for the next process), a second copy of the
+# weights, and weights fixed at compile time (change them and compile again).
+# Each mode: (torch.compile's mode, whether Inductor freezes the weights). Freezing is set on
+# Inductor's config while the shapes compile (compile_for_decoding compiles them all up
+# front): passed in torch.compile's options it is not seen, and the C++ template is not used.
+MODES: dict[str, tuple[str, bool]] = {
+    "autotune": ("max-autotune-no-cudagraphs", True),
+    "default": ("default", False),
+    "reduce-overhead": ("reduce-overhead", False),
+    "max-autotune": ("max-autotune", False),
+}
 
 
 class CompileError(ValueError):
@@ -87,19 +105,15 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     """Compile ``model``'s cached forward for every batch size in ``rows`` and every call
     width in ``widths``, with a static KV cache of ``cache_len`` positions (default: the
     model's max_seq_len) for max(rows) rows. ``hidden``: the steps also return the hidden
-    states (the target of a feature drafter). ``mode``: torch.compile's, default Inductor's
-    default on a CPU and "reduce-overhead" (CUDA graphs) on a GPU. Returns what was compiled,
+    states (the target of a feature drafter). ``mode``: a key of MODES, default "autotune" on
+    a CPU and "reduce-overhead" (CUDA graphs) on a GPU. Returns what was compiled,
     with the compile time; the model's later cached calls use it where a shape fits.
 
-    Refused (CompileError): prepacked weights (model/prepack.py: Inductor packs weights
-    itself) and tensor-parallel shards (their collectives are not captured)."""
-    from model.prepack import PrepackedLinear
+    Prepacked layers (model/prepack.py) stay oneDNN products inside the graph. Refused
+    (CompileError): tensor-parallel shards (their collectives are not captured)."""
     from model.tensor_parallel import ParallelAttention
 
     modules = list(model.modules())
-    if any(isinstance(m, PrepackedLinear) for m in modules):
-        raise CompileError("a prepacked model cannot be compiled: compile the plain (or stacked) model; "
-                           "Inductor lays out the weights itself")
     if any(isinstance(m, ParallelAttention) for m in modules):
         raise CompileError("tensor-parallel models are not compiled: their all-reduces would run outside the graph")
     widths = tuple(sorted(set(int(w) for w in widths)))
@@ -116,8 +130,10 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
         layer.self_attn.cache = KVCache(rows[-1], kv_heads, slots, model.config.head_dim, model.dtype, model.device)
     model._rope = rope_tables(model.config, slots, model.device, model.dtype)
     model.cache_len, model.cache_batch = cache_len, rows[-1]
-    if mode is None and model.device.type == "cuda":
-        mode = "reduce-overhead"
+    if mode is None:
+        mode = "reduce-overhead" if model.device.type == "cuda" else "autotune"
+    if mode not in MODES:
+        raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     # Every model's steps are entries of one code object (Llama.static_step), and dynamo caps
     # the entries of a code object: raise the cap by what this model adds.
     global _SHAPES
@@ -125,9 +141,10 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, _SHAPES + 8)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * (_SHAPES + 8))
-    fn = torch.compile(model.static_step, dynamic=False, fullgraph=True, mode=mode)
+    compile_mode, freezing = MODES[mode]
+    fn = torch.compile(model.static_step, dynamic=False, fullgraph=True, mode=compile_mode)
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing):
         for batch in rows:
             for width in widths:
                 tokens = torch.zeros(batch, width, dtype=torch.long, device=model.device)
@@ -154,76 +171,3 @@ def decode_widths(gamma: int | str, gamma_max: int) -> tuple[int, ...]:
             k += 1
         return tuple(sorted(w for w in widths if w <= gamma_max + 1))
     return tuple(sorted({1, 2, int(gamma) + 1}))
-
-
-# ----------------------------------------------------------------------------- eager or compiled?
-@dataclass
-class SetupChoice:
-    """What compile_if_faster measured and chose for one model."""
-
-    chosen: str  # "compiled", or the eager set-up's name
-    eager: str  # "prepacked" (a stacked copy with oneDNN-packed weights) or "stacked"
-    compiled_ms: float  # one step at each compiled width, summed (milliseconds)
-    eager_ms: float
-    compile_s: float
-    widths: int  # how many widths were timed (the sums' terms)
-
-    def line(self, name: str) -> str:
-        return (f"{name}: compiled {self.compiled_ms:.2f} ms against {self.eager} {self.eager_ms:.2f} ms per step at "
-                f"each decode width (compiled in {self.compile_s:.1f}s) -> {self.chosen}")
-
-
-@torch.inference_mode()
-def step_ms(model: nn.Module, widths: Sequence[int], hidden: bool, calls: int = 15) -> float:
-    """One cached call at each width after a 32-token prefix, median of ``calls``, summed (ms),
-    in the cache the model has (a compiled model's static one stays in place)."""
-    prefix = min(32, model.cache_len - max(widths) - 1)
-    model(torch.zeros(1, prefix, dtype=torch.long, device=model.device), start_pos=0)
-    total = 0.0
-    for width in widths:
-        tokens = torch.ones(1, width, dtype=torch.long, device=model.device)
-        times = []
-        for _ in range(calls + 2):
-            start = time.perf_counter()
-            model(tokens, start_pos=prefix, return_hidden=hidden)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            times.append(time.perf_counter() - start)
-        total += sorted(times[2:])[len(times[2:]) // 2]
-    return 1e3 * total
-
-
-def compile_if_faster(model: nn.Module, widths: Sequence[int], cache_len: int | None = None, hidden: bool = False,
-                      prepack: bool = True, force: bool = False) -> tuple[nn.Module, SetupChoice]:
-    """Compile ``model`` (stacked, not prepacked) for ``widths`` and time a step of each width
-    compiled and eager; keep whichever is faster on this machine (``force``: keep the compiled
-    one). The eager set-up is the prepacked one where prepacking applies (a CPU, float32) and
-    the model is small enough to hold a second copy for the measurement (under 1 GB), else
-    the same stacked model run eagerly. Returns the model to decode with and the choice."""
-    from model.prepack import prepack_linears, prepack_supported
-
-    eager = None
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if (prepack and model.device.type == "cpu" and model.dtype == torch.float32 and prepack_supported()
-            and weight_bytes < 2 ** 30):
-        eager = copy.deepcopy(model)
-        if not prepack_linears(eager):
-            eager = None
-    steps = compile_for_decoding(model, widths, cache_len=cache_len, hidden=hidden)
-    compiled_ms = step_ms(model, widths, hidden)
-    if eager is not None:
-        eager.setup_cache(1, steps.cache_len)
-        eager_ms, eager_name = step_ms(eager, widths, hidden), "prepacked"
-    else:  # the same module and its static buffers, with the compiled steps set aside
-        model.compiled = None
-        eager_ms, eager_name = step_ms(model, widths, hidden), "stacked"
-        model.compiled = steps
-    keep_compiled = force or compiled_ms < eager_ms
-    choice = SetupChoice("compiled" if keep_compiled else eager_name, eager_name, compiled_ms, eager_ms,
-                         steps.compile_s, len(steps.widths))
-    if keep_compiled:
-        return model, choice
-    if eager is None:
-        model.compiled = None  # eager from now on; the next setup_cache allocates a plain cache
-        return model, choice
-    return eager, choice

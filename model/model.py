@@ -115,12 +115,15 @@ def causal_mask(seq: int, start_pos: int, dtype: torch.dtype, device: torch.devi
 def explicit_rope(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                   seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of the rotary tables for explicit positions [seq], in any order, repeats allowed:
-    a token's rotation depends on the position it is given, not on the cache slot it goes to."""
+    a token's rotation depends on the position it is given, not on the cache slot it goes to.
+    A list of ints is checked on the host; a tensor costs one device -> host read for its range."""
+    on_host = not isinstance(positions, torch.Tensor) and all(isinstance(p, int) for p in positions)
+    listed = positions
     positions = torch.as_tensor(positions, device=rope[0].device)
     if positions.shape != (seq,) or positions.dtype != torch.long:
         raise ValueError(f"positions must be a LongTensor of shape ({seq},), one per new token; "
                          f"got {positions.dtype} of shape {tuple(positions.shape)}")
-    low, high = (int(v) for v in torch.aminmax(positions))  # one sync, on this path only
+    low, high = (min(listed), max(listed)) if on_host else (int(v) for v in torch.aminmax(positions))
     if low < 0 or high >= rope[0].shape[0]:
         raise ValueError(f"positions {low}..{high} fall outside the rotary table (0..{rope[0].shape[0] - 1})")
     return rope[0][positions], rope[1][positions]
@@ -291,8 +294,9 @@ def slots_to_keep(slots: torch.Tensor | list[int], dst_start: int, cache_len: in
                   device: torch.device) -> torch.Tensor:
     """``slots`` as a LongTensor on ``device``, after checking that they and their destinations
     dst_start.. lie inside a cache of ``cache_len`` slots (for :meth:`KVCache.keep`)."""
-    if not isinstance(slots, torch.Tensor):
-        slots = torch.tensor(list(slots), dtype=torch.long)
+    listed = None if isinstance(slots, torch.Tensor) else list(slots)
+    if listed is not None:  # checked on the host: no device read
+        slots = torch.tensor(listed, dtype=torch.long)
     if slots.dim() != 1 or slots.dtype != torch.long:
         raise ValueError(f"slots to keep must be a LongTensor [n] or a list of ints; "
                          f"got {slots.dtype} of shape {tuple(slots.shape)}")
@@ -300,7 +304,7 @@ def slots_to_keep(slots: torch.Tensor | list[int], dst_start: int, cache_len: in
     if dst_start < 0 or dst_start + len(slots) > cache_len:
         raise ValueError(f"keeping {len(slots)} slots at {dst_start}.. falls outside the KV cache ({cache_len})")
     if len(slots):
-        low, high = (int(v) for v in torch.aminmax(slots))
+        low, high = (min(listed), max(listed)) if listed is not None else (int(v) for v in torch.aminmax(slots))
         if low < 0 or high >= cache_len:
             raise ValueError(f"slots {low}..{high} fall outside the KV cache ({cache_len})")
     return slots

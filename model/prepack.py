@@ -23,6 +23,8 @@ leaves the model untouched where they are missing or disagree with ``F.linear``.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import Counter
 
 import torch
@@ -46,12 +48,48 @@ class PrepackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         # batch_size=None: a layout that serves any number of rows (prefill, verification, one token).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.key = register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # an opaque operator in the graph (see packed_linear)
+            return packed_linear(x, self.key, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def __deepcopy__(self, memo: dict) -> PrepackedLinear:  # a copy gets its own key
+        copied = PrepackedLinear.__new__(PrepackedLinear)
+        nn.Module.__init__(copied)
+        copied.out_features, copied.in_features = self.out_features, self.in_features
+        copied.packed = self.packed.clone()
+        copied.key = register(copied)
+        return copied
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+
+
+# ------------------------------------------------------------------- inside a compiled graph
+# Inductor cannot hold a oneDNN-layout tensor as a graph constant, so under torch.compile a
+# PrepackedLinear is one opaque operator that names its layer by a key: Inductor fuses the
+# elementwise work around it and calls it as an external kernel, the weight stays packed.
+_LAYERS: weakref.WeakValueDictionary[int, PrepackedLinear] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def register(layer: PrepackedLinear) -> int:
+    key = next(_KEYS)
+    _LAYERS[key] = layer
+    return key
+
+
+@torch.library.custom_op("llama_spec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """x W^T by the packed layer registered under ``key`` (out_features: for the output's shape)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _LAYERS[key].packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def prepack_supported() -> bool:

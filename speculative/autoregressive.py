@@ -16,12 +16,12 @@ import torch
 
 from speculative.inputs import (
     NonFiniteLogitsError,
-    check_finite,
     check_max_new_tokens,
     check_prompt,
     check_seed,
     finite_flag,
     model_device,
+    read_host,
 )
 from speculative.sampling import Sampling, make_generator, sample, warp
 from speculative.stats import AutoregressiveStats, GenerationResult, clock, stop_reason
@@ -65,23 +65,24 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
             start_pos += feed.shape[1]
             # Greedy: sampling the one-hot warp would return the argmax, so take it directly
             # (as the speculative loop's draft does) and skip a dozen small operators a token.
-            token = logits.argmax() if sampling.greedy else sample(warp(logits, sampling), generator)
+            usable = finite_flag(logits)  # read later, or with the token: never sample NaN meanwhile
+            token = logits.argmax() if sampling.greedy else sample(
+                warp(torch.where(usable, logits, logits.new_zeros(())), sampling), generator)
             feed = token.view(1, 1)
             stats.target_calls += 1
             if stats.target_calls == 1:  # the prompt's forward: timed apart from decoding
                 stats.first_call_s = clock(device) - start
             if not per_token:
-                finite &= finite_flag(logits)  # as check_finite, without the host read
+                finite &= usable  # as check_finite, without the host read
                 on_device.append(token)
                 continue
-            check_finite(logits)
-            value = int(token)
+            ((value,),) = read_host([token.view(1)], usable)  # the check rides in the token's copy
             tokens.append(value)
             if callback is not None:
                 callback([value], [False])
             if value == eos_id:
                 break
-        if not bool(finite):
+        if not per_token and not bool(finite):  # per token, every copy checked its own
             raise NonFiniteLogitsError()
         if on_device:
             tokens = torch.stack(on_device).tolist()

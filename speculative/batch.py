@@ -48,15 +48,7 @@ import torch
 
 from speculative.drafter import RowDrafter, RowDrafts, pad_rows
 from speculative.gamma import AutoGamma
-from speculative.inputs import (
-    NonFiniteLogitsError,
-    check_finite,
-    check_gamma,
-    check_max_new_tokens,
-    check_prompt,
-    finite_flag,
-    model_device,
-)
+from speculative.inputs import check_gamma, check_max_new_tokens, check_prompt, finite_flag, model_device, read_host
 from speculative.sampling import Sampling, make_generator, sample_rows, warp
 from speculative.speculative import DEFAULT_GAMMA, VERIFIERS, cut_at_eos, drafter_for, judge
 from speculative.stats import AutoregressiveStats, GenerationResult, SpeculativeStats, clock, stop_reason
@@ -286,7 +278,7 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
             t1 = clock(device)
             logits, hidden = score_rows(target, rows, drafts, drafter.reads_features, device)  # line 4
             t2 = clock(device)
-            steps = judge_rows(logits, drafts, sampling, verify_sampled, rows)  # lines 5-9
+            steps = judge_rows(logits, drafts, sampling, verify_sampled, rows, finite_flag(logits))  # lines 5-9
             starts = [row.target_next for row in rows]
             batch.write([cut_at_eos(step.tokens, eos_id) for step in steps])  # line 10
             advance(rows, steps)
@@ -317,12 +309,13 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
 
 # ----------------------------------------------------------------------------- the seams, per row
 def score_rows(target: Any, rows: list[Row], drafts: RowDrafts, reads_features: bool,
-               device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Line 4 for every row in ONE target call: row b feeds what the target has not read of
     it and its draft, at its own cache position. Returns row b's logits for its g_b + 1
     positions L_b-1 .. L_b+g_b-1 and, for a drafter that reads them, the call's features.
     The input is built in a handful of operators whatever B is: the unread tokens from the
-    host in one copy, the drafted ones placed by one indexed write."""
+    host in one copy, the drafted ones placed by one indexed write. The logits come back as
+    one [sum of (g_b + 1), V] tensor, checked by the verification (judge_rows' ``finite``)."""
     unread = [row.ids[row.target_next:] for row in rows]
     sizes = [len(u) + g for u, g in zip(unread, drafts.lengths)]
     feed = pad_rows(unread, device, max(sizes))
@@ -337,23 +330,24 @@ def score_rows(target: Any, rows: list[Row], drafts: RowDrafts, reads_features: 
     at_row = [b for b, n in enumerate(wanted) for _ in range(n)]
     at_col = [size - n + j for size, n in zip(sizes, wanted) for j in range(n)]
     index = torch.tensor([at_row, at_col], device=logits.device)
-    picked = check_finite(logits[index[0], index[1]])
-    return list(picked.split(wanted)), hidden
+    return logits[index[0], index[1]], hidden
 
 
-def judge_rows(logits: list[torch.Tensor], drafts: RowDrafts, sampling: Sampling, verify_sampled: Any,
-               rows: list[Row]) -> list[Verification]:
+def judge_rows(logits: torch.Tensor, drafts: RowDrafts, sampling: Sampling, verify_sampled: Any,
+               rows: list[Row], finite: torch.Tensor | None = None) -> list[Verification]:
     """Lines 5-9 for every row, each with its own p, q and generator: the single loop's judge.
-    At temperature 0 the argmaxes of all rows and their drafts reach the host in one copy."""
+    ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_flag. At
+    temperature 0 the argmaxes of all rows, their drafts and the check reach the host in one
+    copy; sampled, each row's verification copies its own outcome (its generator's draws
+    follow its own decisions) and checks the flag of the whole call (the first copy raises)."""
+    wanted = [g + 1 for g in drafts.lengths]
     if not sampling.greedy:
-        return [judge(p, drafts.row(b), sampling, verify_sampled, row.generator)
-                for b, (p, row) in enumerate(zip(logits, rows))]
-    choices = torch.cat(logits).argmax(-1)
-    width = drafts.tokens.shape[1]
-    host = torch.cat([choices, drafts.tokens.flatten().to(choices.device)]).tolist()
-    out, at, base = [], 0, choices.shape[0]
+        return [judge(p, drafts.row(b), sampling, verify_sampled, row.generator, finite)
+                for b, (p, row) in enumerate(zip(logits.split(wanted), rows))]
+    choices, drafted = read_host([logits.argmax(-1), drafts.tokens.flatten().to(logits.device)], finite)
+    out, at, width = [], 0, drafts.tokens.shape[1]
     for b, g in enumerate(drafts.lengths):
-        out.append(greedy_outcome(host[base + b * width:base + b * width + g], host[at:at + g + 1]))
+        out.append(greedy_outcome(drafted[b * width:b * width + g], choices[at:at + g + 1]))
         at += g + 1
     return out
 
@@ -424,13 +418,11 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
                 last = torch.tensor([len(f) - 1 for f in feeds], device=device)
             out = model(feed, start_pos=[row.target_next for row in rows])
             logits = out[torch.arange(len(rows), device=device), last]
-            tokens = logits.argmax(-1) if sampling.greedy else sample_rows(warp(logits, sampling),
-                                                                           [row.generator for row in rows])
-            finite = finite_flag(logits).view(1)  # as check_finite, in the same copy as the tokens
-            host = torch.cat([tokens, finite.long()]).tolist()
-            if not host[-1]:
-                raise NonFiniteLogitsError()
-            for row, token in zip(rows, host[:-1]):
+            usable = finite_flag(logits)  # read with the tokens; never sample NaN meanwhile
+            tokens = logits.argmax(-1) if sampling.greedy else sample_rows(
+                warp(torch.where(usable, logits, logits.new_zeros(())), sampling), [row.generator for row in rows])
+            (host,) = read_host([tokens], usable)  # the check in the same copy as the tokens
+            for row, token in zip(rows, host):
                 row.target_next = len(row.ids)
                 row.ids.append(token)
             feed, last = tokens.view(-1, 1), torch.zeros(len(rows), dtype=torch.long, device=device)

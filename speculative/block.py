@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from speculative.inputs import read_host
 from speculative.sampling import sample
 from speculative.verify import Verification, expected_acceptance
 
@@ -143,7 +144,8 @@ def block_outcomes(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor) -> B
     return BlockOutcomes(stop=stop, accepted=torch.cat([one, stop]) * survive, fallback=fallback)
 
 
-def verify_block(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verification:
+def verify_block(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator,
+                 finite: torch.Tensor | None = None) -> Verification:
     """Block verification of one iteration (lines B1-B7), a drop-in for speculative.verify.verify_step.
 
     p: [gamma+1, V] target distributions p_1..p_{gamma+1} (one target call);
@@ -155,8 +157,8 @@ def verify_block(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, genera
     where h_i = 0 (e.g. p_i(x_i) = 0 makes w_i = 0 and every h_j, j >= i, 0) nothing is kept even
     when eta_i is exactly 0. As in verify_step, t is drawn for every place it could be needed
     (the gamma+1 rows of fallback), independently of the eta_i, and the one at tau is kept, so the
-    decisions and tokens reach the host in one copy and the overlaps in a second. gamma = 0 draws
-    t from p_1.
+    decisions, tokens and overlaps reach the host in one copy, with the check of ``finite`` (the
+    target's finite_flag, speculative.inputs.read_host). gamma = 0 draws t from p_1.
     """
     gamma = drafted.shape[0]
     weights = block_weights(p, q, drafted)
@@ -164,9 +166,7 @@ def verify_block(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, genera
     stop = stop_probabilities(weights, mass)
     eta = torch.rand(gamma, generator=generator, dtype=stop.dtype, device=stop.device)
     own = sample(fallback, generator)
-    host = torch.cat([(eta < stop).long(), drafted, own]).tolist()
-    flags, xs, ys = host[:gamma], host[gamma:2 * gamma], host[2 * gamma:]
+    flags, xs, ys, overlap = read_host([eta < stop, drafted, own, expected_acceptance(p[:gamma], q)], finite)
     # line B5: the last position that passes (positions are 1-based, flags[i - 1] is position i)
     tau = max((i for i in range(1, gamma + 1) if flags[i - 1]), default=0)
-    overlap = expected_acceptance(p[:gamma], q).tolist()
     return Verification(tokens=xs[:tau] + [ys[tau]], accepted=tau, overlap=overlap)

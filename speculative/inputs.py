@@ -84,6 +84,29 @@ def finite_flag(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits.amax(-1)).all()
 
 
+def read_host(parts: Sequence[torch.Tensor], finite: torch.Tensor | None = None) -> list[list]:
+    """Several 1-d tensors of one device in ONE device -> host copy: each part's values as a
+    list (ints for an integer or bool part). ``finite`` (a finite_flag) rides in the same copy,
+    and NonFiniteLogitsError is raised when it is False: this is how the verifiers check the
+    target's logits without a read of their own. Mixed parts travel as float64, which holds
+    every token id and probability exactly."""
+    floating = any(part.is_floating_point() for part in parts)
+    dtype = torch.float64 if floating else torch.long
+    device = parts[0].device if parts else finite.device
+    flat = [part.reshape(-1).to(device=device, dtype=dtype) for part in parts]
+    if finite is not None:
+        flat.append(finite.reshape(1).to(device=device, dtype=dtype))
+    host = torch.cat(flat).tolist() if flat else []
+    if finite is not None and not host.pop():
+        raise NonFiniteLogitsError()
+    out, at = [], 0
+    for part in parts:
+        values = host[at:at + part.numel()]
+        at += part.numel()
+        out.append(values if part.is_floating_point() else [int(v) for v in values])
+    return out
+
+
 def check_finite(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` [..., V] unchanged, or NonFiniteLogitsError if a row holds NaN or +inf, or
     holds nothing but -inf. A -inf logit on its own is legitimate: a token of probability 0

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from speculative import block
 from speculative.drafter import Draft, as_drafter
 from speculative.gamma import AutoGamma
-from speculative.inputs import check_finite, check_gamma, check_max_new_tokens, check_prompt, check_seed, model_device
+from speculative.inputs import check_gamma, check_max_new_tokens, check_prompt, check_seed, finite_flag, model_device
 from speculative.pair import check_pair
 from speculative.sampling import Sampling, make_generator, warp
 from speculative.stats import GenerationResult, SpeculativeStats, clock, stop_reason
@@ -45,11 +45,12 @@ from speculative.verify import Verification, verify_greedy, verify_step
 
 Callback = Callable[[list[int], list[bool]], None]
 DEFAULT_GAMMA = 4
-# Lines 5-9 at temperature > 0, one signature: (p [g+1, V], q [g, V], drafted [g], generator) -> Verification.
+# Lines 5-9 at temperature > 0, one signature: (p [g+1, V], q [g, V], drafted [g], generator, finite) ->
+# Verification, where finite is the target's finite_flag, checked in the verifier's one host copy.
 # Looked up at call time, so that the tests' mutants (patched module attributes) take effect.
 VERIFIERS: dict[str, Callable[..., Any]] = {
-    "token": lambda p, q, drafted, generator: verify_step(p, q, drafted, generator),
-    "block": lambda p, q, drafted, generator: block.verify_block(p, q, drafted, generator),
+    "token": lambda p, q, drafted, generator, finite=None: verify_step(p, q, drafted, generator, finite),
+    "block": lambda p, q, drafted, generator, finite=None: block.verify_block(p, q, drafted, generator, finite),
 }
 
 
@@ -126,7 +127,7 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
             t1 = clock(device)
             logits, hidden = score(target, seq, target_next, length, proposal, drafter.reads_features)  # line 4
             t2 = clock(device)
-            step = judge(logits, proposal, sampling, verify_sampled, generator)  # lines 5-9
+            step = judge(logits, proposal, sampling, verify_sampled, generator, finite_flag(logits))  # lines 5-9
             depth = proposal.depth
             stats.record(depth, proposal.calls, step.accepted, step.overlap, drafted=proposal.tokens.shape[0])
             stats.draft_time_s += t1 - t0
@@ -197,7 +198,8 @@ def score(target: Any, seq: torch.Tensor, target_next: int, length: int, proposa
           reads_features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Line 4: ONE target call over what it has not read of the sequence and the drafted
     tokens. Returns p's logits for the g + 1 positions L-1 .. L+g-1 (a tree: the root and
-    every node) and, for a drafter that reads them, the target's features of the whole call."""
+    every node) and, for a drafter that reads them, the target's features of the whole call.
+    The logits are checked by the verifier (judge's ``finite``), in the copy it makes anyway."""
     feed = torch.cat([seq[:, target_next:length], proposal.tokens.view(1, -1)], dim=1)
     options: dict[str, Any] = {"return_hidden": True} if reads_features else {}
     if proposal.tree is not None:  # each node at its depth, seeing its ancestors
@@ -205,24 +207,31 @@ def score(target: Any, seq: torch.Tensor, target_next: int, length: int, proposa
                                                                        proposal.tree)
     out = target(feed, start_pos=target_next, **options)
     logits, hidden = out if reads_features else (out, None)
-    return check_finite(logits[0, -(proposal.tokens.shape[0] + 1):]), hidden
+    return logits[0, -(proposal.tokens.shape[0] + 1):], hidden
 
 
 def judge(logits: torch.Tensor, proposal: Draft, sampling: Sampling, verify_sampled: Callable[..., Any],
-          generator: torch.Generator) -> Verification:
+          generator: torch.Generator, finite: torch.Tensor | None = None) -> Verification:
     """Lines 5-9 by the verifier that fits the draft: a tree's walk, the comparison of
     argmaxes at temperature 0, or the chosen rule (token or block) on warped p and q. A
-    deterministic drafter's q (None) is one-hot on its tokens."""
+    deterministic drafter's q (None) is one-hot on its tokens.
+
+    ``finite`` (the logits' finite_flag) is checked in the verifier's one host copy, which
+    raises NonFiniteLogitsError; until then a sampled verification runs on uniform logits
+    in its place, so that no sampling kernel ever meets a NaN (CUDA's multinomial would
+    stop the device on one)."""
     drafted = proposal.tokens
+    if finite is not None and not sampling.greedy:
+        logits = torch.where(finite, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     if proposal.tree is not None:
         if sampling.greedy:
-            return verify_tree_greedy(logits.argmax(-1), proposal.tree)
-        return verify_tree(warp(logits, sampling), proposal.tree, generator)
+            return verify_tree_greedy(logits.argmax(-1), proposal.tree, finite)
+        return verify_tree(warp(logits, sampling), proposal.tree, generator, finite=finite)
     if sampling.greedy:  # one-hot p and q
-        return verify_greedy(logits.argmax(-1), drafted)
+        return verify_greedy(logits.argmax(-1), drafted, finite)
     p = warp(logits, sampling)  # g = 0: t from p_1 alone
     q = proposal.q if proposal.q is not None else F.one_hot(drafted, p.shape[-1]).to(p.dtype)
-    return verify_sampled(p, q, drafted, generator)
+    return verify_sampled(p, q, drafted, generator, finite)
 
 
 def keep_path(target: Any, proposal: Draft, step: Verification, length: int, target_next: int,

@@ -84,6 +84,7 @@ from numbers import Integral
 import torch
 import torch.nn.functional as F
 
+from speculative.inputs import read_host
 from speculative.sampling import sample
 from speculative.verify import Verification, residual_distribution
 
@@ -397,7 +398,7 @@ class TreeVerification(Verification):
 
 
 def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
-                uniforms: torch.Tensor | None = None) -> TreeVerification:
+                uniforms: torch.Tensor | None = None, finite: torch.Tensor | None = None) -> TreeVerification:
     """Verify a drafted tree: walk from the root with multi-draft rejection sampling
     (module docstring), emitting the accepted path and one target token.
 
@@ -411,8 +412,8 @@ def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
     target token per row (from stop[row]) are drawn up front, independently; the pass bits,
     candidates and node tokens reach the host in one copy, and the walk is a few list
     lookups there. The candidates not on the walk's stopping row are simply not used, which
-    does not change the law of the one that is. A second, small copy brings the statistics
-    (overlap, node_acceptance) once the first has already waited for the device.
+    does not change the law of the one that is. The statistics (overlap, node_acceptance)
+    and the check of ``finite`` (the target's finite_flag) ride in the same copy.
     """
     check_rows(p, tree)
     n = tree.num_nodes
@@ -423,18 +424,17 @@ def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
         raise ValueError(f"uniforms must be [N] = [{n}], got {tuple(uniforms.shape)}")
     accepted = passes(uniforms.to(p.device), rules.ratios)
     own = sample(rules.stop, generator)  # [N+1]
-    host = torch.cat([accepted.long(), own, tree.tokens.to(p.device)]).tolist()
-    flags, candidates, node_tokens = host[:n], host[n:2 * n + 1], host[2 * n + 1:]
+    flags, candidates, node_tokens, overlaps, acceptances = read_host(
+        [accepted, own, tree.tokens.to(p.device), rules.overlap, rules.node_acceptance], finite)
     by_row = tree.children_by_row()
     if tree.mode == "without_replacement":
         for kids in by_row:
             if len({node_tokens[c] for c in kids}) < len(kids):
                 raise ValueError("a without_replacement tree has two siblings with the same token")
-    stats = torch.stack([rules.overlap, rules.node_acceptance]).tolist()
     row, path, overlap, node_acceptance = 0, [], [], []
     while by_row[row]:
-        overlap.append(stats[0][row])
-        node_acceptance.append(stats[1][row])
+        overlap.append(overlaps[row])
+        node_acceptance.append(acceptances[row])
         chosen = next((c for c in by_row[row] if flags[c]), None)  # the first child that passes
         if chosen is None:
             break
@@ -445,7 +445,8 @@ def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
                             node_acceptance=node_acceptance)
 
 
-def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree) -> TreeVerification:
+def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree,
+                       finite: torch.Tensor | None = None) -> TreeVerification:
     """:func:`verify_tree` at temperature 0, where every p row is one-hot on the target's
     argmax, without building the distributions.
 
@@ -460,8 +461,7 @@ def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree) -> TreeVeri
     n = tree.num_nodes
     if target_choice.shape != (n + 1,):
         raise ValueError(f"target_choice must be [N+1] = [{n + 1}], got {tuple(target_choice.shape)}")
-    host = torch.cat([tree.tokens.to(target_choice.device), target_choice]).tolist()  # one copy to the host
-    node_tokens, choice = host[:n], host[n:]
+    node_tokens, choice = read_host([tree.tokens.to(target_choice.device), target_choice], finite)  # one copy
     by_row = tree.children_by_row()
     row, path, overlap, node_acceptance = 0, [], [], []
     while by_row[row]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.inputs import read_host
 from speculative.sampling import sample
 
 
@@ -69,7 +70,8 @@ class Verification:
     overlap: list[float]  # expected_acceptance(p_i, q_i) for every drafted position i
 
 
-def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verification:
+def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator,
+                finite: torch.Tensor | None = None) -> Verification:
     """Algorithm 1, lines 5-9, for one iteration.
 
     p: [gamma+1, V] target distributions p_1..p_{gamma+1} (one target call);
@@ -84,8 +86,9 @@ def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generat
 
     Instead of first learning n and then sampling, the target's token is drawn for each of
     the gamma+1 places it could be needed, independently of the r_i, and the one at n is
-    kept: the same distribution, and the decisions and tokens reach the host in one copy (the
-    per-position overlaps, for the statistics, in a second) instead of one sync per position.
+    kept: the same distribution, and the decisions, tokens and per-position overlaps (for
+    the statistics) reach the host in ONE copy instead of one sync per position. ``finite``:
+    the target's finite_flag, checked in that copy (speculative.inputs.read_host).
     """
     gamma = drafted.shape[0]
     ratio = acceptance_probability(p[:gamma], q, drafted)
@@ -93,19 +96,18 @@ def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generat
     accepted = r < ratio
     fallback = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])  # [gamma+1, V]
     own = sample(fallback, generator)
-    host = torch.cat([accepted.long(), drafted, own]).tolist()
-    flags, xs, ys = host[:gamma], host[gamma:2 * gamma], host[2 * gamma:]
+    flags, xs, ys, overlap = read_host([accepted, drafted, own, expected_acceptance(p[:gamma], q)], finite)
     n = flags.index(0) if 0 in flags else gamma
-    overlap = expected_acceptance(p[:gamma], q).tolist()
     return Verification(tokens=xs[:n] + [ys[n]], accepted=n, overlap=overlap)
 
 
-def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> Verification:
+def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor,
+                  finite: torch.Tensor | None = None) -> Verification:
     """Algorithm 1, lines 5-9, at temperature 0: the result of :func:`verify_step` when every
     p_i and q_i is one-hot, without building them.
 
     target_choice: [gamma+1] the argmax of p_1..p_{gamma+1}; drafted: [gamma] x_1..x_gamma
-    (the draft's argmaxes). With one-hot distributions p_i(x_i)/q_i(x_i) is 1 when x_i is the
+    (the draft's argmaxes); finite: as in verify_step. With one-hot distributions p_i(x_i)/q_i(x_i) is 1 when x_i is the
     target's choice and 0 otherwise, so x_i is kept exactly when it equals it (lines 5-6,
     whatever r_i is); the residual norm(max(0, p_i - q_i)) at the first mismatch is one-hot
     on the target's choice (line 8), and so is the bonus p_{gamma+1} (line 7); the overlap
@@ -117,9 +119,8 @@ def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> Verific
     verify_step's warping, ratios, residuals and sampling are some thirty operators whose
     fixed costs (0.2-0.3 ms on a CPU) are pure overhead when the answer is a comparison.
     """
-    gamma = drafted.shape[0]
-    host = torch.cat([drafted, target_choice]).tolist()  # one copy to the host
-    return greedy_outcome(host[:gamma], host[gamma:])
+    xs, ys = read_host([drafted, target_choice], finite)  # one copy to the host, with the check
+    return greedy_outcome(xs, ys)
 
 
 def greedy_outcome(xs: list[int], ys: list[int]) -> Verification:

@@ -50,13 +50,13 @@ def other_rows_q(mp: pytest.MonkeyPatch) -> None:
     """Row b is judged with the q that came with the row judged just before it."""
     real, previous = batch.judge, {}
 
-    def judge(logits, proposal, sampling, verify_sampled, generator):
+    def judge(logits, proposal, sampling, verify_sampled, generator, finite=None):
         own = proposal.q
         other = previous.get("q")
         previous["q"] = own
         if other is not None and own is not None and other.shape == own.shape:
             proposal = drafter_module.Draft(proposal.tokens, other, proposal.calls)
-        return real(logits, proposal, sampling, verify_sampled, generator)
+        return real(logits, proposal, sampling, verify_sampled, generator, finite)
 
     mp.setattr(batch, "judge", judge)
 
@@ -143,7 +143,8 @@ def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
                  for row, gen in zip(probs, generators)]
         return torch.tensor(picks)
 
-    def enumerated_verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator) -> verify.Verification:
+    def enumerated_verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator,
+                          finite=None) -> verify.Verification:
         tokens, chooser = [], box["now"]
         for i, x in enumerate(drafted.tolist()):
             a = float(verify.acceptance_probability(p[i], q[i], x))

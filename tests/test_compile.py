@@ -141,14 +141,28 @@ def test_decode_widths(gamma: int | str, gamma_max: int, widths: tuple[int, ...]
     assert decode_widths(gamma, gamma_max) == widths
 
 
-# ----------------------------------------------------------------------------- refused
+# ----------------------------------------------------------------------------- prepacked layers inside a graph
 @pytest.mark.skipif(not prepack_supported(), reason="prepacking needs oneDNN")
-def test_a_prepacked_model_is_refused() -> None:
+def test_a_prepacked_model_compiles_with_its_packed_products() -> None:
+    """A prepacked layer is one opaque operator in the graph (model/prepack.py): the compiled
+    prepacked model gives the eager prepacked model's logits, over a run of steps, and the
+    packed weights are still what runs (a changed packed weight changes the output)."""
     model = random_llama(vocab=16, dim=512, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=32)
     if not prepack_linears(model, min_elements=1):
         pytest.skip("nothing was prepacked on this machine")
-    with pytest.raises(CompileError, match="a prepacked model cannot be compiled"):
-        compile_for_decoding(model, (1,))
+    eager = copy.deepcopy(model)
+    compile_for_decoding(model, (1, 3), cache_len=24, mode="default")
+    eager.setup_cache(1, 24)
+    with torch.inference_mode():
+        feeds = [(torch.tensor([[1, 2, 3, 4]]), 0), (torch.tensor([[5]]), 4), (torch.tensor([[6, 7, 8]]), 5),
+                 (torch.tensor([[9]]), 8)]
+        for tokens, start in feeds:
+            assert torch.allclose(model(tokens, start_pos=start), eager(tokens, start_pos=start), atol=1e-4, rtol=1e-4)
+        layer = model.layers[0].mlp.down_proj
+        before = model(torch.tensor([[3]]), start_pos=9)
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(layer.out_features, layer.in_features),
+                                                               None)
+        assert not torch.allclose(model(torch.tensor([[3]]), start_pos=9), before)
 
 
 def test_bad_widths_are_refused() -> None:
@@ -166,6 +180,9 @@ def test_cli_compile_refuses_what_it_cannot_compile(capsys: pytest.CaptureFixtur
     prompts.write_text("Once upon a time\n")
     main_error(capsys, PAIR + ["--compile", "--prompts-file", str(prompts)], "--compile", "--prompts-file")
     main_error(capsys, PAIR + ["--compile", "sometimes"], "--compile")
+    main_error(capsys, PAIR + ["--compile", "--setup", "plain"], "--compile", "--setup plain")
+    main_error(capsys, PAIR + ["--setup", "stacked", "--no-fuse"], "--no-fuse", "--setup stacked")
+    main_error(capsys, PAIR + ["--setup", "fastest"], "--setup")
 
 
 @needs_pair
@@ -177,10 +194,33 @@ def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.Captur
     eager, _ = main_ok(capsys, base)
     compiled, err = main_ok(capsys, base + ["--compile", "force"])
     eager, compiled = json.loads(eager), json.loads(compiled)
-    lines = compiled["settings"]["compile"]
+    lines = compiled["settings"]["setup"]
     assert [line.split(":")[0] for line in lines] == ["target", "draft"]
-    assert all(line.endswith("-> compiled") and "compiled in" in line for line in lines)
+    assert all("-> " not in line and "compiled (the only set-up asked for; compiled in" in line for line in lines)
     assert compiled["tokens"] == eager["tokens"]
     out, err = main_ok(capsys, PAIR + ["--max-new-tokens", "8", "--no-color", "--compile"])
-    assert any(line.startswith("compile: target: compiled") for line in err)
+    timed = [line for line in err if line.startswith("setup: ")]
+    assert [line.split(":")[1].strip() for line in timed] == ["target", "draft"]
+    for line in timed:  # every set-up timed, and the fastest kept
+        times = dict(part.rsplit(" ", 1) for part in line.split(": ", 2)[2].split(" ms per step")[0].split(", "))
+        assert sorted(times) == ["compiled", "plain", "prepacked", "stacked"]
+        assert line.endswith("-> " + min(times, key=lambda k: float(times[k])))
     assert any("does not pay for its compile time" in line for line in err)
+
+
+@needs_pair
+def test_cli_setup_forced_and_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    """--setup NAME runs that set-up (the greedy tokens of the default run: the shipped pair
+    has no near-tie in these tokens); --setup measure times the eager three and says which."""
+    base = PAIR + ["--max-new-tokens", "16", "--no-color", "--json"]
+    default = json.loads(main_ok(capsys, base)[0])
+    assert default["settings"]["setup"] == "default"
+    for setup in ("plain", "stacked", "prepacked"):
+        forced = json.loads(main_ok(capsys, base + ["--setup", setup])[0])
+        assert forced["tokens"] == default["tokens"]
+        assert forced["settings"]["setup"] == [f"target: {setup} (the only set-up asked for)",
+                                               f"draft: {setup} (the only set-up asked for)"]
+    measured = json.loads(main_ok(capsys, base + ["--setup", "measure"])[0])
+    for line in measured["settings"]["setup"]:
+        assert "plain" in line and "stacked" in line and "prepacked" in line and "compiled" not in line
+    assert measured["tokens"] == default["tokens"]

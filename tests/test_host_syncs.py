@@ -16,7 +16,8 @@ import pytest
 import torch
 from toy_models import noisy_copy, random_llama
 
-from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
+from speculative import NonFiniteLogitsError, autoregressive_generate, speculative_generate, speculative_generate_batch
+from speculative.inputs import read_host
 
 torch.set_num_threads(1)
 READS = ("tolist", "item", "__bool__", "__int__", "__float__")
@@ -45,30 +46,94 @@ def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     return target, noisy_copy(target, std=0.05, seed=1)
 
 
-@pytest.mark.parametrize("temperature, per_iteration", [(0.0, 2), (1.0, 3)])
-def test_chain(pair: tuple, temperature: float, per_iteration: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy: the non-finite check and one copy of argmaxes and drafts. Sampled: the check,
-    the decisions and tokens, the overlaps (for alpha)."""
+@pytest.mark.parametrize("verify", ["token", "block"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chain(pair: tuple, temperature: float, verify: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One read per iteration, greedy or sampled, either verifier: the verification's copy of
+    its outcome (decisions, tokens, overlaps) carries the non-finite check of the logits."""
     out, reads = count_reads(lambda: speculative_generate(*pair, [1, 2, 3], 40, gamma=4, temperature=temperature,
-                                                          seed=0), monkeypatch)
-    assert reads == per_iteration * out.stats.target_calls
+                                                          seed=0, verify=verify), monkeypatch)
+    assert reads == out.stats.target_calls
+
+
+@pytest.mark.parametrize("temperature, mode", [(0.0, "deterministic"), (1.0, "deterministic"), (1.0, "iid")])
+def test_tree(pair: tuple, temperature: float, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token tree: the walk's one copy (with the check) per iteration, and one more where
+    the accepted path must be moved into place in the cache, whose slots the model checks
+    on the host; and once per run, the model's check of the first call's mask (at start_pos 0
+    a token that sees nothing would get NaN). (Drawing children without replacement adds a
+    read per level: which draws were possible decides the tree's shape on the host.)"""
+    moved = []
+    real = type(pair[0]).keep_cache
+
+    def keep_cache(self, slots, dst_start):
+        moved.append(slots)
+        return real(self, slots, dst_start)
+
+    monkeypatch.setattr(type(pair[0]), "keep_cache", keep_cache)
+    out, reads = count_reads(lambda: speculative_generate(*pair, [1, 2, 3], 40, temperature=temperature, seed=0,
+                                                          tree=(2, 2, 1), tree_mode=mode), monkeypatch)
+    assert reads == out.stats.target_calls + 1
+    assert moved and all(isinstance(slots, list) for slots in moved)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_batch(pair: tuple, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy: 2 per iteration whatever the batch size; sampled: 1 + 2 per row in the iteration."""
+    """Greedy: 1 per iteration whatever the batch size (every row's outcome and the check in
+    one copy); sampled: 1 per row in the iteration (each row's verification copies its own
+    outcome, with the check)."""
     out, reads = count_reads(lambda: speculative_generate_batch(*pair, [[1, 2, 3], [4, 5], [6]], 40, gamma=4,
                                                                 temperature=temperature, seed=0), monkeypatch)
     stats = out.stats
-    expected = 2 * stats.iterations if temperature == 0 else stats.iterations + 2 * stats.row_iterations
+    expected = stats.iterations if temperature == 0 else stats.row_iterations
     assert reads == expected
 
 
 @pytest.mark.parametrize("eos", [None, 15])
 def test_target_alone(pair: tuple, eos: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without EOS (and no callback) the tokens stay on the device until the end: 2 reads in
-    all; with EOS one read of the token and one of the non-finite check per step, and the
-    final check of the flag kept on the device."""
+    all (the tokens, the non-finite flag kept on the device); with EOS one read per step, of
+    the token and the check together."""
     out, reads = count_reads(lambda: autoregressive_generate(pair[0], [1, 2, 3], 30, temperature=1.0, seed=0,
                                                              eos_id=eos), monkeypatch)
-    assert reads == (2 if eos is None else 2 * out.stats.target_calls + 1)
+    assert reads == (2 if eos is None else out.stats.target_calls)
+
+
+@pytest.fixture(scope="module")
+def broken_pair(pair: tuple) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The target with NaN in its last norm: every logit NaN. The draft is fine."""
+    import copy
+
+    target = copy.deepcopy(pair[0])
+    with torch.no_grad():
+        target.norm.weight[0] = float("nan")
+    return target, pair[1]
+
+
+RUNS = {
+    "chain-greedy": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=0.0),
+    "chain-token": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=1.0, seed=0),
+    "chain-block": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=1.0, seed=0, verify="block"),
+    "tree-greedy": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=0.0, tree=(2, 1)),
+    "tree-sampled": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=1.0, seed=0, tree=(2, 1)),
+    "batch-greedy": lambda t, d: speculative_generate_batch(t, d, [[1, 2], [3]], 20, temperature=0.0),
+    "batch-sampled": lambda t, d: speculative_generate_batch(t, d, [[1, 2], [3]], 20, temperature=1.0, seed=0),
+    "alone-per-token": lambda t, d: autoregressive_generate(t, [1, 2, 3], 20, temperature=1.0, seed=0, eos_id=15),
+    "alone-deferred": lambda t, d: autoregressive_generate(t, [1, 2, 3], 20, temperature=1.0, seed=0),
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_the_check_that_rides_in_the_copies_still_stops_nan_logits(broken_pair: tuple, run: str) -> None:
+    """The non-finite check has no read of its own any more: it must still fire in every loop."""
+    with pytest.raises(NonFiniteLogitsError):
+        RUNS[run](*broken_pair)
+
+
+def test_read_host_one_copy_ints_floats_and_the_flag() -> None:
+    ints, floats, flags = read_host([torch.tensor([3, 128255]), torch.tensor([0.25, 1.0]), torch.tensor([True, False])],
+                                    torch.tensor(True))
+    assert ints == [3, 128255] and floats == [0.25, 1.0] and flags == [1, 0]
+    assert all(isinstance(v, int) for v in ints + flags)
+    with pytest.raises(NonFiniteLogitsError):
+        read_host([torch.tensor([1])], torch.tensor(False))

@@ -76,11 +76,11 @@ def residual_from_p(mp: pytest.MonkeyPatch, setting: Setting) -> None:
 
 
 def bonus_from_draft(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    def step(p, q, drafted, generator):
+    def step(p, q, drafted, generator, finite=None):
         if len(drafted):
             p = p.clone()
             p[-1] = setting.draft_after(drafted)
-        return real_verify_step(p, q, drafted, generator)
+        return real_verify_step(p, q, drafted, generator, finite)
 
     mp.setattr(loop, "verify_step", step)
 
@@ -89,16 +89,17 @@ def temperature_on_p_only(mp: pytest.MonkeyPatch, setting: Setting) -> None:
     t = setting.sampling.temperature
     assert t not in (0, 1) and setting.sampling.top_k is None and setting.sampling.top_p is None
 
-    def step(p, q, drafted, generator):
+    def step(p, q, drafted, generator, finite=None):
         raw = q ** t  # softmax(l / t) ** t is proportional to softmax(l): the untempered q
-        return real_verify_step(p, raw / raw.sum(-1, keepdim=True), drafted, generator)
+        return real_verify_step(p, raw / raw.sum(-1, keepdim=True), drafted, generator, finite)
 
     mp.setattr(loop, "verify_step", step)
 
 
 def q_of_next_position(mp: pytest.MonkeyPatch, setting: Setting) -> None:
     mp.setattr(loop, "verify_step",
-               lambda p, q, drafted, generator: real_verify_step(p, torch.cat([q[1:], q[-1:]]), drafted, generator))
+               lambda p, q, drafted, generator, finite=None: real_verify_step(p, torch.cat([q[1:], q[-1:]]), drafted,
+                                                                                  generator, finite))
 
 
 def ratio_without_min(mp: pytest.MonkeyPatch, setting: Setting) -> None:
@@ -110,8 +111,8 @@ def ratio_without_min(mp: pytest.MonkeyPatch, setting: Setting) -> None:
 
 
 def no_bonus_token(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    def step(p, q, drafted, generator):
-        result = real_verify_step(p, q, drafted, generator)
+    def step(p, q, drafted, generator, finite=None):
+        result = real_verify_step(p, q, drafted, generator, finite)
         if len(drafted) and result.accepted == len(drafted):
             result.tokens = result.tokens[:-1]
         return result

@@ -1,0 +1,148 @@
+"""A model's decoding set-up, chosen by timing it on this machine.
+
+The same model can run a decode step four ways, and which is fastest depends on the
+machine, not on the model:
+
+* ``plain``: as loaded, PyTorch's default kernels;
+* ``stacked``: q/k/v and gate/up stacked into one product each (model/fuse.py): fewer
+  operators per step;
+* ``prepacked``: stacked, and float32 weights reordered once for oneDNN (model/prepack.py,
+  a CPU in float32 only): verifying several tokens costs about one step;
+* ``compiled``: stacked, and the static-shape step compiled (model/compile.py).
+
+They were tuned on one Zen 4 with AVX-512; on a Zen 3 without it stacking made the draft
+step slower (1.29 against 1.04 ms) and prepacking made a one-token target step slower (12.0
+against 10.1 ms) while it made a 5-token one faster. So :func:`choose_setup` builds each
+candidate on a copy of the model, times one step at each decode width the run will use
+(the sum: a speculative run calls both the 1-token and the gamma+1-token step about once per
+iteration), and keeps the fastest; the timings are returned to be printed.
+
+The default of generate.py is still a fixed choice (stacked and prepacked) and not a
+measurement at every start: the set-ups round float32 sums in different orders, so a
+measured choice would let timing noise pick between greedy outputs that differ at a
+near-tie, and the default path must start at once. Measuring is one flag away
+(``--setup measure``, or ``--compile`` with the compiled set-up among the candidates), and
+any set-up can be forced by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from model.compile import compile_for_decoding
+from model.fuse import fuse_projections
+from model.prepack import prepack_linears, prepack_supported
+
+SETUPS = ("plain", "stacked", "prepacked", "compiled")
+# Copies of a model are built to time them only below this size; a larger one gets the
+# fixed choice (choose_setup says so).
+MAX_COPY_BYTES = 1 << 30
+
+
+@dataclass
+class SetupChoice:
+    """What choose_setup timed and kept for one model."""
+
+    chosen: str
+    times_ms: dict[str, float] = field(default_factory=dict)  # one step at each width, summed
+    compile_s: float = 0.0
+    widths: int = 1  # how many widths each sum holds
+    why: str = ""  # set when nothing was timed
+
+    def line(self, name: str) -> str:
+        if not self.times_ms:
+            compiled = f"; compiled in {self.compile_s:.1f}s" if self.compile_s else ""
+            return f"{name}: {self.chosen} ({self.why}{compiled})"
+        timed = ", ".join(f"{setup} {ms:.2f}" for setup, ms in self.times_ms.items())
+        compiled = f" (compiled in {self.compile_s:.1f}s)" if "compiled" in self.times_ms else ""
+        return f"{name}: {timed} ms per step at each decode width{compiled} -> {self.chosen}"
+
+    def saved_s_per_token(self, baseline: str) -> float:
+        """What the kept set-up saves per call against ``baseline`` (seconds, mean over widths)."""
+        if baseline not in self.times_ms or self.chosen not in self.times_ms:
+            return 0.0
+        return max(0.0, self.times_ms[baseline] - self.times_ms[self.chosen]) / self.widths / 1e3
+
+
+def applies(model: nn.Module, setup: str) -> bool:
+    """Whether ``setup`` means something for this model: prepacking is for float32 on a CPU."""
+    if setup == "prepacked":
+        return model.device.type == "cpu" and model.dtype == torch.float32 and prepack_supported()
+    return setup in SETUPS
+
+
+def apply_setup(model: nn.Module, setup: str, widths: Sequence[int], cache_len: int, hidden: bool = False,
+                mode: str | None = None) -> float:
+    """Turn ``model`` into ``setup`` in place (from the plain model as loaded); returns the
+    compile time (0 for the eager set-ups). ``widths``, ``cache_len``, ``hidden`` and ``mode``
+    are compile_for_decoding's."""
+    if setup not in SETUPS:
+        raise ValueError(f"setup must be one of {', '.join(SETUPS)}, got {setup!r}")
+    if setup != "plain":
+        fuse_projections(model)
+    if setup == "prepacked":
+        prepack_linears(model)
+    if setup == "compiled":
+        return compile_for_decoding(model, widths, cache_len=cache_len, hidden=hidden, mode=mode).compile_s
+    return 0.0
+
+
+@torch.inference_mode()
+def step_ms(model: nn.Module, widths: Sequence[int], hidden: bool, calls: int = 15) -> float:
+    """One cached call at each width after a 32-token prefix, median of ``calls``, summed (ms),
+    in the cache the model has (a compiled model's static one stays in place)."""
+    prefix = min(32, model.cache_len - max(widths) - 1)
+    model(torch.zeros(1, prefix, dtype=torch.long, device=model.device), start_pos=0)
+    total = 0.0
+    for width in widths:
+        tokens = torch.ones(1, width, dtype=torch.long, device=model.device)
+        times = []
+        for _ in range(calls + 2):
+            start = time.perf_counter()
+            model(tokens, start_pos=prefix, return_hidden=hidden)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            times.append(time.perf_counter() - start)
+        total += sorted(times[2:])[len(times[2:]) // 2]
+    return 1e3 * total
+
+
+def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[int], cache_len: int,
+                 hidden: bool = False, mode: str | None = None) -> tuple[nn.Module, SetupChoice]:
+    """The fastest of ``candidates`` (names in SETUPS; those that do not apply are skipped)
+    for ``model`` as loaded: each built on a copy and timed by step_ms at ``widths``. One
+    candidate is applied without timing; a model too large to copy (MAX_COPY_BYTES) gets the
+    last eager candidate (or the compiled one, if it is the only one), untimed. Returns the
+    model to decode with and the choice. Ties go to the earlier candidate."""
+    usable = [c for c in candidates if applies(model, c)]
+    if not usable:
+        raise ValueError(f"the {' or '.join(candidates)} set-up does not apply to this model (prepacking is for "
+                         "float32 on a CPU)")
+    candidates = usable
+    widths = tuple(sorted(set(widths)))
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if len(candidates) == 1 or size >= MAX_COPY_BYTES:
+        eager = [c for c in candidates if c != "compiled"]
+        chosen = eager[-1] if eager else "compiled"
+        why = "the only set-up asked for" if len(candidates) == 1 else \
+            f"{size / 2 ** 30:.1f} GB: too large to time copies; the fixed choice"
+        seconds = apply_setup(model, chosen, widths, cache_len, hidden, mode)
+        return model, SetupChoice(chosen, compile_s=seconds, widths=len(widths), why=why)
+    best, times, compile_s = None, {}, 0.0
+    for setup in candidates:
+        trial = copy.deepcopy(model)
+        compile_s += apply_setup(trial, setup, widths, cache_len, hidden, mode)
+        if setup != "compiled":
+            trial.setup_cache(1, cache_len + max(widths))
+        times[setup] = step_ms(trial, widths, hidden)
+        if best is None or times[setup] < times[best[0]]:
+            best = (setup, trial)
+        del trial
+    chosen, kept = best
+    return kept, SetupChoice(chosen, times, compile_s, len(widths))
