@@ -194,8 +194,8 @@ def build_parser() -> ArgumentParser:
                            "(the choice is printed on stderr), --compile force keeps the compiled steps (the same "
                            "as --setup compiled). Compiling takes about a minute per model on a 2-core CPU the first "
                            "time (Inductor's cache makes later runs start in seconds), and a note says when a run "
-                           "is too short to pay for it. Not with --quantize or torchrun; a feature head and "
-                           "token-tree calls run eagerly")
+                           "is too short to pay for it. Batches (--prompts-file) and token trees get compiled "
+                           "shapes of their own. Not with --quantize or torchrun; a feature head runs eagerly")
     pair.add_argument("--no-fuse", action="store_true",
                       help="keep q/k/v and gate/up as separate products instead of stacking each group into one "
                            "(model/fuse.py: fewer operators per decode step)")
@@ -316,9 +316,6 @@ def validate(args: argparse.Namespace) -> None:
     if args.setup != "default" and (args.no_fuse or args.no_prepack):
         raise UsageError(f"--no-fuse and --no-prepack change the default set-up; with {setup_flag(args)} name the "
                          "set-up you want instead (plain, stacked, prepacked, compiled)")
-    if args.setup in ("compiled", "measure-all") and args.prompts_file is not None:
-        raise UsageError(f"{setup_flag(args)} compiles single-sequence steps; batches (--prompts-file) run eagerly: "
-                         "drop one")
     if args.prompts_file is not None and args.tree is not None and not args.no_draft:
         raise UsageError("token trees are not batched; drop --tree or --prompts-file")
 
@@ -863,20 +860,36 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
     fused, prepacked = (sum(column) for column in zip(*counts)) if counts else (0, 0)
     loaded = Loaded(target, drafter, tokenizer, time.perf_counter() - t0, prepacked, fused)
     if choosing:
-        choose_setups(args, loaded, kind, min(context, positions + 1))
+        choose_setups(args, loaded, kind, min(context, positions + 1), rows)
     return loaded, encoded
 
 
-def choose_setups(args: argparse.Namespace, loaded: Loaded, kind: str | None, cache_len: int) -> None:
-    """--setup / --compile: each model's set-up measured (or forced) for the call widths this
-    run uses (model/setup.py), with a note when compiling does not pay for itself."""
+def row_buckets(batch: int) -> tuple[int, ...]:
+    """The batch sizes to compile for a batch of ``batch`` rows: 1, 2, 4, ... and ``batch`` (a
+    batch shrinks as rows finish; a call of B rows runs padded in the next size up)."""
+    sizes = {batch}
+    size = 1
+    while size < batch:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
+def choose_setups(args: argparse.Namespace, loaded: Loaded, kind: str | None, cache_len: int,
+                  rows_in_batch: int) -> None:
+    """--setup / --compile: each model's set-up measured (or forced) for the call widths,
+    batch sizes and tree shapes this run uses (model/setup.py), with a note when compiling
+    does not pay for itself."""
     candidates = {"measure": ("plain", "stacked", "prepacked"), "measure-all": SETUPS}.get(args.setup, (args.setup,))
     gamma = args.gamma if kind is not None else 1
     reads_features = kind == "head"
+    rows = row_buckets(rows_in_batch)
+    tree = args.tree if kind is not None else None
     choices = []
     try:
         target, choice = choose_setup(loaded.target, candidates, decode_widths(gamma, GAMMA_MAX) if kind else (1,),
-                                      cache_len, hidden=reads_features)
+                                      cache_len, hidden=reads_features, rows=rows,
+                                      tree_widths=(len(branching_parents(tree)) + 1,) if tree else ())
     except ValueError as err:
         raise UsageError(f"--setup {args.setup}: {err}") from None
     if getattr(loaded.draft, "target", None) is loaded.target:  # a feature head reads the target it runs with
@@ -884,7 +897,9 @@ def choose_setups(args: argparse.Namespace, loaded: Loaded, kind: str | None, ca
     loaded.target = target
     choices.append(("target", choice))
     if kind == "model":
-        loaded.draft, choice = choose_setup(loaded.draft, candidates, (1, 2), cache_len)
+        levels = [len(branching_parents(tree[:depth])) for depth in range(1, len(tree))] if tree else []
+        loaded.draft, choice = choose_setup(loaded.draft, candidates, (1, 2), cache_len, rows=rows,
+                                            tree_widths=levels)
         choices.append(("draft", choice))
     loaded.setups = [c.line(name) for name, c in choices]
     spent = sum(c.compile_s for _, c in choices)

@@ -51,7 +51,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmark_prompts import PROMPT_SETS, RETELL_CORPUS, STORY_OPENINGS, PromptSet, build_prompt_sets  # noqa: E402
-from benchmark_report import Method, Report, Results, Runs, plot_cost_model, plot_drafters, render  # noqa: E402
+from benchmark_report import (  # noqa: E402
+    Method,
+    Report,
+    Results,
+    Runs,
+    keep_block,
+    plot_cost_model,
+    plot_drafters,
+    render,
+)
 
 from model.fuse import prepare_for_decoding  # noqa: E402
 from speculative import autoregressive_generate, check_pair, speculative_generate  # noqa: E402
@@ -373,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                           "(solid) and at γ = auto (hatched), per prompt set and decoding."))
     text, goal_lines = render(rep, methods, results)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out.write_text(keep_block(out.read_text() if out.is_file() else None, text))
     print("\n".join(goal_lines))
     print(f"wrote {out}" + "".join(f" and {p}" for p in (args.plot, args.drafter_plot) if p and drafters))
     return 0

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmark import machine  # noqa: E402
 from benchmark_prompts import STORY_OPENINGS  # noqa: E402
+from benchmark_report import BLOCK_END, BLOCK_START, replace_block  # noqa: E402
 
 from model.compile import compile_for_decoding, decode_widths  # noqa: E402
 from model.fuse import fuse_projections, prepare_for_decoding  # noqa: E402
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_compiled.md"))
+    parser.add_argument("--summary", default=str(ROOT / "docs" / "benchmarks.md"),
+                        help="the page whose eager-vs-compiled block gets the summary table ('' for none)")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(text) for text in STORY_OPENINGS[:args.prompts]] * args.repeats
@@ -130,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
               "eagerly. The bandwidth bound of a target step is its weight bytes over the measured copy bandwidth "
               "(read + write bytes of a 1 GiB copy, median of 5): the step cannot be faster unless the weights sit "
               "in cache (here 58 MB against a 32 MB L3).", ""]
+    summary = ["| threads | | eager | compiled | compiled / eager |", "|---|---|---|---|---|"]
+    compile_seconds: list[float] = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         built = setups(args)
+        compile_seconds.append(built["compiled"]["compile_s"])
         steps = {name: step_times(models, args) for name, models in built.items()}
         bandwidth = copy_bandwidth()
         weights = sum(p.numel() * p.element_size() for p in built["eager"]["target"].parameters())
@@ -151,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             e, c = steps["eager"][key], steps["compiled"][key]
             fractions = f"{bound_ms / e:.0%} | {bound_ms / c:.0%}" if key.startswith("target") else " | "
             lines.append(f"| {label} | {e:.3f} | {c:.3f} | {c / e:.2f} | {fractions} |")
+            bound = f" ({bound_ms / e:.0%} / {bound_ms / c:.0%} of the bandwidth bound)" if key.startswith("target") \
+                else ""
+            summary.append(f"| {threads} | {label} step{bound} | {e:.2f} ms | {c:.2f} ms | {c / e:.2f} |")
         for temperature in (0.0, 1.0):
             results = {name: runs(models, prompts, args, temperature) for name, models in built.items()}
             label = "greedy" if temperature == 0 else f"T = {temperature:g}"
@@ -158,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                       "c compiled | α |", "|---|---|---|---|---|---|---|"]
             for name in results["eager"]:
                 e, c = results["eager"][name], results["compiled"][name]
+                summary.append(f"| {threads} | {name}, {label}: tokens/s" + (
+                    f" (c {e['c']:.3f} / {c['c']:.3f})" if "c" in e else "") +
+                    f" | {e['tps']:.0f} | {c['tps']:.0f} | {c['tps'] / e['tps']:.2f} |")
                 ce = f"{e['c']:.3f}" if "c" in e else ""
                 cc = f"{c['c']:.3f}" if "c" in c else ""
                 alpha = f"{e['alpha']:.3f}" if "alpha" in e else ""
@@ -169,6 +181,17 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
+    if args.summary:
+        compile_times = ", ".join(f"{t} thread(s) {s:.0f} s" for t, s in zip(args.threads, compile_seconds))
+        block = "\n".join([BLOCK_START, "## Eager against compiled", "",
+                            f"From `{command}` ({info.get('CPU', 'this CPU')}; the whole page, with the bandwidth "
+                            "bound: [benchmarks_compiled.md](benchmarks_compiled.md)). Eager: stacked + prepacked "
+                            "(the default set-up); compiled: model/compile.py's default. Compile "
+                            f"time of target, draft and the head's target: {compile_times}.", ""] + summary
+                           + ["", BLOCK_END])
+        page = Path(args.summary)
+        page.write_text(replace_block(page.read_text() if page.is_file() else "", block))
+        print(f"updated {args.summary}")
     return 0
 
 

@@ -491,8 +491,8 @@ class Llama(nn.Module):
         ``start_pos`` may instead be a list of one position per batch row (a ragged batch; see
         the module docstring and :func:`row_call_inputs`); positions and mask are then not taken."""
         batch, seq = tokens.shape
-        if self.compiled is not None and start_pos is not None and positions is None and mask is None:
-            out = self.compiled(self, tokens, start_pos, return_hidden)
+        if self.compiled is not None and start_pos is not None:
+            out = self.compiled(self, tokens, start_pos, return_hidden, positions, mask)
             if out is not None:  # None: no compiled shape fits this call, which runs eagerly
                 return out
         start_pos = one_start(start_pos, batch, seq, self.cache_len, positions, mask)
@@ -533,12 +533,24 @@ class Llama(nn.Module):
         logits = logits if logits.dtype == torch.float64 else logits.float()
         return (logits, hidden) if return_hidden else logits
 
-    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, return_hidden: bool = False
+    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, return_hidden: bool = False,
+                    slots: torch.Tensor | None = None, visible: torch.Tensor | None = None
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A cached call whose shapes depend only on tokens' shape [B, T] (what torch.compile
-        and CUDA graphs need): token i of row b is written at slot positions[b, i] and rotated
-        as that position, and sees the slots of its row up to it, read over the whole cache
-        with a mask. model/compile.py compiles this once per shape."""
-        cos, sin, mask = positions_inputs(self._rope, positions, self.layers[0].self_attn.cache.k.shape[2], self.dtype)
+        and CUDA graphs need): token i of row b is rotated as positions[b, i], written at slot
+        slots[b, i] (default: its position) and reads its row's whole cache with a mask. By
+        default it sees the slots up to its own position. With ``visible`` (BoolTensor
+        [B, T, T], a tree's mask among the new tokens) it sees every slot before the call's
+        first slot, and of the new tokens those visible says. model/compile.py compiles this
+        once per shape."""
+        width = self.layers[0].self_attn.cache.k.shape[2]
+        cos, sin, mask = positions_inputs(self._rope, positions, width, self.dtype)
+        if visible is not None:
+            index = torch.arange(width, device=tokens.device)
+            new = (slots.unsqueeze(-1) == index).to(self.dtype)  # [B, T, S]: new token j sits at slot s
+            seen = (index < slots[:, :1].unsqueeze(-1)) | (visible.to(self.dtype) @ new > 0)  # [B, T, S]
+            mask = torch.zeros(seen.shape, dtype=self.dtype, device=tokens.device).masked_fill(~seen, float("-inf"))
+            mask = mask.unsqueeze(1)
         rows = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
-        return self.decode(tokens, cos, sin, StaticSlots(positions, rows), mask, return_hidden)
+        return self.decode(tokens, cos, sin, StaticSlots(positions if slots is None else slots, rows), mask,
+                           return_hidden)

@@ -78,10 +78,10 @@ def applies(model: nn.Module, setup: str) -> bool:
 
 
 def apply_setup(model: nn.Module, setup: str, widths: Sequence[int], cache_len: int, hidden: bool = False,
-                mode: str | None = None) -> float:
+                mode: str | None = None, rows: Sequence[int] = (1,), tree_widths: Sequence[int] = ()) -> float:
     """Turn ``model`` into ``setup`` in place (from the plain model as loaded); returns the
-    compile time (0 for the eager set-ups). ``widths``, ``cache_len``, ``hidden`` and ``mode``
-    are compile_for_decoding's."""
+    compile time (0 for the eager set-ups). ``widths``, ``cache_len``, ``hidden``, ``mode``,
+    ``rows`` and ``tree_widths`` are compile_for_decoding's."""
     if setup not in SETUPS:
         raise ValueError(f"setup must be one of {', '.join(SETUPS)}, got {setup!r}")
     if setup != "plain":
@@ -89,7 +89,7 @@ def apply_setup(model: nn.Module, setup: str, widths: Sequence[int], cache_len: 
     if setup == "prepacked":
         prepack_linears(model)
     if setup == "compiled":
-        return compile_for_decoding(model, widths, cache_len=cache_len, hidden=hidden, mode=mode).compile_s
+        return compile_for_decoding(model, widths, rows, cache_len, hidden, mode, tree_widths).compile_s
     return 0.0
 
 
@@ -114,9 +114,11 @@ def step_ms(model: nn.Module, widths: Sequence[int], hidden: bool, calls: int = 
 
 
 def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[int], cache_len: int,
-                 hidden: bool = False, mode: str | None = None) -> tuple[nn.Module, SetupChoice]:
+                 hidden: bool = False, mode: str | None = None, rows: Sequence[int] = (1,),
+                 tree_widths: Sequence[int] = ()) -> tuple[nn.Module, SetupChoice]:
     """The fastest of ``candidates`` (names in SETUPS; those that do not apply are skipped)
-    for ``model`` as loaded: each built on a copy and timed by step_ms at ``widths``. One
+    for ``model`` as loaded: each built on a copy and timed by step_ms at ``widths``, one row
+    (the compiled one compiled for ``rows`` and ``tree_widths`` as well). One
     candidate is applied without timing; a model too large to copy (MAX_COPY_BYTES) gets the
     last eager candidate (or the compiled one, if it is the only one), untimed. Returns the
     model to decode with and the choice. Ties go to the earlier candidate."""
@@ -132,12 +134,12 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
         chosen = eager[-1] if eager else "compiled"
         why = "the only set-up asked for" if len(candidates) == 1 else \
             f"{size / 2 ** 30:.1f} GB: too large to time copies; the fixed choice"
-        seconds = apply_setup(model, chosen, widths, cache_len, hidden, mode)
+        seconds = apply_setup(model, chosen, widths, cache_len, hidden, mode, rows, tree_widths)
         return model, SetupChoice(chosen, compile_s=seconds, widths=len(widths), why=why)
     best, times, compile_s = None, {}, 0.0
     for setup in candidates:
         trial = copy.deepcopy(model)
-        compile_s += apply_setup(trial, setup, widths, cache_len, hidden, mode)
+        compile_s += apply_setup(trial, setup, widths, cache_len, hidden, mode, rows, tree_widths)
         if setup != "compiled":
             trial.setup_cache(1, cache_len + max(widths))
         times[setup] = step_ms(trial, widths, hidden)

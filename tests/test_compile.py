@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -31,8 +32,9 @@ from toy_models import (
 
 from model.compile import CompileError, compile_for_decoding, decode_widths
 from model.prepack import prepack_linears, prepack_supported
-from speculative import autoregressive_generate, speculative_generate
+from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
 from speculative.gamma import GAMMA_MAX
+from speculative.tree import branching_parents
 
 torch.set_num_threads(1)
 
@@ -68,7 +70,9 @@ def compiled_pair() -> dict:
     target, draft = pair()
     ctarget, cdraft = copy.deepcopy(target), copy.deepcopy(draft)
     widths = decode_widths("auto", GAMMA_MAX)
-    steps = [compile_for_decoding(m, widths, cache_len=64) for m in (ctarget, cdraft)]
+    # Inductor's default mode: what these tests check does not depend on the kernels, and the
+    # 12 shapes compile in a fraction of autotune's time (the CLI tests below run autotune).
+    steps = [compile_for_decoding(m, widths, cache_len=64, mode="default") for m in (ctarget, cdraft)]
     return {"target": target, "draft": draft, "ctarget": ctarget, "cdraft": cdraft, "steps": steps}
 
 
@@ -126,6 +130,81 @@ def test_compiled_runs_have_the_target_distribution(compiled_pair: dict) -> None
     assert chi_square_pvalue(counts, law) > 1e-3
 
 
+# ----------------------------------------------------------------------------- batch and tree buckets
+TREE = (2, 2, 1)  # 10 nodes: the target's tree call is 11 wide; the draft's expansions 2 and 6
+
+
+@pytest.fixture(scope="module")
+def bucketed_pair() -> dict:
+    """A pair compiled for batches of up to 4 rows (buckets 1, 2, 4) and for TREE's calls,
+    with every compiled call counted by kind."""
+    target, draft = pair(seed=3)
+    ctarget, cdraft = copy.deepcopy(target), copy.deepcopy(draft)
+    # Inductor's default mode: the buckets are the same whatever the kernels, and it compiles
+    # these 18 shapes in a fraction of autotune's time (the CLI tests run autotune)
+    compile_for_decoding(ctarget, decode_widths(4, 4), rows=(1, 2, 4), cache_len=64,
+                         tree_widths=(len(branching_parents(TREE)) + 1,), mode="default")
+    compile_for_decoding(cdraft, (1, 2), rows=(1, 2, 4), cache_len=64,
+                         tree_widths=[len(branching_parents(TREE[:d])) for d in range(1, len(TREE))], mode="default")
+    calls: Counter = Counter()
+    for model in (ctarget, cdraft):
+        real = model.compiled.fn
+
+        def counted(tokens, positions, hidden, _real=real, **extra):
+            calls["tree" if extra else f"rows{tokens.shape[0]}"] += 1
+            return _real(tokens, positions, hidden, **extra)
+
+        model.compiled.fn = counted
+    return {"target": target, "draft": draft, "ctarget": ctarget, "cdraft": cdraft, "calls": calls}
+
+
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [2, 2]]
+
+
+def test_batch_and_tree_runs_use_their_buckets_and_never_recompile(bucketed_pair: dict) -> None:
+    """Batches of 3 (padded to 4, then 2 and 1 as rows finish at EOS or their budget) and token
+    trees, greedy and sampled: the compiled shapes are what runs, and nothing recompiles."""
+    ctarget, cdraft, calls = bucketed_pair["ctarget"], bucketed_pair["cdraft"], bucketed_pair["calls"]
+    before = graphs()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for temperature in (0.0, 1.0):
+            speculative_generate_batch(ctarget, cdraft, PROMPTS, 20, gamma=4, temperature=temperature, seed=1,
+                                       eos_id=3, batch_size=3)
+            for seed, prompt in enumerate(PROMPTS):
+                speculative_generate(ctarget, cdraft, prompt, 20, temperature=temperature, seed=seed, tree=TREE)
+    assert graphs() == before
+    assert calls["rows4"] > 0 and calls["rows2"] > 0 and calls["rows1"] > 0 and calls["tree"] > 0
+
+
+def test_compiled_batch_and_tree_greedy_is_the_target_up_to_near_ties(bucketed_pair: dict) -> None:
+    target = bucketed_pair["target"]
+    batch = speculative_generate_batch(bucketed_pair["ctarget"], bucketed_pair["cdraft"], PROMPTS, 24, gamma=4,
+                                       temperature=0, batch_size=3)
+    for prompt, row in zip(PROMPTS, batch.results):
+        assert len(row.tokens) == 24 and far_from_argmax(target, prompt, row.tokens) == []
+        tree = speculative_generate(bucketed_pair["ctarget"], bucketed_pair["cdraft"], prompt, 24, temperature=0,
+                                    tree=TREE)
+        assert len(tree.tokens) == 24 and far_from_argmax(target, prompt, tree.tokens) == []
+
+
+def test_a_compiled_tree_call_uses_its_mask() -> None:
+    """The compiled tree step against the eager one, and a wrong mask (causal) caught."""
+    model, _ = pair(seed=4)
+    eager = copy.deepcopy(model)
+    compile_for_decoding(model, (1,), cache_len=32, tree_widths=(6,), mode="default")
+    eager.setup_cache(1, 32)
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    with torch.inference_mode():
+        for net in (model, eager):
+            net(torch.tensor([[1, 2, 3, 4, 5]]), start_pos=0)
+        nodes, positions = torch.tensor([[6, 7, 8, 9, 10]]), [5, 6, 6, 7, 7]
+        got = model(nodes, start_pos=5, positions=positions, mask=mask)
+        assert torch.allclose(got, eager(nodes, start_pos=5, positions=positions, mask=mask), atol=1e-5)
+        causal = model(nodes, start_pos=5, positions=positions, mask=torch.ones(5, 5, dtype=torch.bool).tril())
+        assert not torch.allclose(got, causal, atol=1e-3)
+
+
 def test_compile_reports_what_it_compiled(compiled_pair: dict) -> None:
     steps = compiled_pair["steps"][0]
     assert steps.widths == decode_widths("auto", GAMMA_MAX) and steps.rows == (1,)
@@ -176,9 +255,6 @@ def test_bad_widths_are_refused() -> None:
 # ----------------------------------------------------------------------------- generate.py --compile
 def test_cli_compile_refuses_what_it_cannot_compile(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     main_error(capsys, PAIR + ["--compile", "--quantize", "int8"], "--compile", "int8")
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("Once upon a time\n")
-    main_error(capsys, PAIR + ["--compile", "--prompts-file", str(prompts)], "--compile", "--prompts-file")
     main_error(capsys, PAIR + ["--compile", "sometimes"], "--compile")
     main_error(capsys, PAIR + ["--compile", "--setup", "plain"], "--compile", "--setup plain")
     main_error(capsys, PAIR + ["--setup", "stacked", "--no-fuse"], "--no-fuse", "--setup stacked")
@@ -190,7 +266,7 @@ def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.Captur
     """--compile force: both models compiled, the choice and compile time on stderr, a note
     that a short run does not pay, and the greedy tokens of the eager run (numerics policy:
     the shipped pair has no near-tie in these 24 tokens)."""
-    base = PAIR + ["--max-new-tokens", "24", "--no-color", "--json"]
+    base = PAIR + ["--max-new-tokens", "24", "--no-color", "--json", "--gamma", "1"]  # widths 1 and 2: less to tune
     eager, _ = main_ok(capsys, base)
     compiled, err = main_ok(capsys, base + ["--compile", "force"])
     eager, compiled = json.loads(eager), json.loads(compiled)
@@ -198,9 +274,10 @@ def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.Captur
     assert [line.split(":")[0] for line in lines] == ["target", "draft"]
     assert all("-> " not in line and "compiled (the only set-up asked for; compiled in" in line for line in lines)
     assert compiled["tokens"] == eager["tokens"]
-    out, err = main_ok(capsys, PAIR + ["--max-new-tokens", "8", "--no-color", "--compile"])
+    out, err = main_ok(capsys, ["--target", PAIR[1], "--no-draft", "--max-new-tokens", "8", "--no-color",
+                                "--compile"])
     timed = [line for line in err if line.startswith("setup: ")]
-    assert [line.split(":")[1].strip() for line in timed] == ["target", "draft"]
+    assert [line.split(":")[1].strip() for line in timed] == ["target"]
     for line in timed:  # every set-up timed, and the fastest kept
         times = dict(part.rsplit(" ", 1) for part in line.split(": ", 2)[2].split(" ms per step")[0].split(", "))
         assert sorted(times) == ["compiled", "plain", "prepacked", "stacked"]
@@ -224,3 +301,17 @@ def test_cli_setup_forced_and_measured(capsys: pytest.CaptureFixture[str]) -> No
     for line in measured["settings"]["setup"]:
         assert "plain" in line and "stacked" in line and "prepacked" in line and "compiled" not in line
     assert measured["tokens"] == default["tokens"]
+
+
+@needs_pair
+def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """--setup compiled with --prompts-file: the target compiled for batch sizes 1 and 2,
+    the greedy tokens of every prompt those of the eager batch."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Once upon a time\nThe dog ran\nA little girl\n")
+    base = ["--target", str(PAIR[1]), "--no-draft", "--max-new-tokens", "8", "--json", "--prompts-file",
+            str(prompts), "--batch-size", "2"]
+    eager = json.loads(main_ok(capsys, base)[0])
+    compiled = json.loads(main_ok(capsys, base + ["--setup", "compiled"])[0])
+    assert [p["tokens"] for p in compiled["prompts"]] == [p["tokens"] for p in eager["prompts"]]
+    assert compiled["settings"]["setup"][0].startswith("target: compiled")
