@@ -192,10 +192,10 @@ def build_parser() -> ArgumentParser:
                            "autotuned C++ kernels on a CPU, CUDA graphs on a GPU) for the call widths this run uses; "
                            "--compile times compiled against every eager set-up and keeps the fastest per model "
                            "(the choice is printed on stderr), --compile force keeps the compiled steps (the same "
-                           "as --setup compiled). Compiling takes about a minute per model on a 2-core CPU the first "
-                           "time (Inductor's cache makes later runs start in seconds), and a note says when a run "
-                           "is too short to pay for it. Batches (--prompts-file) and token trees get compiled "
-                           "shapes of their own. Not with --quantize or torchrun; a feature head runs eagerly")
+                           "as --setup compiled). Compiling takes about a minute per model on a 2-core CPU, and a "
+                           "note says when a run is too short to pay for it. Batches (--prompts-file) and token "
+                           "trees get compiled shapes of their own. Not with --quantize or torchrun; a feature "
+                           "head runs eagerly")
     pair.add_argument("--no-fuse", action="store_true",
                       help="keep q/k/v and gate/up as separate products instead of stacking each group into one "
                            "(model/fuse.py: fewer operators per decode step)")

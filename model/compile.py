@@ -45,9 +45,8 @@ _SHAPES = 0  # shapes compiled so far in this process, over all models
 # the ATen product once per shape (max_autotune), over weights it lays out once as constants
 # of the graph (freezing): on the shipped target, 2.1 ms a step against 4.2 ms eager and
 # 6 ms for "default", which calls MKL's sgemm and repacks the weights at every call (see
-# docs/compiled.md). Its costs: about a minute of compiling per model on 2 cores the first
-# time (Inductor's cache keeps the result for the next process), a second copy of the
-# weights, and weights fixed at compile time (change them and compile again).
+# docs/compiled.md). Its costs: about a minute of compiling per model on 2 cores, a second
+# copy of the weights, and weights fixed at compile time (change them and compile again).
 # Each mode: (torch.compile's mode, whether Inductor freezes the weights). Freezing is set on
 # Inductor's config while the shapes compile (compile_for_decoding compiles them all up
 # front): passed in torch.compile's options it is not seen, and the C++ template is not used.
