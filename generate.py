@@ -64,10 +64,10 @@ import torch
 import torch.distributed as dist
 
 from model import ConfigError, Llama, ModelConfig
-from model.compile import decode_widths
+from model.compile import compile_for_decoding, decode_widths
 from model.fuse import prepare_for_decoding
 from model.memory import DEFAULT_RESERVE, DEVICES, MemoryPlan, cheapest_fit, plan
-from model.setup import SETUPS, choose_setup
+from model.setup import SETUPS, SetupChoice, choose_setup
 from model.tensor_parallel import broadcast_seed, init_distributed
 from speculative import (
     BatchResult,
@@ -194,8 +194,8 @@ def build_parser() -> ArgumentParser:
                            "(the choice is printed on stderr), --compile force keeps the compiled steps (the same "
                            "as --setup compiled). Compiling takes about a minute per model on a 2-core CPU, and a "
                            "note says when a run is too short to pay for it. Batches (--prompts-file) and token "
-                           "trees get compiled shapes of their own. Not with --quantize or torchrun; a feature "
-                           "head runs eagerly")
+                           "trees get compiled shapes of their own, and a feature head is compiled with its "
+                           "target. Not with --quantize or torchrun")
     pair.add_argument("--no-fuse", action="store_true",
                       help="keep q/k/v and gate/up as separate products instead of stacking each group into one "
                            "(model/fuse.py: fewer operators per decode step)")
@@ -885,6 +885,8 @@ def choose_setups(args: argparse.Namespace, loaded: Loaded, kind: str | None, ca
     reads_features = kind == "head"
     rows = row_buckets(rows_in_batch)
     tree = args.tree if kind is not None else None
+    # a drafter's tree calls: the nodes so far at each depth below the first
+    levels = [len(branching_parents(tree[:depth])) for depth in range(1, len(tree))] if tree else []
     choices = []
     try:
         target, choice = choose_setup(loaded.target, candidates, decode_widths(gamma, GAMMA_MAX) if kind else (1,),
@@ -896,8 +898,11 @@ def choose_setups(args: argparse.Namespace, loaded: Loaded, kind: str | None, ca
         loaded.draft.target = target
     loaded.target = target
     choices.append(("target", choice))
+    if kind == "head" and choice.chosen == "compiled":  # the head follows its target (it is not timed)
+        seconds = compile_for_decoding(loaded.draft.head, decode_widths(gamma, GAMMA_MAX), rows, cache_len,
+                                       tree_widths=levels).compile_s
+        choices.append(("head", SetupChoice("compiled", compile_s=seconds, why="as its target")))
     if kind == "model":
-        levels = [len(branching_parents(tree[:depth])) for depth in range(1, len(tree))] if tree else []
         loaded.draft, choice = choose_setup(loaded.draft, candidates, (1, 2), cache_len, rows=rows,
                                             tree_widths=levels)
         choices.append(("draft", choice))

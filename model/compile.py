@@ -83,16 +83,18 @@ class CompiledSteps:
     def rows_for(self, batch: int) -> int | None:
         return next((r for r in self.rows if r >= batch), None)
 
-    def __call__(self, model: Any, tokens: torch.Tensor, start_pos: int | Sequence[int], return_hidden: bool,
-                 positions: Any = None, mask: torch.Tensor | None = None) -> Any:
+    def __call__(self, model: Any, inputs: tuple[torch.Tensor, ...], start_pos: int | Sequence[int],
+                 return_hidden: bool, positions: Any = None, mask: torch.Tensor | None = None) -> Any:
         """The call through a compiled shape, or None when none fits (the caller runs eagerly).
 
         B rows run in the smallest compiled row count >= B: the extra rows are padding that
         writes the first slots of cache rows B.. (rows a call of B rows does not own) and is
         cut off. T tokens run in the smallest compiled width >= T, padded at the end (their
         writes land in slots the row has not filled). A tree's call (explicit positions, a
-        host list, and a mask, one row) runs in a compiled tree width the same way."""
-        batch, seq = tokens.shape
+        host list, and a mask, one row) runs in a compiled tree width the same way. ``inputs``:
+        the step's first arguments, each [B, T, ...] (a Llama's tokens; a feature head's
+        features and embeddings)."""
+        batch, seq = inputs[0].shape[:2]
         tree = positions is not None or mask is not None
         width, padded_rows = self.width_for(seq, tree), self.rows_for(batch)
         if width is None or padded_rows is None or return_hidden != self.hidden:
@@ -100,7 +102,7 @@ class CompiledSteps:
         starts = [start_pos] * batch if isinstance(start_pos, int) else [int(s) for s in start_pos]
         if len(starts) != batch or any(s < 0 or s + seq > model.cache_len for s in starts):
             return None  # the eager path raises the error that explains it
-        device = tokens.device
+        device = inputs[0].device
         extra = {}
         if tree:
             if padded_rows != 1 or not self.tree_inputs_fit(model, batch, starts[0], seq, positions, mask):
@@ -114,11 +116,13 @@ class CompiledSteps:
         else:
             positions = torch.tensor([[s + i for i in range(width)] for s in starts]
                                      + [list(range(width))] * (padded_rows - batch), device=device)
-        # a fresh tensor with standard strides (a [1, T] slice of a longer row has stride L in
+        # fresh tensors with standard strides (a [1, T] slice of a longer row has stride L in
         # its batch dimension, and the compiled step is specialised to strides too)
-        tokens = F.pad(tokens, (0, width - seq, 0, padded_rows - batch)) if (width, padded_rows) != (seq, batch) \
-            else tokens.clone(memory_format=torch.contiguous_format)
-        out = self.fn(tokens, positions, return_hidden, **extra)
+        if (width, padded_rows) != (seq, batch):
+            inputs = tuple(F.pad(x, (0, 0) * (x.dim() - 2) + (0, width - seq, 0, padded_rows - batch)) for x in inputs)
+        else:
+            inputs = tuple(x.clone(memory_format=torch.contiguous_format) for x in inputs)
+        out = self.fn(*inputs, positions, return_hidden, **extra)
         if (width, padded_rows) == (seq, batch):
             return out
         if return_hidden:
@@ -190,16 +194,16 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         for batch in rows:
             for width in widths:
-                tokens = torch.zeros(batch, width, dtype=torch.long, device=model.device)
+                inputs = model.static_inputs(batch, width)
                 positions = torch.arange(width, device=model.device).expand(batch, width).contiguous()
                 for _ in range(2 if mode == "reduce-overhead" else 1):  # CUDA graphs record on a later call
-                    fn(tokens, positions, hidden)
+                    fn(*inputs, positions, hidden)
         for width in tree_widths:
-            tokens = torch.zeros(1, width, dtype=torch.long, device=model.device)
+            inputs = model.static_inputs(1, width)
             positions = torch.arange(1, width + 1, device=model.device).unsqueeze(0)
             visible = torch.ones(1, width, width, dtype=torch.bool, device=model.device).tril_()
             for _ in range(2 if mode == "reduce-overhead" else 1):
-                fn(tokens, positions, hidden, slots=positions.clone(), visible=visible)  # two tensors, as in a run
+                fn(*inputs, positions, hidden, slots=positions.clone(), visible=visible)  # two tensors, as in a run
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     steps = CompiledSteps(fn, rows, widths, hidden, cache_len, time.perf_counter() - start, tree_widths)

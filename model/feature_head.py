@@ -14,6 +14,7 @@ This module is a network and nothing else; speculative/eagle.py drafts with it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,11 +24,13 @@ from model.model import (
     Block,
     KVCache,
     cached_call_inputs,
+    keep_static_cache,
     one_start,
     rope_tables,
     row_call_inputs,
     rows_to_keep,
     slots_to_keep,
+    static_call_inputs,
 )
 
 
@@ -42,6 +45,7 @@ class FeatureHead(nn.Module):
         self.cache_len = 0
         self.cache_batch = 0
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.compiled: Any = None  # set by model/compile.py, as for Llama
 
     @property
     def device(self) -> torch.device:
@@ -52,7 +56,10 @@ class FeatureHead(nn.Module):
         return self.fc.weight.dtype
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
-        """A zeroed KV cache for the block, and the rotary table for it."""
+        """A zeroed KV cache for the block, and the rotary table for it (a compiled head keeps
+        its static cache, as Llama.setup_cache)."""
+        if keep_static_cache(self, max_batch_size, max_seq_len):
+            return
         attn = self.layers[0].self_attn
         attn.cache = KVCache(max_batch_size, attn.local_kv_heads, max_seq_len, self.config.head_dim,
                              self.dtype, self.device)
@@ -79,6 +86,10 @@ class FeatureHead(nn.Module):
         ``positions``, ``mask`` and a list of per-row ``start_pos`` mean what they mean for
         Llama.forward, in a cached call."""
         batch, seq = features.shape[:2]
+        if self.compiled is not None and start_pos is not None:
+            out = self.compiled(self, (features, embeddings), start_pos, False, positions, mask)
+            if out is not None:  # None: no compiled shape fits this call, which runs eagerly
+                return out
         start_pos = one_start(start_pos, batch, seq, self.cache_len, positions, mask)
         if start_pos is None and (positions is not None or mask is not None):
             raise ValueError("positions and mask are for a cached call: pass start_pos too")
@@ -99,6 +110,22 @@ class FeatureHead(nn.Module):
             raise ValueError(f"positions {start_pos}..{end - 1} fall outside the head's KV cache ({self.cache_len})")
         cos, sin, mask = cached_call_inputs(self._rope, start_pos, seq, positions, mask, self.dtype, self.device)
         return self.layers[0](x, cos, sin, start_pos, mask)
+
+
+    def static_step(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
+                    return_hidden: bool = False, slots: torch.Tensor | None = None,
+                    visible: torch.Tensor | None = None) -> torch.Tensor:
+        """A cached call of static shapes, as Llama.static_step (model/compile.py compiles it);
+        ``return_hidden`` is there for the common signature: the output is the features."""
+        x = self.fc(torch.cat([features, embeddings], dim=-1))
+        cos, sin, mask, where = static_call_inputs(self._rope, positions, slots, visible,
+                                                   self.layers[0].self_attn.cache.k.shape[2], self.dtype)
+        return self.layers[0](x, cos, sin, where, mask)
+
+    def static_inputs(self, batch: int, width: int) -> tuple[torch.Tensor, ...]:
+        """Inputs of static_step's shape [batch, width], for compiling it."""
+        shape = (batch, width, self.config.dim)  # two tensors: the graph must not assume one object
+        return tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
 
 
 def fingerprint(model: nn.Module) -> list[float]:

@@ -215,6 +215,38 @@ def positions_inputs(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.T
     return cos, sin, mask.unsqueeze(1)
 
 
+def static_call_inputs(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, slots: torch.Tensor | None,
+                       visible: torch.Tensor | None, width: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StaticSlots]:
+    """cos, sin, the mask over a static cache of ``width`` slots and the writes of a
+    static-shape call (Llama.static_step): token i of row b rotated as positions[b, i] and
+    written at slots[b, i] (default: its position). It sees its row's slots up to its own
+    position, or, with ``visible`` (BoolTensor [B, T, T], a tree's mask among the new tokens),
+    every slot before the call's first and of the new tokens those visible says."""
+    cos, sin, mask = positions_inputs(rope, positions, width, dtype)
+    if visible is not None:
+        index = torch.arange(width, device=positions.device)
+        new = (slots.unsqueeze(-1) == index).to(dtype)  # [B, T, S]: new token j sits at slot s
+        seen = (index < slots[:, :1].unsqueeze(-1)) | (visible.to(dtype) @ new > 0)  # [B, T, S]
+        mask = torch.zeros(seen.shape, dtype=dtype, device=positions.device).masked_fill(~seen, float("-inf"))
+        mask = mask.unsqueeze(1)
+    rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+    return cos, sin, mask, StaticSlots(positions if slots is None else slots, rows)
+
+
+def keep_static_cache(model: Any, max_batch_size: int, max_seq_len: int) -> bool:
+    """For setup_cache: True when ``model`` is compiled and keeps its static cache (compiled
+    steps must see the same buffers; stale entries are never visible, see docs/kv_cache.md);
+    ValueError when the request does not fit in it."""
+    if getattr(model, "compiled", None) is None:
+        return False
+    if not model.compiled.fits(max_batch_size, max_seq_len):
+        raise ValueError(f"this model was compiled for at most {max(model.compiled.rows)} rows and "
+                         f"{model.compiled.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit")
+    model.cache_len, model.cache_batch = max_seq_len, max_batch_size
+    return True
+
+
 def one_start(start_pos: int | Sequence[int] | None, batch: int, seq: int, cache_len: int,
               positions: torch.Tensor | None, mask: torch.Tensor | None) -> int | list[int] | None:
     """start_pos as given, or per-row positions as a list of ints; one row that fits is the
@@ -440,11 +472,7 @@ class Llama(nn.Module):
         see the same buffers; stale entries are never visible, see docs/kv_cache.md)."""
         if max_seq_len > self.config.max_seq_len:
             raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
-        if self.compiled is not None:
-            if not self.compiled.fits(max_batch_size, max_seq_len):
-                raise ValueError(f"this model was compiled for at most {max(self.compiled.rows)} rows and "
-                                 f"{self.compiled.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit")
-            self.cache_len, self.cache_batch = max_seq_len, max_batch_size
+        if keep_static_cache(self, max_batch_size, max_seq_len):
             return
         kv_heads = self.layers[0].self_attn.local_kv_heads
         for layer in self.layers:
@@ -492,7 +520,7 @@ class Llama(nn.Module):
         the module docstring and :func:`row_call_inputs`); positions and mask are then not taken."""
         batch, seq = tokens.shape
         if self.compiled is not None and start_pos is not None:
-            out = self.compiled(self, tokens, start_pos, return_hidden, positions, mask)
+            out = self.compiled(self, (tokens,), start_pos, return_hidden, positions, mask)
             if out is not None:  # None: no compiled shape fits this call, which runs eagerly
                 return out
         start_pos = one_start(start_pos, batch, seq, self.cache_len, positions, mask)
@@ -543,14 +571,10 @@ class Llama(nn.Module):
         [B, T, T], a tree's mask among the new tokens) it sees every slot before the call's
         first slot, and of the new tokens those visible says. model/compile.py compiles this
         once per shape."""
-        width = self.layers[0].self_attn.cache.k.shape[2]
-        cos, sin, mask = positions_inputs(self._rope, positions, width, self.dtype)
-        if visible is not None:
-            index = torch.arange(width, device=tokens.device)
-            new = (slots.unsqueeze(-1) == index).to(self.dtype)  # [B, T, S]: new token j sits at slot s
-            seen = (index < slots[:, :1].unsqueeze(-1)) | (visible.to(self.dtype) @ new > 0)  # [B, T, S]
-            mask = torch.zeros(seen.shape, dtype=self.dtype, device=tokens.device).masked_fill(~seen, float("-inf"))
-            mask = mask.unsqueeze(1)
-        rows = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1)
-        return self.decode(tokens, cos, sin, StaticSlots(positions if slots is None else slots, rows), mask,
-                           return_hidden)
+        cos, sin, mask, where = static_call_inputs(self._rope, positions, slots, visible,
+                                                   self.layers[0].self_attn.cache.k.shape[2], self.dtype)
+        return self.decode(tokens, cos, sin, where, mask, return_hidden)
+
+    def static_inputs(self, batch: int, width: int) -> tuple[torch.Tensor, ...]:
+        """Inputs of static_step's shape [batch, width], for compiling it (model/compile.py)."""
+        return (torch.zeros(batch, width, dtype=torch.long, device=self.device),)

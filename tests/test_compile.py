@@ -315,3 +315,45 @@ def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str],
     compiled = json.loads(main_ok(capsys, base + ["--setup", "compiled"])[0])
     assert [p["tokens"] for p in compiled["prompts"]] == [p["tokens"] for p in eager["prompts"]]
     assert compiled["settings"]["setup"][0].startswith("target: compiled")
+
+
+# ----------------------------------------------------------------------------- the feature head
+def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
+    """The head's static step compiled (chain widths, batch buckets, a tree's expansions):
+    its outputs are the eager head's within float32 rounding, the feature drafter's greedy
+    output keeps the near-tie rule, and nothing recompiles over chain, batch and tree runs."""
+    from test_drafters import random_head
+
+    from speculative.eagle import FeatureDrafter
+
+    target = pair(seed=6)[0]
+    head, chead = random_head(target), None
+    chead = copy.deepcopy(head)
+    compile_for_decoding(chead, decode_widths(4, 4), rows=(1, 2, 4), cache_len=64, mode="default",
+                         tree_widths=[len(branching_parents(TREE[:d])) for d in range(1, len(TREE))])
+    calls: Counter = Counter()
+    real = chead.compiled.fn
+
+    def counted(*args, **extra):
+        calls["tree" if extra else f"rows{args[0].shape[0]}"] += 1
+        return real(*args, **extra)
+
+    chead.compiled.fn = counted
+    with torch.inference_mode():
+        for net in (head, chead):
+            net.setup_cache(1, 32)
+        gen = torch.Generator().manual_seed(0)
+        feats, embeds = torch.randn(1, 6, 32, generator=gen), torch.randn(1, 6, 32, generator=gen)
+        assert torch.allclose(chead(feats, embeds, start_pos=0), head(feats, embeds, start_pos=0), atol=1e-5)
+        one = (torch.randn(1, 1, 32, generator=gen), torch.randn(1, 1, 32, generator=gen))
+        assert torch.allclose(chead(*one, start_pos=6), head(*one, start_pos=6), atol=1e-5)
+    before = graphs()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in PROMPTS:
+            out = speculative_generate(target, FeatureDrafter(chead, target), prompt, 20, temperature=0)
+            assert far_from_argmax(target, prompt, out.tokens) == []
+            speculative_generate(target, FeatureDrafter(chead, target), prompt, 12, temperature=1.0, seed=1,
+                                 tree=TREE)
+        speculative_generate_batch(target, FeatureDrafter(chead, target), PROMPTS, 12, temperature=0, batch_size=3)
+    assert graphs() == before
+    assert calls["rows1"] > 0 and calls["tree"] > 0 and (calls["rows4"] > 0 or calls["rows2"] > 0)
