@@ -155,8 +155,7 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     (CompileError): tensor-parallel shards (their collectives are not captured)."""
     from model.tensor_parallel import ParallelAttention
 
-    modules = list(model.modules())
-    if any(isinstance(m, ParallelAttention) for m in modules):
+    if any(isinstance(m, ParallelAttention) for m in model.modules()):
         raise CompileError("tensor-parallel models are not compiled: their all-reduces would run outside the graph")
     widths = tuple(sorted(set(int(w) for w in widths)))
     rows = tuple(sorted(set(int(r) for r in rows)))

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from model.compile import compile_for_decoding
-from model.fuse import fuse_projections
-from model.prepack import prepack_linears, prepack_supported
+from model.fuse import prepare_for_decoding
+from model.prepack import prepack_supported
 
 SETUPS = ("plain", "stacked", "prepacked", "compiled")
 # Copies of a model are built to time them only below this size; a larger one gets the
@@ -63,11 +63,13 @@ class SetupChoice:
         compiled = f" (compiled in {self.compile_s:.1f}s)" if "compiled" in self.times_ms else ""
         return f"{name}: {timed} ms per step at each decode width{compiled} -> {self.chosen}"
 
-    def saved_s_per_token(self, baseline: str) -> float:
-        """What the kept set-up saves per call against ``baseline`` (seconds, mean over widths)."""
-        if baseline not in self.times_ms or self.chosen not in self.times_ms:
+    def compile_saving_s(self) -> float:
+        """What the compiled set-up, when kept, saves per call against the fastest eager set-up
+        timed (seconds, mean over the widths); 0 when it was not kept or nothing was timed."""
+        eager = [ms for setup, ms in self.times_ms.items() if setup != "compiled"]
+        if self.chosen != "compiled" or "compiled" not in self.times_ms or not eager:
             return 0.0
-        return max(0.0, self.times_ms[baseline] - self.times_ms[self.chosen]) / self.widths / 1e3
+        return max(0.0, min(eager) - self.times_ms["compiled"]) / self.widths / 1e3
 
 
 def applies(model: nn.Module, setup: str) -> bool:
@@ -84,10 +86,7 @@ def apply_setup(model: nn.Module, setup: str, widths: Sequence[int], cache_len: 
     ``rows`` and ``tree_widths`` are compile_for_decoding's."""
     if setup not in SETUPS:
         raise ValueError(f"setup must be one of {', '.join(SETUPS)}, got {setup!r}")
-    if setup != "plain":
-        fuse_projections(model)
-    if setup == "prepacked":
-        prepack_linears(model)
+    prepare_for_decoding(model, stack=setup != "plain", prepack=setup == "prepacked")
     if setup == "compiled":
         return compile_for_decoding(model, widths, rows, cache_len, hidden, mode, tree_widths).compile_s
     return 0.0

@@ -22,6 +22,7 @@ from speculative.inputs import (
     finite_flag,
     model_device,
     read_host,
+    usable_logits,
 )
 from speculative.sampling import Sampling, make_generator, sample, warp
 from speculative.stats import AutoregressiveStats, GenerationResult, clock, stop_reason
@@ -67,7 +68,7 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
             # (as the speculative loop's draft does) and skip a dozen small operators a token.
             usable = finite_flag(logits)  # read later, or with the token: never sample NaN meanwhile
             token = logits.argmax() if sampling.greedy else sample(
-                warp(torch.where(usable, logits, logits.new_zeros(())), sampling), generator)
+                warp(usable_logits(logits, usable), sampling), generator)
             feed = token.view(1, 1)
             stats.target_calls += 1
             if stats.target_calls == 1:  # the prompt's forward: timed apart from decoding

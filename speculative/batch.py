@@ -48,7 +48,15 @@ import torch
 
 from speculative.drafter import RowDrafter, RowDrafts, pad_rows
 from speculative.gamma import AutoGamma
-from speculative.inputs import check_gamma, check_max_new_tokens, check_prompt, finite_flag, model_device, read_host
+from speculative.inputs import (
+    check_gamma,
+    check_max_new_tokens,
+    check_prompt,
+    finite_flag,
+    model_device,
+    read_host,
+    usable_logits,
+)
 from speculative.sampling import Sampling, make_generator, sample_rows, warp
 from speculative.speculative import DEFAULT_GAMMA, VERIFIERS, cut_at_eos, drafter_for, judge
 from speculative.stats import AutoregressiveStats, GenerationResult, SpeculativeStats, clock, stop_reason
@@ -420,7 +428,7 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
             logits = out[torch.arange(len(rows), device=device), last]
             usable = finite_flag(logits)  # read with the tokens; never sample NaN meanwhile
             tokens = logits.argmax(-1) if sampling.greedy else sample_rows(
-                warp(torch.where(usable, logits, logits.new_zeros(())), sampling), [row.generator for row in rows])
+                warp(usable_logits(logits, usable), sampling), [row.generator for row in rows])
             (host,) = read_host([tokens], usable)  # the check in the same copy as the tokens
             for row, token in zip(rows, host):
                 row.target_next = len(row.ids)

@@ -84,6 +84,13 @@ def finite_flag(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits.amax(-1)).all()
 
 
+def usable_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``logits`` where ``finite`` (their finite_flag) holds, else zeros (a uniform draw): for
+    a loop that samples before it reads the flag, so that no sampling kernel meets a NaN
+    (CUDA's multinomial would stop the device); the flag's read then raises."""
+    return torch.where(finite, logits, logits.new_zeros(()))
+
+
 def read_host(parts: Sequence[torch.Tensor], finite: torch.Tensor | None = None) -> list[list]:
     """Several 1-d tensors of one device in ONE device -> host copy: each part's values as a
     list (ints for an integer or bool part). ``finite`` (a finite_flag) rides in the same copy,

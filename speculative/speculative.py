@@ -35,7 +35,15 @@ import torch.nn.functional as F
 from speculative import block
 from speculative.drafter import Draft, as_drafter
 from speculative.gamma import AutoGamma
-from speculative.inputs import check_gamma, check_max_new_tokens, check_prompt, check_seed, finite_flag, model_device
+from speculative.inputs import (
+    check_gamma,
+    check_max_new_tokens,
+    check_prompt,
+    check_seed,
+    finite_flag,
+    model_device,
+    usable_logits,
+)
 from speculative.pair import check_pair
 from speculative.sampling import Sampling, make_generator, warp
 from speculative.stats import GenerationResult, SpeculativeStats, clock, stop_reason
@@ -217,12 +225,10 @@ def judge(logits: torch.Tensor, proposal: Draft, sampling: Sampling, verify_samp
     deterministic drafter's q (None) is one-hot on its tokens.
 
     ``finite`` (the logits' finite_flag) is checked in the verifier's one host copy, which
-    raises NonFiniteLogitsError; until then a sampled verification runs on uniform logits
-    in its place, so that no sampling kernel ever meets a NaN (CUDA's multinomial would
-    stop the device on one)."""
+    raises NonFiniteLogitsError; until then a sampled verification runs on usable_logits."""
     drafted = proposal.tokens
     if finite is not None and not sampling.greedy:
-        logits = torch.where(finite, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        logits = usable_logits(logits, finite)
     if proposal.tree is not None:
         if sampling.greedy:
             return verify_tree_greedy(logits.argmax(-1), proposal.tree, finite)
