@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from model import ConfigError, Llama, ModelConfig
 from model.feature_head import FeatureHead
+from speculative import calls
 from speculative.distill import DIVERGENCES, divergence
 from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer, save_model
 from weights.corpus import read_documents, tokenize_corpus
@@ -317,7 +318,7 @@ def sample_sequences(model: Llama, prompts: list[list[int]], length: int, gen: t
     """Sample continuations at temperature 1 (or greedy ones) for a batch of equal-length prompts."""
     tokens = torch.tensor(prompts)
     model.setup_cache(len(prompts), tokens.shape[1] + length)
-    logits = model(tokens, start_pos=0)[:, -1]
+    logits = model(tokens, calls.chain(0, tokens.shape[1], tokens.device, rows=len(prompts)))[:, -1]
     pos = tokens.shape[1]
     out = [tokens]
     for _ in range(length):
@@ -326,7 +327,7 @@ def sample_sequences(model: Llama, prompts: list[list[int]], length: int, gen: t
         else:
             nxt = torch.multinomial(F.softmax(logits.float(), -1), 1, generator=gen)
         out.append(nxt)
-        logits = model(nxt, start_pos=pos)[:, -1]
+        logits = model(nxt, calls.chain(pos, 1, nxt.device, rows=len(prompts)))[:, -1]
         pos += 1
     return torch.cat(out, dim=1)
 

@@ -75,15 +75,15 @@ def call_time(model, rows: int, width: int, context: int, calls: int) -> float:
     (rows at positions context, context+1, ... so that the per-row path runs, as in the loop)."""
     model.setup_cache(rows, context + width + rows + 1)
     tokens = torch.randint(0, model.config.vocab_size, (rows, context + rows))
-    model(tokens, start_pos=[0] * rows)  # fill the cache
+    model(tokens, calls.chain(0, context + rows, tokens.device, rows=rows))  # fill the cache
     starts = [context + b % 2 for b in range(rows)] if rows > 1 else [context]
     feed = torch.randint(0, model.config.vocab_size, (rows, width))
     for _ in range(3):
-        model(feed, start_pos=starts)
+        model(feed, calls.ragged(starts, width, model.cache_len, feed.device))
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        model(feed, start_pos=starts)
+        model(feed, calls.ragged(starts, width, model.cache_len, feed.device))
         times.append(time.perf_counter() - t0)
     return median(times)
 
@@ -106,7 +106,8 @@ def draft_call_time(drafter, target, rows: int, context: int, calls: int) -> flo
         starts = [context + b % 2 for b in range(rows)] if rows > 1 else [context]
 
         def step():
-            return target.lm_head(net(feats, target.embed_tokens(tokens), start_pos=starts))
+            call = calls.ragged(starts, 1, net.cache_len, "cpu")
+            return target.lm_head(net(feats, target.embed_tokens(tokens), call))
         for _ in range(3):
             step()
         times = []

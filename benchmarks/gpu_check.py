@@ -47,6 +47,7 @@ from model import Llama, ModelConfig  # noqa: E402
 from model.memory import DEVICES, LLAMA2_CONFIGS  # noqa: E402
 from model.quantize import quantize_int8  # noqa: E402
 from model.tensor_parallel import weight_bytes  # noqa: E402
+from speculative.calls import chain  # noqa: E402
 
 # The dry run's shapes: a "7B" and a "1B" small enough to compile and run on a CPU in seconds.
 DRY_CONFIG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=256)
@@ -105,15 +106,15 @@ def decode_tokens_per_second(model: Llama, prompt_len: int = 32, steps: int = 64
     model.setup_cache(1, prompt_len + warmup + steps + 1)
     tokens = torch.randint(0, vocab, (1, prompt_len), device=device)
     with torch.inference_mode():
-        nxt = model(tokens, start_pos=0)[:, -1:].argmax(-1)
+        nxt = model(tokens, chain(0, prompt_len, device))[:, -1:].argmax(-1)
         pos = prompt_len
         for _ in range(warmup):
-            nxt = model(nxt, start_pos=pos)[:, -1:].argmax(-1)
+            nxt = model(nxt, chain(pos, 1, device))[:, -1:].argmax(-1)
             pos += 1
         sync(device)
         start = time.perf_counter()
         for _ in range(steps):
-            nxt = model(nxt, start_pos=pos)[:, -1:].argmax(-1)
+            nxt = model(nxt, chain(pos, 1, device))[:, -1:].argmax(-1)
             pos += 1
         sync(device)
     return steps / (time.perf_counter() - start)

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from model.call import CacheCall  # noqa: E402
 from model.fuse import prepare_for_decoding  # noqa: E402
 from weights import load_model  # noqa: E402
 
@@ -39,7 +40,7 @@ def ms_per_call(model: torch.nn.Module, rows: int, calls: int) -> float:
     tokens = torch.full((1, rows), 5)
     start = time.perf_counter()
     for i in range(calls):
-        model(tokens, start_pos=START + i % 64)
+        model(tokens, CacheCall.of(torch.arange(rows).unsqueeze(0) + START + i % 64))
     return (time.perf_counter() - start) / calls * 1e3
 
 

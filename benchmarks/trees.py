@@ -65,12 +65,13 @@ from benchmark_report import (  # noqa: E402
     threads_name,
 )
 
+from model.call import CacheCall  # noqa: E402
 from model.fuse import prepare_for_decoding  # noqa: E402
-from speculative import autoregressive_generate, speculative_generate  # noqa: E402
+from speculative import autoregressive_generate, calls, speculative_generate  # noqa: E402
 from speculative.inputs import model_device  # noqa: E402
 from speculative.stats import clock  # noqa: E402
 from speculative.tree import TokenTree, branching_parents  # noqa: E402
-from speculative.tree_drafting import TREE_MODES, check_tree, prefix_and_tree_inputs  # noqa: E402
+from speculative.tree_drafting import TREE_MODES, check_tree  # noqa: E402
 from weights import load_model, load_tokenizer  # noqa: E402
 
 DRAFTERS = ["tiny-draft", "tiny-eagle"]
@@ -143,18 +144,16 @@ def run(config: Config, target: Any, drafters: dict[str, Any], prompt: list[int]
 
 
 # ----------------------------------------------------------------------------- one target call against N nodes
-def call_inputs(target: Any, prefix: list[int], nodes: list[int]) -> dict[int, tuple[torch.Tensor, dict[str, Any]]]:
+def call_inputs(target: Any, prefix: list[int], nodes: list[int]) -> dict[int, tuple[torch.Tensor, CacheCall]]:
     """What the timed calls feed at slot len(prefix): for N = 0 one token, a plain step; for N > 0 the root and
-    N nodes with their positions and tree mask, as the loop verifies an N-node tree."""
+    N nodes placed as the loop places an N-node tree (speculative.calls.tree)."""
     device = model_device(target)
     start, token = len(prefix), prefix[-1]
     parents = branching_parents(COST_SHAPE)
-    feeds: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {0: (torch.tensor([[token]], device=device), {})}
+    feeds = {0: (torch.tensor([[token]], device=device), calls.chain(start, 1, device))}
     for n in nodes:
         tree = TokenTree(torch.full((n,), token, dtype=torch.long, device=device), parents[:n], "deterministic")
-        positions, mask = prefix_and_tree_inputs(1, start, tree)
-        feeds[n] = (torch.full((1, n + 1), token, dtype=torch.long, device=device),
-                    {"positions": positions, "mask": mask})
+        feeds[n] = (torch.full((1, n + 1), token, dtype=torch.long, device=device), calls.tree(start, 1, tree, device))
     return feeds
 
 
@@ -166,13 +165,13 @@ def time_calls(target: Any, prefix: list[int], nodes: list[int], calls: int, cos
     device = model_device(target)
     with torch.inference_mode():
         target.setup_cache(1, len(prefix) + max(nodes, default=0) + 1)
-        target(torch.tensor([prefix], device=device), start_pos=0)
-        for feed, options in feeds.values():  # untimed: first-call allocations of each size
-            target(feed, start_pos=len(prefix), **options)
+        target(torch.tensor([prefix], device=device), calls.chain(0, len(prefix), device))
+        for feed, call in feeds.values():  # untimed: first-call allocations of each size
+            target(feed, call)
         for _ in range(calls):
-            for n, (feed, options) in feeds.items():
+            for n, (feed, call) in feeds.items():
                 begin = clock(device)
-                target(feed, start_pos=len(prefix), **options)
+                target(feed, call)
                 costs.setdefault(n, []).append(clock(device) - begin)
 
 

@@ -6,18 +6,16 @@ torch.compile turns the step into one graph: Inductor fuses the elementwise work
 rotary, SwiGLU, masks) into a few generated kernels on a CPU, and on a GPU
 ``mode="reduce-overhead"`` replays the whole step as one CUDA graph.
 
-How: ``Llama.static_step(tokens [B, T], positions [B, T])`` has shapes that depend on (B, T)
-alone: the KV cache is one static buffer written in place at the given positions and read
-whole, with a mask (gpt-fast's design). :func:`compile_for_decoding` allocates that buffer
-(the cache length plus room for padding), compiles static_step once for every (rows, width)
-it is given by running it, and installs :class:`CompiledSteps` as ``model.compiled``:
-a cached call of B rows and T tokens then runs the smallest compiled width >= T for B rows,
-padded at the end (the padding's writes land in slots the row has not filled, as for a
-ragged batch), B rows run in the smallest compiled row count >= B, a token tree's call
-(explicit positions and mask) in a compiled tree width, and anything else -- a prompt longer
-than the widest shape -- runs eagerly on the same buffer. No shape met during
-generation is new, so nothing recompiles (tests/test_compile.py makes any recompilation an
-error over whole runs).
+How: a cached call (``model(tokens, call)``, model/model.py) whose window is the whole KV
+cache has shapes that depend on (B, T) alone: the cache is one static buffer written in
+place at the call's slots and read whole, with the call's mask (gpt-fast's design).
+:func:`compile_for_decoding` allocates that buffer, compiles the model's one cached step
+(``Llama.step``, the function an eager call runs too) once for every (rows, width) it is
+given by running it, and installs :class:`CompiledSteps` as ``model.compiled``: a cached
+call of B rows and T tokens then runs the smallest compiled shape that holds it, padded,
+and anything else -- a prompt longer than the widest shape -- runs eagerly on the same
+buffer. No shape met during generation is new, so nothing recompiles
+(tests/test_compile.py makes any recompilation an error over whole runs).
 
 The model knows nothing of what calls it; the widths to compile are the caller's choice
 (generate.py: 1, 2 and gamma + 1, or every width up to the largest gamma under "auto").
@@ -33,10 +31,9 @@ from typing import Any
 
 import torch
 import torch._inductor.config
-import torch.nn.functional as F
 from torch import nn
 
-from model.model import KVCache, rope_tables
+from model.call import CacheCall
 
 _SHAPES = 0  # shapes compiled so far in this process, over all models
 
@@ -64,80 +61,59 @@ class CompileError(ValueError):
 
 @dataclass
 class CompiledSteps:
-    """The compiled static-shape steps of one model, and what they were compiled for."""
+    """The compiled step of one model, the shapes it was compiled for, and the padding that
+    takes a cached call to one of them."""
 
-    fn: Any  # torch.compile(model.static_step)
+    fn: Any  # torch.compile(model.step)
     rows: tuple[int, ...]  # batch sizes compiled, ascending
     widths: tuple[int, ...]  # tokens per call compiled, ascending
     hidden: bool  # compiled to return the hidden states too
     cache_len: int  # the longest cache a run may ask for
     compile_s: float  # wall time of compiling every shape
-    tree_widths: tuple[int, ...] = ()  # tokens per call compiled for calls with a tree's positions and mask
+    tree_widths: tuple[int, ...] = ()  # widths compiled for one row only (a token tree's calls)
 
     def fits(self, batch: int, length: int) -> bool:
         return batch <= max(self.rows) and length <= self.cache_len
 
-    def width_for(self, seq: int, tree: bool = False) -> int | None:
-        return next((w for w in (self.tree_widths if tree else self.widths) if w >= seq), None)
+    def shape_for(self, batch: int, seq: int) -> tuple[int, int] | None:
+        """The smallest compiled (rows, width) that holds ``batch`` rows of ``seq`` tokens."""
+        shapes = [(r, w) for r in self.rows for w in self.widths] + [(1, w) for w in self.tree_widths]
+        fits = [(r * w, r, w) for r, w in shapes if r >= batch and w >= seq]
+        return min(fits)[1:] if fits else None
 
-    def rows_for(self, batch: int) -> int | None:
-        return next((r for r in self.rows if r >= batch), None)
-
-    def __call__(self, model: Any, inputs: tuple[torch.Tensor, ...], start_pos: int | Sequence[int],
-                 return_hidden: bool, positions: Any = None, mask: torch.Tensor | None = None) -> Any:
+    def __call__(self, model: Any, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
         """The call through a compiled shape, or None when none fits (the caller runs eagerly).
 
-        B rows run in the smallest compiled row count >= B: the extra rows are padding that
-        writes the first slots of cache rows B.. (rows a call of B rows does not own) and is
-        cut off. T tokens run in the smallest compiled width >= T, padded at the end (their
-        writes land in slots the row has not filled). A tree's call (explicit positions, a
-        host list, and a mask, one row) runs in a compiled tree width the same way. ``inputs``:
-        the step's first arguments, each [B, T, ...] (a Llama's tokens; a feature head's
-        features and embeddings)."""
+        The same call, padded: B rows to the smallest compiled row count >= B, T tokens to the
+        smallest compiled width >= T, and the window to the whole static cache (what makes the
+        shapes static). A padding token is written at the last slot, which no real token sees
+        (a call's window stops at the cache length), and sees that slot alone; padding rows
+        write rows the call does not own. ``inputs``: the step's first arguments, each
+        [B, T, ...] (a Llama's tokens; a feature head's features and embeddings). Every
+        argument is a fresh tensor of standard strides: the compiled step is specialised to
+        strides, and to which of its arguments are one tensor."""
         batch, seq = inputs[0].shape[:2]
-        tree = positions is not None or mask is not None
-        width, padded_rows = self.width_for(seq, tree), self.rows_for(batch)
-        if width is None or padded_rows is None or return_hidden != self.hidden:
+        shape = self.shape_for(batch, seq)
+        if shape is None or return_hidden != self.hidden:
             return None
-        starts = [start_pos] * batch if isinstance(start_pos, int) else [int(s) for s in start_pos]
-        if len(starts) != batch or any(s < 0 or s + seq > model.cache_len for s in starts):
-            return None  # the eager path raises the error that explains it
-        device = inputs[0].device
-        extra = {}
-        if tree:
-            if padded_rows != 1 or not self.tree_inputs_fit(model, batch, starts[0], seq, positions, mask):
-                return None  # the eager path checks them and says what is wrong
-            slots = torch.arange(starts[0], starts[0] + width, device=device).unsqueeze(0)
-            visible = torch.eye(width, dtype=torch.bool, device=device)  # padding sees itself only
-            visible[:seq, :seq] = mask.to(device)
-            rotate = list(positions) + [starts[0]] * (width - seq)
-            positions = torch.tensor([rotate], device=device)
-            extra = {"slots": slots, "visible": visible.unsqueeze(0)}
-        else:
-            positions = torch.tensor([[s + i for i in range(width)] for s in starts]
-                                     + [list(range(width))] * (padded_rows - batch), device=device)
-        # fresh tensors with standard strides (a [1, T] slice of a longer row has stride L in
-        # its batch dimension, and the compiled step is specialised to strides too)
-        if (width, padded_rows) != (seq, batch):
-            inputs = tuple(F.pad(x, (0, 0) * (x.dim() - 2) + (0, width - seq, 0, padded_rows - batch)) for x in inputs)
-        else:
-            inputs = tuple(x.clone(memory_format=torch.contiguous_format) for x in inputs)
-        out = self.fn(*inputs, positions, return_hidden, **extra)
-        if (width, padded_rows) == (seq, batch):
-            return out
+        (rows, width), slots = shape, model.layers[0].self_attn.cache.k.shape[2]
+        device = call.slots.device
+        padded = []
+        for x in inputs:
+            padded.append(x.new_zeros((rows, width, *x.shape[2:])))
+            padded[-1][:batch, :seq] = x
+        where = torch.full((rows, width), slots - 1, dtype=torch.long, device=device)
+        where[:batch, :seq] = call.slots
+        positions = torch.zeros((rows, width), dtype=torch.long, device=device)
+        positions[:batch, :seq] = call.positions
+        visible = torch.zeros((rows, width, slots), dtype=torch.bool, device=device)
+        visible[:batch, :seq, :call.window] = True if call.visible is None else call.visible
+        visible[batch:, :, -1] = True  # padding sees the slot it writes
+        visible[:, seq:, -1] = True
+        out = self.fn(*padded, where, positions, visible, slots, return_hidden)
         if return_hidden:
             return out[0][:batch, :seq], out[1][:batch, :seq]
         return out[:batch, :seq]
-
-    @staticmethod
-    def tree_inputs_fit(model: Any, batch: int, start: int, seq: int, positions: Any, mask: Any) -> bool:
-        """A tree call the compiled step can take as it is: one row after a cached prefix, the
-        positions a host list within the rotary table, the mask a BoolTensor [T, T]."""
-        if batch != 1 or start == 0 or not isinstance(positions, list | tuple) or len(positions) != seq:
-            return False
-        if not all(isinstance(p, int) and 0 <= p < model._rope[0].shape[0] for p in positions):
-            return False
-        return isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == (seq, seq)
 
 
 def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence[int] = (1,),
@@ -165,18 +141,14 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     cache_len = cache_len or model.config.max_seq_len
     if cache_len > model.config.max_seq_len:
         raise CompileError(f"cache length {cache_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
-    # One static buffer for every call: the cache length, plus room for the padding of the widest call.
-    slots = cache_len + max(widths + tree_widths)
-    kv_heads = model.layers[0].self_attn.local_kv_heads
-    for layer in model.layers:
-        layer.self_attn.cache = KVCache(rows[-1], kv_heads, slots, model.config.head_dim, model.dtype, model.device)
-    model._rope = rope_tables(model.config, slots, model.device, model.dtype)
-    model.cache_len, model.cache_batch = cache_len, rows[-1]
+    # One static buffer for every call: the cache length, plus the scratch slot padding writes.
+    model.compiled = None
+    model.setup_cache(rows[-1], cache_len)
     if mode is None:
         mode = "reduce-overhead" if model.device.type == "cuda" else "autotune"
     if mode not in MODES:
         raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    # Every model's steps are entries of one code object (Llama.static_step), and dynamo caps
+    # Every model's steps are entries of one code object (Llama.step), and dynamo caps
     # the entries of a code object: raise the cap by what this model adds.
     global _SHAPES
     _SHAPES += len(widths) * len(rows) + len(tree_widths)
@@ -184,25 +156,22 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     dynamo.recompile_limit = max(dynamo.recompile_limit, _SHAPES + 8)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * (_SHAPES + 8))
     compile_mode, freezing = MODES[mode]
-    fn = torch.compile(model.static_step, dynamic=False, fullgraph=True, mode=compile_mode)
+    fn = torch.compile(model.step, dynamic=False, fullgraph=True, mode=compile_mode)
+    slots = cache_len + 1
     start = time.perf_counter()
     # Quiet: autotuning prints a table per product to stderr, and the compile line says enough.
     quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
     with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing, **quiet), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        for batch in rows:
-            for width in widths:
-                inputs = model.static_inputs(batch, width)
-                positions = torch.arange(width, device=model.device).expand(batch, width).contiguous()
-                for _ in range(2 if mode == "reduce-overhead" else 1):  # CUDA graphs record on a later call
-                    fn(*inputs, positions, hidden)
-        for width in tree_widths:
-            inputs = model.static_inputs(1, width)
-            positions = torch.arange(1, width + 1, device=model.device).unsqueeze(0)
-            visible = torch.ones(1, width, width, dtype=torch.bool, device=model.device).tril_()
-            for _ in range(2 if mode == "reduce-overhead" else 1):
-                fn(*inputs, positions, hidden, slots=positions.clone(), visible=visible)  # two tensors, as in a run
+        shapes = [(r, w) for r in rows for w in widths]
+        shapes += [(1, w) for w in tree_widths if (1, w) not in shapes]
+        for batch, width in shapes:
+            # the call compile_steps' dispatcher makes: distinct tensors of standard strides
+            where = torch.arange(width, device=model.device).expand(batch, width).contiguous()
+            visible = torch.ones(batch, width, slots, dtype=torch.bool, device=model.device)
+            for _ in range(2 if mode == "reduce-overhead" else 1):  # CUDA graphs record on a later call
+                fn(*model.example_inputs(batch, width), where, where.clone(), visible, slots, hidden)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     steps = CompiledSteps(fn, rows, widths, hidden, cache_len, time.perf_counter() - start, tree_widths)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from model.call import CacheCall
 from model.compile import compile_for_decoding
 from model.fuse import prepare_for_decoding
 from model.prepack import prepack_supported
@@ -97,14 +98,16 @@ def step_ms(model: nn.Module, widths: Sequence[int], hidden: bool, calls: int = 
     """One cached call at each width after a 32-token prefix, median of ``calls``, summed (ms),
     in the cache the model has (a compiled model's static one stays in place)."""
     prefix = min(32, model.cache_len - max(widths) - 1)
-    model(torch.zeros(1, prefix, dtype=torch.long, device=model.device), start_pos=0)
+    prompt = torch.zeros(1, prefix, dtype=torch.long, device=model.device)
+    model(prompt, CacheCall.of(torch.arange(prefix, device=model.device).unsqueeze(0)))
     total = 0.0
     for width in widths:
         tokens = torch.ones(1, width, dtype=torch.long, device=model.device)
+        call = CacheCall.of(torch.arange(prefix, prefix + width, device=model.device).unsqueeze(0))
         times = []
         for _ in range(calls + 2):
             start = time.perf_counter()
-            model(tokens, start_pos=prefix, return_hidden=hidden)
+            model(tokens, call, return_hidden=hidden)
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)
             times.append(time.perf_counter() - start)

@@ -19,7 +19,7 @@ r*KV/tp .. (r+1)*KV/tp - 1, grouped-query attention pairs every local query head
 the same KV head it used in the full model. The blocks are the model's own
 :class:`~model.model.Attention` and :class:`~model.model.MLP` built from a config with
 fewer heads, plus an all-reduce of their output, so :class:`~model.model.Llama` keeps
-its calling convention (``model(tokens, start_pos)``, ``setup_cache``, ``config``) and
+its calling convention (``model(tokens, call)``, ``setup_cache``, ``config``) and
 the speculative decoding code runs unchanged on every rank.
 
 Same decisions on every rank. Speculative decoding draws random numbers and compares

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from speculative import calls
 from speculative.inputs import (
     NonFiniteLogitsError,
     check_max_new_tokens,
@@ -59,11 +60,11 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
         on_device: list[torch.Tensor] = []  # tokens not yet copied to the host
         per_token = eos_id is not None or callback is not None
         finite = torch.ones((), dtype=torch.bool, device=device)  # all logits so far, without a host read per token
-        start_pos = 0
+        slot = 0
         start = clock(device)
         for _ in range(steps):
-            logits = model(feed, start_pos=start_pos)[0, -1]
-            start_pos += feed.shape[1]
+            logits = model(feed, calls.chain(slot, feed.shape[1], device))[0, -1]
+            slot += feed.shape[1]
             # Greedy: sampling the one-hot warp would return the argmax, so take it directly
             # (as the speculative loop's draft does) and skip a dozen small operators a token.
             usable = finite_flag(logits)  # read later, or with the token: never sample NaN meanwhile

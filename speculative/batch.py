@@ -9,7 +9,7 @@ One iteration over the rows in the batch, with the seams of the single-sequence 
 1. Propose (lines 1-3): the drafter drafts gamma_b tokens for every row b, one draft call
    per step for all rows (RowDrafter.propose_rows), row b drawing from its own stream.
 2. Score (line 4): ONE target call over every row's unread tokens and its draft, row b at
-   its own cache position (model.Llama with a list start_pos), padded to the widest row.
+   its own cache slots (speculative.calls.ragged), padded to the widest row.
 3. Judge (lines 5-9): each row by itself, with its own p, q and random stream: the same
    :func:`speculative.speculative.judge` as the single loop (at temperature 0 all rows'
    argmaxes reach the host in one copy).
@@ -22,7 +22,7 @@ generator) becomes a list and the verification a loop over rows. The per-row wor
 single loop's own functions.
 
 Rows and their lifetime: a row finishes on EOS, max_new_tokens or the context. At the end of
-the iteration it leaves the batch: the KV caches drop its row (model.keep_cache_rows
+the iteration it leaves the batch: the KV caches drop its row (model.move_cache
 compacts the rest) and a waiting prompt takes its place (continuous batching), so a finished
 row costs no work. A newcomer is read in the next iteration's calls, padded like the rest:
 that one iteration is as wide as its prompt.
@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from speculative import calls
 from speculative.drafter import RowDrafter, RowDrafts, pad_rows
 from speculative.gamma import AutoGamma
 from speculative.inputs import (
@@ -304,7 +305,7 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
             if any(done) or (batch.waiting and len(rows) < batch_size):
                 kept, new = batch.refill(done)
                 if kept != list(range(len(kept))):
-                    target.keep_cache_rows(kept)
+                    target.move_cache(kept)
                 drafter.keep_rows(kept, new)
         totals.decode_time_s = clock(device) - decode_start
     results = batch.results(eos_id, max_new_tokens)
@@ -331,8 +332,8 @@ def score_rows(target: Any, rows: list[Row], drafts: RowDrafts, reads_features: 
     if at:
         index = torch.tensor(at, device=device).T
         feed[index[0], index[1]] = drafts.tokens[index[0], index[2]]
-    options: dict[str, Any] = {"return_hidden": True} if reads_features else {}
-    out = target(feed, start_pos=[row.target_next for row in rows], **options)
+    call = calls.ragged([row.target_next for row in rows], feed.shape[1], target.cache_len, device)
+    out = target(feed, call, return_hidden=True) if reads_features else target(feed, call)
     logits, hidden = out if reads_features else (out, None)
     wanted = [g + 1 for g in drafts.lengths]
     at_row = [b for b, n in enumerate(wanted) for _ in range(n)]
@@ -424,7 +425,7 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
                 feeds = [row.ids[row.target_next:] for row in rows]
                 feed = pad_rows(feeds, device)
                 last = torch.tensor([len(f) - 1 for f in feeds], device=device)
-            out = model(feed, start_pos=[row.target_next for row in rows])
+            out = model(feed, calls.ragged([row.target_next for row in rows], feed.shape[1], model.cache_len, device))
             logits = out[torch.arange(len(rows), device=device), last]
             usable = finite_flag(logits)  # read with the tokens; never sample NaN meanwhile
             tokens = logits.argmax(-1) if sampling.greedy else sample_rows(
@@ -450,7 +451,7 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
             if any(done):
                 kept, _ = batch.refill(done)
                 if kept != list(range(len(kept))):
-                    model.keep_cache_rows(kept)
+                    model.move_cache(kept)
                 feed = None
         totals.decode_time_s = clock(device) - decode_start
     results = batch.results(eos_id, max_new_tokens)

@@ -43,9 +43,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from speculative import calls
 from speculative.sampling import Sampling, sample, sample_rows, warp
 from speculative.tree import TokenTree
-from speculative.tree_drafting import grow_tree, tree_inputs
+from speculative.tree_drafting import grow_tree
 
 
 @dataclass
@@ -119,13 +120,13 @@ class RowDrafter(Protocol):
     def keep_rows(self, rows: list[int], new: int = 0) -> None: ...
 
 
-def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, sampling: Sampling,
+def draft_tokens(draft: Any, context: torch.Tensor, start: int, gamma: int, sampling: Sampling,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Algorithm 1, lines 1-3, with a draft model: for i = 1..gamma, q_i = M_q(prefix +
     x_1..x_{i-1}) and x_i ~ q_i.
 
     context: [1, T] tokens the draft has not seen yet (T >= 1: the prompt on the first
-    iteration, then the sequence's last token or two), placed at start_pos.
+    iteration, then the sequence's last token or two), placed at slots start...
     Returns the drafted tokens [gamma] and their distributions q [gamma, V]. x_gamma is
     never fed to the draft here.
 
@@ -137,8 +138,8 @@ def draft_tokens(draft: Any, context: torch.Tensor, start_pos: int, gamma: int, 
     """
     tokens, probs = [], []
     for _ in range(gamma):
-        logits = draft(context, start_pos=start_pos)[0, -1]
-        start_pos += context.shape[1]
+        logits = draft(context, calls.chain(start, context.shape[1], context.device))[0, -1]
+        start += context.shape[1]
         x_i = draw(logits, sampling, generator, probs)
         tokens.append(x_i)
         context = x_i.view(1, 1)
@@ -188,7 +189,7 @@ def pad_rows(rows: list[list[int]], device: torch.device, width: int | None = No
 class ModelDrafter:
     """The paper's M_q: a smaller model of the target's family, with its own KV cache.
 
-    Its rollback is the start_pos convention of docs/kv_cache.md: a call at start_pos s
+    Its rollback is writing at an earlier slot (docs/kv_cache.md): a chain call at slot s
     overwrites the cache from s on, so the drafter only remembers ``next``, its first cache
     slot not holding a token of the sequence. It is fed the last token and x_1..x_{gamma-1},
     never its own last proposal x_gamma, so after proposing next = L + gamma - 1; after
@@ -196,7 +197,8 @@ class ModelDrafter:
     next = min(next, L' - 1). When all gamma were accepted, its next call therefore feeds
     [x_gamma, t] together, and it never re-runs a proposal.
 
-    The model is used only through ``model(tokens, start_pos=...)``, ``setup_cache`` and
+    The model is used only through its cached call ``model(tokens, call)``, ``setup_cache``,
+    ``move_cache`` and
     ``config.vocab_size`` / ``config.max_seq_len``.
     """
 
@@ -227,13 +229,12 @@ class ModelDrafter:
         (the nodes are re-fed each time: a call of a small draft costs its fixed overhead
         more than its rows). Its cache slots from L on then hold tree nodes: next = L."""
         length = len(ids)
-        root = self.model(seq[:, self.next:length], start_pos=self.next)[0, -1]
+        root = self.model(seq[:, self.next:length], calls.chain(self.next, length - self.next, seq.device))[0, -1]
         self.next = length
 
         def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
             tree = TokenTree(tokens, parents, mode="deterministic")
-            positions, mask = tree_inputs(tree, length - 1)
-            logits = self.model(tokens.view(1, -1), start_pos=length, positions=positions, mask=mask)[0]
+            logits = self.model(tokens.view(1, -1), calls.tree(length, 0, tree, tokens.device))[0]
             return logits[torch.tensor(rows, device=logits.device)]
 
         tree = grow_tree(root, expand, branching, mode, sampling, generator)
@@ -263,7 +264,8 @@ class ModelDrafter:
         last = torch.tensor([max(w - 1, 0) for w in widths], device=device)
         rows = torch.arange(len(ids), device=device)
         for i in range(steps):
-            logits = self.model(batch, start_pos=starts)[rows, last]  # [B, V]: each row's newest position
+            call = calls.ragged(starts, batch.shape[1], self.model.cache_len, device)
+            logits = self.model(batch, call)[rows, last]  # [B, V]: each row's newest position
             live = [gen if g > i else None for gen, g in zip(generators, gammas)]
             tokens.append(draw_rows(logits, sampling, live, probs))
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
@@ -277,7 +279,7 @@ class ModelDrafter:
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
         if rows != list(range(len(rows))):
-            self.model.keep_cache_rows(rows)
+            self.model.move_cache(rows)
         self.row_next = [self.row_next[r] for r in rows] + [0] * new
 
 
@@ -287,5 +289,5 @@ def as_drafter(draft: Any) -> Drafter:
         return draft
     if hasattr(draft, "config") and callable(draft):
         return ModelDrafter(draft)
-    raise TypeError(f"draft must be a model (with .config, callable as model(tokens, start_pos=...)) or a "
+    raise TypeError(f"draft must be a model (with .config, callable as model(tokens, call)) or a "
                     f"drafter (start/propose/commit, see speculative.drafter), got {type(draft).__name__}")

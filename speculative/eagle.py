@@ -25,7 +25,7 @@ loop's first target call (which reads the prompt) is a plain step.
 
 The target is used through its call contract plus two of its modules: ``embed_tokens``
 (ids -> embeddings) and ``lm_head`` (features -> logits), shared and not copied, and
-``target(tokens, start_pos=..., return_hidden=True)``.
+``target(tokens, call, return_hidden=True)``.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from speculative import calls
 from speculative.drafter import Draft, RowDrafts, drafted_rows, draw, draw_rows, pad_rows
 from speculative.sampling import Sampling
 from speculative.tree import TokenTree
-from speculative.tree_drafting import grow_tree, tree_inputs
+from speculative.tree_drafting import grow_tree
 
 
 class FeatureDrafter:
@@ -75,7 +76,8 @@ class FeatureDrafter:
         nxt = seq[:, start + 1:length]  # and the tokens after them
         tokens, probs = [], []
         for _ in range(gamma):
-            predicted = self.head(feats, self.target.embed_tokens(nxt), start_pos=start)[:, -1:]
+            call = calls.chain(start, feats.shape[1], feats.device)
+            predicted = self.head(feats, self.target.embed_tokens(nxt), call)[:, -1:]
             start += feats.shape[1]
             x_i = draw(self._logits(predicted)[0, -1], sampling, generator, probs)
             tokens.append(x_i)
@@ -96,16 +98,16 @@ class FeatureDrafter:
             return None
         start = self.next
         feats = self.features[start:length - 1].unsqueeze(0)
-        root = self.head(feats, self.target.embed_tokens(seq[:, start + 1:length]), start_pos=start)[0, -1:]
+        call = calls.chain(start, feats.shape[1], feats.device)
+        root = self.head(feats, self.target.embed_tokens(seq[:, start + 1:length]), call)[0, -1:]
         self.next = length - 1
         node_features = [root[:0]]  # predicted features of the nodes fed in the last call
 
         def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
             known = torch.cat([root, node_features[0]])  # row 0: the root; row j + 1: node j
             parent_features = known[torch.tensor(parents, device=tokens.device) + 1]
-            positions, mask = tree_inputs(TokenTree(tokens, parents, mode="deterministic"), length - 2)
-            out = self.head(parent_features.unsqueeze(0), self.target.embed_tokens(tokens.view(1, -1)),
-                            start_pos=length - 1, positions=positions, mask=mask)[0]
+            call = calls.tree(length - 1, 0, TokenTree(tokens, parents, mode="deterministic"), tokens.device)
+            out = self.head(parent_features.unsqueeze(0), self.target.embed_tokens(tokens.view(1, -1)), call)[0]
             node_features[0] = out
             return self._logits(out[torch.tensor(rows, device=out.device)])
 
@@ -158,7 +160,8 @@ class FeatureDrafter:
         last = torch.tensor([max(w - 1, 0) for w in widths], device=device)
         tokens, probs = [], []
         for i in range(steps):
-            predicted = self.head(feats, self.target.embed_tokens(nxt), start_pos=starts)[rows, last]  # [B, dim]
+            call = calls.ragged(starts, feats.shape[1], self.head.cache_len, device)
+            predicted = self.head(feats, self.target.embed_tokens(nxt), call)[rows, last]  # [B, dim]
             live = [gen if g > i else None for gen, g in zip(generators, gammas)]
             tokens.append(draw_rows(self._logits(predicted), sampling, live, probs))
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
@@ -183,7 +186,7 @@ class FeatureDrafter:
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
         if rows != list(range(len(rows))):
-            self.head.keep_cache_rows(rows)
+            self.head.move_cache(rows)
             index = torch.tensor(rows, dtype=torch.long, device=self.row_features.device)
             self.row_features[:len(rows)] = self.row_features.index_select(0, index)
         self.row_known = [self.row_known[r] for r in rows] + [0] * new

@@ -12,15 +12,16 @@ One iteration, with L tokens in the sequence so far (prompt + output), has three
    from the residual at the first rejection, or the bonus token from p_{g+1}. At
    temperature 0 p and q are one-hot, and :func:`speculative.verify.verify_greedy`
    computes the same outcome by comparing argmaxes.
-3. Commit (line 10): emit x_1..x_n, t, and let the drafter roll back. The target follows
-   the start_pos convention (docs/kv_cache.md): a call at start_pos s overwrites the cache
-   from s on, so with L' = L + n + 1 the new length everything before the newest token is
-   in its cache, and its next call starts at slot L' - 1.
+3. Commit (line 10): emit x_1..x_n, t, and let the drafter roll back. Rolling the target
+   back is writing at an earlier slot (docs/kv_cache.md): a call overwrites the slots it
+   is given before anything reads them, so with L' = L + n + 1 the new length everything
+   before the newest token is in its cache, and its next call starts at slot L' - 1.
 
-The only things used of the target are ``target(tokens, start_pos=...)`` (LongTensor
-[1, T] -> logits [1, T, V]; with ``return_hidden=True`` also its features, for a drafter
-that reads them), ``target.setup_cache(max_batch_size, max_seq_len)`` and
-``target.config.vocab_size`` / ``target.config.max_seq_len``.
+The only things used of the target are the model's one cached call, ``target(tokens, call)``
+(LongTensor [1, T] -> logits [1, T, V], with ``call`` from speculative.calls; with
+``return_hidden=True`` also its features, for a drafter that reads them),
+``target.setup_cache(max_batch_size, max_seq_len)``, ``target.move_cache`` (a tree's
+accepted path) and ``target.config.vocab_size`` / ``target.config.max_seq_len``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from speculative import block
+from speculative import block, calls
 from speculative.drafter import Draft, as_drafter
 from speculative.gamma import AutoGamma
 from speculative.inputs import (
@@ -48,7 +49,7 @@ from speculative.pair import check_pair
 from speculative.sampling import Sampling, make_generator, warp
 from speculative.stats import GenerationResult, SpeculativeStats, clock, stop_reason
 from speculative.tree import branching_parents, verify_tree, verify_tree_greedy
-from speculative.tree_drafting import TREE_MODES, check_tree, prefix_and_tree_inputs
+from speculative.tree_drafting import TREE_MODES, check_tree
 from speculative.verify import Verification, verify_greedy, verify_step
 
 Callback = Callable[[list[int], list[bool]], None]
@@ -82,8 +83,8 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     with tree attention, and verify it by multi-draft rejection sampling (speculative.tree);
     ``tree_mode`` says how children are drawn ("without_replacement", "iid" or
     "deterministic", the top-k; greedy decoding always takes the top-k). The tree's depth
-    takes gamma's place (gamma must be left alone), and the target must take ``positions``
-    and ``mask`` and have ``keep_cache`` (model.Llama does).
+    takes gamma's place (gamma must be left alone), and the target's call places the nodes
+    (speculative.calls.tree) and its move_cache keeps the accepted path.
 
     Stops after max_new_tokens (never more), after emitting eos_id (even in the middle of an
     accepted block: nothing after it is emitted) or when prompt + output reaches the smaller
@@ -209,11 +210,11 @@ def score(target: Any, seq: torch.Tensor, target_next: int, length: int, proposa
     every node) and, for a drafter that reads them, the target's features of the whole call.
     The logits are checked by the verifier (judge's ``finite``), in the copy it makes anyway."""
     feed = torch.cat([seq[:, target_next:length], proposal.tokens.view(1, -1)], dim=1)
-    options: dict[str, Any] = {"return_hidden": True} if reads_features else {}
     if proposal.tree is not None:  # each node at its depth, seeing its ancestors
-        options["positions"], options["mask"] = prefix_and_tree_inputs(length - target_next, target_next,
-                                                                       proposal.tree)
-    out = target(feed, start_pos=target_next, **options)
+        call = calls.tree(target_next, length - target_next, proposal.tree, seq.device)
+    else:
+        call = calls.chain(target_next, feed.shape[1], seq.device)
+    out = target(feed, call, return_hidden=True) if reads_features else target(feed, call)
     logits, hidden = out if reads_features else (out, None)
     return logits[0, -(proposal.tokens.shape[0] + 1):], hidden
 
@@ -250,7 +251,7 @@ def keep_path(target: Any, proposal: Draft, step: Verification, length: int, tar
         return None if hidden is None else hidden[0]
     path = step.path
     if path and path != list(range(len(path))):
-        target.keep_cache([length + node for node in path], length)
+        target.move_cache([0], [[length + node for node in path]], [list(range(length, length + len(path)))])
     if hidden is None:
         return None
     prefix = length - target_next

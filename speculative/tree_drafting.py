@@ -108,25 +108,3 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, branching: Sequence[int
         q_all = stacked.new_zeros(len(parents) + 1, stacked.shape[-1])
         q_all[torch.tensor(q_index, device=stacked.device)] = stacked
     return TokenTree(tokens=tokens, parents=parents, mode=mode, q=q_all)
-
-
-def tree_inputs(tree: TokenTree, root_position: int) -> tuple[list[int], torch.Tensor]:
-    """Positions [N] (the root's position + each node's depth) and the ancestor mask [N, N]
-    of the tree's nodes, for a model call that scores them all at once. The positions are a
-    host list: the model checks their range there, without reading the device."""
-    return [root_position + depth for depth in tree.depths()], tree.ancestor_mask().to(tree.tokens.device)
-
-
-def prefix_and_tree_inputs(prefix: int, start_pos: int, tree: TokenTree) -> tuple[list[int], torch.Tensor]:
-    """Positions and mask for one call that feeds ``prefix`` chain tokens at start_pos.. and
-    then the tree's nodes (the root is the last chain token): the chain tokens see each
-    other causally, every node sees all of them and its own ancestors."""
-    device = tree.tokens.device
-    n = tree.num_nodes
-    node_positions, node_mask = tree_inputs(tree, start_pos + prefix - 1)
-    positions = list(range(start_pos, start_pos + prefix)) + node_positions
-    mask = torch.zeros(prefix + n, prefix + n, dtype=torch.bool, device=device)
-    mask[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool, device=device).tril_()
-    mask[prefix:, :prefix] = True
-    mask[prefix:, prefix:] = node_mask
-    return positions, mask

@@ -1,9 +1,10 @@
 """Batches: the model's per-row cache positions, and the batched loops against the
 single-sequence ones.
 
-* model.Llama / FeatureHead called with one start position per row (ragged rows, padding,
-  padding past the cache's end, dropping and reordering rows) give each row the logits
-  of a plain forward over that row alone (float64, to 1e-12);
+* model.Llama / FeatureHead called with one start slot per row (speculative.calls.ragged:
+  ragged rows, padding, padding past the cache's end, dropping and reordering rows with
+  move_cache) give each row the logits of a plain forward over that row alone (float64,
+  to 1e-12); a batch of one is the chain call bit for bit;
 * ``sample_rows`` draws what ``sample`` draws row by row, bit for bit;
 * ``speculative_generate_batch`` and ``autoregressive_generate_batch``: row i's tokens are
   those of the single-sequence call with seed + i (float64, where matmul shapes cannot tip
@@ -24,12 +25,14 @@ import pytest
 import torch
 from toy_models import far_from_argmax, noisy_copy, random_llama, reference_greedy
 
+from model.call import CacheCall
 from model.config import ModelConfig
 from model.feature_head import FeatureHead
 from speculative import (
     FeatureDrafter,
     PromptLookupDrafter,
     autoregressive_generate,
+    calls,
     sample,
     speculative_generate,
 )
@@ -55,6 +58,11 @@ def random_prompts(count: int, seed: int, vocab: int = 16, longest: int = 9) -> 
 
 
 # ----------------------------------------------------------------------------- model
+def ragged(model, tokens: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """The call of a batch whose row b starts at slot starts[b] (speculative.calls.ragged)."""
+    return model(tokens, calls.ragged(starts, tokens.shape[1], model.cache_len, tokens.device))
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("seed", range(4))
 def test_per_row_positions_give_each_row_its_own_forward(llama64: dict, seed: int) -> None:
@@ -67,13 +75,13 @@ def test_per_row_positions_give_each_row_its_own_forward(llama64: dict, seed: in
         if fed[0]:
             rows = [r + f for r, f in zip(rows, feeds)]
         width = max(map(len, feeds))
-        out = model(torch.tensor([f + [0] * (width - len(f)) for f in feeds]), start_pos=list(fed))
+        out = ragged(model, torch.tensor([f + [0] * (width - len(f)) for f in feeds]), list(fed))
         for b in range(4):
             alone = model(torch.tensor([rows[b]]))[0, -len(feeds[b]):]  # no cache
             assert torch.allclose(out[b, :len(feeds[b])], alone, atol=1e-12, rtol=0)
         fed = [len(r) for r in rows]
-    model.keep_cache_rows([2, 0])  # rows finish and the rest move up, in any order
-    out = model(torch.tensor([[5], [6]]), start_pos=[fed[2], fed[0]])
+    model.move_cache([2, 0])  # rows finish and the rest move up, in any order
+    out = ragged(model, torch.tensor([[5], [6]]), [fed[2], fed[0]])
     for b, old in enumerate([2, 0]):
         alone = model(torch.tensor([rows[old] + [[5], [6]][b]]))[0, -1]
         assert torch.allclose(out[b, -1], alone, atol=1e-12, rtol=0)
@@ -83,27 +91,35 @@ def test_per_row_positions_give_each_row_its_own_forward(llama64: dict, seed: in
 def test_padding_past_the_end_of_the_cache_is_dropped(llama64: dict) -> None:
     model = llama64["target"]
     model.setup_cache(2, 8)
-    model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 1], [1, 2, 0, 0, 0, 0, 0, 0]]), start_pos=[0, 0])
-    out = model(torch.tensor([[2, 0, 0], [3, 4, 5]]), start_pos=[7, 2])  # row 0's padding runs off the end
+    ragged(model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 1], [1, 2, 0, 0, 0, 0, 0, 0]]), [0, 0])
+    out = ragged(model, torch.tensor([[2, 0, 0], [3, 4, 5]]), [7, 2])  # row 0's padding runs off the end
     assert torch.allclose(out[0, 0], model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 2]]))[0, -1], atol=1e-12, rtol=0)
     assert torch.allclose(out[1], model(torch.tensor([[1, 2, 3, 4, 5]]))[0, 2:], atol=1e-12, rtol=0)
-    with pytest.raises(ValueError, match="outside the KV cache"):
-        model(torch.tensor([[1], [1]]), start_pos=[8, 0])
-    with pytest.raises(ValueError, match="2 row positions for a batch of 1"):
-        model(torch.tensor([[1]]), start_pos=[0, 1])
+    with pytest.raises(ValueError, match="row start positions 0..8 fall outside the KV cache"):
+        ragged(model, torch.tensor([[1], [1]]), [8, 0])
+    # a call built by hand past the end (and its scratch slot 8) reaches the model, which refuses it
+    past_end = CacheCall(torch.tensor([[9], [0]]), torch.tensor([[9], [0]]), None, 8, 9)
+    with pytest.raises(ValueError, match="up to 9 fall outside the KV cache"):
+        model(torch.tensor([[1], [1]]), past_end)
+    with pytest.raises(ValueError, match=r"the call places \(2, 1\) tokens, the input has \(1, 1\)"):
+        model(torch.tensor([[1]]), calls.ragged([0, 1], 1, model.cache_len, "cpu"))
     with pytest.raises(ValueError, match="rows to keep"):
-        model.keep_cache_rows([0, 2])
+        model.move_cache([0, 2])
 
 
 @torch.no_grad()
 def test_a_batch_of_one_with_a_list_is_the_single_path_bit_for_bit() -> None:
     model = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, seed=3)
     model.setup_cache(1, 16)
-    a = model(torch.tensor([[1, 2, 3]]), start_pos=0)
-    b = model(torch.tensor([[4]]), start_pos=3)
+    a = model(torch.tensor([[1, 2, 3]]), calls.chain(0, 3, "cpu"))
+    b = model(torch.tensor([[4]]), calls.chain(3, 1, "cpu"))
     model.setup_cache(1, 16)
-    assert torch.equal(model(torch.tensor([[1, 2, 3]]), start_pos=[0]), a)
-    assert torch.equal(model(torch.tensor([[4]]), start_pos=[3]), b)
+    assert torch.equal(ragged(model, torch.tensor([[1, 2, 3]]), [0]), a)
+    assert torch.equal(ragged(model, torch.tensor([[4]]), [3]), b)
+    # and through a call built from tensors alone, with its causal mask written out
+    model.setup_cache(1, 16)
+    assert torch.equal(model(torch.tensor([[1, 2, 3]]), CacheCall.of(torch.tensor([[0, 1, 2]]))), a)
+    assert torch.equal(model(torch.tensor([[4]]), CacheCall.of(torch.tensor([[3]]))), b)
 
 
 @torch.no_grad()
@@ -115,11 +131,11 @@ def test_feature_head_per_row_positions(llama64: dict) -> None:
                                                                                        dtype=torch.float64)
     alone = [head(feats[b:b + 1], emb[b:b + 1])[0] for b in range(2)]
     head.setup_cache(2, 12)
-    head(feats[:, :4], emb[:, :4], start_pos=[0, 0])  # row 0 then reads 4.., row 1 re-reads 2..
-    out = head(feats[:, 2:], emb[:, 2:], start_pos=[2, 2])
+    head(feats[:, :4], emb[:, :4], calls.ragged([0, 0], 4, 12, "cpu"))  # row 0 then reads 4.., row 1 re-reads 2..
+    out = head(feats[:, 2:], emb[:, 2:], calls.ragged([2, 2], 4, 12, "cpu"))
     assert torch.allclose(out[0], alone[0][2:], atol=1e-12) and torch.allclose(out[1], alone[1][2:], atol=1e-12)
-    head.keep_cache_rows([1])
-    tail = head(feats[1:, 5:], emb[1:, 5:], start_pos=[5])
+    head.move_cache([1])
+    tail = head(feats[1:, 5:], emb[1:, 5:], calls.ragged([5], 1, 12, "cpu"))
     assert torch.allclose(tail[0, 0], alone[1][5], atol=1e-12)
 
 

@@ -1,8 +1,9 @@
 """Compiled decoding (model/compile.py): the static-shape step is the eager forward, a
 compiled run never recompiles, and compiled output keeps every promise of the eager one.
 
-* ``Llama.static_step`` (run eagerly) gives the logits and cache writes of the plain cached
-  forward, for one row and for ragged rows (float64, to 1e-12);
+* ``Llama.step`` (run eagerly, as the compiled dispatcher calls it: the window the whole
+  static cache, scratch slot included) gives the logits of the plain forward, for ragged rows
+  after stale entries (float64, to 1e-12);
 * compiled models, over whole speculative runs with rollbacks, EOS and gamma="auto", never
   recompile: dynamo is told to raise on any recompilation, and its graph count must not move;
 * compiled greedy output is the eager greedy output and the target's, up to the float32
@@ -30,11 +31,12 @@ from toy_models import (
     sequence_distribution,
 )
 
+from model.call import CacheCall
 from model.compile import CompileError, compile_for_decoding, decode_widths
 from model.prepack import prepack_linears, prepack_supported
-from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
+from speculative import autoregressive_generate, calls, speculative_generate, speculative_generate_batch
 from speculative.gamma import GAMMA_MAX
-from speculative.tree import branching_parents
+from speculative.tree import TokenTree, branching_parents
 
 torch.set_num_threads(1)
 
@@ -45,21 +47,31 @@ def pair(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.nn.Mo
     return target, noisy_copy(target, std=0.05, seed=seed + 1)
 
 
-# ----------------------------------------------------------------------------- the static step, eagerly
+# ----------------------------------------------------------------------------- the compiled step, eagerly
 @torch.no_grad()
-def test_static_step_is_the_cached_forward() -> None:
+def test_the_step_is_the_cached_forward() -> None:
+    """Llama.step, the function compile_for_decoding compiles, run eagerly with what the
+    compiled dispatcher passes it (the window the whole cache, its scratch slot included but
+    never visible): the logits of the plain forward over each row, after a ragged prefix
+    and over stale cache entries; the public ragged call gives the same."""
     model = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, seed=1,
                          dtype=torch.float64)
     reference = copy.deepcopy(model)
     rows = [[1, 2, 3, 4, 5], [6, 7, 8]]
     model.setup_cache(2, 24)
     model.layers[0].self_attn.cache.k.normal_()  # stale entries must stay invisible
-    model(torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]), start_pos=[0, 0])
-    positions = torch.tensor([[5, 6, 7], [3, 4, 5]])
-    out = model.static_step(torch.tensor([[9, 10, 11], [12, 13, 0]]), positions)
+    model(torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]), calls.ragged([0, 0], 5, 24, "cpu"))
+    slots = torch.tensor([[5, 6, 7], [3, 4, 5]])
+    window = model.layers[0].self_attn.cache.k.shape[2]
+    assert window == 25  # 24 slots and the scratch slot
+    visible = torch.arange(window) <= slots.unsqueeze(-1)  # each token sees its row up to its own slot
+    tokens = torch.tensor([[9, 10, 11], [12, 13, 0]])
+    out = model.step(tokens, slots, slots, visible, window, False)
+    again = model(tokens, calls.ragged([5, 3], 3, 24, "cpu"))  # rewrites the same entries
     for b, new in enumerate([[9, 10, 11], [12, 13]]):
         alone = reference(torch.tensor([rows[b] + new]))[0, -len(new):]
         assert torch.allclose(out[b, :len(new)], alone, atol=1e-12, rtol=0)
+        assert torch.allclose(again[b, :len(new)], alone, atol=1e-12, rtol=0)
 
 
 # ----------------------------------------------------------------------------- compiled
@@ -134,10 +146,31 @@ def test_compiled_runs_have_the_target_distribution(compiled_pair: dict) -> None
 TREE = (2, 2, 1)  # 10 nodes: the target's tree call is 11 wide; the draft's expansions 2 and 6
 
 
+def count_compiled_calls(model: torch.nn.Module, counts: Counter) -> None:
+    """Count every call of ``model``'s compiled step by its rows ("rows4"), and a token tree's
+    call -- one where a token does not see a slot before its own (a sibling's), which no
+    chain or ragged call does -- also as "tree" and by its compiled width ("tree11")."""
+    real = model.compiled.fn
+
+    def counted(*args, _real=real):
+        where, visible, window = args[-5], args[-3], args[-2]  # (*inputs, slots, positions, visible, window, hidden)
+        rows, width = where.shape
+        counts[f"rows{rows}"] += 1
+        written = where < window - 1  # padding writes the scratch slot, the last one
+        before = torch.arange(window, device=where.device) < where.unsqueeze(-1)
+        if bool((written.unsqueeze(-1) & before & ~visible).any()):
+            counts["tree"] += 1
+            counts[f"tree{width}"] += 1
+        return _real(*args)
+
+    model.compiled.fn = counted
+
+
 @pytest.fixture(scope="module")
 def bucketed_pair() -> dict:
-    """A pair compiled for batches of up to 4 rows (buckets 1, 2, 4) and for TREE's calls,
-    with every compiled call counted by kind."""
+    """A pair compiled for batches of up to 4 rows (buckets 1, 2, 4) and for TREE's calls
+    (one-row widths: the target's 11, the draft's expansions 2 and 6), with every compiled
+    call counted by rows, and a tree's by width."""
     target, draft = pair(seed=3)
     ctarget, cdraft = copy.deepcopy(target), copy.deepcopy(draft)
     # Inductor's default mode: the buckets are the same whatever the kernels, and it compiles
@@ -146,16 +179,10 @@ def bucketed_pair() -> dict:
                          tree_widths=(len(branching_parents(TREE)) + 1,), mode="default")
     compile_for_decoding(cdraft, (1, 2), rows=(1, 2, 4), cache_len=64,
                          tree_widths=[len(branching_parents(TREE[:d])) for d in range(1, len(TREE))], mode="default")
-    calls: Counter = Counter()
+    counts: Counter = Counter()
     for model in (ctarget, cdraft):
-        real = model.compiled.fn
-
-        def counted(tokens, positions, hidden, _real=real, **extra):
-            calls["tree" if extra else f"rows{tokens.shape[0]}"] += 1
-            return _real(tokens, positions, hidden, **extra)
-
-        model.compiled.fn = counted
-    return {"target": target, "draft": draft, "ctarget": ctarget, "cdraft": cdraft, "calls": calls}
+        count_compiled_calls(model, counts)
+    return {"target": target, "draft": draft, "ctarget": ctarget, "cdraft": cdraft, "calls": counts}
 
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [2, 2]]
@@ -163,7 +190,8 @@ PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [2, 2]]
 
 def test_batch_and_tree_runs_use_their_buckets_and_never_recompile(bucketed_pair: dict) -> None:
     """Batches of 3 (padded to 4, then 2 and 1 as rows finish at EOS or their budget) and token
-    trees, greedy and sampled: the compiled shapes are what runs, and nothing recompiles."""
+    trees, greedy and sampled: the compiled shapes are what runs (a tree's call through the
+    same compiled step, padded to a compiled tree width), and nothing recompiles."""
     ctarget, cdraft, calls = bucketed_pair["ctarget"], bucketed_pair["cdraft"], bucketed_pair["calls"]
     before = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -174,6 +202,7 @@ def test_batch_and_tree_runs_use_their_buckets_and_never_recompile(bucketed_pair
                 speculative_generate(ctarget, cdraft, prompt, 20, temperature=temperature, seed=seed, tree=TREE)
     assert graphs() == before
     assert calls["rows4"] > 0 and calls["rows2"] > 0 and calls["rows1"] > 0 and calls["tree"] > 0
+    assert calls["tree11"] > 0 and calls["tree2"] > 0 and calls["tree6"] > 0  # the target's and the draft's
 
 
 def test_compiled_batch_and_tree_greedy_is_the_target_up_to_near_ties(bucketed_pair: dict) -> None:
@@ -188,20 +217,32 @@ def test_compiled_batch_and_tree_greedy_is_the_target_up_to_near_ties(bucketed_p
 
 
 def test_a_compiled_tree_call_uses_its_mask() -> None:
-    """The compiled tree step against the eager one, and a wrong mask (causal) caught."""
+    """The compiled step over a tree's call (explicit positions and visibility, padded from 5
+    to the compiled width 6) against the eager one, and a wrong mask (causal) caught."""
     model, _ = pair(seed=4)
     eager = copy.deepcopy(model)
     compile_for_decoding(model, (1,), cache_len=32, tree_widths=(6,), mode="default")
+    counts: Counter = Counter()
+    count_compiled_calls(model, counts)
     eager.setup_cache(1, 32)
     mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
                         dtype=torch.bool)
+    slots, positions = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[5, 6, 6, 7, 7]])
+    visible = torch.ones(1, 5, 10, dtype=torch.bool)  # every cached slot 0..4, then the mask over the nodes
+    visible[0, :, 5:] = mask
+    call = CacheCall(slots, positions, visible, 10, 9)
+    # the builder makes this call for the tree with these parents (root at slot 4, nodes from 5)
+    built = calls.tree(5, 0, TokenTree(torch.tensor([6, 7, 8, 9, 10]), [-1, 0, 0, 1, 2], mode="deterministic"), "cpu")
+    assert torch.equal(built.slots, slots) and torch.equal(built.positions, positions)
+    assert torch.equal(built.visible, visible) and (built.window, built.top) == (10, 9)
     with torch.inference_mode():
         for net in (model, eager):
-            net(torch.tensor([[1, 2, 3, 4, 5]]), start_pos=0)
-        nodes, positions = torch.tensor([[6, 7, 8, 9, 10]]), [5, 6, 6, 7, 7]
-        got = model(nodes, start_pos=5, positions=positions, mask=mask)
-        assert torch.allclose(got, eager(nodes, start_pos=5, positions=positions, mask=mask), atol=1e-5)
-        causal = model(nodes, start_pos=5, positions=positions, mask=torch.ones(5, 5, dtype=torch.bool).tril())
+            net(torch.tensor([[1, 2, 3, 4, 5]]), calls.chain(0, 5, "cpu"))
+        nodes = torch.tensor([[6, 7, 8, 9, 10]])
+        got = model(nodes, call)
+        assert counts["tree6"] == 1  # it ran compiled, padded to width 6
+        assert torch.allclose(got, eager(nodes, call), atol=1e-5)
+        causal = model(nodes, CacheCall(slots, positions, torch.arange(10) <= slots.unsqueeze(-1), 10, 9))
         assert not torch.allclose(got, causal, atol=1e-3)
 
 
@@ -209,7 +250,8 @@ def test_compile_reports_what_it_compiled(compiled_pair: dict) -> None:
     steps = compiled_pair["steps"][0]
     assert steps.widths == decode_widths("auto", GAMMA_MAX) and steps.rows == (1,)
     assert steps.widths[-1] == GAMMA_MAX + 1 and steps.widths[:3] == (1, 2, 3)
-    assert steps.compile_s > 0 and steps.width_for(3) == 3 and steps.width_for(GAMMA_MAX + 2) is None
+    assert steps.compile_s > 0 and steps.shape_for(1, 3) == (1, 3) and steps.shape_for(1, 4) == (1, 5)
+    assert steps.shape_for(1, GAMMA_MAX + 2) is None and steps.shape_for(2, 1) is None
     with pytest.raises(ValueError, match="compiled for at most 1 rows and 64 positions"):
         compiled_pair["ctarget"].setup_cache(2, 10)
 
@@ -236,12 +278,13 @@ def test_a_prepacked_model_compiles_with_its_packed_products() -> None:
         feeds = [(torch.tensor([[1, 2, 3, 4]]), 0), (torch.tensor([[5]]), 4), (torch.tensor([[6, 7, 8]]), 5),
                  (torch.tensor([[9]]), 8)]
         for tokens, start in feeds:
-            assert torch.allclose(model(tokens, start_pos=start), eager(tokens, start_pos=start), atol=1e-4, rtol=1e-4)
+            call = calls.chain(start, tokens.shape[1], "cpu")
+            assert torch.allclose(model(tokens, call), eager(tokens, call), atol=1e-4, rtol=1e-4)
         layer = model.layers[0].mlp.down_proj
-        before = model(torch.tensor([[3]]), start_pos=9)
+        before = model(torch.tensor([[3]]), calls.chain(9, 1, "cpu"))
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(layer.out_features, layer.in_features),
                                                                None)
-        assert not torch.allclose(model(torch.tensor([[3]]), start_pos=9), before)
+        assert not torch.allclose(model(torch.tensor([[3]]), calls.chain(9, 1, "cpu")), before)
 
 
 def test_bad_widths_are_refused() -> None:
@@ -319,7 +362,7 @@ def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str],
 
 # ----------------------------------------------------------------------------- the feature head
 def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
-    """The head's static step compiled (chain widths, batch buckets, a tree's expansions):
+    """The head's step compiled (chain widths, batch buckets, a tree's expansions):
     its outputs are the eager head's within float32 rounding, the feature drafter's greedy
     output keeps the near-tie rule, and nothing recompiles over chain, batch and tree runs."""
     from test_drafters import random_head
@@ -331,22 +374,18 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
     chead = copy.deepcopy(head)
     compile_for_decoding(chead, decode_widths(4, 4), rows=(1, 2, 4), cache_len=64, mode="default",
                          tree_widths=[len(branching_parents(TREE[:d])) for d in range(1, len(TREE))])
-    calls: Counter = Counter()
-    real = chead.compiled.fn
-
-    def counted(*args, **extra):
-        calls["tree" if extra else f"rows{args[0].shape[0]}"] += 1
-        return real(*args, **extra)
-
-    chead.compiled.fn = counted
+    counts: Counter = Counter()
+    count_compiled_calls(chead, counts)
     with torch.inference_mode():
         for net in (head, chead):
             net.setup_cache(1, 32)
         gen = torch.Generator().manual_seed(0)
         feats, embeds = torch.randn(1, 6, 32, generator=gen), torch.randn(1, 6, 32, generator=gen)
-        assert torch.allclose(chead(feats, embeds, start_pos=0), head(feats, embeds, start_pos=0), atol=1e-5)
+        call = calls.chain(0, 6, "cpu")
+        assert torch.allclose(chead(feats, embeds, call), head(feats, embeds, call), atol=1e-5)
         one = (torch.randn(1, 1, 32, generator=gen), torch.randn(1, 1, 32, generator=gen))
-        assert torch.allclose(chead(*one, start_pos=6), head(*one, start_pos=6), atol=1e-5)
+        call = calls.chain(6, 1, "cpu")
+        assert torch.allclose(chead(*one, call), head(*one, call), atol=1e-5)
     before = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in PROMPTS:
@@ -356,4 +395,4 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
                                  tree=TREE)
         speculative_generate_batch(target, FeatureDrafter(chead, target), PROMPTS, 12, temperature=0, batch_size=3)
     assert graphs() == before
-    assert calls["rows1"] > 0 and calls["tree"] > 0 and (calls["rows4"] > 0 or calls["rows2"] > 0)
+    assert counts["rows1"] > 0 and counts["tree"] > 0 and (counts["rows4"] > 0 or counts["rows2"] > 0)

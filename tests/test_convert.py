@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, SHARED_DATA, needs_shared
 
+from speculative.calls import chain
 from weights import CheckpointError, load_model, load_tokenizer
 from weights.convert import convert_llama2c, interleaved_to_rotate_half, main, read_llama2c_header
 
@@ -54,10 +55,10 @@ def _greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     model.setup_cache(max_batch_size=1, max_seq_len=len(prompt) + new_tokens)
     tokens = list(prompt)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt]), start_pos=0)[0, -1]
+        logits = model(torch.tensor([prompt]), chain(0, len(prompt), model.device))[0, -1]
         for _ in range(new_tokens):
             tokens.append(int(logits.argmax()))
-            logits = model(torch.tensor([[tokens[-1]]]), start_pos=len(tokens) - 1)[0, -1]
+            logits = model(torch.tensor([[tokens[-1]]]), chain(len(tokens) - 1, 1, model.device))[0, -1]
     return tokens
 
 

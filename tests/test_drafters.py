@@ -48,6 +48,7 @@ from speculative import (
     as_drafter,
     speculative_generate,
 )
+from speculative.calls import chain
 from speculative.sampling import Sampling, warp
 
 verify = importlib.import_module("speculative.verify")
@@ -383,9 +384,9 @@ def test_feature_drafter_keeps_the_target_features_of_the_accepted_path(llama64:
     calls: list[tuple[int, int]] = []
     real_forward = head.forward
 
-    def recording(features, embeddings, start_pos=None):
-        calls.append((start_pos, features.shape[1]))
-        return real_forward(features, embeddings, start_pos=start_pos)
+    def recording(features, embeddings, call=None):
+        calls.append((None if call is None else int(call.slots[0, 0]), features.shape[1]))
+        return real_forward(features, embeddings, call)
 
     head.forward = recording
     snapshots = []
@@ -421,8 +422,8 @@ def test_return_hidden_is_what_the_output_head_reads() -> None:
         torch.testing.assert_close(logits, model(tokens), rtol=0, atol=0)
         torch.testing.assert_close(model.lm_head(hidden), logits, rtol=0, atol=0)
         model.setup_cache(1, 8)
-        first, h1 = model(tokens[:, :3], start_pos=0, return_hidden=True)
-        second, h2 = model(tokens[:, 3:], start_pos=3, return_hidden=True)
+        first, h1 = model(tokens[:, :3], chain(0, 3, "cpu"), return_hidden=True)
+        second, h2 = model(tokens[:, 3:], chain(3, 2, "cpu"), return_hidden=True)
     torch.testing.assert_close(torch.cat([h1, h2], dim=1), hidden, rtol=1e-12, atol=1e-12)
 
 

@@ -58,23 +58,25 @@ def test_chain(pair: tuple, temperature: float, verify: str, monkeypatch: pytest
 
 @pytest.mark.parametrize("temperature, mode", [(0.0, "deterministic"), (1.0, "deterministic"), (1.0, "iid")])
 def test_tree(pair: tuple, temperature: float, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A token tree: the walk's one copy (with the check) per iteration, and one more where
-    the accepted path must be moved into place in the cache, whose slots the model checks
-    on the host; and once per run, the model's check of the first call's mask (at start_pos 0
-    a token that sees nothing would get NaN). (Drawing children without replacement adds a
+    """A token tree: the walk's one copy (with the check) per iteration, and nothing more: the
+    accepted path is moved into place in the cache from host lists, which the model checks on
+    the host, and the tree's call (speculative.calls.tree) is built from host lists too, each
+    token seeing at least itself, so no call's mask is read back (the old explicit-mask call
+    read the first call's mask once per run). (Drawing children without replacement adds a
     read per level: which draws were possible decides the tree's shape on the host.)"""
     moved = []
-    real = type(pair[0]).keep_cache
+    real = type(pair[0]).move_cache
 
-    def keep_cache(self, slots, dst_start):
-        moved.append(slots)
-        return real(self, slots, dst_start)
+    def move_cache(self, rows, src=None, dst=None):
+        moved.append((rows, src, dst))
+        return real(self, rows, src, dst)
 
-    monkeypatch.setattr(type(pair[0]), "keep_cache", keep_cache)
+    monkeypatch.setattr(type(pair[0]), "move_cache", move_cache)
     out, reads = count_reads(lambda: speculative_generate(*pair, [1, 2, 3], 40, temperature=temperature, seed=0,
                                                           tree=(2, 2, 1), tree_mode=mode), monkeypatch)
-    assert reads == out.stats.target_calls + 1
-    assert moved and all(isinstance(slots, list) for slots in moved)
+    assert reads == out.stats.target_calls
+    assert moved and all(isinstance(rows, list) and all(isinstance(slots, list) for slots in src + dst)
+                         for rows, src, dst in moved)  # host lists: the model checks them without a read
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

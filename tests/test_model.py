@@ -12,6 +12,8 @@ import torch
 from conftest import HF_CONFIGS, hf_config, hf_logits, hf_model, random_tokens, randomize_
 
 from model import Llama, ModelConfig
+from model.call import CacheCall
+from speculative import calls
 from weights import load_model, save_model
 
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is in the [test] extras")
@@ -92,13 +94,13 @@ def test_greedy_generation_matches_transformers_generate(tmp_path) -> None:
     ours.setup_cache(max_batch_size=2, max_seq_len=prompt.shape[1] + new_tokens)
     tokens, gaps = prompt, []
     with torch.no_grad():
-        logits = ours(prompt, start_pos=0)[:, -1]
+        logits = ours(prompt, calls.chain(0, prompt.shape[1], prompt.device, rows=2))[:, -1]
         for _ in range(new_tokens):
             top2 = logits.topk(2, dim=-1).values
             gaps.append((top2[:, 0] - top2[:, 1]).min().item())
             nxt = logits.argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, nxt], dim=1)
-            logits = ours(nxt, start_pos=tokens.shape[1] - 1)[:, -1]
+            logits = ours(nxt, calls.chain(tokens.shape[1] - 1, 1, nxt.device, rows=2))[:, -1]
     assert min(gaps) > 1e-3, f"near-tie in greedy decoding (gap {min(gaps):.2g}); use float64"
     assert expected.shape == tokens.shape == (2, 6 + new_tokens)
     assert tokens.tolist() == expected.tolist()
@@ -120,14 +122,14 @@ def test_cached_decoding_equals_uncached_forward(name: str) -> None:
         model.setup_cache(max_batch_size=2, max_seq_len=32)
         steps = [(0, 7)] + [(p, p + 1) for p in range(7, 15)] + [(15, 20), (20, 25), (25, 30)]
         for start, end in steps:
-            got = model(tokens[:, start:end], start_pos=start)
+            got = model(tokens[:, start:end], calls.chain(start, end - start, tokens.device, rows=2))
             assert got.shape == (2, end - start, model.config.vocab_size)
             diff = _max_diff(got, full[:, start:end])
             assert diff <= PARITY_ATOL, f"positions {start}..{end - 1}: {diff:.3g}"
 
 
 def test_rollback_overwrites_stale_cache_entries() -> None:
-    """Calling again with a smaller start_pos discards what was written past it."""
+    """Calling again at an earlier slot discards what was written past it."""
     model = _model()
     vocab = model.config.vocab_size
     first = random_tokens(1, 20, vocab, seed=9)
@@ -136,12 +138,12 @@ def test_rollback_overwrites_stale_cache_entries() -> None:
     with torch.no_grad():
         expected = model(second)
         model.setup_cache(max_batch_size=1, max_seq_len=24)
-        model(first[:, :16], start_pos=0)  # positions 10..15 now hold `first`'s entries
-        # Roll back to 10: three new tokens in a chunk (masked path), then single tokens
-        # (unmasked path) while stale entries of `first` still sit at 13..15.
-        got = [model(second[:, 10:13], start_pos=10)]
-        got += [model(second[:, p:p + 1], start_pos=p) for p in range(13, 15)]
-        got.append(model(second[:, 15:20], start_pos=15))
+        model(first[:, :16], calls.chain(0, 16, "cpu"))  # slots 10..15 now hold `first`'s entries
+        # Roll back to 10: three new tokens in a chunk (masked call), then single tokens
+        # (unmasked call) while stale entries of `first` still sit at 13..15.
+        got = [model(second[:, 10:13], calls.chain(10, 3, "cpu"))]
+        got += [model(second[:, p:p + 1], calls.chain(p, 1, "cpu")) for p in range(13, 15)]
+        got.append(model(second[:, 15:20], calls.chain(15, 5, "cpu")))
     diff = _max_diff(torch.cat(got, dim=1), expected[:, 10:20])
     assert diff <= PARITY_ATOL
     # A rollback that forgot to overwrite would show: the stale prefix gives other logits.
@@ -150,19 +152,60 @@ def test_rollback_overwrites_stale_cache_entries() -> None:
     assert _max_diff(stale, expected[:, 10:13]) > 1e-2
 
 
+def _outside(top: int) -> str:
+    return rf"slots or positions up to {top} fall outside the KV cache \(max_seq_len 16\)"
+
+
 def test_going_past_the_cache_raises() -> None:
     model = _model()
     tokens = random_tokens(1, 12, model.config.vocab_size, seed=11)
     model.setup_cache(max_batch_size=1, max_seq_len=16)
     with torch.no_grad():
-        model(tokens[:, :10], start_pos=0)
-        with pytest.raises(ValueError, match=r"positions 10\.\.17 fall outside the KV cache \(max_seq_len 16\)"):
-            model(tokens[:, :8], start_pos=10)
-        with pytest.raises(ValueError, match="outside the KV cache"):
-            model(tokens[:, :1], start_pos=16)
+        model(tokens[:, :10], calls.chain(0, 10, "cpu"))
+        with pytest.raises(ValueError, match=_outside(17)):
+            model(tokens[:, :8], calls.chain(10, 8, "cpu"))
+        with pytest.raises(ValueError, match=_outside(16)):
+            model(tokens[:, :1], calls.chain(16, 1, "cpu"))  # slot 16 is the scratch slot, never a token's
         with pytest.raises(ValueError, match="max_batch_size"):
-            model(random_tokens(2, 1, model.config.vocab_size), start_pos=10)
-        model(tokens[:, :6], start_pos=10)  # exactly filling the cache is fine
+            model(random_tokens(2, 1, model.config.vocab_size), calls.chain(10, 1, "cpu", rows=2))
+        model(tokens[:, :6], calls.chain(10, 6, "cpu"))  # exactly filling the cache is fine
+
+
+def test_a_bad_cache_call_raises_one_clear_error() -> None:
+    """Calls built by hand (CacheCall, CacheCall.of) are checked: slots or positions past the
+    cache, a window past it, visibility of the wrong shape or dtype, positions that do not
+    match the slots, a call for another number of tokens, and anything that is not a call."""
+    model = _model()
+    model.setup_cache(max_batch_size=1, max_seq_len=16)
+    x = torch.zeros(1, 3, dtype=torch.long)
+    slots = torch.tensor([[4, 5, 6]])
+    see_all = torch.ones(1, 3, 7, dtype=torch.bool)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=_outside(17)):
+            model(x, CacheCall.of(torch.tensor([[4, 5, 17]])))  # a slot past the cache (16 is the scratch slot)
+        with pytest.raises(ValueError, match=_outside(17)):
+            model(x, CacheCall.of(slots, positions=torch.tensor([[4, 5, 17]])))  # a position past it
+        with pytest.raises(ValueError, match=_outside(16)):
+            model(x, CacheCall(slots, slots, torch.ones(1, 3, 17, dtype=torch.bool), 17, 6))  # a window past it
+        with pytest.raises(ValueError, match=r"visible must be a BoolTensor \(1, 3, 7\) \(rows, tokens, window\)"):
+            CacheCall(slots, slots, torch.ones(1, 3, 6, dtype=torch.bool), 7, 6)
+        with pytest.raises(ValueError, match=r"visible must be a BoolTensor \(1, 3, 7\)"):
+            CacheCall(slots, slots, see_all.float(), 7, 6)
+        with pytest.raises(ValueError, match=r"positions must be a LongTensor of the slots' shape \(1, 3\)"):
+            CacheCall(slots, torch.tensor([[4, 5]]), see_all, 7, 6)
+        with pytest.raises(ValueError, match=r"positions must be a LongTensor of the slots' shape \(1, 3\)"):
+            CacheCall(slots, slots.int(), see_all, 7, 6)
+        with pytest.raises(ValueError, match=r"slots must be a LongTensor \[B, T\]"):
+            CacheCall(slots[0], slots[0], None, 7, 6)
+        with pytest.raises(ValueError, match="reads at least one slot"):
+            CacheCall(slots, slots, None, 0, 6)
+        with pytest.raises(ValueError, match="must be >= 0"):
+            CacheCall.of(torch.tensor([[-1, 0, 1]]))
+        with pytest.raises(ValueError, match=r"the call places \(1, 2\) tokens, the input has \(1, 3\)"):
+            model(x, calls.chain(4, 2, "cpu"))
+        with pytest.raises(TypeError, match="takes a CacheCall"):
+            model(x, 4)
+        assert model(x, CacheCall(slots, slots, see_all, 7, 6)).shape == (1, 3, model.config.vocab_size)  # well formed
 
 
 def test_cache_and_uncached_forward_respect_max_position_embeddings() -> None:
@@ -176,7 +219,7 @@ def test_cache_and_uncached_forward_respect_max_position_embeddings() -> None:
 def test_cached_call_without_setup_raises() -> None:
     model = _model()
     with pytest.raises(RuntimeError, match="setup_cache"):
-        model(torch.zeros(1, 3, dtype=torch.long), start_pos=0)
+        model(torch.zeros(1, 3, dtype=torch.long), calls.chain(0, 3, "cpu"))
 
 
 # ----------------------------------------------------------------------------- sizes

@@ -13,6 +13,7 @@ from model import Llama, ModelConfig
 from model.quantize import QMAX, Int8Linear, dequantize_weight, max_abs_error_bound, quantize_int8, quantize_weight
 from model.tensor_parallel import weight_bytes
 from speculative import autoregressive_generate, speculative_generate
+from speculative.calls import chain
 
 CONFIG = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=160, max_seq_len=64)
 DRAFT = ModelConfig(vocab_size=96, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64)
@@ -90,7 +91,8 @@ def test_int8_with_cache_and_lm_head() -> None:
     with torch.inference_mode():
         full = model(tokens)
         model.setup_cache(1, 16)  # counts KV heads from k_proj.weight, which Int8Linear keeps
-        cached = torch.cat([model(tokens[:, :4], start_pos=0), model(tokens[:, 4:], start_pos=4)], dim=1)
+        cached = torch.cat([model(tokens[:, :4], chain(0, 4, "cpu")),
+                            model(tokens[:, 4:], chain(4, tokens.shape[1] - 4, "cpu"))], dim=1)
     assert (cached - full).abs().max().item() < 1e-4
 
 

@@ -11,6 +11,7 @@ from toy_models import random_llama
 import model.setup as setup_lib
 from model.prepack import PrepackedLinear, prepack_supported
 from model.setup import SETUPS, apply_setup, choose_setup
+from speculative import calls
 
 torch.set_num_threads(1)
 
@@ -60,7 +61,7 @@ def test_the_fastest_measured_candidate_is_kept(fastest: str, monkeypatch: pytes
     assert choice.line("target").endswith(f"-> {fastest}")
     with torch.inference_mode():  # the kept model decodes
         model.setup_cache(1, 24)
-        assert model(torch.tensor([[1, 2, 3]]), start_pos=0).shape == (1, 3, 16)
+        assert model(torch.tensor([[1, 2, 3]]), calls.chain(0, 3, "cpu")).shape == (1, 3, 16)
 
 
 def test_one_candidate_or_a_large_model_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:

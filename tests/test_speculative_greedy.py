@@ -184,7 +184,7 @@ def test_a_prompt_that_fills_the_context_gives_no_tokens() -> None:
 # ----------------------------------------------------------------------------- rollback
 def replay_and_check(calls: list[tuple[int, list[int]]], final: list[int], checked: set[int]) -> None:
     """Replay the writes into a simulated cache: the calls numbered in `checked` (those that
-    start an iteration) must find the final sequence in every slot before their start_pos,
+    start an iteration) must find the final sequence in every slot below the first one they write,
     i.e. no stale (rejected) or missing token in what they attend to."""
     slots: list[int | None] = [None] * (len(final) + 32)
     for index, (start, tokens) in enumerate(calls):

@@ -25,6 +25,7 @@ from model.tensor_parallel import (
     weight_bytes,
 )
 from speculative import autoregressive_generate, speculative_generate
+from speculative.calls import chain
 from weights import load_model, save_model
 from weights.sharded import load_model_tp
 
@@ -61,8 +62,8 @@ def rank_main(directory: str) -> None:
         model = load_model_tp(ckpt, "cpu", torch.float32)
         out["logits"] = model(tokens())
         model.setup_cache(1, 32)
-        prefill = model(tokens()[:, :6], start_pos=0)
-        step = model(tokens()[:, 6:7], start_pos=6)
+        prefill = model(tokens()[:, :6], chain(0, 6, "cpu"))
+        step = model(tokens()[:, 6:7], chain(6, 1, "cpu"))
         out["cached"] = torch.cat([prefill, step], dim=1)
         out["kv_heads"] = model.layers[0].self_attn.cache.k.shape[1]
         out["bytes"] = weight_bytes(model)

@@ -1,6 +1,6 @@
 """Token trees end to end: speculative_generate(..., tree=...) with a draft model and with the
 feature drafter, on a LLaMA target (tree attention, each node at its depth, the accepted
-path moved into place with keep_cache).
+path moved into place with move_cache).
 
 * Chi-square: the first tokens have the target's exact distribution, for every way of
   drawing children (without replacement, i.i.d., deterministic top-k), for both drafters;

@@ -15,6 +15,7 @@ from damage import overwrite_middle
 from safetensors.torch import load_file, save_file
 
 from model import ConfigError, Llama, ModelConfig
+from speculative.calls import chain
 from weights import (
     CheckpointError,
     NonFiniteWeightsError,
@@ -118,7 +119,8 @@ def test_load_dtypes(tmp_path: Path, dtype: torch.dtype, tolerance: float) -> No
         expected = reference(tokens)
         got = model(tokens)
         model.setup_cache(max_batch_size=2, max_seq_len=24)
-        cached = torch.cat([model(tokens[:, :20], start_pos=0), model(tokens[:, 20:], start_pos=20)], dim=1)
+        cached = torch.cat([model(tokens[:, :20], chain(0, 20, "cpu", rows=2)),
+                            model(tokens[:, 20:], chain(20, 4, "cpu", rows=2))], dim=1)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     scale = expected.abs().max().item()
     assert (got.double() - expected.double()).abs().max().item() <= tolerance * scale

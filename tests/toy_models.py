@@ -2,9 +2,10 @@
 the tests compare the implementation with.
 
 Models: :class:`NGramModel` is an order-k Markov chain behind the same interface as
-``model.Llama`` (``model(tokens, start_pos=...)``, ``setup_cache``, ``config``). Its "KV
-cache" is the token history by position, with the same contract: a call at start_pos s
-writes slots s.., reads slots below, and a read of a slot nobody wrote is an error.
+``model.Llama`` (``model(tokens, call)``, ``setup_cache``, ``config``), for chain calls
+(speculative.calls.chain). Its "KV cache" is the token history by position, with the same
+contract: a chain call at slot s writes slots s.., reads slots below, and a read of a slot
+nobody wrote is an error.
 :class:`Recording` wraps a model and logs every call. Next-token logits for any context
 are available without the cache (``next_logits``), so exact distributions are cheap.
 
@@ -20,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from model.call import CacheCall
 
 
 @dataclass
@@ -64,21 +67,22 @@ class NGramModel:
     def cache_len(self) -> int:
         return self.history.shape[0] - (self.order - 1)
 
-    def __call__(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, call: CacheCall) -> torch.Tensor:
         if self.history is None:
             raise RuntimeError("setup_cache first")
         batch, length = tokens.shape
         if batch != 1 or length < 1:
             raise ValueError(f"bad input shape {tuple(tokens.shape)}")
-        if start_pos < 0 or start_pos + length > self.cache_len:
-            raise ValueError(f"positions {start_pos}..{start_pos + length - 1} outside the cache ({self.cache_len})")
+        start = chain_start(call, length)
+        if start < 0 or start + length > self.cache_len:
+            raise ValueError(f"positions {start}..{start + length - 1} outside the cache ({self.cache_len})")
         self.calls += 1
         offset = self.order - 1
-        self.history[offset + start_pos: offset + start_pos + length] = tokens[0]
-        window = self.history[start_pos + 1: offset + start_pos + length]  # contexts of the new positions
+        self.history[offset + start: offset + start + length] = tokens[0]
+        window = self.history[start + 1: offset + start + length]  # contexts of the new positions
         contexts = window.unfold(0, self.order - 1, 1)  # [T, order-1]
         if (contexts < 0).any():
-            raise RuntimeError(f"call at start_pos {start_pos} reads a cache slot that was never written")
+            raise RuntimeError(f"call at slot {start} reads a cache slot that was never written")
         return self.table[tuple(contexts.T)].unsqueeze(0)
 
     def next_logits(self, context: Sequence[int]) -> torch.Tensor:
@@ -87,8 +91,21 @@ class NGramModel:
         return self.table[tuple(padded[len(padded) - (self.order - 1):])]
 
 
+def chain_start(call: CacheCall, length: int) -> int:
+    """The first slot of a one-row chain call (slots = positions = start.., causal); ValueError
+    for any other call, which a toy model does not take."""
+    slots = call.slots.tolist()
+    start = slots[0][0]
+    chained = slots == [list(range(start, start + length))] and call.positions.tolist() == slots
+    causal = call.visible is None or call.visible.tolist() == [[[s <= start + i for s in range(call.window)]
+                                                                 for i in range(length)]]
+    if not (chained and causal and call.window == start + length):
+        raise ValueError("toy models take one-row chain calls only")
+    return start
+
+
 class Recording:
-    """Delegates to a model and records (start_pos, tokens) of every call."""
+    """Delegates to a model and records (first slot, tokens) of every call."""
 
     def __init__(self, model: object) -> None:
         self.model = model
@@ -100,9 +117,9 @@ class Recording:
         self.cache_lengths.append(max_seq_len)
         self.model.setup_cache(max_batch_size, max_seq_len)
 
-    def __call__(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
-        self.calls.append((start_pos, tokens[0].tolist()))
-        return self.model(tokens, start_pos=start_pos)
+    def __call__(self, tokens: torch.Tensor, call: CacheCall) -> torch.Tensor:
+        self.calls.append((int(call.slots[0, 0]), tokens[0].tolist()))
+        return self.model(tokens, call)
 
     def next_logits(self, context: Sequence[int]) -> torch.Tensor:
         return self.model.next_logits(context)

@@ -1,0 +1,67 @@
+"""The one cached call of a model (model/model.py): where each new token's keys and values
+go in the KV cache, the position that rotates it, and the slots it sees, as data.
+
+A call is checked twice, both times on the host: its own shapes here, and its bounds against
+the cache by the model, from ``top`` and ``window``, which whoever builds it knows without
+reading the device (speculative/calls.py builds them from host ints and lists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheCall:
+    """Where the T new tokens of each of B rows go, how each is rotated, and what each sees:
+    slots and positions [B, T], visible [B, T, window] (None: every slot < window). ``top``, the
+    largest slot or position, is known on the host, so that the model checks the cache's
+    bounds without waiting for the device: the builder vouches for it (speculative/calls.py
+    from host lists, :meth:`of` by reading)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor | None
+    window: int
+    top: int
+
+    def __post_init__(self) -> None:
+        if not is_tensor(self.slots, torch.long) or self.slots.dim() != 2:
+            raise ValueError(f"slots must be a LongTensor [B, T], got {described(self.slots)}")
+        shape = tuple(self.slots.shape)
+        if not is_tensor(self.positions, torch.long) or tuple(self.positions.shape) != shape:
+            raise ValueError(f"positions must be a LongTensor of the slots' shape {shape}, got "
+                             f"{described(self.positions)}")
+        if not 1 <= self.window or self.top < 0:
+            raise ValueError(f"a call reads at least one slot and writes none below 0 (window {self.window}, "
+                             f"top {self.top})")
+        if self.visible is not None and (not is_tensor(self.visible, torch.bool)
+                                         or tuple(self.visible.shape) != (*shape, self.window)):
+            raise ValueError(f"visible must be a BoolTensor {(*shape, self.window)} (rows, tokens, window), got "
+                             f"{described(self.visible)}")
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, positions: torch.Tensor | None = None,
+           visible: torch.Tensor | None = None) -> CacheCall:
+        """A call from tensors, its bounds read from them. By default each token is rotated as its
+        slot and sees its row's slots up to its own (causal)."""
+        positions = slots if positions is None else positions
+        low, top = min(int(slots.min()), int(positions.min())), max(int(slots.max()), int(positions.max()))
+        if low < 0:
+            raise ValueError(f"slots and positions must be >= 0, got {low}")
+        if visible is None:
+            visible = torch.arange(top + 1, device=slots.device) <= slots.unsqueeze(-1)
+        elif is_tensor(visible, torch.bool) and visible.numel() and not bool(visible.any(-1).all()):
+            # softmax over nothing is NaN: a token must see at least one slot (its own, usually)
+            raise ValueError("every token must see at least one slot: a row of visible is all False")
+        return cls(slots, positions, visible, visible.shape[-1] if isinstance(visible, torch.Tensor) else 0, top)
+
+
+def is_tensor(x: object, dtype: torch.dtype) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype == dtype
+
+
+def described(x: object) -> str:
+    return f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
