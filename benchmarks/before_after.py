@@ -9,8 +9,10 @@ Each case is a generate.py command line on the shipped pair (story openings, gre
 it says T=1). The checkouts take turns, case by case and repeat by repeat, so that a change
 in the machine's load hits both alike. A case's figure is the median over prompts and
 repeats of the decode speed generate.py reports (tokens_per_second: new tokens over the loop's
-time after its first iteration; compile time is not in it). Each checkout runs with its own
-code and the same Python: the environment this script is started from.
+time after its first iteration; compile time is not in it). A batch case is one figure per
+run, the batch's own. A compiled case runs the first prompt only, --compiled-repeats times:
+every process compiles (minutes). Each checkout runs with its own code and the same Python:
+the environment this script is started from.
 
 Do not run it while anything else loads the machine: it measures the machine.
 """
@@ -43,14 +45,14 @@ CASES: dict[str, tuple[list[str], bool, bool]] = {
 }
 
 
-def speeds(root: Path, flags: list[str], batched: bool, tokens: int, threads: int) -> list[float]:
-    """tokens/s of each prompt of one case, from one checkout."""
+def speeds(root: Path, flags: list[str], batched: bool, tokens: int, threads: int, prompts: list[str]) -> list[float]:
+    """tokens/s of each prompt of one case, from one checkout (one process per prompt)."""
     base = [sys.executable, str(root / "generate.py"), "--max-new-tokens", str(tokens), "--json",
             "--threads", str(threads), *flags]
     env = dict(os.environ, PYTHONPATH=str(root))
     if batched:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write("\n".join(PROMPTS) + "\n")
+            f.write("\n".join(PROMPTS) + "\n")  # a batch of 4, whatever ``prompts``
         out = subprocess.run(base + ["--prompts-file", f.name], capture_output=True, text=True, env=env, cwd=root)
         os.unlink(f.name)
         if out.returncode:
@@ -58,7 +60,7 @@ def speeds(root: Path, flags: list[str], batched: bool, tokens: int, threads: in
         # rows of one batch share their calls: the batch's own figure is the one to compare
         return [json.loads(out.stdout)["batch"]["tokens_per_second"]]
     result = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         out = subprocess.run(base + ["--prompt", prompt], capture_output=True, text=True, env=env, cwd=root)
         if out.returncode:
             raise RuntimeError(f"{root}: {out.stderr.strip().splitlines()[-1]}")
@@ -74,21 +76,28 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eager-only", action="store_true")
+    parser.add_argument("--compiled-repeats", type=int, default=1,
+                        help="repeats of the compiled cases, one prompt each (every process compiles: minutes)")
     parser.add_argument("--cases", nargs="*", help="names of CASES to run (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     roots = {"before": args.before.resolve(), "after": args.after.resolve()}
     cases = [c for c in CASES if (not args.cases or c in args.cases) and not (args.eager_only and CASES[c][2])]
     got: dict[tuple[str, str], list[float]] = {(c, r): [] for c in cases for r in roots}
-    for repeat in range(args.repeats):
+    for repeat in range(max(args.repeats, args.compiled_repeats)):
         for case in cases:
+            compiled = CASES[case][2]
+            if repeat >= (args.compiled_repeats if compiled else args.repeats):
+                continue
             order = list(roots) if repeat % 2 == 0 else list(roots)[::-1]
             for name in order:
                 flags, batched, _ = CASES[case]
-                got[case, name] += speeds(roots[name], flags, batched, args.max_new_tokens, args.threads)
+                prompts = PROMPTS[:1] if compiled else PROMPTS
+                got[case, name] += speeds(roots[name], flags, batched, args.max_new_tokens, args.threads, prompts)
                 print(f"repeat {repeat} {case} {name}: {got[case, name][-1]:.0f} tok/s", file=sys.stderr, flush=True)
     lines = [f"Command: `python benchmarks/before_after.py {args.before} {args.after} --repeats {args.repeats} "
-             f"--max-new-tokens {args.max_new_tokens} --threads {args.threads}`", "",
+             f"--compiled-repeats {args.compiled_repeats} --max-new-tokens {args.max_new_tokens} "
+             f"--threads {args.threads}`", "",
              "| case | before tok/s | after tok/s | after / before |", "|---|---:|---:|---:|"]
     for case in cases:
         b, a = statistics.median(got[case, "before"]), statistics.median(got[case, "after"])

@@ -5,6 +5,7 @@
 * :mod:`speculative.drafter`: what proposes tokens (:class:`Drafter`), and a small model as one (:class:`ModelDrafter`).
 * :mod:`speculative.lookup`: prompt lookup (:class:`PromptLookupDrafter`); :mod:`speculative.eagle`: a head
   that drafts from the target's features (:class:`FeatureDrafter`).
+* :mod:`speculative.calls`: how the loops place tokens in a model's KV cache: a chain, ragged rows, a tree.
 * :mod:`speculative.speculative`: the loop (:func:`speculative_generate`).
 * :mod:`speculative.autoregressive`: the baseline (:func:`autoregressive_generate`).
 * :mod:`speculative.batch`: many prompts at once, each row accepting its own count

@@ -18,6 +18,7 @@ from torch import nn
 from model import Llama, ModelConfig
 from model.prepack import MIN_ELEMENTS, PrepackedLinear, prepack_linears, prepack_supported
 from speculative import autoregressive_generate, speculative_generate
+from speculative.calls import chain
 from weights import save_model
 
 needs_onednn = pytest.mark.skipif(not prepack_supported(),
@@ -51,7 +52,8 @@ def test_prepacked_logits_equal_plain_ones() -> None:
         for model in (plain, packed):
             model.setup_cache(2, 64)
         for start, end in ((0, 30), (30, 35), (35, 36), (36, 40)):
-            a, b = plain(tokens[:, start:end], start), packed(tokens[:, start:end], start)
+            call = chain(start, end - start, tokens.device, rows=2)
+            a, b = plain(tokens[:, start:end], call), packed(tokens[:, start:end], call)
             assert (a - b).abs().max().item() < 1e-4
             assert (b - expected[:, start:end]).abs().max().item() < 1e-4
 
