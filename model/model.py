@@ -44,8 +44,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return self.weight * self._normalise(x.float()).to(x.dtype)
+        return self.weight * self._normalise(x)  # no cast: a small draft's step pays for every operator call
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 # ----------------------------------------------------------------------------- rotary embedding
@@ -111,12 +115,14 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def write(self, rows: torch.Tensor, slots: torch.Tensor, window: int, k: torch.Tensor,
+    def write(self, slots: torch.Tensor, window: int, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write token i of row b at slot slots[b, i] (rows: [B, 1]); return the slots < window."""
-        self.k[rows, :, slots] = k.transpose(1, 2)
-        self.v[rows, :, slots] = v.transpose(1, 2)
-        return self.k[:k.shape[0], :, :window], self.v[:k.shape[0], :, :window]
+        """Write token i of row b at slot slots[b, i] (slots: [B, 1, T, 1]); return the slots < window.
+        A scatter along the slot dimension costs what a slice copy does; an index_put, twice that."""
+        batch, index = k.shape[0], slots.expand_as(k)
+        self.k[:batch].scatter_(2, index, k)
+        self.v[:batch].scatter_(2, index, v)
+        return self.k[:batch, :, :window], self.v[:batch, :, :window]
 
     def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Row b takes old row rows[b]'s entries at slots src[b] at its slots dst[b] ([n], [n, m]),
@@ -159,7 +165,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: tuple | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        """``write``: (rows, slots, window) of a cached call, or None (no cache, causal)."""
+        """``write``: (slots [B, 1, T, 1], window) of a cached call, or None (no cache, causal)."""
         batch, seq, _ = x.shape
         # [B, T, H*D] -> [B, H, T, D]; the head count is read from the weights, so that a
         # tensor-parallel shard runs the same code.
@@ -225,13 +231,11 @@ class CachedStack(nn.Module):
         self.cache_len = 0  # usable slots per row (max_seq_len); 0: no cache yet
         self.cache_batch = 0  # rows (max_batch_size)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin for every slot
-        self._rows: torch.Tensor | None = None  # arange(cache_batch)[:, None], the rows a call writes
         self.compiled: Any = None  # set by model/compile.py: cached calls go through it where a shape fits
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
-        """A zeroed KV cache of max_seq_len slots per row plus a scratch slot (written by padding,
-        never visible), and the rotary table. A compiled model keeps its static cache when the
-        request fits (its steps must see the same buffers; stale entries are never visible)."""
+        """A zeroed KV cache of max_seq_len slots per row plus a scratch slot (written by padding, never
+        visible), and the rotary table. A compiled model keeps its static cache where the request fits."""
         if max_seq_len > self.config.max_seq_len:
             raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
         if self.compiled is not None:  # keep the static cache, whose slots past max_seq_len are scratch
@@ -245,14 +249,12 @@ class CachedStack(nn.Module):
             layer.self_attn.cache = KVCache(max_batch_size, kv_heads, max_seq_len + 1, self.config.head_dim,
                                             self.dtype, self.device)
         self._rope = rope_tables(self.config, max_seq_len + 1, self.device, self.dtype)
-        self._rows = torch.arange(max_batch_size, device=self.device).unsqueeze(1)
         self.cache_len, self.cache_batch = max_seq_len, max_batch_size
 
     def move_cache(self, rows: Sequence[int], src: Sequence[Sequence[int]] | None = None,
                    dst: Sequence[Sequence[int]] | None = None) -> None:
-        """In every layer, cache row b takes old row rows[b]'s entries at slots src[b], at its
-        slots dst[b] (a tree's accepted path); without src and dst, the whole old row (a batch
-        whose rows finished or were reordered). Host lists, checked there."""
+        """In every layer, row b takes old row rows[b]'s entries at slots src[b], at its slots dst[b]
+        (a tree's path); without them, the whole old row (a batch's rows). Host lists, checked there."""
         if self._rope is None:
             raise RuntimeError("move_cache(...) needs setup_cache(...) first")
         rows_t = host_index(rows, "rows to keep", self.cache_batch).to(self.device)
@@ -271,8 +273,7 @@ class CachedStack(nn.Module):
         if self._rope is None:
             raise RuntimeError("a cached call needs setup_cache(...) first")
         if not isinstance(call, CacheCall):
-            raise TypeError(f"a cached call takes a CacheCall (speculative/calls.py builds them), got "
-                            f"{type(call).__name__}")
+            raise TypeError(f"a cached call takes a CacheCall (see speculative/calls.py), got {type(call).__name__}")
         batch, seq = inputs[0].shape[:2]
         if tuple(call.slots.shape) != (batch, seq):
             raise ValueError(f"the call places {tuple(call.slots.shape)} tokens, the input has {(batch, seq)}")
@@ -291,7 +292,7 @@ class CachedStack(nn.Module):
         """What every layer of a cached call reads, built once: cos, sin, the writes, the mask."""
         cos, sin = self._rope[0][positions].unsqueeze(1), self._rope[1][positions].unsqueeze(1)
         mask = None if visible is None else torch.where(visible.unsqueeze(1), 0.0, float("-inf")).to(self.dtype)
-        return cos, sin, (self._rows[:slots.shape[0]], slots, window), mask
+        return cos, sin, (slots[:, None, :, None], window), mask
 
 
 class Llama(CachedStack):
@@ -345,6 +346,5 @@ class Llama(CachedStack):
         logits = logits if logits.dtype == torch.float64 else logits.float()
         return (logits, hidden) if return_hidden else logits
 
-    def example_inputs(self, batch: int, width: int) -> tuple[torch.Tensor, ...]:
-        """Inputs of a call of ``batch`` rows and ``width`` tokens, for compiling the step."""
+    def example_inputs(self, batch: int, width: int) -> tuple[torch.Tensor, ...]:  # for compiling the step
         return (torch.zeros(batch, width, dtype=torch.long, device=self.device),)
