@@ -72,14 +72,25 @@ class CompiledSteps:
     compile_s: float  # wall time of compiling every shape
     tree_widths: tuple[int, ...] = ()  # widths compiled for one row only (a token tree's calls)
 
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, width) compiled: each row count at each width, and one row at each tree width."""
+        shapes = [(r, w) for r in self.rows for w in self.widths]
+        return shapes + [(1, w) for w in self.tree_widths if (1, w) not in shapes]
+
+    def __post_init__(self) -> None:
+        self._fitting: dict[tuple[int, int], tuple[int, int] | None] = {}  # shape_for's answers, per (B, T)
+
     def fits(self, batch: int, length: int) -> bool:
         return batch <= max(self.rows) and length <= self.cache_len
 
     def shape_for(self, batch: int, seq: int) -> tuple[int, int] | None:
-        """The smallest compiled (rows, width) that holds ``batch`` rows of ``seq`` tokens."""
-        shapes = [(r, w) for r in self.rows for w in self.widths] + [(1, w) for w in self.tree_widths]
-        fits = [(r * w, r, w) for r, w in shapes if r >= batch and w >= seq]
-        return min(fits)[1:] if fits else None
+        """The smallest compiled (rows, width) that holds ``batch`` rows of ``seq`` tokens (looked
+        up once per (batch, seq): the dispatcher asks on every call)."""
+        if (batch, seq) not in self._fitting:
+            fits = [(r * w, r, w) for r, w in self.shapes if r >= batch and w >= seq]
+            self._fitting[batch, seq] = min(fits)[1:] if fits else None
+        return self._fitting[batch, seq]
 
     def __call__(self, model: Any, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
         """The call through a compiled shape, or None when none fits (the caller runs eagerly).
@@ -157,6 +168,7 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * (_SHAPES + 8))
     compile_mode, freezing = MODES[mode]
     fn = torch.compile(model.step, dynamic=False, fullgraph=True, mode=compile_mode)
+    steps = CompiledSteps(fn, rows, widths, hidden, cache_len, 0.0, tree_widths)
     slots = cache_len + 1
     start = time.perf_counter()
     # Quiet: autotuning prints a table per product to stderr, and the compile line says enough.
@@ -164,17 +176,15 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing, **quiet), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        shapes = [(r, w) for r in rows for w in widths]
-        shapes += [(1, w) for w in tree_widths if (1, w) not in shapes]
-        for batch, width in shapes:
-            # the call compile_steps' dispatcher makes: distinct tensors of standard strides
+        for batch, width in steps.shapes:
+            # the call CompiledSteps.__call__ makes: distinct tensors of standard strides
             where = torch.arange(width, device=model.device).expand(batch, width).contiguous()
             visible = torch.ones(batch, width, slots, dtype=torch.bool, device=model.device)
             for _ in range(2 if mode == "reduce-overhead" else 1):  # CUDA graphs record on a later call
                 fn(*model.example_inputs(batch, width), where, where.clone(), visible, slots, hidden)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    steps = CompiledSteps(fn, rows, widths, hidden, cache_len, time.perf_counter() - start, tree_widths)
+    steps.compile_s = time.perf_counter() - start
     model.compiled = steps
     return steps
 

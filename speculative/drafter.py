@@ -126,7 +126,7 @@ def draft_tokens(draft: Any, context: torch.Tensor, start: int, gamma: int, samp
     x_1..x_{i-1}) and x_i ~ q_i.
 
     context: [1, T] tokens the draft has not seen yet (T >= 1: the prompt on the first
-    iteration, then the sequence's last token or two), placed at slots start...
+    iteration, then the sequence's last token or two), placed at slots from start on.
     Returns the drafted tokens [gamma] and their distributions q [gamma, V]. x_gamma is
     never fed to the draft here.
 
