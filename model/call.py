@@ -3,12 +3,15 @@ go in the KV cache, the position that rotates it, and the slots it sees, as data
 
 A call is checked twice, both times on the host: its own shapes here, and its bounds against
 the cache by the model, from ``top`` and ``window``, which whoever builds it knows without
-reading the device (speculative/calls.py builds them from host ints and lists).
+reading the device (speculative/calls.py builds them from host ints and lists). The host
+lists of the cache's one move (``move_cache``) are checked here too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +60,31 @@ class CacheCall:
             # softmax over nothing is NaN: a token must see at least one slot (its own, usually)
             raise ValueError("every token must see at least one slot: a row of visible is all False")
         return cls(slots, positions, visible, visible.shape[-1] if isinstance(visible, torch.Tensor) else 0, top)
+
+
+Slots = Sequence[Sequence[int]]
+
+
+def checked_move(rows: Sequence[int], src: Slots | None, dst: Slots | None, batch: int, cache_len: int,
+                 device: torch.device) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
+    """The host lists of a move_cache, checked: rows in 0..batch-1, and src and dst both None or
+    one list of slots (in 0..cache_len-1) per row, all of one length (returned as LongTensors)."""
+    rows = host_ints(rows, "rows to keep", batch)
+    if src is None and dst is None:
+        return rows, None, None
+    if (src is None or dst is None or not len(src) == len(dst) == len(rows)
+            or not all(isinstance(s, Sequence) for s in (*src, *dst)) or len({len(s) for s in (*src, *dst)}) > 1):
+        raise ValueError("src and dst go together: for each kept row, two lists of slots, all of one length")
+    return rows, *(torch.tensor(host_ints(x, "slots to move", cache_len), dtype=torch.long, device=device)
+                   for x in (src, dst))
+
+
+def host_ints(values: Sequence[Any], name: str, limit: int) -> list:
+    """Host ints (or equal-length lists of them), checked to lie in 0..limit-1."""
+    flat = [v for row in values for v in row] if values and isinstance(values[0], Sequence) else list(values)
+    if not all(type(v) is int for v in flat) or any(v < 0 or v >= limit for v in flat) or len(values) > limit:
+        raise ValueError(f"{name} must be ints in 0..{limit - 1}, got {list(values)}")
+    return [list(v) for v in values] if values and isinstance(values[0], Sequence) else list(values)
 
 
 def is_tensor(x: object, dtype: torch.dtype) -> bool:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.call import CacheCall
+from model.call import CacheCall, checked_move
 from model.config import ModelConfig
 
 
@@ -118,26 +118,28 @@ class KVCache(nn.Module):
     def write(self, slots: torch.Tensor, window: int, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write token i of row b at slot slots[b, i] (slots: [B, 1, T, 1]); return the slots < window.
-        A scatter along the slot dimension costs what a slice copy does; an index_put, twice that."""
-        batch, index = k.shape[0], slots.expand_as(k)
-        self.k[:batch].scatter_(2, index, k)
-        self.v[:batch].scatter_(2, index, v)
+        One row copies whole head vectors (index_copy); rows with their own slots scatter, which
+        reads an index per element (an index_put costs about twice either)."""
+        batch = k.shape[0]
+        if batch == 1:
+            self.k[:1].index_copy_(2, slots.view(-1), k)
+            self.v[:1].index_copy_(2, slots.view(-1), v)
+        else:
+            index = slots.expand_as(k)
+            self.k[:batch].scatter_(2, index, k)
+            self.v[:batch].scatter_(2, index, v)
         return self.k[:batch, :, :window], self.v[:batch, :, :window]
 
-    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Row b takes old row rows[b]'s entries at slots src[b] at its slots dst[b] ([n], [n, m]),
-        gathered first (sources may overlap destinations); keys are moved, not re-rotated."""
-        to = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1)
-        self.k[to, :, dst] = self.k[rows.unsqueeze(1), :, src]
-        self.v[to, :, dst] = self.v[rows.unsqueeze(1), :, src]
-
-
-def host_index(values: Sequence[Any], name: str, limit: int) -> torch.Tensor:
-    """Host ints (or equal-length lists of them) as a LongTensor, checked to lie in 0..limit-1."""
-    flat = [v for row in values for v in row] if values and isinstance(values[0], Sequence) else list(values)
-    if not all(type(v) is int for v in flat) or any(v < 0 or v >= limit for v in flat) or len(values) > limit:
-        raise ValueError(f"{name} must be ints in 0..{limit - 1}, got {list(values)}")
-    return torch.tensor(values, dtype=torch.long)
+    def move(self, rows: Sequence[int], src: torch.Tensor | None, dst: torch.Tensor | None) -> None:
+        """Row b takes old row rows[b]: whole (src None), or its entries at slots src[b] at slots
+        dst[b] ([n, m]), gathered first (sources may overlap destinations); keys are moved, not
+        re-rotated. A row at a time: a tree's path is one row, and two indices cost twice one."""
+        for cache in (self.k, self.v):
+            if src is None:
+                cache[:len(rows)] = cache.index_select(0, torch.tensor(rows, dtype=torch.long, device=cache.device))
+            else:
+                for b, row in enumerate(rows):
+                    cache[b].index_copy_(1, dst[b], cache[row].index_select(1, src[b]))
 
 
 # ----------------------------------------------------------------------------- layers
@@ -230,7 +232,7 @@ class CachedStack(nn.Module):
     def init_cache_state(self) -> None:
         self.cache_len = 0  # usable slots per row (max_seq_len); 0: no cache yet
         self.cache_batch = 0  # rows (max_batch_size)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin for every slot
+        self._rope: torch.Tensor | None = None  # [slots, 2, head_dim]: cos and sin of every position
         self.compiled: Any = None  # set by model/compile.py: cached calls go through it where a shape fits
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
@@ -248,7 +250,7 @@ class CachedStack(nn.Module):
         for layer in self.layers:
             layer.self_attn.cache = KVCache(max_batch_size, kv_heads, max_seq_len + 1, self.config.head_dim,
                                             self.dtype, self.device)
-        self._rope = rope_tables(self.config, max_seq_len + 1, self.device, self.dtype)
+        self._rope = torch.stack(rope_tables(self.config, max_seq_len + 1, self.device, self.dtype), 1)
         self.cache_len, self.cache_batch = max_seq_len, max_batch_size
 
     def move_cache(self, rows: Sequence[int], src: Sequence[Sequence[int]] | None = None,
@@ -257,16 +259,9 @@ class CachedStack(nn.Module):
         (a tree's path); without them, the whole old row (a batch's rows). Host lists, checked there."""
         if self._rope is None:
             raise RuntimeError("move_cache(...) needs setup_cache(...) first")
-        rows_t = host_index(rows, "rows to keep", self.cache_batch).to(self.device)
-        if src is None and dst is None:
-            src_t = dst_t = torch.arange(self.cache_len + 1, device=self.device).expand(len(rows), -1)
-        elif (src is None or dst is None or not len(src) == len(dst) == len(rows)
-              or not all(isinstance(s, Sequence) for s in (*src, *dst)) or len({len(s) for s in (*src, *dst)}) > 1):
-            raise ValueError("src and dst go together: for each kept row, two lists of slots, all of one length")
-        else:
-            src_t, dst_t = (host_index(x, "slots to move", self.cache_len).to(self.device) for x in (src, dst))
+        rows, src, dst = checked_move(rows, src, dst, self.cache_batch, self.cache_len, self.device)
         for layer in self.layers:
-            layer.self_attn.cache.move(rows_t, src_t, dst_t)
+            layer.self_attn.cache.move(rows, src, dst)
 
     def cached(self, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
         """Check ``call`` against the cache on the host; run the step, compiled where a shape fits."""
@@ -290,7 +285,7 @@ class CachedStack(nn.Module):
     def attention_inputs(self, positions: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor | None,
                          window: int) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor | None]:
         """What every layer of a cached call reads, built once: cos, sin, the writes, the mask."""
-        cos, sin = self._rope[0][positions].unsqueeze(1), self._rope[1][positions].unsqueeze(1)
+        cos, sin = self._rope[positions].unsqueeze(1).unbind(3)  # one gather for both tables
         mask = None if visible is None else torch.where(visible.unsqueeze(1), 0.0, float("-inf")).to(self.dtype)
         return cos, sin, (slots[:, None, :, None], window), mask
 

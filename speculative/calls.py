@@ -22,10 +22,22 @@ import torch
 from model.call import CacheCall
 from speculative.tree import TokenTree
 
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def counting(stop: int, device: torch.device | str) -> torch.Tensor:
+    """0..stop-1 as a view of one kept tensor per device: a draft step builds a call for every
+    token, and slicing costs a third of a fresh arange."""
+    device = torch.device(device)
+    counts = _COUNTS.get(device)
+    if counts is None or counts.shape[0] < stop:
+        counts = _COUNTS[device] = torch.arange(max(stop, 4096), device=device)
+    return counts[:stop]
+
 
 def causal(slots: torch.Tensor, window: int) -> torch.Tensor:
     """visible [B, T, window]: each token sees its row's slots up to its own."""
-    return torch.arange(window, device=slots.device) <= slots.unsqueeze(-1)
+    return counting(window, slots.device) <= slots.unsqueeze(-1)
 
 
 def chain(start: int, length: int, device: torch.device | str, rows: int = 1) -> CacheCall:
@@ -33,7 +45,7 @@ def chain(start: int, length: int, device: torch.device | str, rows: int = 1) ->
     A single token sees every slot up to its own, so its call needs no mask."""
     if start < 0 or length < 1:
         raise ValueError(f"a chain starts at a slot >= 0 and has a token at least, got {start} and {length}")
-    slots = torch.arange(start, start + length, device=device).expand(rows, length)
+    slots = counting(start + length, device)[start:].expand(rows, length)
     visible = None if length == 1 else causal(slots, start + length)
     return CacheCall(slots, slots, visible, start + length, start + length - 1)
 
