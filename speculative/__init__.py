@@ -7,6 +7,7 @@
   that drafts from the target's features (:class:`FeatureDrafter`).
 * :mod:`speculative.calls`: how the loops place tokens in a model's KV cache: a chain, ragged rows, a tree.
 * :mod:`speculative.speculative`: the loop (:func:`speculative_generate`).
+* :mod:`speculative.reference`: Algorithm 1 alone, for reading (:func:`speculative_decode`).
 * :mod:`speculative.autoregressive`: the baseline (:func:`autoregressive_generate`).
 * :mod:`speculative.batch`: many prompts at once, each row accepting its own count
   (:func:`speculative_generate_batch`, :func:`autoregressive_generate_batch`).
@@ -23,6 +24,7 @@ from speculative.gamma import AutoGamma, best_gamma, expected_speedup, expected_
 from speculative.inputs import NonFiniteLogitsError
 from speculative.lookup import PromptLookupDrafter
 from speculative.pair import PairMismatchError, check_pair
+from speculative.reference import speculative_decode
 from speculative.sampling import Sampling, sample, warp
 from speculative.speculative import speculative_generate
 from speculative.stats import AutoregressiveStats, GenerationResult, SpeculativeStats
@@ -40,6 +42,6 @@ __all__ = [
     "NonFiniteLogitsError", "PairMismatchError", "PromptLookupDrafter", "Sampling", "SpeculativeStats",
     "RowDrafter", "Verification", "acceptance_probability", "as_drafter", "autoregressive_generate",
     "autoregressive_generate_batch", "best_gamma", "check_pair",
-    "draft_tokens", "expected_acceptance", "expected_speedup", "expected_tokens_per_iteration",
+    "draft_tokens", "expected_acceptance", "expected_speedup", "expected_tokens_per_iteration", "speculative_decode",
     "residual_distribution", "sample", "speculative_generate", "speculative_generate_batch", "verify_step", "warp",
 ]

@@ -26,7 +26,7 @@ from speculative.inputs import (
     usable_logits,
 )
 from speculative.sampling import Sampling, make_generator, sample, warp
-from speculative.stats import AutoregressiveStats, GenerationResult, clock, stop_reason
+from speculative.stats import AutoregressiveStats, Clock, GenerationResult, stop_reason
 
 Callback = Callable[[list[int], list[bool]], None]
 
@@ -61,7 +61,8 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
         per_token = eos_id is not None or callback is not None
         finite = torch.ones((), dtype=torch.bool, device=device)  # all logits so far, without a host read per token
         slot = 0
-        start = clock(device)
+        clock = Clock(device)
+        start = clock.mark()
         for _ in range(steps):
             logits = model(feed, calls.chain(slot, feed.shape[1], device))[0, -1]
             slot += feed.shape[1]
@@ -73,7 +74,7 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
             feed = token.view(1, 1)
             stats.target_calls += 1
             if stats.target_calls == 1:  # the prompt's forward: timed apart from decoding
-                stats.first_call_s = clock(device) - start
+                clock.add(stats, "first_call_s", start, clock.mark())
             if not per_token:
                 finite &= usable  # as check_finite, without the host read
                 on_device.append(token)
@@ -88,7 +89,8 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
             raise NonFiniteLogitsError()
         if on_device:
             tokens = torch.stack(on_device).tolist()
-        stats.target_time_s = clock(device) - start
+        clock.add(stats, "target_time_s", start, clock.mark())
+        clock.settle()
     stats.new_tokens = len(tokens)
     stats.stop_reason = stop_reason(tokens, eos_id, max_new_tokens)
     stats.wall_time_s = time.perf_counter() - wall_start

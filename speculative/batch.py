@@ -11,8 +11,8 @@ One iteration over the rows in the batch, with the seams of the single-sequence 
 2. Score (line 4): ONE target call over every row's unread tokens and its draft, row b at
    its own cache slots (speculative.calls.ragged), padded to the widest row.
 3. Judge (lines 5-9): each row by itself, with its own p, q and random stream: the same
-   :func:`speculative.speculative.judge` as the single loop (at temperature 0 all rows'
-   argmaxes reach the host in one copy).
+   :func:`speculative.speculative.judge` as the single loop. Every row's verdict is device
+   tensors, and all of them reach the host in one copy (at temperature 0, all rows' argmaxes).
 4. Commit (line 10): row b emits its own x_1..x_n, t; its cache position and its drafter's
    move by its own count. No row waits for, or is cut back to, another's acceptance.
 
@@ -59,9 +59,9 @@ from speculative.inputs import (
     usable_logits,
 )
 from speculative.sampling import Sampling, make_generator, sample_rows, warp
-from speculative.speculative import DEFAULT_GAMMA, VERIFIERS, cut_at_eos, drafter_for, judge
-from speculative.stats import AutoregressiveStats, GenerationResult, SpeculativeStats, clock, stop_reason
-from speculative.verify import Verification, greedy_outcome
+from speculative.speculative import DEFAULT_GAMMA, VERIFY_RULES, cut_at_eos, drafter_for, judge
+from speculative.stats import AutoregressiveStats, Clock, GenerationResult, SpeculativeStats, stop_reason
+from speculative.verify import Verdict, Verification, greedy_outcome, together
 
 __all__ = ["BatchResult", "BatchStats", "autoregressive_generate_batch", "speculative_generate_batch"]
 
@@ -131,7 +131,7 @@ class Row:
     prompt: list[int]
     generator: torch.Generator
     stats: Any  # SpeculativeStats or AutoregressiveStats
-    joined: float  # clock when it joined the batch
+    joined: Any  # the Clock's mark when it joined the batch
     ids: list[int] = field(default_factory=list)  # prompt + output, on the host
     target_next: int = 0  # the target's first cache slot not holding a token of the row
 
@@ -187,8 +187,8 @@ class Batch:
     call's input is built from them in one copy."""
 
     def __init__(self, prompts: list[list[int]], seeds: list[int | None], batch_size: int, device: torch.device,
-                 new_stats: Any) -> None:
-        self.prompts, self.seeds, self.batch_size, self.device = prompts, seeds, batch_size, device
+                 new_stats: Any, clock: Clock) -> None:
+        self.prompts, self.seeds, self.batch_size, self.device, self.clock = prompts, seeds, batch_size, device, clock
         self.new_stats = new_stats
         self.waiting = deque(range(len(prompts)))
         self.rows: list[Row] = []
@@ -207,7 +207,7 @@ class Batch:
             index = self.waiting.popleft()
             prompt = self.prompts[index]
             row = Row(index, prompt, row_generator(self.device, self.seeds, index), self.new_stats(),
-                      clock(self.device), ids=list(prompt))
+                      self.clock.mark(), ids=list(prompt))
             self.rows.append(row)
             new += 1
         return kept, new
@@ -253,9 +253,8 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
     if not isinstance(drafter, RowDrafter):
         raise ValueError(f"{type(drafter).__name__} cannot draft for a batch (it has no propose_rows)")
     sampling = Sampling(temperature, top_k, top_p)
-    verify_sampled = VERIFIERS.get(verify) if isinstance(verify, str) else None
-    if verify_sampled is None:
-        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFIERS))}, got {verify!r}")
+    if verify not in VERIFY_RULES:
+        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))}, got {verify!r}")
     gamma_max = check_gamma(gamma)
     check_max_new_tokens(max_new_tokens)
     limit = min(target.config.max_seq_len, drafter.max_seq_len or target.config.max_seq_len)
@@ -274,40 +273,43 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
         target.setup_cache(batch_size, cache_len)
         drafter.start_rows(batch_size, cache_len, target)
         device = model_device(target)
-        batch = Batch(prompts, seeds, batch_size, device, new_stats)
-        decode_start = clock(device)
+        clock = Clock(device)
+        batch = Batch(prompts, seeds, batch_size, device, new_stats, clock)
+        decode_start = clock.mark()
         drafter.keep_rows(*batch.refill([]))
         while batch.rows:
             rows = batch.rows
             g = auto.gamma if auto else gamma_max
             gammas = [min(g, max_new_tokens - row.produced - 1, limit - len(row.ids) - 1) for row in rows]
-            t0 = clock(device)
+            t0 = clock.mark()
             drafts = drafter.propose_rows([row.ids for row in rows], gammas, sampling,
                                           [row.generator for row in rows], device)  # lines 1-3
-            t1 = clock(device)
+            t1 = clock.mark()
             logits, hidden = score_rows(target, rows, drafts, drafter.reads_features, device)  # line 4
-            t2 = clock(device)
-            steps = judge_rows(logits, drafts, sampling, verify_sampled, rows, finite_flag(logits))  # lines 5-9
+            t2 = clock.mark()
+            finite = finite_flag(logits)
+            steps = judge_rows(logits, drafts, sampling, verify, rows, finite).read(finite)  # lines 5-9, one read
             starts = [row.target_next for row in rows]
             batch.write([cut_at_eos(step.tokens, eos_id) for step in steps])  # line 10
             advance(rows, steps)
             drafter.commit_rows([len(row.ids) for row in rows], hidden, starts)
-            t3 = clock(device)
+            t3 = clock.mark()
 
-            count(totals, rows, drafts, steps, (t1 - t0, t2 - t1, t3 - t2), t3)
+            count(totals, rows, drafts, steps, clock, (t0, t1, t2, t3))
             if auto is not None and totals.iterations > 1 and max(gammas) > 0:
-                auto.update([o for step in steps for o in step.overlap[:step.accepted + 1]],
-                            (t1 - t0) / max(gammas), t2 - t1)
+                auto.update([o for step in steps for o in step.overlap[:step.accepted + 1]],  # t0..t2: before
+                            clock.seconds(t0, t1) / max(gammas), clock.seconds(t1, t2))  # the judge's host reads
             done = [finished(row, eos_id, max_new_tokens, limit) for row in rows]
             for row, f in zip(rows, done):
                 if f:
-                    row.stats.decode_time_s = t3 - row.joined
+                    clock.add(row.stats, "decode_time_s", row.joined, t3)
             if any(done) or (batch.waiting and len(rows) < batch_size):
                 kept, new = batch.refill(done)
                 if kept != list(range(len(kept))):
                     target.move_cache(kept)
                 drafter.keep_rows(kept, new)
-        totals.decode_time_s = clock(device) - decode_start
+        clock.add(totals, "decode_time_s", decode_start, clock.mark())
+        clock.settle()
     results = batch.results(eos_id, max_new_tokens)
     totals.new_tokens = sum(len(r.tokens) for r in results)
     totals.wall_time_s = time.perf_counter() - wall_start
@@ -342,23 +344,26 @@ def score_rows(target: Any, rows: list[Row], drafts: RowDrafts, reads_features: 
     return logits[index[0], index[1]], hidden
 
 
-def judge_rows(logits: torch.Tensor, drafts: RowDrafts, sampling: Sampling, verify_sampled: Any,
-               rows: list[Row], finite: torch.Tensor | None = None) -> list[Verification]:
-    """Lines 5-9 for every row, each with its own p, q and generator: the single loop's judge.
-    ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_flag. At
-    temperature 0 the argmaxes of all rows, their drafts and the check reach the host in one
-    copy; sampled, each row's verification copies its own outcome (its generator's draws
-    follow its own decisions) and checks the flag of the whole call (the first copy raises)."""
+def judge_rows(logits: torch.Tensor, drafts: RowDrafts, sampling: Sampling, rule: str, rows: list[Row],
+               finite: torch.Tensor | None = None) -> Verdict:
+    """Lines 5-9 for every row, each with its own p, q and generator: the single loop's judge,
+    its verdicts read together. ``logits``: every row's g_b + 1 rows, stacked; ``finite``:
+    their finite_flag (a sampled row verifies usable logits until the read checks it). At
+    temperature 0 the argmaxes of all rows and their drafts are the parts, whatever B is."""
     wanted = [g + 1 for g in drafts.lengths]
     if not sampling.greedy:
-        return [judge(p, drafts.row(b), sampling, verify_sampled, row.generator, finite)
-                for b, (p, row) in enumerate(zip(logits.split(wanted), rows))]
-    choices, drafted = read_host([logits.argmax(-1), drafts.tokens.flatten().to(logits.device)], finite)
-    out, at, width = [], 0, drafts.tokens.shape[1]
-    for b, g in enumerate(drafts.lengths):
-        out.append(greedy_outcome(drafted[b * width:b * width + g], choices[at:at + g + 1]))
-        at += g + 1
-    return out
+        return together([judge(p, drafts.row(b), sampling, rule, row.generator, finite)
+                         for b, (p, row) in enumerate(zip(logits.split(wanted), rows))])
+    width = drafts.tokens.shape[1]
+
+    def finish(choices: list[int], drafted: list[int]) -> list[Verification]:
+        out, at = [], 0
+        for b, g in enumerate(drafts.lengths):
+            out.append(greedy_outcome(drafted[b * width:b * width + g], choices[at:at + g + 1]))
+            at += g + 1
+        return out
+
+    return Verdict([logits.argmax(-1), drafts.tokens.flatten().to(logits.device)], finish)
 
 
 def advance(rows: list[Row], steps: list[Verification]) -> None:
@@ -368,25 +373,25 @@ def advance(rows: list[Row], steps: list[Verification]) -> None:
         row.target_next = len(row.ids) - 1
 
 
-def count(totals: BatchStats, rows: list[Row], drafts: RowDrafts, steps: list[Verification],
-          times: tuple[float, float, float], now: float) -> None:
-    """One iteration into every row's stats and the batch's totals."""
-    draft_s, target_s, verify_s = times
+def count(totals: BatchStats, rows: list[Row], drafts: RowDrafts, steps: list[Verification], clock: Clock,
+          marks: tuple[Any, Any, Any, Any]) -> None:
+    """One iteration into every row's stats and the batch's totals (marks: before proposing,
+    scoring and judging, and after committing)."""
+    t0, t1, t2, now = marks
     totals.iterations += 1
     totals.draft_calls += drafts.calls
     totals.row_iterations += len(rows)
     totals.rows_history.append(len(rows))
-    totals.draft_time_s += draft_s
-    totals.target_time_s += target_s
-    totals.verify_time_s += verify_s
+    for name, start, end in (("draft_time_s", t0, t1), ("target_time_s", t1, t2), ("verify_time_s", t2, now)):
+        clock.add(totals, name, start, end)
     for row, depth, step in zip(rows, drafts.lengths, steps):
         stats = row.stats
         before = stats.overlap_sum, stats.verified_positions
         stats.record(depth, drafts.calls if depth else 0, step.accepted, step.overlap, drafted=depth)
-        stats.draft_time_s += draft_s
-        stats.target_time_s += target_s
+        clock.add(stats, "draft_time_s", t0, t1)
+        clock.add(stats, "target_time_s", t1, t2)
         if stats.target_calls == 1:
-            stats.first_iteration_s = now - row.joined
+            clock.add(stats, "first_iteration_s", row.joined, now)
             stats.first_iteration_tokens = row.produced
         totals.drafted_tokens += depth
         totals.accepted_draft_tokens += step.accepted
@@ -414,13 +419,14 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
         cache_len = min(limit, max(len(p) for p in prompts) + max_new_tokens)
         model.setup_cache(batch_size, cache_len)
         device = model_device(model)
-        batch = Batch(prompts, seeds, batch_size, device, AutoregressiveStats)
-        decode_start = clock(device)
+        clock = Clock(device)
+        batch = Batch(prompts, seeds, batch_size, device, AutoregressiveStats, clock)
+        decode_start = clock.mark()
         batch.refill([])
         feed, last = None, None  # the next call's tokens: rebuilt whenever the rows change
         while batch.rows:
             rows = batch.rows
-            t0 = clock(device)
+            t0 = clock.mark()
             if feed is None:  # the first call of a row reads its prompt: widths differ, padded
                 feeds = [row.ids[row.target_next:] for row in rows]
                 feed = pad_rows(feeds, device)
@@ -435,25 +441,26 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
                 row.target_next = len(row.ids)
                 row.ids.append(token)
             feed, last = tokens.view(-1, 1), torch.zeros(len(rows), dtype=torch.long, device=device)
-            t1 = clock(device)
+            t1 = clock.mark()
             totals.iterations += 1
             totals.row_iterations += len(rows)
             totals.rows_history.append(len(rows))
-            totals.target_time_s += t1 - t0
+            clock.add(totals, "target_time_s", t0, t1)
             for row in rows:
                 row.stats.target_calls += 1
                 if row.stats.target_calls == 1:
-                    row.stats.first_call_s = t1 - row.joined
+                    clock.add(row.stats, "first_call_s", row.joined, t1)
             done = [finished(row, eos_id, max_new_tokens, limit) for row in rows]
             for row, f in zip(rows, done):
                 if f:
-                    row.stats.target_time_s = t1 - row.joined
+                    clock.add(row.stats, "target_time_s", row.joined, t1)
             if any(done):
                 kept, _ = batch.refill(done)
                 if kept != list(range(len(kept))):
                     model.move_cache(kept)
                 feed = None
-        totals.decode_time_s = clock(device) - decode_start
+        clock.add(totals, "decode_time_s", decode_start, clock.mark())
+        clock.settle()
     results = batch.results(eos_id, max_new_tokens)
     totals.new_tokens = sum(len(r.tokens) for r in results)
     totals.wall_time_s = time.perf_counter() - wall_start

@@ -52,9 +52,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speculative.inputs import read_host
 from speculative.sampling import sample
-from speculative.verify import Verification, expected_acceptance
+from speculative.verify import Verdict, Verification, expected_acceptance
 
 
 def block_weights(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
@@ -144,21 +143,19 @@ def block_outcomes(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor) -> B
     return BlockOutcomes(stop=stop, accepted=torch.cat([one, stop]) * survive, fallback=fallback)
 
 
-def verify_block(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator,
-                 finite: torch.Tensor | None = None) -> Verification:
+def verify_block(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
     """Block verification of one iteration (lines B1-B7), a drop-in for speculative.verify.verify_step.
 
     p: [gamma+1, V] target distributions p_1..p_{gamma+1} (one target call);
     q: [gamma, V] draft distributions q_1..q_gamma; drafted: [gamma] tokens x_i ~ q_i.
-    Returns the accepted x_1..x_tau and t, tau, and the overlaps sum_x min(p_i, q_i) of every
-    drafted position (the statistics' alpha, the same numbers as verify_step reports).
+    Its outcome: the accepted x_1..x_tau and t, tau, and the overlaps sum_x min(p_i, q_i) of
+    every drafted position (the statistics' alpha, the same numbers as verify_step reports).
 
     Line B4 draws eta in [0, 1) and line B5 keeps position i iff eta_i < h_i: P(eta < h) = h, and
     where h_i = 0 (e.g. p_i(x_i) = 0 makes w_i = 0 and every h_j, j >= i, 0) nothing is kept even
     when eta_i is exactly 0. As in verify_step, t is drawn for every place it could be needed
-    (the gamma+1 rows of fallback), independently of the eta_i, and the one at tau is kept, so the
-    decisions, tokens and overlaps reach the host in one copy, with the check of ``finite`` (the
-    target's finite_flag, speculative.inputs.read_host). gamma = 0 draws t from p_1.
+    (the gamma+1 rows of fallback), independently of the eta_i, and the one at tau is kept, so
+    the result is a Verdict: device tensors the loop reads in its one copy. gamma = 0 draws t from p_1.
     """
     gamma = drafted.shape[0]
     weights = block_weights(p, q, drafted)
@@ -166,7 +163,11 @@ def verify_block(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, genera
     stop = stop_probabilities(weights, mass)
     eta = torch.rand(gamma, generator=generator, dtype=stop.dtype, device=stop.device)
     own = sample(fallback, generator)
-    flags, xs, ys, overlap = read_host([eta < stop, drafted, own, expected_acceptance(p[:gamma], q)], finite)
-    # line B5: the last position that passes (positions are 1-based, flags[i - 1] is position i)
-    tau = max((i for i in range(1, gamma + 1) if flags[i - 1]), default=0)
+    return Verdict([eta < stop, drafted, own, expected_acceptance(p[:gamma], q)], last_pass)
+
+
+def last_pass(flags: list[int], xs: list[int], ys: list[int], overlap: list[float]) -> Verification:
+    """Line B5 on the host: tau = the last position that passes (1-based: flags[i - 1] is
+    position i; 0 when none does); emit x_1..x_tau and the candidate at tau."""
+    tau = max((i for i in range(1, len(flags) + 1) if flags[i - 1]), default=0)
     return Verification(tokens=xs[:tau] + [ys[tau]], accepted=tau, overlap=overlap)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from speculative import block, calls
+from speculative import tree as trees
+from speculative import verify as rules
 from speculative.drafter import Draft, as_drafter
 from speculative.gamma import AutoGamma
 from speculative.inputs import (
@@ -47,20 +49,14 @@ from speculative.inputs import (
 )
 from speculative.pair import check_pair
 from speculative.sampling import Sampling, make_generator, warp
-from speculative.stats import GenerationResult, SpeculativeStats, clock, stop_reason
-from speculative.tree import branching_parents, verify_tree, verify_tree_greedy
+from speculative.stats import Clock, GenerationResult, SpeculativeStats, stop_reason
+from speculative.tree import branching_parents
 from speculative.tree_drafting import TREE_MODES, check_tree
-from speculative.verify import Verification, verify_greedy, verify_step
+from speculative.verify import Verdict, Verification
 
 Callback = Callable[[list[int], list[bool]], None]
 DEFAULT_GAMMA = 4
-# Lines 5-9 at temperature > 0, one signature: (p [g+1, V], q [g, V], drafted [g], generator, finite) ->
-# Verification, where finite is the target's finite_flag, checked in the verifier's one host copy.
-# Looked up at call time, so that the tests' mutants (patched module attributes) take effect.
-VERIFIERS: dict[str, Callable[..., Any]] = {
-    "token": lambda p, q, drafted, generator, finite=None: verify_step(p, q, drafted, generator, finite),
-    "block": lambda p, q, drafted, generator, finite=None: block.verify_block(p, q, drafted, generator, finite),
-}
+VERIFY_RULES = ("token", "block")  # lines 5-9 at temperature > 0: verify.verify_step, block.verify_block
 
 
 def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
@@ -96,9 +92,8 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     wall_start = time.perf_counter()
     drafter = drafter_for(target, draft)
     sampling = Sampling(temperature, top_k, top_p)
-    verify_sampled = VERIFIERS.get(verify) if isinstance(verify, str) else None
-    if verify_sampled is None:
-        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFIERS))}, got {verify!r}")
+    if verify not in VERIFY_RULES:
+        raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))}, got {verify!r}")
     if tree is not None:
         tree, gamma = check_tree_request(tree, tree_mode, drafter, gamma, verify)
     gamma_max = check_gamma(gamma)
@@ -125,26 +120,28 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
         seq = torch.empty(1, cache_len, dtype=torch.long, device=device)  # prompt + output, on the device
         seq[0, :len(prompt)] = torch.tensor(prompt, device=device)
         target_next = 0  # the target's first cache slot not holding a token of seq
-        decode_start = clock(device)
+        clock = Clock(device)
+        decode_start = clock.mark()
         while len(ids) - len(prompt) < max_new_tokens and len(ids) < limit:
             length = len(ids)  # L
             # Never emit past max_new_tokens or max_seq_len: an iteration emits up to gamma + 1.
             g = min(auto.gamma if auto else gamma, max_new_tokens - (length - len(prompt)) - 1, limit - length - 1)
 
-            t0 = clock(device)
+            t0 = clock.mark()
             proposal = propose(drafter, seq, ids, g, tree, tree_mode, cache_len - length, sampling, generator)  # 1-3
-            t1 = clock(device)
+            t1 = clock.mark()
             logits, hidden = score(target, seq, target_next, length, proposal, drafter.reads_features)  # line 4
-            t2 = clock(device)
-            step = judge(logits, proposal, sampling, verify_sampled, generator, finite_flag(logits))  # lines 5-9
+            t2 = clock.mark()
+            finite = finite_flag(logits)
+            step = judge(logits, proposal, sampling, verify, generator, finite).read(finite)  # lines 5-9, one read
             depth = proposal.depth
             stats.record(depth, proposal.calls, step.accepted, step.overlap, drafted=proposal.tokens.shape[0])
-            stats.draft_time_s += t1 - t0
-            stats.target_time_s += t2 - t1
+            clock.add(stats, "draft_time_s", t0, t1)
+            clock.add(stats, "target_time_s", t1, t2)
             if auto is not None:  # the first iteration's times include the prompt
-                timed = depth > 0 and stats.target_calls > 1
+                timed = depth > 0 and stats.target_calls > 1  # t0..t2 are behind judge's host read
                 auto.update(step.overlap[:min(step.accepted + 1, depth)],
-                            (t1 - t0) / depth if timed else None, t2 - t1 if timed else None)
+                            clock.seconds(t0, t1) / depth if timed else None, clock.seconds(t1, t2) if timed else None)
 
             emitted = cut_at_eos(step.tokens, eos_id)  # line 10: x_1..x_n, t
             seq[0, length:length + len(emitted)] = torch.tensor(emitted, device=device)
@@ -156,13 +153,14 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
             drafter.commit(len(ids), hidden, target_next)
             target_next = len(ids) - 1
             if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
-                stats.first_iteration_s = clock(device) - decode_start
+                clock.add(stats, "first_iteration_s", decode_start, clock.mark())
                 stats.first_iteration_tokens = len(emitted)
             if callback is not None:
                 callback(emitted, [i < step.accepted for i in range(len(emitted))])
             if emitted[-1] == eos_id:
                 break
-        stats.decode_time_s = clock(device) - decode_start
+        clock.add(stats, "decode_time_s", decode_start, clock.mark())
+        clock.settle()
     out = ids[len(prompt):]
     stats.new_tokens = len(out)
     stats.stop_reason = stop_reason(out, eos_id, max_new_tokens)
@@ -219,26 +217,26 @@ def score(target: Any, seq: torch.Tensor, target_next: int, length: int, proposa
     return logits[0, -(proposal.tokens.shape[0] + 1):], hidden
 
 
-def judge(logits: torch.Tensor, proposal: Draft, sampling: Sampling, verify_sampled: Callable[..., Any],
-          generator: torch.Generator, finite: torch.Tensor | None = None) -> Verification:
+def judge(logits: torch.Tensor, proposal: Draft, sampling: Sampling, rule: str, generator: torch.Generator,
+          finite: torch.Tensor | None = None) -> Verdict:
     """Lines 5-9 by the verifier that fits the draft: a tree's walk, the comparison of
-    argmaxes at temperature 0, or the chosen rule (token or block) on warped p and q. A
-    deterministic drafter's q (None) is one-hot on its tokens.
-
-    ``finite`` (the logits' finite_flag) is checked in the verifier's one host copy, which
-    raises NonFiniteLogitsError; until then a sampled verification runs on usable_logits."""
+    argmaxes at temperature 0, or the chosen rule ("token" or "block") on warped p and q. A
+    deterministic drafter's q (None) is one-hot on its tokens. Returns the verifier's Verdict,
+    on the device: the loop reads it, with ``finite`` (the logits' finite_flag), in its one
+    host copy, which raises NonFiniteLogitsError; until then a sampled verification runs on
+    usable_logits, so that no sampling kernel meets a NaN."""
     drafted = proposal.tokens
     if finite is not None and not sampling.greedy:
         logits = usable_logits(logits, finite)
     if proposal.tree is not None:
         if sampling.greedy:
-            return verify_tree_greedy(logits.argmax(-1), proposal.tree, finite)
-        return verify_tree(warp(logits, sampling), proposal.tree, generator, finite=finite)
+            return trees.verify_tree_greedy(logits.argmax(-1), proposal.tree)
+        return trees.verify_tree(warp(logits, sampling), proposal.tree, generator)
     if sampling.greedy:  # one-hot p and q
-        return verify_greedy(logits.argmax(-1), drafted, finite)
+        return rules.verify_greedy(logits.argmax(-1), drafted)
     p = warp(logits, sampling)  # g = 0: t from p_1 alone
     q = proposal.q if proposal.q is not None else F.one_hot(drafted, p.shape[-1]).to(p.dtype)
-    return verify_sampled(p, q, drafted, generator, finite)
+    return (rules.verify_step if rule == "token" else block.verify_block)(p, q, drafted, generator)
 
 
 def keep_path(target: Any, proposal: Draft, step: Verification, length: int, target_next: int,

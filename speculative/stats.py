@@ -32,10 +32,51 @@ def stop_reason(new_tokens: list[int], eos_id: int | None, max_new_tokens: int) 
 
 
 def clock(device: torch.device) -> float:
-    """perf_counter after waiting for the device, so that GPU work is timed, not queued."""
+    """perf_counter after waiting for the device: for a benchmark timing one call, never inside
+    a generation loop (a wait there is a host synchronisation; the loops use :class:`Clock`)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class Clock:
+    """A loop's timings that never wait for the device.
+
+    On a CPU a mark is perf_counter: the work is done when the call returns. On CUDA a mark is
+    an event recorded on the stream, and a duration is read from two events once the device
+    has passed both. The loop's one host read per iteration makes the device pass every mark
+    made before it, so :meth:`seconds` of such marks reads two finished events and waits for
+    nothing (AutoGamma's times). Durations that end later are queued by :meth:`add` and summed
+    by :meth:`settle` after the loop, which waits once, for the last mark."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = device.type == "cuda"
+        self.queued: list[tuple[Any, str, Any, Any]] = []
+
+    def mark(self) -> Any:
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """end - start in seconds; on CUDA both marks must be behind a host read already."""
+        return start.elapsed_time(end) / 1000 if self.events else end - start
+
+    def add(self, owner: Any, name: str, start: Any, end: Any) -> None:
+        """owner.name += end - start: now on a CPU, at :meth:`settle` on CUDA."""
+        if self.events:
+            self.queued.append((owner, name, start, end))
+        else:
+            setattr(owner, name, getattr(owner, name) + end - start)
+
+    def settle(self) -> None:
+        if self.queued:
+            torch.cuda.synchronize()  # once, after the loop
+        for owner, name, start, end in self.queued:
+            setattr(owner, name, getattr(owner, name) + self.seconds(start, end))
+        self.queued.clear()
 
 
 @dataclass

@@ -84,9 +84,8 @@ from numbers import Integral
 import torch
 import torch.nn.functional as F
 
-from speculative.inputs import read_host
 from speculative.sampling import sample
-from speculative.verify import Verification, residual_distribution
+from speculative.verify import Verdict, Verification, residual_distribution
 
 MODES = ("iid", "without_replacement", "deterministic")
 
@@ -398,7 +397,7 @@ class TreeVerification(Verification):
 
 
 def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
-                uniforms: torch.Tensor | None = None, finite: torch.Tensor | None = None) -> TreeVerification:
+                uniforms: torch.Tensor | None = None) -> Verdict:
     """Verify a drafted tree: walk from the root with multi-draft rejection sampling
     (module docstring), emitting the accepted path and one target token.
 
@@ -407,13 +406,13 @@ def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
     uniforms: r for every node, [N] in [0, 1); drawn from `generator` when None (tests pass
     zeros to see the strict comparison).
 
-    Host syncs: one. Every decision is known before any draw (:func:`node_rules`), so, as in
-    verify_step, one uniform per node (each node is tried at most once) and one candidate
-    target token per row (from stop[row]) are drawn up front, independently; the pass bits,
-    candidates and node tokens reach the host in one copy, and the walk is a few list
-    lookups there. The candidates not on the walk's stopping row are simply not used, which
-    does not change the law of the one that is. The statistics (overlap, node_acceptance)
-    and the check of ``finite`` (the target's finite_flag) ride in the same copy.
+    Pure, like every verifier: every decision is known before any draw (:func:`node_rules`),
+    so, as in verify_step, one uniform per node (each node is tried at most once) and one
+    candidate target token per row (from stop[row]) are drawn up front, independently, and
+    the Verdict's parts are the pass bits, candidates, node tokens and statistics: the loop
+    copies them in its one read, and the walk (:func:`walk`) is a few list lookups on the
+    host. The candidates not on the walk's stopping row are simply not used, which does not
+    change the law of the one that is.
     """
     check_rows(p, tree)
     n = tree.num_nodes
@@ -424,8 +423,14 @@ def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
         raise ValueError(f"uniforms must be [N] = [{n}], got {tuple(uniforms.shape)}")
     accepted = passes(uniforms.to(p.device), rules.ratios)
     own = sample(rules.stop, generator)  # [N+1]
-    flags, candidates, node_tokens, overlaps, acceptances = read_host(
-        [accepted, own, tree.tokens.to(p.device), rules.overlap, rules.node_acceptance], finite)
+    parts = [accepted, own, tree.tokens.to(p.device), rules.overlap, rules.node_acceptance]
+    return Verdict(parts, lambda *host: walk(tree, *host))
+
+
+def walk(tree: TokenTree, flags: list[int], candidates: list[int], node_tokens: list[int], overlaps: list[float],
+         acceptances: list[float]) -> TreeVerification:
+    """verify_tree on the host: from the root, follow the first child that passes; where none
+    does (or at a leaf), emit that row's candidate."""
     by_row = tree.children_by_row()
     if tree.mode == "without_replacement":
         for kids in by_row:
@@ -445,8 +450,7 @@ def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
                             node_acceptance=node_acceptance)
 
 
-def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree,
-                       finite: torch.Tensor | None = None) -> TreeVerification:
+def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree) -> Verdict:
     """:func:`verify_tree` at temperature 0, where every p row is one-hot on the target's
     argmax, without building the distributions.
 
@@ -461,7 +465,11 @@ def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree,
     n = tree.num_nodes
     if target_choice.shape != (n + 1,):
         raise ValueError(f"target_choice must be [N+1] = [{n + 1}], got {tuple(target_choice.shape)}")
-    node_tokens, choice = read_host([tree.tokens.to(target_choice.device), target_choice], finite)  # one copy
+    return Verdict([tree.tokens.to(target_choice.device), target_choice], lambda *host: greedy_walk(tree, *host))
+
+
+def greedy_walk(tree: TokenTree, node_tokens: list[int], choice: list[int]) -> TreeVerification:
+    """verify_tree_greedy on the host."""
     by_row = tree.children_by_row()
     row, path, overlap, node_acceptance = 0, [], [], []
     while by_row[row]:

@@ -3,14 +3,15 @@
 Notation of the paper: p_i is the target's next-token distribution after the prefix and
 the first i-1 drafted tokens, q_i the draft's, and x_i ~ q_i the i-th drafted token.
 
-* :func:`acceptance_probability` -- lines 5-6: x_i is kept when r_i <= p_i(x_i) / q_i(x_i),
+* :func:`acceptance_probability` -- lines 5-6: x_i is kept when r_i < p_i(x_i) / q_i(x_i),
   which happens with probability min(1, p_i(x_i) / q_i(x_i)).
 * :func:`residual_distribution` -- line 8: at the first rejection the target's own token is
   drawn from norm(max(0, p_i - q_i)).
 * :func:`expected_acceptance` -- the paper's beta: sum_x min(p_i(x), q_i(x)), the probability
   that position i is accepted before x_i is drawn (section 3.1). Its mean is alpha.
 * :func:`verify_step` -- lines 5-9 over the gamma drafted tokens of one iteration, including
-  the bonus token from p_{gamma+1} when all of them are accepted (line 7).
+  the bonus token from p_{gamma+1} when all of them are accepted (line 7). Like every
+  verifier, it returns a :class:`Verdict`: device tensors, read by the loop in its one copy.
 * :func:`verify_greedy` -- the same lines at temperature 0, where p and q are one-hot: what
   verify_step computes then, with a handful of operators instead of a few dozen.
 
@@ -23,7 +24,9 @@ The two add up to p(x).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,15 +66,45 @@ def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Verification:
-    """The outcome of verifying one iteration's drafted tokens."""
+    """The outcome of verifying one iteration's drafted tokens, on the host."""
 
     tokens: list[int]  # emitted: the accepted drafted tokens, then one token of the target's own
     accepted: int  # how many drafted tokens were accepted, 0..gamma
     overlap: list[float]  # expected_acceptance(p_i, q_i) for every drafted position i
 
 
-def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator,
-                finite: torch.Tensor | None = None) -> Verification:
+@dataclass
+class Verdict:
+    """What a verifier decided, still on the device. Every verifier (token, block, greedy,
+    tree) is pure: it takes device tensors and returns device tensors, the ``parts`` that its
+    outcome is read from, and ``finish`` turns their host copies into the Verification. The
+    loop reads an iteration's verdicts in ONE device -> host copy, with the target's
+    finite_flag riding along (:meth:`read`, :func:`together`)."""
+
+    parts: list[torch.Tensor]
+    finish: Callable[..., Any]  # finish(*host copies of parts) -> the outcome
+
+    def read(self, finite: torch.Tensor | None = None) -> Any:
+        """The one host read (speculative.inputs.read_host, which raises NonFiniteLogitsError
+        when ``finite`` is False), then the outcome."""
+        return self.finish(*read_host(self.parts, finite))
+
+
+def together(verdicts: Sequence[Verdict]) -> Verdict:
+    """Several verdicts as one, read in one copy; its outcome is the list of theirs."""
+    sizes = [len(v.parts) for v in verdicts]
+
+    def finish(*host: list) -> list:
+        out, at = [], 0
+        for verdict, size in zip(verdicts, sizes):
+            out.append(verdict.finish(*host[at:at + size]))
+            at += size
+        return out
+
+    return Verdict([part for v in verdicts for part in v.parts], finish)
+
+
+def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
     """Algorithm 1, lines 5-9, for one iteration.
 
     p: [gamma+1, V] target distributions p_1..p_{gamma+1} (one target call);
@@ -86,9 +119,8 @@ def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generat
 
     Instead of first learning n and then sampling, the target's token is drawn for each of
     the gamma+1 places it could be needed, independently of the r_i, and the one at n is
-    kept: the same distribution, and the decisions, tokens and per-position overlaps (for
-    the statistics) reach the host in ONE copy instead of one sync per position. ``finite``:
-    the target's finite_flag, checked in that copy (speculative.inputs.read_host).
+    kept: the same distribution, and nothing needs the host until the loop reads the
+    decisions, candidate tokens and per-position overlaps (for the statistics) in its one copy.
     """
     gamma = drafted.shape[0]
     ratio = acceptance_probability(p[:gamma], q, drafted)
@@ -96,18 +128,21 @@ def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generat
     accepted = r < ratio
     fallback = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])  # [gamma+1, V]
     own = sample(fallback, generator)
-    flags, xs, ys, overlap = read_host([accepted, drafted, own, expected_acceptance(p[:gamma], q)], finite)
-    n = flags.index(0) if 0 in flags else gamma
+    return Verdict([accepted, drafted, own, expected_acceptance(p[:gamma], q)], leading_passes)
+
+
+def leading_passes(flags: list[int], xs: list[int], ys: list[int], overlap: list[float]) -> Verification:
+    """Line 6 on the host: n = the leading passes; emit x_1..x_n and the candidate at n."""
+    n = flags.index(0) if 0 in flags else len(flags)
     return Verification(tokens=xs[:n] + [ys[n]], accepted=n, overlap=overlap)
 
 
-def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor,
-                  finite: torch.Tensor | None = None) -> Verification:
+def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> Verdict:
     """Algorithm 1, lines 5-9, at temperature 0: the result of :func:`verify_step` when every
     p_i and q_i is one-hot, without building them.
 
     target_choice: [gamma+1] the argmax of p_1..p_{gamma+1}; drafted: [gamma] x_1..x_gamma
-    (the draft's argmaxes); finite: as in verify_step. With one-hot distributions p_i(x_i)/q_i(x_i) is 1 when x_i is the
+    (the draft's argmaxes). With one-hot distributions p_i(x_i)/q_i(x_i) is 1 when x_i is the
     target's choice and 0 otherwise, so x_i is kept exactly when it equals it (lines 5-6,
     whatever r_i is); the residual norm(max(0, p_i - q_i)) at the first mismatch is one-hot
     on the target's choice (line 8), and so is the bonus p_{gamma+1} (line 7); the overlap
@@ -117,10 +152,10 @@ def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor,
 
     Why a separate function: a verification of a small target is a few milliseconds, and
     verify_step's warping, ratios, residuals and sampling are some thirty operators whose
-    fixed costs (0.2-0.3 ms on a CPU) are pure overhead when the answer is a comparison.
+    fixed costs (0.2-0.3 ms on a CPU) are pure overhead when the answer is a comparison
+    (made on the host, after the copy).
     """
-    xs, ys = read_host([drafted, target_choice], finite)  # one copy to the host, with the check
-    return greedy_outcome(xs, ys)
+    return Verdict([drafted.to(target_choice.device), target_choice], greedy_outcome)
 
 
 def greedy_outcome(xs: list[int], ys: list[int]) -> Verification:

@@ -50,13 +50,13 @@ def other_rows_q(mp: pytest.MonkeyPatch) -> None:
     """Row b is judged with the q that came with the row judged just before it."""
     real, previous = batch.judge, {}
 
-    def judge(logits, proposal, sampling, verify_sampled, generator, finite=None):
+    def judge(logits, proposal, sampling, rule, generator, finite=None):
         own = proposal.q
         other = previous.get("q")
         previous["q"] = own
         if other is not None and own is not None and other.shape == own.shape:
             proposal = drafter_module.Draft(proposal.tokens, other, proposal.calls)
-        return real(logits, proposal, sampling, verify_sampled, generator, finite)
+        return real(logits, proposal, sampling, rule, generator, finite)
 
     mp.setattr(batch, "judge", judge)
 
@@ -85,9 +85,14 @@ def cut_to_shortest(mp: pytest.MonkeyPatch) -> None:
     real = batch.judge_rows
 
     def judge_rows(*args, **kwargs):
-        steps = real(*args, **kwargs)
-        keep = min(len(step.tokens) for step in steps)
-        return [verify.Verification(step.tokens[:keep], min(step.accepted, keep), step.overlap) for step in steps]
+        verdict = real(*args, **kwargs)
+
+        def finish(*host):
+            steps = verdict.finish(*host)
+            keep = min(len(step.tokens) for step in steps)
+            return [verify.Verification(step.tokens[:keep], min(step.accepted, keep), step.overlap) for step in steps]
+
+        return verify.Verdict(verdict.parts, finish)
 
     mp.setattr(batch, "judge_rows", judge_rows)
 
@@ -143,20 +148,22 @@ def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
                  for row, gen in zip(probs, generators)]
         return torch.tensor(picks)
 
-    def enumerated_verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator,
-                          finite=None) -> verify.Verification:
+    def enumerated_verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator) -> verify.Verdict:
         tokens, chooser = [], box["now"]
         for i, x in enumerate(drafted.tolist()):
             a = float(verify.acceptance_probability(p[i], q[i], x))
             if chooser.choose([a, 1 - a]) == 1:  # rejected: the target's token from the residual
                 y = chooser.choose(verify.residual_distribution(p[i], q[i]).tolist())
-                return verify.Verification(tokens + [y], i, [0.0] * len(drafted))
+                return decided(verify.Verification(tokens + [y], i, [0.0] * len(drafted)))
             tokens.append(x)
         y = chooser.choose(p[len(tokens)].tolist())  # all accepted: the bonus token
-        return verify.Verification(tokens + [y], len(tokens), [0.0] * len(drafted))
+        return decided(verify.Verification(tokens + [y], len(tokens), [0.0] * len(drafted)))
+
+    def decided(outcome: verify.Verification) -> verify.Verdict:  # decided on the host already: nothing to copy
+        return verify.Verdict([], lambda: outcome)
 
     mp.setattr(drafter_module, "sample_rows", sample_rows)
-    mp.setitem(loop.VERIFIERS, "token", enumerated_verify)
+    mp.setattr(verify, "verify_step", enumerated_verify)
 
 
 def make_pair(vocab: int) -> dict:

@@ -442,9 +442,9 @@ def test_verify_block_is_verify_step_and_verify_greedy_on_one_hot_distributions(
         draft_logits[agree] = target_logits[:gamma][agree]
         p, q = warp(target_logits, greedy), warp(draft_logits, greedy)
         drafted = draft_logits.argmax(-1)
-        got = verify_block(p, q, drafted, torch.Generator().manual_seed(case))
-        step = verify.verify_step(p, q, drafted, torch.Generator().manual_seed(case))
-        quick = verify.verify_greedy(target_logits.argmax(-1), drafted)
+        got = verify_block(p, q, drafted, torch.Generator().manual_seed(case)).read()
+        step = verify.verify_step(p, q, drafted, torch.Generator().manual_seed(case)).read()
+        quick = verify.verify_greedy(target_logits.argmax(-1), drafted).read()
         assert (got.tokens, got.accepted, got.overlap) == (step.tokens, step.accepted, step.overlap)
         assert (got.tokens, got.accepted, got.overlap) == (quick.tokens, quick.accepted, quick.overlap)
         law = block_outcomes(p, q, drafted)
@@ -480,7 +480,7 @@ def test_verify_block_samples_the_law_of_block_outcomes(seed: int, gamma: int, r
     the two rules differ the same counts reject the token-wise law, so the test can see a mix-up."""
     p, q, drafted = fixed_block(seed, gamma, 3)
     gen = torch.Generator().manual_seed(seed)
-    counts = Counter(tuple(verify_block(p, q, drafted, gen).tokens) for _ in range(4000))
+    counts = Counter(tuple(verify_block(p, q, drafted, gen).read().tokens) for _ in range(4000))
     block = outcome_probabilities(block_rule, p, q, drafted)
     assert chi_square_pvalue(counts, block) > 1e-3
     token = outcome_probabilities(tokenwise_rule, p, q, drafted)
@@ -495,7 +495,7 @@ def test_verify_block_never_keeps_a_token_the_target_rules_out(monkeypatch: pyte
     p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5], [0.3, 0.3, 0.4]], dtype=torch.float64)
     q = torch.tensor([[0.6, 0.2, 0.2], [0.2, 0.3, 0.5]], dtype=torch.float64)
     monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros(*shape, dtype=kwargs.get("dtype")))
-    got = verify_block(p, q, torch.tensor([0, 1]), torch.Generator())
+    got = verify_block(p, q, torch.tensor([0, 1]), torch.Generator()).read()
     assert got.accepted == 0 and got.tokens[0] != 0
 
 
@@ -505,9 +505,9 @@ def test_gamma_zero_samples_p_1() -> None:
     law = block_outcomes(p, empty_q, nothing)
     assert law.accepted.tolist() == [1.0] and torch.equal(law.fallback, p)
     gen = torch.Generator().manual_seed(0)
-    counts = Counter(tuple(verify_block(p, empty_q, nothing, gen).tokens) for _ in range(500))
+    counts = Counter(tuple(verify_block(p, empty_q, nothing, gen).read().tokens) for _ in range(500))
     assert set(counts) <= {(0,), (2,)} and counts[(2,)] > 400
-    assert verify_block(p, empty_q, nothing, gen).overlap == []
+    assert verify_block(p, empty_q, nothing, gen).read().overlap == []
 
 
 # ----------------------------------------------------------------------------- through the loop

@@ -8,6 +8,7 @@ counts are taken by wrapping those methods of torch.Tensor for the duration of o
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,9 @@ import torch
 from toy_models import noisy_copy, random_llama
 
 from speculative import NonFiniteLogitsError, autoregressive_generate, speculative_generate, speculative_generate_batch
+from speculative.batch import autoregressive_generate_batch
 from speculative.inputs import read_host
+from speculative.stats import Clock
 
 torch.set_num_threads(1)
 READS = ("tolist", "item", "__bool__", "__int__", "__float__")
@@ -81,14 +84,11 @@ def test_tree(pair: tuple, temperature: float, mode: str, monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_batch(pair: tuple, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy: 1 per iteration whatever the batch size (every row's outcome and the check in
-    one copy); sampled: 1 per row in the iteration (each row's verification copies its own
-    outcome, with the check)."""
+    """1 per iteration whatever the batch size, greedy or sampled: every row's verdict (its
+    verifier's device tensors) and the check travel in one copy."""
     out, reads = count_reads(lambda: speculative_generate_batch(*pair, [[1, 2, 3], [4, 5], [6]], 40, gamma=4,
                                                                 temperature=temperature, seed=0), monkeypatch)
-    stats = out.stats
-    expected = stats.iterations if temperature == 0 else stats.row_iterations
-    assert reads == expected
+    assert reads == out.stats.iterations < out.stats.row_iterations
 
 
 @pytest.mark.parametrize("eos", [None, 15])
@@ -139,3 +139,104 @@ def test_read_host_one_copy_ints_floats_and_the_flag() -> None:
     assert all(isinstance(v, int) for v in ints + flags)
     with pytest.raises(NonFiniteLogitsError):
         read_host([torch.tensor([1])], torch.tensor(False))
+
+
+# ----------------------------------------------------------------------------- timing without waiting
+class FakeEvent:
+    """torch.cuda.Event on a CPU, as CUDA behaves: an event is complete once the host has waited
+    for the device after it was recorded (a read of a tensor's value, or a synchronize), and
+    elapsed_time of an incomplete event raises, as cudaEventElapsedTime does."""
+
+    recorded: list[FakeEvent] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.time, self.complete = None, False
+
+    def record(self) -> None:
+        self.time = time.perf_counter()
+        FakeEvent.recorded.append(self)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.complete and end.complete):
+            raise RuntimeError("CUDA error: device not ready (an event the host has not waited for)")
+        return (end.time - self.time) * 1000
+
+    @staticmethod
+    def wait_for_device() -> None:
+        for event in FakeEvent.recorded:
+            event.complete = True
+
+
+def count_waits(fn: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int, int]:
+    """(result, host reads, synchronizations) of fn() run as if on CUDA: the loops' Clock takes
+    (fake) events, every read completes the events recorded before it, as a GPU's copy would."""
+    counts: Counter = Counter()
+    FakeEvent.recorded = []
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def wrapped(self, *args, _real=real, **kwargs):
+            counts["reads"] += 1
+            FakeEvent.wait_for_device()
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+
+    def synchronize(*args: Any) -> None:
+        counts["syncs"] += 1
+        FakeEvent.wait_for_device()
+
+    def as_if_cuda(self: Clock, device: torch.device) -> None:
+        self.events, self.queued = True, []
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(Clock, "__init__", as_if_cuda)
+    try:
+        out = fn()
+    finally:
+        monkeypatch.undo()
+    return out, counts["reads"], counts["syncs"]
+
+
+TIMED = {
+    "chain-greedy": lambda t, d: speculative_generate(t, d, [1, 2, 3], 30, temperature=0.0),
+    "chain-auto-gamma": lambda t, d: speculative_generate(t, d, [1, 2, 3], 30, gamma="auto", temperature=1.0, seed=0),
+    "tree-sampled": lambda t, d: speculative_generate(t, d, [1, 2, 3], 30, temperature=1.0, seed=0, tree=(2, 1)),
+    "batch-greedy": lambda t, d: speculative_generate_batch(t, d, [[1, 2], [3], [4, 5, 6]], 30, temperature=0.0,
+                                                             batch_size=2),
+    "batch-auto-gamma": lambda t, d: speculative_generate_batch(t, d, [[1, 2], [3]], 30, gamma="auto",
+                                                                 temperature=1.0, seed=0),
+    "alone-batch": lambda t, d: autoregressive_generate_batch(t, [[1, 2], [3]], 30, temperature=1.0, seed=0),
+    "alone-deferred": lambda t, d: autoregressive_generate(t, [1, 2, 3], 30, temperature=1.0, seed=0),
+    "alone-per-token": lambda t, d: autoregressive_generate(t, [1, 2, 3], 30, temperature=1.0, seed=0, eos_id=15),
+}
+
+
+@pytest.mark.parametrize("run", TIMED)
+def test_timing_never_waits_for_the_device(pair: tuple, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the loops time with events: no synchronize inside the loop, one after it (to
+    sum the durations that end after the last read), and no duration read before the device
+    passed both its marks (the fake event raises then, as CUDA does). The host reads are the
+    counts above, unchanged."""
+    out, reads, syncs = count_waits(lambda: TIMED[run](*pair), monkeypatch)
+    _, plain_reads = count_reads(lambda: TIMED[run](*pair), monkeypatch)
+    assert syncs == 1 and reads == plain_reads
+    stats = out.stats
+    assert stats.decode_time_s > 0 if hasattr(stats, "decode_time_s") else stats.target_time_s > 0
+    if hasattr(stats, "draft_time_s"):
+        assert 0 < stats.draft_time_s + stats.target_time_s <= stats.decode_time_s
+
+
+def test_a_clock_that_synchronizes_is_counted(pair: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count can fail: the old clock (synchronize, then perf_counter) at every mark."""
+    def waiting_mark(self: Clock) -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Clock, "mark", waiting_mark)
+        patch.setattr(Clock, "seconds", lambda self, start, end: end - start)
+        patch.setattr(Clock, "settle", lambda self: None)
+        out, _, syncs = count_waits(lambda: TIMED["chain-greedy"](*pair), patch)
+    assert syncs >= 3 * out.stats.target_calls

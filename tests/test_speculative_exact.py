@@ -7,6 +7,9 @@ Everything here is computed, not sampled, in float64, from the implementation's 
 * several steps of the whole algorithm on toy n-gram models, by enumerating every drafted
   continuation and every accept/reject branch, against the target's own autoregressive
   distribution computed with the plain-Python reference warp (temperature, top-k, top-p);
+* the same, with the verifier the loop calls (verify_step) run once per cell of its
+  randomness, so that a slip inside it (the residual, the bonus row, the threshold) shows;
+* r = 0 exactly against a token the target rules out (the strict comparison);
 * the cost model's formulas and gamma="auto" against values worked out by hand or by brute force.
 
 Each identity is also shown to fail for a deliberately broken acceptance rule or residual.
@@ -14,7 +17,9 @@ Each identity is also shown to fail for a deliberately broken acceptance rule or
 
 from __future__ import annotations
 
+import itertools
 import math
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -120,7 +125,7 @@ def test_one_step_identity_catches_broken_rules(acceptance: Acceptance, residual
     assert not torch.allclose(one_step_distribution(p, q, acceptance, residual), p, atol=1e-3, rtol=0)
 
 
-def shifted_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> verify.Verification:
+def shifted_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> verify.Verdict:
     """Broken on purpose: x_i compared with the target's choice one position later."""
     return verify.verify_greedy(torch.cat([target_choice[1:], target_choice[-1:]]), drafted)
 
@@ -141,8 +146,8 @@ def test_verify_greedy_is_verify_step_on_one_hot_distributions(broken: bool) -> 
         draft_logits[agree] = target_logits[:gamma][agree]
         p, q = warp(target_logits, greedy), warp(draft_logits, greedy)
         drafted = draft_logits.argmax(-1)
-        expected = verify.verify_step(p, q, drafted, torch.Generator().manual_seed(case))
-        got = check(target_logits.argmax(-1), drafted)
+        expected = verify.verify_step(p, q, drafted, torch.Generator().manual_seed(case)).read()
+        got = check(target_logits.argmax(-1), drafted).read()
         differences += (got.tokens, got.accepted, got.overlap) != (expected.tokens, expected.accepted,
                                                                    expected.overlap)
     assert (differences > 30) if broken else (differences == 0)
@@ -341,3 +346,148 @@ def test_auto_gamma_does_not_jump_on_the_first_accepted_tokens() -> None:
         auto.update([1.0] * 4, draft_step_s=0.0005, target_call_s=0.005)
     assert auto.alpha > 0.95
     assert auto.gamma > 8
+
+
+# ----------------------------------------------------------------------------- r = 0
+def forced_uniforms_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.rand returns exactly 0 (it can: it draws from [0, 1))."""
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros(*shape, dtype=kwargs.get("dtype")))
+
+
+def test_verify_step_never_keeps_a_token_the_target_rules_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """r = 0 against a drafted token of target probability 0: the strict r < p/q rejects it and
+    the residual gives another token. SGLang #35771 compared with <=, which accepts it: the one
+    mutant that every other test lets through, since r = 0 has probability 0 under sampling."""
+    from mutation import mutated
+
+    p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    q = torch.tensor([[0.6, 0.2, 0.2]], dtype=torch.float64)
+    drafted = torch.tensor([0])
+    forced_uniforms_zero(monkeypatch)
+    got = verify.verify_step(p, q, drafted, torch.Generator()).read()
+    assert got.accepted == 0 and got.tokens[0] != 0
+    lenient = mutated(verify, ("accepted = r < ratio", "accepted = r <= ratio"))
+    broken = lenient.verify_step(p, q, drafted, torch.Generator()).read()
+    assert broken.accepted == 1 and broken.tokens[0] == 0
+
+
+# ----------------------------------------------------------------------------- the verifier itself, enumerated
+class Uniforms(torch.Tensor):
+    """The verifier's r_1..r_g, each confined to a cell of [0, 1): below its threshold a_i (cell 0)
+    or above it (cell 1). A comparison with the thresholds records them and answers for a point
+    inside each cell (a_i / 2 or (1 + a_i) / 2, a_i clipped to [0, 1]), whatever the operator:
+    the verifier's own comparison decides, and the cell's measure is its probability."""
+
+    cells: list[int]
+    thresholds: list[torch.Tensor]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("__lt__", "__le__", "__gt__", "__ge__", "lt", "le", "gt", "ge"):
+            r, a = args
+            if isinstance(r, Uniforms):
+                a = a.as_subclass(torch.Tensor).clamp(0, 1)
+                r.thresholds.append(a)
+                point = torch.tensor([(1 + x) / 2 if c else x / 2 for c, x in zip(r.cells, a.tolist())], dtype=a.dtype)
+                return func(point, a)
+        args = [x.as_subclass(torch.Tensor) if isinstance(x, Uniforms) else x for x in args]
+        return func(*args, **kwargs)
+
+
+def verifier_outcomes(verifier: Verifier, p: torch.Tensor, q: torch.Tensor,
+                      drafted: torch.Tensor) -> list[tuple[list[int], float]]:
+    """Every outcome of ``verifier(p, q, drafted, generator)`` with its exact probability, by
+    running the function itself once per cell of its randomness: each r_i below or above the
+    threshold the verifier compares it with (:class:`Uniforms`, probability a_i or 1 - a_i),
+    then each token t the sampler can return for the place n the verifier keeps, with the
+    probability of t in the distribution the verifier hands its sampler (``sample`` of the
+    verifier's module, patched). So a slip inside the verifier, in the threshold, the
+    residual or the bonus row, changes the sums."""
+    g, out = drafted.shape[0], []
+    for cells in itertools.product((0, 1), repeat=g):
+        first, thresholds, handed = run_in_cells(verifier, p, q, drafted, list(cells), 0)
+        weight = math.prod(1 - a if c else a for c, a in zip(cells, thresholds[0].tolist() if g else []))
+        if weight == 0:
+            continue
+        law = handed[0][first.accepted]
+        for t in range(law.shape[0]):
+            if law[t] > 0:
+                out.append((run_in_cells(verifier, p, q, drafted, list(cells), t)[0].tokens, weight * law[t].item()))
+    return out
+
+
+def run_in_cells(verifier: Verifier, p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,
+                 cells: list[int], token: int) -> tuple[verify.Verification, list[torch.Tensor], list[torch.Tensor]]:
+    """One run of the verifier with its r_i in ``cells`` and its sampler returning ``token``;
+    with the thresholds r was compared with and the distributions the sampler was handed."""
+    module, handed = sys.modules[verifier.__module__], []
+    uniforms = torch.zeros(drafted.shape[0], dtype=p.dtype).as_subclass(Uniforms)
+    uniforms.cells, uniforms.thresholds = cells, []
+    real_rand, real_sample = torch.rand, module.sample
+    torch.rand = lambda *shape, **kwargs: uniforms
+    module.sample = lambda probs, generator: handed.append(probs) or torch.full(probs.shape[:-1], token)
+    try:
+        return verifier(p, q, drafted, torch.Generator()).read(), uniforms.thresholds, handed
+    finally:
+        torch.rand, module.sample = real_rand, real_sample
+
+
+Verifier = Callable[..., verify.Verification]
+
+
+def verifier_distribution(target: NGramModel, draft: NGramModel, prompt: tuple[int, ...], gamma: int, length: int,
+                          sampling: Sampling, verifier: Verifier = verify.verify_step) -> dict[tuple, float]:
+    """Exact P(first ``length`` emitted tokens) of the loop's iterations with the verifier the
+    loop calls: every drafted chain (x_i ~ q_i, warped by the code's warp), then every outcome
+    of the verifier (verifier_outcomes), iteration after iteration."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def warped(model: NGramModel, context: tuple[int, ...]) -> torch.Tensor:
+        return warp(model.next_logits(context), sampling)
+
+    def iteration(context: tuple[int, ...], prob: float) -> None:
+        if len(context) - len(prompt) >= length:
+            key = context[len(prompt):len(prompt) + length]
+            out[key] = out.get(key, 0.0) + prob
+            return
+        chains = [((), 1.0)]
+        for _ in range(gamma):
+            chains = [(xs + (x,), w * qx) for xs, w in chains
+                      for x, qx in enumerate(warped(draft, context + xs).tolist()) if qx > 0]
+        for xs, w in chains:
+            p = torch.stack([warped(target, context + xs[:i]) for i in range(gamma + 1)])
+            q = torch.stack([warped(draft, context + xs[:i]) for i in range(gamma)])
+            for tokens, v in verifier_outcomes(verifier, p, q, torch.tensor(xs, dtype=torch.long)):
+                iteration(context + tuple(tokens), prob * w * v)
+
+    iteration(prompt, 1.0)
+    return out
+
+
+@settings(max_examples=12, derandomize=True, deadline=None)
+@given(vocab=st.integers(2, 3), gamma=st.integers(1, 2), seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]),
+       sampling=samplings)
+def test_the_loops_verifier_emits_exactly_the_target_distribution(vocab: int, gamma: int, seed: int, holes: float,
+                                                                  sampling: Sampling) -> None:
+    target, draft = NGramModel(toy_table(vocab, 2, seed, holes)), NGramModel(toy_table(vocab, 2, seed + 1, holes))
+    got = verifier_distribution(target, draft, (0,), gamma, 3, sampling)
+    assert max_gap(got, target_distribution(target, (0,), 3, sampling)) < TOL
+
+
+@pytest.mark.parametrize("slip", [
+    ("residual_distribution(p[:gamma], q)",  # the residual against a one-hot q (xLLM #2175's kind of slip)
+     "residual_distribution(p[:gamma], torch.nn.functional.one_hot(drafted, q.shape[-1]).to(q.dtype))"),
+    ("p[gamma:]])", "p[gamma - 1:gamma]])"),  # the bonus drawn from p_g, not p_{g+1}
+    ("ratio = acceptance_probability(p[:gamma], q, drafted)",  # the ratio inverted: q/p
+     "ratio = acceptance_probability(q, p[:gamma], drafted)"),
+])
+def test_the_enumeration_of_the_verifier_catches_wiring_slips(slip: tuple[str, str]) -> None:
+    """Slips inside verify_step that a reference built from acceptance_probability and
+    residual_distribution could not see: the enumeration of the function itself does."""
+    from mutation import mutated
+
+    broken = mutated(verify, slip).verify_step
+    target, draft = NGramModel(toy_table(3, 2, 5, 0.0)), NGramModel(toy_table(3, 2, 6, 0.0))
+    got = verifier_distribution(target, draft, (0,), 2, 3, Sampling(), broken)
+    assert max_gap(got, target_distribution(target, (0,), 3, Sampling())) > 1e-3

@@ -103,15 +103,15 @@ def test_greedy_float32_differs_only_at_near_ties(llama32: dict, gamma: int, kin
         assert far_from_argmax(target, prompt, out.tokens) == []
 
 
-def accept_everything(target_choice: torch.Tensor, drafted: torch.Tensor, finite: object = None) -> object:
+def accept_everything(target_choice: torch.Tensor, drafted: torch.Tensor) -> object:
     gamma = drafted.shape[0]
-    return verify_module.Verification(tokens=drafted.tolist() + [int(target_choice[gamma])], accepted=gamma,
-                                      overlap=[1.0] * gamma)
+    return verify_module.Verdict([drafted, target_choice], lambda xs, ys: verify_module.Verification(
+        tokens=xs + [ys[gamma]], accepted=gamma, overlap=[1.0] * gamma))
 
 
 def test_near_tie_check_catches_a_broken_greedy(llama32: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Accepting every draft token must be caught by the check used above."""
-    monkeypatch.setattr(loop_module, "verify_greedy", accept_everything)
+    monkeypatch.setattr(verify_module, "verify_greedy", accept_everything)
     out = speculative_generate(llama32["target"], llama32["independent"], [1, 2], 24, gamma=4, temperature=0)
     assert far_from_argmax(llama32["target"], [1, 2], out.tokens) != []
 

@@ -76,30 +76,29 @@ def residual_from_p(mp: pytest.MonkeyPatch, setting: Setting) -> None:
 
 
 def bonus_from_draft(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    def step(p, q, drafted, generator, finite=None):
+    def step(p, q, drafted, generator):
         if len(drafted):
             p = p.clone()
             p[-1] = setting.draft_after(drafted)
-        return real_verify_step(p, q, drafted, generator, finite)
+        return real_verify_step(p, q, drafted, generator)
 
-    mp.setattr(loop, "verify_step", step)
+    mp.setattr(verify, "verify_step", step)
 
 
 def temperature_on_p_only(mp: pytest.MonkeyPatch, setting: Setting) -> None:
     t = setting.sampling.temperature
     assert t not in (0, 1) and setting.sampling.top_k is None and setting.sampling.top_p is None
 
-    def step(p, q, drafted, generator, finite=None):
+    def step(p, q, drafted, generator):
         raw = q ** t  # softmax(l / t) ** t is proportional to softmax(l): the untempered q
-        return real_verify_step(p, raw / raw.sum(-1, keepdim=True), drafted, generator, finite)
+        return real_verify_step(p, raw / raw.sum(-1, keepdim=True), drafted, generator)
 
-    mp.setattr(loop, "verify_step", step)
+    mp.setattr(verify, "verify_step", step)
 
 
 def q_of_next_position(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    mp.setattr(loop, "verify_step",
-               lambda p, q, drafted, generator, finite=None: real_verify_step(p, torch.cat([q[1:], q[-1:]]), drafted,
-                                                                                  generator, finite))
+    mp.setattr(verify, "verify_step",
+               lambda p, q, drafted, generator: real_verify_step(p, torch.cat([q[1:], q[-1:]]), drafted, generator))
 
 
 def ratio_without_min(mp: pytest.MonkeyPatch, setting: Setting) -> None:
@@ -111,13 +110,18 @@ def ratio_without_min(mp: pytest.MonkeyPatch, setting: Setting) -> None:
 
 
 def no_bonus_token(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    def step(p, q, drafted, generator, finite=None):
-        result = real_verify_step(p, q, drafted, generator, finite)
-        if len(drafted) and result.accepted == len(drafted):
-            result.tokens = result.tokens[:-1]
-        return result
+    def step(p, q, drafted, generator):
+        verdict = real_verify_step(p, q, drafted, generator)
 
-    mp.setattr(loop, "verify_step", step)
+        def finish(*host):
+            result = verdict.finish(*host)
+            if len(drafted) and result.accepted == len(drafted):
+                result.tokens = result.tokens[:-1]
+            return result
+
+        return verify.Verdict(verdict.parts, finish)
+
+    mp.setattr(verify, "verify_step", step)
 
 
 BUGS = {"inverted-ratio": inverted_ratio, "residual-from-p": residual_from_p, "bonus-from-draft": bonus_from_draft,

@@ -325,7 +325,7 @@ def sampled_outcomes(token_tree: TokenTree, p: torch.Tensor, draws: int, seed: i
     counts: Counter = Counter()
     node_tokens = token_tree.tokens.tolist()
     for _ in range(draws):
-        out = verify_tree(p, token_tree, gen)
+        out = verify_tree(p, token_tree, gen).read()
         assert out.accepted == len(out.path) == len(out.tokens) - 1
         assert out.tokens[:-1] == [node_tokens[c] for c in out.path]
         assert out.path == (token_tree.path_to(out.path[-1]) if out.path else [])  # a root-to-node chain
@@ -351,7 +351,7 @@ def test_verify_tree_in_float32_leaves_its_inputs_alone() -> None:
         before = (p.clone(), token_tree.q.clone(), token_tree.tokens.clone())
         gen = torch.Generator().manual_seed(0)
         for _ in range(50):
-            out = verify_tree(p, token_tree, gen)
+            out = verify_tree(p, token_tree, gen).read()
             assert isinstance(out, verify.Verification)  # the loop reads tokens, accepted, overlap as from verify_step
             assert p[out.path[-1] + 1 if out.path else 0, out.tokens[-1]] > 0  # a token the target allows
         assert all(torch.equal(a, b) for a, b in zip(before, (p, token_tree.q, token_tree.tokens)))
@@ -366,7 +366,7 @@ def random_parents(n: int, gen: torch.Generator, max_children: int | None = None
     return parents
 
 
-def shifted_greedy(target_choice: torch.Tensor, token_tree: TokenTree) -> tree.TreeVerification:
+def shifted_greedy(target_choice: torch.Tensor, token_tree: TokenTree) -> verify.Verdict:
     """Broken on purpose: every row compared with the next row's choice."""
     return verify_tree_greedy(torch.cat([target_choice[1:], target_choice[-1:]]), token_tree)
 
@@ -395,8 +395,8 @@ def test_verify_tree_greedy_is_verify_tree_on_one_hot_distributions(broken: bool
         else:
             tokens = torch.tensor([int(q[parent + 1].argmax()) for parent in parents], dtype=torch.long)
         token_tree = TokenTree(tokens, parents, mode, q)
-        expected = verify_tree(p, token_tree, torch.Generator().manual_seed(case))
-        got = check(target_logits.argmax(-1), token_tree)
+        expected = verify_tree(p, token_tree, torch.Generator().manual_seed(case)).read()
+        got = check(target_logits.argmax(-1), token_tree).read()
         differences += got != expected
     assert (differences > 30) if broken else (differences == 0)
 
@@ -426,8 +426,8 @@ def test_chain_is_verify_step_draw_for_draw() -> None:
     for case in range(200):
         gamma, vocab = 1 + case % 5, 2 + case % 4
         p, q, drafted = chain_case(gamma, vocab, gen)
-        expected = verify.verify_step(p, q, drafted, torch.Generator().manual_seed(case))
-        got = verify_tree(p, chain_tree(q, drafted), torch.Generator().manual_seed(case))
+        expected = verify.verify_step(p, q, drafted, torch.Generator().manual_seed(case)).read()
+        got = verify_tree(p, chain_tree(q, drafted), torch.Generator().manual_seed(case)).read()
         assert (got.tokens, got.accepted) == (expected.tokens, expected.accepted)
         assert got.path == list(range(got.accepted))
         verified = min(got.accepted + 1, gamma)  # the positions SpeculativeStats.record reads
@@ -468,8 +468,8 @@ def test_tree_helpers() -> None:
     assert tree.branching_parents(()) == []
     empty = TokenTree.from_branching(torch.zeros(0, dtype=torch.long), (), "deterministic")
     p = distribution([0, 1, 0]).view(1, 3)
-    assert verify_tree(p, empty, torch.Generator().manual_seed(0)).tokens == [1]
-    assert verify_tree_greedy(torch.tensor([2]), empty).tokens == [2]
+    assert verify_tree(p, empty, torch.Generator().manual_seed(0)).read().tokens == [1]
+    assert verify_tree_greedy(torch.tensor([2]), empty).read().tokens == [2]
 
 
 @pytest.mark.parametrize("make, message", [
@@ -498,15 +498,15 @@ def test_bad_verification_inputs_are_refused() -> None:
     t = TokenTree.from_branching(torch.tensor([1, 1]), (2,), "without_replacement", q)
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match=r"p must be \[N\+1, V\]"):
-        verify_tree(q[:2], t, gen)
+        verify_tree(q[:2], t, gen).read()
     with pytest.raises(ValueError, match="tokens per row"):
-        verify_tree(torch.full((3, 5), 0.2, dtype=torch.float64), t, gen)
+        verify_tree(torch.full((3, 5), 0.2, dtype=torch.float64), t, gen).read()
     with pytest.raises(ValueError, match="uniforms"):
-        verify_tree(q, t, gen, uniforms=torch.zeros(3))
+        verify_tree(q, t, gen, uniforms=torch.zeros(3)).read()
     with pytest.raises(ValueError, match="same token"):
-        verify_tree(q, t, gen)  # two siblings drawn without replacement cannot be equal
+        verify_tree(q, t, gen).read()  # two siblings drawn without replacement cannot be equal
     with pytest.raises(ValueError, match="target_choice"):
-        verify_tree_greedy(torch.tensor([0, 1]), t)
+        verify_tree_greedy(torch.tensor([0, 1]), t).read()
 
 
 # ----------------------------------------------------------------------------- mutants
@@ -589,10 +589,10 @@ def test_zero_probability_child_is_never_accepted_even_at_r_0(monkeypatch: pytes
     q = distribution([5, 1, 1, 1]).repeat(3, 1)  # and the draft likes it
     t = TokenTree(torch.tensor([0, 2]), [-1, -1], mode, q)
     zeros = torch.zeros(2, dtype=torch.float64)
-    real = verify_tree(p, t, torch.Generator().manual_seed(0), uniforms=zeros)
+    real = verify_tree(p, t, torch.Generator().manual_seed(0), uniforms=zeros).read()
     assert real.path == [1] and real.tokens[0] == 2  # node 0 rejected, node 1 (ratio > 0) accepted
     monkeypatch.setattr(tree, "passes", lambda r, ratio: r <= ratio)
-    broken = verify_tree(p, t, torch.Generator().manual_seed(0), uniforms=zeros)
+    broken = verify_tree(p, t, torch.Generator().manual_seed(0), uniforms=zeros).read()
     assert broken.path == [0] and broken.tokens[0] == 0  # an impossible token emitted
 
 
