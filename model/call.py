@@ -81,10 +81,11 @@ def checked_move(rows: Sequence[int], src: Slots | None, dst: Slots | None, batc
 
 def host_ints(values: Sequence[Any], name: str, limit: int) -> list:
     """Host ints (or equal-length lists of them), checked to lie in 0..limit-1."""
-    flat = [v for row in values for v in row] if values and isinstance(values[0], Sequence) else list(values)
+    nested = bool(values) and isinstance(values[0], Sequence)
+    flat = [v for row in values for v in row] if nested else list(values)
     if not all(type(v) is int for v in flat) or any(v < 0 or v >= limit for v in flat) or len(values) > limit:
         raise ValueError(f"{name} must be ints in 0..{limit - 1}, got {list(values)}")
-    return [list(v) for v in values] if values and isinstance(values[0], Sequence) else list(values)
+    return [list(v) for v in values] if nested else list(values)
 
 
 def is_tensor(x: object, dtype: torch.dtype) -> bool:

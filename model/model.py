@@ -130,13 +130,13 @@ class KVCache(nn.Module):
             self.v[:batch].scatter_(2, index, v)
         return self.k[:batch, :, :window], self.v[:batch, :, :window]
 
-    def move(self, rows: Sequence[int], src: torch.Tensor | None, dst: torch.Tensor | None) -> None:
-        """Row b takes old row rows[b]: whole (src None), or its entries at slots src[b] at slots
+    def move(self, rows: Sequence[int] | torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | None) -> None:
+        """Row b takes old row rows[b]: whole (src None; rows a LongTensor), or its entries at slots src[b] at slots
         dst[b] ([n, m]), gathered first (sources may overlap destinations); keys are moved, not
         re-rotated. A row at a time: a tree's path is one row, and two indices cost twice one."""
         for cache in (self.k, self.v):
             if src is None:
-                cache[:len(rows)] = cache.index_select(0, torch.tensor(rows, dtype=torch.long, device=cache.device))
+                cache[:len(rows)] = cache.index_select(0, rows)
             else:
                 for b, row in enumerate(rows):
                     cache[b].index_copy_(1, dst[b], cache[row].index_select(1, src[b]))
@@ -260,6 +260,8 @@ class CachedStack(nn.Module):
         if self._rope is None:
             raise RuntimeError("move_cache(...) needs setup_cache(...) first")
         rows, src, dst = checked_move(rows, src, dst, self.cache_batch, self.cache_len, self.device)
+        if src is None:  # whole rows: one index for every layer, not one per layer and buffer
+            rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         for layer in self.layers:
             layer.self_attn.cache.move(rows, src, dst)
 
