@@ -44,6 +44,7 @@ CASES: dict[str, tuple[list[str], bool, bool]] = {
     "single, feature head": (["--draft", "tiny-eagle"], False, False),
     "batch 4, greedy": (["--batch-size", "4"], True, False),
     "tree 3,2,1,1, greedy": (["--tree", "3,2,1,1"], False, False),
+    "target alone, greedy": (["--no-draft"], False, False),
     "single, greedy, compiled": (["--compile", "force"], False, True),
     "batch 4, greedy, compiled": (["--batch-size", "4", "--compile", "force"], True, True),
     "tree 3,2,1,1, greedy, compiled": (["--tree", "3,2,1,1", "--compile", "force"], False, True),

@@ -23,7 +23,7 @@ configuration) so that a change in machine load hits all configurations alike.
 
 It also times one target call against the number of tree nodes N: the call that verifies
 an N-node tree (the root, then the nodes, with the tree's mask and each node at its depth,
-as speculative.speculative.score feeds it) after a short prefix, against a plain 1-token
+as speculative.engine.Engine.score feeds it) after a short prefix, against a plain 1-token
 step. What a tree gains in tau it pays for here and in its draft calls.
 
 Do not run it while anything else loads the machine: it measures the machine.

@@ -19,25 +19,9 @@ after the prefix and x_1..x_{i-1}; the paper's M_b(. | c, X^{i-1}) and M_s(. | c
 paper calls the weights w_i "p_i"; they are renamed here so as not to collide with p_i. h_i is the
 paper's h_i^block and rho_tau / m_tau its p_res^block.
 
-Why the output is exactly the target's (docs/trees_and_blocks.md has it in full). Write q(x^i) for
-the probability that the draft proposes x_1..x_i and A_i(x^i) = P(tau >= i, X^i = x^i).
-
-* Invariant: A_i(x^i) = q(x^i) w_i(x^i). At i = gamma it is B3 (h_gamma = w_gamma). Below, by
-  induction, the block survives past i (tau >= i+1) with probability sum_y q(y) min(1, w_i p(y)/q(y))
-  = w_i - m_i given x^i (p = p_{i+1}, q = q_{i+1}); otherwise the scan reaches i and stops there with
-  probability h_i, which adds (1 - w_i + m_i) h_i = m_i. Total: w_i. So P(tau = i, X^i = x^i) = q(x^i) m_i.
-* Mass bookkeeping: let G_i(x^i) = A_i(x^i) be the mass still inside the block and E_i(x^i) the mass
-  of runs whose output ended before position i+1 (the target samples what follows). The next
-  token y is reached with mass q(x^i) min(w_i p(y), q(y)) inside the block (x_{i+1} = y kept), plus
-  q(x^i) max(0, w_i p(y) - q(y)) by stopping at i and drawing y from the residual, plus E_i p(y).
-  min + max add up to q(x^i) w_i p(y) = G_i p(y), so G_{i+1} + E_{i+1} = (G_i + E_i) p(y). From
-  G_0 + E_0 = 1 every prefix gets exactly the target's probability (at i = gamma the bonus token
-  from p_{gamma+1} carries the whole G_gamma p(y)).
-
-Never worse than token-wise verification: w_i >= prod_{j<=i} min(1, p_j(x_j)/q_j(x_j)) (min(1, ab) >=
-a min(1, b) for a <= 1), so P(tau >= i, X^i = x^i) dominates Algorithm 1's P(n >= i, X^i = x^i)
-prefix by prefix, and E[tau] = sum_i P(tau >= i) >= E[n]. It is strictly better when a token the
-draft under-proposes (p/q > 1) follows one it over-proposed: the surplus pays for the earlier deficit.
+Why the output is exactly the target's, and why it never accepts fewer tokens in expectation
+than token-wise verification (w_i >= prod_{j<=i} min(1, p_j(x_j)/q_j(x_j)), so the block survives
+past every prefix at least as often): docs/trees_and_blocks.md, "Block verification".
 
 At temperature 0 (one-hot p and q) w_i is 1 while x_i is the target's argmax and 0 from the first
 mismatch on, m_i is 1 exactly when x_{i+1} is the first mismatch, so h_i is 1 there and 0 elsewhere:

@@ -3,7 +3,7 @@
 A draft model M_q proposes a chain of gamma tokens, the target M_p scores them in one call,
 and token-wise verification keeps a prefix and adds one token of the target's own. Nothing
 else: no statistics, trees, batches, compilation, EOS handling or callbacks (the engine,
-speculative.speculative, has those). Line numbers are those of Algorithm 1 as written out in
+speculative.engine, has those). Line numbers are those of Algorithm 1 as written out in
 docs/algorithm.md; tests/test_reference.py proves this function exact by enumerating every
 random choice it makes.
 

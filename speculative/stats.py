@@ -1,4 +1,4 @@
-"""What a generation call measured, and the result object both generators return.
+"""What a generation call measured, per row and for a batch, and the result objects.
 
 Two acceptance numbers are reported, on purpose:
 
@@ -226,6 +226,87 @@ class AutoregressiveStats:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second}
 
+    @classmethod
+    def of(cls, record: SpeculativeStats) -> AutoregressiveStats:
+        """The baseline's view of an engine row that drafted nothing."""
+        return cls(target_calls=record.target_calls, new_tokens=record.new_tokens, target_time_s=record.decode_time_s,
+                   wall_time_s=record.wall_time_s, first_call_s=record.first_iteration_s,
+                   stop_reason=record.stop_reason)
+
+
+@dataclass
+class BatchStats:
+    """What a batched call measured. The engine's own counts are its iterations (one target
+    call each, for all rows), its drafter calls, the rows in each iteration and the times;
+    everything about tokens is the sum of the rows' own records (``rows``), so a row's alpha
+    and tau and the batch's come from one record of what happened."""
+
+    prompts: int
+    batch_size: int  # rows at most in one call
+    seed: int | list[int] | None = None  # as given: prompt i used seed + i (or seed[i])
+    iterations: int = 0  # batched target calls
+    draft_calls: int = 0  # batched drafter calls
+    rows_history: list[int] = field(default_factory=list)  # rows in each iteration
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    verify_time_s: float = 0.0  # judging and committing every row
+    decode_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    rows: list[SpeculativeStats] = field(default_factory=list, repr=False)  # every row's record
+
+    def _sum(self, name: str) -> Any:
+        return sum(getattr(row, name) for row in self.rows)
+
+    @property
+    def row_iterations(self) -> int:
+        """Sum over iterations of the rows in them."""
+        return self._sum("target_calls")
+
+    @property
+    def new_tokens(self) -> int:
+        return self._sum("new_tokens")
+
+    @property
+    def drafted_tokens(self) -> int:
+        return self._sum("drafted_tokens")
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        return self._sum("accepted_draft_tokens")
+
+    @property
+    def overlap_sum(self) -> float:
+        return self._sum("overlap_sum")
+
+    @property
+    def verified_positions(self) -> int:
+        return self._sum("verified_positions")
+
+    @property
+    def mean_batch(self) -> float | None:
+        return self.row_iterations / self.iterations if self.iterations else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """All rows' new tokens over the loop's time (prompts included: rows join at different times)."""
+        return self.new_tokens / self.decode_time_s if self.decode_time_s else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.overlap_sum / self.verified_positions if self.verified_positions else None
+
+    @property
+    def tokens_per_row_iteration(self) -> float | None:
+        """tau: tokens a row gained per iteration it took part in."""
+        return self.new_tokens / self.row_iterations if self.row_iterations else None
+
+    def to_dict(self) -> dict[str, Any]:
+        names = ("prompts", "batch_size", "seed", "iterations", "draft_calls", "row_iterations", "new_tokens",
+                 "drafted_tokens", "accepted_draft_tokens", "overlap_sum", "verified_positions", "rows_history",
+                 "draft_time_s", "target_time_s", "verify_time_s", "decode_time_s", "wall_time_s",
+                 "mean_batch", "tokens_per_second", "acceptance_rate", "tokens_per_row_iteration")
+        return {name: getattr(self, name) for name in names}
+
 
 S = TypeVar("S", SpeculativeStats, AutoregressiveStats)
 
@@ -236,3 +317,11 @@ class GenerationResult(Generic[S]):
 
     tokens: list[int]
     stats: S
+
+
+@dataclass
+class BatchResult:
+    """``results[i]``: prompt i's new tokens and its own stats; ``stats``: the batch's totals."""
+
+    results: list[GenerationResult]
+    stats: BatchStats

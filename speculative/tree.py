@@ -30,43 +30,13 @@ the target's own token is drawn from the final p_cur; at an accepted leaf (no ch
 is drawn from p[leaf's row], the bonus token. A leaf is simply a node whose zero children
 were all rejected, so both cases are "draw from p_cur when the children run out".
 
-Why this emits exactly p. Fix a node; write p_1 = p[row], and let T(p_k) be the law of the
-token chosen at this node (an accepted child's token or the fallback token) when the walk
-is about to try child k with residual p_k. Claim: T(p_k) = p_k, by induction on the
-children left. No children left: the token is drawn from p_k. Otherwise c_k ~ q_k and
-
-    P(c_k accepted and equal to x) = q_k(x) min(1, p_k(x)/q_k(x)) = min(p_k(x), q_k(x)),
-    P(c_k rejected)                = 1 - sum_y min(p_k(y), q_k(y)) = sum_y max(0, p_k(y) - q_k(y)),
-
-and after a rejection the walk continues with p_{k+1} = norm(max(0, p_k - q_k)), which does
-not depend on which token was rejected, so by induction the token then has law p_{k+1}:
-
-    T(p_k)(x) = min(p_k(x), q_k(x)) + max(0, p_k(x) - q_k(x)) = p_k(x).
-
-The induction needs one fact per mode: given everything the walk has seen (earlier
-siblings and their rejections), the next child must be distributed as the q_{k+1} the rule
-uses. The rejection only depends on the earlier children and on their independent uniforms, so
-
-* "iid": the next child is a fresh draw from q: q_{k+1} = q_k = q[row];
-* "without_replacement": it is a draw from q with the earlier children removed and
-  renormalised, which is exactly how the rule updates q_cur (Jeon et al. 2024, recursive
-  rejection sampling); keeping q_cur unchanged would judge it with the wrong law;
-* "deterministic": the child is fixed in advance, i.e. drawn from the one-hot e_{c_k}; then
-  the acceptance probability is p_k(c_k) and max(0, p_k - e_{c_k}) is p_k with c_k removed.
-
-Hence the token chosen at the root has law p[0]. Given that it is an accepted child x, the
-walk continues at that child's node with p[child row] (the target after the path and x) and
-children drawn from q[child row] (the draft after the same path), independently of the
-siblings and of the decisions so far: the same situation one position later. Given that it
-is a fallback or bonus token, the iteration ends and the next one starts after it. So every
-emitted token has, given everything before it, the target's next-token distribution. This
-holds for any tree shape chosen before the children are drawn (or, for deterministic
-children, any shape computed from the draft model alone, like EAGLE-2's expansion): what it
-must not do is make a node's children depend on their own draws.
-
-A bad tree costs acceptance, never exactness. One cost is specific to "iid": a token
-drawn twice among siblings is wasted the second time, because its first copy was rejected
-only if p_cur(x) < q(x), and then the residual max(0, p_cur - q) is 0 at x.
+Why this emits exactly p, for every mode and any tree shape fixed before the children are
+drawn: docs/trees_and_blocks.md ("Why the output is exactly the target's"), by induction on
+the children left at a node. The one fact each mode needs: given the earlier siblings and
+their rejections, the next child is distributed as the q_k the rule uses -- q[row] for
+"iid", q with the earlier children removed and renormalised for "without_replacement"
+(Jeon et al. 2024), the one-hot e_{c_k} for "deterministic". A bad tree costs acceptance,
+never exactness.
 
 Float corner cases, none of which can happen in exact arithmetic: a residual with no mass
 (p_cur == q_k) falls back to p_cur (speculative.verify.residual_distribution); a child that

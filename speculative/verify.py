@@ -137,7 +137,7 @@ def leading_passes(flags: list[int], xs: list[int], ys: list[int], overlap: list
     return Verification(tokens=xs[:n] + [ys[n]], accepted=n, overlap=overlap)
 
 
-def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> Verdict:
+def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor, lengths: list[int] | None = None) -> Verdict:
     """Algorithm 1, lines 5-9, at temperature 0: the result of :func:`verify_step` when every
     p_i and q_i is one-hot, without building them.
 
@@ -154,8 +154,23 @@ def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> Verdict
     verify_step's warping, ratios, residuals and sampling are some thirty operators whose
     fixed costs (0.2-0.3 ms on a CPU) are pure overhead when the answer is a comparison
     (made on the host, after the copy).
+
+    Many rows at once: ``drafted`` [B, width] holds row b's x_1..x_{g_b} first (g_b =
+    lengths[b]) and ``target_choice`` every row's g_b + 1 argmaxes, stacked; the outcome is
+    the list of the rows' Verifications, from one copy whatever B is.
     """
-    return Verdict([drafted.to(target_choice.device), target_choice], greedy_outcome)
+    if lengths is None:
+        return Verdict([drafted.to(target_choice.device), target_choice], greedy_outcome)
+    width = drafted.shape[1]
+
+    def finish(xs: list[int], ys: list[int]) -> list[Verification]:
+        out, at = [], 0
+        for b, g in enumerate(lengths):
+            out.append(greedy_outcome(xs[b * width:b * width + g], ys[at:at + g + 1]))
+            at += g + 1
+        return out
+
+    return Verdict([drafted.flatten().to(target_choice.device), target_choice], finish)
 
 
 def greedy_outcome(xs: list[int], ys: list[int]) -> Verification:

@@ -32,16 +32,17 @@ from speculative import (
     FeatureDrafter,
     PromptLookupDrafter,
     autoregressive_generate,
+    autoregressive_generate_batch,
     calls,
     sample,
     speculative_generate,
+    speculative_generate_batch,
 )
-from speculative.batch import autoregressive_generate_batch, speculative_generate_batch
 from speculative.sampling import sample_rows
 from speculative.verify import Verification
 
 torch.set_num_threads(1)
-batch_module = importlib.import_module("speculative.batch")
+verify_module = importlib.import_module("speculative.verify")
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +254,7 @@ def test_greedy_float32_rows_are_the_target_up_to_near_ties(llama32: dict, size:
 
 
 def test_near_tie_check_catches_a_broken_batched_greedy(llama32: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(batch_module, "greedy_outcome",
+    monkeypatch.setattr(verify_module, "greedy_outcome",
                         lambda xs, ys: Verification(xs + [ys[len(xs)]], len(xs), [1.0] * len(xs)))
     independent = random_llama(vocab=16, dim=16, max_seq_len=64, seed=5)
     prompts = random_prompts(3, seed=1)
@@ -278,7 +279,9 @@ def test_bad_input_is_a_clear_error(llama64: dict, kwargs: dict, match: str) -> 
         speculative_generate_batch(llama64["target"], llama64["close"], args.pop("prompts"), 4, **args)
 
 
-def test_a_drafter_without_rows_is_refused(llama64: dict) -> None:
+def test_a_drafter_of_the_old_single_sequence_protocol_is_refused(llama64: dict) -> None:
+    """One drafter protocol, over rows: an object with only the old per-sequence calls (no
+    keep_rows, per-sequence propose) is not a drafter, alone or in a batch."""
     class OneRow:
         reads_features, vocab_size, max_seq_len = False, None, None
 
@@ -286,5 +289,7 @@ def test_a_drafter_without_rows_is_refused(llama64: dict) -> None:
         def propose(self, seq, ids, gamma, sampling, generator): ...
         def commit(self, length, hidden=None, hidden_start=0): ...
 
-    with pytest.raises(ValueError, match="cannot draft for a batch"):
+    with pytest.raises(TypeError, match="keep_rows"):
         speculative_generate_batch(llama64["target"], OneRow(), [[1]], 4)
+    with pytest.raises(TypeError, match="keep_rows"):
+        speculative_generate(llama64["target"], OneRow(), [1], 4)

@@ -33,13 +33,13 @@ import torch
 from toy_models import chi_square_pvalue, llama_next_logits, random_llama, ref_warp, sequence_distribution
 
 import speculative.verify as verify
-from speculative.batch import speculative_generate_batch
+from speculative import speculative_generate_batch
 from speculative.sampling import Sampling
 
 torch.set_num_threads(1)
-batch = importlib.import_module("speculative.batch")
+batch = importlib.import_module("speculative.engine")
 drafter_module = importlib.import_module("speculative.drafter")
-loop = importlib.import_module("speculative.speculative")
+loop = importlib.import_module("speculative.engine")
 
 TOL = 1e-10
 P_VALUE = 1e-3
@@ -50,13 +50,12 @@ def other_rows_q(mp: pytest.MonkeyPatch) -> None:
     """Row b is judged with the q that came with the row judged just before it."""
     real, previous = batch.judge, {}
 
-    def judge(logits, proposal, sampling, rule, generator, finite=None):
-        own = proposal.q
+    def judge(logits, drafted, q, tree, sampling, rule, generator, finite=None):
         other = previous.get("q")
-        previous["q"] = own
-        if other is not None and own is not None and other.shape == own.shape:
-            proposal = drafter_module.Draft(proposal.tokens, other, proposal.calls)
-        return real(logits, proposal, sampling, rule, generator, finite)
+        previous["q"] = q
+        if other is not None and q is not None and other.shape == q.shape:
+            q = other
+        return real(logits, drafted, q, tree, sampling, rule, generator, finite)
 
     mp.setattr(batch, "judge", judge)
 
@@ -69,15 +68,16 @@ def position_of_other_row(mp: pytest.MonkeyPatch) -> None:
     def advance(rows, steps):
         for b, row in enumerate(rows):
             other = steps[(b + 1) % len(steps)]
-            row.target_next = len(row.ids) - 1 - steps[b].accepted + other.accepted
+            row.target_next = row.length - 1 - steps[b].accepted + other.accepted
 
     mp.setattr(batch, "advance", advance)
 
 
 def shared_uniforms(mp: pytest.MonkeyPatch) -> None:
     """Every row's generator gets the first row's seed."""
-    real = batch.row_generator
-    mp.setattr(batch, "row_generator", lambda device, seeds, index: real(device, seeds, 0))
+    generation = importlib.import_module("speculative.generation")
+    real = generation.row_seeds
+    mp.setattr(generation, "row_seeds", lambda seed, count: real(seed, count)[:1] * count)
 
 
 def cut_to_shortest(mp: pytest.MonkeyPatch) -> None:
@@ -141,7 +141,8 @@ def enumerate_runs(run: Callable[[], list[list[int]]], chooser_box: dict) -> dic
 
 def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
     """Route the batched loop's randomness through box["now"]: drafted tokens (sample_rows in
-    the drafter) and lines 5-9 (the verifier, with the library's own ratio and residual)."""
+    the drafter), lines 5-9 (the verifier, with the library's own ratio and residual) and the
+    engine's plain step where no row drafted (sample_rows in the engine)."""
 
     def sample_rows(probs: torch.Tensor, generators: list) -> torch.Tensor:
         picks = [box["now"].choose(row.tolist()) if gen is not None else int(row.argmax())
@@ -163,6 +164,7 @@ def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
         return verify.Verdict([], lambda: outcome)
 
     mp.setattr(drafter_module, "sample_rows", sample_rows)
+    mp.setattr(loop, "sample_rows", sample_rows)  # an iteration where no row drafted: t ~ p_1 per row
     mp.setattr(verify, "verify_step", enumerated_verify)
 
 

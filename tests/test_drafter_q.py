@@ -47,21 +47,14 @@ def gap(q: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, sampling: S
 
 def model_gaps(draft: torch.nn.Module, sampling: Sampling, rows: bool) -> float:
     """ModelDrafter: q against the draft's own logits for each drafted prefix, from a forward
-    without the cache (nothing the drafter computed is reused)."""
-    drafter, gen = ModelDrafter(draft), torch.Generator().manual_seed(0)
-    if rows:
-        drafter.start_rows(2, 32)
-        drafter.keep_rows([], 2)
-        drafts = drafter.propose_rows(PROMPTS, [3, 3], sampling, [gen, torch.Generator().manual_seed(1)],
-                                      torch.device("cpu"))
-        outs = [(PROMPTS[b], drafts.tokens[b], drafts.q[b]) for b in range(2)]
-    else:
-        drafter.start(32)
-        seq = torch.tensor([PROMPTS[0] + [0] * 28])
-        draft_ = drafter.propose(seq, PROMPTS[0], 3, sampling, gen)
-        outs = [(PROMPTS[0], draft_.tokens, draft_.q)]
+    without the cache (nothing the drafter computed is reused). One row, or two."""
+    drafter, count = ModelDrafter(draft), 2 if rows else 1
+    drafter.start(count, 32)
+    drafter.keep_rows([], count)
+    gens = [torch.Generator().manual_seed(b) for b in range(count)]
+    drafts = drafter.propose(PROMPTS[:count], [3] * count, sampling, gens, torch.device("cpu"))
     worst = 0.0
-    for ids, tokens, q in outs:
+    for ids, tokens, q in ((PROMPTS[b], drafts.tokens[b], drafts.q[b]) for b in range(count)):
         logits = torch.stack([draft(torch.tensor([ids + tokens[:i].tolist()]))[0, -1] for i in range(len(tokens))])
         worst = max(worst, gap(q, logits, tokens, sampling))
     return worst
@@ -69,7 +62,7 @@ def model_gaps(draft: torch.nn.Module, sampling: Sampling, rows: bool) -> float:
 
 def feature_gaps(target: torch.nn.Module, sampling: Sampling, rows: bool) -> float:
     """FeatureDrafter: q against the logits the head's predicted features gave (recorded where
-    the drafter computes them), after the target has read the prompts."""
+    the drafter computes them), after the target has read the prompts. One row, or two."""
     drafter, seen = FeatureDrafter(random_head(target), target), []
     real = drafter._logits
     drafter._logits = lambda feature: seen.append(real(feature)) or seen[-1]
@@ -77,19 +70,14 @@ def feature_gaps(target: torch.nn.Module, sampling: Sampling, rows: bool) -> flo
     target.setup_cache(count, 32)
     _, hidden = target(torch.tensor(PROMPTS[:count]), chain(0, 4, "cpu", rows=count), return_hidden=True)
     gens = [torch.Generator().manual_seed(b) for b in range(count)]
-    if rows:
-        drafter.start_rows(2, 32, target)
-        drafter.keep_rows([], 2)
-        drafter.commit_rows([4, 4], hidden, [0, 0])
-        drafts = drafter.propose_rows(PROMPTS, [3, 3], sampling, gens, torch.device("cpu"))
-        return max(gap(drafts.q[b], torch.stack([s[b] for s in seen]), drafts.tokens[b], sampling) for b in range(2))
-    drafter.start(32, target)
-    drafter.commit(4, hidden[0], 0)
-    draft_ = drafter.propose(torch.tensor([PROMPTS[0] + [0] * 28]), PROMPTS[0], 3, sampling, gens[0])
-    return gap(draft_.q, torch.stack([s[0, -1] for s in seen]), draft_.tokens, sampling)
+    drafter.start(count, 32, target)
+    drafter.keep_rows([], count)
+    drafter.commit([4] * count, hidden, [0] * count)
+    drafts = drafter.propose(PROMPTS[:count], [3] * count, sampling, gens, torch.device("cpu"))
+    return max(gap(drafts.q[b], torch.stack([s[b] for s in seen]), drafts.tokens[b], sampling) for b in range(count))
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["chain", "rows"])
+@pytest.mark.parametrize("rows", [False, True], ids=["one-row", "two-rows"])
 @pytest.mark.parametrize("sampling", SETTINGS, ids=str)
 def test_each_drafter_hands_over_the_q_it_drew_from(pair: tuple, sampling: Sampling, rows: bool) -> None:
     target, draft = pair
@@ -103,23 +91,20 @@ def test_prompt_lookup_hands_over_no_q() -> None:
 
     lookup = PromptLookupDrafter()
     lookup.start()
+    lookup.keep_rows([], 1)
     ids = [1, 2, 3, 1, 2]
-    got = lookup.propose(torch.tensor([ids]), ids, 2, Sampling(temperature=0.7), torch.Generator())
-    assert got.q is None and got.tokens.tolist() == [3, 1]
+    got = lookup.propose([ids], [2], Sampling(temperature=0.7), [torch.Generator()], torch.device("cpu"))
+    assert got.q is None and got.tokens.tolist() == [[3, 1]]
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["chain", "rows"])
+@pytest.mark.parametrize("rows", [False, True], ids=["one-row", "two-rows"])
 def test_the_check_catches_a_raw_softmax_handed_over(pair: tuple, rows: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers #47932 written into the drafters' sampling step: the token still drawn
     from the warped q, the verifier handed softmax(logits)."""
-    broken = mutated(drafter_module, ("    q = warp(logits, sampling)\n    probs.append(q)\n    return sample(",
+    broken = mutated(drafter_module, ("    q = warp(logits, sampling)\n    probs.append(q)\n    return sample_rows(",
                                       "    q = warp(logits, sampling)\n    probs.append(torch.softmax(logits, -1))\n"
-                                      "    return sample("),
-                     ("    q = warp(logits, sampling)\n    probs.append(q)\n    return sample_rows(",
-                      "    q = warp(logits, sampling)\n    probs.append(torch.softmax(logits, -1))\n"
-                      "    return sample_rows("))
+                                      "    return sample_rows("))
     for module in (drafter_module, eagle_module):
-        monkeypatch.setattr(module, "draw", broken.draw)
         monkeypatch.setattr(module, "draw_rows", broken.draw_rows)
     target, draft = pair
     sampling = Sampling(temperature=0.6, top_k=4)

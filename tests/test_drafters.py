@@ -49,6 +49,7 @@ from speculative import (
     speculative_generate,
 )
 from speculative.calls import chain
+from speculative.lookup import NgramIndex
 from speculative.sampling import Sampling, warp
 
 verify = importlib.import_module("speculative.verify")
@@ -91,13 +92,17 @@ def test_a_drafter_may_propose_fewer_tokens_or_none() -> None:
         def __init__(self, block: list[int]) -> None:
             self.block = block
 
-        def start(self, cache_len, target=None):
+        def start(self, max_rows, cache_len, target=None):
             pass
 
-        def propose(self, seq, ids, gamma, sampling, generator):
-            return Draft(torch.tensor(self.block[:gamma], dtype=torch.long), None)
+        def propose(self, ids, gammas, sampling, generators, device):
+            return Draft(torch.tensor([self.block[:g] for g in gammas], dtype=torch.long).view(len(gammas), -1),
+                         [len(self.block[:g]) for g in gammas])
 
-        def commit(self, length, hidden=None, hidden_start=0):
+        def commit(self, lengths, hidden=None, hidden_starts=None):
+            pass
+
+        def keep_rows(self, rows, new=0):
             pass
 
     target = NGramModel.random(4, 2, seed=3)
@@ -131,20 +136,19 @@ def brute_force_lookup(ids: list[int], gamma: int, max_ngram: int, min_ngram: in
        ngrams=st.sampled_from([(3, 1), (2, 2), (4, 2), (1, 1)]), split=st.integers(1, 40))
 def test_lookup_matches_a_brute_force_scan(ids: list[int], gamma: int, ngrams: tuple[int, int], split: int) -> None:
     """Also when the sequence grows between calls (the index is updated incrementally)."""
-    drafter = PromptLookupDrafter(*ngrams)
+    drafter = NgramIndex(*ngrams)
     first = ids[:min(split, len(ids))]
     assert drafter.lookup(first, gamma) == brute_force_lookup(first, gamma, *ngrams)
     assert drafter.lookup(ids, gamma) == brute_force_lookup(ids, gamma, *ngrams)
 
 
 def test_lookup_by_hand() -> None:
-    drafter = PromptLookupDrafter(max_ngram=3, min_ngram=1)
+    drafter = NgramIndex(max_ngram=3, min_ngram=1)
     assert drafter.lookup([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # "5 6 7" followed by 8 9 5
     assert drafter.lookup([1, 2, 3, 4], 3) == []  # no suffix occurred before
     assert drafter.lookup([1, 2, 9, 1, 2, 8, 1, 2], 2) == [8, 1]  # the latest occurrence
     assert drafter.lookup([4, 4], 5) == [4]  # overlapping with the suffix itself
-    drafter.start()
-    assert PromptLookupDrafter(max_ngram=2, min_ngram=2).lookup([3, 1, 2, 3], 2) == []  # 1-grams not allowed
+    assert NgramIndex(max_ngram=2, min_ngram=2).lookup([3, 1, 2, 3], 2) == []  # 1-grams not allowed
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -191,7 +195,7 @@ def lookup_distribution(target: NGramModel, prompt: tuple[int, ...], gamma: int,
     def iteration(context: tuple[int, ...], prob: float) -> None:
         if emit(context, prob):
             return
-        block = PromptLookupDrafter().lookup(list(context), gamma)
+        block = NgramIndex().lookup(list(context), gamma)
         position(context, block, 0, prob)
 
     def position(context: tuple[int, ...], block: list[int], i: int, prob: float) -> None:
@@ -390,8 +394,12 @@ def test_feature_drafter_keeps_the_target_features_of_the_accepted_path(llama64:
 
     head.forward = recording
     snapshots = []
+
+    def known(drafter: FeatureDrafter) -> torch.Tensor:  # the features it holds for its row
+        return drafter.features[0, :drafter.known[0]].clone()
+
     out = speculative_generate(target, drafter, [3, 1, 4], 30, gamma=3, temperature=1.0, seed=2,
-                               callback=lambda ids, flags: snapshots.append(drafter.features[:drafter.known].clone()))
+                               callback=lambda ids, flags: snapshots.append(known(drafter)))
     assert 0 < out.stats.accepted_draft_tokens < out.stats.drafted_tokens  # accepted and rejected both happened
     sequence = [3, 1, 4] + out.tokens
     with torch.no_grad():
@@ -407,11 +415,11 @@ def test_feature_drafter_keeps_the_target_features_of_the_accepted_path(llama64:
 def test_feature_drafter_needs_the_target_features() -> None:
     target = random_llama(vocab=8)
     drafter = FeatureDrafter(random_head(target), target)
-    drafter.start(8, target)
+    drafter.start(1, 8, target)
     with pytest.raises(ValueError, match="hidden states"):
-        drafter.commit(3, None)
+        drafter.commit([3], None, [0])
     with pytest.raises(ValueError, match="another target"):
-        drafter.start(8, random_llama(vocab=8))
+        drafter.start(1, 8, random_llama(vocab=8))
 
 
 def test_return_hidden_is_what_the_output_head_reads() -> None:

@@ -17,8 +17,13 @@ import pytest
 import torch
 from toy_models import noisy_copy, random_llama
 
-from speculative import NonFiniteLogitsError, autoregressive_generate, speculative_generate, speculative_generate_batch
-from speculative.batch import autoregressive_generate_batch
+from speculative import (
+    NonFiniteLogitsError,
+    autoregressive_generate,
+    autoregressive_generate_batch,
+    speculative_generate,
+    speculative_generate_batch,
+)
 from speculative.inputs import read_host
 from speculative.stats import Clock
 
@@ -93,12 +98,23 @@ def test_batch(pair: tuple, temperature: float, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("eos", [None, 15])
 def test_target_alone(pair: tuple, eos: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without EOS (and no callback) the tokens stay on the device until the end: 2 reads in
-    all (the tokens, the non-finite flag kept on the device); with EOS one read per step, of
-    the token and the check together."""
+    """Without EOS (and no callback) the tokens stay on the device until the end: ONE read in
+    all, of the tokens and the non-finite flag kept on the device; with EOS one read per step,
+    of the token and the check together."""
     out, reads = count_reads(lambda: autoregressive_generate(pair[0], [1, 2, 3], 30, temperature=1.0, seed=0,
                                                              eos_id=eos), monkeypatch)
-    assert reads == (2 if eos is None else out.stats.target_calls)
+    assert reads == (1 if eos is None else out.stats.target_calls)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_target_alone_batched_reads_when_the_rows_change(pair: tuple, temperature: float,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched baseline reads its tokens only when a row leaves: two rows finish together,
+    the third takes a place (one read), and it finishes (one more), out of 60 calls."""
+    out, reads = count_reads(lambda: autoregressive_generate_batch(pair[0], [[1, 2], [3], [4, 5, 6]], 30,
+                                                                   temperature=temperature, seed=0, batch_size=2),
+                             monkeypatch)
+    assert reads == 2 and out.stats.iterations == 60
 
 
 @pytest.fixture(scope="module")

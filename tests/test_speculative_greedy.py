@@ -34,7 +34,7 @@ from speculative import (
 
 torch.set_num_threads(1)
 verify_module = importlib.import_module("speculative.verify")
-loop_module = importlib.import_module("speculative.speculative")
+loop_module = importlib.import_module("speculative.engine")
 
 
 
@@ -103,15 +103,14 @@ def test_greedy_float32_differs_only_at_near_ties(llama32: dict, gamma: int, kin
         assert far_from_argmax(target, prompt, out.tokens) == []
 
 
-def accept_everything(target_choice: torch.Tensor, drafted: torch.Tensor) -> object:
-    gamma = drafted.shape[0]
-    return verify_module.Verdict([drafted, target_choice], lambda xs, ys: verify_module.Verification(
-        tokens=xs + [ys[gamma]], accepted=gamma, overlap=[1.0] * gamma))
+def accept_everything(xs: list[int], ys: list[int]) -> object:
+    """The greedy outcome with every drafted token kept."""
+    return verify_module.Verification(tokens=xs + [ys[len(xs)]], accepted=len(xs), overlap=[1.0] * len(xs))
 
 
 def test_near_tie_check_catches_a_broken_greedy(llama32: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Accepting every draft token must be caught by the check used above."""
-    monkeypatch.setattr(verify_module, "verify_greedy", accept_everything)
+    monkeypatch.setattr(verify_module, "greedy_outcome", accept_everything)
     out = speculative_generate(llama32["target"], llama32["independent"], [1, 2], 24, gamma=4, temperature=0)
     assert far_from_argmax(llama32["target"], [1, 2], out.tokens) != []
 

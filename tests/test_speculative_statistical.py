@@ -48,7 +48,7 @@ from speculative import autoregressive_generate, speculative_generate
 from speculative.sampling import Sampling, warp
 
 torch.set_num_threads(1)
-loop = importlib.import_module("speculative.speculative")
+loop = importlib.import_module("speculative.engine")
 verify = importlib.import_module("speculative.verify")
 
 P_VALUE = 1e-3

@@ -117,6 +117,10 @@ class Recording:
         self.cache_lengths.append(max_seq_len)
         self.model.setup_cache(max_batch_size, max_seq_len)
 
+    @property
+    def cache_len(self) -> int:
+        return self.model.cache_len
+
     def __call__(self, tokens: torch.Tensor, call: CacheCall) -> torch.Tensor:
         self.calls.append((int(call.slots[0, 0]), tokens[0].tolist()))
         return self.model(tokens, call)

@@ -1,0 +1,123 @@
+"""The production engine driven from outside, as a server drives it: rows join and leave
+between iterations (``add`` / ``step`` / ``finished``), and a row's tokens do not depend on
+when it joined or on what else is in the batch.
+
+Float64 models, so that a row's logits do not depend on the shape of the batch (the
+numerics policy, docs/algorithm.md): a row is then the batch of one with its seed, token
+for token, greedy or sampled, with a draft model, a feature head or nothing drafted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from toy_models import noisy_copy, random_llama, reference_greedy
+
+from model import ModelConfig
+from model.feature_head import FeatureHead
+from speculative import Engine, FeatureDrafter, autoregressive_generate, speculative_generate
+
+torch.set_num_threads(1)
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
+
+
+@pytest.fixture(scope="module")
+def pair() -> dict:
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    head = FeatureHead(ModelConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32,
+                                   max_seq_len=64)).to(torch.float64)
+    return {"target": target, "draft": noisy_copy(target, std=0.3, seed=1), "head": head}
+
+
+def drafter_of(pair: dict, kind: str):
+    return {"model": pair["draft"], "feature": FeatureDrafter(pair["head"], pair["target"]), "none": None}[kind]
+
+
+def alone(pair: dict, kind: str, prompt: list[int], seed: int, temperature: float, count: int) -> list[int]:
+    if kind == "none":
+        return autoregressive_generate(pair["target"], prompt, count, temperature=temperature, seed=seed).tokens
+    return speculative_generate(pair["target"], drafter_of(pair, kind), prompt, count, gamma=3,
+                                temperature=temperature, seed=seed).tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", ["model", "feature", "none"])
+def test_rows_that_join_later_get_their_own_tokens(pair: dict, kind: str, temperature: float) -> None:
+    """Rows added between steps, at most 2 at a time, with different lengths: each one's
+    tokens are those of its prompt alone with its seed; the engine empties and the rows
+    leave in the order they finished."""
+    engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, temperature=temperature, max_rows=2,
+                    cache_len=64)
+    counts = [12, 5, 9, 7]
+    rows = [engine.add(PROMPTS[0], counts[0], seed=10)]
+    seen_finished = []
+    for step in range(200):
+        if step == 2:
+            rows.append(engine.add(PROMPTS[1], counts[1], seed=11))
+        if step == 3:  # waits for a place: the batch holds two rows
+            rows += [engine.add(PROMPTS[2], counts[2], seed=12), engine.add(PROMPTS[3], counts[3], seed=13)]
+        seen_finished += engine.step()
+        assert len(engine.rows) <= 2
+        if step > 3 and engine.idle:
+            break
+    assert engine.idle and seen_finished == engine.finished and set(map(id, seen_finished)) == set(map(id, rows))
+    for i, row in enumerate(rows):
+        assert row.done and row.result().tokens == alone(pair, kind, PROMPTS[i], 10 + i, temperature, counts[i])
+        assert row.stats.stop_reason == "max_new_tokens" and row.stats.new_tokens == counts[i]
+
+
+def test_a_greedy_row_is_the_target_greedy_output_whatever_joins(pair: dict) -> None:
+    engine = Engine(pair["target"], pair["draft"], gamma=4, temperature=0.0, max_rows=3, cache_len=64)
+    first = engine.add(PROMPTS[2], 20)
+    engine.step()
+    others = [engine.add(p, 6) for p in PROMPTS[:2]]
+    while not engine.idle:
+        engine.step()
+    assert first.result().tokens == reference_greedy(pair["target"], PROMPTS[2], 20)
+    for prompt, row in zip(PROMPTS, others):
+        assert row.result().tokens == reference_greedy(pair["target"], prompt, 6)
+
+
+def test_a_row_stops_at_its_eos_while_others_go_on(pair: dict) -> None:
+    greedy = reference_greedy(pair["target"], PROMPTS[0], 10)
+    eos = greedy[3]
+    engine = Engine(pair["target"], pair["draft"], temperature=0.0, max_rows=2, cache_len=64)
+    stopping = engine.add(PROMPTS[0], 10, eos_id=eos)
+    going = engine.add(PROMPTS[1], 10)
+    engine.run()
+    assert stopping.result().tokens == greedy[:greedy.index(eos) + 1]
+    assert stopping.stats.stop_reason == "eos" and going.stats.new_tokens == 10
+    assert engine.finished[0] is stopping
+
+
+def test_a_row_longer_than_the_cache_stops_at_its_end(pair: dict) -> None:
+    """A later row that does not fit what the caches were sized for stops when they are full."""
+    engine = Engine(pair["target"], pair["draft"], temperature=0.0, max_rows=1, cache_len=16)
+    row = engine.add(PROMPTS[0], 40)
+    engine.run()
+    assert len(PROMPTS[0]) + len(row.result().tokens) == 16 and row.stats.stop_reason == "max_seq_len"
+
+
+def test_batched_trees_are_refused_with_one_line(pair: dict) -> None:
+    with pytest.raises(ValueError, match="one row at a time") as error:
+        Engine(pair["target"], pair["draft"], tree=(2, 1), max_rows=2)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_rows": 0}, "max_rows"),
+    ({"verify": "tree"}, "verify must be one of"),
+    ({"gamma": 0}, "gamma"),
+])
+def test_bad_settings(pair: dict, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Engine(pair["target"], pair["draft"], **kwargs)
+
+
+def test_bad_requests(pair: dict) -> None:
+    engine = Engine(pair["target"], pair["draft"])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add([1], 0)
+    with pytest.raises(ValueError):
+        engine.add([99], 4)  # outside the vocabulary
+    assert engine.idle
