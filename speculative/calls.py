@@ -31,7 +31,8 @@ def counting(stop: int, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     counts = _COUNTS.get(device)
     if counts is None or counts.shape[0] < stop:
-        counts = _COUNTS[device] = torch.arange(max(stop, 4096), device=device)
+        with torch.inference_mode(False):  # a normal tensor: one made in inference mode would refuse autograd later
+            counts = _COUNTS[device] = torch.arange(max(stop, 4096), device=device)
     return counts[:stop]
 
 

@@ -9,9 +9,9 @@ The engine drafts for rows (many sequences, each at its own length, each with it
 stream); a single prompt is a batch of one. A drafter is four calls, the engine's seams:
 
 * ``start(max_rows, cache_len, target)``: allocate (or reset) state for up to max_rows rows;
-* ``propose(ids, gammas, sampling, generators, device) -> Draft``: gammas[b] tokens after
-  row b's sequence ids[b] (host lists), drawn with generators[b] only, and the
-  distributions they were drawn from, as tensors on ``device``;
+* ``propose(ids, gammas, samplings, generators, device) -> Draft``: gammas[b] tokens after
+  row b's sequence ids[b] (host lists), warped with samplings[b] and drawn with
+  generators[b] only, and the distributions they were drawn from, as tensors on ``device``;
 * ``commit(lengths, hidden, hidden_starts)``: after verification row b has lengths[b]
   tokens; roll back whatever depended on rejected tokens. A drafter whose
   ``reads_features`` is True also gets the target's features of the positions its call
@@ -43,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from speculative import calls
-from speculative.sampling import Sampling, sample_rows, warp
+from speculative.sampling import Sampling, sample_rows, warp_rows
 from speculative.tree import TokenTree
 from speculative.tree_drafting import grow_tree
 
@@ -76,7 +76,7 @@ class Drafter(Protocol):
 
     def start(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
-    def propose(self, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
                 generators: list[torch.Generator], device: torch.device) -> Draft: ...
 
     def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
@@ -85,18 +85,19 @@ class Drafter(Protocol):
     def keep_rows(self, rows: list[int], new: int = 0) -> None: ...
 
 
-def draw_rows(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator | None],
+def draw_rows(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None],
               probs: list[torch.Tensor]) -> torch.Tensor:
-    """Line 3 for every row at once: logits [B, V] -> tokens [B], row b drawn with generators[b]
-    (a row whose generator is None draws nothing); q [B, V] appended to ``probs`` unless greedy.
+    """Line 3 for every row at once: logits [B, V] -> tokens [B], row b warped with samplings[b]
+    and drawn with generators[b] (a row whose generator is None draws nothing); q [B, V]
+    appended to ``probs`` unless every row is greedy.
 
     Greedy (temperature 0) takes a shortcut with the same result: q is one-hot on the argmax
     and sampling it returns the argmax. q is then None (one-hot on the drafted tokens, and
     verify_greedy needs only the tokens): a draft step of a small model costs about as much
     as the operators it runs, and warping and sampling would add a dozen."""
-    if sampling.greedy:
+    if all(s.greedy for s in samplings):
         return logits.argmax(-1)
-    q = warp(logits, sampling)
+    q = warp_rows(logits, samplings)
     probs.append(q)
     return sample_rows(q, generators)
 
@@ -153,7 +154,7 @@ class ModelDrafter:
         self.model.setup_cache(max_rows, cache_len)
         self.next = []
 
-    def propose(self, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
                 generators: list[torch.Generator], device: torch.device) -> Draft:
         """Lines 1-3 for every row, one draft call per step for all rows: for i = 1..gamma,
         q_i = M_q(prefix + x_1..x_{i-1}) and x_i ~ q_i. The first call catches each row up
@@ -171,7 +172,7 @@ class ModelDrafter:
             call = calls.ragged(starts, batch.shape[1], self.model.cache_len, device)
             logits = newest(self.model(batch, call), widths if i == 0 else [1])  # [B, V]
             live = [gen if g > i else None for gen, g in zip(generators, gammas)]
-            tokens.append(draw_rows(logits, sampling, live, probs))
+            tokens.append(draw_rows(logits, samplings, live, probs))
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
             batch, widths = tokens[-1].view(-1, 1), [1] * len(ids)
         self.next = [len(row) + g - 1 if g else nxt for row, g, nxt in zip(ids, gammas, self.next)]

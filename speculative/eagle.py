@@ -72,7 +72,7 @@ class FeatureDrafter:
         logits = self.target.lm_head(feature)
         return logits if logits.dtype == torch.float64 else logits.float()
 
-    def propose(self, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
                 generators: list[torch.Generator], device: torch.device) -> Draft:
         """One head call per step for all rows: the first catches each row up on its true
         features (its own number of positions, padded), later ones feed each row's predicted
@@ -99,7 +99,7 @@ class FeatureDrafter:
             call = calls.ragged(starts, feats.shape[1], self.head.cache_len, device)
             predicted = newest(self.head(feats, self.target.embed_tokens(nxt), call), widths if i == 0 else [1])
             live = [gen if g > i else None for gen, g in zip(generators, gammas)]
-            tokens.append(draw_rows(self._logits(predicted), sampling, live, probs))
+            tokens.append(draw_rows(self._logits(predicted), samplings, live, probs))
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
             feats, nxt, widths = predicted.unsqueeze(1), tokens[-1].view(-1, 1), [1] * len(ids)
         self.next = [len(row) - 1 if g else n for row, g, n in zip(ids, gammas, self.next)]

@@ -21,8 +21,9 @@ Rows join and leave between iterations (:meth:`Engine.add`, :meth:`Engine.step`,
 :attr:`Engine.finished`): a finished row leaves at once (the KV caches drop it,
 model.move_cache compacts the rest) and a waiting one takes its place.
 
-Seeds: row b draws everything from its own torch.Generator, in the order a batch of one
-would, so a row's tokens do not depend on the other rows or the batch size, up to the
+Each row has its own sampling settings (temperature, top-k, top-p: ``Engine.add``'s
+``sampling``) and seeds: row b draws everything from its own torch.Generator, in the order a
+batch of one would, so a row's tokens do not depend on the other rows or the batch size, up to the
 numerics policy (docs/algorithm.md: a row's logits come from a matmul of another shape, and
 near-ties may fall the other way). gamma="auto" adapts one gamma for all rows from measured
 times, so under it rows see each other.
@@ -64,7 +65,7 @@ from speculative.inputs import (
     usable_logits,
 )
 from speculative.pair import check_pair
-from speculative.sampling import Sampling, make_generator, sample_rows, warp
+from speculative.sampling import Sampling, make_generator, sample_rows, warp, warp_rows
 from speculative.stats import BatchStats, Clock, GenerationResult, SpeculativeStats, stop_reason
 from speculative.tree import TokenTree, branching_parents
 from speculative.tree_drafting import TREE_MODES, check_tree
@@ -83,6 +84,7 @@ class Row:
     max_new_tokens: int
     eos_id: int | None
     callback: Callback | None
+    sampling: Sampling  # its own temperature, top-k and top-p
     generator: torch.Generator
     stats: SpeculativeStats
     ids: list[int]  # prompt + output, on the host
@@ -109,7 +111,10 @@ class Engine:
     ``draft``: a model of the target's vocabulary (wrapped in speculative.drafter.ModelDrafter),
     any drafter, or None for the target alone. ``gamma``: tokens drafted per iteration, an int
     >= 1 or "auto". ``verify``: "token" (Algorithm 1) or "block" (Sun et al. 2025,
-    speculative.block); at temperature 0 both are the comparison of argmaxes. ``tree``: draft
+    speculative.block), at temperature 0 both the comparison of argmaxes; or your own
+    verifier with their signature, ``rule(p [g+1, V], q [g, V], drafted [g], generator) ->
+    Verdict``, which then judges every chain, at temperature 0 too (on one-hot p and q):
+    what ``python -m speculative.prove`` runs through the engine. ``tree``: draft
     a token tree of this branching per depth instead of a chain (one row; its depth takes
     gamma's place), drawn by ``tree_mode``. ``max_rows``: rows in one call at most.
     ``cache_len``: the KV caches' length; None sizes them at the first step for the rows
@@ -121,8 +126,9 @@ class Engine:
                  cache_len: int | None = None) -> None:
         self.target, self.drafter = target, None if draft is None else drafter_for(target, draft)
         self.sampling = Sampling(temperature, top_k, top_p)
-        if verify not in VERIFY_RULES:
-            raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))}, got {verify!r}")
+        if not callable(verify) and verify not in VERIFY_RULES:
+            raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_RULES))} or a verifier, "
+                             f"got {verify!r}")
         self.rule, self.tree, self.tree_mode = verify, None, tree_mode
         if tree is not None:
             self.tree, gamma = check_tree_request(tree, tree_mode, self.drafter, gamma, verify, max_rows)
@@ -149,8 +155,9 @@ class Engine:
 
     # ------------------------------------------------------------------------- rows in and out
     def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *, eos_id: int | None = None,
-            seed: int | None = None, callback: Callback | None = None) -> Row:
-        """Queue a request; it joins the batch at the next step with room. ``callback(new_ids,
+            seed: int | None = None, callback: Callback | None = None, sampling: Sampling | None = None) -> Row:
+        """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
+        temperature, top-k and top-p (default: the engine's). ``callback(new_ids,
         from_draft)`` sees each of its iterations' tokens: accepted draft tokens (True), then
         the target's own (False). The row stops after max_new_tokens (never more), after
         emitting eos_id (even in the middle of an accepted block: nothing after it is
@@ -160,7 +167,10 @@ class Engine:
         prompt = check_prompt(prompt_ids, self.target.config.vocab_size, self.row_limit)
         stats = SpeculativeStats(gamma_setting=self.gamma_setting, accepted_per_position=[0] * self.gamma_max,
                                  tried_per_position=[0] * self.gamma_max)
-        row = Row(prompt, max_new_tokens, eos_id, callback, make_generator(self.device, seed), stats, list(prompt))
+        if sampling is not None and not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling must be a speculative.sampling.Sampling, got {type(sampling).__name__}")
+        row = Row(prompt, max_new_tokens, eos_id, callback, sampling or self.sampling,
+                  make_generator(self.device, seed), stats, list(prompt))
         self.waiting.append(row)
         self.stats.prompts += 1
         self.stats.rows.append(stats)
@@ -252,7 +262,8 @@ class Engine:
             logits, hidden = self.score(rows, draft)  # line 4
             t2 = clock.mark()
             finite = finite_flag(logits)
-            verdict = judge_rows(logits, draft, self.sampling, self.rule, [row.generator for row in rows], finite)
+            verdict = judge_rows(logits, draft, [row.sampling for row in rows], self.rule,
+                                 [row.generator for row in rows], finite)
             if self.deferred(rows):  # lines 5-9: tokens kept on the device, read when the rows change
                 self.defer(rows, verdict.parts[0], finite)
                 steps = [Verification([], 0, [])] * len(rows)
@@ -285,11 +296,11 @@ class Engine:
         if self.drafter is None or max(gammas) == 0:
             return nothing
         if self.tree is None:
-            return self.drafter.propose([row.ids for row in rows], gammas, self.sampling,
+            return self.drafter.propose([row.ids for row in rows], gammas, [row.sampling for row in rows],
                                         [row.generator for row in rows], self.device)
         row = rows[0]
         levels = fit_tree(self.tree, gammas[0], self.cache_len - row.length)
-        grown = self.drafter.propose_tree(row.ids, levels, self.tree_mode, self.sampling, row.generator,
+        grown = self.drafter.propose_tree(row.ids, levels, self.tree_mode, row.sampling, row.generator,
                                           self.device) if levels else None
         if grown is None:  # the drafter has nothing to go on yet
             return nothing
@@ -395,29 +406,34 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------- the seams' pieces
-def judge_rows(logits: torch.Tensor, draft: Draft, sampling: Sampling, rule: str,
+def judge_rows(logits: torch.Tensor, draft: Draft, samplings: list[Sampling], rule: str | Callable,
                generators: list[torch.Generator], finite: torch.Tensor) -> Verdict:
-    """Lines 5-9 for every row, each with its own p, q and generator; their verdicts are read
+    """Lines 5-9 for every row, each with its own p, q, sampling and generator; their verdicts are read
     together. ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_flag (a
     sampled row verifies usable logits until the read checks it). Where nothing was drafted
     t comes from p_1 alone; at temperature 0 the argmaxes of all rows and their drafts are the
     parts, whatever B is."""
+    greedy = all(s.greedy for s in samplings)
     if draft.tree is None and not any(draft.lengths):
-        tokens = logits.argmax(-1) if sampling.greedy else sample_rows(
-            warp(usable_logits(logits, finite), sampling), generators)
+        tokens = logits.argmax(-1) if greedy else sample_rows(
+            warp_rows(usable_logits(logits, finite), samplings), generators)
         return Verdict([tokens], lambda host: [Verification([t], 0, []) for t in host])
-    if sampling.greedy and draft.tree is None:
+    if greedy and draft.tree is None and not callable(rule):
         return rules.verify_greedy(logits.argmax(-1), draft.tokens, draft.lengths)
-    wanted = [g + 1 for g in draft.lengths]
-    return together([judge(p, draft.tokens[b, :draft.lengths[b]], None if draft.q is None else
-                           draft.q[b, :draft.lengths[b]], draft.tree, sampling, rule, generator, finite)
-                     for b, (p, generator) in enumerate(zip(logits.split(wanted), generators))])
+    verdicts = []
+    for b, (p, generator) in enumerate(zip(logits.split([g + 1 for g in draft.lengths]), generators)):
+        g = draft.lengths[b]
+        q = None if draft.q is None else draft.q[b, :g]
+        verdicts.append(judge(p, draft.tokens[b, :g], q, draft.tree, samplings[b], rule, generator, finite))
+    return together(verdicts)
 
 
 def judge(logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None, tree: TokenTree | None,
-          sampling: Sampling, rule: str, generator: torch.Generator, finite: torch.Tensor | None = None) -> Verdict:
+          sampling: Sampling, rule: str | Callable, generator: torch.Generator,
+          finite: torch.Tensor | None = None) -> Verdict:
     """Lines 5-9 for one row by the verifier that fits its draft: a tree's walk, the comparison
-    of argmaxes at temperature 0, or the chosen rule ("token" or "block") on warped p and q. A
+    of argmaxes at temperature 0, or the chosen rule ("token", "block" or a verifier of their
+    signature, which also judges at temperature 0) on warped p and q. A
     deterministic drafter's q (None) is one-hot on its tokens. A sampled verification runs on
     usable_logits until the read checks ``finite``, so that no sampling kernel meets a NaN."""
     if finite is not None and not sampling.greedy:
@@ -426,11 +442,12 @@ def judge(logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None, t
         if sampling.greedy:
             return trees.verify_tree_greedy(logits.argmax(-1), tree)
         return trees.verify_tree(warp(logits, sampling), tree, generator)
-    if sampling.greedy:  # one-hot p and q
+    if sampling.greedy and not callable(rule):  # one-hot p and q
         return rules.verify_greedy(logits.argmax(-1), drafted)
     p = warp(logits, sampling)  # g = 0: t from p_1 alone
     q = q if q is not None else F.one_hot(drafted, p.shape[-1]).to(p.dtype)
-    return (rules.verify_step if rule == "token" else block.verify_block)(p, q, drafted, generator)
+    verifier = rule if callable(rule) else rules.verify_step if rule == "token" else block.verify_block
+    return verifier(p, q, drafted, generator)
 
 
 def advance(rows: list[Row], steps: list[Verification]) -> None:

@@ -74,7 +74,7 @@ class PromptLookupDrafter:
     def start(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
         self.rows = []
 
-    def propose(self, ids: list[list[int]], gammas: list[int], sampling: Sampling,
+    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
                 generators: list[torch.Generator], device: torch.device) -> Draft:
         found = [row.lookup(row_ids, g) if g else [] for row, row_ids, g in zip(self.rows, ids, gammas)]
         width = max(map(len, found), default=0)

@@ -80,6 +80,14 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
+def warp_rows(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
+    """warp for every row of logits [B, V], row b with its own settings samplings[b] (rows of a
+    batch are requests with their own temperature, top-k and top-p): one warp when they agree."""
+    if all(s == samplings[0] for s in samplings):
+        return warp(logits, samplings[0])
+    return torch.stack([warp(row, s) for row, s in zip(logits, samplings)])
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per distribution: probs [..., V] -> LongTensor [...].
 

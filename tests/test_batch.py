@@ -23,6 +23,7 @@ import random
 
 import pytest
 import torch
+from proofs import proof
 from toy_models import far_from_argmax, noisy_copy, random_llama, reference_greedy
 
 from model.call import CacheCall
@@ -173,6 +174,8 @@ def drafter_for(kind: str, llama64: dict):
     return llama64[kind]
 
 
+@proof('row i of a batch is the batch of one with seed + i, token for token (every drafter, token and block)',
+       'exact identity, float64')
 @pytest.mark.parametrize("kind", ["close", "other", "lookup", "head"])
 @pytest.mark.parametrize("temperature, verify", [(0.0, "token"), (1.0, "token"), (0.8, "block")])
 def test_each_row_is_the_single_prompt_call(llama64: dict, kind: str, temperature: float, verify: str) -> None:
@@ -195,6 +198,8 @@ def test_each_row_is_the_single_prompt_call(llama64: dict, kind: str, temperatur
         assert history[0] == batch_size and history == sorted(history, reverse=True)
 
 
+@proof("the batched baseline's rows are the single calls",
+       'exact identity, float64')
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_autoregressive_rows_are_the_single_calls(llama64: dict, temperature: float) -> None:
     prompts = random_prompts(6, seed=9)
@@ -241,6 +246,8 @@ def llama32() -> dict:
     return {"target": target, "close": noisy_copy(target, std=0.02, seed=4)}
 
 
+@proof("greedy rows are the target's greedy output up to near-ties, batch sizes 1, 3, 8",
+       'exact check of every token')
 @pytest.mark.parametrize("size", [1, 3, 8])
 def test_greedy_float32_rows_are_the_target_up_to_near_ties(llama32: dict, size: int) -> None:
     prompts = random_prompts(size, seed=size)
@@ -253,6 +260,9 @@ def test_greedy_float32_rows_are_the_target_up_to_near_ties(llama32: dict, size:
         assert result.tokens == reference_greedy(llama32["target"], prompt, 20) or size > 1
 
 
+@proof('the batched near-tie check can fail',
+       'exact',
+       rejects=('every drafted token kept',))
 def test_near_tie_check_catches_a_broken_batched_greedy(llama32: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verify_module, "greedy_outcome",
                         lambda xs, ys: Verification(xs + [ys[len(xs)]], len(xs), [1.0] * len(xs)))

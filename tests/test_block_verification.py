@@ -28,6 +28,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proofs import proof
 from strategies import max_gap, samplings, toy_table
 from toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
@@ -225,6 +226,8 @@ def blocks(draw: st.DrawFn) -> tuple[int, int, dict[Context, torch.Tensor], dict
     return vocab, gamma, target, draft
 
 
+@proof('block verification emits exactly p, and never accepts fewer tokens in expectation than token-wise',
+       'exact enumeration, float64, to 1e-12, one iteration then the target')
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(case=blocks())
 def test_one_block_emits_exactly_p_and_never_accepts_less(
@@ -261,6 +264,8 @@ def target_distribution(target: NGramModel, prompt: Context, length: int,
         prompt, length)
 
 
+@proof("several block-verified iterations emit exactly the target's law",
+       'exact enumeration, float64, to 1e-12')
 @settings(max_examples=120, derandomize=True, deadline=None)
 @given(vocab=st.integers(2, 4), gamma=st.integers(1, 3), orders=st.sampled_from([(2, 2), (3, 2), (2, 3), (3, 3)]),
        seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]), relation=st.sampled_from(["other", "same"]),
@@ -281,6 +286,8 @@ def test_several_iterations_emit_exactly_the_target_distribution(vocab: int, gam
         assert mean >= iteration_law(p, q, context, gamma, tokenwise_rule)[1] - TOL
 
 
+@proof('block verification is exact when every token comes from the residual',
+       'exact enumeration, float64, to 1e-12')
 def test_disjoint_supports_several_iterations() -> None:
     """The draft proposes only tokens the target never emits: nothing is kept, t is always p's."""
     neg = -math.inf
@@ -301,6 +308,8 @@ def paper_example() -> tuple[Probs, Probs]:
     return (lambda ctx: p), (lambda ctx: q)
 
 
+@proof("the paper's worked example: E[accepted] 11/9 against token-wise 10/9",
+       'exact')
 def test_the_papers_example_accepts_11_9_against_10_9() -> None:
     target, draft = paper_example()
     assert iteration_law(target, draft, (), 2, tokenwise_rule)[1] == pytest.approx(10 / 9, abs=TOL)
@@ -321,6 +330,8 @@ def optimality_cases() -> list[tuple[str, Probs, Probs, int]]:
     return cases
 
 
+@proof('block verification never accepts fewer tokens in expectation, and often more',
+       'exact E[n], many cases')
 def test_block_verification_is_never_worse_and_often_better() -> None:
     """E[n] of the first iteration, exactly: >= the token-wise value in every case, > in many.
     gamma = 1 must tie: with one drafted position the two rules are the same (h_1 = w_1 =
@@ -337,6 +348,8 @@ def test_block_verification_is_never_worse_and_often_better() -> None:
     assert strict == [name for name in gains if not name.endswith("gamma=1")], gains  # every gamma >= 2 gains
 
 
+@proof('the block rule dominates token-wise prefix by prefix',
+       'exact')
 def test_block_weights_dominate_the_tokenwise_product() -> None:
     """P(tau >= i, X^i = x^i) = q(x^i) w_i and token-wise P(n >= i, X^i = x^i) = q(x^i) prod min(1, p_j/q_j):
     the block rule dominates prefix by prefix, not only on average."""
@@ -360,6 +373,9 @@ def mutant_f_case() -> tuple[Probs, Probs]:
     return (lambda ctx: first if ctx == (0,) else half), (lambda ctx: half if ctx == (0,) else first)
 
 
+@proof('block verification done token-wise is exact but accepts less: caught on E[accepted]',
+       'exact E[accepted]',
+       rejects=('block done token-wise (vllm-ascend #7807)',))
 def test_mutant_f_tokenwise_rule_is_exact_but_accepts_less() -> None:
     """vllm-ascend #7807, "block verification computed with the token-wise rule": no exactness test
     can see it (the token-wise rule is exact too), so the check is on E[accepted]."""
@@ -377,6 +393,9 @@ def test_mutant_f_tokenwise_rule_is_exact_but_accepts_less() -> None:
             - iteration_law(paper_target, paper_draft, (), 3, tokenwise_rule)[1]) > 0.05
 
 
+@proof('the block enumeration can fail',
+       'exact',
+       rejects=('token-wise residual in the block rule', 'scan forwards', 'weights used as stop probabilities'))
 @pytest.mark.parametrize("rule", [block_with_tokenwise_residual, block_scanned_forwards, block_weights_as_stops])
 def test_exact_enumeration_catches_wrong_block_rules(rule: Outcomes) -> None:
     """Each breaks the identity on the same toy pair: the residual mix-up by 0.015 (it matters only
@@ -428,6 +447,8 @@ def test_hand_worked_block() -> None:
 
 
 # ----------------------------------------------------------------------------- verify_block itself
+@proof('at temperature 0 block verification is greedy token-wise verification',
+       'exact, ties included')
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_verify_block_is_verify_step_and_verify_greedy_on_one_hot_distributions(dtype: torch.dtype) -> None:
     """Temperature 0: one-hot p and q, ties included (integer logits); block verification then
@@ -474,6 +495,9 @@ def outcome_probabilities(rule: Outcomes, p: torch.Tensor, q: torch.Tensor,
     return out
 
 
+@proof('verify_block samples its own exact law',
+       'chi-square, p > 1e-3',
+       rejects=('the token-wise law where the rules differ',))
 @pytest.mark.parametrize("seed, gamma, rules_differ", [(3, 3, True), (8, 2, False), (11, 0, False)])
 def test_verify_block_samples_the_law_of_block_outcomes(seed: int, gamma: int, rules_differ: bool) -> None:
     """The sampler (eta < h, the last pass, t from the kept row) against its own exact law; where
@@ -489,6 +513,9 @@ def test_verify_block_samples_the_law_of_block_outcomes(seed: int, gamma: int, r
         assert chi_square_pvalue(counts, token) < 1e-6
 
 
+@proof('block verification never keeps a token of target probability 0, even at eta = 0',
+       'exact: eta forced to 0',
+       rejects=("eta <= h (SGLang #35771's comparison)",))
 def test_verify_block_never_keeps_a_token_the_target_rules_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """eta = 0 exactly (torch.rand can return it): a drafted token with p = 0 has w = 0 and h = 0
     from there on, and the strict eta < h keeps none of it."""
@@ -526,10 +553,15 @@ def _toy_first_tokens_pvalue(verify_rule: str, runs: int = 2000) -> float:
     return chi_square_pvalue(counts, expected)
 
 
+@proof("the engine with block verification follows the target's law",
+       'chi-square, p > 1e-3')
 def test_the_loop_with_block_verification_has_the_target_distribution() -> None:
     assert _toy_first_tokens_pvalue("block") > 1e-3
 
 
+@proof("the engine's block test has power",
+       'chi-square, p > 1e-3 rejected',
+       rejects=('stop with probability w_i instead of h_i',))
 def test_the_loop_catches_a_block_rule_that_stops_with_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stopping at i with probability w_i instead of h_i (a plausible misreading of line B3)."""
     import speculative.block as block
@@ -538,6 +570,8 @@ def test_the_loop_catches_a_block_rule_that_stops_with_the_weights(monkeypatch: 
     assert _toy_first_tokens_pvalue("block") < 1e-3
 
 
+@proof('the engine with block verification at temperature 0 is greedy token-wise',
+       'exact identity')
 def test_block_verification_in_the_loop_is_greedy_token_wise_at_temperature_0() -> None:
     from speculative import speculative_generate
 

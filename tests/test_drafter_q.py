@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mutation import mutated
+from proofs import proof
 from test_drafters import random_head
 from toy_models import noisy_copy, random_llama, ref_warp
 
@@ -52,7 +53,7 @@ def model_gaps(draft: torch.nn.Module, sampling: Sampling, rows: bool) -> float:
     drafter.start(count, 32)
     drafter.keep_rows([], count)
     gens = [torch.Generator().manual_seed(b) for b in range(count)]
-    drafts = drafter.propose(PROMPTS[:count], [3] * count, sampling, gens, torch.device("cpu"))
+    drafts = drafter.propose(PROMPTS[:count], [3] * count, [sampling] * count, gens, torch.device("cpu"))
     worst = 0.0
     for ids, tokens, q in ((PROMPTS[b], drafts.tokens[b], drafts.q[b]) for b in range(count)):
         logits = torch.stack([draft(torch.tensor([ids + tokens[:i].tolist()]))[0, -1] for i in range(len(tokens))])
@@ -73,10 +74,12 @@ def feature_gaps(target: torch.nn.Module, sampling: Sampling, rows: bool) -> flo
     drafter.start(count, 32, target)
     drafter.keep_rows([], count)
     drafter.commit([4] * count, hidden, [0] * count)
-    drafts = drafter.propose(PROMPTS[:count], [3] * count, sampling, gens, torch.device("cpu"))
+    drafts = drafter.propose(PROMPTS[:count], [3] * count, [sampling] * count, gens, torch.device("cpu"))
     return max(gap(drafts.q[b], torch.stack([s[b] for s in seen]), drafts.tokens[b], sampling) for b in range(count))
 
 
+@proof('each drafter hands the verifier the warped q its token was drawn from (temperature, top-k, top-p)',
+       'exact, to 1e-9, against the reference warp of the logits')
 @pytest.mark.parametrize("rows", [False, True], ids=["one-row", "two-rows"])
 @pytest.mark.parametrize("sampling", SETTINGS, ids=str)
 def test_each_drafter_hands_over_the_q_it_drew_from(pair: tuple, sampling: Sampling, rows: bool) -> None:
@@ -85,6 +88,8 @@ def test_each_drafter_hands_over_the_q_it_drew_from(pair: tuple, sampling: Sampl
     assert feature_gaps(target, sampling, rows) < 1e-9
 
 
+@proof('a deterministic drafter reports q = None (one-hot on its tokens)',
+       'exact')
 def test_prompt_lookup_hands_over_no_q() -> None:
     """A deterministic drafter reports q = None: the loop takes it as one-hot on its tokens."""
     from speculative.lookup import PromptLookupDrafter
@@ -93,17 +98,19 @@ def test_prompt_lookup_hands_over_no_q() -> None:
     lookup.start()
     lookup.keep_rows([], 1)
     ids = [1, 2, 3, 1, 2]
-    got = lookup.propose([ids], [2], Sampling(temperature=0.7), [torch.Generator()], torch.device("cpu"))
+    got = lookup.propose([ids], [2], [Sampling(temperature=0.7)], [torch.Generator()], torch.device("cpu"))
     assert got.q is None and got.tokens.tolist() == [[3, 1]]
 
 
+@proof('the drafter-q check can fail',
+       'exact',
+       rejects=('raw softmax handed over (transformers #47932 / vLLM #10198)',))
 @pytest.mark.parametrize("rows", [False, True], ids=["one-row", "two-rows"])
 def test_the_check_catches_a_raw_softmax_handed_over(pair: tuple, rows: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers #47932 written into the drafters' sampling step: the token still drawn
     from the warped q, the verifier handed softmax(logits)."""
-    broken = mutated(drafter_module, ("    q = warp(logits, sampling)\n    probs.append(q)\n    return sample_rows(",
-                                      "    q = warp(logits, sampling)\n    probs.append(torch.softmax(logits, -1))\n"
-                                      "    return sample_rows("))
+    broken = mutated(drafter_module, ("    probs.append(q)\n    return sample_rows(",
+                                      "    probs.append(torch.softmax(logits, -1))\n    return sample_rows("))
     for module in (drafter_module, eagle_module):
         monkeypatch.setattr(module, "draw_rows", broken.draw_rows)
     target, draft = pair

@@ -26,6 +26,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proofs import proof
 from strategies import max_gap, samplings, toy_table
 from test_speculative_exact import TOL, target_distribution
 from test_speculative_statistical import (
@@ -82,6 +83,8 @@ def test_a_drafter_for_another_vocabulary_is_refused() -> None:
         speculative_generate(target, FeatureDrafter(head, random_llama(vocab=9)), [1], 4)
 
 
+@proof('a drafter that proposes fewer tokens, or none, stays exact',
+       'exact identity, greedy')
 def test_a_drafter_may_propose_fewer_tokens_or_none() -> None:
     """A drafter that proposes nothing turns every iteration into a plain target step; one
     that proposes a single token gets it verified like any block."""
@@ -142,6 +145,9 @@ def test_lookup_matches_a_brute_force_scan(ids: list[int], gamma: int, ngrams: t
     assert drafter.lookup(ids, gamma) == brute_force_lookup(ids, gamma, *ngrams)
 
 
+@proof('prompt lookup copies after the latest occurrence',
+       'exact, by hand',
+       rejects=("lookup's first occurrence (behaviour, not exactness)",))
 def test_lookup_by_hand() -> None:
     drafter = NgramIndex(max_ngram=3, min_ngram=1)
     assert drafter.lookup([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # "5 6 7" followed by 8 9 5
@@ -223,6 +229,8 @@ def lookup_distribution(target: NGramModel, prompt: tuple[int, ...], gamma: int,
     return out
 
 
+@proof("prompt lookup emits exactly the target's law",
+       'exact enumeration, float64, to 1e-12')
 @settings(max_examples=120, derandomize=True, deadline=None)
 @given(vocab=st.integers(2, 4), gamma=st.integers(1, 3), order=st.sampled_from([2, 3]),
        seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]),
@@ -241,6 +249,9 @@ def always_accept(p: torch.Tensor, q: torch.Tensor, token: int) -> torch.Tensor:
     return (p[token] > 0).to(p.dtype)
 
 
+@proof('the lookup enumeration can fail',
+       'exact',
+       rejects=('residual from p', 'always accept', 'ratio inverted'))
 @pytest.mark.parametrize("name, acceptance, residual", [
     ("residual-from-p", verify.acceptance_probability, lambda p, q: p),
     ("always-accept", always_accept, verify.residual_distribution),
@@ -271,6 +282,9 @@ def lookup_toy() -> dict:
     return {"target": target, "next_probs": next_probs}
 
 
+@proof("the engine with prompt lookup follows the target's law",
+       'chi-square, p > 1e-3, 2000 seeded runs',
+       rejects=('ratio inverted', 'residual from p', 'q of the next position'))
 @pytest.mark.parametrize("variant", ["correct", "gamma-auto", "ratio-without-min", "no-bonus-token"] + LOOKUP_BUGS)
 def test_lookup_first_tokens_have_the_target_distribution(lookup_toy: dict, variant: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -327,6 +341,9 @@ def feature_pair() -> dict:
     return {"target": target, "head": random_head(target), "logits": llama_next_logits(target)}
 
 
+@proof("the engine with the feature head follows the target's law",
+       'chi-square, p > 1e-3, 1000 seeded runs',
+       rejects=('the same bugs as the draft model',))
 @pytest.mark.parametrize("variant, sampling", FEATURE_CASES, ids=[f"{v}-{s}" for v, s in FEATURE_CASES])
 def test_feature_drafter_first_tokens_have_the_target_distribution(feature_pair: dict, variant: str,
                                                                    sampling: Sampling,
@@ -366,6 +383,8 @@ def llama64() -> dict:
     return {"target": target, "head": random_head(target, std=0.2)}
 
 
+@proof("every drafter's greedy output is the target's",
+       'exact identity')
 @settings(max_examples=25, derandomize=True, deadline=None)
 @given(prompt=st.lists(st.integers(0, 15), min_size=1, max_size=8), gamma=st.integers(1, 6),
        kind=st.sampled_from(["lookup", "feature"]))
@@ -377,6 +396,8 @@ def test_greedy_output_of_every_drafter_is_the_target_greedy_output(llama64: dic
     assert out.tokens == reference_greedy(target, prompt, 16)
 
 
+@proof("the feature drafter keeps the target's features of the accepted path only",
+       'exact, to 1e-9')
 def test_feature_drafter_keeps_the_target_features_of_the_accepted_path(llama64: dict) -> None:
     """After every iteration the features it holds for positions 0..L-2 are the target's own
     (a no-cache forward over the final sequence), and the head read every position once

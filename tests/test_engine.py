@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from proofs import proof
 from toy_models import noisy_copy, random_llama, reference_greedy
 
 from model import ModelConfig
 from model.feature_head import FeatureHead
-from speculative import Engine, FeatureDrafter, autoregressive_generate, speculative_generate
+from speculative import Engine, FeatureDrafter, Sampling, autoregressive_generate, speculative_generate
 
 torch.set_num_threads(1)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
@@ -40,6 +41,8 @@ def alone(pair: dict, kind: str, prompt: list[int], seed: int, temperature: floa
                                 temperature=temperature, seed=seed).tokens
 
 
+@proof('a row that joins the engine between iterations gets the tokens it would get alone',
+       'exact identity, float64, greedy and sampled, three drafters')
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("kind", ["model", "feature", "none"])
 def test_rows_that_join_later_get_their_own_tokens(pair: dict, kind: str, temperature: float) -> None:
@@ -66,6 +69,8 @@ def test_rows_that_join_later_get_their_own_tokens(pair: dict, kind: str, temper
         assert row.stats.stop_reason == "max_new_tokens" and row.stats.new_tokens == counts[i]
 
 
+@proof("a greedy row is the target's greedy output whatever joins",
+       'exact identity, float64')
 def test_a_greedy_row_is_the_target_greedy_output_whatever_joins(pair: dict) -> None:
     engine = Engine(pair["target"], pair["draft"], gamma=4, temperature=0.0, max_rows=3, cache_len=64)
     first = engine.add(PROMPTS[2], 20)
@@ -121,3 +126,23 @@ def test_bad_requests(pair: dict) -> None:
     with pytest.raises(ValueError):
         engine.add([99], 4)  # outside the vocabulary
     assert engine.idle
+
+
+@proof("rows with their own temperature, top-k and top-p share a batch, each getting the tokens it would get alone",
+       "exact identity, float64, greedy, T = 1 and top-k/top-p rows in one call")
+@pytest.mark.parametrize("kind", ["model", "feature", "none"])
+def test_rows_with_their_own_sampling_are_their_single_runs(pair: dict, kind: str) -> None:
+    settings = [Sampling(temperature=0), Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)]
+    engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, max_rows=3, cache_len=64)
+    rows = [engine.add(PROMPTS[i], 10, seed=20 + i, sampling=s) for i, s in enumerate(settings)]
+    engine.run()
+    for i, (row, s) in enumerate(zip(rows, settings)):
+        if kind == "none":
+            single = autoregressive_generate(pair["target"], PROMPTS[i], 10, temperature=s.temperature, top_k=s.top_k,
+                                             top_p=s.top_p, seed=20 + i).tokens
+        else:
+            single = speculative_generate(pair["target"], drafter_of(pair, kind), PROMPTS[i], 10, gamma=3,
+                                          temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=20 + i).tokens
+        assert row.result().tokens == single, s
+    with pytest.raises(ValueError, match="Sampling"):
+        engine.add([1], 4, sampling={"temperature": 1})

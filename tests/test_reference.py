@@ -38,6 +38,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mutation import mutated
+from proofs import proof
 from strategies import max_gap, samplings, toy_table
 from test_speculative_exact import target_distribution
 from toy_models import NGramModel, Recording, chi_square_pvalue, ref_warp, reference_greedy
@@ -158,6 +159,8 @@ def test_the_enumerator_runs_every_path() -> None:
 
 
 # ----------------------------------------------------------------------------- exactness
+@proof("speculative/reference.py (Algorithm 1 alone) emits exactly the target's law",
+       'exact enumeration, float64, to 1e-12, every random choice of the function enumerated')
 @settings(max_examples=100, derandomize=True, deadline=None)
 @given(vocab=st.integers(2, 4), gamma=st.integers(1, 4), orders=st.sampled_from([(2, 2), (3, 2), (2, 3)]),
        seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]), relation=st.sampled_from(["other", "same"]),
@@ -173,6 +176,8 @@ def test_reference_emits_exactly_the_target_distribution(vocab: int, gamma: int,
     assert max_gap(got, target_distribution(target, prompt, length, sampling)) < TOL
 
 
+@proof('reference.py is exact when every token comes from the residual',
+       'exact enumeration, float64, to 1e-12')
 def test_disjoint_supports() -> None:
     """The draft proposes only tokens the target never emits: every token comes from the residual."""
     neg = -math.inf
@@ -209,6 +214,9 @@ def mutant(name: str) -> types.ModuleType:
 ENUMERATED_MUTANTS = [name for name in MUTANTS if name != "r <= ratio"]  # measure zero: see the forced-r test
 
 
+@proof('the enumeration of reference.py can fail',
+       'exact, source-level mutants of reference.py',
+       rejects=('ratio inverted', 'residual = p', 'bonus from the draft', 'temperature on p only', 'stale q'))
 @pytest.mark.parametrize("name", ["unmodified"] + ENUMERATED_MUTANTS)
 def test_enumeration_rejects_each_mutant(name: str) -> None:
     """Temperature 0.5 (where "temperature on p only" is not a no-op), gamma 2, three tokens: the
@@ -242,6 +250,9 @@ def forced_zero_violations(module: types.ModuleType) -> int:
     return emitted.count(2)
 
 
+@proof('reference.py never accepts a token of target probability 0',
+       'exact: r forced to 0',
+       rejects=('r <= p/q (SGLang #35771)',))
 def test_a_token_the_target_rules_out_is_never_accepted_even_at_r_zero() -> None:
     """SGLang #35771: accepting on r <= p/q keeps a token of target probability 0 when r = 0."""
     assert forced_zero_violations(reference) == 0
@@ -283,11 +294,16 @@ def sampled_pvalue(module: types.ModuleType, pair: tuple[NGramModel, NGramModel]
     return chi_square_pvalue(counts, target_distribution(target, (0,), 3, sampling))
 
 
+@proof("reference.py's sampled runs follow the target's law",
+       'chi-square, p > 1e-3, 2000 seeded runs')
 @pytest.mark.parametrize("sampling", [Sampling(), TOP], ids=["temperature-1", "top-k-top-p"])
 def test_sampled_runs_pass_the_chi_square_test(toy_pair: tuple[NGramModel, NGramModel], sampling: Sampling) -> None:
     assert sampled_pvalue(reference, toy_pair, sampling, TOY_RUNS) > P_VALUE
 
 
+@proof('the chi-square test of reference.py has power',
+       'chi-square, p > 1e-3 rejected, 1000 runs per mutant',
+       rejects=('each enumerated mutant',))
 @pytest.mark.parametrize("name, sampling", [
     pytest.param(name, TOP if name == "temperature on p only" else Sampling(), id=name)  # a no-op at temperature 1
     for name in ENUMERATED_MUTANTS])
@@ -305,6 +321,8 @@ def toy_greedy(target: NGramModel, prompt: list[int], count: int) -> list[int]:
     return seq[len(prompt):]
 
 
+@proof("at temperature 0 reference.py gives the engine's tokens and the target's greedy tokens, call for call",
+       'exact identity, toy models')
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 @pytest.mark.parametrize("kind", ["independent", "close", "same"])
 def test_greedy_toy_is_the_engine_and_the_target(gamma: int, kind: str) -> None:
@@ -334,6 +352,8 @@ def shipped_pair(dtype: torch.dtype) -> tuple[Any, Any, list[list[int]]]:
     return load_model(SHIPPED[0], dtype=dtype), load_model(SHIPPED[1], dtype=dtype), list(map(tokenizer.encode, TEXTS))
 
 
+@proof("on the shipped pair, reference.py, the engine and the target's greedy decoding agree",
+       'exact identity in float64; float32 up to near-ties')
 @needs_shipped
 def test_greedy_shipped_pair_is_the_engine_and_the_target() -> None:
     """float64: the reference, the engine and the target's own greedy decoding (the plain

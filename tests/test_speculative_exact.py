@@ -26,6 +26,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proofs import proof
 from strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
 from toy_models import NGramModel, ref_warp, sequence_distribution
 
@@ -58,6 +59,8 @@ def one_step_distribution(p: torch.Tensor, q: torch.Tensor, acceptance: Acceptan
     return kept + rejected * residual(p, q)
 
 
+@proof('token-wise verification emits exactly p at one position, for any p and q',
+       'exact enumeration, float64, to 1e-12, 300 hypothesis pairs (zeros, disjoint supports, p = q, near one-hot)')
 @settings(max_examples=300, derandomize=True, deadline=None)
 @given(pair=distribution_pairs())
 def test_one_step_emits_exactly_p(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -115,6 +118,9 @@ def residual_unnormalised(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p - q).clamp(min=0)
 
 
+@proof('the one-position identity can fail',
+       'exact, the same sum on broken rules',
+       rejects=('ratio inverted (min(1, q/p))', 'residual = p', 'residual not normalised'))
 @pytest.mark.parametrize("acceptance, residual", [
     (inverted_acceptance, verify.residual_distribution),
     (verify.acceptance_probability, residual_is_p),
@@ -130,6 +136,9 @@ def shifted_greedy(target_choice: torch.Tensor, drafted: torch.Tensor) -> verify
     return verify.verify_greedy(torch.cat([target_choice[1:], target_choice[-1:]]), drafted)
 
 
+@proof('at temperature 0, verify_greedy is verify_step on one-hot p and q, ties included',
+       'exact, 300 random cases with integer logits',
+       rejects=("x_i compared with the target's choice one position later",))
 @pytest.mark.parametrize("broken", [False, True])
 def test_verify_greedy_is_verify_step_on_one_hot_distributions(broken: bool) -> None:
     """At temperature 0 the loop calls verify_greedy instead of verify_step on one-hot p and
@@ -216,6 +225,8 @@ def target_distribution(target: NGramModel, prompt: tuple[int, ...], length: int
         prompt, length)
 
 
+@proof("several iterations of Algorithm 1 emit exactly the target's law (temperature, top-k, top-p)",
+       'exact enumeration, float64, to 1e-12, toy n-gram models, every drafted chain and accept/reject branch')
 @settings(max_examples=150, derandomize=True, deadline=None)
 @given(vocab=st.integers(2, 4), gamma=st.integers(1, 3), orders=st.sampled_from([(2, 2), (3, 2), (2, 3), (3, 3)]),
        seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]), relation=st.sampled_from(["other", "same"]),
@@ -232,6 +243,8 @@ def test_several_steps_emit_exactly_the_target_distribution(vocab: int, gamma: i
     assert max_gap(got, expected) < TOL
 
 
+@proof('exact when the draft only proposes tokens the target never emits',
+       'exact enumeration, float64, to 1e-12')
 def test_disjoint_supports_several_steps() -> None:
     """The draft proposes only tokens the target never emits: every token comes from the residual."""
     neg = -math.inf
@@ -242,6 +255,9 @@ def test_disjoint_supports_several_steps() -> None:
         assert max_gap(got, target_distribution(target, (0,), 3, Sampling())) < TOL
 
 
+@proof('the several-step identity can fail',
+       'exact',
+       rejects=('ratio inverted', 'residual = p'))
 @pytest.mark.parametrize("acceptance, residual", [
     (inverted_acceptance, verify.residual_distribution),
     (verify.acceptance_probability, residual_is_p),
@@ -253,6 +269,9 @@ def test_several_steps_catch_broken_rules(acceptance: Acceptance, residual: Resi
     assert max_gap(got, target_distribution(target, (0,), 3, Sampling())) > 1e-3
 
 
+@proof('drafting from one q and judging with another is caught',
+       'exact',
+       rejects=('q judged untempered (transformers #47932 / vLLM #10198)',))
 def test_several_steps_catch_a_warp_applied_to_one_model_only() -> None:
     """Warping q with another temperature than p is itself fine (any q works), as long as
     the token is drawn from the q used in the ratio. Drafting from one q and judging with
@@ -354,6 +373,9 @@ def forced_uniforms_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.zeros(*shape, dtype=kwargs.get("dtype")))
 
 
+@proof('a token of target probability 0 is never accepted, even at r = 0 (strict r < p/q)',
+       'exact: the uniforms forced to 0',
+       rejects=('r <= p/q (SGLang #35771)',))
 def test_verify_step_never_keeps_a_token_the_target_rules_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """r = 0 against a drafted token of target probability 0: the strict r < p/q rejects it and
     the residual gives another token. SGLang #35771 compared with <=, which accepts it: the one
@@ -465,6 +487,9 @@ def verifier_distribution(target: NGramModel, draft: NGramModel, prompt: tuple[i
     return out
 
 
+@proof("the verifier the engine calls (verify_step itself, run once per cell of its randomness) emits exactly "
+       "the target's law",
+       'exact enumeration, float64, to 1e-12, hypothesis: vocab 2-3, gamma 1-2, zeros in p and q')
 @settings(max_examples=12, derandomize=True, deadline=None)
 @given(vocab=st.integers(2, 3), gamma=st.integers(1, 2), seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]),
        sampling=samplings)
@@ -475,6 +500,9 @@ def test_the_loops_verifier_emits_exactly_the_target_distribution(vocab: int, ga
     assert max_gap(got, target_distribution(target, (0,), 3, sampling)) < TOL
 
 
+@proof('a wiring slip inside verify_step is caught',
+       'exact enumeration of the mutated function',
+       rejects=('the residual against a one-hot q', 'the bonus drawn from p_gamma', 'r <= p/q (SGLang #35771)'))
 @pytest.mark.parametrize("slip", [
     ("residual_distribution(p[:gamma], q)",  # the residual against a one-hot q (xLLM #2175's kind of slip)
      "residual_distribution(p[:gamma], torch.nn.functional.one_hot(drafted, q.shape[-1]).to(q.dtype))"),

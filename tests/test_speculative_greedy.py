@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proofs import proof
 from toy_models import (
     FakeTokenizer,
     NGramModel,
@@ -73,6 +74,8 @@ def toy_pair(vocab: int = 5, seed: int = 0, max_seq_len: int = 64) -> tuple[NGra
 
 
 # ----------------------------------------------------------------------------- greedy identity
+@proof("greedy speculative decoding is the target's greedy output",
+       'exact identity, float64')
 @settings(max_examples=40, derandomize=True, deadline=None)
 @given(prompt=st.lists(st.integers(0, 15), min_size=1, max_size=8), gamma=st.integers(1, 8),
        kind=st.sampled_from(["independent", "close"]))
@@ -81,6 +84,8 @@ def test_greedy_float64_is_the_target_greedy_output(llama64: dict, prompt: list[
     assert out.tokens == reference_greedy(llama64["target"], prompt, 16)
 
 
+@proof("the greedy baseline is the target's greedy output",
+       'exact identity, float64')
 def test_greedy_float64_baseline_is_the_target_greedy_output(llama64: dict) -> None:
     for prompt in ([1], [3, 1, 4, 1, 5], [15] * 9):
         out = autoregressive_generate(llama64["target"], prompt, 20, temperature=0)
@@ -93,6 +98,8 @@ def test_greedy_accepts_drafts(llama64: dict) -> None:
     assert out.stats.accepted_draft_tokens > 0.5 * out.stats.drafted_tokens
 
 
+@proof("in float32 a greedy token differs from the target's argmax only at a near-tie (1e-4)",
+       'exact check of every token, 60 runs')
 @pytest.mark.parametrize("gamma", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("kind", ["independent", "close"])
 def test_greedy_float32_differs_only_at_near_ties(llama32: dict, gamma: int, kind: str) -> None:
@@ -108,6 +115,9 @@ def accept_everything(xs: list[int], ys: list[int]) -> object:
     return verify_module.Verification(tokens=xs + [ys[len(xs)]], accepted=len(xs), overlap=[1.0] * len(xs))
 
 
+@proof('the near-tie check can fail',
+       'exact',
+       rejects=('every drafted token kept',))
 def test_near_tie_check_catches_a_broken_greedy(llama32: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Accepting every draft token must be caught by the check used above."""
     monkeypatch.setattr(verify_module, "greedy_outcome", accept_everything)
@@ -201,6 +211,8 @@ def iterations_from_callback(prompt_len: int, seen: list[tuple[list[int], list[b
     return out
 
 
+@proof('both KV caches roll back by position: every call feeds exactly the unread tokens',
+       'exact, call by call')
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_rollback_bookkeeping(seed: int, gamma: int) -> None:

@@ -17,6 +17,7 @@ import importlib
 
 import pytest
 import torch
+from proofs import proof
 from test_drafters import random_head
 from test_speculative_statistical import P_VALUE, sample_counts, window_distribution
 from toy_models import chi_square_pvalue, llama_next_logits, noisy_copy, random_llama, ref_warp, reference_greedy
@@ -81,6 +82,9 @@ CASES = [
 ]
 
 
+@proof("the engine with token trees follows the target's law (draft model and feature head)",
+       'chi-square, p > 1e-3, 1000 seeded runs',
+       rejects=('residual not updated (xLLM #2175)', 'q not renormalised'))
 @pytest.mark.parametrize("drafter, mode, mutant", CASES, ids=[f"{d}-{m}-{b or 'correct'}" for d, m, b in CASES])
 def test_tree_first_tokens_have_the_target_distribution(pair: dict, drafter: str, mode: str, mutant: str | None,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,6 +125,8 @@ def llama64() -> dict:
     return {"target": target, "close": noisy_copy(target, 0.05), "head": random_head(target, std=0.2)}
 
 
+@proof("greedy trees give the target's greedy output",
+       'exact identity')
 @pytest.mark.parametrize("shape", [(1,), (2,), (3, 2, 1, 1), (2, 2, 2), (4, 1, 1, 1, 1)])
 @pytest.mark.parametrize("kind", ["close", "feature"])
 def test_greedy_trees_give_the_target_greedy_output(llama64: dict, shape: tuple[int, ...], kind: str) -> None:

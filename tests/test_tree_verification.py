@@ -28,6 +28,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proofs import proof
 from strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
 from toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
@@ -106,6 +107,8 @@ def node_gap(p: torch.Tensor, q: torch.Tensor, mode: str, b: int, draft_q: torch
     return max(abs(a + s - t) for a, s, t in zip(move, stop, p.tolist()))
 
 
+@proof('one tree node (any number of children, every mode) emits exactly p',
+       'exact enumeration, float64, to 1e-12')
 @settings(max_examples=300, derandomize=True, deadline=None)
 @given(pair=distribution_pairs(), mode=st.sampled_from(tree.MODES), b=st.integers(1, 3), data=st.data())
 def test_one_node_emits_exactly_p(pair: tuple[torch.Tensor, torch.Tensor], mode: str, b: int,
@@ -187,6 +190,8 @@ def reference_next(target: NGramModel, sampling: Sampling) -> Callable[[tuple[in
                                 sampling.top_p)
 
 
+@proof("tree decoding emits exactly the target's law, in every mode",
+       'exact enumeration, float64, to 1e-12, whole decodings on toy models')
 @pytest.mark.parametrize("mode", tree.MODES)
 @settings(max_examples=100, derandomize=True, deadline=None)
 @given(vocab=st.integers(2, 4), branching=st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple),
@@ -277,6 +282,8 @@ def one_iteration_distribution(target: NGramModel, draft: NGramModel, prompt: tu
     return out
 
 
+@proof('one iteration over whole trees of several shapes is exact',
+       'exact enumeration, float64, to 1e-12')
 @pytest.mark.parametrize("mode", tree.MODES)
 @pytest.mark.parametrize("branching", [(2, 2), (3, 1), (1, 2, 1)])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_k=2)], ids=["T1", "top-k2"])
@@ -333,6 +340,8 @@ def sampled_outcomes(token_tree: TokenTree, p: torch.Tensor, draws: int, seed: i
     return counts
 
 
+@proof("verify_tree's sampled walk follows the exact law",
+       'chi-square, p > 1e-3')
 @pytest.mark.parametrize("mode", tree.MODES)
 def test_verify_tree_walk_matches_the_exact_law(mode: str) -> None:
     token_tree, p = fixed_case(mode)
@@ -371,6 +380,9 @@ def shifted_greedy(target_choice: torch.Tensor, token_tree: TokenTree) -> verify
     return verify_tree_greedy(torch.cat([target_choice[1:], target_choice[-1:]]), token_tree)
 
 
+@proof('at temperature 0 the greedy walk is verify_tree on one-hot p and q',
+       'exact, ties included',
+       rejects=('the greedy walk broken on purpose',))
 @pytest.mark.parametrize("broken", [False, True])
 def test_verify_tree_greedy_is_verify_tree_on_one_hot_distributions(broken: bool) -> None:
     """Integer logits, so ties occur; p and q one-hot by warp at temperature 0. Random
@@ -418,6 +430,8 @@ def chain_tree(q: torch.Tensor, drafted: torch.Tensor) -> TokenTree:
     return TokenTree.from_branching(drafted, (1,) * drafted.shape[0], "iid", torch.cat([q, torch.zeros_like(q[:1])]))
 
 
+@proof('a tree that is a chain is verify_step, draw for draw',
+       'exact coupling')
 def test_chain_is_verify_step_draw_for_draw() -> None:
     """A coupling: verify_tree on a chain draws its uniforms and its candidate tokens in the
     same order and shapes as verify_step, so with the same seed the outcomes are identical,
@@ -434,6 +448,8 @@ def test_chain_is_verify_step_draw_for_draw() -> None:
         assert got.overlap == expected.overlap[:verified]
 
 
+@proof("a chain-shaped tree has verify_step's outcome law",
+       'exact enumeration, float64, to 1e-12')
 def test_chain_has_verify_steps_outcome_law() -> None:
     gen = torch.Generator().manual_seed(1)
     for case in range(30):
@@ -558,6 +574,10 @@ def bonus_from_parent(p, token_tree):
 NODE_P, NODE_Q = distribution([1, 2, 3, 4, 0.5]), distribution([4, 1, 1, 2, 3])
 
 
+@proof('the tree identities can fail',
+       'exact',
+       rejects=('siblings tested against the original p (xLLM #2175)', 'siblings judged against p',
+                'without-replacement q not updated', 'without-replacement q not renormalised'))
 @pytest.mark.parametrize("mutant, name, modes", [
     (residual_not_updated, "reject_child", ["iid", "without_replacement", "deterministic"]),
     (siblings_judged_against_p, "node_rules", ["iid", "deterministic"]),
@@ -580,6 +600,9 @@ def test_mutants_break_the_node_identity_and_tree_decoding(monkeypatch: pytest.M
         assert max_gap(got, sequence_distribution(reference_next(target, Sampling()), (0,), 3)) > 1e-3, mode
 
 
+@proof('a child of target probability 0 is never accepted, even at r = 0',
+       'exact: r forced to 0',
+       rejects=('r <= ratio (SGLang #35771)',))
 @pytest.mark.parametrize("mode", ["iid", "without_replacement", "deterministic"])
 def test_zero_probability_child_is_never_accepted_even_at_r_0(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """d. SGLang #35771: accepting when r <= ratio takes a child the target gives
@@ -596,6 +619,9 @@ def test_zero_probability_child_is_never_accepted_even_at_r_0(monkeypatch: pytes
     assert broken.path == [0] and broken.tokens[0] == 0  # an impossible token emitted
 
 
+@proof('children judged with another q than they were drawn from are caught',
+       'exact',
+       rejects=('raw q (transformers #47932 / vLLM #10198)',))
 @pytest.mark.parametrize("mode", ["iid", "without_replacement"])
 def test_children_drawn_from_warped_q_but_judged_with_raw_q_are_caught(mode: str) -> None:
     """e. transformers #47932, vLLM #10198: the draft samples from its top-k/temperature-
@@ -614,6 +640,9 @@ def test_children_drawn_from_warped_q_but_judged_with_raw_q_are_caught(mode: str
     assert max_gap(got, expected) > 1e-3
 
 
+@proof("the bonus at an accepted leaf comes from the leaf's own p",
+       'exact and sampled',
+       rejects=("bonus from the parent's p",))
 @pytest.mark.parametrize("mode", tree.MODES)
 def test_bonus_from_the_parents_p_is_caught(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """g. the bonus token at an accepted leaf drawn from its parent's p instead of the
