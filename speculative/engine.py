@@ -59,7 +59,7 @@ from speculative.inputs import (
     check_max_new_tokens,
     check_prompt,
     check_seed,
-    finite_flag,
+    finite_rows,
     model_device,
     read_host,
     usable_logits,
@@ -91,6 +91,8 @@ class Row:
     joined: Any = None  # the clock's mark when it entered the batch
     target_next: int = 0  # the target's first cache slot not holding a token of the row
     owed: int = 0  # tokens emitted but still on the device (the target alone, see Engine.flush)
+    gamma: int | None = None  # pinned: drafted per iteration whatever the engine's policy (0: none)
+    error: Exception | None = None  # it failed alone (its logits were not finite)
     done: bool = False
 
     @property
@@ -151,17 +153,23 @@ class Engine:
         self.stats = BatchStats(prompts=0, batch_size=max_rows)
         self.clock: Clock | None = None
         self.pending: list[torch.Tensor] = []  # the target alone: tokens of the rows not read yet
-        self.pending_finite: torch.Tensor | None = None
+        self.pending_finite: list[torch.Tensor] = []
+        # the engine's gamma for an iteration (a server's choice by load); None: gamma or "auto"
+        self.policy: Callable[[Engine], int] | None = None
 
     # ------------------------------------------------------------------------- rows in and out
     def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *, eos_id: int | None = None,
-            seed: int | None = None, callback: Callback | None = None, sampling: Sampling | None = None) -> Row:
+            seed: int | None = None, callback: Callback | None = None, sampling: Sampling | None = None,
+            gamma: int | None = None) -> Row:
         """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
-        temperature, top-k and top-p (default: the engine's). ``callback(new_ids,
+        temperature, top-k and top-p (default: the engine's). ``gamma``: pin its drafted tokens
+        per iteration (0..the engine's gamma; default: the engine's choice). ``callback(new_ids,
         from_draft)`` sees each of its iterations' tokens: accepted draft tokens (True), then
         the target's own (False). The row stops after max_new_tokens (never more), after
         emitting eos_id (even in the middle of an accepted block: nothing after it is
-        emitted), or when it fills the context; its stats.stop_reason says which."""
+        emitted), or when it fills the context; its stats.stop_reason says which. A row whose
+        logits are not finite fails alone: ``row.error`` is a NonFiniteLogitsError, its
+        stop_reason "error", and the other rows go on."""
         check_max_new_tokens(max_new_tokens)
         check_seed(seed)
         prompt = check_prompt(prompt_ids, self.target.config.vocab_size, self.row_limit)
@@ -169,8 +177,11 @@ class Engine:
                                  tried_per_position=[0] * self.gamma_max)
         if sampling is not None and not isinstance(sampling, Sampling):
             raise ValueError(f"sampling must be a speculative.sampling.Sampling, got {type(sampling).__name__}")
+        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int)
+                                  or not 0 <= gamma <= self.gamma_max):
+            raise ValueError(f"a row's gamma must be an integer in 0..{self.gamma_max}, got {gamma!r}")
         row = Row(prompt, max_new_tokens, eos_id, callback, sampling or self.sampling,
-                  make_generator(self.device, seed), stats, list(prompt))
+                  make_generator(self.device, seed), stats, list(prompt), gamma=gamma)
         self.waiting.append(row)
         self.stats.prompts += 1
         self.stats.rows.append(stats)
@@ -225,12 +236,13 @@ class Engine:
     def finish(self, row: Row, now: Any) -> None:
         row.done = True
         row.stats.new_tokens = row.produced
-        row.stats.stop_reason = stop_reason(row.ids[len(row.prompt):], row.eos_id, row.max_new_tokens)
+        row.stats.stop_reason = "error" if row.error else stop_reason(row.ids[len(row.prompt):], row.eos_id,
+                                                                         row.max_new_tokens)
         self.clock.add(row.stats, "decode_time_s", row.joined, now)
         self.finished.append(row)
 
     def is_done(self, row: Row) -> bool:
-        return (row.produced >= row.max_new_tokens or row.length >= self.row_limit
+        return (row.error is not None or row.produced >= row.max_new_tokens or row.length >= self.row_limit
                 or (row.eos_id is not None and row.produced > 0 and row.ids[-1] == row.eos_id))
 
     @property
@@ -261,14 +273,14 @@ class Engine:
             t1 = clock.mark()
             logits, hidden = self.score(rows, draft)  # line 4
             t2 = clock.mark()
-            finite = finite_flag(logits)
+            finite = finite_rows(logits)  # read with the verdicts: a row whose logits are not finite fails alone
             verdict = judge_rows(logits, draft, [row.sampling for row in rows], self.rule,
                                  [row.generator for row in rows], finite)
             if self.deferred(rows):  # lines 5-9: tokens kept on the device, read when the rows change
                 self.defer(rows, verdict.parts[0], finite)
                 steps = [Verification([], 0, [])] * len(rows)
             else:
-                steps = verdict.read(finite)  # lines 5-9: the iteration's one host read
+                steps = self.read(rows, draft, verdict, finite)  # lines 5-9: the iteration's one host read
                 self.commit(rows, draft, steps, hidden)  # line 10
             t3 = clock.mark()
             self.record(rows, draft, steps, (t0, t1, t2, t3))
@@ -281,12 +293,25 @@ class Engine:
             return self.retire(t3)
 
     def gamma_for(self, row: Row) -> int:
-        """gamma, shrunk so that an iteration (up to gamma + 1 tokens) never passes the row's
+        """The row's pinned gamma, or the engine's (``policy``, gamma="auto" or the fixed gamma),
+        shrunk so that an iteration (up to gamma + 1 tokens) never passes the row's
         max_new_tokens or its context."""
         if self.drafter is None:
             return 0
-        g = self.auto.gamma if self.auto else self.gamma_max
-        return max(0, min(g, row.max_new_tokens - row.produced - 1, self.row_limit - row.length - 1))
+        g = row.gamma if row.gamma is not None else self.policy(self) if self.policy else \
+            self.auto.gamma if self.auto else self.gamma_max
+        return max(0, min(g, self.gamma_max, row.max_new_tokens - row.produced - 1, self.row_limit - row.length - 1))
+
+    def read(self, rows: list[Row], draft: Draft, verdict: Verdict, finite: torch.Tensor) -> list[Verification]:
+        """The verdicts and every logit row's finite flag in ONE copy. A row with a non-finite
+        logit emits nothing and fails alone (``row.error``); the others' outcomes stand."""
+        *host, flags = read_host([*verdict.parts, finite])
+        steps, at = verdict.finish(*host), 0
+        for b, (row, n) in enumerate(zip(rows, [g + 1 for g in draft.lengths])):
+            if not all(flags[at:at + n]):
+                row.error, steps[b] = NonFiniteLogitsError(), Verification([], 0, [])
+            at += n
+        return steps
 
     def propose(self, rows: list[Row], gammas: list[int]) -> Draft:
         """Lines 1-3: a chain of up to gammas[b] tokens for every row, or a tree for one row
@@ -349,7 +374,7 @@ class Engine:
         moved into place); the drafter learns the new lengths and, if it reads them, the
         target's features of the accepted paths."""
         starts = [row.target_next for row in rows]
-        if draft.tree is not None:
+        if draft.tree is not None and rows[0].error is None:
             hidden = keep_path(self.target, steps[0].path, rows[0].length, starts[0], hidden)
         emitted = [cut_at_eos(step.tokens, row.eos_id) for row, step in zip(rows, steps)]
         for row, tokens in zip(rows, emitted):
@@ -358,7 +383,7 @@ class Engine:
         if self.drafter is not None:
             self.drafter.commit([row.length for row in rows], hidden, starts)
         for row, step, tokens in zip(rows, steps, emitted):
-            if row.callback is not None:
+            if row.callback is not None and tokens:
                 row.callback(tokens, [i < step.accepted for i in range(len(tokens))])
 
     # ------------------------------------------------------------------------- the target alone
@@ -368,21 +393,25 @@ class Engine:
 
     def defer(self, rows: list[Row], tokens: torch.Tensor, finite: torch.Tensor) -> None:
         self.pending.append(tokens)
-        self.pending_finite = finite if self.pending_finite is None else self.pending_finite & finite
+        self.pending_finite.append(finite)
         for row in rows:
             row.owed += 1
             row.target_next = row.length - 1
 
     def flush(self) -> None:
-        """Read the deferred tokens of the rows in ONE copy, with every call's finite check."""
+        """Read the deferred tokens of the rows in ONE copy, with every call's finite flags; a
+        row that met a non-finite logit fails alone and keeps none of them."""
         if not self.pending:
             return
-        (host,) = read_host([torch.stack(self.pending, dim=1)], self.pending_finite)
+        tokens, flags = read_host([torch.stack(self.pending, dim=1), torch.stack(self.pending_finite, dim=1)])
         width = len(self.pending)
         for b, row in enumerate(self.rows):
-            row.ids.extend(host[b * width:(b + 1) * width])
             row.owed = 0
-        self.pending, self.pending_finite = [], None
+            if all(flags[b * width:(b + 1) * width]):
+                row.ids.extend(tokens[b * width:(b + 1) * width])
+            else:
+                row.error = NonFiniteLogitsError()
+        self.pending, self.pending_finite = [], []
 
     # ------------------------------------------------------------------------- what happened
     def record(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
@@ -396,8 +425,9 @@ class Engine:
         for name, start, end in (("draft_time_s", t0, t1), ("target_time_s", t1, t2), ("verify_time_s", t2, now)):
             clock.add(totals, name, start, end)
         for b, (row, step) in enumerate(zip(rows, steps)):
-            depth, stats = draft.depth(b), row.stats
-            stats.record(depth, draft.calls if depth else 0, step.accepted, step.overlap, drafted=draft.lengths[b])
+            depth, stats = (0 if row.error else draft.depth(b)), row.stats  # a failed row verified nothing
+            stats.record(depth, draft.calls if depth else 0, step.accepted, step.overlap,
+                         drafted=draft.lengths[b] if depth else 0)
             clock.add(stats, "draft_time_s", t0, t1)
             clock.add(stats, "target_time_s", t1, t2)
             if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
@@ -409,8 +439,8 @@ class Engine:
 def judge_rows(logits: torch.Tensor, draft: Draft, samplings: list[Sampling], rule: str | Callable,
                generators: list[torch.Generator], finite: torch.Tensor) -> Verdict:
     """Lines 5-9 for every row, each with its own p, q, sampling and generator; their verdicts are read
-    together. ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_flag (a
-    sampled row verifies usable logits until the read checks it). Where nothing was drafted
+    together. ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_rows (a
+    sampled row verifies usable logits until the read checks them). Where nothing was drafted
     t comes from p_1 alone; at temperature 0 the argmaxes of all rows and their drafts are the
     parts, whatever B is."""
     greedy = all(s.greedy for s in samplings)
@@ -420,11 +450,11 @@ def judge_rows(logits: torch.Tensor, draft: Draft, samplings: list[Sampling], ru
         return Verdict([tokens], lambda host: [Verification([t], 0, []) for t in host])
     if greedy and draft.tree is None and not callable(rule):
         return rules.verify_greedy(logits.argmax(-1), draft.tokens, draft.lengths)
-    verdicts = []
+    verdicts, ok = [], finite.split([g + 1 for g in draft.lengths])
     for b, (p, generator) in enumerate(zip(logits.split([g + 1 for g in draft.lengths]), generators)):
         g = draft.lengths[b]
         q = None if draft.q is None else draft.q[b, :g]
-        verdicts.append(judge(p, draft.tokens[b, :g], q, draft.tree, samplings[b], rule, generator, finite))
+        verdicts.append(judge(p, draft.tokens[b, :g], q, draft.tree, samplings[b], rule, generator, ok[b]))
     return together(verdicts)
 
 

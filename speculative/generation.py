@@ -48,6 +48,8 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
                     tree=tree, tree_mode=tree_mode)
     row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=callback)
     engine.run()
+    if row.error is not None:
+        raise row.error
     row.stats.wall_time_s = time.perf_counter() - wall_start
     return row.result()
 
@@ -70,6 +72,8 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
     engine = Engine(model, None, temperature=temperature, top_k=top_k, top_p=top_p)
     row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=callback)
     engine.run()
+    if row.error is not None:
+        raise row.error
     row.stats.wall_time_s = time.perf_counter() - wall_start
     return GenerationResult(tokens=row.result().tokens, stats=AutoregressiveStats.of(row.stats))
 
@@ -118,6 +122,9 @@ def over_rows(target: Any, draft: Any, prompts: Any, max_new_tokens: int, seed: 
         except ValueError as error:
             raise ValueError(f"prompt {i}: {error}") from None
     engine.run()
+    for row in rows:
+        if row.error is not None:
+            raise row.error
     engine.stats.seed, engine.stats.wall_time_s = seed, time.perf_counter() - wall_start
     for row in rows:
         row.stats.wall_time_s = engine.stats.wall_time_s

@@ -85,10 +85,16 @@ def finite_flag(logits: torch.Tensor) -> torch.Tensor:
 
 
 def usable_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """``logits`` where ``finite`` (their finite_flag) holds, else zeros (a uniform draw): for
-    a loop that samples before it reads the flag, so that no sampling kernel meets a NaN
-    (CUDA's multinomial would stop the device); the flag's read then raises."""
-    return torch.where(finite, logits, logits.new_zeros(()))
+    """``logits`` [..., V] where ``finite`` holds, else zeros (a uniform draw): for a loop that
+    samples before it reads the flag, so that no sampling kernel meets a NaN (CUDA's
+    multinomial would stop the device); the flag's read then raises. ``finite``: one flag for
+    all (finite_flag), or one per row of logits (finite_rows)."""
+    return torch.where(finite.unsqueeze(-1) if finite.dim() else finite, logits, logits.new_zeros(()))
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """One flag per row of logits [N, V]: the row is usable (see check_finite)."""
+    return torch.isfinite(logits.amax(-1))
 
 
 def read_host(parts: Sequence[torch.Tensor], finite: torch.Tensor | None = None) -> list[list]:

@@ -16,7 +16,14 @@ from toy_models import noisy_copy, random_llama, reference_greedy
 
 from model import ModelConfig
 from model.feature_head import FeatureHead
-from speculative import Engine, FeatureDrafter, Sampling, autoregressive_generate, speculative_generate
+from speculative import (
+    Engine,
+    FeatureDrafter,
+    NonFiniteLogitsError,
+    Sampling,
+    autoregressive_generate,
+    speculative_generate,
+)
 
 torch.set_num_threads(1)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
@@ -146,3 +153,39 @@ def test_rows_with_their_own_sampling_are_their_single_runs(pair: dict, kind: st
         assert row.result().tokens == single, s
     with pytest.raises(ValueError, match="Sampling"):
         engine.add([1], 4, sampling={"temperature": 1})
+
+
+def test_a_row_whose_logits_turn_non_finite_fails_alone(pair: dict) -> None:
+    """Token 15's embedding is NaN in a copy of the target: a row that reads it gets NaN logits
+    and fails with NonFiniteLogitsError, in the iteration's one read; the other rows go on and
+    stay exact (greedy, the target's own tokens), with a draft model and with nothing drafted."""
+    import copy
+
+    broken = copy.deepcopy(pair["target"])
+    with torch.no_grad():
+        broken.embed_tokens.weight[15] = float("nan")
+    healthy = reference_greedy(pair["target"], PROMPTS[1], 8)
+    assert 15 not in PROMPTS[1] + healthy  # the healthy row never reads the poisoned token
+    for draft in (pair["draft"], None):
+        engine = Engine(broken, draft, temperature=0.0, max_rows=2, cache_len=64)
+        poisoned, fine = engine.add([3, 15, 4], 8), engine.add(PROMPTS[1], 8)
+        engine.run()
+        assert isinstance(poisoned.error, NonFiniteLogitsError) and poisoned.stats.stop_reason == "error"
+        assert poisoned.result().tokens == [] and fine.error is None
+        assert fine.result().tokens == healthy
+
+
+def test_a_pinned_gamma_and_the_engines_policy(pair: dict) -> None:
+    """A row's pinned gamma is what it drafts (0: nothing), whatever the engine's policy; the
+    policy sets the others'. A pinned row's tokens are the single call's with that gamma."""
+    engine = Engine(pair["target"], pair["draft"], gamma=4, temperature=1.0, max_rows=3, cache_len=64)
+    engine.policy = lambda e: 1
+    off, two, free = engine.add(PROMPTS[0], 12, seed=1, gamma=0), engine.add(PROMPTS[1], 12, seed=2, gamma=2), \
+        engine.add(PROMPTS[2], 12, seed=3)
+    engine.run()
+    assert set(off.stats.gamma_history) == {0} and off.stats.drafted_tokens == 0
+    assert max(two.stats.gamma_history) == 2 and set(free.stats.gamma_history) <= {0, 1}
+    alone = speculative_generate(pair["target"], pair["draft"], PROMPTS[1], 12, gamma=2, temperature=1.0, seed=2)
+    assert two.result().tokens == alone.tokens
+    with pytest.raises(ValueError, match="gamma must be an integer in 0..4"):
+        engine.add([1], 4, gamma=5)
