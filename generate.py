@@ -65,9 +65,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_parser() -> cmdline.ArgumentParser:
     parser = cmdline.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument_group("models").add_argument
-    add("--target", default=DEFAULT_TARGET, help="7b, 13b, 70b, 7b-chat, ..., tiny-target or an HF-layout folder "
-                                                 f"(default {DEFAULT_TARGET})")
-    add("--draft", default=DEFAULT_DRAFT, help=f"a draft model, a feature head or lookup (default {DEFAULT_DRAFT})")
+    add("--target", default=DEFAULT_TARGET, help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)")
+    add("--draft", default=DEFAULT_DRAFT, help="a draft model, a feature head or lookup (default %(default)s)")
     add("--no-draft", action="store_true", help="the target alone, one token per call: the baseline")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 (float16) on a GPU, float32 on cpu")
@@ -76,29 +75,26 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--plan-device", default=None, help=f"--plan's GPU: {', '.join(DEVICES)} or auto (default: auto, or h200)")
     add("--tp", type=int, default=None, help="--plan's tensor-parallel size (default: WORLD_SIZE or 1)")
     add("--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU")
-    add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up, "
-                                                                                    "measured or forced")
-    add("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None,
-        help="compiled decode steps: measured against the others, or forced")
+    add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
+    add("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None, help="compiled decode steps")
     add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add = parser.add_argument_group("prompt").add_argument
-    add("--prompt", default=DEFAULT_PROMPT, help=f"the text to continue, - for stdin (default {DEFAULT_PROMPT!r})")
+    add("--prompt", default=DEFAULT_PROMPT, help="the text to continue, - for stdin (default %(default)r)")
     add("--chat", action="store_true", help="wrap the prompt in the Llama-2 chat template")
     add("--system", default=None, help="system prompt for --chat (default: none)")
     add("--prompts-file", default=None, metavar="FILE", help="one prompt per line (- for stdin), decoded as a batch")
     add("--batch-size", type=int, default=None, metavar="N", help="rows per target call at most (default: all)")
     add = parser.add_argument_group("decoding").add_argument
-    add("--gamma", type=cmdline.gamma_arg, default=DEFAULT_GAMMA, help=f"draft tokens per target call, or auto "
-                                                                       f"(default {DEFAULT_GAMMA})")
-    add("--verify", choices=["token", "block"], default="token", help="a chain token by token or as a block")
+    add("--gamma", type=cmdline.gamma_arg, default=DEFAULT_GAMMA, help="draft length, or auto (default %(default)s)")
+    add("--verify", choices=["token", "block"], default="token", help="token-wise or block-wise (default %(default)s)")
     add("--tree", type=cmdline.tree_arg, default=None, help="a token tree's branching per depth, e.g. 3,2,1,1")
     add("--tree-mode", choices=["without_replacement", "iid", "deterministic"], default="without_replacement",
         help="how a tree node's children are drawn when sampling")
-    add("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    add("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)g)")
     add("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
     add("--top-p", type=float, default=None, help="nucleus sampling, 0 < p <= 1 (default: all)")
-    add("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"(default {DEFAULT_MAX_NEW_TOKENS})")
+    add("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="stop after this many (default %(default)s)")
     add("--seed", type=int, default=None, help="seed for sampling (default: a fresh one, shown)")
     add("--compare", action="store_true", help="run again with the target alone: the measured speedup")
     add = parser.add_argument_group("output").add_argument
