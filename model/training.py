@@ -22,12 +22,12 @@ from torch import nn
 
 def init_weights(model: nn.Module, n_layers: int) -> None:
     """GPT-2-style initialisation: matrices N(0, 0.02), the residual outputs (o_proj, down_proj)
-    scaled down by sqrt(2 n_layers), biases zero; norms keep their ones."""
+    scaled down by sqrt(2 n_layers), biases zero; the norms' weights are left as they are."""
     for name, p in model.named_parameters():
         if p.dim() == 2:
             residual = name.endswith(("o_proj.weight", "down_proj.weight"))
             torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers) if residual else 0.02)
-        elif name.endswith(".bias"):
+        elif name.rsplit(".", 1)[-1] == "bias":
             torch.nn.init.zeros_(p)
 
 
