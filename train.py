@@ -62,202 +62,6 @@ class TrainError(ValueError):
     """Bad input to train.py; reported as one ``error:`` line with exit status 2."""
 
 
-def start_run(args: argparse.Namespace, model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer) -> tuple[RunFolder, torch.Generator, int]:
-    """The --out folder, the data generator, and the step to start from (state.pt's, if any)."""
-    run, gen = RunFolder(args.out), torch.Generator().manual_seed(args.seed)
-    step = run.load_state(model, optimizer, gen, SHAPE_FLAGS)
-    if step:
-        print(f"resuming from {run.out / 'state.pt'} at step {step}")
-    return run, gen, step
-
-
-def adamw(params: object, args: argparse.Namespace) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-
-
-def frozen_target(args: argparse.Namespace) -> Llama:
-    """Seeds and threads, and the target with gradients off: the start of the two commands
-    that train something against a frozen target."""
-    seed_everything(args)
-    target = load_model(args.target).eval()
-    target.requires_grad_(False)
-    return target
-
-
-def seed_everything(args: argparse.Namespace) -> None:
-    """--seed for every random number generator, and --threads."""
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-
-
-# ----------------------------------------------------------------------------- tokenizer
-def cmd_tokenizer(args: argparse.Namespace) -> None:
-    import sentencepiece as spm
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    docs = [d for path in args.corpus for d in read_documents(path)]
-    # Llama-2-style settings: BPE, digits split, bytes for anything unseen, no normalisation.
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(docs), model_prefix=str(out / "tokenizer"), vocab_size=args.vocab_size,
-        model_type="bpe", character_coverage=1.0, byte_fallback=True, split_digits=True,
-        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 15,
-        num_threads=2, minloglevel=2, input_sentence_size=0)
-    tok = Tokenizer(out / "tokenizer.model")
-    print(f"wrote {out / 'tokenizer.model'} ({tok.vocab_size} pieces, trained on {len(docs)} documents)")
-
-
-# ----------------------------------------------------------------------------- pretrain
-def cmd_pretrain(args: argparse.Namespace) -> None:
-    seed_everything(args)
-    tokenizer = Tokenizer(args.tokenizer)
-    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
-    eval_data = tokenize_corpus(args.eval_corpus, tokenizer, args.cache_dir) if args.eval_corpus else None
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, dim=args.dim, n_layers=args.n_layers,
-                         n_heads=args.n_heads, n_kv_heads=args.n_kv_heads or args.n_heads,
-                         hidden_dim=args.hidden_dim, max_seq_len=args.max_seq_len, norm_eps=1e-5,
-                         tie_word_embeddings=args.tie, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
-    model = Llama(config)
-    init_weights(model, config.n_layers)
-    model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices decay; norms do not
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    run, gen, step = start_run(args, model, optimizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters; corpus: {len(train_data):,} tokens"
-          + (f"; held-out: {len(eval_data):,} tokens" if eval_data is not None else ""))
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        x, y = random_batch(train_data, args.batch_size, args.seq_len, gen)
-        return next_token_loss(model, x, y, args.bf16), {"lr": lr_at(step, args.lr, args.warmup, args.steps)}, x.numel()
-
-    def held_out(step: int) -> dict:
-        if eval_data is None or (step % args.eval_every and step != args.steps):
-            return {}
-        return {"eval_loss": evaluate(model, eval_data, args.seq_len, LOG_EVAL_BATCHES, EVAL_BATCH),
-                "eval_windows": LOG_EVAL_BATCHES * EVAL_BATCH}
-
-    step = fit(model, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, after=held_out, save_every=args.save_every, title=f"pretrain {run.out.name}",
-               desc="pretrain", progress=not args.no_progress,
-               show=lambda row: {"loss": f"{row['loss']:.3f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
-    model.eval()
-    hf = run.export(model, args.tokenizer, getattr(torch, args.save_dtype))
-    summary = {"parameters": n_params, "steps": step, "final_train_loss": run.tail_loss()}
-    if eval_data is not None:
-        summary["held_out_loss"] = evaluate(model, eval_data, args.seq_len, FINAL_EVAL_BATCHES, EVAL_BATCH)
-        summary["held_out_windows"] = FINAL_EVAL_BATCHES * EVAL_BATCH
-        summary["held_out_perplexity"] = math.exp(summary["held_out_loss"])
-        summary["note"] = (f"held_out_loss averages {summary['held_out_windows']} fixed held-out windows of "
-                           f"--seq-len tokens; log.jsonl's eval_loss averages the first "
-                           f"{LOG_EVAL_BATCHES * EVAL_BATCH} of them (eval_windows), so at the same step the two "
-                           "differ a little")
-    finish(run, summary, hf)
-
-
-def finish(run: RunFolder, summary: dict, hf: Path) -> None:
-    run.write_json("summary.json", summary)
-    print(json.dumps(summary))
-    print(f"wrote {hf}")
-
-
-# ----------------------------------------------------------------------------- distill
-def cmd_distill(args: argparse.Namespace) -> None:
-    target = frozen_target(args)
-    draft = load_model(args.draft)
-    tokenizer = load_tokenizer(args.target)
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise TrainError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                         f"({target.config.vocab_size})")
-    # Prompts are story openings of --prompt-tokens tokens, so that a batch needs no padding.
-    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
-    if len(openings) < args.batch_size:
-        raise TrainError(f"the corpus has fewer than {args.batch_size} stories of {args.prompt_tokens}+ tokens")
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    optimizer = adamw(draft.parameters(), args)
-    run, gen, step = start_run(args, draft, optimizer)
-    if step == 0:
-        before = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-        run.write_json("before.json", before)
-        print(f"before distillation: {before}")
-    rng = random.Random(args.seed + step)
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        prompts = rng.sample(openings, args.batch_size)
-        # On-policy data (DistillSpec): sequences the draft itself generates; with probability
-        # --target-mix the target writes them instead.
-        writer = target if rng.random() < args.target_mix else draft
-        draft.eval()
-        sequences = sample_sequences(writer, prompts, args.gen_tokens, gen)
-        draft.train()
-        return distill_loss(args.divergence, target, draft, sequences, args.prompt_tokens), {}, sequences.numel()
-
-    step = fit(draft, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, save_every=args.save_every, title=f"distill {args.divergence}",
-               desc=f"distill ({args.divergence})", progress=not args.no_progress)
-    draft.eval()
-    after = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    summary = {"divergence": args.divergence, "steps": step, "before": run.read_json("before.json"), "after": after,
-               "notes": ACCEPTANCE_NOTES}
-    run.write_json("summary.json", summary)
-    hf = run.export(draft, load_tokenizer(args.draft).path, getattr(torch, args.save_dtype))
-    print(json.dumps(summary))
-    print(f"wrote {hf}")
-
-
-# ----------------------------------------------------------------------------- eagle
-def cmd_eagle(args: argparse.Namespace) -> None:
-    from speculative import FeatureDrafter
-    from weights.drafters import load_feature_head, save_feature_head
-
-    target = frozen_target(args)
-    tokenizer = load_tokenizer(args.target)
-    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
-    # The head is one block of the target's own shape (EAGLE-1), with the target's context length.
-    head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))
-    init_weights(head, 1)
-    head.train()
-    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    optimizer = adamw(head.parameters(), args)
-    run, gen, step = start_run(args, head, optimizer)
-    rng = random.Random(args.seed + step)
-    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; corpus: {len(train_data):,} tokens")
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        # Text the target writes itself (greedy or sampled, as it will decode) or corpus text.
-        kind = rng.random()
-        if kind < args.self_mix:
-            prompts = rng.sample(openings, args.batch_size)
-            tokens = sample_sequences(target, prompts, args.seq_len - args.prompt_tokens, gen,
-                                      greedy=kind < args.self_mix / 2)
-        else:
-            tokens = random_batch(train_data, args.batch_size, args.seq_len, gen)[0]
-        regression, classification = eagle_losses(head, target, tokens, args.noise, gen, args.bf16)
-        extra = {"regression": regression.item(), "classification": classification.item(),
-                 "self_written": kind < args.self_mix}
-        return regression + args.cls_weight * classification, extra, tokens.numel()
-
-    step = fit(head, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, save_every=args.save_every, title="eagle head", desc="eagle",
-               progress=not args.no_progress,
-               show=lambda row: {"reg": f"{row['regression']:.4f}", "cls": f"{row['classification']:.3f}",
-                                 "tok_s": f"{row['tokens_per_s']:.0f}"})
-    head.eval()
-    hf = save_feature_head(head, run.out / "hf", target, dtype=getattr(torch, args.save_dtype),
-                           target_name=args.target)
-    # Measure what will ship: the head as saved (rounded to --save-dtype), read back.
-    drafter = FeatureDrafter(load_feature_head(hf, target, args.target), target)
-    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    finish(run, {"steps": step, "gamma": args.gamma, "held_out": after}, hf)
-
-
 # ----------------------------------------------------------------------------- CLI
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad command line is one ``error:`` line (status 2), without the usage dump."""
@@ -374,6 +178,202 @@ def build_parser() -> argparse.ArgumentParser:
     common(eag, steps=1500, lr=1e-3)
     eag.set_defaults(func=cmd_eagle)
     return parser
+
+
+# ----------------------------------------------------------------------------- what every command does
+def seed_everything(args: argparse.Namespace) -> None:
+    """--seed for every random number generator, and --threads."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+
+
+def frozen_target(args: argparse.Namespace) -> Llama:
+    """Seeds and threads, and the target with gradients off: the start of the two commands
+    that train something against a frozen target."""
+    seed_everything(args)
+    target = load_model(args.target).eval()
+    target.requires_grad_(False)
+    return target
+
+
+def adamw(params: object, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """The optimizer of distill and eagle: AdamW at --lr, no weight decay."""
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+
+
+def start_run(args: argparse.Namespace, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[RunFolder, torch.Generator, int]:
+    """The --out folder, the data generator, and the step to start from (state.pt's, if any)."""
+    run, gen = RunFolder(args.out), torch.Generator().manual_seed(args.seed)
+    step = run.load_state(model, optimizer, gen, SHAPE_FLAGS)
+    if step:
+        print(f"resuming from {run.out / 'state.pt'} at step {step}")
+    return run, gen, step
+
+
+def finish(run: RunFolder, summary: dict, hf: Path) -> None:
+    """summary.json, and the summary and the checkpoint's folder on stdout."""
+    run.write_json("summary.json", summary)
+    print(json.dumps(summary))
+    print(f"wrote {hf}")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    import sentencepiece as spm
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = [d for path in args.corpus for d in read_documents(path)]
+    # Llama-2-style settings: BPE, digits split, bytes for anything unseen, no normalisation.
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(docs), model_prefix=str(out / "tokenizer"), vocab_size=args.vocab_size,
+        model_type="bpe", character_coverage=1.0, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 15,
+        num_threads=2, minloglevel=2, input_sentence_size=0)
+    tok = Tokenizer(out / "tokenizer.model")
+    print(f"wrote {out / 'tokenizer.model'} ({tok.vocab_size} pieces, trained on {len(docs)} documents)")
+
+
+# ----------------------------------------------------------------------------- pretrain
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    seed_everything(args)
+    tokenizer = Tokenizer(args.tokenizer)
+    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
+    eval_data = tokenize_corpus(args.eval_corpus, tokenizer, args.cache_dir) if args.eval_corpus else None
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, dim=args.dim, n_layers=args.n_layers,
+                         n_heads=args.n_heads, n_kv_heads=args.n_kv_heads or args.n_heads,
+                         hidden_dim=args.hidden_dim, max_seq_len=args.max_seq_len, norm_eps=1e-5,
+                         tie_word_embeddings=args.tie, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    model = Llama(config)
+    init_weights(model, config.n_layers)
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices decay; norms do not
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    run, gen, step = start_run(args, model, optimizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters; corpus: {len(train_data):,} tokens"
+          + (f"; held-out: {len(eval_data):,} tokens" if eval_data is not None else ""))
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        x, y = random_batch(train_data, args.batch_size, args.seq_len, gen)
+        return next_token_loss(model, x, y, args.bf16), {"lr": lr_at(step, args.lr, args.warmup, args.steps)}, x.numel()
+
+    def held_out(step: int) -> dict:
+        if eval_data is None or (step % args.eval_every and step != args.steps):
+            return {}
+        return {"eval_loss": evaluate(model, eval_data, args.seq_len, LOG_EVAL_BATCHES, EVAL_BATCH),
+                "eval_windows": LOG_EVAL_BATCHES * EVAL_BATCH}
+
+    step = fit(model, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, after=held_out, save_every=args.save_every, title=f"pretrain {run.out.name}",
+               desc="pretrain", progress=not args.no_progress,
+               show=lambda row: {"loss": f"{row['loss']:.3f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
+    model.eval()
+    hf = run.export(model, args.tokenizer, getattr(torch, args.save_dtype))
+    summary = {"parameters": n_params, "steps": step, "final_train_loss": run.tail_loss()}
+    if eval_data is not None:
+        summary["held_out_loss"] = evaluate(model, eval_data, args.seq_len, FINAL_EVAL_BATCHES, EVAL_BATCH)
+        summary["held_out_windows"] = FINAL_EVAL_BATCHES * EVAL_BATCH
+        summary["held_out_perplexity"] = math.exp(summary["held_out_loss"])
+        summary["note"] = (f"held_out_loss averages {summary['held_out_windows']} fixed held-out windows of "
+                           f"--seq-len tokens; log.jsonl's eval_loss averages the first "
+                           f"{LOG_EVAL_BATCHES * EVAL_BATCH} of them (eval_windows), so at the same step the two "
+                           "differ a little")
+    finish(run, summary, hf)
+
+
+# ----------------------------------------------------------------------------- distill
+def cmd_distill(args: argparse.Namespace) -> None:
+    target = frozen_target(args)
+    draft = load_model(args.draft)
+    tokenizer = load_tokenizer(args.target)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise TrainError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                         f"({target.config.vocab_size})")
+    # Prompts are story openings of --prompt-tokens tokens, so that a batch needs no padding.
+    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
+    if len(openings) < args.batch_size:
+        raise TrainError(f"the corpus has fewer than {args.batch_size} stories of {args.prompt_tokens}+ tokens")
+    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
+    optimizer = adamw(draft.parameters(), args)
+    run, gen, step = start_run(args, draft, optimizer)
+    if step == 0:
+        before = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+        run.write_json("before.json", before)
+        print(f"before distillation: {before}")
+    rng = random.Random(args.seed + step)
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        prompts = rng.sample(openings, args.batch_size)
+        # On-policy data (DistillSpec): sequences the draft itself generates; with probability
+        # --target-mix the target writes them instead.
+        writer = target if rng.random() < args.target_mix else draft
+        draft.eval()
+        sequences = sample_sequences(writer, prompts, args.gen_tokens, gen)
+        draft.train()
+        return distill_loss(args.divergence, target, draft, sequences, args.prompt_tokens), {}, sequences.numel()
+
+    step = fit(draft, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, save_every=args.save_every, title=f"distill {args.divergence}",
+               desc=f"distill ({args.divergence})", progress=not args.no_progress)
+    draft.eval()
+    after = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+    hf = run.export(draft, load_tokenizer(args.draft).path, getattr(torch, args.save_dtype))
+    finish(run, {"divergence": args.divergence, "steps": step, "before": run.read_json("before.json"),
+                 "after": after, "notes": ACCEPTANCE_NOTES}, hf)
+
+
+# ----------------------------------------------------------------------------- eagle
+def cmd_eagle(args: argparse.Namespace) -> None:
+    from speculative import FeatureDrafter
+    from weights.drafters import load_feature_head, save_feature_head
+
+    target = frozen_target(args)
+    tokenizer = load_tokenizer(args.target)
+    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
+    # The head is one block of the target's own shape (EAGLE-1), with the target's context length.
+    head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))
+    init_weights(head, 1)
+    head.train()
+    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
+    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
+    optimizer = adamw(head.parameters(), args)
+    run, gen, step = start_run(args, head, optimizer)
+    rng = random.Random(args.seed + step)
+    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; corpus: {len(train_data):,} tokens")
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        # Text the target writes itself (greedy or sampled, as it will decode) or corpus text.
+        kind = rng.random()
+        if kind < args.self_mix:
+            prompts = rng.sample(openings, args.batch_size)
+            tokens = sample_sequences(target, prompts, args.seq_len - args.prompt_tokens, gen,
+                                      greedy=kind < args.self_mix / 2)
+        else:
+            tokens = random_batch(train_data, args.batch_size, args.seq_len, gen)[0]
+        regression, classification = eagle_losses(head, target, tokens, args.noise, gen, args.bf16)
+        extra = {"regression": regression.item(), "classification": classification.item(),
+                 "self_written": kind < args.self_mix}
+        return regression + args.cls_weight * classification, extra, tokens.numel()
+
+    step = fit(head, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, save_every=args.save_every, title="eagle head", desc="eagle",
+               progress=not args.no_progress,
+               show=lambda row: {"reg": f"{row['regression']:.4f}", "cls": f"{row['classification']:.3f}",
+                                 "tok_s": f"{row['tokens_per_s']:.0f}"})
+    head.eval()
+    hf = save_feature_head(head, run.out / "hf", target, dtype=getattr(torch, args.save_dtype),
+                           target_name=args.target)
+    # Measure what will ship: the head as saved (rounded to --save-dtype), read back.
+    drafter = FeatureDrafter(load_feature_head(hf, target, args.target), target)
+    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+    finish(run, {"steps": step, "gamma": args.gamma, "held_out": after}, hf)
 
 
 def main(argv: list[str] | None = None) -> None:
