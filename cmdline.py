@@ -35,6 +35,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def gamma_arg(text: str) -> int | str:
+    """--gamma: an integer (checked >= 1 by generate.validate) or "auto"."""
     if text == "auto":
         return text
     try:
@@ -44,6 +45,7 @@ def gamma_arg(text: str) -> int | str:
 
 
 def tree_arg(text: str) -> tuple[int, ...]:
+    """--tree: the branching per depth, integers >= 1 joined by commas."""
     try:
         shape = tuple(int(part) for part in text.split(","))
     except ValueError:
@@ -62,6 +64,7 @@ RUN_ONLY = ("prompt", "prompts_file", "batch_size", "chat", "system", "gamma", "
 
 
 def flag(dest: str) -> str:
+    """An option's name on the command line: top_k -> --top-k."""
     return "--" + dest.replace("_", "-")
 
 
@@ -184,11 +187,13 @@ class Streamer:
             self.write("".join(text for _, text in runs))
 
     def write(self, text: str) -> None:
+        """``text`` to ``out`` at once, after the prefix if it has not been written yet."""
         self.out.write(self.prefix + text)
         self.prefix = ""
         self.out.flush()
 
     def finish(self) -> None:
+        """The end of the text, and a newline."""
         self.write(self.text.finish() + "\n")  # whatever was held back (a truly broken byte sequence)
 
 

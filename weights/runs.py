@@ -51,9 +51,11 @@ class RunFolder:
         return sum(tail) / len(tail)
 
     def write_json(self, name: str, doc: Any) -> None:
+        """``doc`` as indented JSON in the file ``name`` of the folder (summary.json, before.json)."""
         (self.out / name).write_text(json.dumps(doc, indent=2) + "\n")
 
     def read_json(self, name: str) -> Any:
+        """What :meth:`write_json` wrote."""
         return json.loads((self.out / name).read_text())
 
     def save_state(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
