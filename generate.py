@@ -360,7 +360,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
 
 def run_batch(args: argparse.Namespace, pair: Pair, texts: list[str], encoded: list[list[int]],
               settings: dict[str, Any], sampling: dict[str, Any]) -> int:
-    """--prompts-file: every prompt in one batched run (speculative/batch.py), at most
+    """--prompts-file: every prompt in one batched run (speculative_generate_batch), at most
     --batch-size rows per target call, prompt i sampling with seed + i. Nothing streams: the
     completions are printed after the run, in prompt order, then the batch's summary; with
     --compare the same batch runs again with the target alone."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from speculative.batch import BatchResult
+    from speculative import BatchResult
 
 STOP_REASONS = {"eos": "the model ended the text (end-of-sequence)",
                 "max_new_tokens": "--max-new-tokens reached",
