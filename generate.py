@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from model.compile import decode_widths
 from model.memory import DEVICES, check_memory, plan, plan_suggestion
-from model.setup import SETUPS, Setups, candidates, choose_setups
+from model.prepack import packable
+from model.setup import SETUPS, Setups
 from model.tensor_parallel import broadcast_seed, init_distributed
 from speculative import (
     PairMismatchError,
@@ -48,10 +49,11 @@ from speculative import (
 )
 from speculative.gamma import GAMMA_MAX
 from speculative.tree import branching_parents
-from weights import NonFiniteWeightsError, Pair, read_pair
+from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
 from weights import cli as cmdline
-from weights.cli import UsageError
+from weights.cli import DTYPES, UsageError, pick_device, pick_dtype
 from weights.load import plan_configs
+from weights.step_cache import ENV, default_dir
 from weights.text import continuation_text, encode_prompt
 
 DEFAULT_TARGET = "tiny-target"
@@ -59,7 +61,6 @@ DEFAULT_DRAFT = "tiny-draft"
 DEFAULT_PROMPT = "Once upon a time"
 DEFAULT_GAMMA = 4
 DEFAULT_MAX_NEW_TOKENS = 128
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def build_parser() -> cmdline.ArgumentParser:
@@ -77,6 +78,8 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU")
     add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
     add("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None, help="compiled decode steps")
+    add("--compile-cache", nargs="?", const="list", choices=("list", "clear"), help="list or clear the compiled steps")
+    add("--cache-dir", default=None, help=f"compiled steps' cache (default: ${ENV}, else {default_dir()})")
     add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add = parser.add_argument_group("prompt").add_argument
@@ -152,41 +155,6 @@ def setup_flag(args: argparse.Namespace) -> str:
         args.setup, f"--setup {args.setup}")
 
 
-def pick_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise UsageError(f"--device {name} asked for, but CUDA is not available ({why}); use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {name} asked for, but MPS is not available")
-    elif device.type not in ("cpu", "mps"):
-        raise UsageError(f"device type {device.type!r} is not supported; use cpu, cuda or cuda:N")
-    return device
-
-
-def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8  # native: Ampere and newer
-    if name is None:
-        return (torch.bfloat16 if bf16 else torch.float16) if device.type in ("cuda", "mps") else torch.float32
-    dtype = DTYPES[name]  # argparse choices already rejected unknown names
-    if device.type == "cuda" and dtype == torch.bfloat16 and not bf16:
-        raise UsageError(f"--dtype bfloat16 needs a GPU with compute capability 8.0 or newer; "
-                         f"{torch.cuda.get_device_name(device)} has not got native bfloat16: use --dtype float16")
-    if device.type == "mps" and dtype == torch.float64:
-        raise UsageError("--dtype float64 is not supported on mps; use float32 or float16")
-    return dtype
-
-
 def print_plan(args: argparse.Namespace) -> int:
     """--plan: the per-GPU memory of this pair from configs only (model/memory.py), and the
     cheapest change that fits when it does not (exit status 1)."""
@@ -242,18 +210,17 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
     planned = spec.planned_draft
     check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), positions,
                  dtype, device, tp_size=world_size, quantize=args.quantize, batch=rows)
-    pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, stack=not args.no_fuse,
-                     prepack=not args.no_prepack, prepare_models=args.setup == "default")
-    if args.setup == "default":
-        return pair, encoded, None
-    # --setup / --compile: each model's set-up measured (or forced) for the calls this run makes.
+    pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, prepare_models=False)
+    # The set-up of each model: the default (compiled steps from the cache, else stacked and prepacked at once),
+    # or measured or forced (--setup, --compile) for the calls this run makes.
     widths, tree = (decode_widths(args.gamma, GAMMA_MAX), args.tree) if spec.kind else ((1,), None)
+    store = None if args.no_fuse or args.no_prepack or world_size > 1 else StepCache(args.cache_dir)
     try:
-        setups = choose_setups(pair.target, candidates(args.setup), widths, min(context, positions + 1),
-                               draft=pair.draft_model, head=pair.head, batch=rows, tree=tree)
-    except ValueError as err:
-        raise UsageError(f"--setup {args.setup}: {err}") from None
-    return pair.with_models(setups.target, setups.draft), encoded, setups
+        pair, setups = pair.set_up(args.setup, widths, positions + 1, batch=rows, tree=tree, store=store,
+                                   stack=not args.no_fuse, prepack=not args.no_prepack)
+    except ValueError as err:  # a set-up that does not apply, or --compile force that cannot compile
+        raise UsageError(f"{setup_flag(args)}: {err}") from None
+    return pair, encoded, setups
 
 
 def run(args: argparse.Namespace, given: set[str]) -> int:
@@ -268,6 +235,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         args.top_k = args.top_p = args.seed = None
     if args.plan:
         return print_plan(args)
+    if args.compile_cache:
+        return cmdline.compile_cache(StepCache(args.cache_dir), args.compile_cache)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -287,9 +256,9 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     else:
         device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
-    if "no_prepack" in given and is_main and (device.type != "cpu" or dtype != torch.float32):
+    if "no_prepack" in given and is_main and (device.type != "cpu" or not packable(dtype)):
         print(f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
-              "prepacked only on the CPU in float32", file=sys.stderr)
+              "prepacked only on the CPU in float32 (and bfloat16 with native bf16)", file=sys.stderr)
     pair, encoded, setups = load(args, device, dtype, world_size, texts)
     # Every rank must draw the same random numbers: one seed, rank 0's. A sampled run without
     # --seed gets a fresh one too, chosen here so that the header can show it for repeating the run.
@@ -298,7 +267,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     compare = args.compare and speculative
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=pair.tokenizer.eos_id,
                     seed=seed)
-    lines = setups.lines if setups else []
+    lines = setups.lines
     settings = cmdline.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
     if not args.json and is_main:
         print(cmdline.header_line(args, pair, device, dtype, world_size, seed), file=sys.stderr)
@@ -311,7 +280,9 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     if not args.json and is_main:
         for line in lines:
             print(f"setup: {line}", file=sys.stderr)
-        if setups and setups.compile_note(args.max_new_tokens):
+        for line in setups.notes:
+            print(f"note: {line}", file=sys.stderr)
+        if setups.compile_note(args.max_new_tokens):
             print(f"note: {setups.compile_note(args.max_new_tokens)}", file=sys.stderr)
         if color and speculative:
             print(cmdline.LEGEND, file=sys.stderr)
@@ -331,7 +302,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     stats = report.stats_dict(result.stats, speculative)
     if streamer is not None:
         streamer.finish()
-        for line in report.summary_lines(stats, speculative, compare=compare):
+        for line in report.summary_lines(stats, speculative, compare=compare) + [f"note: {setups.hint}"] * bool(
+                setups.hint):
             print(line, file=sys.stderr)
     sizes = list(getattr(result.stats, "gamma_history", [])) or [0] * len(step_clock.times)
     hint = cmdline.busy_hint(step_clock.times, sizes, torch.get_num_threads(), device)

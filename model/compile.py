@@ -19,20 +19,31 @@ buffer. No shape met during generation is new, so nothing recompiles
 
 The model knows nothing of what calls it; the widths to compile are the caller's choice
 (generate.py: 1, 2 and gamma + 1, or every width up to the largest gamma under "auto").
+
+Kept on disk: given a ``store`` (weights/step_cache.py), a CPU model's shapes are compiled ahead
+of time into packages (model/aot.py) that the store keeps, and a later process loads them in
+about a second instead of compiling again; each is checked against the eager step on a probe
+call when it is loaded. A compile that cannot happen (no working C++ compiler, an Inductor
+error) is a CompileError of one line.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import subprocess
 import time
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch._inductor.config
 from torch import nn
 
+from model import aot
 from model.call import CacheCall
 
 _SHAPES = 0  # shapes compiled so far in this process, over all models
@@ -47,6 +58,9 @@ _SHAPES = 0  # shapes compiled so far in this process, over all models
 # Each mode: (torch.compile's mode, whether Inductor freezes the weights). Freezing is set on
 # Inductor's config while the shapes compile (compile_for_decoding compiles them all up
 # front): passed in torch.compile's options it is not seen, and the C++ template is not used.
+# $SPECULATIVE_LLAMA_COMPILE_MODE replaces "autotune" as the CPU default: "default" compiles in a
+# fraction of the time (no GEMM is timed), for steps about as fast as eager ones.
+MODE_ENV = "SPECULATIVE_LLAMA_COMPILE_MODE"
 MODES: dict[str, tuple[str, bool]] = {
     "autotune": ("max-autotune-no-cudagraphs", True),
     "default": ("default", False),
@@ -55,8 +69,7 @@ MODES: dict[str, tuple[str, bool]] = {
 }
 
 
-class CompileError(ValueError):
-    """A model or a combination that compile_for_decoding cannot compile."""
+CompileError, NotCachedError = aot.CompileError, aot.NotCachedError
 
 
 @dataclass
@@ -71,6 +84,9 @@ class CompiledSteps:
     cache_len: int  # the longest cache a run may ask for
     compile_s: float  # wall time of compiling every shape
     tree_widths: tuple[int, ...] = ()  # widths compiled for one row only (a token tree's calls)
+    loaded: int = 0  # shapes loaded from a store
+    built: int = 0  # shapes compiled into a store
+    notes: list[str] = field(default_factory=list)  # entries refused, waits for another builder
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -129,7 +145,8 @@ class CompiledSteps:
 
 def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence[int] = (1,),
                          cache_len: int | None = None, hidden: bool = False, mode: str | None = None,
-                         tree_widths: Sequence[int] = ()) -> CompiledSteps:
+                         tree_widths: Sequence[int] = (), store: Any = None, build: bool = True,
+                         note: Callable[[str], None] | None = None) -> CompiledSteps:
     """Compile ``model``'s cached forward for every batch size in ``rows`` and every call
     width in ``widths``, with a static KV cache of ``cache_len`` positions (default: the
     model's max_seq_len) for max(rows) rows; ``tree_widths``: widths of one-row calls with a
@@ -137,6 +154,11 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     states (the target of a feature drafter). ``mode``: a key of MODES, default "autotune" on
     a CPU and "reduce-overhead" (CUDA graphs) on a GPU. Returns what was compiled,
     with the compile time; the model's later cached calls use it where a shape fits.
+
+    ``store`` (a weights.step_cache.StepCache; a CPU model in the "autotune" or "default" mode):
+    every shape is loaded from it, and the missing ones compiled into it first (model/aot.py);
+    with ``build=False`` nothing is compiled, and a shape it lacks is a NotCachedError error before the
+    model is touched. ``note`` gets one line per entry refused or waited for.
 
     Prepacked layers (model/prepack.py) stay oneDNN products inside the graph. Refused
     (CompileError): tensor-parallel shards (their collectives are not captured)."""
@@ -152,41 +174,108 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     cache_len = cache_len or model.config.max_seq_len
     if cache_len > model.config.max_seq_len:
         raise CompileError(f"cache length {cache_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
-    # One static buffer for every call: the cache length, plus the scratch slot padding writes.
-    model.compiled = None
-    model.setup_cache(rows[-1], cache_len)
     if mode is None:
-        mode = "reduce-overhead" if model.device.type == "cuda" else "autotune"
+        mode = "reduce-overhead" if model.device.type == "cuda" else os.environ.get(MODE_ENV) or "autotune"
     if mode not in MODES:
         raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    # Every model's steps are entries of one code object (Llama.step), and dynamo caps
-    # the entries of a code object: raise the cap by what this model adds.
-    global _SHAPES
-    _SHAPES += len(widths) * len(rows) + len(tree_widths)
-    dynamo = torch._dynamo.config
-    dynamo.recompile_limit = max(dynamo.recompile_limit, _SHAPES + 8)
-    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * (_SHAPES + 8))
-    compile_mode, freezing = MODES[mode]
-    fn = torch.compile(model.step, dynamic=False, fullgraph=True, mode=compile_mode)
-    steps = CompiledSteps(fn, rows, widths, hidden, cache_len, 0.0, tree_widths)
-    slots = cache_len + 1
+    steps = CompiledSteps(None, rows, widths, hidden, cache_len, 0.0, tree_widths)
+    slots = cache_len + 1  # the cache length, plus the scratch slot padding writes
+    from model.prepack import PrepackedLinear  # a package cannot call the packed layers' Python operator
+
+    packaged = store is not None and model.device.type == "cpu" and mode in aot.PACKAGE_OPTIONS and not any(
+        isinstance(m, PrepackedLinear) for m in model.modules())
     start = time.perf_counter()
-    # Quiet: autotuning prints a table per product to stderr, and the compile line says enough.
-    quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-    with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing, **quiet), \
-            warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        for batch, width in steps.shapes:
-            # the call CompiledSteps.__call__ makes: distinct tensors of standard strides
-            where = torch.arange(width, device=model.device).expand(batch, width).contiguous()
-            visible = torch.ones(batch, width, slots, dtype=torch.bool, device=model.device)
-            for _ in range(2 if mode == "reduce-overhead" else 1):  # CUDA graphs record on a later call
-                fn(*model.example_inputs(batch, width), where, where.clone(), visible, slots, hidden)
+    if packaged:
+        paths = aot.find_packages(model, steps.shapes, slots, hidden, mode, store, note or steps.notes.append,
+                                  build)
+    elif not build:
+        raise NotCachedError("compiled steps are kept on disk for a CPU model in the "
+                             f"{' or '.join(aot.PACKAGE_OPTIONS)} mode only")
+    # One static buffer for every call.
+    model.compiled = None
+    model.setup_cache(rows[-1], cache_len)
+    if packaged:
+        steps.fn, steps.loaded, steps.built = aot.load_packages(model, paths, slots, hidden, mode, store,
+                                                                note or steps.notes.append, build,
+                                                                lambda: check_compiler(model.device))
+    else:
+        steps.fn = compile_steps(model, steps.shapes, slots, hidden, mode)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     steps.compile_s = time.perf_counter() - start
     model.compiled = steps
     return steps
+
+
+def compile_steps(model: nn.Module, shapes: Sequence[tuple[int, int]], slots: int, hidden: bool, mode: str) -> Any:
+    """torch.compile of ``model.step``, run once at every shape so that all are compiled now."""
+    check_compiler(model.device)
+    # Every model's steps are entries of one code object (Llama.step), and dynamo caps
+    # the entries of a code object: raise the cap by what this model adds.
+    global _SHAPES
+    _SHAPES += len(shapes)
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, _SHAPES + 8)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * (_SHAPES + 8))
+    compile_mode, freezing = MODES[mode]
+    fn = torch.compile(model.step, dynamic=False, fullgraph=True, mode=compile_mode)
+    # Quiet: autotuning prints a table per product to stderr, and the compile line says enough.
+    quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+    with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing, **quiet), \
+            warnings.catch_warnings(), aot.quiet_inductor():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        for batch, width in shapes:
+            # the call CompiledSteps.__call__ makes: distinct tensors of standard strides
+            where = torch.arange(width, device=model.device).expand(batch, width).contiguous()
+            visible = torch.ones(batch, width, slots, dtype=torch.bool, device=model.device)
+            try:
+                for _ in range(2 if mode == "reduce-overhead" else 1):  # CUDA graphs record on a later call
+                    fn(*model.example_inputs(batch, width), where, where.clone(), visible, slots, hidden)
+            except Exception as err:  # an Inductor or compiler failure: one line, never its traceback
+                torch._dynamo.reset()
+                raise CompileError(f"compiling the step failed ({failure(err)})") from None
+    return fn
+
+
+def failure(err: BaseException) -> str:
+    """An exception of the compiler stack in a few words: its type and the first line that says something."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+
+
+@functools.cache
+def compiler_problem(compiler: str) -> str | None:
+    """Why ``compiler`` cannot build Inductor's C++ (None when it builds a tiny library)."""
+    path = shutil.which(compiler)
+    if path is None:
+        return f"no C++ compiler: {compiler!r} is not on the PATH (install g++, or set CXX)"
+    try:
+        proc = subprocess.run([path, "-x", "c++", "-shared", "-fPIC", "-o", os.devnull, "-"],
+                              input="extern \"C\" int f() { return 0; }\n", capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"the C++ compiler {compiler} cannot run ({type(err).__name__})"
+    if proc.returncode != 0:
+        said = next((line for line in proc.stderr.splitlines() if line.strip()), "no message")
+        return f"the C++ compiler {compiler} fails (exit status {proc.returncode}: {said[:160]})"
+    return None
+
+
+def check_compiler(device: torch.device) -> None:
+    """Raise CompileError when Inductor's C++ compiler (CXX, else g++) cannot build on this CPU."""
+    if device.type != "cpu":
+        return
+    from torch._inductor import cpp_builder
+
+    try:
+        compiler = cpp_builder.get_cpp_compiler()  # the first of $CXX (else g++) that runs --version
+    except Exception:
+        named = torch._inductor.config.cpp.cxx[-1]  # what Inductor tried
+        raise CompileError(f"no working C++ compiler: {named} does not run (install g++, or set CXX)") from None
+    problem = compiler_problem(compiler)
+    if problem:
+        raise CompileError(problem)
 
 
 def decode_widths(gamma: int | str, gamma_max: int) -> tuple[int, ...]:

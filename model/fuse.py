@@ -69,3 +69,12 @@ def prepare_for_decoding(model: nn.Module, stack: bool = True, prepack: bool = T
     Either step can be turned off; returns (groups stacked, layers prepacked)."""
     stacked = fuse_projections(model) if stack else 0
     return stacked, prepack_linears(model) if prepack else 0
+
+
+def prepared(model: nn.Module) -> tuple[int, int]:
+    """What a model's set-up holds: (projection groups stacked, layers prepacked)."""
+    from model.prepack import PrepackedLinear
+
+    stacked = sum(getattr(m, "qkv_proj", None) is not None or getattr(m, "gate_up_proj", None) is not None
+                  for m in model.modules() if isinstance(m, (Attention, MLP)))
+    return stacked, sum(isinstance(m, PrepackedLinear) for m in model.modules())

@@ -15,6 +15,13 @@ rows (measurements in docs/cost_model.md).
 (about 16 microseconds here) exceeds the whole product of a 128 x 128 matrix. The result
 differs from ``F.linear`` only by the order of float32 additions (about 1e-6 relative).
 
+Bfloat16 has the same cost on a CPU with native bf16 (AVX-512 BF16, AMX): ``F.linear`` sends it
+to oneDNN, which reorders the weight at every call, so a product costs about twice the packed
+one (the shipped target's 2048 x 384 head: 80 against 34 microseconds, 2 threads, Zen 4), and
+bfloat16 weights are prepacked there too. Float16 is not: its one-row product is already a fast
+memory-bound kernel, and this oneDNN has no float16 reorder where the CPU lacks AVX-512 FP16
+(docs/benchmarks.md: why float16 speculation gained nothing).
+
 It uses two operators that PyTorch's own compiler (Inductor) uses for the same purpose,
 ``torch.ops.mkldnn._reorder_linear_weight`` and ``torch.ops.mkldnn._linear_pointwise``.
 They are internal, so :func:`prepack_linears` checks them on a small matrix first and
@@ -36,7 +43,7 @@ MIN_ELEMENTS = 1 << 17
 
 
 class PrepackedLinear(nn.Module):
-    """y = x W^T for a bias-free float32 weight held in oneDNN's blocked layout.
+    """y = x W^T for a bias-free float32 (or bfloat16) weight held in oneDNN's blocked layout.
 
     Only the packed copy is kept, so the layer costs no extra memory; it is for decoding
     (no gradients, not saved by ``state_dict``). ``in_features`` and ``out_features`` are
@@ -92,24 +99,36 @@ def _packed_linear_shape(x: torch.Tensor, key: int, out_features: int) -> torch.
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def prepack_supported() -> bool:
-    """Whether this PyTorch build can prepack, checked on a small product against F.linear."""
-    if not torch.backends.mkldnn.is_available():
+def packable(dtype: torch.dtype) -> bool:
+    """The dtypes worth prepacking: float32, and bfloat16 where oneDNN has native bf16 here."""
+    if dtype == torch.bfloat16:
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return dtype == torch.float32
+
+
+def prepack_supported(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this PyTorch build can prepack ``dtype`` weights here, checked on a small product
+    against F.linear."""
+    if not torch.backends.mkldnn.is_available() or not packable(dtype):
         return False
     try:
         generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(96, 64, generator=generator)
-        x = torch.randn(1, 3, 64, generator=generator)
+        weight = torch.randn(96, 64, generator=generator).to(dtype)
+        x = torch.randn(1, 3, 64, generator=generator).to(dtype)
         with torch.inference_mode():
             got = PrepackedLinear(weight)(x)
-        return bool(torch.allclose(got, F.linear(x, weight), rtol=1e-5, atol=1e-5))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(got.float(), F.linear(x, weight).float(), rtol=tol, atol=tol))
     except (AttributeError, RuntimeError):
         return False
 
 
 def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
-    """Replace every plain ``nn.Linear`` of a float32 CPU model holding at least
-    ``min_elements`` weights by a :class:`PrepackedLinear`, in place; returns how many.
+    """Replace every plain ``nn.Linear`` of a float32 (or, with native bf16, bfloat16) CPU model
+    holding at least ``min_elements`` weights by a :class:`PrepackedLinear`, in place; returns how many.
 
     Does nothing (returns 0) on other devices or dtypes, where PyTorch's kernels do not
     repack per call, or when this build lacks the oneDNN operators. Subclasses of
@@ -125,10 +144,12 @@ def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
     for parent in model.modules():
         for name, child in parent.named_children():
             if (type(child) is nn.Linear and child.bias is None and child.weight.numel() >= min_elements
-                    and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32
+                    and child.weight.device.type == "cpu" and packable(child.weight.dtype)
                     and holders[id(child.weight)] == 1):
                 candidates.append((parent, name, child))
-    if not candidates or not prepack_supported():
+    dtypes = {child.weight.dtype for _, _, child in candidates}
+    candidates = [c for c in candidates if c[2].weight.dtype in {d for d in dtypes if prepack_supported(d)}]
+    if not candidates:
         return 0
     for parent, name, child in candidates:
         setattr(parent, name, PrepackedLinear(child.weight))

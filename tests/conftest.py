@@ -14,8 +14,12 @@ this folder on ``sys.path``).
 
 from __future__ import annotations
 
+import atexit
 import copy
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,11 @@ needs_shared = pytest.mark.skipif(
 )
 
 torch.set_num_threads(1)
+
+# The compiled-step cache (weights/step_cache.py): a folder of the session's own, never the user's
+# (a default run uses what it finds there), inherited by the generate.py subprocesses.
+os.environ["SPECULATIVE_LLAMA_CACHE"] = tempfile.mkdtemp(prefix="speculative-llama-tests-")
+atexit.register(shutil.rmtree, os.environ["SPECULATIVE_LLAMA_CACHE"], ignore_errors=True)
 
 # A Llama-2-shaped model in miniature: every dimension small, nothing else unusual.
 BASE_HF_CONFIG: dict[str, Any] = {

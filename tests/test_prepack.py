@@ -16,7 +16,7 @@ from conftest import randomize_
 from torch import nn
 
 from model import Llama, ModelConfig
-from model.prepack import MIN_ELEMENTS, PrepackedLinear, prepack_linears, prepack_supported
+from model.prepack import MIN_ELEMENTS, PrepackedLinear, packable, prepack_linears, prepack_supported
 from speculative import autoregressive_generate, speculative_generate
 from speculative.calls import chain
 from weights import save_model
@@ -88,8 +88,10 @@ def test_only_plain_large_float32_cpu_layers_are_swapped() -> None:
     assert (holder.big.in_features, holder.big.out_features) == (512, 512)
     assert type(holder.small) is nn.Linear and type(holder.biased) is nn.Linear
     assert type(holder.subclass) is AllReduceLinear
-    for dtype in (torch.float64, torch.bfloat16):  # PyTorch does not repack per call for these
-        assert prepack_linears(random_model(dtype=dtype)) == 0
+    assert prepack_linears(random_model(dtype=torch.float64)) == 0  # PyTorch does not repack per call for it
+    assert prepack_linears(random_model(dtype=torch.float16)) == 0  # not prepacked: see model/prepack.py
+    bf16 = random_model(dtype=torch.bfloat16)  # oneDNN reorders bfloat16 at every call: packed where native
+    assert (prepack_linears(bf16) > 0) == packable(torch.bfloat16)
 
 
 @needs_onednn

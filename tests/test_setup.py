@@ -152,7 +152,7 @@ def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(monk
 
     compiled = []
 
-    def fake_compile(model, widths, rows=(1,), cache_len=None, hidden=False, mode=None, tree_widths=()):
+    def fake_compile(model, widths, rows=(1,), cache_len=None, hidden=False, mode=None, tree_widths=(), **store):
         compiled.append((type(model).__name__, tuple(widths), tuple(rows), hidden, tuple(tree_widths)))
         return SimpleNamespace(compile_s=0.5)
 

@@ -57,6 +57,59 @@ def tree_arg(text: str) -> tuple[int, ...]:
     return shape
 
 
+# ----------------------------------------------------------------------------- device and dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise UsageError(f"--device {name} asked for, but CUDA is not available ({why}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name} asked for, but MPS is not available")
+    elif device.type not in ("cpu", "mps"):
+        raise UsageError(f"device type {device.type!r} is not supported; use cpu, cuda or cuda:N")
+    return device
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8  # native: Ampere and newer
+    if name is None:
+        return (torch.bfloat16 if bf16 else torch.float16) if device.type in ("cuda", "mps") else torch.float32
+    dtype = DTYPES[name]  # argparse choices already rejected unknown names
+    if device.type == "cuda" and dtype == torch.bfloat16 and not bf16:
+        raise UsageError(f"--dtype bfloat16 needs a GPU with compute capability 8.0 or newer; "
+                         f"{torch.cuda.get_device_name(device)} has not got native bfloat16: use --dtype float16")
+    if device.type == "mps" and dtype == torch.float64:
+        raise UsageError("--dtype float64 is not supported on mps; use float32 or float16")
+    return dtype
+
+
+def compile_cache(store: Any, action: str) -> int:
+    """--compile-cache: list the entries of the compiled-step cache (size, key) on stdout, or clear it."""
+    if action == "clear":
+        count, size = store.clear()
+        print(f"removed {count} entries ({size / 1e6:.1f} MB) from {store.root}")
+        return 0
+    entries = store.entries()
+    print(f"{store.root}: {len(entries)} entries, {sum(e.size for e in entries) / 1e6:.1f} MB")
+    for entry in entries:
+        key = ", ".join(f"{k} {v}" for k, v in entry.key.items()) or entry.problem
+        print(f"  {entry.path.name[:12]}  {entry.size / 1e6:7.1f} MB  {entry.built}  {key}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- flags a run cannot use
 # What --plan does not read: it plans from the configs, the dtype, --quantize and --tp alone.
 RUN_ONLY = ("prompt", "prompts_file", "batch_size", "chat", "system", "gamma", "verify", "tree", "tree_mode",

@@ -21,19 +21,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model import Llama, ModelConfig
-from model.fuse import prepare_for_decoding
+from model.fuse import prepare_for_decoding, prepared
 from weights.checkpoint import load_model, read_config
 from weights.registry import SHIPPED, resolve
 from weights.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from model.setup import Setups
 
 LOOKUP = "lookup"  # the drafter that needs no file (weights/drafters.py)
 
@@ -102,8 +105,8 @@ class PairSpec:
         """Load the pair on ``device`` in ``dtype``. ``tensor_parallel`` loads this rank's shard
         of the target (weights.sharded.load_model_tp; the draft whole on every rank) and
         ``quantize="int8"`` int8 blocks. ``stack`` and ``prepack`` are model/fuse.py's
-        prepare_for_decoding; ``prepare_models=False`` leaves the target and a draft model as
-        loaded, for model.setup.choose_setups (a feature head is prepared all the same)."""
+        prepare_for_decoding; ``prepare_models=False`` leaves every network as loaded, for
+        :meth:`Pair.set_up` (model.setup.choose_setups or default_setups)."""
         start = time.perf_counter()
         if tensor_parallel or quantize is not None:
             from weights.sharded import load_model_tp
@@ -119,8 +122,8 @@ class PairSpec:
             from weights.drafters import load_drafter
 
             drafter = load_drafter(self.draft_dir or LOOKUP, target, self.target)
-        models = (target, draft) if prepare_models else ()
-        networks = [net for net in (*models, getattr(drafter, "head", None)) if net is not None]
+        networks = [net for net in (target, draft, getattr(drafter, "head", None)) if net is not None] \
+            if prepare_models else []
         counts = [prepare_for_decoding(net, stack=stack, prepack=prepack) for net in networks]
         fused, prepacked = (sum(column) for column in zip(*counts)) if counts else (0, 0)
         return Pair(target, drafter, self.tokenizer, self.kind, time.perf_counter() - start, fused, prepacked)
@@ -154,6 +157,34 @@ class Pair:
     def head(self) -> torch.nn.Module | None:
         """The feature head, when the drafter is one."""
         return self.draft.head if self.kind == "head" else None
+
+    def set_up(self, setup: str, widths: Sequence[int], positions: int, *, batch: int = 1,
+               tree: Sequence[int] | None = None, store: Any = None, stack: bool = True,
+               prepack: bool = True) -> tuple[Pair, Setups]:
+        """The pair set up to decode, from its networks as loaded (PairSpec.load with
+        prepare_models=False), for calls of ``widths`` tokens, ``batch`` rows, a ``tree``, and
+        sequences of up to ``positions`` tokens. ``setup``: "default" (model.setup.default_setups:
+        the compiled steps that ``store`` holds for this run, else stacked and prepacked as
+        ``stack`` and ``prepack`` say), or a request of model.setup.candidates, measured or forced
+        by model.setup.choose_setups, compiled steps kept in ``store`` (a weights.StepCache)
+        when one is given. The static cache of compiled steps is rounded up (cache_length) when a
+        store keeps them, so that runs of other lengths find them."""
+        from model.setup import cache_length, candidates, choose_setups, default_setups
+
+        context = min(m.config.max_seq_len for m in (self.target, self.draft_model) if m is not None)
+        cache_len = cache_length(positions, context) if store is not None else min(context, positions)
+        models = dict(draft=self.draft_model, head=self.head, batch=batch, tree=tree)
+        if setup == "default":
+            setups = default_setups(self.target, widths, cache_len, store=store, stack=stack, prepack=prepack,
+                                    **models)
+        else:
+            notes: list[str] = []
+            setups = choose_setups(self.target, candidates(setup), widths, cache_len, store=store, note=notes.append,
+                                   **models)
+            setups.notes = notes
+        pair = self.with_models(setups.target, setups.draft)
+        counts = [prepared(net) for net in (pair.target, pair.draft_model, pair.head) if net is not None]
+        return replace(pair, fused=sum(c[0] for c in counts), prepacked=sum(c[1] for c in counts)), setups
 
     def with_models(self, target: Llama, draft_model: Llama | None = None) -> Pair:
         """The same pair with other target and draft model objects (model.setup.choose_setups

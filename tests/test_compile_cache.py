@@ -1,0 +1,312 @@
+"""Compiled steps kept on disk (model/aot.py, weights/step_cache.py): built once, loaded by a later
+process with the tokens of a fresh compile, and safe to reuse.
+
+* a later process loads the entries a first one built, and decodes the same tokens; the default
+  run uses them when they are there, and says what --compile would gain when they are not;
+* stale entries (other weights, other threads) are not found; a foreign one (its manifest names
+  another torch), a truncated or damaged file, an unparsable manifest and an entry whose probe
+  call disagrees with the eager step are refused with one note line each, then rebuilt, or the
+  run decodes eagerly;
+* two processes building one entry leave one whole entry;
+* a compile that cannot happen (a broken C++ compiler, an Inductor error) drops the compiled
+  candidate with one line under --compile and is one error line under --compile force.
+
+One tiny checkpoint (one layer, 32 wide), one shape, in Inductor's default mode
+(SPECULATIVE_LLAMA_COMPILE_MODE=default: a package of autotuned kernels takes minutes to build
+here; what these tests check does not depend on the kernels in it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_cli import ROOT, TARGET, main_error, main_ok
+from toy_models import far_from_argmax, random_llama
+
+from model import aot
+from model.compile import MODE_ENV, CompileError, NotCachedError, compile_for_decoding
+from model.fuse import fuse_projections
+from weights import StepCache, load_model, save_model
+from weights.step_cache import MANIFEST, PAYLOAD, EntryError
+
+MODE = "default"
+RUN = ["--no-draft", "--prompt", "Once upon a time", "--max-new-tokens", "8", "--json"]
+
+
+def subprocess_cli(*args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+    """generate.py in a process of its own, one thread, Inductor's default mode; ``env`` values of
+    None remove the variable."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", MODE_ENV: MODE, **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
+                          env=full_env, cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny checkpoint, and the cache a first process filled with `--compile force`."""
+    if not (TARGET / "tokenizer.model").is_file():
+        pytest.skip("the shipped tokenizer is absent")
+    folder = tmp_path_factory.mktemp("tiny")
+    save_model(random_llama(vocab=2048, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64,
+                            max_seq_len=128, seed=3), folder)
+    shutil.copy(TARGET / "tokenizer.model", folder)
+    cache = tmp_path_factory.mktemp("cache")
+    proc = subprocess_cli("--target", str(folder), *RUN, "--compile", "force", "--cache-dir", str(cache))
+    assert proc.returncode == 0, proc.stderr
+    (entry,) = StepCache(cache).entries()
+    return {"folder": folder, "cache": cache, "first": json.loads(proc.stdout), "entry": entry}
+
+
+def stacked(folder: Path) -> torch.nn.Module:
+    model = load_model(folder)
+    fuse_projections(model)
+    return model
+
+
+def fresh_copy(built: dict[str, Any], tmp_path: Path) -> tuple[StepCache, dict[str, Any]]:
+    """A cache of the built entry alone, to damage, and the entry's key."""
+    shutil.copytree(built["cache"], tmp_path / "cache")
+    return StepCache(tmp_path / "cache"), built["entry"].key
+
+
+def load(folder: Path, store: StepCache, key: dict[str, Any], build: bool = False,
+         notes: list[str] | None = None) -> torch.nn.Module:
+    model = stacked(folder)
+    compile_for_decoding(model, (key["width"],), (key["rows"],), key["slots"] - 1, mode=MODE, store=store,
+                         build=build, note=(notes if notes is not None else []).append)
+    return model
+
+
+def greedy(model: torch.nn.Module) -> list[int]:
+    from speculative import autoregressive_generate
+
+    return autoregressive_generate(model, [1, 5, 9], 12, temperature=0).tokens
+
+
+# ----------------------------------------------------------------------------- reuse
+def test_a_later_process_loads_the_entry_and_decodes_the_same_tokens(built: dict[str, Any]) -> None:
+    """The first process built its one shape; a second process's default run finds it, loads it
+    (the setup: line says so) and decodes the first's tokens."""
+    first = built["first"]
+    assert first["settings"]["setup"][0].startswith("target: compiled (the only set-up asked for; compiled in")
+    assert "kept in the cache" in first["settings"]["setup"][0]
+    proc = subprocess_cli("--target", str(built["folder"]), *RUN, "--cache-dir", str(built["cache"]))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    later = json.loads(proc.stdout)
+    (line,) = later["settings"]["setup"]
+    assert "its compiled steps found in the cache; loaded from the compiled-step cache in" in line
+    assert later["tokens"] == first["tokens"]
+
+
+def test_loaded_steps_are_the_fresh_compile_s(built: dict[str, Any], tmp_path: Path) -> None:
+    store, key = fresh_copy(built, tmp_path)
+    loaded = load(built["folder"], store, key)
+    assert loaded.compiled.loaded == 1 and loaded.compiled.built == 0
+    eager = stacked(built["folder"])
+    tokens = greedy(loaded)
+    assert far_from_argmax(eager, [1, 5, 9], tokens) == []
+
+
+def test_compile_cache_lists_and_clears(built: dict[str, Any], tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    store, key = fresh_copy(built, tmp_path)
+    out, _ = main_ok(capsys, ["--compile-cache", "--cache-dir", str(store.root)])
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{store.root}: 1 entries") and len(lines) == 2
+    assert f"width {key['width']}" in lines[1] and f"model {key['model']}" in lines[1] and " MB " in lines[1]
+    out, _ = main_ok(capsys, ["--compile-cache", "clear", "--cache-dir", str(store.root)])
+    assert out.startswith("removed 1 entries") and store.entries() == []
+
+
+# ----------------------------------------------------------------------------- stale, foreign, corrupted
+def test_stale_entries_are_not_found(built: dict[str, Any], tmp_path: Path) -> None:
+    """Other weights or another thread count make another key: nothing is found, nothing loads."""
+    store, key = fresh_copy(built, tmp_path)
+    other = stacked(built["folder"])
+    with torch.no_grad():
+        other.norm.weight[0] += 1e-3
+    with pytest.raises(NotCachedError, match="1 of the 1 compiled shapes"):
+        compile_for_decoding(other, (1,), cache_len=key["slots"] - 1, mode=MODE, store=store, build=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        with pytest.raises(NotCachedError):
+            load(built["folder"], store, key)
+    finally:
+        torch.set_num_threads(threads)
+    assert load(built["folder"], store, key).compiled.loaded == 1  # the entry itself is untouched
+
+
+def damage(folder: Path, how: str) -> None:
+    payload, manifest = folder / PAYLOAD, folder / MANIFEST
+    if how == "truncated":
+        payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])
+    elif how == "damaged":
+        data = bytearray(payload.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        payload.write_bytes(bytes(data))
+    elif how == "manifest":
+        manifest.write_text("{not json")
+    elif how == "foreign":
+        content = json.loads(manifest.read_text())
+        content["key"]["torch"] = "2.0.0"
+        manifest.write_text(json.dumps(content))
+
+
+@pytest.mark.parametrize("how, reason", [("truncated", "truncated or replaced"), ("damaged", "hash"),
+                                         ("manifest", "does not parse"), ("foreign", "names another torch")])
+def test_a_broken_entry_is_one_note_then_eager(built: dict[str, Any], tmp_path: Path, how: str, reason: str) -> None:
+    store, key = fresh_copy(built, tmp_path)
+    damage(store.folder(key), how)
+    with pytest.raises(EntryError, match=reason.split()[0]):
+        store.find(key)
+    notes: list[str] = []
+    with pytest.raises(NotCachedError):
+        load(built["folder"], store, key, notes=notes)
+    assert len(notes) == 1 and reason in notes[0] and notes[0].endswith("decoding eagerly"), notes
+    assert not store.folder(key).exists()  # discarded, to be rebuilt by the next --compile
+
+
+def test_a_broken_entry_is_rebuilt_when_building(built: dict[str, Any], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With build, a truncated entry is compiled again (here: the good file copied back, as a build
+    would write it) and then used."""
+    store, key = fresh_copy(built, tmp_path)
+    good = built["entry"].path / PAYLOAD
+    damage(store.folder(key), "truncated")
+    monkeypatch.setattr(aot, "build_package", lambda *args: shutil.copy(good, args[-1]))
+    notes: list[str] = []
+    model = load(built["folder"], store, key, build=True, notes=notes)
+    assert len(notes) == 1 and "compiling it again" in notes[0]
+    assert model.compiled.built == 1 and store.find(key) is not None
+    assert far_from_argmax(stacked(built["folder"]), [1, 5, 9], greedy(model)) == []
+
+
+def test_an_entry_whose_probe_disagrees_is_refused(built: dict[str, Any], tmp_path: Path) -> None:
+    """The entry's file is whole and its manifest matches, but the package holds another model's
+    weights (as a stale file put in place by hand would): the probe call at load catches it."""
+    store, key = fresh_copy(built, tmp_path)
+    other = stacked(built["folder"])
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.0)
+    other.setup_cache(1, key["slots"] - 1)
+    other_key = aot.entry_key(other, key["rows"], key["width"], key["slots"], False, MODE)
+    store.build(other_key, lambda path: shutil.copy(store.folder(key) / PAYLOAD, path))
+    notes: list[str] = []
+    with pytest.raises(NotCachedError):
+        compile_for_decoding(other, (1,), cache_len=key["slots"] - 1, mode=MODE, store=store, build=False,
+                             note=notes.append)
+    assert len(notes) == 1 and "its probe call differs from the eager step" in notes[0], notes
+    assert store.find(other_key) is None
+
+
+def test_the_default_run_notes_a_broken_entry_and_decodes_eagerly(built: dict[str, Any], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    store, key = fresh_copy(built, tmp_path)
+    damage(store.folder(key), "truncated")
+    monkeypatch.setenv(MODE_ENV, MODE)
+    argv = ["--target", str(built["folder"]), *RUN[:-1], "--cache-dir", str(store.root)]
+    _, err = main_ok(capsys, argv + ["--no-color"])
+    notes = [line for line in err if line.startswith("note: ")]
+    assert len(notes) == 2 and "refused (its file has" in notes[0] and notes[0].endswith("; decoding eagerly")
+    assert "`--compile` builds them once" in notes[1]  # and what compiling would gain
+    out, _ = main_ok(capsys, argv + ["--json"])  # the broken entry is gone: eager, the compiled run's tokens
+    assert json.loads(out)["settings"]["setup"] == "default" and json.loads(out)["tokens"] == built["first"]["tokens"]
+
+
+# ----------------------------------------------------------------------------- concurrent builders
+BUILDER = textwrap.dedent("""
+    import importlib.util, os, sys, time
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("step_cache", {module!r})  # the module alone: no torch to import
+    module = sys.modules["step_cache"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    StepCache = module.StepCache
+
+    def make(path: Path) -> None:
+        with open(path, "wb") as f:
+            for _ in range(20):  # slowly, so that the other builder arrives meanwhile
+                f.write(bytes(range(256)) * 400)
+                f.flush()
+                time.sleep(0.05)
+
+    Path({ready!r} + str(os.getpid())).touch()
+    while not Path({go!r}).exists():  # both start building together
+        time.sleep(0.01)
+    waited = []
+    path = StepCache({cache!r}).build({{"model": "m", "width": 1}}, make, wait=lambda: waited.append(1))
+    print(len(Path(path).read_bytes()), len(waited))
+""")
+
+
+def test_two_builders_of_one_entry_leave_one_whole_entry(tmp_path: Path) -> None:
+    cache, flags = tmp_path / "cache", tmp_path / "flags"
+    flags.mkdir()
+    script = BUILDER.format(module=str(ROOT / "weights" / "step_cache.py"), cache=str(cache),
+                            ready=str(flags / "ready-"), go=str(flags / "go"))
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    while len(list(flags.glob("ready-*"))) < 2 and all(proc.poll() is None for proc in procs):
+        time.sleep(0.01)
+    (flags / "go").touch()
+    results = [proc.communicate(timeout=120)[0].split() for proc in procs]
+    tmp_path = cache
+    assert all(proc.returncode == 0 for proc in procs)
+    assert [r[0] for r in results] == [str(20 * 256 * 400)] * 2  # each got the whole file
+    assert sorted(r[1] for r in results) == ["0", "1"]  # one built, the other waited for it and read it
+    store = StepCache(tmp_path)
+    (entry,) = store.entries()
+    assert entry.problem == "" and store.find({"model": "m", "width": 1}) is not None
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".build-")]
+
+
+# ----------------------------------------------------------------------------- a compile that cannot happen
+def test_a_broken_compiler_drops_the_compiled_candidate_in_one_line(built: dict[str, Any], tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["--target", str(built["folder"]), *RUN, "--cache-dir", str(tmp_path)]
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/bin/false")}):  # what CXX=/bin/false sets
+        out, err = main_ok(capsys, argv + ["--compile"])
+        (line,) = json.loads(out)["settings"]["setup"]
+        assert "compiled dropped: no working C++ compiler: /bin/false does not run" in line
+        assert json.loads(out)["tokens"] == built["first"]["tokens"]
+        main_error(capsys, argv + ["--compile", "force"], "--compile force", "no working C++ compiler")
+
+
+def test_an_inductor_error_is_one_line(built: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("Inductor went wrong\n" + "  a long traceback\n" * 500)
+
+    monkeypatch.setattr(aot, "build_package", broken)
+    monkeypatch.setenv(MODE_ENV, MODE)
+    argv = ["--target", str(built["folder"]), *RUN, "--cache-dir", str(tmp_path)]
+    out, _ = main_ok(capsys, argv + ["--compile"])
+    (line,) = json.loads(out)["settings"]["setup"]
+    assert "compiled dropped: compiling the Llama float32 step, 1 x 1 tokens failed (RuntimeError: Inductor went " \
+           "wrong)" in line
+    main_error(capsys, argv + ["--compile", "force"], "RuntimeError: Inductor went wrong")
+
+
+def test_without_a_compiler_force_exits_2_in_one_line(built: dict[str, Any], tmp_path: Path) -> None:
+    """A PATH without g++, in a real process: exit status 2, one line, no traceback."""
+    proc = subprocess_cli("--target", str(built["folder"]), *RUN, "--cache-dir", str(tmp_path), "--compile", "force",
+                          env={"PATH": str(tmp_path), "CXX": None})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == ["error: --compile force: no working C++ compiler: g++ does not run "
+                                                "(install g++, or set CXX)"]
+    with torch._inductor.config.patch({"cpp.cxx": (None, str(tmp_path / "g++"))}), \
+            pytest.raises(CompileError, match="no working C.. compiler"):  # what a library caller gets
+        compile_for_decoding(stacked(built["folder"]), (1,), cache_len=16, mode=MODE)
