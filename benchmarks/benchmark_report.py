@@ -350,25 +350,28 @@ OTHER_PAGES = ("Other benchmark pages: chains verified token by token and as a b
                "against compiled steps in [benchmarks_compiled.md](benchmarks_compiled.md) (`benchmarks/compiled.py`).")
 
 
-# benchmarks/compiled.py writes its summary table into docs/benchmarks.md between these
-# markers; benchmark.py keeps that block when it rewrites the page (keep_block).
+# benchmarks/compiled.py and benchmarks/startup.py write their summary tables into
+# docs/benchmarks.md between these markers; benchmark.py keeps the blocks when it rewrites the
+# page (keep_block).
 BLOCK_START, BLOCK_END = "<!-- eager-vs-compiled: written by benchmarks/compiled.py -->", "<!-- /eager-vs-compiled -->"
+FAST_START, FAST_END = "<!-- fast-by-default: written by benchmarks/startup.py -->", "<!-- /fast-by-default -->"
+BLOCKS = ((BLOCK_START, BLOCK_END), (FAST_START, FAST_END))
 
 
-def replace_block(text: str, block: str) -> str:
-    """``text`` with the marked block replaced by ``block`` (appended if it has none)."""
-    if BLOCK_START in text and BLOCK_END in text:
-        head, rest = text.split(BLOCK_START, 1)
-        return head + block + rest.split(BLOCK_END, 1)[1]
+def replace_block(text: str, block: str, start: str = BLOCK_START, end: str = BLOCK_END) -> str:
+    """``text`` with the block marked by ``start`` and ``end`` replaced by ``block`` (appended if it has none)."""
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        return head + block + rest.split(end, 1)[1]
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
 def keep_block(old: str | None, new: str) -> str:
-    """The new page with the old page's marked block, if it had one."""
-    if old is None or BLOCK_START not in old or BLOCK_END not in old:
-        return new
-    block = BLOCK_START + old.split(BLOCK_START, 1)[1].split(BLOCK_END, 1)[0] + BLOCK_END
-    return replace_block(new, block)
+    """The new page with the old page's marked blocks, those it had."""
+    for start, end in BLOCKS:
+        if old is not None and start in old and end in old:
+            new = replace_block(new, start + old.split(start, 1)[1].split(end, 1)[0] + end, start, end)
+    return new
 
 
 def render(rep: Report, methods: dict[str, list[Method]], results: Results) -> tuple[str, list[str]]:

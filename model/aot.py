@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -137,15 +138,18 @@ def load_package(path: str | os.PathLike) -> Any:
 
 @contextlib.contextmanager
 def quiet_inductor() -> Iterator[None]:
-    """Inductor's and export's log lines (an outdated-package warning before a load error, the
-    autotuning tables) kept off stderr: a failure is reported by the caller in one line."""
+    """Inductor's and export's log lines and warnings (an outdated-package warning before a load
+    error, the autotuning tables, export's note on the cache tensors it is handed) kept off
+    stderr: a failure is reported by the caller in one line."""
     loggers = [logging.getLogger(name) for name in ("torch._inductor", "torch.export", "torch._export",
                                                     "torch._dynamo", "torch.fx.experimental.symbolic_shapes")]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:
             lg.setLevel(logging.CRITICAL)
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)

@@ -8,6 +8,7 @@ forwards of the target, not the code under test.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 
@@ -108,6 +109,32 @@ def test_greedy_float32_differs_only_at_near_ties(llama32: dict, gamma: int, kin
         prompt = torch.randint(0, 16, (1 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         out = speculative_generate(target, draft, prompt, 24, gamma=gamma, temperature=0)
         assert far_from_argmax(target, prompt, out.tokens) == []
+
+
+@proof("in bfloat16 a greedy token differs from the bfloat16 target's argmax only at a near-tie (1e-2 of the "
+       "largest logit), plain and prepacked",
+       'exact check of every token, 12 runs; the check rejects every drafted token kept',
+       rejects=('every drafted token kept',))
+@pytest.mark.parametrize("setup", ["plain", "prepacked"])
+def test_greedy_bfloat16_differs_only_at_near_ties(setup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16-bit target is a different target: the proofs hold for the bfloat16 model that runs,
+    in the set-up that runs it (oneDNN-prepacked bfloat16 where the CPU has native bf16); wide
+    enough (512) for its products to be prepacked."""
+    from model.setup import apply_setup
+
+    target = random_llama(vocab=16, dim=512, n_layers=1, n_heads=8, n_kv_heads=4, hidden_dim=512, max_seq_len=64,
+                          seed=7, dtype=torch.bfloat16)
+    runner, draft = copy.deepcopy(target), noisy_copy(target, std=0.02, seed=8)
+    apply_setup(runner, setup, (1,), 64)
+    for seed in range(6):
+        prompt = torch.randint(0, 16, (1 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        out = speculative_generate(runner, draft, prompt, 24, gamma=4, temperature=0)
+        assert far_from_argmax(target, prompt, out.tokens) == []
+    monkeypatch.setattr(verify_module, "greedy_outcome", accept_everything)
+    wrong = random_llama(vocab=16, dim=512, n_layers=1, n_heads=8, n_kv_heads=4, hidden_dim=512, max_seq_len=64,
+                         seed=9, dtype=torch.bfloat16)
+    out = speculative_generate(runner, wrong, [1, 2], 24, gamma=4, temperature=0)
+    assert far_from_argmax(target, [1, 2], out.tokens) != []
 
 
 def accept_everything(xs: list[int], ys: list[int]) -> object:

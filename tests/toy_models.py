@@ -149,18 +149,21 @@ def reference_greedy(model: torch.nn.Module, prompt: Sequence[int], count: int) 
 
 
 NEAR_TIE = 1e-4  # docs/algorithm.md, numerics policy: float32 greedy may differ from the argmax only this close
+NEAR_TIE_16 = 1e-2  # the same in 16 bits, relative to the largest logit (8 bits of mantissa)
 
 
 @torch.no_grad()
 def far_from_argmax(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> list[tuple[int, float]]:
     """(index, gap) of every emitted token whose logit is more than NEAR_TIE below the
     model's maximum logit after the emitted prefix (no-cache forward): [] for greedy output
-    that is the model's own up to the numerics policy's near-ties."""
+    that is the model's own up to the numerics policy's near-ties. A 16-bit model's near-tie
+    is NEAR_TIE_16 of its largest logit."""
     bad, seq = [], list(prompt)
     for i, token in enumerate(tokens):
         logits = model(torch.tensor([seq]))[0, -1].double()
         gap = (logits.max() - logits[token]).item()
-        if gap > NEAR_TIE:
+        sixteen = getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)
+        if gap > (NEAR_TIE_16 * max(1.0, logits.abs().max().item()) if sixteen else NEAR_TIE):
             bad.append((i, gap))
         seq.append(token)
     return bad
