@@ -24,105 +24,32 @@ import argparse
 import json
 import math
 import random
-import shutil
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
 from model import ConfigError, Llama, ModelConfig
 from model.feature_head import FeatureHead
-from speculative import calls
-from speculative.distill import DIVERGENCES, divergence
-from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer, save_model
-from weights.corpus import read_documents, tokenize_corpus
-
-
-class TrainError(ValueError):
-    """Bad input to train.py; reported as one ``error:`` line with exit status 2."""
-
+from model.training import evaluate, fit, init_weights, lr_at, next_token_loss, random_batch
+from speculative.distill import (
+    ACCEPTANCE_NOTES,
+    DIVERGENCES,
+    distill_loss,
+    eagle_losses,
+    measure_acceptance,
+    sample_sequences,
+)
+from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer
+from weights.corpus import held_out_prompts, read_documents, story_openings, tokenize_corpus
+from weights.runs import RunFolder, RunFolderError
 
 # Held-out loss: log.jsonl's eval_loss, every --eval-every steps, averages LOG_EVAL_BATCHES
 # batches of EVAL_BATCH windows; summary.json's held_out_loss, once at the end, averages
 # FINAL_EVAL_BATCHES. The windows are drawn from one fixed seed, so the log's are the first
 # of the summary's, and both files name how many they average.
 EVAL_BATCH, LOG_EVAL_BATCHES, FINAL_EVAL_BATCHES = 8, 8, 32
-
-
-# ----------------------------------------------------------------------------- helpers
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def random_batch(data: np.ndarray, batch: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen).tolist()
-    chunk = torch.stack([torch.from_numpy(data[s:s + seq_len + 1].astype(np.int64)) for s in starts])
-    return chunk[:, :-1], chunk[:, 1:]
-
-
-@torch.no_grad()
-def evaluate(model: Llama, data: np.ndarray, seq_len: int, batches: int = 8, batch: int = 8) -> float:
-    """Mean cross-entropy on fixed held-out windows (same windows every call)."""
-    model.eval()
-    gen = torch.Generator().manual_seed(1234)
-    losses = []
-    for _ in range(batches):
-        x, y = random_batch(data, batch, seq_len, gen)
-        losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def plot_losses(log_path: Path, png_path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if train:
-        ax.plot(*zip(*train), label="train", alpha=0.7)
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-
-
-def log(out: Path, row: dict) -> None:
-    with open(out / "log.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def save_state(out: Path, step: int, model: Llama, optimizer: torch.optim.Optimizer, gen: torch.Generator) -> None:
-    tmp = out / "state.pt.tmp"
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "generator": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                "config": model.config.to_hf()}, tmp)
-    tmp.replace(out / "state.pt")
-
 
 # config.json names -> the pretrain flags that set them, for the error about another run's shape.
 SHAPE_FLAGS = {"hidden_size": "--dim", "num_hidden_layers": "--n-layers", "num_attention_heads": "--n-heads",
@@ -131,378 +58,8 @@ SHAPE_FLAGS = {"hidden_size": "--dim", "num_hidden_layers": "--n-layers", "num_a
                "vocab_size": "vocab_size (the tokenizer's)"}
 
 
-def load_state(out: Path, model: Llama, optimizer: torch.optim.Optimizer, gen: torch.Generator) -> int:
-    path = out / "state.pt"
-    if not path.is_file():
-        return 0
-    state = torch.load(path, weights_only=False)
-    saved, wanted = state.get("config"), model.config.to_hf()
-    if saved is not None and saved != wanted:
-        diffs = [f"{SHAPE_FLAGS.get(key, key)} {saved.get(key)} there, {wanted.get(key)} now"
-                 for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key)]
-        raise TrainError(f"{out} holds a run of another shape ({', '.join(diffs[:4])}): rerun with the settings it "
-                         f"was started with, choose another --out, or delete {path} to start over")
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as err:  # e.g. a state.pt of an older version without its config
-        raise TrainError(f"{path} does not fit this model ({str(err).splitlines()[0]}); choose another --out, "
-                         f"or delete {path} to start over") from None
-    optimizer.load_state_dict(state["optimizer"])
-    gen.set_state(state["generator"])
-    torch.set_rng_state(state["torch_rng"])
-    print(f"resuming from {path} at step {state['step']}")
-    return int(state["step"])
-
-
-def export(out: Path, model: Llama, tokenizer_path: Path, dtype: torch.dtype) -> Path:
-    hf = save_model(model, out / "hf", dtype=dtype)
-    shutil.copyfile(tokenizer_path, hf / "tokenizer.model")
-    return hf
-
-
-# ----------------------------------------------------------------------------- tokenizer
-def cmd_tokenizer(args: argparse.Namespace) -> None:
-    import sentencepiece as spm
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    docs = [d for path in args.corpus for d in read_documents(path)]
-    # Llama-2-style settings: BPE, digits split, bytes for anything unseen, no normalisation.
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(docs), model_prefix=str(out / "tokenizer"), vocab_size=args.vocab_size,
-        model_type="bpe", character_coverage=1.0, byte_fallback=True, split_digits=True,
-        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 15,
-        num_threads=2, minloglevel=2, input_sentence_size=0)
-    tok = Tokenizer(out / "tokenizer.model")
-    print(f"wrote {out / 'tokenizer.model'} ({tok.vocab_size} pieces, trained on {len(docs)} documents)")
-
-
-# ----------------------------------------------------------------------------- pretrain
-def cmd_pretrain(args: argparse.Namespace) -> None:
-    seed_everything(args.seed)
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(args.tokenizer)
-    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
-    eval_data = tokenize_corpus(args.eval_corpus, tokenizer, args.cache_dir) if args.eval_corpus else None
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, dim=args.dim, n_layers=args.n_layers,
-                         n_heads=args.n_heads, n_kv_heads=args.n_kv_heads or args.n_heads,
-                         hidden_dim=args.hidden_dim, max_seq_len=args.max_seq_len, norm_eps=1e-5,
-                         tie_word_embeddings=args.tie, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
-    model = Llama(config)
-    for name, p in model.named_parameters():  # GPT-2-style init, scaled down on residual outputs
-        if p.dim() == 2:
-            residual = name.endswith(("o_proj.weight", "down_proj.weight"))
-            std = 0.02 / math.sqrt(2 * config.n_layers) if residual else 0.02
-            torch.nn.init.normal_(p, mean=0.0, std=std)
-    model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(args.seed)
-    step = load_state(out, model, optimizer, gen)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters; corpus: {len(train_data):,} tokens"
-          + (f"; held-out: {len(eval_data):,} tokens" if eval_data is not None else ""))
-    tokens_per_step = args.batch_size * args.seq_len
-    bar = tqdm(total=args.steps, initial=step, desc="pretrain", dynamic_ncols=True, disable=args.no_progress)
-    t0 = time.perf_counter()
-    while step < args.steps:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        x, y = random_batch(train_data, args.batch_size, args.seq_len, gen)
-        # bf16 autocast keeps float32 master weights and roughly doubles CPU throughput
-        # where the CPU has bf16 instructions.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        elapsed = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        row = {"step": step, "loss": loss.item(), "lr": lr_at(step - 1, args),
-               "tokens_per_s": tokens_per_step / elapsed}
-        if eval_data is not None and (step % args.eval_every == 0 or step == args.steps):
-            row["eval_loss"] = evaluate(model, eval_data, args.seq_len, LOG_EVAL_BATCHES, EVAL_BATCH)
-            row["eval_windows"] = LOG_EVAL_BATCHES * EVAL_BATCH
-        log(out, row)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        bar.update(1)
-        if step % args.save_every == 0 or step == args.steps:
-            save_state(out, step, model, optimizer, gen)
-            plot_losses(out / "log.jsonl", out / "loss.png", f"pretrain {out.name}")
-    bar.close()
-    model.eval()
-    hf = export(out, model, Path(args.tokenizer), getattr(torch, args.save_dtype))
-    summary = {"parameters": n_params, "steps": step, "final_train_loss": row_mean_tail(out / "log.jsonl")}
-    if eval_data is not None:
-        summary["held_out_loss"] = evaluate(model, eval_data, args.seq_len, FINAL_EVAL_BATCHES, EVAL_BATCH)
-        summary["held_out_windows"] = FINAL_EVAL_BATCHES * EVAL_BATCH
-        summary["held_out_perplexity"] = math.exp(summary["held_out_loss"])
-        summary["note"] = (f"held_out_loss averages {summary['held_out_windows']} fixed held-out windows of "
-                           f"--seq-len tokens; log.jsonl's eval_loss averages the first "
-                           f"{LOG_EVAL_BATCHES * EVAL_BATCH} of them (eval_windows), so at the same step the two "
-                           "differ a little")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary))
-    print(f"wrote {hf}")
-
-
-def row_mean_tail(log_path: Path, n: int = 20) -> float:
-    losses = [json.loads(line)["loss"] for line in log_path.read_text().splitlines() if '"loss"' in line]
-    tail = losses[-n:]
-    return sum(tail) / len(tail)
-
-
-# ----------------------------------------------------------------------------- distill
-def held_out_prompts(paths: list[str], tokenizer: Tokenizer, count: int, prompt_tokens: int,
-                     seed: int) -> list[list[int]]:
-    """The first ``prompt_tokens`` tokens of ``count`` documents drawn at random (fixed seed)."""
-    docs = [d for p in paths for d in read_documents(p)]
-    rng = random.Random(seed)
-    picked = rng.sample(docs, min(count, len(docs)))
-    return [tokenizer.encode(d)[:prompt_tokens] for d in picked]
-
-
-@torch.no_grad()
-def measure_acceptance(target: Llama, draft: Any, prompts: list[list[int]], new_tokens: int,
-                       gamma: int, seed: int) -> dict[str, float]:
-    """Acceptance of speculative decoding on the prompts, greedy and at temperature 1.
-
-    ``alpha_*`` is the paper's alpha: the mean over verified positions of sum_x min(p, q), the
-    probability that a drafted token is accepted. ``acceptance_*`` is the empirical fraction of
-    drafted tokens that were kept, which is lower because the tokens after a rejection count
-    as drafted but never get their chance. ``tau_*`` is the number of tokens per target call.
-    ``draft`` is a draft model or any drafter (speculative.drafter).
-    """
-    from speculative import speculative_generate
-
-    result = {}
-    for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
-        accepted = drafted = new = calls = 0
-        alpha_sum = alpha_count = 0.0
-        for i, prompt in enumerate(prompts):
-            out = speculative_generate(target, draft, prompt, new_tokens, gamma=gamma,
-                                       temperature=temperature, seed=seed + i)
-            accepted += out.stats.accepted_draft_tokens
-            drafted += out.stats.drafted_tokens
-            alpha_sum += out.stats.overlap_sum
-            alpha_count += out.stats.verified_positions
-            new += out.stats.new_tokens
-            calls += out.stats.target_calls
-        result[f"alpha_{name}"] = alpha_sum / max(1.0, alpha_count)
-        result[f"acceptance_{name}"] = accepted / max(1, drafted)
-        result[f"tau_{name}"] = new / max(1, calls)
-    return result
-
-
-# What measure_acceptance's numbers mean, written next to them into distill's summary.json.
-ACCEPTANCE_NOTES = {
-    "alpha": "alpha_greedy, alpha_t1: the paper's alpha, the probability that the target accepts a drafted token "
-             "(the mean of sum_x min(p, q) over the verified draft positions); the alpha of the cost model",
-    "acceptance": "acceptance_greedy, acceptance_t1: accepted / drafted tokens; lower than alpha, because the "
-                  "tokens drafted after a rejection count as drafted but are never verified",
-    "tau": "tau_greedy, tau_t1: new tokens per target call",
-}
-
-
-@torch.no_grad()
-def sample_sequences(model: Llama, prompts: list[list[int]], length: int, gen: torch.Generator,
-                     greedy: bool = False) -> torch.Tensor:
-    """Sample continuations at temperature 1 (or greedy ones) for a batch of equal-length prompts."""
-    tokens = torch.tensor(prompts)
-    model.setup_cache(len(prompts), tokens.shape[1] + length)
-    logits = model(tokens, calls.chain(0, tokens.shape[1], tokens.device, rows=len(prompts)))[:, -1]
-    pos = tokens.shape[1]
-    out = [tokens]
-    for _ in range(length):
-        if greedy:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            nxt = torch.multinomial(F.softmax(logits.float(), -1), 1, generator=gen)
-        out.append(nxt)
-        logits = model(nxt, calls.chain(pos, 1, nxt.device, rows=len(prompts)))[:, -1]
-        pos += 1
-    return torch.cat(out, dim=1)
-
-
-def frozen_target(args: argparse.Namespace) -> tuple[Path, Llama]:
-    """Seeds, threads, the --out folder, and the target with gradients off: the start of the
-    two subcommands that train something against a frozen target."""
-    seed_everything(args.seed)
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    target = load_model(args.target).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    return out, target
-
-
-def cmd_distill(args: argparse.Namespace) -> None:
-    out, target = frozen_target(args)
-    draft = load_model(args.draft)
-    tokenizer = load_tokenizer(args.target)
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise TrainError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                         f"({target.config.vocab_size})")
-    # Prompts are story openings; only stories at least --prompt-tokens long are used, so that a
-    # batch of prompts has one length and needs no padding.
-    openings = [tokenizer.encode(d)[:args.prompt_tokens] for p in args.corpus for d in read_documents(p)]
-    openings = [o for o in openings if len(o) == args.prompt_tokens]
-    if len(openings) < args.batch_size:
-        raise TrainError(f"the corpus has fewer than {args.batch_size} stories of {args.prompt_tokens}+ tokens")
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(args.seed)
-    step = load_state(out, draft, optimizer, gen)
-    if step == 0:
-        before = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-        (out / "before.json").write_text(json.dumps(before, indent=2) + "\n")
-        print(f"before distillation: {before}")
-    rng = random.Random(args.seed + step)
-    bar = tqdm(total=args.steps, initial=step, desc=f"distill ({args.divergence})", dynamic_ncols=True,
-               disable=args.no_progress)
-    while step < args.steps:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        t0 = time.perf_counter()
-        prompts = rng.sample(openings, args.batch_size)
-        # On-policy data (DistillSpec): sequences the draft itself generates; with probability
-        # --target-mix the target writes them instead.
-        writer = target if rng.random() < args.target_mix else draft
-        draft.eval()
-        seqs = sample_sequences(writer, prompts, args.gen_tokens, gen)
-        draft.train()
-        with torch.no_grad():
-            target_logits = target(seqs)[:, args.prompt_tokens - 1:-1]
-        draft_logits = draft(seqs)[:, args.prompt_tokens - 1:-1]
-        loss = divergence(args.divergence, target_logits, draft_logits)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        tokens = seqs.numel()
-        row = {"step": step, "loss": loss.item(), "tokens_per_s": tokens / (time.perf_counter() - t0)}
-        log(out, row)
-        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        bar.update(1)
-        if step % args.save_every == 0 or step == args.steps:
-            save_state(out, step, draft, optimizer, gen)
-            plot_losses(out / "log.jsonl", out / "loss.png", f"distill {args.divergence}")
-    bar.close()
-    draft.eval()
-    after = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    before = json.loads((out / "before.json").read_text())
-    summary = {"divergence": args.divergence, "steps": step, "before": before, "after": after,
-               "notes": ACCEPTANCE_NOTES}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    hf = save_model(draft, out / "hf", dtype=getattr(torch, args.save_dtype))
-    shutil.copyfile(load_tokenizer(args.draft).path, hf / "tokenizer.model")
-    print(json.dumps(summary))
-    print(f"wrote {hf}")
-
-
-# ----------------------------------------------------------------------------- eagle
-def eagle_losses(head: FeatureHead, target: Llama, tokens: torch.Tensor, noise: float,
-                 gen: torch.Generator, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE's two losses on a batch of sequences [B, T] (Li et al. 2024, section 4.2).
-
-    The frozen target gives its features f_0..f_{T-1} (what its output head reads). The head
-    reads (f_j + noise, e(x_{j+1})) for j < T-1 and predicts f_{j+1}: a smooth-L1 regression
-    on the features, and a cross-entropy of the target's output head applied to the
-    prediction against the target's own next-token distribution softmax(head(f_{j+1})).
-    The uniform noise on the input features stands in for the errors of the head's own
-    predictions, which it reads back while drafting.
-    """
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        _, feats = target(tokens, return_hidden=True)
-    feats = feats.float()
-    with torch.no_grad():
-        wanted = F.softmax(target.lm_head(feats[:, 1:]).float(), dim=-1)
-        embeddings = target.embed_tokens(tokens[:, 1:])
-        jitter = (torch.rand(feats[:, :-1].shape, generator=gen) * 2 - 1) * noise
-    predicted = head(feats[:, :-1] + jitter, embeddings)
-    regression = F.smooth_l1_loss(predicted, feats[:, 1:])
-    log_q = F.log_softmax(target.lm_head(predicted).float(), dim=-1)
-    classification = -(wanted * log_q).sum(-1).mean()
-    return regression, classification
-
-
-def cmd_eagle(args: argparse.Namespace) -> None:
-    from speculative import FeatureDrafter
-    from weights.drafters import save_feature_head
-
-    out, target = frozen_target(args)
-    tokenizer = load_tokenizer(args.target)
-    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
-    # The head is one block of the target's own shape (EAGLE-1), with the target's context length.
-    config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
-    head = FeatureHead(config)
-    for name, p in head.named_parameters():
-        if p.dim() == 2:
-            residual = name.endswith(("o_proj.weight", "down_proj.weight"))
-            torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2) if residual else 0.02)
-        elif name == "fc.bias":
-            torch.nn.init.zeros_(p)
-    head.train()
-    openings = [tokenizer.encode(d)[:args.prompt_tokens] for p in args.corpus for d in read_documents(p)]
-    openings = [o for o in openings if len(o) == args.prompt_tokens]
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(args.seed)
-    step = load_state(out, head, optimizer, gen)
-    rng = random.Random(args.seed + step)
-    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; corpus: {len(train_data):,} tokens")
-    bar = tqdm(total=args.steps, initial=step, desc="eagle", dynamic_ncols=True, disable=args.no_progress)
-    while step < args.steps:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        t0 = time.perf_counter()
-        # Text the target writes itself (greedy or sampled, as it will decode) or corpus text.
-        kind = rng.random()
-        if kind < args.self_mix:
-            prompts = rng.sample(openings, args.batch_size)
-            greedy = kind < args.self_mix / 2
-            tokens = sample_sequences(target, prompts, args.seq_len - args.prompt_tokens, gen, greedy=greedy)
-        else:
-            tokens = random_batch(train_data, args.batch_size, args.seq_len, gen)[0]
-        regression, classification = eagle_losses(head, target, tokens, args.noise, gen, args.bf16)
-        loss = regression + args.cls_weight * classification
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        row = {"step": step, "loss": loss.item(), "regression": regression.item(),
-               "classification": classification.item(), "self_written": kind < args.self_mix,
-               "tokens_per_s": tokens.numel() / (time.perf_counter() - t0)}
-        log(out, row)
-        bar.set_postfix(reg=f"{row['regression']:.4f}", cls=f"{row['classification']:.3f}",
-                        tok_s=f"{row['tokens_per_s']:.0f}")
-        bar.update(1)
-        if step % args.save_every == 0 or step == args.steps:
-            save_state(out, step, head, optimizer, gen)
-            plot_losses(out / "log.jsonl", out / "loss.png", "eagle head")
-    bar.close()
-    head.eval()
-    hf = save_feature_head(head, out / "hf", target, dtype=getattr(torch, args.save_dtype), target_name=args.target)
-    # Measure what will ship: the head as saved (rounded to --save-dtype), read back.
-    from weights.drafters import load_feature_head
-
-    drafter = FeatureDrafter(load_feature_head(hf, target, args.target), target)
-    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    summary = {"steps": step, "gamma": args.gamma, "held_out": after}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary))
-    print(f"wrote {hf}")
+class TrainError(ValueError):
+    """Bad input to train.py; reported as one ``error:`` line with exit status 2."""
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -623,11 +180,207 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# ----------------------------------------------------------------------------- what every command does
+def seed_everything(args: argparse.Namespace) -> None:
+    """--seed for every random number generator, and --threads."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+
+
+def frozen_target(args: argparse.Namespace) -> Llama:
+    """Seeds and threads, and the target with gradients off: the start of the two commands
+    that train something against a frozen target."""
+    seed_everything(args)
+    target = load_model(args.target).eval()
+    target.requires_grad_(False)
+    return target
+
+
+def adamw(params: object, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """The optimizer of distill and eagle: AdamW at --lr, no weight decay."""
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+
+
+def start_run(args: argparse.Namespace, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[RunFolder, torch.Generator, int]:
+    """The --out folder, the data generator, and the step to start from (state.pt's, if any)."""
+    run, gen = RunFolder(args.out), torch.Generator().manual_seed(args.seed)
+    step = run.load_state(model, optimizer, gen, SHAPE_FLAGS)
+    if step:
+        print(f"resuming from {run.out / 'state.pt'} at step {step}")
+    return run, gen, step
+
+
+def finish(run: RunFolder, summary: dict, hf: Path) -> None:
+    """summary.json, and the summary and the checkpoint's folder on stdout."""
+    run.write_json("summary.json", summary)
+    print(json.dumps(summary))
+    print(f"wrote {hf}")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    import sentencepiece as spm
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = [d for path in args.corpus for d in read_documents(path)]
+    # Llama-2-style settings: BPE, digits split, bytes for anything unseen, no normalisation.
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(docs), model_prefix=str(out / "tokenizer"), vocab_size=args.vocab_size,
+        model_type="bpe", character_coverage=1.0, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 15,
+        num_threads=2, minloglevel=2, input_sentence_size=0)
+    tok = Tokenizer(out / "tokenizer.model")
+    print(f"wrote {out / 'tokenizer.model'} ({tok.vocab_size} pieces, trained on {len(docs)} documents)")
+
+
+# ----------------------------------------------------------------------------- pretrain
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    seed_everything(args)
+    tokenizer = Tokenizer(args.tokenizer)
+    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
+    eval_data = tokenize_corpus(args.eval_corpus, tokenizer, args.cache_dir) if args.eval_corpus else None
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, dim=args.dim, n_layers=args.n_layers,
+                         n_heads=args.n_heads, n_kv_heads=args.n_kv_heads or args.n_heads,
+                         hidden_dim=args.hidden_dim, max_seq_len=args.max_seq_len, norm_eps=1e-5,
+                         tie_word_embeddings=args.tie, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    model = Llama(config)
+    init_weights(model, config.n_layers)
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices decay; norms do not
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    run, gen, step = start_run(args, model, optimizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters; corpus: {len(train_data):,} tokens"
+          + (f"; held-out: {len(eval_data):,} tokens" if eval_data is not None else ""))
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        x, y = random_batch(train_data, args.batch_size, args.seq_len, gen)
+        return next_token_loss(model, x, y, args.bf16), {"lr": lr_at(step, args.lr, args.warmup, args.steps)}, x.numel()
+
+    def held_out(step: int) -> dict:
+        if eval_data is None or (step % args.eval_every and step != args.steps):
+            return {}
+        return {"eval_loss": evaluate(model, eval_data, args.seq_len, LOG_EVAL_BATCHES, EVAL_BATCH),
+                "eval_windows": LOG_EVAL_BATCHES * EVAL_BATCH}
+
+    step = fit(model, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, after=held_out, save_every=args.save_every, title=f"pretrain {run.out.name}",
+               desc="pretrain", progress=not args.no_progress,
+               show=lambda row: {"loss": f"{row['loss']:.3f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
+    model.eval()
+    hf = run.export(model, args.tokenizer, getattr(torch, args.save_dtype))
+    summary = {"parameters": n_params, "steps": step, "final_train_loss": run.tail_loss()}
+    if eval_data is not None:
+        summary["held_out_loss"] = evaluate(model, eval_data, args.seq_len, FINAL_EVAL_BATCHES, EVAL_BATCH)
+        summary["held_out_windows"] = FINAL_EVAL_BATCHES * EVAL_BATCH
+        summary["held_out_perplexity"] = math.exp(summary["held_out_loss"])
+        summary["note"] = (f"held_out_loss averages {summary['held_out_windows']} fixed held-out windows of "
+                           f"--seq-len tokens; log.jsonl's eval_loss averages the first "
+                           f"{LOG_EVAL_BATCHES * EVAL_BATCH} of them (eval_windows), so at the same step the two "
+                           "differ a little")
+    finish(run, summary, hf)
+
+
+# ----------------------------------------------------------------------------- distill
+def cmd_distill(args: argparse.Namespace) -> None:
+    target = frozen_target(args)
+    draft = load_model(args.draft)
+    tokenizer = load_tokenizer(args.target)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise TrainError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                         f"({target.config.vocab_size})")
+    # Prompts are story openings of --prompt-tokens tokens, so that a batch needs no padding.
+    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
+    if len(openings) < args.batch_size:
+        raise TrainError(f"the corpus has fewer than {args.batch_size} stories of {args.prompt_tokens}+ tokens")
+    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
+    optimizer = adamw(draft.parameters(), args)
+    run, gen, step = start_run(args, draft, optimizer)
+    if step == 0:
+        before = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+        run.write_json("before.json", before)
+        print(f"before distillation: {before}")
+    rng = random.Random(args.seed + step)
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        prompts = rng.sample(openings, args.batch_size)
+        # On-policy data (DistillSpec): sequences the draft itself generates; with probability
+        # --target-mix the target writes them instead.
+        writer = target if rng.random() < args.target_mix else draft
+        draft.eval()
+        sequences = sample_sequences(writer, prompts, args.gen_tokens, gen)
+        draft.train()
+        return distill_loss(args.divergence, target, draft, sequences, args.prompt_tokens), {}, sequences.numel()
+
+    step = fit(draft, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, save_every=args.save_every, title=f"distill {args.divergence}",
+               desc=f"distill ({args.divergence})", progress=not args.no_progress)
+    draft.eval()
+    after = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+    hf = run.export(draft, load_tokenizer(args.draft).path, getattr(torch, args.save_dtype))
+    finish(run, {"divergence": args.divergence, "steps": step, "before": run.read_json("before.json"),
+                 "after": after, "notes": ACCEPTANCE_NOTES}, hf)
+
+
+# ----------------------------------------------------------------------------- eagle
+def cmd_eagle(args: argparse.Namespace) -> None:
+    from speculative import FeatureDrafter
+    from weights.drafters import load_feature_head, save_feature_head
+
+    target = frozen_target(args)
+    tokenizer = load_tokenizer(args.target)
+    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
+    # The head is one block of the target's own shape (EAGLE-1), with the target's context length.
+    head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))
+    init_weights(head, 1)
+    head.train()
+    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
+    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
+    optimizer = adamw(head.parameters(), args)
+    run, gen, step = start_run(args, head, optimizer)
+    rng = random.Random(args.seed + step)
+    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; corpus: {len(train_data):,} tokens")
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        # Text the target writes itself (greedy or sampled, as it will decode) or corpus text.
+        kind = rng.random()
+        if kind < args.self_mix:
+            prompts = rng.sample(openings, args.batch_size)
+            tokens = sample_sequences(target, prompts, args.seq_len - args.prompt_tokens, gen,
+                                      greedy=kind < args.self_mix / 2)
+        else:
+            tokens = random_batch(train_data, args.batch_size, args.seq_len, gen)[0]
+        regression, classification = eagle_losses(head, target, tokens, args.noise, gen, args.bf16)
+        extra = {"regression": regression.item(), "classification": classification.item(),
+                 "self_written": kind < args.self_mix}
+        return regression + args.cls_weight * classification, extra, tokens.numel()
+
+    step = fit(head, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, save_every=args.save_every, title="eagle head", desc="eagle",
+               progress=not args.no_progress,
+               show=lambda row: {"reg": f"{row['regression']:.4f}", "cls": f"{row['classification']:.3f}",
+                                 "tok_s": f"{row['tokens_per_s']:.0f}"})
+    head.eval()
+    hf = save_feature_head(head, run.out / "hf", target, dtype=getattr(torch, args.save_dtype),
+                           target_name=args.target)
+    # Measure what will ship: the head as saved (rounded to --save-dtype), read back.
+    drafter = FeatureDrafter(load_feature_head(hf, target, args.target), target)
+    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+    finish(run, {"steps": step, "gamma": args.gamma, "held_out": after}, hf)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (TrainError, CheckpointError, UnknownCheckpointError, ConfigError, FileNotFoundError) as err:
+    except (TrainError, RunFolderError, CheckpointError, UnknownCheckpointError, ConfigError, FileNotFoundError) as err:
         print(f"error: {err}".splitlines()[0], file=sys.stderr)
         raise SystemExit(2) from None
 

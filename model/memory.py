@@ -21,7 +21,9 @@ few percent in hand. ``device="auto"`` uses the total memory CUDA reports instea
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -293,6 +295,81 @@ def cheapest_fit(config_target: ModelConfig, config_draft: ModelConfig | None, d
             if fits(quantize="int8", tp_size=tp):
                 return f"--quantize int8 --tp {tp} (run with torchrun --nproc-per-node {tp} generate.py ...)"
     return None
+
+
+# ----------------------------------------------------------------------------- the memory free now
+class NotEnoughMemoryError(ValueError):
+    """A pair does not fit in the memory free on its device right now (check_memory)."""
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` right now: CUDA's free bytes, the CPU's MemAvailable (total
+    physical memory off Linux); None when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:  # not Linux: total physical memory is the best cheap bound
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def gb(n: float) -> str:
+    """Bytes as ``1.3 GB`` (``12.0 MB`` below 0.1 GB), for one-line messages."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig] | None, positions: int,
+                 dtype: torch.dtype, device: torch.device, tp_size: int = 1, quantize: str | None = None,
+                 batch: int = 1) -> MemoryPlan | None:
+    """Refuse, before loading anything, a pair that will not fit in the memory free right now.
+
+    ``target`` and ``draft`` are (name, config) pairs (a feature head counts as a one-layer
+    model of its target's shape). The plan counts this rank's weights under tensor
+    parallelism (int8 blocks with ``quantize``), KV caches of ``positions`` x ``batch`` rows
+    and, on a GPU, DEFAULT_RESERVE; ranks on one host share its CPU memory
+    (LOCAL_WORLD_SIZE). Returns the plan (None when the free memory cannot be told); raises
+    NotEnoughMemoryError, naming what it needs and what is free, when it does not fit."""
+    free = available_bytes(device)
+    if free is None:
+        return None
+    if device.type == "cpu" and tp_size > 1:  # the ranks on this host share its memory
+        free //= int(os.environ.get("LOCAL_WORLD_SIZE", str(tp_size)))
+    reserve = DEFAULT_RESERVE if device.type == "cuda" else 0
+    result = plan(target[1], draft[1] if draft else None, dtype, tp_size=tp_size, context=positions, batch=batch,
+                  quantize=quantize, device_name=f"{device} (free)", reserve=reserve, target_name=target[0],
+                  draft_name=draft[0] if draft else "draft", capacity_bytes=free)
+    if not result.fits:
+        names = f"{target[0]} + {draft[0]}" if draft else target[0]
+        weights = "int8" if quantize else str(dtype).removeprefix("torch.")
+        ranks = f" per device over {tp_size} ranks" if tp_size > 1 else ""
+        extra = f" + {gb(result.workspace)} runtime reserve" if result.workspace else ""
+        rows = f" x {batch} rows" if batch > 1 else ""
+        raise NotEnoughMemoryError(
+            f"{names} {'need' if draft else 'needs'} about {gb(result.total)}{ranks} in {weights} (weights "
+            f"{gb(result.weights)} + KV cache {gb(result.kv_cache)} for {positions} positions{rows}{extra}) but "
+            f"{device} has {gb(free)} free; use a smaller dtype, a smaller pair, or a device with more memory (see "
+            "generate.py --plan)")
+    return result
+
+
+def plan_suggestion(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: torch.dtype,
+                    tp_size: int, quantize: str | None, device_name: str) -> str | None:
+    """What ``generate.py --plan`` prints under a plan that does not fit: cheapest_fit's change,
+    or that no single change fits. None when the plan fits."""
+    if plan(config_target, config_draft, dtype, tp_size=tp_size, quantize=quantize, device_name=device_name).fits:
+        return None
+    change = cheapest_fit(config_target, config_draft, dtype, tp_size=tp_size, quantize=quantize,
+                          device_name=device_name)
+    return (f"the cheapest change that fits: {change}" if change else
+            "no single change of --dtype, --quantize, --tp or --plan-device fits it: use a smaller pair")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,3 +150,85 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
         del trial
     chosen, kept = best
     return kept, SetupChoice(chosen, times, compile_s, len(widths))
+
+
+# ----------------------------------------------------------------------------- a run's models
+MEASURED = ("plain", "stacked", "prepacked")  # what --setup measure times (--compile adds compiled)
+
+
+def candidates(setup: str) -> tuple[str, ...]:
+    """The set-ups a request names: "measure" the eager three, "measure-all" all of SETUPS,
+    a set-up's name itself alone."""
+    return {"measure": MEASURED, "measure-all": SETUPS}.get(setup, (setup,))
+
+
+def row_buckets(batch: int) -> tuple[int, ...]:
+    """The batch sizes to compile for a batch of ``batch`` rows: 1, 2, 4, ... and ``batch`` (a
+    batch shrinks as rows finish; a call of B rows runs padded in the next size up)."""
+    sizes, size = {batch}, 1
+    while size < batch:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
+@dataclass
+class Setups:
+    """What :func:`choose_setups` chose: the models to decode with (each may be a timed copy of
+    the one given) and, per model, the choice."""
+
+    target: nn.Module
+    draft: nn.Module | None
+    choices: list[tuple[str, SetupChoice]]
+
+    @property
+    def lines(self) -> list[str]:
+        """One line per model: what was timed and kept (SetupChoice.line)."""
+        return [choice.line(name) for name, choice in self.choices]
+
+    def compile_note(self, new_tokens: int) -> str | None:
+        """A note when compiling cannot pay for itself in a run of ``new_tokens`` tokens: at most
+        one call of each model per token, each saving the mean difference of a step against the
+        fastest eager set-up timed."""
+        spent = sum(choice.compile_s for _, choice in self.choices)
+        saved = sum(choice.compile_saving_s() for _, choice in self.choices) * new_tokens
+        if spent <= 0 or saved >= spent:
+            return None
+        return (f"compiling took {spent:.1f}s and saves at most {saved:.1f}s over {new_tokens} tokens: this run does "
+                "not pay for its compile time (a longer run, or a process that serves many, would)")
+
+
+def tree_sizes(branching: Sequence[int]) -> list[int]:
+    """The nodes of a static token tree (``branching[d]`` children for every node at depth d)
+    down to each depth: (3, 2, 1, 1) -> [3, 9, 15, 21]. A drafter's tree calls are the sizes
+    before the last; the target scores the whole tree and the last accepted token in one call."""
+    sizes, level = [], 1
+    for children in branching:
+        level *= children
+        sizes.append((sizes[-1] if sizes else 0) + level)
+    return sizes
+
+
+def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence[int], cache_len: int, *,
+                  draft: nn.Module | None = None, head: nn.Module | None = None, batch: int = 1,
+                  tree: Sequence[int] | None = None) -> Setups:
+    """The set-ups of a run's models, each chosen by :func:`choose_setup` from ``candidates``.
+
+    The target for its call ``widths`` (with features for a ``head`` to read) and a draft
+    model for widths 1 and 2, both for batches of up to ``batch`` rows (:func:`row_buckets`)
+    and, with a ``tree`` (its branching per depth), for the tree's calls (:func:`tree_sizes`).
+    A feature head is not timed: it is compiled in place, for the target's widths, when its
+    target's compiled set-up is kept. The models returned replace the ones given (a drafter
+    built around the old target must be built anew)."""
+    rows = row_buckets(batch)
+    sizes = tree_sizes(tree) if tree else []
+    target, choice = choose_setup(target, candidates, widths, cache_len, hidden=head is not None, rows=rows,
+                                  tree_widths=(sizes[-1] + 1,) if sizes else ())
+    choices = [("target", choice)]
+    if head is not None and choice.chosen == "compiled":  # the head follows its target
+        seconds = compile_for_decoding(head, widths, rows, cache_len, tree_widths=sizes[:-1]).compile_s
+        choices.append(("head", SetupChoice("compiled", compile_s=seconds, why="as its target")))
+    if draft is not None:
+        draft, choice = choose_setup(draft, candidates, (1, 2), cache_len, rows=rows, tree_widths=sizes[:-1])
+        choices.append(("draft", choice))
+    return Setups(target, draft, choices)

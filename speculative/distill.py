@@ -1,15 +1,21 @@
-"""Token-level divergences between the target's and the draft's next-token distributions,
-the objectives of DistillSpec (Zhou et al. 2023).
+"""Training drafters toward their target: the token-level divergences of DistillSpec (Zhou et
+al. 2023) on the draft's own (on-policy) sequences, EAGLE's losses for a feature head (Li et
+al. 2024), and the acceptance both are trained for, measured. ``train.py distill`` and
+``train.py eagle`` run them (docs/distillation.md).
 
-All take logits [..., vocab] of the target (p, no gradient) and the draft (q) and return
-the mean over positions. Total variation is the one that speculative sampling cares
-about directly: a draft token is accepted with probability sum_x min(p, q) = 1 - TV(p, q).
+The divergences take logits [..., vocab] of the target (p, no gradient) and the draft (q)
+and return the mean over positions. Total variation is the one that speculative sampling
+cares about directly: a draft token is accepted with probability sum_x min(p, q) = 1 - TV(p, q).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+from speculative import calls
 
 
 def forward_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -46,3 +52,103 @@ def divergence(name: str, p_logits: torch.Tensor, q_logits: torch.Tensor) -> tor
     if name not in DIVERGENCES:
         raise ValueError(f"unknown divergence {name!r}; choose one of {', '.join(DIVERGENCES)}")
     return DIVERGENCES[name](p_logits, q_logits)
+
+
+def distill_loss(name: str, target: Any, draft: Any, sequences: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
+    """The divergence ``name`` between the target's and the draft's next-token distributions
+    over the generated part of ``sequences`` [B, T] (after their ``prompt_tokens``-token prompts);
+    the target's side has no gradient."""
+    with torch.no_grad():
+        target_logits = target(sequences)[:, prompt_tokens - 1:-1]
+    return divergence(name, target_logits, draft(sequences)[:, prompt_tokens - 1:-1])
+
+
+@torch.no_grad()
+def sample_sequences(model: Any, prompts: list[list[int]], length: int, gen: torch.Generator,
+                     greedy: bool = False) -> torch.Tensor:
+    """Prompts [B, P] of one length and ``length`` tokens ``model`` writes after each, sampled
+    at temperature 1 with ``gen`` (or greedy): [B, P + length]. DistillSpec's on-policy data
+    when ``model`` is the draft."""
+    tokens = torch.tensor(prompts)
+    model.setup_cache(len(prompts), tokens.shape[1] + length)
+    logits = model(tokens, calls.chain(0, tokens.shape[1], tokens.device, rows=len(prompts)))[:, -1]
+    pos = tokens.shape[1]
+    out = [tokens]
+    for _ in range(length):
+        if greedy:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            nxt = torch.multinomial(F.softmax(logits.float(), -1), 1, generator=gen)
+        out.append(nxt)
+        logits = model(nxt, calls.chain(pos, 1, nxt.device, rows=len(prompts)))[:, -1]
+        pos += 1
+    return torch.cat(out, dim=1)
+
+
+def eagle_losses(head: Any, target: Any, tokens: torch.Tensor, noise: float, gen: torch.Generator,
+                 bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE's two losses on a batch of sequences [B, T] (Li et al. 2024, section 4.2).
+
+    The frozen target gives its features f_0..f_{T-1} (what its output head reads). The head
+    reads (f_j + noise, e(x_{j+1})) for j < T-1 and predicts f_{j+1}: a smooth-L1 regression
+    on the features, and a cross-entropy of the target's output head applied to the
+    prediction against the target's own next-token distribution softmax(head(f_{j+1})).
+    The uniform noise on the input features (half-width ``noise``, drawn with ``gen``) stands
+    in for the errors of the head's own predictions, which it reads back while drafting.
+    ``bf16``: the target's forward under bfloat16 autocast.
+    """
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        _, feats = target(tokens, return_hidden=True)
+    feats = feats.float()
+    with torch.no_grad():
+        wanted = F.softmax(target.lm_head(feats[:, 1:]).float(), dim=-1)
+        embeddings = target.embed_tokens(tokens[:, 1:])
+        jitter = (torch.rand(feats[:, :-1].shape, generator=gen) * 2 - 1) * noise
+    predicted = head(feats[:, :-1] + jitter, embeddings)
+    regression = F.smooth_l1_loss(predicted, feats[:, 1:])
+    log_q = F.log_softmax(target.lm_head(predicted).float(), dim=-1)
+    classification = -(wanted * log_q).sum(-1).mean()
+    return regression, classification
+
+
+# What measure_acceptance's numbers mean, written next to them into a summary.json.
+ACCEPTANCE_NOTES = {
+    "alpha": "alpha_greedy, alpha_t1: the paper's alpha, the probability that the target accepts a drafted token "
+             "(the mean of sum_x min(p, q) over the verified draft positions); the alpha of the cost model",
+    "acceptance": "acceptance_greedy, acceptance_t1: accepted / drafted tokens; lower than alpha, because the "
+                  "tokens drafted after a rejection count as drafted but are never verified",
+    "tau": "tau_greedy, tau_t1: new tokens per target call",
+}
+
+
+@torch.no_grad()
+def measure_acceptance(target: Any, draft: Any, prompts: list[list[int]], new_tokens: int, gamma: int,
+                       seed: int) -> dict[str, float]:
+    """Acceptance of speculative decoding on the prompts, greedy and at temperature 1 (prompt
+    i sampling with ``seed`` + i), as ACCEPTANCE_NOTES describes them.
+
+    ``alpha_*`` is the paper's alpha: the mean over verified positions of sum_x min(p, q), the
+    probability that a drafted token is accepted. ``acceptance_*`` is the empirical fraction of
+    drafted tokens that were kept, which is lower because the tokens after a rejection count
+    as drafted but never get their chance. ``tau_*`` is the number of tokens per target call.
+    ``draft`` is a draft model or any drafter (speculative.drafter).
+    """
+    from speculative import speculative_generate
+
+    result = {}
+    for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
+        accepted = drafted = new = target_calls = 0
+        alpha_sum = alpha_count = 0.0
+        for i, prompt in enumerate(prompts):
+            out = speculative_generate(target, draft, prompt, new_tokens, gamma=gamma, temperature=temperature,
+                                       seed=seed + i)
+            accepted += out.stats.accepted_draft_tokens
+            drafted += out.stats.drafted_tokens
+            alpha_sum += out.stats.overlap_sum
+            alpha_count += out.stats.verified_positions
+            new += out.stats.new_tokens
+            target_calls += out.stats.target_calls
+        result[f"alpha_{name}"] = alpha_sum / max(1.0, alpha_count)
+        result[f"acceptance_{name}"] = accepted / max(1, drafted)
+        result[f"tau_{name}"] = new / max(1, target_calls)
+    return result

@@ -21,7 +21,13 @@ from typing import Any
 import pytest
 import torch
 
+import cmdline
 import generate
+from model import ModelConfig
+from model import memory as memory_lib
+from model.memory import DEFAULT_RESERVE, NotEnoughMemoryError
+from speculative.report import JSON_NOTES
+from weights import load_model, load_tokenizer, read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "weights" / "tiny-target"
@@ -154,19 +160,19 @@ def test_bfloat16_refused_on_a_gpu_without_it(monkeypatch: pytest.MonkeyPatch) -
 def test_memory_estimate_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights: parameters x dtype bytes; KV cache: 2 x layers x kv_heads x head_dim x positions x bytes;
     on a GPU also the runtime reserve. Computed here from Llama-2-70b's published numbers."""
-    config = generate.ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+    config = ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                                   hidden_dim=28672, max_seq_len=4096)
     weights, kv = 68_976_648_192 * 2, 2 * 80 * 8 * 128 * 4096 * 2  # 137.95 GB + 1.34 GB in bfloat16
-    needed = weights + kv + generate.DEFAULT_RESERVE
-    monkeypatch.setattr(generate, "available_bytes", lambda device: needed - 1)
-    with pytest.raises(generate.UsageError, match=r"70b needs about 140\.4 GB in bfloat16 \(weights 138\.0 GB "
+    needed = weights + kv + DEFAULT_RESERVE
+    monkeypatch.setattr(memory_lib, "available_bytes", lambda device: needed - 1)
+    with pytest.raises(NotEnoughMemoryError, match=r"70b needs about 140\.4 GB in bfloat16 \(weights 138\.0 GB "
                                                   r"\+ KV cache 1\.3 GB for 4096 positions \+ 1\.1 GB runtime"):
         generate.check_memory(("70b", config), None, 4096, torch.bfloat16, torch.device("cuda", 0))
-    monkeypatch.setattr(generate, "available_bytes", lambda device: needed)
+    monkeypatch.setattr(memory_lib, "available_bytes", lambda device: needed)
     assert generate.check_memory(("70b", config), None, 4096, torch.bfloat16, torch.device("cuda", 0)).fits
     # On the CPU there is no CUDA reserve; a draft adds its weights and its own cache.
-    monkeypatch.setattr(generate, "available_bytes", lambda device: 2 * (weights + kv) - 1)
-    with pytest.raises(generate.UsageError, match=r"70b \+ 70b need about 278\.6 GB"):
+    monkeypatch.setattr(memory_lib, "available_bytes", lambda device: 2 * (weights + kv) - 1)
+    with pytest.raises(NotEnoughMemoryError, match=r"70b \+ 70b need about 278\.6 GB"):
         generate.check_memory(("70b", config), ("70b", config), 4096, torch.bfloat16, torch.device("cpu"))
 
 
@@ -196,7 +202,7 @@ def test_json_schema() -> None:
     assert 0 <= stats["acceptance_rate"] <= 1
     assert stats["gamma"] == 4 and stats["draft_calls"] >= 1 and stats["target_calls"] >= 1
     assert stats["tokens_per_second"] > 0 and stats["predicted_speedup"] > 0
-    tokenizer = generate.load_tokenizer(TARGET)
+    tokenizer = load_tokenizer(TARGET)
     prompt = tokenizer.encode(generate.DEFAULT_PROMPT)
     assert doc["prompt_tokens"] == len(prompt)
     assert doc["text"] == generate.continuation_text(tokenizer, prompt, tokens) and doc["text"].strip()
@@ -225,8 +231,8 @@ def assert_equal_up_to_a_near_tie(got: list[int], reference: list[int], what: st
     if got == reference:
         return
     k = next(i for i, (a, b) in enumerate(zip(got, reference)) if a != b)
-    tokenizer = generate.load_tokenizer(TARGET)
-    model = generate.load_model(TARGET, dtype=torch.float32)
+    tokenizer = load_tokenizer(TARGET)
+    model = load_model(TARGET, dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([tokenizer.encode(generate.DEFAULT_PROMPT) + reference[:k]]))[0, -1]
     top2 = logits.topk(2).values
@@ -281,7 +287,7 @@ def test_stacked_projections_are_on_by_default_and_can_be_turned_off() -> None:
 
 @needs_pair
 def test_chat_template() -> None:
-    tokenizer = generate.load_tokenizer(TARGET)
+    tokenizer = load_tokenizer(TARGET)
     plain = generate.encode_prompt(tokenizer, "Tell me a story.", chat=True, system=None)
     assert plain == tokenizer.encode("[INST] Tell me a story. [/INST]", bos=True)
     with_system = generate.encode_prompt(tokenizer, "Tell me a story.", chat=True, system="Be brief.")
@@ -297,12 +303,12 @@ def test_streaming_detokenisation_keeps_spaces_and_multibyte_characters() -> Non
     "🙂" and "é" are byte-fallback pieces that decode to nothing sensible alone."""
     import io
 
-    tokenizer = generate.load_tokenizer(TARGET)
+    tokenizer = load_tokenizer(TARGET)
     prompt = tokenizer.encode("Once upon a time")
     new = tokenizer.encode(" the café said 🙂 and Ünal smiled.", bos=False)
     assert any(tokenizer.piece(t).startswith("<0x") for t in new)  # byte-fallback tokens are in there
     out = io.StringIO()
-    streamer = generate.Streamer(tokenizer, prompt, out, color=False)
+    streamer = cmdline.Streamer(tokenizer, prompt, out, color=False)
     for i, token in enumerate(new):
         streamer([token], [i % 2 == 0])
         assert "\ufffd" not in out.getvalue()  # half a character is never printed
@@ -338,7 +344,7 @@ def test_colours_on_a_terminal_only() -> None:
         return b"".join(chunks).decode(errors="replace"), err
 
     out, err = on_tty()
-    assert generate.GREEN in out or generate.YELLOW in out
+    assert cmdline.GREEN in out or cmdline.YELLOW in out
     assert "colours:" in err  # the legend
     out, err = on_tty("--no-color")
     assert "\x1b[" not in out and "colours:" not in err
@@ -376,7 +382,7 @@ def test_tokenizer_mismatch(tmp_path: Path) -> None:
 
 @needs_pair
 def test_prompt_longer_than_the_context(capsys: pytest.CaptureFixture[str]) -> None:
-    context = generate.read_config(TARGET).max_seq_len
+    context = read_config(TARGET).max_seq_len
     main_error(capsys, [*PAIR, "--prompt", "Once upon a time " * context], "prompt", f"{context}-token context")
 
 
@@ -497,9 +503,9 @@ def test_flags_a_run_cannot_use_get_one_warning_each(argv: list[str], expected: 
 
 
 def assert_unused_flags(argv: list[str], expected: list[str]) -> None:
-    """generate.unused_flags for ``argv``: one warning per expected fragment, each starting with it."""
+    """cmdline.unused_flags for ``argv``: one warning per expected fragment, each starting with it."""
     args = generate.build_parser().parse_args(argv)
-    got = generate.unused_flags(args, generate.given_flags(argv))
+    got = cmdline.unused_flags(args, generate.given_flags(argv))
     assert len(got) == len(expected), got
     for line, fragment in zip(got, expected):
         assert line.startswith(fragment), (line, fragment)
@@ -583,11 +589,11 @@ def prompt_of(tokenizer: Any, length: int) -> str:
 
 @needs_pair
 def test_every_run_says_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
-    tokenizer = generate.load_tokenizer(TARGET)
+    tokenizer = load_tokenizer(TARGET)
     doc, _ = main_json(capsys, [*PAIR, "--max-new-tokens", "400"])  # the default story ends well before
     assert doc["stats"]["stop_reason"] == "eos" and doc["tokens"][-1] == tokenizer.eos_id
     assert len(doc["tokens"]) < 400
-    context = generate.read_config(TARGET).max_seq_len
+    context = read_config(TARGET).max_seq_len
     long_prompt = prompt_of(tokenizer, context - 6)
     for extra in ([], ["--no-draft"]):
         doc, _ = main_json(capsys, [*PAIR, "--prompt", long_prompt, "--max-new-tokens", "100", *extra])
@@ -666,12 +672,12 @@ def test_chat_warning_reads_the_name_the_config_and_the_chat_template(tmp_path: 
     folder = tmp_path / "base"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Llama-2-7b-hf"}))
-    assert "not marked as a chat model" in generate.chat_warning(str(folder))
+    assert "not marked as a chat model" in cmdline.chat_warning(str(folder))
     (folder / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct"}))
-    assert generate.chat_warning(str(folder)) is None
+    assert cmdline.chat_warning(str(folder)) is None
     (folder / "config.json").write_text("{}")
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    assert generate.chat_warning(str(folder)) is None
+    assert cmdline.chat_warning(str(folder)) is None
 
 
 @needs_pair
@@ -696,7 +702,7 @@ def test_compare_measures_the_speedup_next_to_the_prediction(capsys: pytest.Capt
 def test_prompt_from_standard_input(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    tokenizer = generate.load_tokenizer(TARGET)
+    tokenizer = load_tokenizer(TARGET)
     monkeypatch.setattr(sys, "stdin", io.StringIO("The dog and the cat\n"))
     doc, _ = main_json(capsys, [*PAIR, "--prompt", "-", "--max-new-tokens", "3"])
     assert doc["prompt_tokens"] == len(tokenizer.encode("The dog and the cat"))
@@ -717,20 +723,20 @@ def test_prompt_from_standard_input_in_a_real_process() -> None:
 def test_busy_hint_from_step_times() -> None:
     cpu = torch.device("cpu")
     steady = [0.008 * i for i in range(40)]
-    assert generate.busy_hint(steady, [4] * 40, threads=2, device=cpu) is None
+    assert cmdline.busy_hint(steady, [4] * 40, threads=2, device=cpu) is None
     # Measured with 2 threads next to two spinning processes: most steps wait for a descheduled thread.
     times, t = [], 0.0
     for i in range(40):
         t += 0.0075 if i % 3 == 0 else 0.55
         times.append(t)
-    hint = generate.busy_hint(times, [4] * 40, threads=2, device=cpu)
+    hint = cmdline.busy_hint(times, [4] * 40, threads=2, device=cpu)
     assert hint is not None and hint.startswith("hint: ") and "--threads 1" in hint, hint
-    assert generate.busy_hint(times, [4] * 40, threads=1, device=cpu) is None  # nothing to suggest
-    assert generate.busy_hint(times, [4] * 40, threads=2, device=torch.device("cuda", 0)) is None
-    assert generate.busy_hint(times[:8], [4] * 8, threads=2, device=cpu) is None  # too few steps to tell
+    assert cmdline.busy_hint(times, [4] * 40, threads=1, device=cpu) is None  # nothing to suggest
+    assert cmdline.busy_hint(times, [4] * 40, threads=2, device=torch.device("cuda", 0)) is None
+    assert cmdline.busy_hint(times[:8], [4] * 8, threads=2, device=cpu) is None  # too few steps to tell
     # Iterations that drafted fewer tokens are cheaper by design: they are not compared with the rest.
     mixed = [0.008 * i + (0.02 if i % 2 else 0) for i in range(40)]
-    assert generate.busy_hint(mixed, [4 if i % 2 else 1 for i in range(40)], threads=2, device=cpu) is None
+    assert cmdline.busy_hint(mixed, [4 if i % 2 else 1 for i in range(40)], threads=2, device=cpu) is None
 
 
 @needs_pair
@@ -743,7 +749,7 @@ def test_busy_machine_prints_one_hint(capsys: pytest.CaptureFixture[str], monkey
         clock["t"] += 0.008 if clock["calls"] % 3 == 0 else 0.5
         return clock["t"]
 
-    monkeypatch.setattr(generate.StepClock, "now", staticmethod(busy_now))
+    monkeypatch.setattr(cmdline, "perf_counter", busy_now)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     _, err = main_ok(capsys, ["--target", str(TARGET), "--no-draft", "--max-new-tokens", "30"])
     hints = [line for line in err if line.startswith("hint: ")]
@@ -751,8 +757,8 @@ def test_busy_machine_prints_one_hint(capsys: pytest.CaptureFixture[str], monkey
 
 
 def test_json_documents_the_acceptance_numbers() -> None:
-    assert "alpha" in generate.JSON_NOTES["acceptance_rate"]
-    assert "never verified" in generate.JSON_NOTES["empirical_acceptance"]
+    assert "alpha" in JSON_NOTES["acceptance_rate"]
+    assert "never verified" in JSON_NOTES["empirical_acceptance"]
     text = (ROOT / "docs" / "cli.md").read_text()
     for field in ("acceptance_rate", "empirical_acceptance", "stop_reason", "predicted_tokens_per_target_call",
                   "gamma_history", "compare", "notes", "measured_speedup"):
@@ -762,7 +768,7 @@ def test_json_documents_the_acceptance_numbers() -> None:
 @needs_pair
 def test_json_carries_the_notes_and_the_stop_reason(capsys: pytest.CaptureFixture[str]) -> None:
     doc, _ = main_json(capsys, [*PAIR, "--max-new-tokens", "6"])
-    assert doc["notes"] == generate.JSON_NOTES
+    assert doc["notes"] == JSON_NOTES
     assert doc["stats"]["stop_reason"] == "max_new_tokens"
     assert 0 <= doc["stats"]["empirical_acceptance"] <= 1
 

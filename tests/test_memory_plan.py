@@ -7,11 +7,22 @@ scales forgotten) shows up as a mismatch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from model import ModelConfig
-from model.memory import DEFAULT_RESERVE, LLAMA2_CONFIGS, plan
+from model import memory as memory_lib
+from model.memory import (
+    DEFAULT_RESERVE,
+    LLAMA2_CONFIGS,
+    NotEnoughMemoryError,
+    available_bytes,
+    check_memory,
+    plan,
+    plan_suggestion,
+)
 from model.tensor_parallel import TensorParallelError
 from weights.sharded import plan_config
 
@@ -137,3 +148,35 @@ def test_plan_config_falls_back_to_the_builtin_shapes(monkeypatch: pytest.Monkey
     assert plan_config("70b-chat") == LLAMA2_CONFIGS["70b"]
     with pytest.raises(ValueError):
         plan_config("not-a-model")
+
+
+def test_the_memory_free_now() -> None:
+    free = available_bytes(torch.device("cpu"))
+    assert free is None or free > 10**8  # this machine has more than 100 MB free
+    assert available_bytes(torch.device("meta")) is None  # nothing to ask
+
+
+def test_check_memory_counts_batch_rows_and_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU (no reserve): the 7B's bf16 weights and, per row, its KV cache; ranks on one host
+    share its memory."""
+    hand = by_hand("7b")
+    weights, kv_row = (hand["blocks"] + hand["replicated"]) * BF16, hand["kv_per_position"] * 1024 * BF16
+    monkeypatch.setattr(memory_lib, "available_bytes", lambda device: weights + 4 * kv_row)
+    cpu = torch.device("cpu")
+    assert check_memory(("7b", LLAMA2_CONFIGS["7b"]), None, 1024, torch.bfloat16, cpu, batch=4).fits
+    with pytest.raises(NotEnoughMemoryError, match=r"7b needs about .* for 1024 positions x 5 rows\) but cpu has"):
+        check_memory(("7b", LLAMA2_CONFIGS["7b"]), None, 1024, torch.bfloat16, cpu, batch=5)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks here: each has half of what is free
+    with pytest.raises(NotEnoughMemoryError, match="per device over 2 ranks"):
+        check_memory(("7b", LLAMA2_CONFIGS["7b"]), None, 1024, torch.bfloat16, cpu, tp_size=2, batch=4)
+    monkeypatch.setattr(memory_lib, "available_bytes", lambda device: None)
+    assert check_memory(("7b", LLAMA2_CONFIGS["7b"]), None, 1024, torch.bfloat16, cpu) is None  # cannot tell
+
+
+def test_plan_suggestion_words_the_cheapest_fit() -> None:
+    t70, d7 = LLAMA2_CONFIGS["70b"], LLAMA2_CONFIGS["7b"]
+    assert plan_suggestion(t70, d7, torch.bfloat16, 2, None, "h200") is None  # it fits
+    assert plan_suggestion(t70, d7, torch.bfloat16, 1, None, "h200") == "the cheapest change that fits: --quantize int8"
+    huge = replace(LLAMA2_CONFIGS["13b"], n_layers=1000, n_heads=5, n_kv_heads=5)  # 240 GB int8, heads split by none
+    assert plan_suggestion(huge, None, torch.bfloat16, 1, None, "a100-40gb") == (
+        "no single change of --dtype, --quantize, --tp or --plan-device fits it: use a smaller pair")

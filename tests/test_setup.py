@@ -10,8 +10,19 @@ from toy_models import random_llama
 
 import model.setup as setup_lib
 from model.prepack import PrepackedLinear, prepack_supported
-from model.setup import SETUPS, apply_setup, choose_setup
+from model.setup import (
+    SETUPS,
+    SetupChoice,
+    Setups,
+    apply_setup,
+    candidates,
+    choose_setup,
+    choose_setups,
+    row_buckets,
+    tree_sizes,
+)
 from speculative import calls
+from speculative.tree import branching_parents
 
 torch.set_num_threads(1)
 
@@ -78,3 +89,81 @@ def test_a_setup_that_does_not_apply_is_refused() -> None:
     with pytest.raises(ValueError, match="prepacked set-up does not apply"):
         choose_setup(model, ("prepacked",), (1,), 24)
     assert set(SETUPS) == {"plain", "stacked", "prepacked", "compiled"}
+
+
+# ----------------------------------------------------------------------------- a run's models
+def test_row_buckets_and_tree_sizes_by_hand() -> None:
+    assert row_buckets(1) == (1,) and row_buckets(2) == (1, 2) and row_buckets(5) == (1, 2, 4, 5)
+    assert row_buckets(8) == (1, 2, 4, 8)
+    assert tree_sizes((3, 2, 1, 1)) == [3, 9, 15, 21]  # 3, then 2 after each, then 1 and 1
+    assert tree_sizes((2,)) == [2] and tree_sizes(()) == []
+    for shape in ((3, 2, 1, 1), (4, 2, 1, 1, 1), (1, 3, 2)):  # the tree module's own count agrees
+        assert tree_sizes(shape) == [len(branching_parents(shape[:d])) for d in range(1, len(shape) + 1)]
+
+
+def test_what_a_setup_request_names() -> None:
+    assert candidates("measure") == ("plain", "stacked", "prepacked")
+    assert candidates("measure-all") == SETUPS and candidates("stacked") == ("stacked",)
+
+
+def test_the_compile_note_weighs_the_compile_time_against_the_run() -> None:
+    """2 s of compiling; the compiled target saves 1 ms a call (3 widths summed 3 ms) and the draft nothing."""
+    target = SetupChoice("compiled", {"plain": 9.0, "compiled": 6.0}, compile_s=1.5, widths=3)
+    draft = SetupChoice("compiled", {"stacked": 2.0, "compiled": 2.5}, compile_s=0.5, widths=3)
+    setups = Setups(None, None, [("target", target), ("draft", draft)])
+    assert target.compile_saving_s() == pytest.approx(1e-3) and draft.compile_saving_s() == 0
+    note = setups.compile_note(1000)  # saves 1.0 s < 2.0 s
+    assert note.startswith("compiling took 2.0s and saves at most 1.0s over 1000 tokens: this run does not pay")
+    assert setups.compile_note(3000) is None  # saves 3 s
+    assert Setups(None, None, [("target", SetupChoice("stacked", {"plain": 1.0, "stacked": 0.5}))]).compile_note(1) \
+        is None  # nothing compiled
+    assert setups.lines == [target.line("target"), draft.line("draft")]
+
+
+def test_choose_setups_returns_the_models_to_decode_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chosen copies come back; the models given are not changed; a draft is timed for widths
+    1 and 2, the target for its widths, both at the tree's calls."""
+    timed: list[tuple[str, tuple[int, ...]]] = []
+
+    def fake_step_ms(model, widths, hidden, calls=15):
+        stacked = model.layers[0].self_attn.qkv_proj is not None
+        timed.append((model.config.dim, tuple(widths), hidden))
+        return 1.0 if stacked else 2.0  # stacking wins
+
+    monkeypatch.setattr(setup_lib, "step_ms", fake_step_ms)
+    target, draft = small(), random_llama(vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    setups = choose_setups(target, ("plain", "stacked"), (1, 2, 5), 24, draft=draft, batch=3)
+    assert setups.target is not target and setups.draft is not draft  # the timed copies, not patched models
+    assert kinds(setups.target) == kinds(setups.draft) == {"stacked"} and kinds(target) == {"separate"}
+    assert [name for name, _ in setups.choices] == ["target", "draft"]
+    assert timed == [(512, (1, 2, 5), False)] * 2 + [(32, (1, 2), False)] * 2
+    alone = choose_setups(target, ("stacked",), (1,), 24)
+    assert alone.draft is None and alone.target is target and kinds(target) == {"stacked"}  # one set-up: applied
+    assert alone.lines == ["target: stacked (the only set-up asked for)"]
+
+
+def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_for_decoding replaced by a recorder: the target is compiled for its widths with
+    features, the rows' buckets and the whole tree's call; the head, untimed, for the same widths
+    and the drafter's tree calls. An eager target leaves the head alone."""
+    from types import SimpleNamespace
+
+    from test_drafters import random_head
+
+    compiled = []
+
+    def fake_compile(model, widths, rows=(1,), cache_len=None, hidden=False, mode=None, tree_widths=()):
+        compiled.append((type(model).__name__, tuple(widths), tuple(rows), hidden, tuple(tree_widths)))
+        return SimpleNamespace(compile_s=0.5)
+
+    monkeypatch.setattr(setup_lib, "compile_for_decoding", fake_compile)
+    target = random_llama(vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    head = random_head(target)
+    setups = choose_setups(target, ("compiled",), (1, 2, 5), 40, head=head, batch=3, tree=(3, 2, 1))
+    assert compiled == [("Llama", (1, 2, 5), (1, 2, 3), True, (16,)), ("FeatureHead", (1, 2, 5), (1, 2, 3), False,
+                                                                         (3, 9))]
+    assert [name for name, _ in setups.choices] == ["target", "head"] and setups.draft is None
+    assert setups.choices[1][1].line("head") == "head: compiled (as its target; compiled in 0.5s)"
+    compiled.clear()
+    choose_setups(target, ("stacked",), (1, 2, 5), 40, head=head)
+    assert compiled == []

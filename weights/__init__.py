@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from weights.checkpoint import CheckpointError, NonFiniteWeightsError, load_model, read_config, save_model
+from weights.load import Pair, PairSpec, load_pair, read_pair
 from weights.registry import UnknownCheckpointError, resolve
 from weights.tokenizer import Tokenizer
 
@@ -26,5 +27,6 @@ def load_drafter(name_or_path: str | os.PathLike, target, target_name: str = "th
     return load(name_or_path, target, target_name)
 
 
-__all__ = ["CheckpointError", "NonFiniteWeightsError", "Tokenizer", "UnknownCheckpointError", "load_drafter",
-           "load_model", "load_tokenizer", "read_config", "resolve", "save_model"]
+__all__ = ["CheckpointError", "NonFiniteWeightsError", "Pair", "PairSpec", "Tokenizer", "UnknownCheckpointError",
+           "load_drafter", "load_model", "load_pair", "load_tokenizer", "read_config", "read_pair", "resolve",
+           "save_model"]

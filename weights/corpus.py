@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 from pathlib import Path
 
 import numpy as np
@@ -57,3 +58,19 @@ def tokenize_corpus(paths: list[str | os.PathLike], tokenizer: Tokenizer,
         np.asarray(ids, dtype=np.uint16).tofile(tmp)
         tmp.replace(cache)  # atomic: an interrupted run never leaves a half-written cache
     return np.memmap(cache, dtype=np.uint16, mode="r")
+
+
+def story_openings(paths: list[str | os.PathLike], tokenizer: Tokenizer, length: int) -> list[list[int]]:
+    """The first ``length`` tokens (with BOS) of every document at least that long, in order:
+    prompts of one length, which batch without padding."""
+    openings = [tokenizer.encode(doc)[:length] for path in paths for doc in read_documents(path)]
+    return [opening for opening in openings if len(opening) == length]
+
+
+def held_out_prompts(paths: list[str | os.PathLike], tokenizer: Tokenizer, count: int, length: int,
+                     seed: int) -> list[list[int]]:
+    """The first ``length`` tokens (with BOS) of ``count`` documents drawn at random with
+    ``seed`` (all of them when there are fewer): the same prompts for the same arguments."""
+    docs = [doc for path in paths for doc in read_documents(path)]
+    picked = random.Random(seed).sample(docs, min(count, len(docs)))
+    return [tokenizer.encode(doc)[:length] for doc in picked]

@@ -29,10 +29,10 @@ from model import ModelConfig
 from model.feature_head import FeatureHead, fingerprint, same_fingerprint
 from speculative import FeatureDrafter, ModelDrafter, PromptLookupDrafter
 from weights.checkpoint import CheckpointError, _normal_permissions, check_finite, load_model
+from weights.load import LOOKUP
 from weights.registry import resolve
 
 HEAD_TYPE = "llama-feature-head"
-LOOKUP = "lookup"
 
 
 def is_feature_head(directory: Path) -> bool:

@@ -1,0 +1,106 @@
+"""Training a LLaMA-shaped network: the initialisation, the learning-rate schedule, random
+windows of a token stream, the held-out loss, and :func:`fit`, the optimisation loop that
+every ``train.py`` command shares (pretraining, distilling a draft, training a feature head).
+
+:func:`fit` knows nothing of what is trained: a ``batch_loss`` callable gives each step's
+loss, and the run folder it is given (weights.runs.RunFolder) keeps the log, the
+resumable state and the loss plot. Progress bars need tqdm (the ``train`` extra).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def init_weights(model: nn.Module, n_layers: int) -> None:
+    """GPT-2-style initialisation: matrices N(0, 0.02), the residual outputs (o_proj, down_proj)
+    scaled down by sqrt(2 n_layers), biases zero; the norms' weights are left as they are."""
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+            torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers) if residual else 0.02)
+        elif name.rsplit(".", 1)[-1] == "bias":
+            torch.nn.init.zeros_(p)
+
+
+def lr_at(step: int, peak: float, warmup: int, steps: int) -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then cosine decay to 10% of it at ``steps``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def random_batch(data: np.ndarray, batch: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` windows of ``seq_len + 1`` tokens at random starts in ``data``: inputs [B, T]
+    and next-token targets [B, T]."""
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen).tolist()
+    chunk = torch.stack([torch.from_numpy(data[s:s + seq_len + 1].astype(np.int64)) for s in starts])
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of ``model(x)`` against ``y``; ``bf16``: the forward under bfloat16
+    autocast on the CPU (float32 master weights, about twice the throughput where the CPU
+    has bfloat16 instructions)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: np.ndarray, seq_len: int, batches: int = 8, batch: int = 8) -> float:
+    """Mean cross-entropy on ``batches`` x ``batch`` held-out windows drawn from one fixed seed:
+    the same windows at every call, and the first ones of a call with more batches."""
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)
+    losses = [next_token_loss(model, *random_batch(data, batch, seq_len, gen)).item() for _ in range(batches)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer, gen: torch.Generator, run: Any, *, start: int,
+        steps: int, lr: float, warmup: int, batch_loss: Callable[[int], tuple[torch.Tensor, dict[str, Any], int]],
+        save_every: int, title: str, desc: str, progress: bool = True,
+        after: Callable[[int], dict[str, Any]] | None = None,
+        show: Callable[[dict[str, Any]], dict[str, str]] | None = None) -> int:
+    """Optimise ``model`` from step ``start`` to ``steps``; returns the last step.
+
+    Each step sets the learning rate (:func:`lr_at`), calls ``batch_loss(step)`` for (loss,
+    extra log fields, tokens read), steps AdamW with gradients clipped to norm 1, and logs
+    ``{"step", "loss", **extra, "tokens_per_s", **after(step)}`` to ``run`` (``after``: e.g. a
+    held-out loss at some steps). Every ``save_every`` steps and at the end, ``run`` saves the
+    resumable state (model, optimizer, ``gen``) and plots the losses under ``title``. ``desc``
+    and ``show`` (a row's fields for the bar) label the progress bar."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, initial=start, desc=desc, dynamic_ncols=True, disable=not progress)
+    step = start
+    while step < steps:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, lr, warmup, steps)
+        begin = time.perf_counter()
+        loss, extra, tokens = batch_loss(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        row = {"step": step, "loss": loss.item(), **extra, "tokens_per_s": tokens / (time.perf_counter() - begin)}
+        row.update(after(step) if after is not None else {})
+        run.log(row)
+        bar.set_postfix(show(row) if show else {"loss": f"{row['loss']:.4f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
+        bar.update(1)
+        if step % save_every == 0 or step == steps:
+            run.save_state(step, model, optimizer, gen)
+            run.plot(title)
+    bar.close()
+    return step

@@ -1,0 +1,200 @@
+"""Loading a draft/target pair by name or path: what ``generate.py --target T --draft D`` means.
+
+    target, draft, tokenizer = load_pair("tiny-target", "tiny-draft")
+
+In two steps, so that a caller can refuse a run before gigabytes are read:
+
+* :func:`read_pair` reads the configs and the tokenizers only, says what the draft name
+  means (a draft model, a feature head, ``lookup``, or none) and checks that the two can
+  speculate together (speculative.check_pair): a :class:`PairSpec`;
+* :meth:`PairSpec.load` loads the weights (whole, this rank's shard under tensor
+  parallelism, or int8), builds the drafter and prepares every network for decoding
+  (model/fuse.py: projections stacked, float32 weights prepacked for oneDNN on a CPU): a
+  :class:`Pair`.
+
+A draft model is returned as the model itself (the loops wrap it in a ModelDrafter), a
+feature head as a speculative.FeatureDrafter around the target it was checked against,
+``lookup`` as a speculative.PromptLookupDrafter.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from model import Llama, ModelConfig
+from model.fuse import prepare_for_decoding
+from weights.checkpoint import load_model, read_config
+from weights.registry import SHIPPED, resolve
+from weights.tokenizer import Tokenizer
+
+LOOKUP = "lookup"  # the drafter that needs no file (weights/drafters.py)
+
+
+def draft_kind(name_or_path: str | os.PathLike | None, planning: bool = False) -> str | None:
+    """What a draft name means: None (no draft), "lookup", "head" (a feature head's folder) or
+    "model". With ``planning``, a name that is neither shipped nor a folder is taken for a
+    model (a Llama-2 short name whose published shape --plan knows without the download);
+    otherwise it is resolved, and an unknown name raises UnknownCheckpointError."""
+    if name_or_path is None:
+        return None
+    if str(name_or_path) == LOOKUP:
+        return "lookup"
+    if planning and str(name_or_path) not in SHIPPED and not Path(name_or_path).expanduser().is_dir():
+        return "model"
+    from weights.drafters import is_feature_head
+
+    return "head" if is_feature_head(resolve(name_or_path)) else "model"
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The shape a feature head is counted as in a memory plan: one block of its target's shape
+    (its embedding and output head are the target's, so this overestimates a little)."""
+    return replace(target, n_layers=1)
+
+
+def plan_configs(target: str | os.PathLike, draft: str | os.PathLike | None) -> tuple[ModelConfig, ModelConfig | None]:
+    """The configs to plan memory with (``generate.py --plan``), from config.json or, for
+    Llama-2 short names not downloaded, the published shapes (weights.sharded.plan_config).
+    The draft's is None for no draft and for lookup, a head's is :func:`head_config`."""
+    from weights.sharded import plan_config
+
+    target_config = plan_config(target)
+    kind = draft_kind(draft, planning=True)
+    if kind == "head":
+        return target_config, head_config(target_config)
+    return target_config, plan_config(draft) if kind == "model" else None
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """What two names mean, read from their configs and tokenizers alone (:func:`read_pair`)."""
+
+    target: str
+    draft: str | None
+    kind: str | None  # None (no draft), "model", "head" or "lookup"
+    target_dir: Path
+    draft_dir: Path | None  # a draft model's or a feature head's folder
+    target_config: ModelConfig
+    draft_config: ModelConfig | None  # a draft model's only
+    tokenizer: Tokenizer  # the target's (a draft model's is the same: check_pair)
+
+    @property
+    def context(self) -> int:
+        """The longest sequence both models take."""
+        return min(c.max_seq_len for c in (self.target_config, self.draft_config) if c is not None)
+
+    @property
+    def planned_draft(self) -> ModelConfig | None:
+        """The draft's config for a memory plan: a draft model's, a head's :func:`head_config`, else None."""
+        return head_config(self.target_config) if self.kind == "head" else self.draft_config
+
+    def load(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *,
+             quantize: str | None = None, tensor_parallel: bool = False, stack: bool = True, prepack: bool = True,
+             prepare_models: bool = True) -> Pair:
+        """Load the pair on ``device`` in ``dtype``. ``tensor_parallel`` loads this rank's shard
+        of the target (weights.sharded.load_model_tp; the draft whole on every rank) and
+        ``quantize="int8"`` int8 blocks. ``stack`` and ``prepack`` are model/fuse.py's
+        prepare_for_decoding; ``prepare_models=False`` leaves the target and a draft model as
+        loaded, for model.setup.choose_setups (a feature head is prepared all the same)."""
+        start = time.perf_counter()
+        if tensor_parallel or quantize is not None:
+            from weights.sharded import load_model_tp
+
+            target = load_model_tp(self.target_dir, device, dtype, quantize=quantize)
+            draft = load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False) \
+                if self.kind == "model" else None
+        else:
+            target = load_model(self.target_dir, device=device, dtype=dtype)
+            draft = load_model(self.draft_dir, device=device, dtype=dtype) if self.kind == "model" else None
+        drafter = draft
+        if self.kind in ("head", "lookup"):  # a head is checked against the target it was trained for
+            from weights.drafters import load_drafter
+
+            drafter = load_drafter(self.draft_dir or LOOKUP, target, self.target)
+        models = (target, draft) if prepare_models else ()
+        networks = [net for net in (*models, getattr(drafter, "head", None)) if net is not None]
+        counts = [prepare_for_decoding(net, stack=stack, prepack=prepack) for net in networks]
+        fused, prepacked = (sum(column) for column in zip(*counts)) if counts else (0, 0)
+        return Pair(target, drafter, self.tokenizer, self.kind, time.perf_counter() - start, fused, prepacked)
+
+
+@dataclass
+class Pair:
+    """A loaded pair; it unpacks as ``target, draft, tokenizer``.
+
+    ``draft`` is what the loops take: a draft model, a drafter, or None. ``load_s`` is the
+    loading time; ``fused`` and ``prepacked`` count the projection groups stacked and the
+    layers prepacked (model/fuse.py, model/prepack.py)."""
+
+    target: Llama
+    draft: Any
+    tokenizer: Tokenizer
+    kind: str | None = None
+    load_s: float = 0.0
+    fused: int = 0
+    prepacked: int = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.target, self.draft, self.tokenizer))
+
+    @property
+    def draft_model(self) -> Llama | None:
+        """The draft model, when the drafter is one."""
+        return self.draft if self.kind == "model" else None
+
+    @property
+    def head(self) -> torch.nn.Module | None:
+        """The feature head, when the drafter is one."""
+        return self.draft.head if self.kind == "head" else None
+
+    def with_models(self, target: Llama, draft_model: Llama | None = None) -> Pair:
+        """The same pair with other target and draft model objects (model.setup.choose_setups
+        returns copies): a feature head's drafter is built anew around the new target."""
+        draft = draft_model if self.kind == "model" else self.draft
+        if self.kind == "head":
+            from speculative import FeatureDrafter
+
+            draft = FeatureDrafter(self.draft.head, target)
+        return replace(self, target=target, draft=draft)
+
+
+def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None) -> PairSpec:
+    """Resolve both names and read their configs and tokenizers; nothing heavy is read.
+
+    Raises UnknownCheckpointError or CheckpointError for a name or folder that is not there
+    or broken, and speculative.PairMismatchError, naming both, when a draft model does not
+    share the target's vocabulary and tokenizer."""
+    from speculative import PairMismatchError, check_pair
+    from weights import load_tokenizer
+
+    kind = draft_kind(draft)
+    target_dir = resolve(target)
+    draft_dir = resolve(draft) if kind in ("model", "head") else None
+    target_config = read_config(target_dir)
+    draft_config = read_config(draft_dir) if kind == "model" else None
+    tokenizer = load_tokenizer(target_dir)
+    if kind == "model":  # check_pair reads only .config and the tokenizers
+        try:
+            check_pair(SimpleNamespace(config=target_config), SimpleNamespace(config=draft_config), tokenizer,
+                       load_tokenizer(draft_dir))
+        except PairMismatchError as err:
+            raise PairMismatchError(f"draft {draft} cannot speculate for target {target}: {err}") from None
+    return PairSpec(str(target), None if draft is None else str(draft), kind, target_dir, draft_dir, target_config,
+                    draft_config, tokenizer)
+
+
+def load_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32, **options: Any) -> Pair:
+    """A target and its drafter by name or path (``draft``: a checkpoint, a feature head such
+    as ``tiny-eagle``, ``lookup``, or None for the target alone), checked as :func:`read_pair`
+    checks them and loaded as :meth:`PairSpec.load` loads them (``options`` are its keywords),
+    ready for decoding. It unpacks as ``target, draft, tokenizer``."""
+    return read_pair(target, draft).load(device, dtype, **options)

@@ -1,0 +1,84 @@
+"""Text in and out of a checkpoint's tokenizer: the Llama-2 chat template, the text that new
+tokens add to a prompt, and incremental detokenisation for streaming.
+
+Decoding token by token would lose SentencePiece's word-boundary spaces and split
+multi-byte characters (byte-fallback pieces such as ``<0xC3>``). :class:`TextStream` decodes
+the whole growing sequence instead and hands out what is new; text ending in U+FFFD is an
+incomplete UTF-8 sequence and waits for the token that completes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from weights.registry import resolve
+from weights.tokenizer import Tokenizer
+
+# Llama-2 chat format (Meta's reference code): the system prompt sits inside the first [INST].
+B_INST, E_INST = "[INST]", "[/INST]"
+B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
+CHAT_MARKERS = ("chat", "instruct")
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+    """The prompt's ids with BOS; with ``chat``, wrapped in the Llama-2 chat template
+    ``[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{prompt} [/INST]`` (the system part only when given)."""
+    if chat:
+        if system:
+            prompt = B_SYS + system.strip() + E_SYS + prompt.strip()
+        return tokenizer.encode(f"{B_INST} {prompt.strip()} {E_INST}", bos=True)
+    return tokenizer.encode(prompt, bos=True)
+
+
+def continuation_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+    """The text the new tokens add to the prompt, with the spaces SentencePiece puts between them."""
+    before = tokenizer.decode(list(prompt_ids))
+    full = tokenizer.decode(list(prompt_ids) + list(new_ids))
+    return full[len(before):] if full.startswith(before) else tokenizer.decode(list(new_ids))
+
+
+def marked_for_chat(name_or_path: str | os.PathLike) -> bool:
+    """Whether anything marks a checkpoint as trained for chat: "chat" or "instruct" in its
+    short name, its folder's name or config.json's ``_name_or_path``, or a ``chat_template`` in
+    its tokenizer_config.json. A base model does not follow the chat template."""
+    directory = resolve(name_or_path)
+    labels = [Path(name_or_path).name, directory.name]  # the folders above say nothing about the model
+    try:
+        labels.append(str(json.loads((directory / "config.json").read_text()).get("_name_or_path", "")))
+        tokenizer_config = directory / "tokenizer_config.json"
+        if tokenizer_config.is_file() and "chat_template" in json.loads(tokenizer_config.read_text()):
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass  # read_config reports a broken config.json properly, later
+    return any(marker in label.lower() for label in labels for marker in CHAT_MARKERS)
+
+
+class TextStream:
+    """Incremental detokenisation: :meth:`add` a token, get the text it completes.
+
+    ``prompt_ids`` are the tokens already shown (their text is never handed out again).
+    What it hands out, :meth:`finish` included, adds up to the whole sequence's text after
+    the prompt's: ``decode(prompt + new)[len(decode(prompt)):]``."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = [int(t) for t in prompt_ids]
+        self.shown = len(tokenizer.decode(self.ids))
+
+    def add(self, token: int) -> str:
+        """The text that is complete now that ``token`` follows ("" while a character waits)."""
+        self.ids.append(int(token))
+        ready = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        if len(ready) <= self.shown:
+            return ""
+        piece, self.shown = ready[self.shown:], len(ready)
+        return piece
+
+    def finish(self) -> str:
+        """Whatever was held back at the end (a byte sequence that never completed)."""
+        text = self.tokenizer.decode(self.ids)[self.shown:]
+        self.shown += len(text)
+        return text
