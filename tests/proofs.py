@@ -41,6 +41,7 @@ SECTIONS = {
     "Token trees": ["test_tree_verification.py", "test_tree_loop.py"],
     "Drafters": ["test_drafter_q.py", "test_drafters.py"],
     "Batches and the engine": ["test_batch_proofs.py", "test_batch.py", "test_engine.py"],
+    "Serving": ["test_serve.py"],
 }
 
 HEADER = """# What is proven, and how
