@@ -146,7 +146,7 @@ def start(args: argparse.Namespace) -> Service:
         print(f"cost model: every gamma measured at batch sizes up to {args.max_batch} in {seconds:.1f}s; gamma by "
               f"batch size now {chosen} (it follows the live alpha and step costs)", file=sys.stderr)
     loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy).start()
-    mode = "none" if not speculative else str(args.gamma) if args.speculation == "on" else args.speculation
+    mode = args.speculation if speculative else "none"
     return Service(loop, pair.tokenizer, args.name or args.target, context, args.gamma if speculative else 0, mode,
                    args.draft if speculative else None)
 
@@ -167,8 +167,9 @@ def run(args: argparse.Namespace) -> int:
     listener.listen(2048)  # clients may connect from now on; they are answered once uvicorn runs
     service = start(args)
     host, port = listener.getsockname()[:2]
-    print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {service.speculation}, at most "
-          f"{args.max_batch} rows) on http://{host}:{port} -- no authentication", file=sys.stderr, flush=True)
+    how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
+    print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
+          f"rows) on http://{host}:{port} -- no authentication", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=args.access_log,
                             timeout_graceful_shutdown=2)
     try:

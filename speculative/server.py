@@ -277,7 +277,8 @@ class Exchange:
         stats = row.stats if row is not None else None
         pinned = self.ticket.gamma
         used = list(stats.gamma_history) if stats else []
-        return {"gamma": pinned if pinned is not None else self.service.speculation,
+        mode = self.service.speculation
+        return {"gamma": pinned if pinned is not None else self.service.gamma_max if mode == "on" else mode,
                 "drafted_tokens": stats.drafted_tokens if stats else 0,
                 "accepted_tokens": stats.accepted_draft_tokens if stats else 0,
                 "acceptance_rate": stats.acceptance_rate if stats else None,

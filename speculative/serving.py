@@ -69,11 +69,13 @@ class LoadGamma:
     (see the module docstring). Call it as ``engine.policy``; feed it every iteration with
     :meth:`observe`."""
 
-    def __init__(self, gamma_max: int, max_rows: int, decay: float = 0.8, fade: float = 0.99) -> None:
+    def __init__(self, gamma_max: int, max_rows: int, decay: float = 0.8, fade: float = 0.99,
+                 explore_every: int = 16) -> None:
         if gamma_max < 1 or max_rows < 1:
             raise ValueError(f"gamma_max and max_rows must be >= 1, got {gamma_max} and {max_rows}")
         self.gamma_max, self.max_rows = gamma_max, max_rows
         self.decay, self.fade = decay, fade  # the costs' moving average; alpha's counts, per position
+        self.explore_every = explore_every  # one iteration in this many re-measures a neighbour of the choice
         self.cells: dict[tuple[int, int], list[float]] = {}  # (B, g) -> [draft, target, rest] seconds
         self.accepted_mass, self.positions = 0.0, 0.0  # faded sum of acceptance probabilities, and count
         self.chosen: tuple[int, int] = (-1, 0)  # (iteration, gamma): decided once per iteration
@@ -87,14 +89,26 @@ class LoadGamma:
     def __call__(self, engine: Engine) -> int:
         iteration = engine.stats.iterations
         if self.chosen[0] != iteration:  # the engine asks once per row
-            self.chosen = (iteration, self.best(len(engine.rows)))
+            self.chosen = (iteration, self.choose(len(engine.rows), iteration))
         return self.chosen[1]
+
+    def choose(self, rows: int, iteration: int) -> int:
+        """best(rows); but one iteration in explore_every speculates with a neighbouring gamma
+        (1..gamma_max, alternately above and below), so that the costs next to the choice stay
+        measured live, not only at start-up. Gamma 0 is left to the choice itself: the first
+        iteration after a plain one lets the draft catch up and is not an iteration's cost."""
+        gamma = self.best(rows)
+        turn = iteration // self.explore_every if self.explore_every else 0
+        if gamma == 0 or not self.explore_every or iteration % self.explore_every:
+            return gamma
+        neighbours = [g for g in (gamma + 1, gamma - 1) if 1 <= g <= self.gamma_max]
+        return neighbours[turn % len(neighbours)] if neighbours else gamma
 
     def cost(self, rows: int, gamma: int) -> float | None:
         """Seconds of one iteration of ``rows`` rows drafting ``gamma``: measured at this B, else
         interpolated linearly between the nearest measured sizes (scaled from the largest above
         them); None when nothing is known for this gamma."""
-        known = sorted(b for b, g in self.cells if g == gamma)
+        known = sorted(b for b, g in list(self.cells) if g == gamma)  # a copy: the loop's thread may add a cell
         if not known:
             return None
         if rows in known:
@@ -443,8 +457,8 @@ class EngineLoop:
 @dataclass
 class Service:
     """What the API serves: the loop and its engine's limits. ``speculation`` says how gamma is
-    chosen ("load", "on", "off"; "none" without a drafter), ``gamma_max`` the largest gamma a
-    request may pin (0 without a drafter)."""
+    chosen ("load", "on": always gamma_max, "off"; "none" without a drafter), ``gamma_max`` the
+    largest gamma a request may pin (0 without a drafter)."""
 
     loop: EngineLoop
     tokenizer: Any  # weights.Tokenizer: encode, decode, eos_id
@@ -563,11 +577,11 @@ def prometheus(loop: EngineLoop, prefix: str = "speculative_") -> str:
                [(f'{{batch="{b}"}}', g) for b, g, _ in table])
         metric("policy_speedup", "gauge", "The cost model's predicted speedup of that gamma over no speculation.",
                [(f'{{batch="{b}"}}', s if s is not None else math.nan) for b, _, s in table])
+        cells = sorted(dict(policy.cells).items())
         metric("step_seconds", "gauge", "Measured seconds of one iteration by batch size, gamma and part "
                "(draft steps, target call, the rest).",
-               [(f'{{batch="{b}",gamma="{g}",part="{part}"}}', value)
-                for (b, g), parts in sorted(policy.cells.items()) for part, value in zip(("draft", "target", "rest"),
-                                                                                         parts)])
+               [(f'{{batch="{b}",gamma="{g}",part="{part}"}}', value) for (b, g), parts in cells
+                for part, value in zip(("draft", "target", "rest"), parts)])
     return "\n".join(lines) + "\n"
 
 

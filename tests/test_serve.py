@@ -479,7 +479,7 @@ def test_serve_py_starts_on_127_0_0_1_and_answers_the_openai_client() -> None:
             lines.append(line)
             if not line or line.startswith("serving "):
                 break
-        assert lines[-1].startswith("serving tiny-target (draft tiny-draft, speculation 4"), lines
+        assert lines[-1].startswith("serving tiny-target (draft tiny-draft, speculation on, gamma 4"), lines
         assert "http://127.0.0.1:" in lines[-1] and "no authentication" in lines[-1]
         url = lines[-1].split(" on ")[1].split()[0]
         answer = client(url).completions.create(model="tiny-target", prompt="Once upon a time", max_tokens=8,

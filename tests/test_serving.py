@@ -78,6 +78,19 @@ def test_the_crossover_moves_with_alpha_no_threshold_is_set() -> None:
     assert off_at[0.97] is None or off_at[0.97] > off_at[0.5]
 
 
+def test_one_iteration_in_sixteen_re_measures_a_neighbouring_gamma() -> None:
+    """The policy's choice, except every 16th iteration: the gamma above, then the one below it
+    (never gamma 0, whose next iteration is not an iteration's cost); nothing while speculation is off."""
+    policy = policy_with(batching_costs(), 0.7)
+    best = policy.best(2)
+    assert 1 < best < 4
+    chosen = [policy.choose(2, i) for i in range(64)]
+    assert [chosen[i] for i in (0, 16, 32, 48)] == [best + 1, best - 1, best + 1, best - 1]
+    assert all(g == best for i, g in enumerate(chosen) if i % 16)
+    assert {policy.choose(16, i) for i in range(64)} == {0}
+    assert {LoadGamma(4, 4, explore_every=0).choose(1, i) for i in range(64)} == {4}
+
+
 def test_costs_between_measured_batch_sizes_are_interpolated() -> None:
     policy = policy_with({(4, 2): 10.0, (8, 2): 18.0}, 0.7)
     assert policy.cost(4, 2) == 10.0 and policy.cost(6, 2) == pytest.approx(14.0)
