@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
     print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
           f"rows) on http://{host}:{port} -- no authentication", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(service), log_level="warning", access_log=args.access_log,
+    config = uvicorn.Config(create_app(service), log_level="warning", access_log=args.access_log, lifespan="off",
                             timeout_graceful_shutdown=2)
     try:
         uvicorn.Server(config).run(sockets=[listener])

@@ -487,6 +487,8 @@ def test_serve_py_starts_on_127_0_0_1_and_answers_the_openai_client() -> None:
         assert answer.usage.completion_tokens == 8 and answer.choices[0].text
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
+        rest = process.stderr.read()
+        assert "Traceback" not in rest and "ERROR" not in rest, rest
     finally:
         if process.poll() is None:
             process.kill()
