@@ -34,8 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import cmdline
-from cmdline import UsageError
 from model.compile import decode_widths
 from model.memory import DEVICES, check_memory, plan, plan_suggestion
 from model.setup import SETUPS, Setups, candidates, choose_setups
@@ -51,6 +49,8 @@ from speculative import (
 from speculative.gamma import GAMMA_MAX
 from speculative.tree import branching_parents
 from weights import NonFiniteWeightsError, Pair, read_pair
+from weights import cli as cmdline
+from weights.cli import UsageError
 from weights.load import plan_configs
 from weights.text import continuation_text, encode_prompt
 

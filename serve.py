@@ -32,8 +32,6 @@ import sys
 
 import torch
 
-import cmdline
-from cmdline import UsageError
 from generate import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, pick_device, pick_dtype
 from model.compile import decode_widths
 from model.memory import check_memory
@@ -42,6 +40,8 @@ from speculative import Engine, PairMismatchError
 from speculative.gamma import GAMMA_MAX
 from speculative.serving import EngineLoop, FixedGamma, LoadGamma, Service
 from weights import NonFiniteWeightsError, Pair, read_pair
+from weights import cli as cmdline
+from weights.cli import UsageError
 
 CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
 

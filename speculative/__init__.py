@@ -13,7 +13,12 @@
 * :mod:`speculative.calls`: how the engine places tokens in a model's KV cache: a chain, ragged rows, a tree.
 * :mod:`speculative.stats`: what a call measured; :mod:`speculative.gamma`: the cost model and gamma="auto".
 * :mod:`speculative.pair`: can two models speculate together (:func:`check_pair`).
-* :mod:`speculative.distill`: divergences for distilling a draft toward its target.
+* :mod:`speculative.report`: the summaries and the JSON form of results (generate.py's output).
+* :mod:`speculative.distill`: distilling a draft toward its target (DistillSpec's divergences, on-policy
+  sequences) and EAGLE's losses.
+* :mod:`speculative.prove`: ``python -m speculative.prove MODULE:OBJECT``, is a verifier or drafter exact
+  (:func:`speculative.prove.check`); :mod:`speculative.exact`: exact laws, the code run once per branch of
+  its randomness; :mod:`speculative.toys`: the toy models and independent references of the proofs.
 """
 
 from speculative.drafter import Draft, Drafter, ModelDrafter, as_drafter

@@ -31,7 +31,7 @@ JSON_NOTES = {
 
 # And for a batch.
 BATCH_NOTES = {
-    "batch": "the batch's totals (speculative/batch.py BatchStats): an iteration is one target call for all rows; "
+    "batch": "the batch's totals (speculative.stats.BatchStats): an iteration is one target call for all rows; "
              "tokens_per_second is all rows' new tokens over the whole loop (the prompts' passes included); "
              "tokens_per_row_iteration is tau, the tokens a row gained per target call it was in",
     "prompts": "one entry per line of --prompts-file, in order; prompt_index i (from 0, line i + 1) sampled with "

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-import cmdline
 import generate
 from model import ModelConfig
 from model import memory as memory_lib
 from model.memory import DEFAULT_RESERVE, NotEnoughMemoryError
 from speculative.report import JSON_NOTES
+from weights import cli as cmdline
 from weights import load_model, load_tokenizer, read_config
 
 ROOT = Path(__file__).resolve().parents[1]

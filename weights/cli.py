@@ -1,4 +1,5 @@
-"""generate.py's helpers that are no library concern: the rule for flags a run cannot use,
+"""The command line's helpers (generate.py, and serve.py where they apply) that are no library
+concern, kept in weights/ with the other text and file I/O: the rule for flags a run cannot use,
 reading prompts, the streamed and coloured output, the step clock with its busy-CPU hint,
 and the header and settings that describe a run (docs/cli.md is their reference).
 """
