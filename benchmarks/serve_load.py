@@ -4,21 +4,24 @@ always off, and decided by the load, at 1, 2, 4, 8 and 16 concurrent clients.
     python benchmarks/serve_load.py                              # the shipped pair, 2 threads, greedy
     python benchmarks/serve_load.py --concurrency 1 4 --modes load off --max-tokens 64
 
-For every mode a server is started (``serve.py --speculation MODE --port 0``), warmed up, and
-for every concurrency c, c clients each send their share of a fixed number of requests one
-after another (closed loop: the next when the previous has ended), streamed, greedy, each
-with its own story opening. Per request: the time to the first token (TTFT), the end-to-end
-time, and the inter-token latency (ITL) of every token after the first chunk: a chunk of n
-tokens that arrives dt after the previous chunk counts n tokens of dt / n each (a speculative
-iteration sends its accepted tokens together). Per level: p50 and p99 of those, and the
-total tokens/s (all tokens over the level's wall time). From /metrics, before and after each
-level: the share of iterations that speculated and the mean batch.
+A server is started for every mode (``serve.py --speculation MODE --port 0``) and warmed up;
+for every concurrency c the modes take turns, --repeats-levels times in rotating order (each
+keeps its best repeat: a shared machine only ever slows a run), and c clients each send their
+share of a fixed number of requests one after another (closed loop: the next when the
+previous has ended), streamed, greedy, each with its own story opening.
 
-Then the server's own cost: one client, non-streamed requests against generate.py on the same
-prompt and settings (gamma 4, and the target alone), medians of --repeats: as a command
-(``generate.py --json``'s ``wall_time_s``: the generation call, loading excluded, a fresh
-process's first calls included) and as the call it makes, warm (the pair loaded as generate.py
-loads it, timed after a first run): the second is the fair measure of what the server adds.
+Per request: the time to the first token (TTFT), the end-to-end time, and the inter-token
+latency (ITL) of every token after the first chunk: a chunk of n tokens that arrives dt after
+the previous chunk counts n tokens of dt / n each (a speculative iteration sends its accepted
+tokens together). Per level: p50 and p99 of those, and the total tokens/s (all tokens over the
+level's wall time). From /metrics, before and after each level: the share of iterations that
+speculated.
+
+Then the server's own cost: one client, non-streamed requests against the call generate.py
+makes on the same prompt and settings (gamma 4, and the target alone), on the pair loaded as
+generate.py loads it, warm as the server is, the two in turns, medians of --repeats; and
+generate.py as a command, for the record (its ``wall_time_s``: loading excluded, but a fresh
+process's first calls included).
 
 Every request has a timeout (--timeout) and every level a deadline; the counts are fixed.
 Writes the figures as JSON (--out) and the plots (--plot-prefix): latency and throughput
@@ -36,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -145,30 +149,48 @@ async def level(url: str, concurrency: int, requests: int, args: argparse.Namesp
             "e2e_p99": percentile(e2e, 99)}
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    server = Server(mode, args)
+def measured_level(server: Server, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One level against one server, with the share of its iterations that speculated (/metrics)."""
+    before = server.metrics()
+    figures = asyncio.run(level(server.url, concurrency, max(args.requests, 2 * concurrency), args))
+    after = server.metrics()
+    iterations = after["speculative_iterations_total"] - before["speculative_iterations_total"]
+    speculating = after["speculative_speculating_iterations_total"] - before["speculative_speculating_iterations_total"]
+    made = after["speculative_generated_tokens_total"] - before["speculative_generated_tokens_total"]
+    figures.update(speculation_on=speculating / iterations if iterations else None, iterations=iterations,
+                   tokens_per_iteration=made / iterations if iterations else None)
+    return figures
+
+
+def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every mode's server at once (idle ones cost nothing), every level run for each mode in
+    turns, --repeats-levels times in rotating order: a slow moment of a shared machine falls on
+    every mode alike, and each mode keeps its best repeat (load only ever slows a run)."""
+    servers = {mode: Server(mode, args) for mode in args.modes}
     try:
-        asyncio.run(level(server.url, 1, 2, args))  # warm-up: first calls, allocator, the policy's first updates
-        rows = []
+        for server in servers.values():  # warm-up: first calls, the allocator, the policy's first updates
+            asyncio.run(level(server.url, 1, 2, args))
+        runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in servers}
         for concurrency in args.concurrency:
-            before = server.metrics()
-            figures = asyncio.run(level(server.url, concurrency, max(args.requests, 2 * concurrency), args))
-            after = server.metrics()
-            iterations = after["speculative_iterations_total"] - before["speculative_iterations_total"]
-            speculating = after["speculative_speculating_iterations_total"] - \
-                before["speculative_speculating_iterations_total"]
-            made = after["speculative_generated_tokens_total"] - before["speculative_generated_tokens_total"]
-            figures.update(speculation_on=speculating / iterations if iterations else None,
-                           iterations=iterations, tokens_per_iteration=made / iterations if iterations else None)
-            rows.append(figures)
-            print(f"{mode:>4} c={concurrency:<2} {figures['tokens_per_s']:7.1f} tok/s  TTFT p50 "
-                  f"{1e3 * figures['ttft_p50']:6.1f} ms  ITL p50 {1e3 * figures['itl_p50']:5.2f} p99 "
-                  f"{1e3 * figures['itl_p99']:6.2f} ms  e2e p50 {figures['e2e_p50']:5.2f} s  speculating "
-                  f"{figures['speculation_on'] or 0:.2f}", file=sys.stderr, flush=True)
-        policy = {k: v for k, v in server.metrics().items() if k.startswith("speculative_policy_gamma")}
-        return {"mode": mode, "levels": rows, "startup": server.log, "policy_gamma": policy}
+            order = list(servers)
+            for repeat in range(args.repeats_levels):
+                for mode in order[repeat % len(order):] + order[:repeat % len(order)]:
+                    figures = measured_level(servers[mode], concurrency, args)
+                    runs[mode].append([figures]) if repeat == 0 else runs[mode][-1].append(figures)
+                    print(f"{mode:>4} c={concurrency:<2} {figures['tokens_per_s']:7.1f} tok/s  TTFT p50 "
+                          f"{1e3 * figures['ttft_p50']:6.1f} ms  ITL p50 {1e3 * figures['itl_p50']:5.2f} p99 "
+                          f"{1e3 * figures['itl_p99']:6.2f} ms  e2e p50 {figures['e2e_p50']:5.2f} s  speculating "
+                          f"{figures['speculation_on'] or 0:.2f}", file=sys.stderr, flush=True)
+        results = []
+        for mode, server in servers.items():
+            best = [max(repeats, key=lambda f: f["tokens_per_s"]) for repeats in runs[mode]]
+            policy = {k: v for k, v in server.metrics().items() if k.startswith("speculative_policy_gamma")}
+            results.append({"mode": mode, "levels": best, "repeats": runs[mode], "startup": server.log,
+                            "policy_gamma": policy})
+        return results
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 def generate_time(args: argparse.Namespace, prompt: str, extra: list[str]) -> float:
@@ -181,10 +203,12 @@ def generate_time(args: argparse.Namespace, prompt: str, extra: list[str]) -> fl
     return json.loads(out.stdout)["stats"]["wall_time_s"]
 
 
-def warm_generate_times(args: argparse.Namespace, prompt: str, speculative: bool) -> list[float]:
+def warm_call(args: argparse.Namespace, prompt: str, speculative: bool) -> Any:
     """The call generate.py makes for that prompt (speculative_generate with gamma 4, or
-    autoregressive_generate), on the pair loaded as generate.py loads it, in one process after
-    a first run: what a request costs without the server, warm as the server is."""
+    autoregressive_generate), on the pair loaded as generate.py loads it, in this process: a
+    function that runs it once, in this thread or (``thread=True``) in another as the server's
+    engine runs, and returns its wall_time_s. (On a CPU that other processes keep busy, 2 torch
+    threads have run 3-5 times slower from the main thread than from another one.)"""
     import torch
 
     from speculative import autoregressive_generate, speculative_generate
@@ -194,42 +218,60 @@ def warm_generate_times(args: argparse.Namespace, prompt: str, speculative: bool
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair("tiny-target", "tiny-draft" if speculative else None)
     ids = encode_prompt(tokenizer, prompt)
-    times = []
-    for _ in range(args.repeats + 1):
+
+    def once() -> float:
         with torch.inference_mode():
             if speculative:
                 result = speculative_generate(target, draft, ids, args.max_tokens, gamma=args.gamma, temperature=0,
                                               eos_id=tokenizer.eos_id)
             else:
                 result = autoregressive_generate(target, ids, args.max_tokens, temperature=0, eos_id=tokenizer.eos_id)
-        times.append(result.stats.wall_time_s)
-    return times[1:]
+        return result.stats.wall_time_s
+
+    def run(thread: bool = False) -> float:
+        if not thread:
+            return once()
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(once).result()
+
+    return run
 
 
-def overhead(mode: str, flags: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """One client, non-streamed, the same prompt: the server's end-to-end time against
-    generate.py's, as a command and as its call made warm."""
+def overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One client, non-streamed, the same prompt: the server's end-to-end time against the call
+    generate.py makes, warm, in turns (server, call, server, call, ...), for gamma 4 and for the
+    target alone; and generate.py as a command, for the record."""
     prompt = STORY_OPENINGS[0]
-    server = Server(mode, args)
     body = {"model": "tiny-target", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
-    try:
-        with httpx.Client() as client:
-            served = []
-            for _ in range(args.repeats + 1):  # the first warms up
-                start = time.perf_counter()
-                answer = client.post(f"{server.url}/v1/completions", json=body, timeout=args.timeout)
-                served.append(time.perf_counter() - start)
-                answer.raise_for_status()
+    out = []
+    for mode, flags in (("on", ["--gamma", str(args.gamma)]), ("off", ["--no-draft"])):
+        server = Server(mode, args)
+        try:
+            served, warm, warm_thread = [], [], []
+            call = warm_call(args, prompt, speculative=mode == "on")
+            with httpx.Client() as client:
+                for _ in range(args.repeats + 1):  # the first of each warms up
+                    start = time.perf_counter()
+                    answer = client.post(f"{server.url}/v1/completions", json=body, timeout=args.timeout)
+                    answer.raise_for_status()
+                    served.append(time.perf_counter() - start)
+                    warm.append(call())
+                    warm_thread.append(call(thread=True))
             tokens = answer.json()["usage"]["completion_tokens"]
-    finally:
-        server.stop()
-    command = [generate_time(args, prompt, flags) for _ in range(args.repeats)]
-    warm = warm_generate_times(args, prompt, speculative=mode == "on")
-    server_s, command_s, warm_s = statistics.median(served[1:]), statistics.median(command), statistics.median(warm)
-    return {"mode": mode, "generate_flags": flags, "tokens": tokens, "server_e2e_s": server_s,
-            "generate_command_s": command_s, "generate_warm_s": warm_s, "overhead_vs_warm": server_s / warm_s - 1,
-            "overhead_vs_command": server_s / command_s - 1, "server_runs": served[1:], "command_runs": command,
-            "warm_runs": warm}
+        finally:
+            server.stop()
+        command = [generate_time(args, prompt, flags) for _ in range(2)]
+        server_s, warm_s = statistics.median(served[1:]), statistics.median(warm[1:])
+        thread_s = statistics.median(warm_thread[1:])
+        best_server, best_warm = min(served[1:]), min(warm[1:])
+        out.append({"mode": mode, "generate_flags": flags, "tokens": tokens, "server_e2e_s": server_s,
+                    "generate_warm_s": warm_s, "overhead_vs_warm": server_s / warm_s - 1,
+                    "generate_warm_thread_s": thread_s, "overhead_vs_warm_thread": server_s / thread_s - 1,
+                    "best_server_e2e_s": best_server, "best_generate_warm_s": best_warm,
+                    "best_overhead_vs_warm": best_server / best_warm - 1, "generate_command_s": min(command),
+                    "server_runs": served[1:], "warm_runs": warm[1:], "warm_thread_runs": warm_thread[1:],
+                    "command_runs": command})
+    return out
 
 
 def plot(results: list[dict[str, Any]], prefix: str) -> list[str]:
@@ -265,6 +307,35 @@ def plot(results: list[dict[str, Any]], prefix: str) -> list[str]:
     return [path]
 
 
+def markdown(document: dict[str, Any]) -> str:
+    """The run as the tables of docs/serving.md: every mode by concurrency, then the goals."""
+    by_mode = {result["mode"]: {row["concurrency"]: row for row in result["levels"]} for result in document["results"]}
+    lines = []
+    for mode, rows in by_mode.items():
+        lines += [f"**{mode}**", "", "| clients | tokens/s | TTFT p50 | ITL p50 | ITL p99 | end to end p50 | p99 | "
+                  "iterations speculating |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c, row in rows.items():
+            share = "" if row["speculation_on"] is None else f"{100 * row['speculation_on']:.0f}%"
+            lines.append(f"| {c} | {row['tokens_per_s']:.0f} | {1e3 * row['ttft_p50']:.0f} ms | "
+                         f"{1e3 * row['itl_p50']:.2f} ms | {1e3 * row['itl_p99']:.1f} ms | {row['e2e_p50']:.2f} s | "
+                         f"{row['e2e_p99']:.2f} s | {share} |")
+        lines.append("")
+    if {"on", "off", "load"} <= set(by_mode):
+        lines += ["| clients | ITL p50, load / off | tokens/s, load / best of on and off |", "|---:|---:|---:|"]
+        for c in by_mode["load"]:
+            load, on, off = by_mode["load"][c], by_mode["on"][c], by_mode["off"][c]
+            best = max(on["tokens_per_s"], off["tokens_per_s"])
+            lines.append(f"| {c} | {load['itl_p50'] / off['itl_p50']:.3f} (1/{off['itl_p50'] / load['itl_p50']:.2f}) | "
+                         f"{load['tokens_per_s'] / best:.3f} |")
+        lines.append("")
+    for cost in document.get("overhead", []):
+        lines.append(f"- {cost['mode']}: server {1e3 * cost['server_e2e_s']:.0f} ms end to end, generate.py's call "
+                     f"{1e3 * cost['generate_warm_s']:.0f} ms ({100 * cost['overhead_vs_warm']:+.1f}%), from another "
+                     f"thread {1e3 * cost['generate_warm_thread_s']:.0f} ms "
+                     f"({100 * cost['overhead_vs_warm_thread']:+.1f}%), {cost['tokens']} tokens")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -275,23 +346,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each side of the overhead comparison")
+    parser.add_argument("--repeats", type=int, default=7, help="runs of each side of the overhead comparison")
+    parser.add_argument("--repeats-levels", type=int, default=2, help="runs of every level for every mode")
     parser.add_argument("--no-overhead", action="store_true", help="skip the comparison with generate.py")
     parser.add_argument("--timeout", type=float, default=120, help="seconds per request")
     parser.add_argument("--level-timeout", type=float, default=600, help="seconds per level")
     parser.add_argument("--start-timeout", type=float, default=300, help="seconds for a server to start")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--plot-prefix", default=None, help="write PREFIX.png")
+    parser.add_argument("--markdown", action="store_true", help="print the tables of docs/serving.md on stdout")
+    parser.add_argument("--from-json", default=None, help="print the tables of a run written by --out")
     args = parser.parse_args(argv)
+    if args.from_json:
+        print(markdown(json.loads(Path(args.from_json).read_text())), end="")
+        return 0
     started = time.time()
     load = os.getloadavg()
-    results = [run_mode(mode, args) for mode in args.modes]
-    costs = [] if args.no_overhead else [overhead("on", ["--gamma", str(args.gamma)], args),
-                                         overhead("off", ["--no-draft"], args)]
+    results = run_modes(args) if args.modes else []
+    costs = [] if args.no_overhead else overhead(args)
     for cost in costs:
-        print(f"server cost ({cost['mode']}): {cost['server_e2e_s']:.3f} s end to end; generate.py's call warm "
-              f"{cost['generate_warm_s']:.3f} s ({100 * cost['overhead_vs_warm']:+.1f}%), as a command "
-              f"{cost['generate_command_s']:.3f} s ({100 * cost['overhead_vs_command']:+.1f}%)", file=sys.stderr)
+        print(f"server cost ({cost['mode']}): {cost['server_e2e_s']:.3f} s end to end against generate.py's call, "
+              f"warm, {cost['generate_warm_s']:.3f} s: {100 * cost['overhead_vs_warm']:+.1f}% (medians; best of "
+              f"each {100 * cost['best_overhead_vs_warm']:+.1f}%; the call from another thread "
+              f"{cost['generate_warm_thread_s']:.3f} s: {100 * cost['overhead_vs_warm_thread']:+.1f}%); generate.py "
+              f"as a command {cost['generate_command_s']:.3f} s", file=sys.stderr)
     document = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
                 "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                 "load_average_before": load, "load_average_after": os.getloadavg(),
@@ -300,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
     if args.plot_prefix:
         print("plots: " + ", ".join(plot(results, args.plot_prefix)), file=sys.stderr)
+    if args.markdown:
+        print(markdown(document), end="")
     return 0
 
 
