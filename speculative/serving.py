@@ -18,10 +18,12 @@ second at the current batch size B (docs/batching.md)::
 with alpha the live acceptance rate (faded over the last few hundred verified positions, as
 gamma="auto" estimates it) and the iteration's parts measured on this machine as functions
 of B: D the draft steps, T the target call of B rows x (g + 1) tokens, V the rest (verifying,
-committing, the rows moving). :meth:`LoadGamma.calibrate` measures every (B, g) at start-up on
-the engine itself (B = 1, 2, 4, ... max_rows; sizes between are interpolated), and every
-iteration served updates its own cell. No threshold is set by hand: the crossover where
-speculation stops paying is where the measured costs put it.
+committing, the rows moving, and whatever the server's own work takes from the CPU).
+:meth:`LoadGamma.calibrate` measures every (B, g) at start-up on the engine itself (B = 1, 2,
+4, ... max_rows; sizes between are interpolated); every iteration served updates its own cell,
+and two in every 32 try a gamma next to the choice, so that both sides of it stay measured. No
+threshold is set by hand: the crossover where speculation stops paying is where the measured
+costs put it.
 
 Exactness: every row samples from its own generator, so a request's tokens do not depend on
 the other requests; a row's gamma only changes which tokens a seed gives, never their
@@ -70,12 +72,12 @@ class LoadGamma:
     :meth:`observe`."""
 
     def __init__(self, gamma_max: int, max_rows: int, decay: float = 0.8, fade: float = 0.99,
-                 explore_every: int = 16) -> None:
+                 explore_every: int = 32) -> None:
         if gamma_max < 1 or max_rows < 1:
             raise ValueError(f"gamma_max and max_rows must be >= 1, got {gamma_max} and {max_rows}")
         self.gamma_max, self.max_rows = gamma_max, max_rows
         self.decay, self.fade = decay, fade  # the costs' moving average; alpha's counts, per position
-        self.explore_every = explore_every  # one iteration in this many re-measures a neighbour of the choice
+        self.explore_every = explore_every  # two iterations in this many re-measure a neighbour of the choice
         self.cells: dict[tuple[int, int], list[float]] = {}  # (B, g) -> [draft, target, rest] seconds
         self.accepted_mass, self.positions = 0.0, 0.0  # faded sum of acceptance probabilities, and count
         self.chosen: tuple[int, int] = (-1, 0)  # (iteration, gamma): decided once per iteration
@@ -93,16 +95,16 @@ class LoadGamma:
         return self.chosen[1]
 
     def choose(self, rows: int, iteration: int) -> int:
-        """best(rows); but one iteration in explore_every speculates with a neighbouring gamma
-        (1..gamma_max, alternately above and below), so that the costs next to the choice stay
-        measured live, not only at start-up. Gamma 0 is left to the choice itself: the first
-        iteration after a plain one lets the draft catch up and is not an iteration's cost."""
+        """best(rows); but two iterations in every explore_every speculate with a neighbouring
+        gamma (0..gamma_max, alternately above and below the choice), so that the costs on both
+        sides of the choice stay measured live, as the server's own work and the machine change
+        them, not only at start-up. Two in a row, because the first iteration after plain steps
+        lets the draft catch up and is not an iteration's cost."""
         gamma = self.best(rows)
-        turn = iteration // self.explore_every if self.explore_every else 0
-        if gamma == 0 or not self.explore_every or iteration % self.explore_every:
+        if not self.explore_every or iteration % self.explore_every > 1:
             return gamma
-        neighbours = [g for g in (gamma + 1, gamma - 1) if 1 <= g <= self.gamma_max]
-        return neighbours[turn % len(neighbours)] if neighbours else gamma
+        neighbours = [g for g in (gamma + 1, gamma - 1) if 0 <= g <= self.gamma_max]
+        return neighbours[(iteration // self.explore_every) % len(neighbours)]
 
     def cost(self, rows: int, gamma: int) -> float | None:
         """Seconds of one iteration of ``rows`` rows drafting ``gamma``: measured at this B, else

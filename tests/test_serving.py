@@ -78,16 +78,17 @@ def test_the_crossover_moves_with_alpha_no_threshold_is_set() -> None:
     assert off_at[0.97] is None or off_at[0.97] > off_at[0.5]
 
 
-def test_one_iteration_in_sixteen_re_measures_a_neighbouring_gamma() -> None:
-    """The policy's choice, except every 16th iteration: the gamma above, then the one below it
-    (never gamma 0, whose next iteration is not an iteration's cost); nothing while speculation is off."""
+def test_two_iterations_in_32_re_measure_a_neighbouring_gamma() -> None:
+    """The policy's choice, except the first two iterations of every 32: the gamma above, then
+    the one below (0 included: speculation off is re-measured too, and from off, gamma 1)."""
     policy = policy_with(batching_costs(), 0.7)
     best = policy.best(2)
     assert 1 < best < 4
-    chosen = [policy.choose(2, i) for i in range(64)]
-    assert [chosen[i] for i in (0, 16, 32, 48)] == [best + 1, best - 1, best + 1, best - 1]
-    assert all(g == best for i, g in enumerate(chosen) if i % 16)
-    assert {policy.choose(16, i) for i in range(64)} == {0}
+    chosen = [policy.choose(2, i) for i in range(128)]
+    assert [chosen[i] for i in (0, 1, 32, 33, 64, 96)] == [best + 1, best + 1, best - 1, best - 1, best + 1, best - 1]
+    assert all(g == best for i, g in enumerate(chosen) if i % 32 > 1)
+    assert policy.best(16) == 0 and {policy.choose(16, i) for i in range(64)} == {0, 1}
+    assert [policy.choose(16, i) for i in (0, 1, 2, 32, 33)] == [1, 1, 0, 1, 1]
     assert {LoadGamma(4, 4, explore_every=0).choose(1, i) for i in range(64)} == {4}
 
 
