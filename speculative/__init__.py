@@ -16,6 +16,9 @@
 * :mod:`speculative.report`: the summaries and the JSON form of results (generate.py's output).
 * :mod:`speculative.distill`: distilling a draft toward its target (DistillSpec's divergences, on-policy
   sequences) and EAGLE's losses.
+* :mod:`speculative.prove`: ``python -m speculative.prove MODULE:OBJECT``, is a verifier or drafter exact
+  (:func:`speculative.prove.check`); :mod:`speculative.exact`: exact laws, the code run once per branch of
+  its randomness; :mod:`speculative.toys`: the toy models and independent references of the proofs.
 """
 
 from speculative.drafter import Draft, Drafter, ModelDrafter, as_drafter

@@ -19,7 +19,9 @@ and are read when the rows change, so the baseline makes no host read per token.
 
 Rows join and leave between iterations (:meth:`Engine.add`, :meth:`Engine.step`,
 :attr:`Engine.finished`): a finished row leaves at once (the KV caches drop it,
-model.move_cache compacts the rest) and a waiting one takes its place.
+model.move_cache compacts the rest) and a waiting one takes its place. A row can also be
+stopped from outside (:meth:`Engine.cancel`, a server's client that left): it leaves at the
+start of the next step, before that step computes anything for it.
 
 Each row has its own sampling settings (temperature, top-k, top-p: ``Engine.add``'s
 ``sampling``) and seeds: row b draws everything from its own torch.Generator, in the order a
@@ -76,7 +78,7 @@ DEFAULT_GAMMA = 4
 VERIFY_RULES = ("token", "block")  # lines 5-9 at temperature > 0: verify.verify_step, block.verify_block
 
 
-@dataclass
+@dataclass(eq=False)  # a row is itself: two rows are never equal
 class Row:
     """One request while the engine holds it, and what it produced."""
 
@@ -93,6 +95,7 @@ class Row:
     owed: int = 0  # tokens emitted but still on the device (the target alone, see Engine.flush)
     gamma: int | None = None  # pinned: drafted per iteration whatever the engine's policy (0: none)
     error: Exception | None = None  # it failed alone (its logits were not finite)
+    cancelled: bool = False  # stopped from outside (Engine.cancel)
     done: bool = False
 
     @property
@@ -192,6 +195,22 @@ class Engine:
         """The longest a row may grow: the context, or the KV caches once sized."""
         return self.limit if self.cache_len is None else min(self.limit, self.cache_len)
 
+    def cancel(self, row: Row) -> None:
+        """Stop ``row`` before its end: a waiting row is dropped at once, a row in the batch leaves
+        at the start of the next step, before that step computes anything for it (the KV caches
+        drop it as they drop a finished row). Either way it joins :attr:`finished` with what it
+        produced so far and stop_reason "cancelled". A row that is done already is left alone."""
+        if row.done or row.cancelled:
+            return
+        row.cancelled = True
+        for i, waiting in enumerate(self.waiting):
+            if waiting is row:
+                del self.waiting[i]
+                row.done = True
+                row.stats.stop_reason = "cancelled"
+                self.finished.append(row)
+                return
+
     def start(self) -> None:
         """Size and set up the KV caches (once, at the first step)."""
         if self.cache_len is None:
@@ -236,13 +255,14 @@ class Engine:
     def finish(self, row: Row, now: Any) -> None:
         row.done = True
         row.stats.new_tokens = row.produced
-        row.stats.stop_reason = "error" if row.error else stop_reason(row.ids[len(row.prompt):], row.eos_id,
-                                                                         row.max_new_tokens)
+        row.stats.stop_reason = "error" if row.error else "cancelled" if row.cancelled else \
+            stop_reason(row.ids[len(row.prompt):], row.eos_id, row.max_new_tokens)
         self.clock.add(row.stats, "decode_time_s", row.joined, now)
         self.finished.append(row)
 
     def is_done(self, row: Row) -> bool:
-        return (row.error is not None or row.produced >= row.max_new_tokens or row.length >= self.row_limit
+        return (row.error is not None or row.cancelled or row.produced >= row.max_new_tokens
+                or row.length >= self.row_limit
                 or (row.eos_id is not None and row.produced > 0 and row.ids[-1] == row.eos_id))
 
     @property
@@ -259,14 +279,16 @@ class Engine:
 
     # ------------------------------------------------------------------------- one iteration
     def step(self) -> list[Row]:
-        """One iteration of Algorithm 1 for every row in the batch. Returns the rows that finished."""
+        """One iteration of Algorithm 1 for every row in the batch. Returns the rows that finished
+        (the cancelled ones first: they leave before the iteration)."""
         with torch.inference_mode():
             if self.clock is None:
                 self.start()
+            cancelled = self.retire(self.clock.mark()) if any(row.cancelled for row in self.rows) else []
             self.admit()
             rows, clock = self.rows, self.clock
             if not rows:
-                return []
+                return cancelled
             gammas = [self.gamma_for(row) for row in rows]
             t0 = clock.mark()
             draft = self.propose(rows, gammas)  # lines 1-3
@@ -290,7 +312,7 @@ class Engine:
                 self.auto.update([o for step in steps for o in step.overlap[:step.accepted + 1]],
                                  clock.seconds(t0, t1) / depth if timed else None,
                                  clock.seconds(t1, t2) if timed else None)
-            return self.retire(t3)
+            return cancelled + self.retire(t3)
 
     def gamma_for(self, row: Row) -> int:
         """The row's pinned gamma, or the engine's (``policy``, gamma="auto" or the fixed gamma),

@@ -93,6 +93,13 @@ CATALOGUE = [
     Bug("greedy off by one", "speculative/verify.py", "matches = [x == y for x, y in zip(xs, ys)]",
         "matches = [x == y for x, y in zip(xs, ys[1:])]",
         "x_i compared with the target's choice one position later"),
+    Bug("the server drops top_k", "speculative/server.py", "Sampling(temperature, body.top_k, top_p), body.seed",
+        "Sampling(temperature, None, top_p), body.seed",
+        "a server that accepts a sampling field and does not apply it: not the law asked for"),
+    Bug("unseeded requests seeded alike", "speculative/server.py", "top_p), body.seed, body.speculative_gamma",
+        "top_p), 0 if body.seed is None else body.seed, body.speculative_gamma",
+        "a server that gives every request without a seed the same one: each answer is one sample of the law, "
+        "all of them the same sample"),
     Bug("lookup's first occurrence", "speculative/lookup.py", "                table[tuple(ids[i:i + n])] = i",
         "                table.setdefault(tuple(ids[i:i + n]), i)",
         "prompt lookup copies after the first occurrence, not the latest: slower drafts, still exact",

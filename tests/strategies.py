@@ -1,16 +1,16 @@
 """Shared pieces of the exactness tests: hypothesis strategies for distributions and decoding
-settings, random n-gram tables with holes, and the gap between two exact distributions.
-Written without the code under test (only speculative.sampling.Sampling, a plain settings
+settings; random n-gram tables with holes (toy_table) and the gap between two exact
+distributions (max_gap) come from speculative/toys.py, which python -m speculative.prove uses
+too. Written without the code under test (only speculative.sampling.Sampling, a plain settings
 record, is imported)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from hypothesis import strategies as st
 
 from speculative.sampling import Sampling
+from speculative.toys import max_gap, toy_table  # noqa: F401 -- the tests import them from here
 
 
 def distribution(values: list[float]) -> torch.Tensor:
@@ -49,19 +49,6 @@ def distribution_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
         b = [1.0 if k == j else eps * draw(st.floats(0.1, 10.0)) for k in range(vocab)]
         return distribution(a), distribution(b)
     return distribution(weights()), distribution(weights())
-
-
-def max_gap(a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float]) -> float:
-    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
-
-
-def toy_table(vocab: int, order: int, seed: int, holes: float) -> torch.Tensor:
-    """Logits N(0, 2) with a fraction `holes` of -inf (probability 0), never a whole row."""
-    gen = torch.Generator().manual_seed(seed)
-    table = 2.0 * torch.randn([vocab] * order, generator=gen, dtype=torch.float64)
-    mask = torch.rand(table.shape, generator=gen, dtype=torch.float64) < holes
-    mask[..., 0] &= ~mask.all(-1)  # keep one token alive per row
-    return table.masked_fill(mask, -math.inf)
 
 
 samplings = st.one_of(

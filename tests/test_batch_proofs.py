@@ -4,7 +4,7 @@ variants.
 
 * Exact enumeration: the real ``speculative_generate_batch`` runs with two rows of
   different prompt lengths, but every random choice (a drafted token, an accept/reject, a
-  residual or bonus token) is taken by a :class:`Chooser` that replays a script; a
+  residual or bonus token) is taken by a Chooser (speculative.exact) that replays a script; a
   depth-first search over scripts visits every branch once, with its exact probability
   (float64). The joint law of the two rows' first tokens must be the product of the
   target's own laws, to 1e-10. The acceptance test and the residual are the library's
@@ -35,6 +35,8 @@ from toy_models import chi_square_pvalue, llama_next_logits, random_llama, ref_w
 
 import speculative.verify as verify
 from speculative import speculative_generate_batch
+from speculative.exact import Chooser
+from speculative.exact import enumerate_runs as enumerate_law
 from speculative.sampling import Sampling
 
 torch.set_num_threads(1)
@@ -102,41 +104,18 @@ BUGS = {"other-rows-q": other_rows_q, "position-of-other-row": position_of_other
 
 
 # ----------------------------------------------------------------------------- enumeration
-class Chooser:
-    """Random choices from a script: choice k is script[k] while the script lasts, then the
-    first option with weight > 0, noting the other options so the search can visit them."""
-
-    def __init__(self, script: list[int]) -> None:
-        self.script, self.path, self.prob = script, [], 1.0
-        self.branches: list[list[int]] = []
-
-    def choose(self, weights: list[float]) -> int:
-        options = [i for i, w in enumerate(weights) if w > 0]
-        k = len(self.path)
-        if k < len(self.script):
-            pick = self.script[k]
-        else:
-            pick = options[0]
-            self.branches += [self.path + [alt] for alt in options[1:]]
-        self.path.append(pick)
-        self.prob *= weights[pick]
-        return pick
-
-
 def enumerate_runs(run: Callable[[], list[list[int]]], chooser_box: dict) -> dict[tuple, float]:
-    """The exact law of ``run()``'s outcome, summed over every script (depth first)."""
-    law: dict[tuple, float] = {}
-    todo: list[list[int]] = [[]]
-    while todo:
-        chooser = Chooser(todo.pop())
+    """The exact law of ``run()``'s outcome, summed over every script (speculative.exact's depth-first
+    search); ``chooser_box["now"]`` is the run's Chooser. A broken variant may also crash: an outcome too."""
+
+    def scripted(chooser: Chooser) -> tuple:
         chooser_box["now"] = chooser
         try:
-            outcome = tuple(tuple(tokens) for tokens in run())
-        except (ValueError, IndexError, RuntimeError):  # a broken variant may also crash: an outcome too
-            outcome = ("error",)
-        law[outcome] = law.get(outcome, 0.0) + chooser.prob
-        todo += chooser.branches
-    return law
+            return tuple(tuple(tokens) for tokens in run())
+        except (ValueError, IndexError, RuntimeError):
+            return ("error",)
+
+    return enumerate_law(scripted)
 
 
 def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:

@@ -39,8 +39,6 @@ from test_speculative_statistical import (
 )
 from toy_models import NGramModel, chi_square_pvalue, llama_next_logits, random_llama, ref_warp, reference_greedy
 
-from model import ModelConfig
-from model.feature_head import FeatureHead
 from speculative import (
     Draft,
     FeatureDrafter,
@@ -52,6 +50,7 @@ from speculative import (
 from speculative.calls import chain
 from speculative.lookup import NgramIndex
 from speculative.sampling import Sampling, warp
+from speculative.toys import random_head  # the feature head of the tests and of speculative.prove
 
 verify = importlib.import_module("speculative.verify")
 
@@ -312,18 +311,6 @@ def test_lookup_first_tokens_have_the_target_distribution(lookup_toy: dict, vari
 
 
 # ----------------------------------------------------------------------------- feature drafter
-@torch.no_grad()
-def random_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3) -> FeatureHead:
-    """A FeatureHead of the target's shape with random weights (as random_llama's)."""
-    config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
-    head = FeatureHead(config)
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in head.named_parameters():
-        noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-        param.copy_(1 + 0.1 * noise if name.endswith("layernorm.weight") else std * noise)
-    return head.to(target.dtype).eval()
-
-
 FEATURE_RUNS = 1000
 FEATURE_CASES = [
     ("correct", Sampling()),

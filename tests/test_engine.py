@@ -90,6 +90,38 @@ def test_a_greedy_row_is_the_target_greedy_output_whatever_joins(pair: dict) -> 
         assert row.result().tokens == reference_greedy(pair["target"], prompt, 6)
 
 
+@proof("a row cancelled from outside leaves before the next iteration, and the rows that stay or join keep their "
+       "own tokens", "exact identity, float64, sampled, draft model and nothing drafted")
+@pytest.mark.parametrize("kind", ["model", "none"])
+def test_a_cancelled_row_leaves_at_once_and_the_others_go_on(pair: dict, kind: str) -> None:
+    """Cancelling a row in the batch: at the next step it leaves before anything is computed
+    for it (no more target calls, its tokens a prefix of its run alone), and a waiting row
+    takes its place in that step. Cancelling a waiting row drops it at once; cancelling a row
+    that is done changes nothing. The other rows are their runs alone, token for token."""
+    engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, temperature=1.0, max_rows=2, cache_len=64)
+    counts = [30, 10, 9, 7]
+    going, staying, joining, dropped = (engine.add(PROMPTS[i], counts[i], seed=10 + i) for i in range(4))
+    engine.step()
+    engine.step()
+    calls, produced = going.stats.target_calls, going.produced  # nothing drafted: its tokens may be on the device
+    engine.cancel(going)
+    engine.cancel(dropped)  # still waiting: dropped at once
+    assert dropped.done and dropped.stats.stop_reason == "cancelled" and dropped.result().tokens == []
+    assert all(row is not dropped for row in engine.waiting) and engine.finished == [dropped]
+    finished = engine.step()
+    assert finished[0] is going and going.done and going.stats.stop_reason == "cancelled"
+    so_far = going.result().tokens
+    assert going.stats.target_calls == calls and len(so_far) == produced
+    assert [row is joining or row is staying for row in engine.rows] == [True, True]
+    engine.run()  # the models' caches are the engine's until then: the runs alone come after
+    assert so_far == alone(pair, kind, PROMPTS[0], 10, 1.0, counts[0])[:len(so_far)] and len(so_far) < counts[0]
+    for i, row in ((1, staying), (2, joining)):
+        assert row.result().tokens == alone(pair, kind, PROMPTS[i], 10 + i, 1.0, counts[i])
+        assert row.stats.stop_reason == "max_new_tokens"
+    engine.cancel(staying)  # done already: nothing changes
+    assert staying.stats.stop_reason == "max_new_tokens" and not staying.cancelled
+
+
 def test_a_row_stops_at_its_eos_while_others_go_on(pair: dict) -> None:
     greedy = reference_greedy(pair["target"], PROMPTS[0], 10)
     eos = greedy[3]

@@ -7,8 +7,9 @@ Everything here is computed, not sampled, in float64, from the implementation's 
 * several steps of the whole algorithm on toy n-gram models, by enumerating every drafted
   continuation and every accept/reject branch, against the target's own autoregressive
   distribution computed with the plain-Python reference warp (temperature, top-k, top-p);
-* the same, with the verifier the loop calls (verify_step) run once per cell of its
-  randomness, so that a slip inside it (the residual, the bonus row, the threshold) shows;
+* the same, with the verifier the loop calls (verify_step) run once per branch of its
+  randomness (speculative.exact), so that a slip inside it (the residual, the bonus row, the
+  threshold) shows;
 * r = 0 exactly against a token the target rules out (the strict comparison);
 * the cost model's formulas and gamma="auto" against values worked out by hand or by brute force.
 
@@ -17,9 +18,7 @@ Each identity is also shown to fail for a deliberately broken acceptance rule or
 
 from __future__ import annotations
 
-import itertools
 import math
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -31,6 +30,7 @@ from strategies import distribution, distribution_pairs, max_gap, samplings, toy
 from toy_models import NGramModel, ref_warp, sequence_distribution
 
 import speculative.verify as verify
+from speculative.exact import verifier_distribution
 from speculative.gamma import (
     GAMMA_MAX,
     GAMMA_START,
@@ -394,100 +394,11 @@ def test_verify_step_never_keeps_a_token_the_target_rules_out(monkeypatch: pytes
 
 
 # ----------------------------------------------------------------------------- the verifier itself, enumerated
-class Uniforms(torch.Tensor):
-    """The verifier's r_1..r_g, each confined to a cell of [0, 1): below its threshold a_i (cell 0)
-    or above it (cell 1). A comparison with the thresholds records them and answers for a point
-    inside each cell (a_i / 2 or (1 + a_i) / 2, a_i clipped to [0, 1]), whatever the operator:
-    the verifier's own comparison decides, and the cell's measure is its probability."""
-
-    cells: list[int]
-    thresholds: list[torch.Tensor]
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in ("__lt__", "__le__", "__gt__", "__ge__", "lt", "le", "gt", "ge"):
-            r, a = args
-            if isinstance(r, Uniforms):
-                a = a.as_subclass(torch.Tensor).clamp(0, 1)
-                r.thresholds.append(a)
-                point = torch.tensor([(1 + x) / 2 if c else x / 2 for c, x in zip(r.cells, a.tolist())], dtype=a.dtype)
-                return func(point, a)
-        args = [x.as_subclass(torch.Tensor) if isinstance(x, Uniforms) else x for x in args]
-        return func(*args, **kwargs)
+# verifier_distribution (speculative.exact) runs verify_step itself once per branch of its randomness:
+# every uniform below or above the threshold it is compared with, every token its sampler can return.
 
 
-def verifier_outcomes(verifier: Verifier, p: torch.Tensor, q: torch.Tensor,
-                      drafted: torch.Tensor) -> list[tuple[list[int], float]]:
-    """Every outcome of ``verifier(p, q, drafted, generator)`` with its exact probability, by
-    running the function itself once per cell of its randomness: each r_i below or above the
-    threshold the verifier compares it with (:class:`Uniforms`, probability a_i or 1 - a_i),
-    then each token t the sampler can return for the place n the verifier keeps, with the
-    probability of t in the distribution the verifier hands its sampler (``sample`` of the
-    verifier's module, patched). So a slip inside the verifier, in the threshold, the
-    residual or the bonus row, changes the sums."""
-    g, out = drafted.shape[0], []
-    for cells in itertools.product((0, 1), repeat=g):
-        first, thresholds, handed = run_in_cells(verifier, p, q, drafted, list(cells), 0)
-        weight = math.prod(1 - a if c else a for c, a in zip(cells, thresholds[0].tolist() if g else []))
-        if weight == 0:
-            continue
-        law = handed[0][first.accepted]
-        for t in range(law.shape[0]):
-            if law[t] > 0:
-                out.append((run_in_cells(verifier, p, q, drafted, list(cells), t)[0].tokens, weight * law[t].item()))
-    return out
-
-
-def run_in_cells(verifier: Verifier, p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,
-                 cells: list[int], token: int) -> tuple[verify.Verification, list[torch.Tensor], list[torch.Tensor]]:
-    """One run of the verifier with its r_i in ``cells`` and its sampler returning ``token``;
-    with the thresholds r was compared with and the distributions the sampler was handed."""
-    module, handed = sys.modules[verifier.__module__], []
-    uniforms = torch.zeros(drafted.shape[0], dtype=p.dtype).as_subclass(Uniforms)
-    uniforms.cells, uniforms.thresholds = cells, []
-    real_rand, real_sample = torch.rand, module.sample
-    torch.rand = lambda *shape, **kwargs: uniforms
-    module.sample = lambda probs, generator: handed.append(probs) or torch.full(probs.shape[:-1], token)
-    try:
-        return verifier(p, q, drafted, torch.Generator()).read(), uniforms.thresholds, handed
-    finally:
-        torch.rand, module.sample = real_rand, real_sample
-
-
-Verifier = Callable[..., verify.Verification]
-
-
-def verifier_distribution(target: NGramModel, draft: NGramModel, prompt: tuple[int, ...], gamma: int, length: int,
-                          sampling: Sampling, verifier: Verifier = verify.verify_step) -> dict[tuple, float]:
-    """Exact P(first ``length`` emitted tokens) of the loop's iterations with the verifier the
-    loop calls: every drafted chain (x_i ~ q_i, warped by the code's warp), then every outcome
-    of the verifier (verifier_outcomes), iteration after iteration."""
-    out: dict[tuple[int, ...], float] = {}
-
-    def warped(model: NGramModel, context: tuple[int, ...]) -> torch.Tensor:
-        return warp(model.next_logits(context), sampling)
-
-    def iteration(context: tuple[int, ...], prob: float) -> None:
-        if len(context) - len(prompt) >= length:
-            key = context[len(prompt):len(prompt) + length]
-            out[key] = out.get(key, 0.0) + prob
-            return
-        chains = [((), 1.0)]
-        for _ in range(gamma):
-            chains = [(xs + (x,), w * qx) for xs, w in chains
-                      for x, qx in enumerate(warped(draft, context + xs).tolist()) if qx > 0]
-        for xs, w in chains:
-            p = torch.stack([warped(target, context + xs[:i]) for i in range(gamma + 1)])
-            q = torch.stack([warped(draft, context + xs[:i]) for i in range(gamma)])
-            for tokens, v in verifier_outcomes(verifier, p, q, torch.tensor(xs, dtype=torch.long)):
-                iteration(context + tuple(tokens), prob * w * v)
-
-    iteration(prompt, 1.0)
-    return out
-
-
-@proof("the verifier the engine calls (verify_step itself, run once per cell of its randomness) emits exactly "
+@proof("the verifier the engine calls (verify_step itself, run once per branch of its randomness) emits exactly "
        "the target's law",
        'exact enumeration, float64, to 1e-12, hypothesis: vocab 2-3, gamma 1-2, zeros in p and q')
 @settings(max_examples=12, derandomize=True, deadline=None)
@@ -502,7 +413,7 @@ def test_the_loops_verifier_emits_exactly_the_target_distribution(vocab: int, ga
 
 @proof('a wiring slip inside verify_step is caught',
        'exact enumeration of the mutated function',
-       rejects=('the residual against a one-hot q', 'the bonus drawn from p_gamma', 'r <= p/q (SGLang #35771)'))
+       rejects=('the residual against a one-hot q', 'the bonus drawn from p_gamma', 'the ratio inverted (q/p)'))
 @pytest.mark.parametrize("slip", [
     ("residual_distribution(p[:gamma], q)",  # the residual against a one-hot q (xLLM #2175's kind of slip)
      "residual_distribution(p[:gamma], torch.nn.functional.one_hot(drafted, q.shape[-1]).to(q.dtype))"),

@@ -33,6 +33,28 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False, system:
     return tokenizer.encode(prompt, bos=True)
 
 
+def encode_dialog(tokenizer: Tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """A conversation's ids in the Llama-2 chat format (Meta's reference ``chat_completion``):
+    an optional ("system", text) first, then ("user", text) and ("assistant", text) turns in
+    turn, ending with the user's. Each answered turn is ``<s>[INST] {user} [/INST] {answer} </s>``;
+    the last is ``<s>[INST] {user} [/INST]``, with the system prompt inside the first [INST]. One
+    user turn (and a system prompt) gives :func:`encode_prompt`'s ids with ``chat``. ValueError
+    for any other order of roles."""
+    turns = list(messages)
+    system = turns.pop(0)[1] if turns and turns[0][0] == "system" else None
+    roles = [role for role, _ in turns]
+    if not turns or roles != ["user", "assistant"] * (len(turns) // 2) + ["user"]:
+        raise ValueError("messages must be an optional system message, then user and assistant messages in turn, "
+                         f"ending with a user message; got {', '.join(roles) or 'no user message'}")
+    texts = [text for _, text in turns]
+    if system:
+        texts[0] = B_SYS + system.strip() + E_SYS + texts[0].strip()
+    ids: list[int] = []
+    for user, answer in zip(texts[:-1:2], texts[1::2]):
+        ids += tokenizer.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", bos=True, eos=True)
+    return ids + tokenizer.encode(f"{B_INST} {texts[-1].strip()} {E_INST}", bos=True)
+
+
 def continuation_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
     """The text the new tokens add to the prompt, with the spaces SentencePiece puts between them."""
     before = tokenizer.decode(list(prompt_ids))

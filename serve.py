@@ -1,0 +1,198 @@
+"""Serve a pair with an OpenAI-compatible HTTP API: requests that arrive over time share one
+engine, and speculation is decided by the load.
+
+    python serve.py                                   # the shipped tiny pair on http://127.0.0.1:8000
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "tiny-target", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0}'
+    python serve.py --speculation off                 # the target alone, batched
+    python serve.py --port 0 --max-batch 8            # any free port (printed), at most 8 rows per call
+
+(In a clone set up by the README's quick start with the serve extra: .venv/bin/python serve.py.)
+
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed with "stream": true),
+GET /v1/models, /health and /metrics (Prometheus text). Every answer carries usage and the
+request's speculation figures (drafted, accepted, alpha, tau). docs/serving.md is the reference.
+
+--speculation load (the default) picks gamma, 0 included, before every iteration from the
+cost model at the current batch size, with the live alpha and step costs measured at start-up
+and while serving; "on" always drafts --gamma tokens, "off" never drafts. A request can pin
+its own gamma ("speculative_gamma"): a seeded request with a pinned gamma gets generate.py's
+tokens for that gamma and seed whatever the load.
+
+There is no authentication: the server listens on 127.0.0.1 unless --host says otherwise.
+Exit status: 0 after a clean shutdown (Ctrl-C), 2 for bad input, with one ``error: ...`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+
+from generate import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, pick_device, pick_dtype
+from model.compile import decode_widths
+from model.memory import check_memory
+from model.setup import SETUPS, candidates, choose_setups
+from speculative import Engine, PairMismatchError
+from speculative.gamma import GAMMA_MAX
+from speculative.serving import EngineLoop, FixedGamma, LoadGamma, Service
+from weights import NonFiniteWeightsError, Pair, read_pair
+from weights import cli as cmdline
+from weights.cli import UsageError
+
+CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
+
+
+def build_parser() -> cmdline.ArgumentParser:
+    parser = cmdline.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument_group("models").add_argument
+    add("--target", default=DEFAULT_TARGET, help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)")
+    add("--draft", default=DEFAULT_DRAFT, help="a draft model, a feature head or lookup (default %(default)s)")
+    add("--no-draft", action="store_true", help="the target alone: no speculation at all")
+    add("--name", default=None, help="the model name clients ask for (default: --target)")
+    add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    add("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 (float16) on a GPU, float32 on cpu")
+    add("--quantize", choices=["int8"], default=None, help="int8 block weights (default: none)")
+    add("--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU")
+    add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
+    add("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None,
+        help="compiled decode steps, compiled once at start-up")
+    add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
+    add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add = parser.add_argument_group("serving").add_argument
+    add("--host", default="127.0.0.1", help="address to listen on; there is no authentication (default %(default)s)")
+    add("--port", type=int, default=8000, help="0 picks a free port (default %(default)s)")
+    add("--max-batch", type=int, default=16, help="rows per target call at most (default %(default)s)")
+    add("--max-waiting", type=int, default=64,
+        help="requests waiting for a row at most; more get 429 with Retry-After (default %(default)s)")
+    add("--speculation", choices=("load", "on", "off"), default="load",
+        help="gamma by the cost model at the current load, always --gamma, or never (default %(default)s)")
+    add("--gamma", type=int, default=4, help="draft length with --speculation on; the largest otherwise "
+                                             "(default %(default)s)")
+    add("--verify", choices=["token", "block"], default="token", help="token-wise or block-wise (default %(default)s)")
+    add("--access-log", action="store_true", help="log every request on stderr")
+    return parser
+
+
+def validate(args: argparse.Namespace) -> None:
+    for name in ("threads", "max_batch", "gamma"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.gamma > GAMMA_MAX:
+        raise UsageError(f"--gamma must be at most {GAMMA_MAX}, got {args.gamma}")
+    if args.max_waiting < 0 or not 0 <= args.port < 65536:
+        raise UsageError(f"--max-waiting must be >= 0 and --port in 0..65535, got {args.max_waiting} and {args.port}")
+    if args.compile and args.setup != "default":
+        raise UsageError(f"--compile and --setup {args.setup} both choose the set-up: give one")
+    if args.compile:
+        args.setup = "compiled" if args.compile == "force" else "measure-all"
+    if args.setup != "default" and (args.quantize or args.no_fuse or args.no_prepack):
+        raise UsageError("--setup and --compile choose among the set-ups themselves: drop --quantize, --no-fuse and "
+                         "--no-prepack, or the set-up flag")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("serve.py runs in one process: tensor parallelism (torchrun) is not supported")
+
+
+def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Pair, int, list[str]]:
+    """The pair as generate.py loads it (weights.read_pair, the same set-up and compile choices),
+    for batches of up to --max-batch rows over the whole context. Returns it, the context and the
+    set-up lines to print."""
+    try:
+        spec = read_pair(args.target, None if args.no_draft else args.draft)
+    except PairMismatchError as err:
+        hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)" \
+            if args.draft == DEFAULT_DRAFT and args.target != DEFAULT_TARGET else ""
+        raise PairMismatchError(f"{err}{hint}") from None
+    context, planned = spec.context, spec.planned_draft
+    check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), context,
+                 dtype, device, quantize=args.quantize, batch=args.max_batch)
+    pair = spec.load(device, dtype, quantize=args.quantize, stack=not args.no_fuse, prepack=not args.no_prepack,
+                     prepare_models=args.setup == "default")
+    if args.setup == "default":
+        return pair, context, []
+    gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
+    widths = decode_widths(gamma, args.gamma) if spec.kind else (1,)
+    try:
+        setups = choose_setups(pair.target, candidates(args.setup), widths, context, draft=pair.draft_model,
+                               head=pair.head, batch=args.max_batch)
+    except ValueError as err:
+        raise UsageError(f"--setup {args.setup}: {err}") from None
+    return pair.with_models(setups.target, setups.draft), context, setups.lines
+
+
+def start(args: argparse.Namespace) -> Service:
+    """Load the pair, build the engine and its gamma policy (calibrated at start-up for "load"),
+    start the engine's thread, and return what the API serves."""
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    pair, context, lines = load(args, device, dtype)
+    for line in lines:
+        print(f"setup: {line}", file=sys.stderr)
+    speculative = pair.draft is not None
+    engine = Engine(pair.target, pair.draft, gamma=args.gamma, verify=args.verify, max_rows=args.max_batch,
+                    cache_len=context)
+    policy = None
+    if speculative and args.speculation == "off":
+        policy = FixedGamma(0)
+    elif speculative and args.speculation == "load":
+        policy = LoadGamma(args.gamma, args.max_batch)
+        seconds = policy.calibrate(engine, pair.tokenizer.encode(CALIBRATION_TEXT))
+        chosen = ", ".join(f"{b}: {g}" for b, g, _ in policy.table())
+        print(f"cost model: every gamma measured at batch sizes up to {args.max_batch} in {seconds:.1f}s; gamma by "
+              f"batch size now {chosen} (it follows the live alpha and step costs)", file=sys.stderr)
+    loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy).start()
+    mode = args.speculation if speculative else "none"
+    return Service(loop, pair.tokenizer, args.name or args.target, context, args.gamma if speculative else 0, mode,
+                   args.draft if speculative else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    validate(args)
+    import uvicorn  # the serve extra: pip install -e ".[serve]"
+
+    from speculative.server import create_app
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((args.host, args.port))
+    except OSError as err:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
+    listener.listen(2048)  # clients may connect from now on; they are answered once uvicorn runs
+    service = start(args)
+    host, port = listener.getsockname()[:2]
+    how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
+    print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
+          f"rows) on http://{host}:{port} -- no authentication", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(service), log_level="warning", access_log=args.access_log, lifespan="off",
+                            timeout_graceful_shutdown=2)
+    try:
+        uvicorn.Server(config).run(sockets=[listener])
+    finally:
+        service.loop.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(build_parser().parse_args(argv))
+    except ModuleNotFoundError as err:
+        if err.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
+            raise
+        print(f"error: {err.name} is missing: install the serve extra (pip install -e \".[serve]\")", file=sys.stderr)
+        return 2
+    except (ValueError, NonFiniteWeightsError) as err:  # UsageError, UnknownCheckpointError, PairMismatchError, ...
+        print(f"error: {err}".splitlines()[0], file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,505 @@
+"""serve.py's OpenAI-compatible API through the real ``openai`` client, against servers that
+listen on 127.0.0.1 at a free port: the shipped pair as serve.py starts it (speculation decided
+by the load), and small float64 pairs started in-process for what needs control (the sampled
+law, a request whose logits turn non-finite, a full queue, slow steps for disconnects).
+
+Every load loop is bounded in requests and time; nothing waits without a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from proofs import proof
+from toy_models import (
+    chi_square_pvalue,
+    llama_next_logits,
+    noisy_copy,
+    random_llama,
+    ref_warp,
+    reference_greedy,
+    sequence_distribution,
+)
+
+import generate
+import serve
+from speculative import Engine
+from speculative.server import Output, create_app
+from speculative.serving import EngineLoop, FixedGamma, LoadGamma, Service
+from weights import load_tokenizer
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY_PROMPTS = ["Once upon a time", "The little dog"]
+NEW = 48  # tokens per reference request
+
+
+# ----------------------------------------------------------------------------- servers
+@contextlib.contextmanager
+def listening(service: Service) -> Iterator[str]:
+    """The API over ``service`` on 127.0.0.1 at a free port, in a thread; its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="error", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "the server did not start within 10 s"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        service.loop.close()
+
+
+def client(url: str, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=timeout)
+
+
+class Letters:
+    """A tokenizer for toy models: token i is the letter chr(97 + i); no EOS, so rows stop by count."""
+
+    bos_id, eos_id = 0, None
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + int(i)) for i in ids)
+
+
+@contextlib.contextmanager
+def toy_server(target, draft, *, policy=None, max_rows: int = 4, max_waiting: int = 64, gamma: int = 3,
+               step_delay: float = 0.0) -> Iterator[SimpleNamespace]:
+    """A float64 toy pair served in-process; ``step_delay`` makes every engine step that slow."""
+    engine = Engine(target, draft, gamma=gamma, max_rows=max_rows, cache_len=target.config.max_seq_len)
+    if step_delay:
+        step = engine.step
+        engine.step = lambda: (time.sleep(step_delay), step())[1]
+    loop = EngineLoop(engine, max_waiting=max_waiting, policy=policy, log=lambda line: None).start()
+    service = Service(loop, Letters(), "toy", target.config.max_seq_len, gamma, "load")
+    with listening(service) as url:
+        yield SimpleNamespace(url=url, loop=loop, engine=engine, client=client(url))
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Iterator[SimpleNamespace]:
+    """The shipped pair as ``serve.py --max-batch 4`` starts it: speculation by load, calibrated."""
+    args = serve.build_parser().parse_args(["--max-batch", "4", "--port", "0"])
+    serve.validate(args)
+    service = serve.start(args)
+    with listening(service) as url:
+        yield SimpleNamespace(url=url, service=service, client=client(url), tokenizer=service.tokenizer)
+
+
+def run_generate(*argv: str) -> dict:
+    """generate.py's own answer (--json) for these flags."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert generate.main([*argv, "--max-new-tokens", str(NEW), "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.fixture(scope="module")
+def references(shipped: SimpleNamespace) -> dict:
+    """generate.py's tokens: greedy for each prompt, --chat greedy, and a sampled run with
+    --gamma 2 --seed 7; the greedy ones are checked to be far from any near-tie (so that a batch's
+    float32 rounding cannot flip them and equality is the test)."""
+    refs = {p: run_generate("--prompt", p) for p in GREEDY_PROMPTS}
+    refs["chat"] = run_generate("--prompt", "Tell me a story", "--chat")
+    refs["pinned"] = run_generate("--prompt", GREEDY_PROMPTS[0], "--temperature", "1", "--seed", "7", "--gamma", "2")
+    target, tokenizer = shipped.service.loop.engine.target, shipped.tokenizer
+    with torch.inference_mode():
+        for prompt in GREEDY_PROMPTS:
+            ids = tokenizer.encode(prompt, bos=True) + refs[prompt]["tokens"]
+            logits = target(torch.tensor([ids]))[0, -NEW - 1:-1].double()
+            top2 = logits.topk(2, dim=-1).values
+            assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3, f"{prompt!r} meets a near-tie: choose another"
+    return refs
+
+
+def ids_of(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def completion(shipped: SimpleNamespace, prompt: str, **options):
+    extra = options.pop("extra_body", {})
+    options.setdefault("max_tokens", NEW)
+    return shipped.client.completions.create(model="tiny-target", prompt=prompt,
+                                             extra_body={"return_token_ids": True, **extra}, **options)
+
+
+def streamed(stream) -> tuple[str, list[int], list]:
+    """The text and token ids of a stream of chunks, and the chunks."""
+    chunks = list(stream)
+    text, ids = "", []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            text += getattr(choice, "text", None) or getattr(getattr(choice, "delta", None), "content", None) or ""
+            ids += (choice.model_extra or {}).get("token_ids", [])
+    return text, ids, chunks
+
+
+# ----------------------------------------------------------------------------- exactness
+def test_greedy_completions_are_generate_pys_streamed_or_not(shipped, references) -> None:
+    for prompt in GREEDY_PROMPTS:
+        ref = references[prompt]
+        finish = "stop" if ref["stats"]["stop_reason"] == "eos" else "length"
+        whole = completion(shipped, prompt, temperature=0)
+        assert ids_of(whole.choices[0]) == ref["tokens"] and whole.choices[0].text == ref["text"]
+        assert whole.choices[0].finish_reason == finish and whole.usage.completion_tokens == len(ref["tokens"])
+        text, ids, chunks = streamed(completion(shipped, prompt, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert ids == ref["tokens"] and text == ref["text"]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref["tokens"])
+        assert chunks[-2].choices[0].finish_reason == finish
+
+
+def test_a_chat_is_generate_pys_chat_streamed_or_not(shipped, references) -> None:
+    ref = references["chat"]
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    whole = shipped.client.chat.completions.create(model="tiny-target", messages=messages, max_tokens=NEW,
+                                                   temperature=0, extra_body={"return_token_ids": True})
+    assert ids_of(whole.choices[0]) == ref["tokens"]
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == shipped.tokenizer.decode(ref["tokens"])
+    text, ids, chunks = streamed(shipped.client.chat.completions.create(
+        model="tiny-target", messages=messages, max_tokens=NEW, temperature=0, stream=True,
+        extra_body={"return_token_ids": True}))
+    assert ids == ref["tokens"] and text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_pinned_seed_gets_generate_pys_tokens_alone_and_among_concurrent_requests(shipped, references) -> None:
+    """speculative_gamma 2 and seed 7 give generate.py --gamma 2 --seed 7's tokens, alone and while
+    greedy and sampled requests share the batch; every greedy request stays generate.py's."""
+    ref = references["pinned"]["tokens"]
+
+    def pinned():
+        return ids_of(completion(shipped, GREEDY_PROMPTS[0], temperature=1, seed=7,
+                                 extra_body={"speculative_gamma": 2}).choices[0])
+
+    assert pinned() == ref
+    jobs = [pinned, pinned] + [lambda p=p: ids_of(completion(shipped, p, temperature=0).choices[0])
+                               for p in GREEDY_PROMPTS]
+    noise = [lambda i=i: completion(shipped, "Lily and Tom", temperature=1.0, max_tokens=40 + 10 * i)
+             for i in range(4)]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(job) for job in noise[:2] + jobs + noise[2:]]
+        results = [f.result(timeout=120) for f in futures]
+    assert results[2:4] == [ref, ref]
+    assert results[4:6] == [references[p]["tokens"] for p in GREEDY_PROMPTS]
+
+
+@proof("a sampled request through the server follows the target's law while other requests share the batch "
+       "and gamma follows the load", "chi-square (p > 1e-3) of 1,000 requests of 3 tokens at T = 0.8, top-k 4, "
+       "float64, against the exact law; the draft's law is rejected (p < 1e-6)",
+       rejects=("the server drops top_k", "unseeded requests seeded alike"))
+def test_the_sampled_law_under_concurrent_traffic() -> None:
+    target = random_llama(vocab=5, dim=16, max_seq_len=64, seed=3, dtype=torch.float64)
+    draft = noisy_copy(target, std=0.5, seed=4)
+    policy = LoadGamma(3, 4)
+    engine_for_calibration = Engine(target, draft, gamma=3, max_rows=4, cache_len=64)
+    policy.calibrate(engine_for_calibration, [0, 1], rounds=1)
+    prompt, count = [1, 2, 0], 1000
+    with toy_server(target, draft, policy=policy) as server:
+        def sampled(_: int) -> tuple[int, ...]:
+            answer = server.client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0.8,
+                                                      extra_body={"top_k": 4, "return_token_ids": True})
+            return tuple(ids_of(answer.choices[0]))
+
+        def other(i: int) -> None:
+            server.client.completions.create(model="toy", prompt=[i % 5, 3], max_tokens=5 + i % 20,
+                                             temperature=[0, 1.0, 0.5][i % 3], seed=i)
+
+        with ThreadPoolExecutor(10) as pool:
+            background = [pool.submit(other, i) for i in range(60)]
+            samples = Counter(pool.map(sampled, range(count), timeout=300))
+            for f in background:
+                f.result(timeout=60)
+        assert server.loop.metrics.speculating > 0
+    assert sum(samples.values()) == count
+
+    def law(model):
+        logits = llama_next_logits(model)
+        return sequence_distribution(lambda ctx: ref_warp(logits(ctx).tolist(), 0.8, top_k=4), prompt, 3)
+
+    assert chi_square_pvalue(samples, law(target)) > 1e-3
+    assert chi_square_pvalue(samples, law(draft)) < 1e-6  # the test tells the target from its draft
+
+
+# ----------------------------------------------------------------------------- text, usage, figures
+def test_stop_strings_end_the_text_before_them(shipped, references) -> None:
+    ref = references[GREEDY_PROMPTS[0]]
+    full = ref["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 6]
+    cut = full[:full.index(stop)]
+    whole = completion(shipped, GREEDY_PROMPTS[0], temperature=0, stop=[stop, "never there"])
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    kept = ids_of(whole.choices[0])
+    assert kept == ref["tokens"][:len(kept)] and whole.usage.completion_tokens == len(kept) < NEW
+    assert stop in shipped.tokenizer.decode(shipped.tokenizer.encode(GREEDY_PROMPTS[0]) + kept)
+    text, ids, chunks = streamed(completion(shipped, GREEDY_PROMPTS[0], temperature=0, stop=stop, stream=True))
+    assert text == cut and ids == kept and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_every_answer_has_usage_and_its_speculation_figures(shipped) -> None:
+    plain = completion(shipped, "Lily and Tom", temperature=0, extra_body={"speculative_gamma": 0})
+    figures = plain.model_extra["speculation"]
+    assert figures["gamma"] == 0 and figures["drafted_tokens"] == 0 and figures["acceptance_rate"] is None
+    made = plain.usage.completion_tokens
+    assert figures["target_calls"] == made and figures["tokens_per_target_call"] == 1.0
+    assert plain.usage.prompt_tokens == len(shipped.tokenizer.encode("Lily and Tom"))
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + made
+    spec = completion(shipped, "Lily and Tom", temperature=0, extra_body={"speculative_gamma": 3})
+    figures = spec.model_extra["speculation"]
+    assert figures["gamma"] == 3 and 0 < figures["accepted_tokens"] <= figures["drafted_tokens"]
+    assert 0 < figures["acceptance_rate"] <= 1 and figures["mean_gamma"] <= 3
+    assert figures["tokens_per_target_call"] == pytest.approx(made / figures["target_calls"])
+    assert figures["tokens_per_target_call"] > 1
+    assert ids_of(spec.choices[0]) == ids_of(plain.choices[0])  # greedy: the same tokens either way
+    load = completion(shipped, "Lily and Tom", temperature=0).model_extra["speculation"]
+    assert load["gamma"] == "load"
+
+
+def test_models_health_and_metrics(shipped) -> None:
+    models = shipped.client.models.list()
+    assert [m.id for m in models.data] == ["tiny-target"] and models.data[0].model_extra["context_length"] == 512
+    health = httpx.get(f"{shipped.url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    metrics = httpx.get(f"{shipped.url}/metrics", timeout=10)
+    assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+    values = {}
+    for line in metrics.text.splitlines():
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for name in ("tokens_per_second", "requests_running", "requests_waiting", "batch_size", "alpha", "tau",
+                 "speculation_on_ratio", "speculating_iterations_total", "gamma", "policy_alpha"):
+        assert f"speculative_{name}" in values, name
+    assert {f'speculative_policy_gamma{{batch="{b}"}}' for b in range(1, 5)} <= set(values)
+    assert values["speculative_generated_tokens_total"] > 0 and values["speculative_iterations_total"] > 0
+    assert all(0 <= values[f'speculative_policy_gamma{{batch="{b}"}}'] <= 4 for b in range(1, 5))
+
+
+# ----------------------------------------------------------------------------- disconnects
+def test_a_client_that_disconnects_frees_its_row_at_once() -> None:
+    """A streamed request closed after two chunks and a plain one whose client times out: both
+    rows are cancelled (not run to their 400 tokens), and the batch empties."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=512, seed=0, dtype=torch.float64)
+    with toy_server(target, noisy_copy(target, std=0.3, seed=1), policy=FixedGamma(0), step_delay=0.01) as server:
+        stream = server.client.completions.create(model="toy", prompt=[1, 2], max_tokens=400, stream=True)
+        for _, _chunk in zip(range(2), stream):
+            pass
+        stream.close()
+        with pytest.raises(openai.APITimeoutError):
+            client(server.url, timeout=0.3).completions.create(model="toy", prompt=[3, 4], max_tokens=400)
+        deadline = time.monotonic() + 10
+        while server.loop.metrics.outcomes.get("cancelled", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.loop.metrics.outcomes == {"cancelled": 2}
+        assert server.loop.running == 0 and server.loop.metrics.tokens < 200
+
+
+# ----------------------------------------------------------------------------- errors
+def error_of(call) -> tuple[int, dict, httpx.Headers]:
+    with pytest.raises(openai.APIStatusError) as raised:
+        call()
+    return raised.value.status_code, raised.value.body, raised.value.response.headers
+
+
+@pytest.mark.parametrize("options, status, words", [
+    ({"temperature": 3}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n:"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+    ({"extra_body": {"top_k": 0}}, 400, "top_k"),
+    ({"extra_body": {"logit_bias": {"5": 1}}}, 400, "unknown or unsupported field 'logit_bias'"),
+    ({"extra_body": {"speculative_gamma": 9}}, 400, "0..4"),
+    ({"prompt": [1, 5000]}, 400, "[0, 2048)"),
+    ({"prompt": [1] * 600}, 400, "context is 512 tokens"),
+    ({"max_tokens": 511}, 400, "max_tokens can be at most 510"),  # "Once" is 2 tokens with BOS
+    ({"model": "gpt-4"}, 404, "this server serves 'tiny-target'"),
+])
+def test_bad_requests_get_one_line_openai_errors(shipped, options, status, words) -> None:
+    extra = options.pop("extra_body", {})
+    request = {"model": "tiny-target", "prompt": "Once", "max_tokens": 8, **options}
+    code, body, _ = error_of(lambda: shipped.client.completions.create(**request, extra_body=extra))
+    assert code == status and words in body["message"] and "\n" not in body["message"]
+    assert set(body) == {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+
+
+def test_bad_bodies_paths_and_chats_get_json_errors(shipped) -> None:
+    post = lambda path, content: httpx.post(f"{shipped.url}{path}", content=content,  # noqa: E731
+                                            headers={"Content-Type": "application/json"}, timeout=10)
+    for answer, status, words in [
+        (post("/v1/completions", b"{not json"), 400, "not valid JSON"),
+        (post("/v1/completions", b'{"prompt": "x"}'), 400, "model is required"),
+        (post("/v1/chat/completions", b'{"model": "tiny-target", "messages": [{"role": "assistant", "content": '
+                                      b'"hi"}]}'), 400, "ending with a user message"),
+        (httpx.get(f"{shipped.url}/v2/everything", timeout=10), 404, "no such path"),
+        (httpx.get(f"{shipped.url}/v1/completions", timeout=10), 405, "not allowed"),
+    ]:
+        assert answer.status_code == status and words in answer.json()["error"]["message"], answer.text
+        assert "Traceback" not in answer.text
+
+
+def test_a_full_queue_answers_429_with_retry_after() -> None:
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    with toy_server(target, noisy_copy(target, std=0.3, seed=1), max_rows=1, max_waiting=1) as server:
+        gate, step = threading.Event(), server.engine.step
+        server.engine.step = lambda: (gate.wait(10), step())[1]
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(server.client.completions.create, model="toy", prompt=[1, 2], max_tokens=5)
+            deadline = time.monotonic() + 10
+            while server.loop.waiting < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            code, body, headers = error_of(lambda: server.client.completions.create(model="toy", prompt=[3],
+                                                                                     max_tokens=5))
+            gate.set()
+            assert held.result(timeout=30).usage.completion_tokens == 5
+        assert code == 429 and int(headers["retry-after"]) >= 1 and body["code"] == "queue_full"
+        assert "1 requests are waiting" in body["message"]
+        assert server.loop.metrics.rejected == 1
+
+
+@proof("a request whose logits turn non-finite fails alone through the server, and the others keep their own "
+       "tokens", "exact identity, float64, greedy, a NaN embedding read by one request only")
+def test_a_request_whose_logits_turn_non_finite_fails_alone_with_500() -> None:
+    import copy
+
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    draft = noisy_copy(target, std=0.3, seed=1)
+    broken = copy.deepcopy(target)
+    with torch.no_grad():
+        broken.embed_tokens.weight[15] = float("nan")
+    healthy = [4, 5]
+    expected = reference_greedy(target, healthy, 20)
+    assert 15 not in expected
+    with toy_server(broken, draft, policy=FixedGamma(3)) as server:
+        with ThreadPoolExecutor(3) as pool:
+            fine = pool.submit(server.client.completions.create, model="toy", prompt=healthy, max_tokens=20,
+                               temperature=0, extra_body={"return_token_ids": True})
+            code, body, _ = error_of(lambda: server.client.completions.create(model="toy", prompt=[3, 15, 4],
+                                                                               max_tokens=20, temperature=0))
+            streamed_code, _, _ = error_of(lambda: list(server.client.completions.create(
+                model="toy", prompt=[15], max_tokens=20, stream=True)))
+            assert ids_of(fine.result(timeout=30).choices[0]) == expected
+        assert code == streamed_code == 500 and body["code"] == "non_finite_logits" and body["type"] == "server_error"
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+        assert server.loop.metrics.outcomes["error"] == 2
+
+
+def test_a_stopped_engine_answers_503() -> None:
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    with toy_server(target, None) as server:
+        server.loop.close()
+        code, body, _ = error_of(lambda: server.client.completions.create(model="toy", prompt=[1], max_tokens=2))
+        assert code == 503 and body["code"] == "engine_stopped"
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
+
+
+# ----------------------------------------------------------------------------- text pieces
+def test_output_holds_back_what_may_start_a_stop_string_and_cuts_at_its_token() -> None:
+    """Fed token by token or in blocks, the text handed out adds up to the continuation, up to a
+    stop string; text that could begin a stop string waits until the next tokens settle it; the
+    token that completes a stop string is the last one kept."""
+    tokenizer = load_tokenizer("tiny-target")
+    prompt = tokenizer.encode("Once upon a time")
+    new = tokenizer.encode(" there was a little girl named Lily. She loved to play.", bos=False)
+    shown = len(tokenizer.decode(prompt))
+    full = tokenizer.decode(prompt + new)[shown:]
+    for block in (1, 3, len(new)):
+        output, handed, held = Output(tokenizer, prompt, ["girl named X"]), "", set()
+        for i in range(0, len(new), block):
+            handed += output.add(new[i:i + block])
+            seen = tokenizer.decode(prompt + output.tokens)[shown:]
+            assert seen.startswith(handed) and "girl named X".startswith(seen[len(handed):])
+            held.add(seen[len(handed):])
+        assert handed + output.finish() == full and not output.stopped and output.tokens == new
+        assert block > 1 or {"g", "girl", "girl named"} & held  # something waited on the way
+        output, handed = Output(tokenizer, prompt, ["Lily.", "never"]), ""
+        for i in range(0, len(new), block):
+            handed += output.add(new[i:i + block])
+        assert handed + output.finish() == full[:full.index("Lily.")] and output.stopped
+        assert "Lily." in tokenizer.decode(prompt + output.tokens)
+        assert "Lily." not in tokenizer.decode(prompt + output.tokens[:-1])
+
+
+# ----------------------------------------------------------------------------- the script
+def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    for argv, words in [(["--max-batch", "0"], "--max-batch must be >= 1"),
+                        (["--gamma", "40"], "at most 16"),
+                        (["--compile", "--setup", "plain"], "both choose"),
+                        (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1")]:
+        assert serve.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+    taken.close()
+
+
+def test_serve_py_starts_on_127_0_0_1_and_answers_the_openai_client() -> None:
+    """The README's two lines: start it, query it; Ctrl-C ends it with status 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--max-batch", "2", "--speculation", "on"],
+                               cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            lines.append(line)
+            if not line or line.startswith("serving "):
+                break
+        assert lines[-1].startswith("serving tiny-target (draft tiny-draft, speculation on, gamma 4"), lines
+        assert "http://127.0.0.1:" in lines[-1] and "no authentication" in lines[-1]
+        url = lines[-1].split(" on ")[1].split()[0]
+        answer = client(url).completions.create(model="tiny-target", prompt="Once upon a time", max_tokens=8,
+                                                temperature=0)
+        assert answer.usage.completion_tokens == 8 and answer.choices[0].text
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        rest = process.stderr.read()
+        assert "Traceback" not in rest and "ERROR" not in rest, rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        process.stderr.close()
+
+
+def test_the_retry_after_estimate_is_bounded() -> None:
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    loop = EngineLoop(Engine(target, None, max_rows=1, cache_len=64))
+    assert loop.retry_after(5) == 1  # nothing finished lately
+    now = time.perf_counter()
+    loop.metrics.ends.extend([now] * 3)  # 0.3 requests per second over the window
+    assert loop.retry_after(6) == math.ceil(6 / 0.3) and loop.retry_after(600) == 60
