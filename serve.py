@@ -29,6 +29,7 @@ import argparse
 import os
 import socket
 import sys
+import threading
 
 import torch
 
@@ -123,9 +124,10 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     return pair.with_models(setups.target, setups.draft), context, setups.lines
 
 
-def start(args: argparse.Namespace) -> Service:
+def start(args: argparse.Namespace, here: bool = False) -> Service:
     """Load the pair, build the engine and its gamma policy (calibrated at start-up for "load"),
-    start the engine's thread, and return what the API serves."""
+    start the engine's thread (or, ``here``, leave its loop to the calling thread), and return
+    what the API serves."""
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     if args.threads is not None:
@@ -145,7 +147,11 @@ def start(args: argparse.Namespace) -> Service:
         chosen = ", ".join(f"{b}: {g}" for b, g, _ in policy.table())
         print(f"cost model: every gamma measured at batch sizes up to {args.max_batch} in {seconds:.1f}s; gamma by "
               f"batch size now {chosen} (it follows the live alpha and step costs)", file=sys.stderr)
-    loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy).start()
+    loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy)
+    if here:
+        loop.here()
+    else:
+        loop.start()
     mode = args.speculation if speculative else "none"
     return Service(loop, pair.tokenizer, args.name or args.target, context, args.gamma if speculative else 0, mode,
                    args.draft if speculative else None)
@@ -165,17 +171,28 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
     listener.listen(2048)  # clients may connect from now on; they are answered once uvicorn runs
-    service = start(args)
+    service = start(args, here=True)  # the engine runs in this thread, below
     host, port = listener.getsockname()[:2]
     how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
     print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
           f"rows) on http://{host}:{port} -- no authentication", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=args.access_log, lifespan="off",
                             timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+
+    def http() -> None:  # uvicorn in a thread of its own; when it stops, so does the engine
+        try:
+            server.run(sockets=[listener])
+        finally:
+            service.loop.close()
+
+    web = threading.Thread(target=http, name="http", daemon=True)
+    web.start()
     try:
-        uvicorn.Server(config).run(sockets=[listener])
+        service.loop.run()  # the engine in this thread, the one that loaded the models
     finally:
-        service.loop.close()
+        server.should_exit = True
+        web.join(5)
     return 0
 
 

@@ -206,11 +206,27 @@ class Exchange:
             except RuntimeError:  # the event loop is closed: nobody is listening
                 pass
 
+        # A streamed request, or one with stop strings, reads every iteration's tokens as they
+        # come; any other waits for the end, so its tokens are handed over once, and the event
+        # loop is not woken (taking a core from the engine's threads) at every iteration.
+        eager, held = bool(body.stream or body.stop), []
+
+        def tokens(ids: list[int]) -> None:
+            if eager:
+                put(ids)
+            else:
+                held.extend(ids)
+
+        def done(ticket: Ticket) -> None:
+            if held:
+                put(list(held))
+            put(None)
+
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = None if body.top_p is None or body.top_p >= 1 else body.top_p
         self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat),
                              Sampling(temperature, body.top_k, top_p), body.seed, body.speculative_gamma,
-                             service.tokenizer.eos_id, on_tokens=put, on_done=lambda ticket: put(None))
+                             service.tokenizer.eos_id, on_tokens=tokens, on_done=done)
         self.watcher: asyncio.Task | None = None
 
     def submit(self) -> None:

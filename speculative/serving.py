@@ -1,9 +1,11 @@
 """Requests that arrive over time, on the one production engine (speculative.engine), with
 speculation decided by the load.
 
-:class:`EngineLoop` owns an :class:`~speculative.engine.Engine` in one background thread.
-Other threads (a server's event loop) :meth:`~EngineLoop.submit` a :class:`Ticket` and may
-:meth:`~EngineLoop.cancel` it; the thread adds new requests and cancels rows between
+:class:`EngineLoop` owns an :class:`~speculative.engine.Engine` in one thread: a thread of
+its own (:meth:`~EngineLoop.start`), or the caller's (:meth:`~EngineLoop.here`, then
+:meth:`~EngineLoop.run`; serve.py runs it in the thread that loaded the models, see
+:meth:`~EngineLoop.here`). Other threads (a server's event loop) :meth:`~EngineLoop.submit` a
+:class:`Ticket` and may :meth:`~EngineLoop.cancel` it; the loop adds new requests and cancels rows between
 iterations, steps the engine while it holds rows, and reports every iteration's tokens and
 each request's end through the ticket's callbacks. The waiting queue is bounded: a request
 beyond it is refused with :class:`OverloadedError`, which says when to come back.
@@ -163,8 +165,10 @@ class LoadGamma:
         """Measure every gamma's iteration at each batch size in ``sizes`` (default 1, 2, 4, ...,
         max_rows) on ``engine`` itself, before it serves: B greedy rows of ``prompt`` step with
         gamma 0, 1, ..., gamma_max in turn, ``rounds`` times (so that a slow moment of a shared
-        machine falls on every gamma alike), and each cell keeps its median. Leaves the engine
-        idle with this policy installed, and returns the seconds it took."""
+        machine falls on every gamma alike), and each cell keeps its median. The positions it
+        verified seed alpha (weighted as the last 1 / (1 - fade) of them at most, so that live
+        traffic soon outweighs them). Leaves the engine idle with this policy installed, and
+        returns the seconds it took."""
         start = time.perf_counter()
         sizes = sorted(set(sizes or [*(2 ** k for k in range(max_rows_log(self.max_rows) + 1)), self.max_rows]))
         per_row = rounds * sum(g + 2 for g in range(self.gamma_max + 1)) + 2
@@ -185,12 +189,18 @@ class LoadGamma:
                         times[fixed.gamma].append(timed_step(engine))
                 for gamma, parts in times.items():
                     self.record(size, gamma, [sorted(column)[len(column) // 2] for column in zip(*parts)], weight=1.0)
+                for row in rows:  # what the calibration verified seeds alpha (else 1/2 until traffic comes)
+                    self.accepted_mass += row.stats.overlap_sum
+                    self.positions += row.stats.verified_positions
                 for row in rows:
                     engine.cancel(row)
                 engine.step()  # they leave
         finally:
             engine.policy = self
             engine.finished.clear()
+        window = 1 / (1 - self.fade)  # live traffic outweighs the calibration after about this many positions
+        if self.positions > window:
+            self.accepted_mass, self.positions = self.accepted_mass * window / self.positions, window
         return time.perf_counter() - start
 
     def table(self) -> list[tuple[int, int, float | None]]:
@@ -277,7 +287,7 @@ class Ticket:
 
 
 class EngineLoop:
-    """An engine driven by one background thread (see the module docstring). ``max_waiting``:
+    """An engine driven by one thread (see the module docstring). ``max_waiting``:
     requests admitted but not yet in the batch, at most (further ones raise OverloadedError);
     ``policy``: the engine's gamma policy (LoadGamma, FixedGamma, or None for the engine's
     own gamma)."""
@@ -302,15 +312,26 @@ class EngineLoop:
 
     # ------------------------------------------------------------------------- any thread
     def start(self) -> EngineLoop:
+        """Run the loop in a thread of its own (tests, or an embedding application)."""
         self.thread.start()
         return self
 
+    def here(self) -> EngineLoop:
+        """Make the calling thread the loop's, which then calls :meth:`run` (until :meth:`close`,
+        or Ctrl-C in the main thread). serve.py runs the loop in the thread that loaded the
+        models, and the HTTP server beside it: PyTorch's CPU operators keep one OpenMP team per
+        thread that calls them, and a second live team on the same cores made every step
+        1.4-1.7 times slower (docs/serving.md)."""
+        self.thread = threading.current_thread()
+        return self
+
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread after its current step; requests still held end with an error."""
+        """Stop the loop after its current step; requests still held end with an error."""
         with self.lock:
             self.closing = True
             self.lock.notify()
-        if self.thread.is_alive():
+        if self.thread.is_alive() and self.thread is not threading.current_thread() \
+                and self.thread is not threading.main_thread():
             self.thread.join(timeout)
 
     @property
@@ -376,6 +397,9 @@ class EngineLoop:
                 if not self.engine.idle:
                     self.step()
                 self.deliver()
+        except KeyboardInterrupt:  # run in the main thread (here): Ctrl-C stops the server
+            self.closing = True
+            raise
         except BaseException as error:  # a bug or the device failing: every request is told
             self.failure = error
             self.log(f"error: the engine loop stopped: {type(error).__name__}: {error}".splitlines()[0])

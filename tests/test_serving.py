@@ -7,6 +7,7 @@ Float64 toy pairs, so that a row's tokens do not depend on the batch (the numeri
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -131,6 +132,19 @@ def test_calibration_measures_every_gamma_and_leaves_the_engine_as_new(pair: dic
     with pytest.raises(ValueError, match="calibration needs"):
         LoadGamma(3, 1).calibrate(Engine(pair["target"], pair["draft"], gamma=3, cache_len=24), PROMPTS[0])
 
+
+
+def test_calibration_seeds_alpha_from_what_it_verified(pair: dict) -> None:
+    """Before traffic, alpha comes from the calibration's own verifications, not the prior 1/2
+    (which chose too small a gamma for the first requests), weighted as at most the last
+    1 / (1 - fade) positions: a draft identical to the target gives alpha near 1."""
+    twin = copy.deepcopy(pair["target"])
+    policy = LoadGamma(3, 2)
+    policy.calibrate(Engine(pair["target"], twin, gamma=3, max_rows=2, cache_len=160), PROMPTS[2], rounds=2)
+    assert 0 < policy.positions <= 1 / (1 - policy.fade) and policy.alpha > 0.95
+    policy = LoadGamma(3, 4)
+    policy.calibrate(Engine(pair["target"], pair["draft"], gamma=3, max_rows=4, cache_len=160), PROMPTS[2], rounds=5)
+    assert policy.positions == pytest.approx(1 / (1 - policy.fade)) and policy.alpha != 0.5  # more than the window
 
 class Collector:
     """A ticket's callbacks: its tokens by iteration and the moment it ended."""
