@@ -36,13 +36,14 @@ import torch
 from generate import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, pick_device, pick_dtype
 from model.compile import decode_widths
 from model.memory import check_memory
-from model.setup import SETUPS, candidates, choose_setups
+from model.setup import SETUPS, Setups
 from speculative import Engine, PairMismatchError
 from speculative.gamma import GAMMA_MAX
 from speculative.serving import EngineLoop, FixedGamma, LoadGamma, Service
-from weights import NonFiniteWeightsError, Pair, read_pair
+from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
 from weights import cli as cmdline
 from weights.cli import UsageError
+from weights.step_cache import ENV, default_dir
 
 CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
 
@@ -61,6 +62,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
     add("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None,
         help="compiled decode steps, compiled once at start-up")
+    add("--cache-dir", default=None, help=f"compiled steps' cache (default: ${ENV}, else {default_dir()})")
     add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add = parser.add_argument_group("serving").add_argument
@@ -97,10 +99,10 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("serve.py runs in one process: tensor parallelism (torchrun) is not supported")
 
 
-def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Pair, int, list[str]]:
-    """The pair as generate.py loads it (weights.read_pair, the same set-up and compile choices),
-    for batches of up to --max-batch rows over the whole context. Returns it, the context and the
-    set-up lines to print."""
+def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Pair, int, Setups]:
+    """The pair as generate.py loads it (weights.read_pair, the same set-up and compile choices,
+    compiled steps kept in the same cache), for batches of up to --max-batch rows over the whole
+    context. Returns it, the context and its set-up."""
     try:
         spec = read_pair(args.target, None if args.no_draft else args.draft)
     except PairMismatchError as err:
@@ -110,18 +112,18 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     context, planned = spec.context, spec.planned_draft
     check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), context,
                  dtype, device, quantize=args.quantize, batch=args.max_batch)
-    pair = spec.load(device, dtype, quantize=args.quantize, stack=not args.no_fuse, prepack=not args.no_prepack,
-                     prepare_models=args.setup == "default")
-    if args.setup == "default":
-        return pair, context, []
+    pair = spec.load(device, dtype, quantize=args.quantize, prepare_models=False)
     gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
     widths = decode_widths(gamma, args.gamma) if spec.kind else (1,)
+    # The default: the compiled steps the cache holds for every batch size and width, else
+    # stacked and prepacked at once; or measured or forced (--setup, --compile), once, here.
+    store = None if args.no_fuse or args.no_prepack else StepCache(args.cache_dir)
     try:
-        setups = choose_setups(pair.target, candidates(args.setup), widths, context, draft=pair.draft_model,
-                               head=pair.head, batch=args.max_batch)
-    except ValueError as err:
+        pair, setups = pair.set_up(args.setup, widths, context, batch=args.max_batch, store=store,
+                                   stack=not args.no_fuse, prepack=not args.no_prepack)
+    except ValueError as err:  # a set-up that does not apply, or --compile force that cannot compile
         raise UsageError(f"--setup {args.setup}: {err}") from None
-    return pair.with_models(setups.target, setups.draft), context, setups.lines
+    return pair, context, setups
 
 
 def start(args: argparse.Namespace, here: bool = False) -> Service:
@@ -132,9 +134,11 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     dtype = pick_dtype(args.dtype, device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    pair, context, lines = load(args, device, dtype)
-    for line in lines:
+    pair, context, setups = load(args, device, dtype)
+    for line in setups.lines:
         print(f"setup: {line}", file=sys.stderr)
+    for line in [*setups.notes, setups.hint] if setups.hint else setups.notes:
+        print(f"note: {line}", file=sys.stderr)
     speculative = pair.draft is not None
     engine = Engine(pair.target, pair.draft, gamma=args.gamma, verify=args.verify, max_rows=args.max_batch,
                     cache_len=context)

@@ -310,3 +310,28 @@ def test_without_a_compiler_force_exits_2_in_one_line(built: dict[str, Any], tmp
     with torch._inductor.config.patch({"cpp.cxx": (None, str(tmp_path / "g++"))}), \
             pytest.raises(CompileError, match="no working C.. compiler"):  # what a library caller gets
         compile_for_decoding(stacked(built["folder"]), (1,), cache_len=16, mode=MODE)
+
+
+def test_serve_py_builds_the_steps_once_and_a_later_start_loads_them(built: dict[str, Any], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve.py sets the pair up as generate.py does: --compile force keeps the server's steps
+    (every batch size and width it calls) in the cache, and a later default start loads them
+    and decodes the eager step's tokens."""
+    import serve
+
+    monkeypatch.setenv(MODE_ENV, MODE)
+    argv = ["--target", str(built["folder"]), "--no-draft", "--max-batch", "1", "--cache-dir", str(tmp_path)]
+
+    def start(*extra: str) -> tuple[Any, Any]:
+        args = serve.build_parser().parse_args([*argv, *extra])
+        serve.validate(args)
+        pair, _, setups = serve.load(args, torch.device("cpu"), torch.float32)
+        return pair, setups
+
+    _, first = start("--compile", "force")
+    assert "kept in the cache" in first.lines[0], first.lines
+    pair, later = start()
+    (line,) = later.lines
+    assert "loaded from the compiled-step cache" in line, line
+    assert pair.target.compiled.loaded >= 1 and pair.target.compiled.built == 0
+    assert far_from_argmax(stacked(built["folder"]), [1, 5, 9], greedy(pair.target)) == []
