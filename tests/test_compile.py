@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,10 +306,13 @@ def test_cli_compile_refuses_what_it_cannot_compile(capsys: pytest.CaptureFixtur
 
 
 @needs_pair
-def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """--compile force: both models compiled, the choice and compile time on stderr, a note
     that a short run does not pay, and the greedy tokens of the eager run (numerics policy:
-    the shipped pair has no near-tie in these 24 tokens)."""
+    the shipped pair has no near-tie in these 24 tokens). The steps go to a cache of this
+    test's own: in the session's, later default runs of the shipped pair would load them."""
+    monkeypatch.setenv("SPECULATIVE_LLAMA_CACHE", str(tmp_path))
     base = PAIR + ["--max-new-tokens", "24", "--no-color", "--json", "--gamma", "1"]  # widths 1 and 2: less to tune
     eager, _ = main_ok(capsys, base)
     compiled, err = main_ok(capsys, base + ["--compile", "force"])
