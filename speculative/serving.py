@@ -383,7 +383,10 @@ class EngineLoop:
             while True:
                 with self.lock:
                     while not (self.inbox or self.cancels or self.closing) and self.engine.idle:
-                        self.lock.wait()
+                        # Not forever: a process's SIGINT may be delivered to another thread, and
+                        # the main thread (serve.py runs the loop there) only runs Python's
+                        # handler, which raises KeyboardInterrupt, once it wakes.
+                        self.lock.wait(0.25)
                     if self.closing:
                         break
                     new, cancels = list(self.inbox), list(self.cancels)
