@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import threading
@@ -190,6 +191,14 @@ def run(args: argparse.Namespace) -> int:
         finally:
             service.loop.close()
 
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # Ctrl-C and SIGTERM end the engine loop in this thread, then the server. Installed here, not
+    # left to Python's default: a process started with SIGINT ignored (a test runner's worker)
+    # inherits that, and uvicorn installs its handlers only in the main thread.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
     web = threading.Thread(target=http, name="http", daemon=True)
     web.start()
     try:

@@ -467,10 +467,12 @@ def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
 
 
 def test_serve_py_starts_on_127_0_0_1_and_answers_the_openai_client() -> None:
-    """The README's two lines: start it, query it; Ctrl-C ends it with status 0."""
+    """The README's two lines: start it, query it; Ctrl-C ends it with status 0, even in a process
+    that inherited SIGINT ignored (as the workers of some test runners start theirs)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--max-batch", "2", "--speculation", "on"],
-                               cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                               cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         lines = []
         deadline = time.monotonic() + 120
