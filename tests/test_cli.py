@@ -798,6 +798,6 @@ def test_no_prepack_where_nothing_is_prepacked_warns(capsys: pytest.CaptureFixtu
     args = ["--target", str(TARGET), "--no-draft", "--max-new-tokens", "1", "--no-prepack"]
     _, err = main_json(capsys, [*args, "--dtype", "float64"])
     assert warnings_in(err) == ["warning: --no-prepack has no effect on cpu in float64: weights are prepacked only "
-                                "on the CPU in float32"]
+                                "on the CPU in float32 (and bfloat16 with native bf16)"]
     _, err = main_json(capsys, [*args, "--dtype", "float32"])
     assert warnings_in(err) == []
