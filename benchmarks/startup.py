@@ -235,12 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     lines = [FAST_START, "## Fast by default: start-up and decode speed", "",
              f"From `{command}` on {info.get('CPU', 'this CPU')}, {args.threads} threads, torch {info.get('torch')}, "
              f"{info.get('date')}; load average {load_before[0]:.1f} before the run and {load_after[0]:.1f} after it "
-             f"({os.cpu_count()} cores: other work shared them). {args.prompts} story openings, "
+             f"({os.cpu_count()} cores; the run's own threads count in it). {args.prompts} story openings, "
              f"{args.max_new_tokens} new tokens, γ {args.gamma}; the design is in [compiled.md](compiled.md). "
              "Start-up: from starting a process of its own to its first decoded token (loading, set-up, compiling or "
              "loading the steps; a later process: the fastest of 3). Tokens/s (decoding only): one process "
              "holding every set-up, taken in turns for "
-             f"{args.rounds} rounds; per prompt the fastest round, then the median over the prompts.", ""]
+             f"{args.rounds} rounds; per prompt the fastest round, then the median over the prompts. The bandwidth "
+             "bound is the target's weight bytes over a 1 GiB copy's bandwidth (bytes read and written): a step "
+             "only reads, and part of its weights can stay in the last-level cache between steps, so a step can "
+             "come in under it (over 100%).", ""]
     lines += tables(args, starts, speed) + ["", FAST_END]
     print("\n".join(lines))
     if args.out:
