@@ -1,13 +1,15 @@
-"""What one float32 linear layer costs on this CPU for 1..8 input rows, with PyTorch's default
+"""What one linear layer costs on this CPU for 1..8 input rows, with PyTorch's default
 matmul and with the weight reordered once for oneDNN (model/prepack.py).
 
-    python benchmarks/matmul_rows.py              # prints a markdown table
+    python benchmarks/matmul_rows.py              # prints a markdown table (float32)
+    python benchmarks/matmul_rows.py --dtypes float32 bfloat16 float16 --threads 2
 
 Speculative decoding assumes that verifying gamma + 1 tokens costs about one decode step.
 This shows whether the machine's matmul honours that: a decode step multiplies one row,
 a verification gamma + 1 rows, by the same weights. Shapes: the shipped target's MLP
 (1024 x 384) and a Llama-2-7B projection (4096 x 4096). Medians of many calls; run it on a
-quiet machine.
+quiet machine. A dtype oneDNN cannot prepack on this CPU (float16 without AVX-512 FP16 or AMX,
+bfloat16 without native bf16) gets "–" in the prepacked columns.
 """
 
 from __future__ import annotations
@@ -44,26 +46,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8], help="input rows (default 1 2 5 8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                        help="weight and input dtypes (default float32)")
     args = parser.parse_args(argv)
-    if not prepack_supported():
-        sys.exit("error: this PyTorch build lacks the oneDNN prepacking operators")
     torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; microseconds per call (median)\n")
-    print("| weight [out x in] | rows | PyTorch default | prepacked | default / one row | prepacked / one row |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| weight [out x in] | dtype | rows | PyTorch default | prepacked | default / one row | "
+          "prepacked / one row |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features, calls in ((1024, 384, 2000), (4096, 4096, 60)):
-        weight = torch.randn(out_features, in_features, generator=generator)
-        plain, packed = partial(F.linear, weight=weight), PrepackedLinear(weight)
-        first: tuple[float, float] | None = None
-        with torch.inference_mode():
-            for rows in args.rows:
-                x = torch.randn(1, rows, in_features, generator=generator)
-                plain_us = median_us(plain, x, calls)
-                packed_us = median_us(packed, x, calls)
-                first = first or (plain_us, packed_us)
-                print(f"| {out_features} x {in_features} | {rows} | {plain_us:.1f} | {packed_us:.1f} | "
-                      f"{plain_us / first[0]:.2f} | {packed_us / first[1]:.2f} |")
+        for name in args.dtypes:
+            dtype = getattr(torch, name)
+            weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+            plain = partial(F.linear, weight=weight)
+            packed = PrepackedLinear(weight) if prepack_supported(dtype) else None
+            first: tuple[float, float | None] | None = None
+            with torch.inference_mode():
+                for rows in args.rows:
+                    x = torch.randn(1, rows, in_features, generator=generator).to(dtype)
+                    plain_us = median_us(plain, x, calls)
+                    packed_us = median_us(packed, x, calls) if packed else None
+                    first = first or (plain_us, packed_us)
+                    packed_cell, packed_ratio = (f"{packed_us:.1f}", f"{packed_us / first[1]:.2f}") if packed_us \
+                        else ("–", "–")
+                    print(f"| {out_features} x {in_features} | {name} | {rows} | {plain_us:.1f} | {packed_cell} | "
+                          f"{plain_us / first[0]:.2f} | {packed_ratio} |")
     return 0
 
 

@@ -3,6 +3,7 @@ in float32 and bfloat16.
 
     python benchmarks/startup.py                         # the table in docs/benchmarks.md
     python benchmarks/startup.py --dtypes float32 --max-new-tokens 64 --out ''
+    python benchmarks/startup.py --dtypes float32 float16 --kinds eager --out ''   # some set-ups only
 
 Start-up, in processes of their own (children of this script), for every dtype:
 
@@ -103,7 +104,7 @@ def speed_child(args: argparse.Namespace) -> None:
 
     pairs = {}
     for dtype in args.dtypes:
-        for kind, _ in SPEEDS:
+        for kind in args.kinds:
             pair, _, weights = set_up(args, dtype, kind, str(Path(args.work) / f"store-{dtype.replace('/', '-')}"))
             pairs[dtype, kind] = (pair, weights)
             print(f"{dtype} {kind}: set up", file=sys.stderr, flush=True)
@@ -139,7 +140,8 @@ def speed_child(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- the parent
 def spawn(args: argparse.Namespace, child: str, dtype: str, store: str, inductor: str) -> tuple[float, dict]:
     command = [sys.executable, __file__, "--child", child, "--dtype", dtype, "--store", store, "--work", args.work,
-               "--dtypes", *args.dtypes, *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+               "--dtypes", *args.dtypes, "--kinds", *args.kinds,
+               *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
                    "target", "draft", "threads", "gamma", "max_new_tokens", "prompts", "rounds"))]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor, "OMP_NUM_THREADS": str(args.threads)}
     start = time.time()
@@ -165,6 +167,8 @@ def tables(args: argparse.Namespace, starts: dict[tuple[str, str], float], speed
     later = {"eager": "eager", "compiled": "compiled-again", "cached": "cached"}
     for dtype in args.dtypes:
         for kind, name in SPEEDS:
+            if kind not in args.kinds:
+                continue
             runs = speed["runs"][f"{dtype} {kind}"]
             tps = {case: med([x["tps"] for x in results]) for case, results in runs.items()}
             spec = runs["speculative T=0"]
@@ -178,6 +182,8 @@ def tables(args: argparse.Namespace, starts: dict[tuple[str, str], float], speed
               "bandwidth bound / 1-token step |", "|---|---|---:|---:|---:|---:|"]
     for dtype in args.dtypes:
         for kind, name in SPEEDS:
+            if kind not in args.kinds:
+                continue
             label = f"{dtype} {kind}"
             bound = 1e3 * speed["weights"][label] / speed["bandwidth"]
             steps = speed["steps"][label]
@@ -193,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default="tiny-draft")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bfloat16/float32"],
                         help="target dtypes; T/D: a target in T, the draft in D")
+    parser.add_argument("--kinds", nargs="+", default=[kind for kind, _ in SPEEDS], choices=[k for k, _ in SPEEDS],
+                        help="set-ups to measure (default: all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=200)
@@ -222,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             name = dtype.replace("/", "-")
             store, inductor = str(Path(work) / f"store-{name}"), str(Path(work) / f"inductor-{name}")
             for kind, _ in STARTS:
+                if kind.removesuffix("-again").removesuffix("-build") not in args.kinds:
+                    continue
                 # a first process is first once; a later one is timed 3 times and the fastest kept
                 for _ in range(1 if kind in ("compiled", "cached-build") else 3):
                     began, result = spawn(args, kind, dtype, store, inductor)

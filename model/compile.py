@@ -22,7 +22,7 @@ The model knows nothing of what calls it; the widths to compile are the caller's
 
 Kept on disk: given a ``store`` (weights/step_cache.py), a CPU model's shapes are compiled ahead
 of time into packages (model/aot.py) that the store keeps, and a later process loads them in
-about a second instead of compiling again; each is checked against the eager step on a probe
+seconds instead of compiling again; each is checked against the eager step on a probe
 call when it is loaded. A compile that cannot happen (no working C++ compiler, an Inductor
 error) is a CompileError of one line.
 """

@@ -348,7 +348,7 @@ def compile_hint(store: Any, target: nn.Module) -> str:
     if not seen:
         return ("compiled steps for this run are not in the cache: `--compile` builds them once (minutes; on a 2-core "
                 "Zen 4 about 3 min for the shipped pair, whose steps then take about half the time: "
-                "docs/benchmarks.md), and later runs load them in about a second")
+                "docs/benchmarks.md), and later runs load them in a few seconds")
     gain = " and ".join(f"{name} step {m['eager_ms']:.2f} -> {m['compiled_ms']:.2f} ms"
                         for name, m in seen["models"].items() if "eager_ms" in m)
     return (f"compiled steps for this run are not in the cache: `--compile` builds them once (it took "
