@@ -184,31 +184,9 @@ class Attention(nn.Module):
         if write is not None:
             k, v = self.cache.write(*write, k, v)
         causal = write is None and seq > 1  # no cache: plain causal attention
-        if write is not None and x.device.type == "cpu" and torch.compiler.is_compiling():
-            out = spelled_out_attention(q, k, v, mask)
-        else:
-            gqa = q.shape[1] != k.shape[1]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-def spelled_out_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v, in float32 or wider, for a compiled cached call on a CPU.
-
-    What scaled_dot_product_attention computes, written as two products and a softmax so that
-    Inductor fuses them into one kernel per layer: for the few query tokens of a decode step,
-    the CPU's fused attention kernel costs several times that code, most in bfloat16
-    (docs/compiled.md, "16 bits on a CPU"). Grouped-query heads share a key head by viewing the
-    query heads as [kv heads, heads per group] instead of repeating the keys."""
-    batch, heads, seq, head_dim = q.shape
-    kv_heads, wide = k.shape[1], torch.promote_types(q.dtype, torch.float32)  # float64 stays float64
-    q = q.reshape(batch, kv_heads, heads // kv_heads, seq, head_dim).to(wide)
-    scores = q @ k.to(wide).unsqueeze(2).transpose(-1, -2) / math.sqrt(head_dim)  # [B, Hkv, G, T, S]
-    if mask is not None:
-        scores = scores + mask.to(wide).unsqueeze(1)
-    out = torch.softmax(scores, dim=-1) @ v.to(wide).unsqueeze(2)
-    return out.to(v.dtype).reshape(batch, heads, seq, head_dim)
 
 
 class MLP(nn.Module):

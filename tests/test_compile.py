@@ -403,31 +403,3 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
         speculative_generate_batch(target, FeatureDrafter(chead, target), PROMPTS, 12, temperature=0, batch_size=3)
     assert graphs() == before
     assert counts["rows1"] > 0 and counts["tree"] > 0 and (counts["rows4"] > 0 or counts["rows2"] > 0)
-
-
-# ----------------------------------------------------------------------------- attention spelled out
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads, kv_heads, seq", [(8, 4, 1), (8, 4, 5), (4, 4, 3), (6, 2, 2)])
-def test_spelled_out_attention_is_scaled_dot_product_attention(dtype, atol, heads, kv_heads, seq) -> None:
-    """What a compiled cached call on a CPU runs instead of F.scaled_dot_product_attention
-    (model.model.spelled_out_attention) gives PyTorch's result, grouped-query heads, masked
-    slots and float64 included; repeating the key heads the other way round (head h reading
-    key head h % kv_heads) is caught wherever the groups have more than one head."""
-    from model.model import spelled_out_attention
-
-    gen = torch.Generator().manual_seed(heads * 100 + seq)
-    q = torch.randn(2, heads, seq, 16, generator=gen).to(dtype)
-    k, v = (torch.randn(2, kv_heads, 40, 16, generator=gen).to(dtype) for _ in range(2))
-    visible = torch.rand(2, seq, 40, generator=gen) > 0.4
-    visible[..., 0] = True
-    mask = torch.where(visible.unsqueeze(1), 0.0, float("-inf")).to(dtype)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    got = spelled_out_attention(q, k, v, mask)
-    assert got.dtype == dtype and got.shape == expected.shape
-    assert (got.double() - expected.double()).abs().max().item() <= atol
-    if kv_heads < heads:  # the power of the check: the other head-to-group mapping differs
-        group = heads // kv_heads
-        wrong = spelled_out_attention(q.view(2, group, kv_heads, seq, 16).transpose(1, 2).reshape(q.shape), k, v,
-                                      mask)
-        wrong = wrong.view(2, kv_heads, group, seq, 16).transpose(1, 2).reshape(q.shape)
-        assert (wrong.double() - expected.double()).abs().max().item() > 10 * atol
