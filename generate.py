@@ -34,32 +34,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.compile import decode_widths
-from model.memory import DEVICES, check_memory, plan, plan_suggestion
-from model.prepack import packable
-from model.setup import SETUPS, Setups
-from model.tensor_parallel import broadcast_seed, init_distributed
+from model.fast.compile import decode_widths
+from model.fast.prepack import packable
+from model.fast.setup import SETUPS, Setups
+from model.scale.memory import DEVICES, check_memory, plan, plan_suggestion
+from model.scale.tensor_parallel import broadcast_seed, init_distributed
 from speculative import (
     PairMismatchError,
     autoregressive_generate,
     autoregressive_generate_batch,
-    report,
     speculative_generate,
     speculative_generate_batch,
 )
-from speculative.gamma import GAMMA_MAX
-from speculative.tree import branching_parents
+from speculative.cli import options as cmdline
+from speculative.cli import output, report
+from speculative.cli.options import DTYPES, UsageError, pick_device, pick_dtype
+from speculative.engine import DEFAULT_GAMMA
+from speculative.inputs import GAMMA_MAX
+from speculative.serving.text import continuation_text, encode_prompt
+from speculative.verify.tree import branching_parents
 from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
-from weights import cli as cmdline
-from weights.cli import DTYPES, UsageError, pick_device, pick_dtype
 from weights.load import plan_configs
+from weights.registry import marked_for_chat
 from weights.step_cache import ENV, default_dir
-from weights.text import continuation_text, encode_prompt
 
 DEFAULT_TARGET = "tiny-target"
 DEFAULT_DRAFT = "tiny-draft"
 DEFAULT_PROMPT = "Once upon a time"
-DEFAULT_GAMMA = 4
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
@@ -156,7 +157,7 @@ def setup_flag(args: argparse.Namespace) -> str:
 
 
 def print_plan(args: argparse.Namespace) -> int:
-    """--plan: the per-GPU memory of this pair from configs only (model/memory.py), and the
+    """--plan: the per-GPU memory of this pair from configs only (model/scale/memory.py), and the
     cheapest change that fits when it does not (exit status 1)."""
     target, draft = plan_configs(args.target, None if args.no_draft else args.draft)
     tp = args.tp or int(os.environ.get("WORLD_SIZE", "1"))
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     is_main = int(os.environ.get("RANK", "0")) == 0  # only rank 0 prints; the others compute silently
     notes = cmdline.unused_flags(args, given)
     if args.chat and not args.plan:
-        notes += filter(None, [cmdline.chat_warning(args.target)])
+        notes += filter(None, [cmdline.chat_warning(args.target, marked_for_chat(args.target))])
     for note in notes if is_main else []:
         print(f"warning: {note}", file=sys.stderr)
     if args.temperature == 0:  # the warned-about flags are dropped, so that settings show what ran
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     if args.plan:
         return print_plan(args)
     if args.compile_cache:
-        return cmdline.compile_cache(StepCache(args.cache_dir), args.compile_cache)
+        return output.compile_cache(StepCache(args.cache_dir), args.compile_cache)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -268,9 +269,9 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=pair.tokenizer.eos_id,
                     seed=seed)
     lines = setups.lines
-    settings = cmdline.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
+    settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
     if not args.json and is_main:
-        print(cmdline.header_line(args, pair, device, dtype, world_size, seed), file=sys.stderr)
+        print(output.header_line(args, pair, device, dtype, world_size, seed), file=sys.stderr)
     if texts is not None:
         return run_batch(args, pair, texts, encoded, settings, sampling)
 
@@ -285,10 +286,10 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         if setups.compile_note(args.max_new_tokens):
             print(f"note: {setups.compile_note(args.max_new_tokens)}", file=sys.stderr)
         if color and speculative:
-            print(cmdline.LEGEND, file=sys.stderr)
-        streamer = cmdline.Streamer(tokenizer, prompt_ids, sys.stdout, color,
+            print(output.LEGEND, file=sys.stderr)
+        streamer = output.Streamer(tokenizer, prompt_ids, sys.stdout, color,
                             prefix="" if args.chat else tokenizer.decode(prompt_ids))
-    step_clock = cmdline.StepClock(streamer)
+    step_clock = output.StepClock(streamer)
     # NonFiniteLogitsError (a ValueError) from either loop ends the run in main(): one error line, no tokens.
     with torch.inference_mode():
         if speculative:
@@ -306,14 +307,14 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
                 setups.hint):
             print(line, file=sys.stderr)
     sizes = list(getattr(result.stats, "gamma_history", [])) or [0] * len(step_clock.times)
-    hint = cmdline.busy_hint(step_clock.times, sizes, torch.get_num_threads(), device)
+    hint = output.busy_hint(step_clock.times, sizes, torch.get_num_threads(), device)
     comparison = None
     if compare:  # the same prompt and settings, the target alone: every rank runs it, as it ran the first
         if streamer is not None:
             print("compare: now the target alone, on the same prompt with the same settings ...", file=sys.stderr)
         with torch.inference_mode():  # a callback, as in the first run, so that both loops copy tokens alike
             baseline = autoregressive_generate(pair.target, prompt_ids, args.max_new_tokens,
-                                               callback=cmdline.StepClock(), **sampling)
+                                               callback=output.StepClock(), **sampling)
         comparison = report.compare_stats(stats, baseline, tokens, args.temperature)
     if not is_main:
         return 0

@@ -35,15 +35,16 @@ import threading
 import torch
 
 from generate import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, pick_device, pick_dtype
-from model.compile import decode_widths
-from model.memory import check_memory
-from model.setup import SETUPS, Setups
+from model.fast.compile import decode_widths
+from model.fast.setup import SETUPS, Setups
+from model.scale.memory import check_memory
 from speculative import Engine, PairMismatchError
-from speculative.gamma import GAMMA_MAX
-from speculative.serving import EngineLoop, FixedGamma, LoadGamma, Service
+from speculative.cli import options as cmdline
+from speculative.cli.options import UsageError
+from speculative.engine.gamma import FixedGamma, LoadGamma
+from speculative.inputs import GAMMA_MAX
+from speculative.serving.loop import EngineLoop, Service
 from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
-from weights import cli as cmdline
-from weights.cli import UsageError
 from weights.step_cache import ENV, default_dir
 
 CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     validate(args)
     import uvicorn  # the serve extra: pip install -e ".[serve]"
 
-    from speculative.server import create_app
+    from speculative.serving.app import create_app
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY

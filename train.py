@@ -33,14 +33,8 @@ import torch
 from model import ConfigError, Llama, ModelConfig
 from model.feature_head import FeatureHead
 from model.training import evaluate, fit, init_weights, lr_at, next_token_loss, random_batch
-from speculative.distill import (
-    ACCEPTANCE_NOTES,
-    DIVERGENCES,
-    distill_loss,
-    eagle_losses,
-    measure_acceptance,
-    sample_sequences,
-)
+from speculative.draft.distill import DIVERGENCES, distill_loss, eagle_losses, sample_sequences
+from speculative.engine.generation import ACCEPTANCE_NOTES, measure_acceptance
 from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer
 from weights.corpus import held_out_prompts, read_documents, story_openings, tokenize_corpus
 from weights.runs import RunFolder, RunFolderError

@@ -47,13 +47,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmark import machine  # noqa: E402
 
-from model.fuse import prepare_for_decoding  # noqa: E402
+from model.fast.fuse import prepare_for_decoding  # noqa: E402
 from speculative import (  # noqa: E402
     autoregressive_generate_batch,
     speculative_generate,  # noqa: E402
     speculative_generate_batch,
 )
-from speculative.gamma import expected_tokens_per_iteration  # noqa: E402
+from speculative.engine.gamma import expected_tokens_per_iteration  # noqa: E402
 from weights import load_drafter, load_model, load_tokenizer  # noqa: E402
 
 NAMES = ["Lily", "Tom", "Ben", "Mia", "Sue", "Max", "Anna", "Sam"]

@@ -62,10 +62,9 @@ from benchmark_report import (  # noqa: E402
     render,
 )
 
-from model.fuse import prepare_for_decoding  # noqa: E402
+from model.fast.fuse import prepare_for_decoding  # noqa: E402
 from speculative import autoregressive_generate, check_pair, speculative_generate  # noqa: E402
-from speculative.gamma import GAMMA_MAX  # noqa: E402
-from speculative.inputs import check_finite  # noqa: E402
+from speculative.inputs import GAMMA_MAX, check_finite  # noqa: E402
 from weights import load_model, load_tokenizer, resolve  # noqa: E402
 from weights.drafters import load_drafter  # noqa: E402
 
@@ -245,11 +244,12 @@ def machine(threads: list[int]) -> tuple[dict[str, str], str]:
 
 
 def decoding_note(args: argparse.Namespace) -> str:
-    fused = (f"q/k/v and gate/up stacked into one product each ({args.fused} groups, model/fuse.py)"
+    fused = (f"q/k/v and gate/up stacked into one product each ({args.fused} groups, model/fast/fuse.py)"
              if args.fused else "projections not stacked (--no-fuse)")
     if args.prepacked:
         return (f"this project's runs, as generate.py: {fused}, and weights reordered once for oneDNN "
-                f"({args.prepacked} linear layers, model/prepack.py), in the target and in every drafter's network; "
+                f"({args.prepacked} linear layers, model/fast/prepack.py), in the target and in every drafter's "
+                f"network; "
                 "transformers' runs use PyTorch's defaults")
     return f"this project's runs: {fused}, no weights prepacked (--no-prepack, or not a float32 CPU run)"
 
@@ -295,10 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="temperatures (default 0 1)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument("--no-prepack", action="store_true",
-                        help="do not reorder this project's float32 CPU weights for oneDNN (model/prepack.py), as "
+                        help="do not reorder this project's float32 CPU weights for oneDNN (model/fast/prepack.py), as "
                              "generate.py --no-prepack")
     parser.add_argument("--no-fuse", action="store_true",
-                        help="do not stack q/k/v and gate/up into one product each (model/fuse.py), as "
+                        help="do not stack q/k/v and gate/up into one product each (model/fast/fuse.py), as "
                              "generate.py --no-fuse")
     parser.add_argument("--hf-gamma", type=int, default=4,
                         help="gamma of the constant-gamma assisted-generation row (default 4)")

@@ -4,7 +4,7 @@
     python benchmarks/compiled.py --threads 2 --max-new-tokens 64
 
 For every thread count: the eager set-up of generate.py (projections stacked, float32
-weights prepacked for oneDNN) and the compiled one (model/compile.py, stacked, Inductor),
+weights prepacked for oneDNN) and the compiled one (model/fast/compile.py, stacked, Inductor),
 timed apart (one step of the target at widths 1 and gamma + 1, one step of each drafter's
 network) and in whole runs: the target alone, and speculative decoding with tiny-draft,
 tiny-eagle (compiled: the head and its target, compiled with hidden states) and prompt
@@ -32,9 +32,9 @@ from benchmark import machine  # noqa: E402
 from benchmark_prompts import STORY_OPENINGS  # noqa: E402
 from benchmark_report import BLOCK_END, BLOCK_START, replace_block  # noqa: E402
 
-from model.compile import compile_for_decoding, decode_widths  # noqa: E402
-from model.fuse import fuse_projections, prepare_for_decoding  # noqa: E402
-from model.setup import step_ms  # noqa: E402
+from model.fast.compile import compile_for_decoding, decode_widths  # noqa: E402
+from model.fast.fuse import fuse_projections, prepare_for_decoding  # noqa: E402
+from model.fast.setup import step_ms  # noqa: E402
 from speculative import PromptLookupDrafter, autoregressive_generate, speculative_generate  # noqa: E402
 from weights import load_drafter, load_model, load_tokenizer  # noqa: E402
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
               f"Target `{args.target}`, float32, γ {args.gamma}, {args.prompts} story openings × {args.repeats}, "
               f"{args.max_new_tokens} new tokens each; tokens/s and c are medians over the runs (decode speed, the "
               "prompt's pass excluded). Eager: projections stacked and weights prepacked for oneDNN (generate.py's "
-              "default); compiled: stacked and compiled by model/compile.py's CPU default (Inductor, max-autotune "
+              "default); compiled: stacked and compiled by model/fast/compile.py's CPU default (Inductor, max-autotune "
               "with freezing), whatever it measured (`--compile force`); the feature head is compiled too. "
               "The bandwidth bound of a target step is its weight bytes over the measured copy bandwidth "
               "(read + write bytes of a 1 GiB copy, median of 5): the step cannot be faster unless the weights sit "
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         block = "\n".join([BLOCK_START, "## Eager against compiled", "",
                             f"From `{command}` ({info.get('CPU', 'this CPU')}; the whole page, with the bandwidth "
                             "bound: [benchmarks_compiled.md](benchmarks_compiled.md)). Eager: stacked + prepacked "
-                            "(the default set-up); compiled: model/compile.py's default. Compile "
+                            "(the default set-up); compiled: model/fast/compile.py's default. Compile "
                             f"time of target, draft, the head's target and the head: {compile_times}.", ""] + summary
                            + ["", BLOCK_END])
         page = Path(args.summary)

@@ -8,7 +8,7 @@
    directly on the GPU (no download), against the memory-bandwidth bound: a decode step
    must read every weight once (the embedding table excepted: one row), so tokens/s can
    not exceed bandwidth / bytes per token. Then the same model with int8 weights.
-4. The same 7B-shaped model eager against compiled (model/compile.py: CUDA graphs through
+4. The same 7B-shaped model eager against compiled (model/fast/compile.py: CUDA graphs through
    torch.compile's "reduce-overhead"): tokens/s and the fraction of the bandwidth bound.
 5. A 7B-shaped target with a 1B-shaped draft (random weights; the draft is the target's
    embedding, first layers, norm and head, so that it agrees with the target often enough):
@@ -44,10 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model import Llama, ModelConfig  # noqa: E402
-from model.memory import DEVICES, LLAMA2_CONFIGS  # noqa: E402
-from model.quantize import quantize_int8  # noqa: E402
-from model.tensor_parallel import weight_bytes  # noqa: E402
-from speculative.calls import chain  # noqa: E402
+from model.call import chain  # noqa: E402
+from model.scale.memory import DEVICES, LLAMA2_CONFIGS  # noqa: E402
+from model.scale.quantize import quantize_int8  # noqa: E402
+from model.scale.tensor_parallel import weight_bytes  # noqa: E402
 
 # The dry run's shapes: a "7B" and a "1B" small enough to compile and run on a CPU in seconds.
 DRY_CONFIG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=256)
@@ -194,7 +194,7 @@ def check_compiled_decode(bandwidth: float | None, config: ModelConfig = LLAMA2_
                           dtype: torch.dtype = torch.bfloat16, steps: int = 64) -> dict[str, Any]:
     """Decode tokens/s of one random model, eager and then compiled (one-token steps), and
     each against the bandwidth bound."""
-    from model.compile import compile_for_decoding
+    from model.fast.compile import compile_for_decoding
 
     model = random_model(config, device, dtype)
     out = {"eager": bound_entry(model, decode_tokens_per_second(model, steps=steps), bandwidth)}
@@ -220,7 +220,7 @@ def check_speculative_7b(config: ModelConfig = LLAMA2_CONFIGS["7b"], draft_layer
                          gamma: int = 4) -> dict[str, Any]:
     """A 7B-shaped target and a 1B-shaped early-exit draft (4 of 32 layers: ~1.1B parameters),
     greedy: speculative against the target alone, eager, then both models compiled."""
-    from model.compile import compile_for_decoding, decode_widths
+    from model.fast.compile import compile_for_decoding, decode_widths
     from speculative import autoregressive_generate, speculative_generate
 
     target = random_model(config, device, dtype)

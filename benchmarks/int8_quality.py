@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model import Llama, ModelConfig  # noqa: E402
-from model.quantize import quantize_int8  # noqa: E402
+from model.scale.quantize import quantize_int8  # noqa: E402
 from speculative import autoregressive_generate, speculative_generate  # noqa: E402
 from weights import load_model, load_tokenizer  # noqa: E402
 from weights.sharded import load_model_tp  # noqa: E402

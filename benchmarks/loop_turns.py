@@ -8,7 +8,7 @@ before_after.py times generate.py as a command, one process per prompt, so every
 carries a process's start, its first calls and whatever generate.py sets up; on a shared VM
 whose speed drifts by 10-30% from minute to minute, that hides a few per cent. Here each
 checkout loads the shipped pair once, in a process of its own (its own code, the same Python),
-the same way in both (weights.load_model, model.fuse.prepare_for_decoding, and
+the same way in both (weights.load_model, model.fast.fuse.prepare_for_decoding, and
 weights.load_drafter for the feature head), warms every case up, and then waits. The two
 processes take turns, round by round and in alternating order: one decodes a round of every
 case over the story openings while the other sleeps on its input, so the machine's drift
@@ -49,7 +49,7 @@ def child(tokens: int, threads: int, prompts: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    from model.fuse import prepare_for_decoding
+    from model.fast.fuse import prepare_for_decoding
     from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
     from weights import load_drafter, load_model, load_tokenizer
 

@@ -1,5 +1,5 @@
 """What one linear layer costs on this CPU for 1..8 input rows, with PyTorch's default
-matmul and with the weight reordered once for oneDNN (model/prepack.py).
+matmul and with the weight reordered once for oneDNN (model/fast/prepack.py).
 
     python benchmarks/matmul_rows.py              # prints a markdown table (float32)
     python benchmarks/matmul_rows.py --dtypes float32 bfloat16 float16 --threads 2
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.prepack import PrepackedLinear, prepack_supported  # noqa: E402
+from model.fast.prepack import PrepackedLinear, prepack_supported  # noqa: E402
 
 
 def median_us(layer, x: torch.Tensor, calls: int) -> float:

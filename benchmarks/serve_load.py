@@ -212,8 +212,8 @@ def warm_call(args: argparse.Namespace, prompt: str, speculative: bool) -> Any:
     import torch
 
     from speculative import autoregressive_generate, speculative_generate
+    from speculative.serving.text import encode_prompt
     from weights import load_pair
-    from weights.text import encode_prompt
 
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair("tiny-target", "tiny-draft" if speculative else None)

@@ -8,9 +8,9 @@ in float32 and bfloat16.
 Start-up, in processes of their own (children of this script), for every dtype:
 
 * eager: the set-up of a default run without cached steps (stacked, prepacked where it pays);
-* compiled: torch.compile in the process (model/compile.py, no store), first with an empty
+* compiled: torch.compile in the process (model/fast/compile.py, no store), first with an empty
   Inductor cache, then again with the cache the first left (a later process);
-* cached: compiled steps built into an empty store (model/aot.py, weights/step_cache.py) by a
+* cached: compiled steps built into an empty store (model/fast/aot.py, weights/step_cache.py) by a
   first process, then loaded by the default set-up of a later one.
 
 Start-up is the time from starting the process to the end of its first decoded call (imports,
@@ -60,7 +60,7 @@ def set_up(args: argparse.Namespace, dtype: str, kind: str, store: str) -> tuple
     """The pair in ``dtype`` ("T" or "T/D") set up as ``kind`` says, and the target's weight bytes."""
     import torch
 
-    from model.compile import decode_widths
+    from model.fast.compile import decode_widths
     from weights import StepCache, load_pair
 
     target_dtype, _, draft_dtype = dtype.partition("/")
@@ -102,7 +102,7 @@ def speed_child(args: argparse.Namespace) -> None:
     from benchmark_prompts import STORY_OPENINGS
     from compiled import copy_bandwidth
 
-    from model.setup import step_ms
+    from model.fast.setup import step_ms
     from speculative import autoregressive_generate, speculative_generate
 
     pairs = {}

@@ -3,8 +3,8 @@
     python benchmarks/step_profile.py                          # tiny-target, bfloat16, 2 threads
     python benchmarks/step_profile.py --dtype float32 --repo /tmp/before   # another checkout's model
 
-The target is stacked (model/fuse.py) and compiled in the process for one row of one token
-(model/compile.py's CPU default mode: max-autotune with freezing), with Inductor's kernel
+The target is stacked (model/fast/fuse.py) and compiled in the process for one row of one token
+(model/fast/compile.py's CPU default mode: max-autotune with freezing), with Inductor's kernel
 profiling on, so that each generated kernel is an entry of its own beside the ATen operators
 the graph still calls. Prints the step's median time over rounds and the profiler's operators
 by their own time per step. ``--repo`` imports model/ and weights/ from another checkout
@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import profile
 
     from model.call import CacheCall
-    from model.compile import compile_for_decoding
-    from model.fuse import fuse_projections
-    from model.setup import step_ms
+    from model.fast.compile import compile_for_decoding
+    from model.fast.fuse import fuse_projections
+    from model.fast.setup import step_ms
     from weights import load_model
 
     torch.set_num_threads(args.threads)

@@ -6,8 +6,8 @@
 The paper's c is the cost of a draft step relative to a target step; the shipped pair was
 chosen so that a target step costs about 10x a draft step. This measures both, one token
 at a time through the KV cache (and optionally several rows, as a verification feeds),
-with generate.py's defaults (projections stacked by model/fuse.py, large float32 weights
-prepacked by model/prepack.py) and with each turned off. The set-ups are timed in turns
+with generate.py's defaults (projections stacked by model/fast/fuse.py, large float32 weights
+prepacked by model/fast/prepack.py) and with each turned off. The set-ups are timed in turns
 and the medians reported, so that a busy moment of the machine hits them all alike.
 """
 
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.call import CacheCall  # noqa: E402
-from model.fuse import prepare_for_decoding  # noqa: E402
+from model.fast.fuse import prepare_for_decoding  # noqa: E402
 from weights import load_model  # noqa: E402
 
 SETUPS = {  # name: (stack projections, prepack weights)

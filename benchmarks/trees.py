@@ -65,13 +65,14 @@ from benchmark_report import (  # noqa: E402
     threads_name,
 )
 
+from model import call as calls  # noqa: E402
 from model.call import CacheCall  # noqa: E402
-from model.fuse import prepare_for_decoding  # noqa: E402
-from speculative import autoregressive_generate, calls, speculative_generate  # noqa: E402
+from model.fast.fuse import prepare_for_decoding  # noqa: E402
+from speculative import autoregressive_generate, speculative_generate  # noqa: E402
+from speculative.draft.trees import TREE_MODES, check_tree  # noqa: E402
+from speculative.engine.stats import clock  # noqa: E402
 from speculative.inputs import model_device  # noqa: E402
-from speculative.stats import clock  # noqa: E402
-from speculative.tree import TokenTree, branching_parents  # noqa: E402
-from speculative.tree_drafting import TREE_MODES, check_tree  # noqa: E402
+from speculative.verify.tree import TokenTree, branching_parents  # noqa: E402
 from weights import load_model, load_tokenizer  # noqa: E402
 
 DRAFTERS = ["tiny-draft", "tiny-eagle"]
@@ -146,7 +147,7 @@ def run(config: Config, target: Any, drafters: dict[str, Any], prompt: list[int]
 # ----------------------------------------------------------------------------- one target call against N nodes
 def call_inputs(target: Any, prefix: list[int], nodes: list[int]) -> dict[int, tuple[torch.Tensor, CacheCall]]:
     """What the timed calls feed at slot len(prefix): for N = 0 one token, a plain step; for N > 0 the root and
-    N nodes placed as the loop places an N-node tree (speculative.calls.tree)."""
+    N nodes placed as the loop places an N-node tree (model.call.tree)."""
     device = model_device(target)
     start, token = len(prefix), prefix[-1]
     parents = branching_parents(COST_SHAPE)
@@ -520,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     plot_path = os.path.relpath(args.plot, out.parent) if args.plot else None
     setup = (f"Target `{args.target}`, float32 on cpu; drafters {', '.join(f'`{d}`' for d in drafters)}; as "
-             f"generate.py, q/k/v and gate/up stacked ({stacked} groups, model/fuse.py) and large weights "
-             f"reordered for oneDNN ({prepacked} layers, model/prepack.py) in the target and every drafter's "
+             f"generate.py, q/k/v and gate/up stacked ({stacked} groups, model/fast/fuse.py) and large weights "
+             f"reordered for oneDNN ({prepacked} layers, model/fast/prepack.py) in the target and every drafter's "
              f"network. Chains at γ ∈ {{{', '.join(map(str, args.gammas))}}}, verified token by token and (at T > 0, "
              "where the rules differ; greedy both compare argmaxes) as a block; trees "
              f"{', '.join(shape_name(s) for s in args.shapes)}, children drawn {args.tree_mode.replace('_', ' ')} "

@@ -8,7 +8,7 @@ the sequence of these into predictions of f_{j+1}. The model's own output head, 
 to a predicted feature, gives a distribution for token j+2. The embedding and the output
 head are the model's and are not stored here: the head is the block and the linear layer.
 
-This module is a network and nothing else; speculative/eagle.py drafts with it.
+This module is a network and nothing else; speculative/draft/eagle.py drafts with it.
 """
 
 from __future__ import annotations

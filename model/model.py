@@ -18,7 +18,7 @@ positions apart, as token trees need (docs/kv_cache.md):
 * ``model.move_cache(rows, src, dst)``: the one way to keep or move entries.
 
 What a call is for (a chain, ragged rows, a tree) is the caller's business: the builders
-are in speculative/calls.py. A compiled model (model/compile.py) runs the same ``step``."""
+are in model/call.py. A compiled model (model/fast/compile.py) runs the same ``step``."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        # Set by model/fuse.py: q, k and v stacked into one layer (q_proj.. are then None).
+        # Set by model/fast/fuse.py: q, k and v stacked into one layer (q_proj.. are then None).
         self.qkv_proj: nn.Module | None = None
         self.qkv_heads = (0, 0)
         self.cache: KVCache | None = None
@@ -197,7 +197,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
         self.up_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
         self.down_proj = nn.Linear(config.hidden_dim, config.dim, bias=False)
-        # Set by model/fuse.py: gate and up stacked into one layer (gate_proj, up_proj: None).
+        # Set by model/fast/fuse.py: gate and up stacked into one layer (gate_proj, up_proj: None).
         self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,7 +233,7 @@ class CachedStack(nn.Module):
         self.cache_len = 0  # usable slots per row (max_seq_len); 0: no cache yet
         self.cache_batch = 0  # rows (max_batch_size)
         self._rope: torch.Tensor | None = None  # [slots, 2, head_dim]: cos and sin of every position
-        self.compiled: Any = None  # set by model/compile.py: cached calls go through it where a shape fits
+        self.compiled: Any = None  # set by model/fast/compile.py: cached calls go through it where a shape fits
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         """A zeroed KV cache of max_seq_len slots per row plus a scratch slot (written by padding, never
@@ -270,7 +270,7 @@ class CachedStack(nn.Module):
         if self._rope is None:
             raise RuntimeError("a cached call needs setup_cache(...) first")
         if not isinstance(call, CacheCall):
-            raise TypeError(f"a cached call takes a CacheCall (see speculative/calls.py), got {type(call).__name__}")
+            raise TypeError(f"a cached call takes a CacheCall (see model/call.py), got {type(call).__name__}")
         batch, seq = inputs[0].shape[:2]
         if tuple(call.slots.shape) != (batch, seq):
             raise ValueError(f"the call places {tuple(call.slots.shape)} tokens, the input has {(batch, seq)}")
@@ -329,7 +329,7 @@ class Llama(CachedStack):
 
     def step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None,
              window: int, return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A cached call's computation, from tensors alone (what model/compile.py compiles)."""
+        """A cached call's computation, from tensors alone (what model/fast/compile.py compiles)."""
         return self.decode(self.embed_tokens(tokens), *self.attention_inputs(positions, slots, visible, window),
                            return_hidden)
 

@@ -1,42 +1,41 @@
-"""Speculative decoding (Leviathan, Kalman & Matias 2023, Algorithm 1), one concept per module.
+"""Speculative decoding (Leviathan, Kalman & Matias 2023, Algorithm 1) and its exact refinements.
 
-* :mod:`speculative.reference`: Algorithm 1 alone, for reading (:func:`speculative_decode`).
-* :mod:`speculative.engine`: the production engine over rows (:class:`Engine`), with its seams
-  propose, score, verify and commit; :mod:`speculative.generation`: the four functions over it
-  (:func:`speculative_generate`, :func:`autoregressive_generate` and their ``_batch`` forms).
-* :mod:`speculative.sampling`: logits -> probabilities (temperature, top-k, top-p), sampling.
-* :mod:`speculative.verify`: the acceptance test, the residual distribution, one verification step;
-  :mod:`speculative.block`: block verification; :mod:`speculative.tree`: token-tree verification.
-* :mod:`speculative.drafter`: what proposes tokens (:class:`Drafter`), and a small model as one (:class:`ModelDrafter`).
-* :mod:`speculative.lookup`: prompt lookup (:class:`PromptLookupDrafter`); :mod:`speculative.eagle`: a head
-  that drafts from the target's features (:class:`FeatureDrafter`); :mod:`speculative.tree_drafting`: growing trees.
-* :mod:`speculative.calls`: how the engine places tokens in a model's KV cache: a chain, ragged rows, a tree.
-* :mod:`speculative.stats`: what a call measured; :mod:`speculative.gamma`: the cost model and gamma="auto".
-* :mod:`speculative.pair`: can two models speculate together (:func:`check_pair`).
-* :mod:`speculative.report`: the summaries and the JSON form of results (generate.py's output).
-* :mod:`speculative.distill`: distilling a draft toward its target (DistillSpec's divergences, on-policy
-  sequences) and EAGLE's losses.
-* :mod:`speculative.prove`: ``python -m speculative.prove MODULE:OBJECT``, is a verifier or drafter exact
-  (:func:`speculative.prove.check`); :mod:`speculative.exact`: exact laws, the code run once per branch of
-  its randomness; :mod:`speculative.toys`: the toy models and independent references of the proofs.
+Read first: :mod:`speculative.reference` (Algorithm 1 alone, :func:`speculative_decode`) and
+:mod:`speculative.sampling` (logits -> probabilities, sampling). Then one subpackage per role:
+
+* :mod:`speculative.verify`: the verification rules (token, block, tree) and what a rule returns;
+* :mod:`speculative.draft`: the drafter protocol and each drafter (a draft model, prompt lookup,
+  a feature head), registered by name;
+* :mod:`speculative.engine`: the production engine over rows (:class:`Engine`: propose, score,
+  verify, commit), its statistics, every gamma policy and the four generation functions;
+* :mod:`speculative.serving`: the engine behind an HTTP API (the loop, and the app);
+* :mod:`speculative.proofs`: ``python -m speculative.prove``, the checker of a rule or drafter;
+* :mod:`speculative.cli`: what generate.py and serve.py share of the command line.
+
+:mod:`speculative.inputs` checks arguments before any model runs. This module exports the
+public API and nothing else.
 """
 
-from speculative.drafter import Draft, Drafter, ModelDrafter, as_drafter
-from speculative.eagle import FeatureDrafter
-from speculative.engine import Engine
-from speculative.gamma import AutoGamma, best_gamma, expected_speedup, expected_tokens_per_iteration
-from speculative.generation import (
+from speculative.draft import Draft, Drafter, FeatureDrafter, ModelDrafter, PromptLookupDrafter, as_drafter
+from speculative.engine import (
+    AutoGamma,
+    AutoregressiveStats,
+    BatchResult,
+    BatchStats,
+    Engine,
+    GenerationResult,
+    SpeculativeStats,
     autoregressive_generate,
     autoregressive_generate_batch,
+    best_gamma,
+    expected_speedup,
+    expected_tokens_per_iteration,
     speculative_generate,
     speculative_generate_batch,
 )
-from speculative.inputs import NonFiniteLogitsError
-from speculative.lookup import PromptLookupDrafter
-from speculative.pair import PairMismatchError, check_pair
+from speculative.inputs import NonFiniteLogitsError, PairMismatchError, check_pair
 from speculative.reference import speculative_decode
 from speculative.sampling import Sampling, sample, warp
-from speculative.stats import AutoregressiveStats, BatchResult, BatchStats, GenerationResult, SpeculativeStats
 from speculative.verify import (
     Verification,
     acceptance_probability,

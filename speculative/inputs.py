@@ -1,5 +1,6 @@
-"""Checking the arguments of a generation call before any model runs, and the one thing
-the loops check of a model's output: that its logits are numbers."""
+"""Checking the arguments of a generation call before any model runs (the prompt, gamma, the
+pair of models: :func:`check_pair`), and the one thing the loops check of a model's output:
+that its logits are numbers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import torch
 
-from speculative.gamma import GAMMA_MAX
+GAMMA_MAX = 16  # the most tokens gamma="auto" drafts per iteration
+
 
 
 def _is_int(value: Any) -> bool:
@@ -134,3 +136,35 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
     if not bool(finite_flag(logits)):
         raise NonFiniteLogitsError()
     return logits
+
+
+# ----------------------------------------------------------------------------- the pair
+# Algorithm 1 compares p(x) and q(x) for the same token id x, so the draft and the target must
+# mean the same thing by every id: the same vocabulary size and, when the tokenizers are at
+# hand, the same tokenizer (two tokenizers of equal size can still map ids to different pieces,
+# and then speculation would be fast and meaningless).
+class PairMismatchError(ValueError):
+    """The draft cannot speculate for the target: their vocabularies or tokenizers differ."""
+
+
+def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> None:
+    """Raise PairMismatchError unless draft and target share a vocabulary.
+
+    Compares ``config.vocab_size`` always (a drafter's ``vocab_size``; None for a drafter
+    that only proposes ids taken from the sequence, such as prompt lookup), and
+    ``tokenizer.fingerprint()`` (the serialized tokenizer, see weights/tokenizer.py) when
+    both tokenizers are given.
+    """
+    v_target = target.config.vocab_size
+    v_draft = draft.config.vocab_size if hasattr(draft, "config") else draft.vocab_size
+    if v_draft is not None and v_target != v_draft:
+        raise PairMismatchError(
+            f"the draft's vocabulary has {v_draft} tokens but the target's has {v_target}: "
+            "speculative decoding needs both models to share one vocabulary"
+        )
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        if target_tokenizer.fingerprint() != draft_tokenizer.fingerprint():
+            raise PairMismatchError(
+                "the draft and the target use different tokenizers (their serialized models differ): "
+                "token ids would not mean the same pieces"
+            )

@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 
-from speculative.calls import chain
-from speculative.inputs import check_prompt, model_device
-from speculative.pair import check_pair
+from model.call import chain
+from speculative.inputs import check_pair, check_prompt, model_device
 from speculative.sampling import Sampling, make_generator, sample, warp
 
 

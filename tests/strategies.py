@@ -1,6 +1,6 @@
 """Shared pieces of the exactness tests: hypothesis strategies for distributions and decoding
 settings; random n-gram tables with holes (toy_table) and the gap between two exact
-distributions (max_gap) come from speculative/toys.py, which python -m speculative.prove uses
+distributions (max_gap) come from speculative/proofs/toys.py, which python -m speculative.prove uses
 too. Written without the code under test (only speculative.sampling.Sampling, a plain settings
 record, is imported)."""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
+from speculative.proofs.toys import max_gap, toy_table  # noqa: F401 -- the tests import them from here
 from speculative.sampling import Sampling
-from speculative.toys import max_gap, toy_table  # noqa: F401 -- the tests import them from here
 
 
 def distribution(values: list[float]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Batches: the model's per-row cache positions, and the batched loops against the
 single-sequence ones.
 
-* model.Llama / FeatureHead called with one start slot per row (speculative.calls.ragged:
+* model.Llama / FeatureHead called with one start slot per row (model.call.ragged:
   ragged rows, padding, padding past the cache's end, dropping and reordering rows with
   move_cache) give each row the logits of a plain forward over that row alone (float64,
   to 1e-12); a batch of one is the chain call bit for bit;
@@ -26,6 +26,7 @@ import torch
 from proofs import proof
 from toy_models import far_from_argmax, noisy_copy, random_llama, reference_greedy
 
+from model import call as calls
 from model.call import CacheCall
 from model.config import ModelConfig
 from model.feature_head import FeatureHead
@@ -34,16 +35,15 @@ from speculative import (
     PromptLookupDrafter,
     autoregressive_generate,
     autoregressive_generate_batch,
-    calls,
     sample,
     speculative_generate,
     speculative_generate_batch,
 )
 from speculative.sampling import sample_rows
-from speculative.verify import Verification
+from speculative.verify.verdict import Verification
 
 torch.set_num_threads(1)
-verify_module = importlib.import_module("speculative.verify")
+verify_module = importlib.import_module("speculative.verify.token")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def random_prompts(count: int, seed: int, vocab: int = 16, longest: int = 9) -> 
 
 # ----------------------------------------------------------------------------- model
 def ragged(model, tokens: torch.Tensor, starts: list[int]) -> torch.Tensor:
-    """The call of a batch whose row b starts at slot starts[b] (speculative.calls.ragged)."""
+    """The call of a batch whose row b starts at slot starts[b] (model.call.ragged)."""
     return model(tokens, calls.ragged(starts, tokens.shape[1], model.cache_len, tokens.device))
 
 

@@ -4,7 +4,7 @@ variants.
 
 * Exact enumeration: the real ``speculative_generate_batch`` runs with two rows of
   different prompt lengths, but every random choice (a drafted token, an accept/reject, a
-  residual or bonus token) is taken by a Chooser (speculative.exact) that replays a script; a
+  residual or bonus token) is taken by a Chooser (speculative.proofs.exact) that replays a script; a
   depth-first search over scripts visits every branch once, with its exact probability
   (float64). The joint law of the two rows' first tokens must be the product of the
   target's own laws, to 1e-10. The acceptance test and the residual are the library's
@@ -33,16 +33,16 @@ import torch
 from proofs import proof
 from toy_models import chi_square_pvalue, llama_next_logits, random_llama, ref_warp, sequence_distribution
 
-import speculative.verify as verify
+import speculative.verify.token as verify
 from speculative import speculative_generate_batch
-from speculative.exact import Chooser
-from speculative.exact import enumerate_runs as enumerate_law
+from speculative.proofs.exact import Chooser
+from speculative.proofs.exact import enumerate_runs as enumerate_law
 from speculative.sampling import Sampling
 
 torch.set_num_threads(1)
-batch = importlib.import_module("speculative.engine")
-drafter_module = importlib.import_module("speculative.drafter")
-loop = importlib.import_module("speculative.engine")
+batch = importlib.import_module("speculative.engine.engine")
+drafter_module = importlib.import_module("speculative.draft.protocol")
+loop = importlib.import_module("speculative.engine.engine")
 
 TOL = 1e-10
 P_VALUE = 1e-3
@@ -78,7 +78,7 @@ def position_of_other_row(mp: pytest.MonkeyPatch) -> None:
 
 def shared_uniforms(mp: pytest.MonkeyPatch) -> None:
     """Every row's generator gets the first row's seed."""
-    generation = importlib.import_module("speculative.generation")
+    generation = importlib.import_module("speculative.engine.generation")
     real = generation.row_seeds
     mp.setattr(generation, "row_seeds", lambda seed, count: real(seed, count)[:1] * count)
 
@@ -105,7 +105,7 @@ BUGS = {"other-rows-q": other_rows_q, "position-of-other-row": position_of_other
 
 # ----------------------------------------------------------------------------- enumeration
 def enumerate_runs(run: Callable[[], list[list[int]]], chooser_box: dict) -> dict[tuple, float]:
-    """The exact law of ``run()``'s outcome, summed over every script (speculative.exact's depth-first
+    """The exact law of ``run()``'s outcome, summed over every script (speculative.proofs.exact's depth-first
     search); ``chooser_box["now"]`` is the run's Chooser. A broken variant may also crash: an outcome too."""
 
     def scripted(chooser: Chooser) -> tuple:

@@ -1,4 +1,4 @@
-"""Block verification (speculative/block.py) proven without sampling, the way Algorithm 1 is in
+"""Block verification (speculative/verify/block.py) proven without sampling, the way Algorithm 1 is in
 tests/test_speculative_exact.py.
 
 An iteration's law is computed exactly: every drafted block x_1..x_gamma (each x_i ~ q_i, drawn
@@ -32,15 +32,9 @@ from proofs import proof
 from strategies import max_gap, samplings, toy_table
 from toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
-import speculative.verify as verify
-from speculative.block import (
-    block_outcomes,
-    block_residuals,
-    block_weights,
-    stop_probabilities,
-    verify_block,
-)
+import speculative.verify.token as verify
 from speculative.sampling import Sampling, warp
+from speculative.verify.block import block_outcomes, block_residuals, block_weights, stop_probabilities, verify_block
 
 torch.set_num_threads(1)
 
@@ -564,7 +558,7 @@ def test_the_loop_with_block_verification_has_the_target_distribution() -> None:
        rejects=('stop with probability w_i instead of h_i',))
 def test_the_loop_catches_a_block_rule_that_stops_with_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stopping at i with probability w_i instead of h_i (a plausible misreading of line B3)."""
-    import speculative.block as block
+    import speculative.verify.block as block
 
     monkeypatch.setattr(block, "stop_probabilities", lambda weights, mass: weights[1:])
     assert _toy_first_tokens_pvalue("block") < 1e-3

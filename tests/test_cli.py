@@ -23,10 +23,10 @@ import torch
 
 import generate
 from model import ModelConfig
-from model import memory as memory_lib
-from model.memory import DEFAULT_RESERVE, NotEnoughMemoryError
-from speculative.report import JSON_NOTES
-from weights import cli as cmdline
+from model.scale import memory as memory_lib
+from model.scale.memory import DEFAULT_RESERVE, NotEnoughMemoryError
+from speculative.cli import options as cmdline
+from speculative.cli.report import JSON_NOTES
 from weights import load_model, load_tokenizer, read_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,7 +263,7 @@ def test_greedy_float32_differs_only_at_near_ties(greedy_alone: dict[str, list[i
 
 @needs_pair
 def test_prepacking_is_on_by_default_on_cpu_float32_and_can_be_turned_off() -> None:
-    from model.prepack import prepack_supported
+    from model.fast.prepack import prepack_supported
 
     args = ("--target", str(TARGET), "--no-draft", "--max-new-tokens", "20", "--dtype", "float32")
     packed, plain = run_json(*args), run_json(*args, "--no-prepack")
@@ -626,7 +626,7 @@ def test_cheapest_fit_by_hand() -> None:
     then int8 on more GPUs. Each suggestion is checked to fit, and the cheaper ones not to."""
     from dataclasses import replace
 
-    from model.memory import LLAMA2_CONFIGS, cheapest_fit, plan
+    from model.scale.memory import LLAMA2_CONFIGS, cheapest_fit, plan
 
     t70, d7, t13 = LLAMA2_CONFIGS["70b"], LLAMA2_CONFIGS["7b"], LLAMA2_CONFIGS["13b"]
     assert cheapest_fit(t70, d7, device_name="h200", tp_size=2) is None  # it fits already

@@ -1,5 +1,5 @@
 """generate.py --prompts-file / --batch-size: many prompts decoded as one batch
-(speculative/engine.py). Prompt i's tokens are those of a --prompt run of its line with
+(speculative/engine/engine.py). Prompt i's tokens are those of a --prompt run of its line with
 seed + i, whatever the batch size; the output and --json shape; bad input is one error line
 with exit status 2, and --batch-size without --prompts-file one warning.
 

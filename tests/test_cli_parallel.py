@@ -6,7 +6,7 @@
 * ``--quantize int8``: speculative decoding still reproduces the (quantized) target's own
   greedy output.
 * ``--plan`` prints bytes per GPU from configs alone; checked against a hand count of the
-  Llama-2 70B architecture, not against model.memory.
+  Llama-2 70B architecture, not against model.scale.memory.
 * ``--tp 0`` ends with exit status 2 and one ``error:`` line (``--tp`` without ``--plan`` is a
   warning, like every flag a run cannot use: tests/test_cli.py).
 

@@ -1,4 +1,4 @@
-"""Compiled decoding (model/compile.py): the static-shape step is the eager forward, a
+"""Compiled decoding (model/fast/compile.py): the static-shape step is the eager forward, a
 compiled run never recompiles, and compiled output keeps every promise of the eager one.
 
 * ``Llama.step`` (run eagerly, as the compiled dispatcher calls it: the window the whole
@@ -32,12 +32,13 @@ from toy_models import (
     sequence_distribution,
 )
 
+from model import call as calls
 from model.call import CacheCall
-from model.compile import CompileError, compile_for_decoding, decode_widths
-from model.prepack import prepack_linears, prepack_supported
-from speculative import autoregressive_generate, calls, speculative_generate, speculative_generate_batch
-from speculative.gamma import GAMMA_MAX
-from speculative.tree import TokenTree, branching_parents
+from model.fast.compile import CompileError, compile_for_decoding, decode_widths
+from model.fast.prepack import prepack_linears, prepack_supported
+from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
+from speculative.inputs import GAMMA_MAX
+from speculative.verify.tree import TokenTree, branching_parents
 
 torch.set_num_threads(1)
 
@@ -266,7 +267,7 @@ def test_decode_widths(gamma: int | str, gamma_max: int, widths: tuple[int, ...]
 # ----------------------------------------------------------------------------- prepacked layers inside a graph
 @pytest.mark.skipif(not prepack_supported(), reason="prepacking needs oneDNN")
 def test_a_prepacked_model_compiles_with_its_packed_products() -> None:
-    """A prepacked layer is one opaque operator in the graph (model/prepack.py): the compiled
+    """A prepacked layer is one opaque operator in the graph (model/fast/prepack.py): the compiled
     prepacked model gives the eager prepacked model's logits, over a run of steps, and the
     packed weights are still what runs (a changed packed weight changes the output)."""
     model = random_llama(vocab=16, dim=512, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=32)
@@ -374,7 +375,7 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
     output keeps the near-tie rule, and nothing recompiles over chain, batch and tree runs."""
     from test_drafters import random_head
 
-    from speculative.eagle import FeatureDrafter
+    from speculative.draft.eagle import FeatureDrafter
 
     target = pair(seed=6)[0]
     head, chead = random_head(target), None

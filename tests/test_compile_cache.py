@@ -1,4 +1,4 @@
-"""Compiled steps kept on disk (model/aot.py, weights/step_cache.py): built once, loaded by a later
+"""Compiled steps kept on disk (model/fast/aot.py, weights/step_cache.py): built once, loaded by a later
 process with the tokens of a fresh compile, and safe to reuse.
 
 * a later process loads the entries a first one built, and decodes the same tokens; the default
@@ -33,9 +33,9 @@ import torch
 from test_cli import ROOT, TARGET, main_error, main_ok
 from toy_models import far_from_argmax, random_llama
 
-from model import aot
-from model.compile import MODE_ENV, CompileError, NotCachedError, compile_for_decoding
-from model.fuse import fuse_projections
+from model.fast import aot
+from model.fast.compile import MODE_ENV, CompileError, NotCachedError, compile_for_decoding
+from model.fast.fuse import fuse_projections
 from weights import StepCache, load_model, save_model
 from weights.step_cache import MANIFEST, PAYLOAD, EntryError
 

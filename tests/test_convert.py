@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, SHARED_DATA, needs_shared
 
-from speculative.calls import chain
+from model.call import chain
 from weights import CheckpointError, load_model, load_tokenizer
 from weights.convert import convert_llama2c, interleaved_to_rotate_half, main, read_llama2c_header
 

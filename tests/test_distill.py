@@ -1,4 +1,4 @@
-"""The distillation objectives (speculative/distill.py) against independent formulas."""
+"""The distillation objectives (speculative/draft/distill.py) against independent formulas."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speculative.distill import divergence
-from speculative.verify import expected_acceptance
+from speculative.draft.distill import divergence
+from speculative.verify.token import expected_acceptance
 
 
 def logits(seed: int, shape: tuple[int, ...] = (3, 5, 11)) -> torch.Tensor:

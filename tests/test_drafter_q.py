@@ -18,11 +18,11 @@ from proofs import proof
 from test_drafters import random_head
 from toy_models import noisy_copy, random_llama, ref_warp
 
-import speculative.drafter as drafter_module
-import speculative.eagle as eagle_module
-from speculative.calls import chain
-from speculative.drafter import ModelDrafter
-from speculative.eagle import FeatureDrafter
+import speculative.draft.eagle as eagle_module
+import speculative.draft.protocol as drafter_module
+from model.call import chain
+from speculative.draft.eagle import FeatureDrafter
+from speculative.draft.model import ModelDrafter
 from speculative.sampling import Sampling
 
 torch.set_num_threads(1)
@@ -92,7 +92,7 @@ def test_each_drafter_hands_over_the_q_it_drew_from(pair: tuple, sampling: Sampl
        'exact')
 def test_prompt_lookup_hands_over_no_q() -> None:
     """A deterministic drafter reports q = None: the loop takes it as one-hot on its tokens."""
-    from speculative.lookup import PromptLookupDrafter
+    from speculative.draft.lookup import PromptLookupDrafter
 
     lookup = PromptLookupDrafter()
     lookup.start()

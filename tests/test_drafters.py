@@ -1,5 +1,5 @@
-"""The drafter interface, prompt lookup and the feature drafter (speculative.drafter,
-speculative.lookup, speculative.eagle), and Algorithm 1's exactness over every drafter.
+"""The drafter interface, prompt lookup and the feature drafter (speculative.draft,
+speculative.draft.lookup, speculative.draft.eagle), and Algorithm 1's exactness over every drafter.
 
 * The interface: a plain model and ModelDrafter around it are the same run, token for
   token; anything else is refused with a clear error.
@@ -39,6 +39,7 @@ from test_speculative_statistical import (
 )
 from toy_models import NGramModel, chi_square_pvalue, llama_next_logits, random_llama, ref_warp, reference_greedy
 
+from model.call import chain
 from speculative import (
     Draft,
     FeatureDrafter,
@@ -47,12 +48,11 @@ from speculative import (
     as_drafter,
     speculative_generate,
 )
-from speculative.calls import chain
-from speculative.lookup import NgramIndex
+from speculative.draft.lookup import NgramIndex
+from speculative.proofs.toys import random_head  # the feature head of the tests and of speculative.prove
 from speculative.sampling import Sampling, warp
-from speculative.toys import random_head  # the feature head of the tests and of speculative.prove
 
-verify = importlib.import_module("speculative.verify")
+verify = importlib.import_module("speculative.verify.token")
 
 
 # ----------------------------------------------------------------------------- interface

@@ -1,4 +1,4 @@
-"""Stacked projections (model/fuse.py): the same logits and generations with fewer products.
+"""Stacked projections (model/fast/fuse.py): the same logits and generations with fewer products.
 
 Stacking q/k/v and gate/up computes the same dot products, so a fused model must agree
 with the plain one to rounding (to 1e-12 in float64), cached and uncached, with grouped-
@@ -16,11 +16,11 @@ from conftest import randomize_
 from torch import nn
 
 from model import Llama, ModelConfig
-from model.fuse import fuse_projections
-from model.prepack import prepack_linears, prepack_supported
-from model.quantize import Int8Linear
+from model.call import chain
+from model.fast.fuse import fuse_projections
+from model.fast.prepack import prepack_linears, prepack_supported
+from model.scale.quantize import Int8Linear
 from speculative import autoregressive_generate, speculative_generate
-from speculative.calls import chain
 from weights import save_model
 
 # Grouped-query attention (6 query heads, 2 KV heads), so that the split of the stack matters.

@@ -24,8 +24,8 @@ from speculative import (
     speculative_generate,
     speculative_generate_batch,
 )
+from speculative.engine.stats import Clock
 from speculative.inputs import read_host
-from speculative.stats import Clock
 
 torch.set_num_threads(1)
 READS = ("tolist", "item", "__bool__", "__int__", "__float__")
@@ -68,7 +68,7 @@ def test_chain(pair: tuple, temperature: float, verify: str, monkeypatch: pytest
 def test_tree(pair: tuple, temperature: float, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A token tree: the walk's one copy (with the check) per iteration, and nothing more: the
     accepted path is moved into place in the cache from host lists, which the model checks on
-    the host, and the tree's call (speculative.calls.tree) is built from host lists too, each
+    the host, and the tree's call (model.call.tree) is built from host lists too, each
     token seeing at least itself, so no call's mask is read back (the old explicit-mask call
     read the first call's mask once per run). (Drawing children without replacement adds a
     read per level: which draws were possible decides the tree's shape on the host.)"""

@@ -1,5 +1,5 @@
 """Loading a pair by name (weights/load.py) and the text helpers beside the tokenizer
-(weights/text.py): what each draft name means, what is refused before the weights are read,
+(speculative/serving/text.py): what each draft name means, what is refused before the weights are read,
 that a loaded pair decodes as its target alone, and that streaming hands out exactly the text
 of the whole sequence."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from model import Llama
-from model.memory import LLAMA2_CONFIGS
+from model.scale.memory import LLAMA2_CONFIGS
 from speculative import (
     FeatureDrafter,
     PairMismatchError,
@@ -23,10 +23,10 @@ from speculative import (
     autoregressive_generate,
     speculative_generate,
 )
+from speculative.serving.text import TextStream, continuation_text, encode_prompt
 from weights import UnknownCheckpointError, load_model, load_pair, load_tokenizer, read_pair
 from weights.load import draft_kind, plan_configs
-from weights.registry import WEIGHTS_DIR
-from weights.text import TextStream, continuation_text, encode_prompt, marked_for_chat
+from weights.registry import WEIGHTS_DIR, marked_for_chat
 
 needs_pair = pytest.mark.skipif(not (WEIGHTS_DIR / "tiny-target" / "config.json").is_file()
                                 or not (WEIGHTS_DIR / "tiny-eagle" / "config.json").is_file(),
@@ -139,7 +139,7 @@ def test_plan_configs_count_a_head_as_one_block_of_its_target() -> None:
     assert head.n_layers == 1 and head.dim == target.dim == config_json("tiny-target")["hidden_size"]
 
 
-# ----------------------------------------------------------------------------- weights/text.py
+# ----------------------------------------------------------------------------- speculative/serving/text.py
 @pytest.fixture(scope="module")
 def tokenizer():
     if not (WEIGHTS_DIR / "tiny-target" / "tokenizer.model").is_file():

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from model import ModelConfig
-from model import memory as memory_lib
-from model.memory import (
+from model.scale import memory as memory_lib
+from model.scale.memory import (
     DEFAULT_RESERVE,
     LLAMA2_CONFIGS,
     NotEnoughMemoryError,
@@ -23,7 +23,7 @@ from model.memory import (
     plan,
     plan_suggestion,
 )
-from model.tensor_parallel import TensorParallelError
+from model.scale.tensor_parallel import TensorParallelError
 from weights.sharded import plan_config
 
 # (hidden, intermediate, layers, heads, kv heads) from meta-llama/Llama-2-*-hf config.json; vocab 32000.

@@ -1,4 +1,4 @@
-"""Weights reordered once for oneDNN (model/prepack.py): same logits, same generations.
+"""Weights reordered once for oneDNN (model/fast/prepack.py): same logits, same generations.
 
 Prepacking only changes the order of float32 additions, so a prepacked model must agree
 with the plain one to float32 rounding, with and without the KV cache, and speculative
@@ -16,9 +16,9 @@ from conftest import randomize_
 from torch import nn
 
 from model import Llama, ModelConfig
-from model.prepack import MIN_ELEMENTS, PrepackedLinear, packable, prepack_linears, prepack_supported
+from model.call import chain
+from model.fast.prepack import MIN_ELEMENTS, PrepackedLinear, packable, prepack_linears, prepack_supported
 from speculative import autoregressive_generate, speculative_generate
-from speculative.calls import chain
 from weights import save_model
 
 needs_onednn = pytest.mark.skipif(not prepack_supported(),
@@ -89,7 +89,7 @@ def test_only_plain_large_float32_cpu_layers_are_swapped() -> None:
     assert type(holder.small) is nn.Linear and type(holder.biased) is nn.Linear
     assert type(holder.subclass) is AllReduceLinear
     assert prepack_linears(random_model(dtype=torch.float64)) == 0  # PyTorch does not repack per call for it
-    assert prepack_linears(random_model(dtype=torch.float16)) == 0  # not prepacked: see model/prepack.py
+    assert prepack_linears(random_model(dtype=torch.float16)) == 0  # not prepacked: see model/fast/prepack.py
     bf16 = random_model(dtype=torch.bfloat16)  # oneDNN reorders bfloat16 at every call: packed where native
     assert (prepack_linears(bf16) > 0) == packable(torch.bfloat16)
 

@@ -2,7 +2,7 @@
 public-bug example of tests/bugs/ on the property that should catch it (and passes the look-alike
 that is not a bug), says "not applicable" instead of passing code whose randomness it cannot
 follow, and answers bad input with exit status 2 and one line. Its enumeration
-(speculative.exact) is checked against laws worked out by hand."""
+(speculative.proofs.exact) is checked against laws worked out by hand."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculative.block import verify_block
-from speculative.exact import Branching, verifier_outcomes
-from speculative.lookup import PromptLookupDrafter
-from speculative.prove import check, feature_drafter, load, main, model_drafter
-from speculative.verify import verify_step
+from speculative.draft.lookup import PromptLookupDrafter
+from speculative.proofs.checker import check, feature_drafter, load, main, model_drafter
+from speculative.proofs.exact import Branching, verifier_outcomes
+from speculative.verify.block import verify_block
+from speculative.verify.token import verify_step
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +140,8 @@ RULES = '''
 import random
 import torch
 from speculative.sampling import sample
-from speculative.verify import Verdict, acceptance_probability, expected_acceptance, leading_passes, \\
+from speculative.verify.verdict import Verdict
+from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, \\
     residual_distribution
 
 
@@ -215,8 +216,8 @@ def test_exit_1_names_the_property_the_case_and_the_gap(capsys: pytest.CaptureFi
     ("speculative.verify", "expected MODULE:OBJECT"),
     ("{rules}:NUMBER", "(an int) is neither a verifier"),
     ("{rules}:two", "(a callable of 2 arguments) is neither a verifier"),
-    ("speculative.eagle:FeatureDrafter", "(a class of 2 arguments) is neither a verifier"),
-    ("speculative.drafter:ModelDrafter", "drafts with the target itself"),
+    ("speculative.draft.eagle:FeatureDrafter", "(a class of 2 arguments) is neither a verifier"),
+    ("speculative.draft:ModelDrafter", "drafts with the target itself"),
     ("{rules}:returns_a_list", "returned list, not a speculative.verify.Verdict"),
     ("{rules}:raises", "raised ZeroDivisionError: division by zero (vocab 2, gamma 1"),
 ])

@@ -10,10 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import Llama, ModelConfig
-from model.quantize import QMAX, Int8Linear, dequantize_weight, max_abs_error_bound, quantize_int8, quantize_weight
-from model.tensor_parallel import weight_bytes
+from model.call import chain
+from model.scale.quantize import (
+    QMAX,
+    Int8Linear,
+    dequantize_weight,
+    max_abs_error_bound,
+    quantize_int8,
+    quantize_weight,
+)
+from model.scale.tensor_parallel import weight_bytes
 from speculative import autoregressive_generate, speculative_generate
-from speculative.calls import chain
 
 CONFIG = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=160, max_seq_len=64)
 DRAFT = ModelConfig(vocab_size=96, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64)

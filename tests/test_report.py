@@ -1,4 +1,4 @@
-"""The summaries and the JSON form of results (speculative/report.py), on stats written by
+"""The summaries and the JSON form of results (speculative/cli/report.py), on stats written by
 hand: every number in a line is the one the stats hold, formatted as docs/cli.md shows it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from speculative import AutoregressiveStats, SpeculativeStats
-from speculative.report import (
+from speculative.cli.report import (
     JSON_NOTES,
     batch_compare_line,
     batch_summary_lines,

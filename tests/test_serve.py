@@ -44,8 +44,9 @@ from toy_models import (
 import generate
 import serve
 from speculative import Engine
-from speculative.server import Output, create_app
-from speculative.serving import EngineLoop, FixedGamma, LoadGamma, Service
+from speculative.engine.gamma import FixedGamma, LoadGamma
+from speculative.serving.app import Output, create_app
+from speculative.serving.loop import EngineLoop, Service
 from weights import load_tokenizer
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The serving library without HTTP (speculative/serving.py): the gamma policy decided by the
+"""The serving library without HTTP (speculative/serving/loop.py): the gamma policy decided by the
 load (the cost model at the current batch size), its calibration on the engine itself, and
 the engine loop's thread (tickets, cancels, the bounded queue, a failing engine).
 
@@ -16,9 +16,10 @@ import torch
 from toy_models import noisy_copy, random_llama
 
 from speculative import Engine, Sampling, speculative_generate
-from speculative.serving import EngineLoop, FixedGamma, Iteration, LoadGamma, OverloadedError, Ticket, prometheus
+from speculative.engine.gamma import FixedGamma, Iteration, LoadGamma
+from speculative.serving.loop import EngineLoop, OverloadedError, Ticket, prometheus
+from speculative.serving.text import encode_dialog, encode_prompt
 from weights import load_tokenizer
-from weights.text import encode_dialog, encode_prompt
 
 torch.set_num_threads(1)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]

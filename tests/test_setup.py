@@ -1,4 +1,4 @@
-"""Choosing a model's decoding set-up by measurement (model/setup.py): the fastest measured
+"""Choosing a model's decoding set-up by measurement (model/fast/setup.py): the fastest measured
 candidate is the one kept, each set-up is what its name says, and what cannot be measured
 or does not apply is said, not guessed."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from toy_models import random_llama
 
-import model.setup as setup_lib
-from model.prepack import PrepackedLinear, prepack_supported
-from model.setup import (
+import model.fast.setup as setup_lib
+from model import call as calls
+from model.fast.prepack import PrepackedLinear, prepack_supported
+from model.fast.setup import (
     SETUPS,
     SetupChoice,
     Setups,
@@ -21,8 +22,7 @@ from model.setup import (
     row_buckets,
     tree_sizes,
 )
-from speculative import calls
-from speculative.tree import branching_parents
+from speculative.verify.tree import branching_parents
 
 torch.set_num_threads(1)
 

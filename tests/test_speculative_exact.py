@@ -8,7 +8,7 @@ Everything here is computed, not sampled, in float64, from the implementation's 
   continuation and every accept/reject branch, against the target's own autoregressive
   distribution computed with the plain-Python reference warp (temperature, top-k, top-p);
 * the same, with the verifier the loop calls (verify_step) run once per branch of its
-  randomness (speculative.exact), so that a slip inside it (the residual, the bonus row, the
+  randomness (speculative.proofs.exact), so that a slip inside it (the residual, the bonus row, the
   threshold) shows;
 * r = 0 exactly against a token the target rules out (the strict comparison);
 * the cost model's formulas and gamma="auto" against values worked out by hand or by brute force.
@@ -29,16 +29,10 @@ from proofs import proof
 from strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
 from toy_models import NGramModel, ref_warp, sequence_distribution
 
-import speculative.verify as verify
-from speculative.exact import verifier_distribution
-from speculative.gamma import (
-    GAMMA_MAX,
-    GAMMA_START,
-    AutoGamma,
-    best_gamma,
-    expected_speedup,
-    expected_tokens_per_iteration,
-)
+import speculative.verify.token as verify
+from speculative.engine.gamma import GAMMA_START, AutoGamma, best_gamma, expected_speedup, expected_tokens_per_iteration
+from speculative.inputs import GAMMA_MAX
+from speculative.proofs.exact import verifier_distribution
 from speculative.sampling import Sampling, warp
 
 torch.set_num_threads(1)
@@ -394,7 +388,7 @@ def test_verify_step_never_keeps_a_token_the_target_rules_out(monkeypatch: pytes
 
 
 # ----------------------------------------------------------------------------- the verifier itself, enumerated
-# verifier_distribution (speculative.exact) runs verify_step itself once per branch of its randomness:
+# verifier_distribution (speculative.proofs.exact) runs verify_step itself once per branch of its randomness:
 # every uniform below or above the threshold it is compared with, every token its sampler can return.
 
 

@@ -35,8 +35,8 @@ from speculative import (
 )
 
 torch.set_num_threads(1)
-verify_module = importlib.import_module("speculative.verify")
-loop_module = importlib.import_module("speculative.engine")
+verify_module = importlib.import_module("speculative.verify.token")
+loop_module = importlib.import_module("speculative.engine.engine")
 
 
 
@@ -120,7 +120,7 @@ def test_greedy_bfloat16_differs_only_at_near_ties(setup: str, monkeypatch: pyte
     """A 16-bit target is a different target: the proofs hold for the bfloat16 model that runs,
     in the set-up that runs it (oneDNN-prepacked bfloat16 where the CPU has native bf16); wide
     enough (512) for its products to be prepacked."""
-    from model.setup import apply_setup
+    from model.fast.setup import apply_setup
 
     target = random_llama(vocab=16, dim=512, n_layers=1, n_heads=8, n_kv_heads=4, hidden_dim=512, max_seq_len=64,
                           seed=7, dtype=torch.bfloat16)

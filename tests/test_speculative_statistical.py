@@ -49,8 +49,8 @@ from speculative import autoregressive_generate, speculative_generate
 from speculative.sampling import Sampling, warp
 
 torch.set_num_threads(1)
-loop = importlib.import_module("speculative.engine")
-verify = importlib.import_module("speculative.verify")
+loop = importlib.import_module("speculative.engine.engine")
+verify = importlib.import_module("speculative.verify.token")
 
 P_VALUE = 1e-3
 real_acceptance = verify.acceptance_probability

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from model import Llama, ModelConfig
-from model.tensor_parallel import (
+from model.call import chain
+from model.scale.tensor_parallel import (
     TensorParallelError,
     broadcast_seed,
     check_divisible,
@@ -25,7 +26,6 @@ from model.tensor_parallel import (
     weight_bytes,
 )
 from speculative import autoregressive_generate, speculative_generate
-from speculative.calls import chain
 from weights import load_model, save_model
 from weights.sharded import load_model_tp
 

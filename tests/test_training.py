@@ -1,6 +1,6 @@
 """The training library behind train.py: model/training.py (initialisation, schedule,
 batches, held-out loss, the shared loop), weights/runs.py (the run folder), the corpus
-helpers of weights/corpus.py and the drafter objectives of speculative/distill.py, each
+helpers of weights/corpus.py and the drafter objectives of speculative/draft/distill.py, each
 checked against numbers worked out by hand or an independent reference."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from toy_models import random_llama, reference_greedy
 
 from model.training import evaluate, fit, init_weights, lr_at, next_token_loss, random_batch
-from speculative.distill import distill_loss, eagle_losses, measure_acceptance, sample_sequences
+from speculative.draft.distill import distill_loss, eagle_losses, sample_sequences
+from speculative.engine.generation import measure_acceptance
 from weights.corpus import held_out_prompts, story_openings
 from weights.runs import RunFolder, RunFolderError
 
@@ -183,7 +184,7 @@ def test_story_openings_and_held_out_prompts(tmp_path: Path) -> None:
         [[1, 11, 12], [1, 11, 12], [1, 13, 14]])  # all of them when there are fewer
 
 
-# ----------------------------------------------------------------------------- speculative/distill.py
+# ----------------------------------------------------------------------------- speculative/draft/distill.py
 def test_sampled_sequences_greedy_are_the_model_s_own_greedy_output() -> None:
     model = random_llama(vocab=16, dim=32, max_seq_len=64, dtype=torch.float64)
     prompts = [[1, 2, 3], [4, 5, 6]]

@@ -7,8 +7,8 @@ rotated as position P + depth(i) (its position in the sequence its path spells),
 exactly its ancestors and itself (plus the prefix, which every new token sees). Then every
 node must get the logits that a plain no-cache forward over prefix + its path gives at the
 path's end, to 1e-10 in float64. move_cache then moves one path to slots P, P+1, ..., after
-which a normal cached call (speculative.calls.chain) continues it as if the path had been
-fed alone. speculative.calls.tree, the builder the loops use, is held to the same standard.
+which a normal cached call (model.call.chain) continues it as if the path had been
+fed alone. model.call.tree, the builder the loops use, is held to the same standard.
 
 Nodes are laid out in the call in a random order (a parent may come after its child), so
 nothing here relies on the layout a caller would choose; that also makes move_cache's
@@ -27,12 +27,12 @@ from hypothesis import strategies as st
 from toy_models import random_llama
 
 from model import Llama, ModelConfig
+from model import call as calls
 from model.call import CacheCall
+from model.fast.fuse import fuse_projections
+from model.fast.prepack import prepack_linears, prepack_supported
 from model.feature_head import FeatureHead
-from model.fuse import fuse_projections
-from model.prepack import prepack_linears, prepack_supported
-from speculative import calls
-from speculative.tree import TokenTree
+from speculative.verify.tree import TokenTree
 
 EXACT = 1e-10  # float64
 
@@ -79,7 +79,7 @@ BRANCHY = [-1, -1, 0, 0, 1, 3]
 @functools.cache
 def variant(name: str) -> Llama:
     """The small float64 model with grouped-query heads, or a decoding rewrite of a model:
-    stacked projections (model/fuse.py) in float64, prepacked ones (model/prepack.py) in
+    stacked projections (model/fast/fuse.py) in float64, prepacked ones (model/fast/prepack.py) in
     float32 on a model large enough for its layers to pass prepacking's size threshold."""
     if name in ("plain", "stacked"):
         model = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
@@ -131,7 +131,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def node_call(batch: int, prefix_len: int, positions: torch.Tensor, mask: torch.Tensor) -> CacheCall:
     """T new tokens at slots P..P+T-1 of each of ``batch`` rows, rotated as ``positions`` [T],
     each seeing the P cached slots and the new tokens that ``mask`` [T, T] allows: a CacheCall
-    spelled out by hand, not by speculative.calls."""
+    spelled out by hand, not by model.call."""
     T = mask.shape[0]
     slots = torch.arange(prefix_len, prefix_len + T).repeat(batch, 1)
     visible = torch.cat([torch.ones(T, prefix_len, dtype=torch.bool), mask], dim=1).repeat(batch, 1, 1)

@@ -25,7 +25,7 @@ from toy_models import chi_square_pvalue, llama_next_logits, noisy_copy, random_
 from speculative import FeatureDrafter, PromptLookupDrafter, speculative_generate
 from speculative.sampling import Sampling
 
-tree_module = importlib.import_module("speculative.tree")
+tree_module = importlib.import_module("speculative.verify.tree")
 real_reject = tree_module.reject_child
 real_tree_rules = tree_module.tree_rules
 

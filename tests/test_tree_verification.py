@@ -1,4 +1,4 @@
-"""Token-tree verification (speculative/tree.py) emits exactly the target's distribution.
+"""Token-tree verification (speculative/verify/tree.py) emits exactly the target's distribution.
 
 Exact, in float64, computed from the implementation's own rule (``tree.node_rules``, which
 calls ``child_acceptance``, ``child_distribution`` and ``reject_child``):
@@ -32,10 +32,10 @@ from proofs import proof
 from strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
 from toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
-import speculative.tree as tree
-import speculative.verify as verify
+import speculative.verify.token as verify
+import speculative.verify.tree as tree
 from speculative.sampling import Sampling, warp
-from speculative.tree import TokenTree, verify_tree, verify_tree_greedy
+from speculative.verify.tree import TokenTree, verify_tree, verify_tree_greedy
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,7 @@ from damage import overwrite_middle
 from safetensors.torch import load_file, save_file
 
 from model import ConfigError, Llama, ModelConfig
-from speculative.calls import chain
+from model.call import chain
 from weights import (
     CheckpointError,
     NonFiniteWeightsError,

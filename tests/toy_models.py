@@ -2,7 +2,7 @@
 the tests compare the implementation with.
 
 The models and references that ``python -m speculative.prove`` also uses live in
-speculative/toys.py and are imported from there (:class:`NGramModel`, :func:`random_llama`,
+speculative/proofs/toys.py and are imported from there (:class:`NGramModel`, :func:`random_llama`,
 :func:`noisy_copy`, :func:`llama_next_logits`, :func:`ref_warp`, :func:`sequence_distribution`,
 :func:`chi_square_pvalue`), so that they exist once. Here: :class:`Recording` wraps a model and
 logs every call; :func:`reference_greedy` and :func:`far_from_argmax` are the greedy references.
@@ -15,15 +15,6 @@ from collections.abc import Sequence
 import torch
 
 from model.call import CacheCall
-from speculative.toys import (  # noqa: F401 -- the tests import them from here
-    NGramModel,
-    chi_square_pvalue,
-    llama_next_logits,
-    noisy_copy,
-    random_llama,
-    ref_warp,
-    sequence_distribution,
-)
 
 
 class Recording:

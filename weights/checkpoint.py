@@ -208,8 +208,8 @@ def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | 
     held = {name: param.shape for name, param in model.named_parameters()}
     if held != expected:
         raise ValueError("the model's parameters are not those its config describes: some layers were prepacked, "
-                         "stacked, quantized or sharded in place (model/prepack.py, model/fuse.py, "
-                         "model/quantize.py, model/tensor_parallel.py); save it before that")
+                         "stacked, quantized or sharded in place (model/fast/prepack.py, model/fast/fuse.py, "
+                         "model/scale/quantize.py, model/scale/tensor_parallel.py); save it before that")
     tensors = {}
     for name, param in model.named_parameters():  # tied weights appear once
         tensors[hf_name(name)] = param.detach().to(dtype or param.dtype).cpu().contiguous()

@@ -9,7 +9,7 @@ In two steps, so that a caller can refuse a run before gigabytes are read:
   speculate together (speculative.check_pair): a :class:`PairSpec`;
 * :meth:`PairSpec.load` loads the weights (whole, this rank's shard under tensor
   parallelism, or int8), builds the drafter and prepares every network for decoding
-  (model/fuse.py: projections stacked, float32 weights prepacked for oneDNN on a CPU): a
+  (model/fast/fuse.py: projections stacked, float32 weights prepacked for oneDNN on a CPU): a
   :class:`Pair`.
 
 A draft model is returned as the model itself (the loops wrap it in a ModelDrafter), a
@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from model import Llama, ModelConfig
-from model.fuse import prepare_for_decoding, prepared
+from model.fast.fuse import prepare_for_decoding, prepared
 from weights.checkpoint import load_model, read_config
 from weights.registry import SHIPPED, resolve
 from weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from model.setup import Setups
+    from model.fast.setup import Setups
 
 LOOKUP = "lookup"  # the drafter that needs no file (weights/drafters.py)
 
@@ -104,9 +104,9 @@ class PairSpec:
              prepare_models: bool = True) -> Pair:
         """Load the pair on ``device`` in ``dtype``. ``tensor_parallel`` loads this rank's shard
         of the target (weights.sharded.load_model_tp; the draft whole on every rank) and
-        ``quantize="int8"`` int8 blocks. ``stack`` and ``prepack`` are model/fuse.py's
+        ``quantize="int8"`` int8 blocks. ``stack`` and ``prepack`` are model/fast/fuse.py's
         prepare_for_decoding; ``prepare_models=False`` leaves every network as loaded, for
-        :meth:`Pair.set_up` (model.setup.choose_setups or default_setups)."""
+        :meth:`Pair.set_up` (model.fast.setup.choose_setups or default_setups)."""
         start = time.perf_counter()
         if tensor_parallel or quantize is not None:
             from weights.sharded import load_model_tp
@@ -135,7 +135,7 @@ class Pair:
 
     ``draft`` is what the loops take: a draft model, a drafter, or None. ``load_s`` is the
     loading time; ``fused`` and ``prepacked`` count the projection groups stacked and the
-    layers prepacked (model/fuse.py, model/prepack.py)."""
+    layers prepacked (model/fast/fuse.py, model/fast/prepack.py)."""
 
     target: Llama
     draft: Any
@@ -163,13 +163,13 @@ class Pair:
                prepack: bool = True) -> tuple[Pair, Setups]:
         """The pair set up to decode, from its networks as loaded (PairSpec.load with
         prepare_models=False), for calls of ``widths`` tokens, ``batch`` rows, a ``tree``, and
-        sequences of up to ``positions`` tokens. ``setup``: "default" (model.setup.default_setups:
+        sequences of up to ``positions`` tokens. ``setup``: "default" (model.fast.setup.default_setups:
         the compiled steps that ``store`` holds for this run, else stacked and prepacked as
-        ``stack`` and ``prepack`` say), or a request of model.setup.candidates, measured or forced
-        by model.setup.choose_setups, compiled steps kept in ``store`` (a weights.StepCache)
+        ``stack`` and ``prepack`` say), or a request of model.fast.setup.candidates, measured or forced
+        by model.fast.setup.choose_setups, compiled steps kept in ``store`` (a weights.StepCache)
         when one is given. The static cache of compiled steps is rounded up (cache_length) when a
         store keeps them, so that runs of other lengths find them."""
-        from model.setup import cache_length, candidates, choose_setups, default_setups
+        from model.fast.setup import cache_length, candidates, choose_setups, default_setups
 
         context = min(m.config.max_seq_len for m in (self.target, self.draft_model) if m is not None)
         cache_len = cache_length(positions, context) if store is not None else min(context, positions)
@@ -187,7 +187,7 @@ class Pair:
         return replace(pair, fused=sum(c[0] for c in counts), prepacked=sum(c[1] for c in counts)), setups
 
     def with_models(self, target: Llama, draft_model: Llama | None = None) -> Pair:
-        """The same pair with other target and draft model objects (model.setup.choose_setups
+        """The same pair with other target and draft model objects (model.fast.setup.choose_setups
         returns copies): a feature head's drafter is built anew around the new target."""
         draft = draft_model if self.kind == "model" else self.draft
         if self.kind == "head":

@@ -7,6 +7,7 @@ that is not a short name is treated as a path to an HF-layout directory.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -65,3 +66,24 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     known = ", ".join(list(LLAMA2) + list(SHIPPED))
     raise UnknownCheckpointError(
         f"unknown checkpoint '{name}': use one of {known}, or a path to an HF-layout directory")
+
+
+CHAT_MARKERS = ("chat", "instruct")
+
+
+def marked_for_chat(name_or_path: str | os.PathLike) -> bool:
+    """Whether anything marks a checkpoint as trained for chat: "chat" or "instruct" in its
+    short name, its folder's name or config.json's ``_name_or_path``, or a ``chat_template`` in
+    its tokenizer_config.json. A base model does not follow the chat template."""
+    directory = resolve(name_or_path)
+    labels = [Path(name_or_path).name, directory.name]  # the folders above say nothing about the model
+    try:
+        labels.append(str(json.loads((directory / "config.json").read_text()).get("_name_or_path", "")))
+        tokenizer_config = directory / "tokenizer_config.json"
+        if tokenizer_config.is_file() and "chat_template" in json.loads(tokenizer_config.read_text()):
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass  # read_config reports a broken config.json properly, later
+    return any(marker in label.lower() for label in labels for marker in CHAT_MARKERS)
+
+

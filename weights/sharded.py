@@ -2,7 +2,7 @@
 
 :func:`load_model_tp` is :func:`weights.checkpoint.load_model` for a process in a
 tensor-parallel group: it builds the model on the meta device, swaps the blocks for
-their sharded versions (:mod:`model.tensor_parallel`), and reads from the safetensors
+their sharded versions (:mod:`model.scale.tensor_parallel`), and reads from the safetensors
 files only this rank's rows or columns of each split matrix, through
 ``safe_open(...).get_slice(name)[rows]`` / ``[:, cols]``. A rank of Llama-2-70B on 8
 GPUs therefore reads (and holds in host memory) about 1/8 of the 138 GB, never a whole
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from model import Llama, ModelConfig
-from model.memory import LLAMA2_CONFIGS
-from model.quantize import Int8Linear, quantize_weight
-from model.tensor_parallel import check_divisible, parallelize, shard_index, sync_logits
+from model.scale.memory import LLAMA2_CONFIGS
+from model.scale.quantize import Int8Linear, quantize_weight
+from model.scale.tensor_parallel import check_divisible, parallelize, shard_index, sync_logits
 from weights.checkpoint import SUPPORTED_DTYPES, CheckpointError, read_config, read_tensors
 from weights.registry import UnknownCheckpointError, resolve
 
@@ -43,8 +43,8 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     The rank and world size come from ``group`` (default: the default process group;
     none means one rank, the whole model). ``shard=False`` loads the whole model on
     every rank instead: that is how the draft is loaded, replicated. ``quantize="int8"``
-    stores the blocks' linear weights as int8 (:mod:`model.quantize`). ``sync`` installs
-    :func:`model.tensor_parallel.sync_logits`, so that every rank returns rank 0's
+    stores the blocks' linear weights as int8 (:mod:`model.scale.quantize`). ``sync`` installs
+    :func:`model.scale.tensor_parallel.sync_logits`, so that every rank returns rank 0's
     logits and speculative decoding takes the same decisions everywhere.
     """
     if dtype not in SUPPORTED_DTYPES:

@@ -2,11 +2,11 @@
 
     ~/.cache/speculative-llama/compiled/       # or $SPECULATIVE_LLAMA_CACHE, or --cache-dir
         3f9c.../manifest.json                  # the entry's key, its file's size and hash, when it was built
-        3f9c.../step.pt2                       # the compiled step (model/aot.py)
+        3f9c.../step.pt2                       # the compiled step (model/fast/aot.py)
         3f9c....lock                           # held while a process builds that entry
         measured.json                          # what compiling gained on this machine (the default run's note)
 
-An entry's name is a hash of its key (model/aot.py's entry_key: the model's weights and config,
+An entry's name is a hash of its key (model/fast/aot.py's entry_key: the model's weights and config,
 dtype, set-up, shape, torch, the CPU or GPU, the threads), so an entry of another model, torch or
 machine is never found. What is found is checked before it is used (:meth:`StepCache.find`): a
 manifest that does not parse, names another key, or a file whose size or hash is not the

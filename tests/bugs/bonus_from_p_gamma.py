@@ -12,13 +12,8 @@ fills, so the bonus token repeats a position's law one place too late.
 import torch
 
 from speculative.sampling import sample
-from speculative.verify import (
-    Verdict,
-    acceptance_probability,
-    expected_acceptance,
-    leading_passes,
-    residual_distribution,
-)
+from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.verdict import Verdict
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:

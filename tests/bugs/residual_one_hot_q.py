@@ -13,13 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from speculative.sampling import sample
-from speculative.verify import (
-    Verdict,
-    acceptance_probability,
-    expected_acceptance,
-    leading_passes,
-    residual_distribution,
-)
+from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.verdict import Verdict
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:

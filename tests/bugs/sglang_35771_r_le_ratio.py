@@ -12,13 +12,8 @@ test can see it, only a draw of exactly 0 can.
 import torch
 
 from speculative.sampling import sample
-from speculative.verify import (
-    Verdict,
-    acceptance_probability,
-    expected_acceptance,
-    leading_passes,
-    residual_distribution,
-)
+from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.verdict import Verdict
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:

@@ -5,7 +5,7 @@ Algorithm 1 is exact for any q, but only if x ~ q and the ratio p(x)/q(x) and th
 that same q. At temperature 1 without top-k or top-p the two distributions coincide, so only a
 decoding setting shows the bug; at temperature 0 the verifier compares argmaxes and ignores q.
 
-A drafter, written by hand against the drafter protocol (speculative.drafter): it runs its draft
+A drafter, written by hand against the drafter protocol (speculative.draft): it runs its draft
 model without a cache, one call per drafted token. ``drafter(target)`` builds it over a toy draft
 of the checker's toy target; :meth:`NoCacheDrafter.handed` is where the bug is.
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from speculative.drafter import Draft
-from speculative.prove import toy_draft
+from speculative.draft.protocol import Draft
+from speculative.proofs.checker import toy_draft
 from speculative.sampling import Sampling, sample, warp
 
 

@@ -1,6 +1,6 @@
 """vllm-ascend #7807: "block verification" that is token-wise verification -- NOT an exactness bug.
 
-The block verifier (Sun et al. 2025, speculative.block) keeps a drafted block with weights
+The block verifier (Sun et al. 2025, speculative.verify.block) keeps a drafted block with weights
 w_i = min(1, w_{i-1} p_i(x_i)/q_i(x_i)), which never accept fewer tokens in expectation than
 Algorithm 1's token-by-token test. vllm-ascend's "block verification" applied the token-wise
 acceptance test and residual instead. That is Algorithm 1 itself: exact, only slower than what was
@@ -13,13 +13,8 @@ expected number of accepted tokens (tests/test_block_verification.py measures it
 import torch
 
 from speculative.sampling import sample
-from speculative.verify import (
-    Verdict,
-    acceptance_probability,
-    expected_acceptance,
-    leading_passes,
-    residual_distribution,
-)
+from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.verdict import Verdict
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:

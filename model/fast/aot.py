@@ -1,0 +1,333 @@
+"""Compiled steps that outlive the process: each static shape of a model's step compiled ahead
+of time into one package (AOTInductor), which a later process loads in well under a second.
+
+Why not torch.compile's own caches: the CPU step is fast because Inductor freezes the weights
+and lays them out once for its C++ GEMM template (model/fast/compile.py), and freezing turns the
+weights into oneDNN tensors, which Inductor's graph cache cannot pickle ("mkldnn tensors
+unpickleable": counter ``fxgraph_cache_bypass``), and AOTAutograd's cache skips frozen graphs.
+So every process traced, froze, lowered and generated the whole graph again; only the
+autotuning results and the C++ compiles were served from the cache (docs/compiled.md: where a
+second process spent its 37 + 8 s). A package holds what that work produced -- the generated
+kernels built into one shared library and the frozen, packed weights -- so loading it is
+opening a library and reading the constants.
+
+How: :class:`StepProgram` is the model's ``step`` at one (rows, width) with the KV cache passed
+in (one key and one value buffer per layer), written in place: torch.export traces it,
+``aoti_compile_and_package`` builds it, and :class:`PackagedSteps` calls the loaded packages,
+one per shape, all on the model's one static cache, with the arguments model/fast/compile.py's
+dispatcher gives a torch.compile'd step. Which shapes, where they are kept and whether an
+entry is still good are the callers' business (model/fast/compile.py, weights/step_cache.py);
+:func:`entry_key` lists everything an entry depends on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from model.model import KVCache
+
+# Inductor's options per model/fast/compile.py mode, for a package (the modes that a package can hold).
+PACKAGE_OPTIONS: dict[str, dict[str, Any]] = {
+    "autotune": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False},
+    "default": {},
+}
+SOURCES = ("model.py", "call.py", "fast/compile.py", "fast/aot.py", "feature_head.py", "fast/fuse.py", "config.py")
+
+
+class CompileError(ValueError):
+    """A model or a combination that compile_for_decoding cannot compile, or a compile that failed."""
+
+
+class NotCachedError(CompileError):
+    """compile_for_decoding(build=False): a shape the store does not hold (or holds broken)."""
+
+
+class _Buffers(nn.Module):
+    """A layer's KV cache as inputs of the program: KVCache's write on tensors it does not own."""
+
+    write = KVCache.write
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__init__()
+        object.__setattr__(self, "k", k)  # plain attributes: inputs of the program, not its state
+        object.__setattr__(self, "v", v)
+
+
+class StepProgram(nn.Module):
+    """``model.step`` at one shape: ``forward(*inputs, slots, positions, visible, *caches)``
+    with the window the whole static cache (``window`` slots) and ``caches`` every layer's
+    key and value buffers, written in place."""
+
+    def __init__(self, model: nn.Module, window: int, hidden: bool) -> None:
+        super().__init__()
+        self.model, self.window, self.hidden, self.n_inputs = model, window, hidden, len(model.example_inputs(1, 1))
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        inputs, (slots, positions, visible), caches = args[:self.n_inputs], args[self.n_inputs:self.n_inputs + 3], \
+            args[self.n_inputs + 3:]
+        layers = self.model.layers
+        for layer, k, v in zip(layers, caches[0::2], caches[1::2]):
+            layer.self_attn.cache = _Buffers(k, v)
+        return self.model.step(*inputs, slots, positions, visible, self.window, self.hidden)
+
+
+def cache_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The model's KV cache as a package takes it: every layer's key, then value buffer."""
+    return [t for layer in model.layers for t in (layer.self_attn.cache.k, layer.self_attn.cache.v)]
+
+
+def example_call(model: nn.Module, rows: int, width: int, window: int) -> tuple[torch.Tensor, ...]:
+    """The arguments of a call at one shape, as model/fast/compile.py's dispatcher makes them (the
+    caches excluded): fresh tensors of standard strides, causal visibility from slot 0."""
+    device = model.device
+    where = torch.arange(width, device=device).expand(rows, width).contiguous()
+    visible = (torch.arange(window, device=device) <= where.unsqueeze(-1)).contiguous()
+    return (*model.example_inputs(rows, width), where, where.clone(), visible)
+
+
+@contextlib.contextmanager
+def detached_caches(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The model's cache buffers, with the cache modules taken out of the model meanwhile (so that
+    export does not also lift them as the model's own state), put back afterwards."""
+    modules = [layer.self_attn.cache for layer in model.layers]
+    try:
+        for layer in model.layers:
+            layer.self_attn.cache = None
+        yield [t for cache in modules for t in (cache.k, cache.v)]
+    finally:
+        for layer, cache in zip(model.layers, modules):
+            layer.self_attn.cache = cache
+
+
+def build_package(model: nn.Module, rows: int, width: int, window: int, hidden: bool, mode: str,
+                  path: str | os.PathLike) -> None:
+    """Export ``model.step`` at (rows, width) and compile it into an AOTInductor package at
+    ``path``. The model must have its static cache (compile_for_decoding sets it up)."""
+    program = StepProgram(model, window, hidden)
+    with detached_caches(model) as caches, torch.inference_mode(False), torch.no_grad(), quiet_inductor():
+        grads = [p.requires_grad for p in model.parameters()]
+        try:
+            for p in model.parameters():
+                p.requires_grad_(False)
+            exported = torch.export.export(program, (*example_call(model, rows, width, window), *caches),
+                                           strict=False)
+        finally:
+            for p, grad in zip(model.parameters(), grads):
+                p.requires_grad_(grad)
+        torch._inductor.aoti_compile_and_package(exported, package_path=os.fspath(path),
+                                                 inductor_configs=dict(PACKAGE_OPTIONS[mode]))
+
+
+def load_package(path: str | os.PathLike) -> Any:
+    """The runner of a package (AOTInductor's loader): ``runner.boxed_run(list_of_tensors)``."""
+    with quiet_inductor():
+        return torch._inductor.aoti_load_package(os.fspath(path)).loader
+
+
+@contextlib.contextmanager
+def quiet_inductor() -> Iterator[None]:
+    """Inductor's and export's log lines and warnings (an outdated-package warning before a load
+    error, the autotuning tables, export's note on the cache tensors it is handed) kept off
+    stderr: a failure is reported by the caller in one line."""
+    loggers = [logging.getLogger(name) for name in ("torch._inductor", "torch.export", "torch._export",
+                                                    "torch._dynamo", "torch.fx.experimental.symbolic_shapes")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+class PackagedSteps:
+    """The loaded packages of one model, called as model/fast/compile.py calls a torch.compile'd
+    step: ``fn(*inputs, slots, positions, visible, window, return_hidden)``, the shape read from
+    the first input. Every package reads and writes the model's one static cache."""
+
+    def __init__(self, model: nn.Module, runners: dict[tuple[int, int], Any]) -> None:
+        self.runners, self.caches = runners, cache_tensors(model)
+
+    def __call__(self, *args: Any) -> Any:
+        *tensors, _window, _hidden = args
+        out = self.runners[tuple(tensors[0].shape[:2])].boxed_run([*tensors, *self.caches])
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+# ----------------------------------------------------------------------------- the store's entries
+def describe(key: dict[str, Any]) -> str:
+    """An entry in a few words: 'Llama float32 step, 1 x 5 tokens'."""
+    return f"{key['kind']} {key['dtype']} step, {key['rows']} x {key['width']} tokens"
+
+
+def find_packages(model: nn.Module, shapes: Sequence[tuple[int, int]], window: int, hidden: bool, mode: str,
+                  store: Any, note: Callable[[str], None], build: bool) -> dict[tuple[int, int], tuple[dict, Any]]:
+    """Each shape's key and the store's file for it (None: not there, or refused with a note and
+    discarded). Without ``build``, a missing shape is NotCachedError."""
+    fingerprint = model_fingerprint(model)
+    found = {}
+    for rows, width in shapes:
+        key = entry_key(model, rows, width, window, hidden, mode, fingerprint)
+        try:
+            found[rows, width] = (key, store.find(key))
+        except Exception as err:  # the store's EntryError, or a file it could not read
+            note(f"compiled-step cache: the entry for the {describe(key)} is refused ({err}); "
+                 f"{'compiling it again' if build else 'decoding eagerly'}")
+            store.discard(key)
+            found[rows, width] = (key, None)
+    missing = [shape for shape, (_, path) in found.items() if path is None]
+    if missing and not build:
+        raise NotCachedError(f"{len(missing)} of the {len(found)} compiled shapes of this {type(model).__name__} "
+                             "are not in the cache")
+    return found
+
+
+def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any]], window: int, hidden: bool,
+                  mode: str, store: Any, note: Callable[[str], None], build: bool,
+                  check: Callable[[], None]) -> tuple[PackagedSteps, int, int]:
+    """Build what is missing (``check()`` first: it raises when no compiler can), load every
+    shape and probe it against the eager step; an entry that fails to load or to agree is
+    discarded and, with ``build``, compiled once again. Returns the steps, how many shapes were
+    loaded as found and how many were built."""
+    runners, loaded, built = {}, 0, 0
+    for shape, (key, path) in found.items():
+        fresh = False
+        for attempt in range(2):
+            if path is None:
+                if not build:
+                    raise NotCachedError(f"the {describe(key)} is not in the cache")
+                check()
+                try:
+                    path = store.build(key, lambda p, s=shape: build_package(model, *s, window, hidden, mode, p),
+                                       wait=lambda k=key: note(f"compiled-step cache: another process is building "
+                                                               f"the {describe(k)}; waiting for it"))
+                except OSError as err:
+                    raise CompileError(f"the compiled-step cache cannot be written ({err.strerror or err}: "
+                                       f"{err.filename or store.root})") from None
+                except CompileError:
+                    raise
+                except Exception as err:  # export, Inductor or the C++ compiler: one line, never a traceback
+                    raise CompileError(f"compiling the {describe(key)} failed ({first_line(err)})") from None
+                built, fresh = built + 1, True
+            try:
+                runner = load_package(path)
+                error = probe(model, runner, *shape, window, hidden)
+                problem = None if error <= tolerance(model.dtype) else \
+                    f"its probe call differs from the eager step by {error:.1e} (relative)"
+            except Exception as err:  # a library that does not load or run here
+                problem = f"it does not load ({first_line(err)})"
+            if problem is None:
+                runners[shape] = runner
+                loaded += not fresh
+                break
+            again = build and attempt == 0
+            note(f"compiled-step cache: the entry for the {describe(key)} is refused ({problem}); "
+                 f"{'compiling it again' if again else 'decoding eagerly'}")
+            store.discard(key)
+            path = None
+            if not again:
+                raise NotCachedError(f"the {describe(key)} failed its check") if not build else \
+                    CompileError(f"the compiled {describe(key)} failed its check twice ({problem})")
+    return PackagedSteps(model, runners), loaded, built
+
+
+def first_line(err: BaseException) -> str:
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    return f"{type(err).__name__}: {text[:120]}" if text else type(err).__name__
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The largest relative difference of a probe call from the eager step that passes: float32
+    sums in another order, or 16-bit rounding at other places (a wrong package is off by ~1)."""
+    return 5e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
+
+
+@torch.inference_mode()
+def probe(model: nn.Module, runner: Any, rows: int, width: int, window: int, hidden: bool) -> float:
+    """A package's call against the eager step on a fixed input (written at the first slots of
+    the model's cache, which the run's own calls overwrite): the relative difference."""
+    args = list(example_call(model, rows, width, window))
+    generator = torch.Generator().manual_seed(0)
+    for i, x in enumerate(args[:-3]):  # token ids or features, not zeros: a wrong weight must show
+        args[i] = (torch.randint(0, getattr(model.config, "vocab_size", 2), x.shape, generator=generator)
+                   if x.dtype == torch.long else torch.randn(x.shape, generator=generator).to(x.dtype)).to(x.device)
+    got = runner.boxed_run([*args, *cache_tensors(model)])
+    want = model.step(*args, window, hidden)
+    want = [want] if isinstance(want, torch.Tensor) else list(want)
+    return max(float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-12)) for g, w in zip(got, want))
+
+
+# ----------------------------------------------------------------------------- what an entry depends on
+def model_fingerprint(model: nn.Module) -> str:
+    """A hash of the model's config, and of the names, dtypes, shapes and bytes of its weights
+    as they will be compiled (stacked or not), KV caches excluded."""
+    digest = hashlib.blake2b(repr(model.config).encode(), digest_size=16)
+    state = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if ".cache." not in n]
+    for name, tensor in state:
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def code_fingerprint() -> str:
+    """A hash of the source of the model code a package is compiled from (a change to the step
+    makes every entry stale)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in SOURCES:
+        digest.update((Path(__file__).parents[1] / name).read_bytes())  # paths in model/
+    return digest.hexdigest()
+
+
+def device_name(device: torch.device) -> str:
+    """The CPU's model and instruction-set flags, or the GPU's name and compute capability."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+    flags = hashlib.blake2b(cpu_flags().encode(), digest_size=8).hexdigest()
+    return f"{cpu_model()} {torch.backends.cpu.get_cpu_capability()} flags {flags}"
+
+
+def cpu_model() -> str:
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> str:
+    for line in _cpuinfo().splitlines():
+        if line.startswith(("flags", "Features")):
+            return " ".join(sorted(line.split(":", 1)[1].split()))
+    return platform.machine()
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def entry_key(model: nn.Module, rows: int, width: int, window: int, hidden: bool, mode: str,
+              fingerprint: str | None = None) -> dict[str, Any]:
+    """Everything a compiled step depends on: the model (weights and config), its dtype and
+    set-up, the shape and cache, the mode, the code, torch, the device and the thread count."""
+    return {"model": fingerprint or model_fingerprint(model), "kind": type(model).__name__,
+            "dtype": str(model.dtype).removeprefix("torch."), "setup": "compiled", "mode": mode,
+            "rows": rows, "width": width, "slots": window, "hidden": hidden, "code": code_fingerprint(),
+            "torch": torch.__version__, "device": device_name(model.device), "threads": torch.get_num_threads()}

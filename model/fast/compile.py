@@ -1,0 +1,293 @@
+"""Compiled decoding: a model's cached forward at a few static shapes, compiled once each.
+
+Why: a decode step of a small model costs about as much as the operators it runs -- some
+microseconds of dispatch each on a CPU, a kernel launch each on a GPU -- not its arithmetic.
+torch.compile turns the step into one graph: Inductor fuses the elementwise work (norms,
+rotary, SwiGLU, masks) into a few generated kernels on a CPU, and on a GPU
+``mode="reduce-overhead"`` replays the whole step as one CUDA graph.
+
+How: a cached call (``model(tokens, call)``, model/model.py) whose window is the whole KV
+cache has shapes that depend on (B, T) alone: the cache is one static buffer written in
+place at the call's slots and read whole, with the call's mask (gpt-fast's design).
+:func:`compile_for_decoding` allocates that buffer, compiles the model's one cached step
+(``Llama.step``, the function an eager call runs too) once for every (rows, width) it is
+given by running it, and installs :class:`CompiledSteps` as ``model.compiled``: a cached
+call of B rows and T tokens then runs the smallest compiled shape that holds it, padded,
+and anything else -- a prompt longer than the widest shape -- runs eagerly on the same
+buffer. No shape met during generation is new, so nothing recompiles
+(tests/test_compile.py makes any recompilation an error over whole runs).
+
+The model knows nothing of what calls it; the widths to compile are the caller's choice
+(generate.py: 1, 2 and gamma + 1, or every width up to the largest gamma under "auto").
+
+Kept on disk: given a ``store`` (weights/step_cache.py), a CPU model's shapes are compiled ahead
+of time into packages (model/fast/aot.py) that the store keeps, and a later process loads them in
+seconds instead of compiling again; each is checked against the eager step on a probe
+call when it is loaded. A compile that cannot happen (no working C++ compiler, an Inductor
+error) is a CompileError of one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch._inductor.config
+from torch import nn
+
+from model.call import CacheCall
+from model.fast import aot
+
+_SHAPES = 0  # shapes compiled so far in this process, over all models
+
+# What compile_for_decoding's ``mode`` names: torch.compile's own modes, or Inductor options.
+# "autotune" (the CPU default): Inductor's C++ GEMM kernels, chosen by timing them against
+# the ATen product once per shape (max_autotune), over weights it lays out once as constants
+# of the graph (freezing): on the shipped target, 2.1 ms a step against 4.2 ms eager and
+# 6 ms for "default", which calls MKL's sgemm and repacks the weights at every call (see
+# docs/compiled.md). Its costs: about a minute of compiling per model on 2 cores, a second
+# copy of the weights, and weights fixed at compile time (change them and compile again).
+# Each mode: (torch.compile's mode, whether Inductor freezes the weights). Freezing is set on
+# Inductor's config while the shapes compile (compile_for_decoding compiles them all up
+# front): passed in torch.compile's options it is not seen, and the C++ template is not used.
+# $SPECULATIVE_LLAMA_COMPILE_MODE replaces "autotune" as the CPU default: "default" compiles in a
+# fraction of the time (no GEMM is timed), for steps about as fast as eager ones.
+MODE_ENV = "SPECULATIVE_LLAMA_COMPILE_MODE"
+MODES: dict[str, tuple[str, bool]] = {
+    "autotune": ("max-autotune-no-cudagraphs", True),
+    "default": ("default", False),
+    "reduce-overhead": ("reduce-overhead", False),
+    "max-autotune": ("max-autotune", False),
+}
+
+
+CompileError, NotCachedError = aot.CompileError, aot.NotCachedError
+
+
+@dataclass
+class CompiledSteps:
+    """The compiled step of one model, the shapes it was compiled for, and the padding that
+    takes a cached call to one of them."""
+
+    fn: Any  # torch.compile(model.step)
+    rows: tuple[int, ...]  # batch sizes compiled, ascending
+    widths: tuple[int, ...]  # tokens per call compiled, ascending
+    hidden: bool  # compiled to return the hidden states too
+    cache_len: int  # the longest cache a run may ask for
+    compile_s: float  # wall time of compiling every shape
+    tree_widths: tuple[int, ...] = ()  # widths compiled for one row only (a token tree's calls)
+    loaded: int = 0  # shapes loaded from a store
+    built: int = 0  # shapes compiled into a store
+    notes: list[str] = field(default_factory=list)  # entries refused, waits for another builder
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, width) compiled: each row count at each width, and one row at each tree width."""
+        shapes = [(r, w) for r in self.rows for w in self.widths]
+        return shapes + [(1, w) for w in self.tree_widths if (1, w) not in shapes]
+
+    def __post_init__(self) -> None:
+        self._fitting: dict[tuple[int, int], tuple[int, int] | None] = {}  # shape_for's answers, per (B, T)
+
+    def fits(self, batch: int, length: int) -> bool:
+        return batch <= max(self.rows) and length <= self.cache_len
+
+    def shape_for(self, batch: int, seq: int) -> tuple[int, int] | None:
+        """The smallest compiled (rows, width) that holds ``batch`` rows of ``seq`` tokens (looked
+        up once per (batch, seq): the dispatcher asks on every call)."""
+        if (batch, seq) not in self._fitting:
+            fits = [(r * w, r, w) for r, w in self.shapes if r >= batch and w >= seq]
+            self._fitting[batch, seq] = min(fits)[1:] if fits else None
+        return self._fitting[batch, seq]
+
+    def __call__(self, model: Any, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
+        """The call through a compiled shape, or None when none fits (the caller runs eagerly).
+
+        The same call, padded: B rows to the smallest compiled row count >= B, T tokens to the
+        smallest compiled width >= T, and the window to the whole static cache (what makes the
+        shapes static). A padding token is written at the last slot, which no real token sees
+        (a call's window stops at the cache length), and sees that slot alone; padding rows
+        write rows the call does not own. ``inputs``: the step's first arguments, each
+        [B, T, ...] (a Llama's tokens; a feature head's features and embeddings). Every
+        argument is a fresh tensor of standard strides: the compiled step is specialised to
+        strides, and to which of its arguments are one tensor."""
+        batch, seq = inputs[0].shape[:2]
+        shape = self.shape_for(batch, seq)
+        if shape is None or return_hidden != self.hidden:
+            return None
+        (rows, width), slots = shape, model.layers[0].self_attn.cache.k.shape[2]
+        device = call.slots.device
+        padded = []
+        for x in inputs:
+            padded.append(x.new_zeros((rows, width, *x.shape[2:])))
+            padded[-1][:batch, :seq] = x
+        where = torch.full((rows, width), slots - 1, dtype=torch.long, device=device)
+        where[:batch, :seq] = call.slots
+        positions = torch.zeros((rows, width), dtype=torch.long, device=device)
+        positions[:batch, :seq] = call.positions
+        visible = torch.zeros((rows, width, slots), dtype=torch.bool, device=device)
+        visible[:batch, :seq, :call.window] = True if call.visible is None else call.visible
+        visible[batch:, :, -1] = True  # padding sees the slot it writes
+        visible[:, seq:, -1] = True
+        out = self.fn(*padded, where, positions, visible, slots, return_hidden)
+        if return_hidden:
+            return out[0][:batch, :seq], out[1][:batch, :seq]
+        return out[:batch, :seq]
+
+
+def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence[int] = (1,),
+                         cache_len: int | None = None, hidden: bool = False, mode: str | None = None,
+                         tree_widths: Sequence[int] = (), store: Any = None, build: bool = True,
+                         note: Callable[[str], None] | None = None) -> CompiledSteps:
+    """Compile ``model``'s cached forward for every batch size in ``rows`` and every call
+    width in ``widths``, with a static KV cache of ``cache_len`` positions (default: the
+    model's max_seq_len) for max(rows) rows; ``tree_widths``: widths of one-row calls with a
+    token tree's positions and mask. ``hidden``: the steps also return the hidden
+    states (the target of a feature drafter). ``mode``: a key of MODES, default "autotune" on
+    a CPU and "reduce-overhead" (CUDA graphs) on a GPU. Returns what was compiled,
+    with the compile time; the model's later cached calls use it where a shape fits.
+
+    ``store`` (a weights.step_cache.StepCache; a CPU model in the "autotune" or "default" mode):
+    every shape is loaded from it, and the missing ones compiled into it first (model/fast/aot.py);
+    with ``build=False`` nothing is compiled, and a shape it lacks is a NotCachedError error before the
+    model is touched. ``note`` gets one line per entry refused or waited for.
+
+    Prepacked layers (model/fast/prepack.py) stay oneDNN products inside the graph. Refused
+    (CompileError): tensor-parallel shards (their collectives are not captured)."""
+    from model.scale.tensor_parallel import ParallelAttention
+
+    if any(isinstance(m, ParallelAttention) for m in model.modules()):
+        raise CompileError("tensor-parallel models are not compiled: their all-reduces would run outside the graph")
+    widths = tuple(sorted(set(int(w) for w in widths)))
+    rows = tuple(sorted(set(int(r) for r in rows)))
+    tree_widths = tuple(sorted(set(int(w) for w in tree_widths)))
+    if not widths or widths[0] < 1 or not rows or rows[0] < 1 or (tree_widths and tree_widths[0] < 1):
+        raise CompileError(f"widths and rows must be integers >= 1, got {widths} and {rows}")
+    cache_len = cache_len or model.config.max_seq_len
+    if cache_len > model.config.max_seq_len:
+        raise CompileError(f"cache length {cache_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
+    if mode is None:
+        mode = "reduce-overhead" if model.device.type == "cuda" else os.environ.get(MODE_ENV) or "autotune"
+    if mode not in MODES:
+        raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    steps = CompiledSteps(None, rows, widths, hidden, cache_len, 0.0, tree_widths)
+    slots = cache_len + 1  # the cache length, plus the scratch slot padding writes
+    from model.fast.prepack import PrepackedLinear  # a package cannot call the packed layers' Python operator
+
+    packaged = store is not None and model.device.type == "cpu" and mode in aot.PACKAGE_OPTIONS and not any(
+        isinstance(m, PrepackedLinear) for m in model.modules())
+    start = time.perf_counter()
+    if packaged:
+        paths = aot.find_packages(model, steps.shapes, slots, hidden, mode, store, note or steps.notes.append,
+                                  build)
+    elif not build:
+        raise NotCachedError("compiled steps are kept on disk for a CPU model in the "
+                             f"{' or '.join(aot.PACKAGE_OPTIONS)} mode only")
+    # One static buffer for every call.
+    model.compiled = None
+    model.setup_cache(rows[-1], cache_len)
+    if packaged:
+        steps.fn, steps.loaded, steps.built = aot.load_packages(model, paths, slots, hidden, mode, store,
+                                                                note or steps.notes.append, build,
+                                                                lambda: check_compiler(model.device))
+    else:
+        steps.fn = compile_steps(model, steps.shapes, slots, hidden, mode)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    steps.compile_s = time.perf_counter() - start
+    model.compiled = steps
+    return steps
+
+
+def compile_steps(model: nn.Module, shapes: Sequence[tuple[int, int]], slots: int, hidden: bool, mode: str) -> Any:
+    """torch.compile of ``model.step``, run once at every shape so that all are compiled now."""
+    check_compiler(model.device)
+    # Every model's steps are entries of one code object (Llama.step), and dynamo caps
+    # the entries of a code object: raise the cap by what this model adds.
+    global _SHAPES
+    _SHAPES += len(shapes)
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, _SHAPES + 8)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * (_SHAPES + 8))
+    compile_mode, freezing = MODES[mode]
+    fn = torch.compile(model.step, dynamic=False, fullgraph=True, mode=compile_mode)
+    # Quiet: autotuning prints a table per product to stderr, and the compile line says enough.
+    quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+    with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing, **quiet), \
+            warnings.catch_warnings(), aot.quiet_inductor():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        for batch, width in shapes:
+            # the call CompiledSteps.__call__ makes: distinct tensors of standard strides
+            where = torch.arange(width, device=model.device).expand(batch, width).contiguous()
+            visible = torch.ones(batch, width, slots, dtype=torch.bool, device=model.device)
+            try:
+                for _ in range(2 if mode == "reduce-overhead" else 1):  # CUDA graphs record on a later call
+                    fn(*model.example_inputs(batch, width), where, where.clone(), visible, slots, hidden)
+            except Exception as err:  # an Inductor or compiler failure: one line, never its traceback
+                torch._dynamo.reset()
+                raise CompileError(f"compiling the step failed ({failure(err)})") from None
+    return fn
+
+
+def failure(err: BaseException) -> str:
+    """An exception of the compiler stack in a few words: its type and the first line that says something."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+
+
+@functools.cache
+def compiler_problem(compiler: str) -> str | None:
+    """Why ``compiler`` cannot build Inductor's C++ (None when it builds a tiny library)."""
+    path = shutil.which(compiler)
+    if path is None:
+        return f"no C++ compiler: {compiler!r} is not on the PATH (install g++, or set CXX)"
+    try:
+        proc = subprocess.run([path, "-x", "c++", "-shared", "-fPIC", "-o", os.devnull, "-"],
+                              input="extern \"C\" int f() { return 0; }\n", capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"the C++ compiler {compiler} cannot run ({type(err).__name__})"
+    if proc.returncode != 0:
+        said = next((line for line in proc.stderr.splitlines() if line.strip()), "no message")
+        return f"the C++ compiler {compiler} fails (exit status {proc.returncode}: {said[:160]})"
+    return None
+
+
+def check_compiler(device: torch.device) -> None:
+    """Raise CompileError when Inductor's C++ compiler (CXX, else g++) cannot build on this CPU."""
+    if device.type != "cpu":
+        return
+    from torch._inductor import cpp_builder
+
+    try:
+        compiler = cpp_builder.get_cpp_compiler()  # the first of $CXX (else g++) that runs --version
+    except Exception:
+        named = torch._inductor.config.cpp.cxx[-1]  # what Inductor tried
+        raise CompileError(f"no working C++ compiler: {named} does not run (install g++, or set CXX)") from None
+    problem = compiler_problem(compiler)
+    if problem:
+        raise CompileError(problem)
+
+
+def decode_widths(gamma: int | str, gamma_max: int) -> tuple[int, ...]:
+    """The call widths a speculative run needs: 1 (plain steps, a draft's step), 2 (a draft
+    catching up on two tokens after a fully accepted block) and gamma + 1 (a verification).
+    When gamma changes between iterations ("auto"), 1, 2, 3, then 2^k + 1 up to gamma_max + 1:
+    a call of another width is padded to the next one (a few wasted rows of arithmetic, against
+    a compile of tens of seconds per width on a CPU)."""
+    if gamma == "auto":
+        widths, k = {1, 2, 3}, 2
+        while 2 ** (k - 1) < gamma_max:
+            widths.add(min(2 ** k + 1, gamma_max + 1))
+            k += 1
+        return tuple(sorted(w for w in widths if w <= gamma_max + 1))
+    return tuple(sorted({1, 2, int(gamma) + 1}))

@@ -1,0 +1,170 @@
+"""What a run of generate.py shows on a terminal: the streamed and coloured continuation, the
+step clock with its busy-CPU hint, the header and settings that describe a run, and the
+compiled-step cache's listing (docs/cli.md is their reference)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from time import perf_counter
+from typing import Any, TextIO
+
+import torch
+
+from speculative.serving.text import TextStream
+from speculative.verify.tree import branching_parents
+
+GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
+
+
+LEGEND = (f"colours: {GREEN}draft tokens accepted by the target{RESET}, {YELLOW}tokens produced by the target{RESET} "
+          "(after a rejection, or the bonus token)")
+
+
+def compile_cache(store: Any, action: str) -> int:
+    """--compile-cache: list the entries of the compiled-step cache (size, key) on stdout, or clear it."""
+    if action == "clear":
+        count, size = store.clear()
+        print(f"removed {count} entries ({size / 1e6:.1f} MB) from {store.root}")
+        return 0
+    entries = store.entries()
+    print(f"{store.root}: {len(entries)} entries, {sum(e.size for e in entries) / 1e6:.1f} MB")
+    for entry in entries:
+        key = ", ".join(f"{k} {v}" for k, v in entry.key.items()) or entry.problem
+        print(f"  {entry.path.name[:12]}  {entry.size / 1e6:7.1f} MB  {entry.built}  {key}")
+    return 0
+
+
+class Streamer:
+    """The loop's callback: the text of each batch of new tokens to ``out`` as soon as it is
+    complete (speculative.serving.text.TextStream), drafted tokens the target accepted in green and its
+    own in yellow when ``color``.
+
+    ``prefix`` (the prompt's text) is written together with the first new text, not before
+    the run: a run that fails before its first token (an error such as non-finite logits)
+    leaves stdout empty."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], out: TextIO, color: bool,
+                 prefix: str = "") -> None:
+        self.text, self.out, self.color, self.prefix = TextStream(tokenizer, prompt_ids), out, color, prefix
+
+    def __call__(self, new_ids: Sequence[int], from_draft: Sequence[bool]) -> None:
+        runs: list[tuple[bool, str]] = []  # consecutive pieces of one colour, merged
+        for token, drafted in zip(new_ids, from_draft):
+            piece = self.text.add(token)
+            if piece and runs and runs[-1][0] == drafted:
+                runs[-1] = (drafted, runs[-1][1] + piece)
+            elif piece:
+                runs.append((drafted, piece))
+        if runs and self.color:
+            self.write("".join(f"{GREEN if drafted else YELLOW}{text}{RESET}" for drafted, text in runs))
+        elif runs:
+            self.write("".join(text for _, text in runs))
+
+    def write(self, text: str) -> None:
+        """``text`` to ``out`` at once, after the prefix if it has not been written yet."""
+        self.out.write(self.prefix + text)
+        self.prefix = ""
+        self.out.flush()
+
+    def finish(self) -> None:
+        """The end of the text, and a newline."""
+        self.write(self.text.finish() + "\n")  # whatever was held back (a truly broken byte sequence)
+
+
+class StepClock:
+    """The loop's callback, timed: ``times`` holds when each call came (one per iteration of
+    the speculative loop, one per token without a draft), then the call is passed on.
+
+    This is how generate.py sees per-iteration times without asking the loop for them; the
+    gaps include the streamer's printing, which is small next to a model step."""
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+        self.times: list[float] = []
+
+    def __call__(self, new_ids: Sequence[int], from_draft: Sequence[bool]) -> None:
+        self.times.append(perf_counter())
+        if self.inner is not None:
+            self.inner(new_ids, from_draft)
+
+
+BUSY_SPREAD = 3.0  # 90th / 10th percentile of the step times above which the CPU looks contended
+
+
+def busy_hint(times: Sequence[float], sizes: Sequence[int], threads: int, device: torch.device) -> str | None:
+    """One hint to try --threads 1, when steps of one size took very different times on a CPU.
+
+    ``times``: when each iteration ended (StepClock); ``sizes``: the tokens each drafted
+    (all 0 without a draft). Only decode iterations of the most common size are compared:
+    the first also read the prompt, and iterations that drafted fewer tokens are cheaper.
+    With several threads each operator waits for all of them, so when other processes hold
+    the cores most steps wait for a descheduled thread: measured on 2 cores with 2 spinning
+    processes, the shipped pair's iterations took 7.5 ms (10th percentile) to 556 ms (90th)
+    with 2 threads, 11 tokens/s, against 8.1 to 9.7 ms and 401 tokens/s with --threads 1; on
+    the idle machine, 7.0 to 8.6 ms with 2 threads. Needs 10 such iterations; else None.
+    """
+    if device.type != "cpu" or threads <= 1:
+        return None
+    steps = [(b - a, size) for a, b, size in zip(times, times[1:], sizes[1:])]
+    if not steps:
+        return None
+    modal = max(set(size for _, size in steps), key=[size for _, size in steps].count)
+    same = sorted(seconds for seconds, size in steps if size == modal)
+    if len(same) < 10:
+        return None
+    fast, slow = same[len(same) // 10], same[(9 * len(same)) // 10]
+    if slow < BUSY_SPREAD * fast:
+        return None
+    return (f"hint: decode steps took {fast * 1e3:.1f} ms to {slow * 1e3:.1f} ms (10th to 90th percentile): other "
+            f"processes seem to be using the CPU, and each of the {threads} threads waits for the slowest; "
+            "--threads 1 is often many times faster then")
+
+
+def header_line(args: argparse.Namespace, pair: Any, device: torch.device, dtype: torch.dtype, world_size: int,
+                seed: int | None) -> str:
+    """The run's first line on stderr: the pair, where it runs, and the whole decoding setup."""
+    speculative = pair.draft is not None
+    dtype_name = str(dtype).removeprefix("torch.") + (" with int8 weights" if args.quantize else "")
+    tuning = [f"{pair.fused} projection groups stacked"] if pair.fused else []
+    tuning += [f"{pair.prepacked} layers oneDNN-prepacked"] if pair.prepacked else []
+    if tuning:
+        dtype_name += f" ({', '.join(tuning)})"
+    if world_size > 1:
+        dtype_name += f", tensor-parallel over {world_size} ranks"
+    names = f"draft {args.draft} -> target {args.target}" if speculative else f"target {args.target} alone"
+    return (f"{names} on {device} in {dtype_name} (loaded in {pair.load_s:.1f}s), "
+            f"{sampling_setup(args, seed, speculative)}")
+
+
+def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool) -> str:
+    """The header's decoding settings, all of them: what was given and what was defaulted."""
+    if args.temperature == 0:
+        text = "greedy (temperature 0)"
+    else:
+        notes = [] if args.seed is not None else ["fresh; --seed repeats it"]
+        notes += ["prompt i uses seed + i"] if args.prompts_file is not None else []
+        text = (f"temperature {args.temperature:g}, top-k {args.top_k or 'off'}, top-p {args.top_p or 'off'}, "
+                f"seed {seed}" + (f" ({'; '.join(notes)})" if notes else ""))
+    if not speculative:
+        return text
+    if args.tree:
+        shape = ",".join(map(str, args.tree))
+        return text + f", tree {shape} ({len(branching_parents(args.tree))} nodes, children {args.tree_mode})"
+    return text + f", gamma {args.gamma}, {args.verify}-wise verification"
+
+
+def run_settings(args: argparse.Namespace, pair: Any, setups: list[str], device: torch.device, dtype: torch.dtype,
+                 world_size: int, seed: int | None, compare: bool) -> dict[str, Any]:
+    """--json's ``settings``: what the run used (top_k, top_p and seed are None when greedy)."""
+    speculative = pair.draft is not None
+    return {"target": args.target, "draft": None if args.no_draft else args.draft, "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
+            "verify": args.verify if speculative else None, "tree": args.tree if speculative else None,
+            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
+            "quantize": args.quantize, "tensor_parallel": world_size,
+            "prepacked_layers": pair.prepacked, "fused_groups": pair.fused, "setup": setups or args.setup,
+            "threads": torch.get_num_threads(), "compare": compare}
+
+

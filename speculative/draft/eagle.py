@@ -1,0 +1,159 @@
+"""Drafting from the target's own features (EAGLE, Li et al. 2024): a drafter around
+model.feature_head.FeatureHead.
+
+Why it agrees with the target more often than a small model does: the target's feature
+f_j (what its output head reads) already holds everything the target computed about the
+sequence; a small draft model has to recompute a poorer version of it from the tokens.
+The head only has to predict how f moves by one token, and the target's own output head
+turns its prediction into a distribution (docs/drafters.md).
+
+Bookkeeping, with L tokens in the sequence and the target's cache holding 0..L-2:
+
+* the target's features f_0..f_{L-2} are known (every position the target has read); the
+  head's input at position j is (f_j, e(x_{j+1})), so positions 0..L-2 have true inputs;
+* propose: one head call over the true inputs it has not read yet (``next``..L-2) gives
+  f^_{L-1} and so q_1 = warp(head(f^_{L-1})); then, feeding its own prediction back,
+  (f^_{L-1}, e(x_1)) at position L-1 gives f^_L and q_2, and so on: gamma calls for gamma
+  tokens, x_gamma never fed. Head cache slots from L-1 on now hold inputs built from
+  predicted features, so ``next`` = L-1;
+* commit: the target's call read positions hidden_start.. and its features up to the new
+  L' - 2 are on the accepted path; they are stored, and the next proposal re-reads
+  positions L-1..L'-2 with true features (EAGLE recomputes accepted positions the same way).
+
+All of this is per row (speculative.draft): one features table, one head cache row and one
+known/next pair per row.
+
+On the first iteration no feature is known yet: the drafter proposes nothing, and the
+loop's first target call (which reads the prompt) is a plain step.
+
+The target is used through its call contract plus two of its modules: ``embed_tokens``
+(ids -> embeddings) and ``lm_head`` (features -> logits), shared and not copied, and
+``target(tokens, call, return_hidden=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from model import call as calls
+from speculative.draft.protocol import Draft, drafted, draw_rows, newest, pad_rows
+from speculative.draft.trees import grow_tree
+from speculative.sampling import Sampling
+from speculative.verify.tree import TokenTree
+
+
+class FeatureDrafter:
+    """An EAGLE-1 style drafter: ``head`` is a model.feature_head.FeatureHead trained for ``target``."""
+
+    reads_features = True
+
+    def __init__(self, head: Any, target: Any) -> None:
+        self.head, self.target = head, target
+        self.vocab_size = target.config.vocab_size
+        self.max_seq_len = head.config.max_seq_len
+        self.features: torch.Tensor | None = None  # [rows, cache_len, dim] the target's features by position
+        self.known: list[int] = []  # row b: positions 0..known[b]-1 hold the target's own features
+        self.next: list[int] = []  # row b: the head's first cache slot not holding a true input
+
+    def start(self, max_rows: int, cache_len: int, target: Any = None) -> None:
+        if target is not None and target is not self.target:
+            raise ValueError("this feature drafter was built for another target object")
+        self.head.setup_cache(max_rows, cache_len)
+        # zeros, not empty: a placeholder row reads it, and NaN in a masked cache slot would still
+        # poison attention (0 * NaN)
+        self.features = torch.zeros(max_rows, cache_len, self.head.config.dim, dtype=self.head.dtype,
+                                    device=self.head.device)
+        self.known, self.next = [], []
+
+    def _logits(self, feature: torch.Tensor) -> torch.Tensor:
+        logits = self.target.lm_head(feature)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
+                generators: list[torch.Generator], device: torch.device) -> Draft:
+        """One head call per step for all rows: the first catches each row up on its true
+        features (its own number of positions, padded), later ones feed each row's predicted
+        feature and x_i. A row the target has not read yet drafts nothing (a plain step), and
+        a row that has drafted its gamma feeds a placeholder at its first unused slot."""
+        gammas = [g if known >= len(row) - 1 and known > 0 else 0 for g, known, row in zip(gammas, self.known, ids)]
+        steps = max(gammas, default=0)
+        if steps == 0:
+            return drafted([], [], gammas, 0, device)
+        starts = list(self.next)
+        spans = [(nxt, len(row) - 1) if g else (nxt, nxt + 1) for nxt, row, g in zip(starts, ids, gammas)]
+        widths = [hi - lo if g else 0 for (lo, hi), g in zip(spans, gammas)]
+        width = max(widths)
+        # true features f_lo..f_{hi-1} and the tokens after them, each row padded (with copies of its
+        # last feature: any finite value will do) to the widest row
+        if len(ids) == 1:
+            feats = self.features[:1, spans[0][0]:spans[0][1]]
+        else:
+            cols = torch.tensor([[min(lo + j, hi - 1) for j in range(width)] for lo, hi in spans], device=device)
+            feats = self.features[torch.arange(len(ids), device=device)[:, None], cols]
+        nxt = pad_rows([row[lo + 1:hi + 1] for row, (lo, hi) in zip(ids, spans)], device, width)
+        tokens, probs = [], []
+        for i in range(steps):
+            call = calls.ragged(starts, feats.shape[1], self.head.cache_len, device)
+            predicted = newest(self.head(feats, self.target.embed_tokens(nxt), call), widths if i == 0 else [1])
+            live = [gen if g > i else None for gen, g in zip(generators, gammas)]
+            tokens.append(draw_rows(self._logits(predicted), samplings, live, probs))
+            starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
+            feats, nxt, widths = predicted.unsqueeze(1), tokens[-1].view(-1, 1), [1] * len(ids)
+        self.next = [len(row) - 1 if g else n for row, g, n in zip(ids, gammas, self.next)]
+        return drafted(tokens, probs, gammas, steps, device)
+
+    def propose_tree(self, ids: list[int], branching: Sequence[int], mode: str, sampling: Sampling,
+                     generator: torch.Generator, device: torch.device) -> tuple[TokenTree, int] | None:
+        """Row 0's tree of the static shape ``branching``: the first call catches up with the
+        true features and predicts the root's feature f^_{L-1}; each further call feeds every
+        node drafted so far, each with the predicted feature of its parent (the root's for
+        depth 1) and its own token's embedding, at head position L - 2 + depth, seeing its
+        ancestors (tree attention); its output is the node's own predicted feature, whose
+        logits give its children. None before the target has read anything."""
+        length, known, start = len(ids), self.known[0], self.next[0]
+        if known < length - 1 or known == 0:
+            return None
+        feats = self.features[:1, start:length - 1]
+        after = torch.tensor([ids[start + 1:length]], dtype=torch.long, device=device)
+        root = self.head(feats, self.target.embed_tokens(after), calls.chain(start, feats.shape[1], device))[0, -1:]
+        self.next[0] = length - 1
+        node_features = [root[:0]]  # predicted features of the nodes fed in the last call
+
+        def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
+            known = torch.cat([root, node_features[0]])  # row 0: the root; row j + 1: node j
+            parent_features = known[torch.tensor(parents, device=tokens.device) + 1]
+            call = calls.tree(length - 1, 0, TokenTree(tokens, parents, mode="deterministic"), tokens.device)
+            out = self.head(parent_features.unsqueeze(0), self.target.embed_tokens(tokens.view(1, -1)), call)[0]
+            node_features[0] = out
+            return self._logits(out[torch.tensor(rows, device=out.device)])
+
+        return grow_tree(self._logits(root[0]), expand, branching, mode, sampling, generator), len(branching)
+
+    def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
+               hidden_starts: list[int] | None = None) -> None:
+        """Store every row's target features of its accepted path (positions < its new
+        length - 1), in one copy."""
+        if hidden is None or hidden_starts is None:
+            raise ValueError("FeatureDrafter.commit needs the target's hidden states")
+        if len(lengths) == 1:
+            start = hidden_starts[0]
+            self.features[0, start:lengths[0] - 1] = hidden[0, :lengths[0] - 1 - start]
+        else:
+            where = [(b, start + j, j) for b, (length, start) in enumerate(zip(lengths, hidden_starts))
+                     for j in range(length - 1 - start)]
+            if where:
+                rows, slots, cols = torch.tensor(where, device=hidden.device).T
+                self.features[rows, slots] = hidden[rows, cols]
+        self.known = [length - 1 for length in lengths]
+        self.next = [min(n, length - 1) for n, length in zip(self.next, lengths)]
+
+    def keep_rows(self, rows: list[int], new: int = 0) -> None:
+        if rows != list(range(len(rows))):
+            self.head.move_cache(rows)
+            index = torch.tensor(rows, dtype=torch.long, device=self.features.device)
+            self.features[:len(rows)] = self.features.index_select(0, index)
+        self.known = [self.known[r] for r in rows] + [0] * new
+        self.next = [self.next[r] for r in rows] + [0] * new

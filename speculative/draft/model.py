@@ -1,0 +1,107 @@
+"""The paper's drafter: a smaller model of the target's family (:class:`ModelDrafter`), and
+:func:`as_drafter`, which wraps a plain model in one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from model import call as calls
+from speculative.draft.protocol import Draft, Drafter, drafted, draw_rows, newest, pad_rows
+from speculative.draft.trees import grow_tree
+from speculative.sampling import Sampling
+from speculative.verify.tree import TokenTree
+
+
+class ModelDrafter:
+    """The paper's M_q: a smaller model of the target's family, with its own KV cache.
+
+    Its rollback is writing at an earlier slot (docs/kv_cache.md): a call at slot s
+    overwrites the cache from s on, so for each row the drafter only remembers ``next``, its
+    first cache slot not holding a token of the row's sequence. It is fed the last token and
+    x_1..x_{gamma-1}, never its own last proposal x_gamma, so after proposing
+    next = L + gamma - 1; after verification (length L') everything before the newest token
+    is valid at most: next = min(next, L' - 1). When all gamma were accepted, its next call
+    therefore feeds [x_gamma, t] together, and it never re-runs a proposal.
+
+    The model is used only through its cached call ``model(tokens, call)``, ``setup_cache``,
+    ``move_cache`` and ``config.vocab_size`` / ``config.max_seq_len``.
+    """
+
+    reads_features = False
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.max_seq_len = model.config.max_seq_len
+        self.next: list[int] = []
+
+    def start(self, max_rows: int, cache_len: int, target: Any = None) -> None:
+        self.model.setup_cache(max_rows, cache_len)
+        self.next = []
+
+    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
+                generators: list[torch.Generator], device: torch.device) -> Draft:
+        """Lines 1-3 for every row, one draft call per step for all rows: for i = 1..gamma,
+        q_i = M_q(prefix + x_1..x_{i-1}) and x_i ~ q_i. The first call catches each row up
+        (its own number of tokens, padded), later ones feed each row's x_i. A row that has
+        drafted its gamma (fewer, near its limits) feeds a placeholder that it writes at its
+        first unused slot, and draws nothing."""
+        steps = max(gammas, default=0)
+        if steps == 0:
+            return drafted([], [], gammas, 0, device)
+        starts = list(self.next)
+        feeds = [row[nxt:] if g else row[:1] for row, nxt, g in zip(ids, starts, gammas)]
+        widths = [len(f) if g else 0 for f, g in zip(feeds, gammas)]
+        batch, tokens, probs = pad_rows(feeds, device), [], []
+        for i in range(steps):
+            call = calls.ragged(starts, batch.shape[1], self.model.cache_len, device)
+            logits = newest(self.model(batch, call), widths if i == 0 else [1])  # [B, V]
+            live = [gen if g > i else None for gen, g in zip(generators, gammas)]
+            tokens.append(draw_rows(logits, samplings, live, probs))
+            starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
+            batch, widths = tokens[-1].view(-1, 1), [1] * len(ids)
+        self.next = [len(row) + g - 1 if g else nxt for row, g, nxt in zip(ids, gammas, self.next)]
+        return drafted(tokens, probs, gammas, steps, device)
+
+    def propose_tree(self, ids: list[int], branching: Sequence[int], mode: str, sampling: Sampling,
+                     generator: torch.Generator, device: torch.device) -> tuple[TokenTree, int]:
+        """Row 0's tree of the static shape ``branching`` (speculative.draft.trees): one call
+        that catches up to the sequence and gives the root's distribution, then one call per
+        further depth over all nodes so far, placed after the sequence with tree attention
+        (the nodes are re-fed each time: a call of a small draft costs its fixed overhead
+        more than its rows). Its cache slots from L on then hold tree nodes: next = L."""
+        length, start = len(ids), self.next[0]
+        feed = torch.tensor([ids[start:]], dtype=torch.long, device=device)
+        root = self.model(feed, calls.chain(start, length - start, device))[0, -1]
+        self.next[0] = length
+
+        def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
+            tree = TokenTree(tokens, parents, mode="deterministic")
+            logits = self.model(tokens.view(1, -1), calls.tree(length, 0, tree, tokens.device))[0]
+            return logits[torch.tensor(rows, device=logits.device)]
+
+        return grow_tree(root, expand, branching, mode, sampling, generator), len(branching)
+
+    def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
+               hidden_starts: list[int] | None = None) -> None:
+        self.next = [min(nxt, length - 1) for nxt, length in zip(self.next, lengths)]
+
+    def keep_rows(self, rows: list[int], new: int = 0) -> None:
+        if rows != list(range(len(rows))):
+            self.model.move_cache(rows)
+        self.next = [self.next[r] for r in rows] + [0] * new
+
+
+def as_drafter(draft: Any) -> Drafter:
+    """A drafter as it is, or a plain model (anything with a ``config``) wrapped in ModelDrafter."""
+    if isinstance(draft, Drafter):
+        return draft
+    if hasattr(draft, "config") and callable(draft):
+        return ModelDrafter(draft)
+    raise TypeError(f"draft must be a model (with .config, callable as model(tokens, call)) or a drafter "
+                    f"(start/propose/commit/keep_rows, see speculative.draft), got {type(draft).__name__}")
+
+

@@ -1,0 +1,126 @@
+"""The drafter interface: what the engine (speculative.engine) needs of whatever proposes tokens.
+
+Algorithm 1 never asks where q came from. Lines 1-3 say "draft x_1..x_gamma with their
+distributions q_1..q_gamma"; lines 5-9 accept x_i with probability min(1, p_i(x_i)/q_i(x_i))
+and otherwise sample from norm(max(0, p_i - q_i)). Any procedure that draws x_i from a
+q_i it can report, given the sequence so far, keeps the output exactly the target's.
+
+The engine drafts for rows (many sequences, each at its own length, each with its own random
+stream); a single prompt is a batch of one. A drafter is four calls, the engine's seams:
+
+* ``start(max_rows, cache_len, target)``: allocate (or reset) state for up to max_rows rows;
+* ``propose(ids, gammas, samplings, generators, device) -> Draft``: gammas[b] tokens after
+  row b's sequence ids[b] (host lists), warped with samplings[b] and drawn with
+  generators[b] only, and the distributions they were drawn from, as tensors on ``device``;
+* ``commit(lengths, hidden, hidden_starts)``: after verification row b has lengths[b]
+  tokens; roll back whatever depended on rejected tokens. A drafter whose
+  ``reads_features`` is True also gets the target's features of the positions its call
+  just read (``hidden`` [rows, T, dim], row b's from position hidden_starts[b] on);
+* ``keep_rows(rows, new)``: rows 0..len(rows)-1 become the old rows ``rows`` (finished rows
+  leave), followed by ``new`` fresh sequences.
+
+A drafter that can also grow token trees has ``propose_tree(ids, branching, mode, sampling,
+generator, device) -> (TokenTree, calls) | None`` for row 0 (speculative.draft.trees); the
+model and feature drafters do, prompt lookup does not.
+
+A deterministic drafter (prompt lookup, or any drafter at temperature 0) reports q = None:
+its q is one-hot on each token it proposed. Algorithm 1 then accepts x with probability
+p(x), and the residual is p with x removed and renormalised; the engine builds the one-hot
+rows only where it needs them (temperature > 0).
+
+Three drafters implement it: :class:`ModelDrafter` (a smaller model of the same family,
+the paper's M_q), :class:`speculative.draft.lookup.PromptLookupDrafter` (n-gram copying from the
+sequence) and :class:`speculative.draft.eagle.FeatureDrafter` (a head that reads the target's
+own features, EAGLE). docs/drafters.md compares them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from speculative.sampling import Sampling, sample_rows, warp_rows
+from speculative.verify.tree import TokenTree
+
+
+@dataclass
+class Draft:
+    """One iteration's proposals (lines 1-3 for every row): row b drafted tokens[b, :lengths[b]]
+    from q[b, :lengths[b]]. One tensor for all rows, so that the engine builds the target's
+    input and reads the greedy outcome in a few operators, not a few per row. A token tree
+    (one row) has its nodes in tokens[0] and its own q in ``tree``."""
+
+    tokens: torch.Tensor  # [B, width] LongTensor; width >= max(lengths) (0 when nobody drafted)
+    lengths: list[int]
+    q: torch.Tensor | None = None  # [B, width, V]; None: one-hot on the tokens
+    calls: int = 0  # drafter forwards (one per step for all rows; 0 for a lookup)
+    tree: TokenTree | None = None
+
+    def depth(self, b: int) -> int:
+        """Positions row b drafted ahead: its chain's length, or the tree's depth."""
+        return self.lengths[b] if self.tree is None else max(self.tree.depths(), default=0)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Anything that proposes tokens for the engine (see the module docstring)."""
+
+    reads_features: bool  # commit() wants the target's features
+    vocab_size: int | None  # the ids it proposes lie below this (None: any id of the sequence)
+    max_seq_len: int | None  # the longest sequence it can draft for (None: no limit of its own)
+
+    def start(self, max_rows: int, cache_len: int, target: Any) -> None: ...
+
+    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
+                generators: list[torch.Generator], device: torch.device) -> Draft: ...
+
+    def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
+               hidden_starts: list[int] | None = None) -> None: ...
+
+    def keep_rows(self, rows: list[int], new: int = 0) -> None: ...
+
+
+def draw_rows(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None],
+              probs: list[torch.Tensor]) -> torch.Tensor:
+    """Line 3 for every row at once: logits [B, V] -> tokens [B], row b warped with samplings[b]
+    and drawn with generators[b] (a row whose generator is None draws nothing); q [B, V]
+    appended to ``probs`` unless every row is greedy.
+
+    Greedy (temperature 0) takes a shortcut with the same result: q is one-hot on the argmax
+    and sampling it returns the argmax. q is then None (one-hot on the drafted tokens, and
+    verify_greedy needs only the tokens): a draft step of a small model costs about as much
+    as the operators it runs, and warping and sampling would add a dozen."""
+    if all(s.greedy for s in samplings):
+        return logits.argmax(-1)
+    q = warp_rows(logits, samplings)
+    probs.append(q)
+    return sample_rows(q, generators)
+
+
+def drafted(tokens: list[torch.Tensor], probs: list[torch.Tensor], gammas: list[int], calls: int,
+            device: torch.device) -> Draft:
+    """Per-step drafts of a batch (tokens [B] and q [B, V] per step) as one Draft."""
+    if not tokens:
+        return Draft(torch.empty(len(gammas), 0, dtype=torch.long, device=device), list(gammas))
+    q = torch.stack(probs, dim=1) if probs else None  # [B, steps, V]
+    return Draft(torch.stack(tokens, dim=1), list(gammas), q, calls)
+
+
+def pad_rows(rows: list[list[int]], device: torch.device, width: int | None = None) -> torch.Tensor:
+    """Token rows of different lengths (host lists) as one [B, width] batch on the device,
+    padded at the end with 0 (a ragged call: the model ignores what the padding computes, see
+    model.model); one copy to the device."""
+    width = max(1, max(map(len, rows))) if width is None else width
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
+
+
+def newest(out: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """Each row's output at its last real (unpadded) position: [B, T, ...] -> [B, ...]."""
+    if len(set(widths)) == 1:  # no padding (a single row, or every row fed one token)
+        return out[:, -1]
+    last = torch.tensor([max(w - 1, 0) for w in widths], device=out.device)
+    return out[torch.arange(out.shape[0], device=out.device), last]
+
+

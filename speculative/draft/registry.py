@@ -1,0 +1,58 @@
+"""The drafter kinds by name: what ``--draft`` can mean, how each is built and counted, and
+the toy instance the proofs check (``python -m speculative.prove NAME``).
+
+A kind is registered once, by the module that defines its drafter. weights/ reads a kind's
+files (``files``: "checkpoint" for a Llama checkpoint, "feature-head" for a head's folder,
+None for a drafter that needs none, which ``--draft NAME`` then names directly) and hands
+what it loaded to ``build``; a folder's kind is the one whose ``model_type`` its config.json
+names, else "model".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    description: str  # one line, for --help and the docs
+    build: Callable[[Any, Any], Any]  # build(loaded network or None, target) -> a drafter
+    toy: Callable[[Any], Any]  # toy(small float64 target) -> a drafter, for the proofs
+    files: str | None = None  # what weights/ reads: "checkpoint", "feature-head", or None
+    model_type: str | None = None  # config.json's model_type that marks a folder of this kind
+    memory: str = "none"  # the memory plan: "none", "own" (its config) or "target-block" (one target block)
+
+
+DRAFTERS: dict[str, DrafterKind] = {}
+
+
+def register_drafter(kind: DrafterKind) -> DrafterKind:
+    """Register a drafter kind (ValueError if its name is taken)."""
+    if kind.name in DRAFTERS:
+        raise ValueError(f"a drafter kind named {kind.name!r} is registered already")
+    DRAFTERS[kind.name] = kind
+    return kind
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    """The kind registered as ``name``; ValueError naming the registered ones otherwise."""
+    if name not in DRAFTERS:
+        raise ValueError(f"drafter kind must be one of {', '.join(map(repr, DRAFTERS))}, got {name!r}")
+    return DRAFTERS[name]
+
+
+def named(name: str) -> DrafterKind | None:
+    """The kind that ``--draft name`` means by itself (one that needs no file), or None."""
+    kind = DRAFTERS.get(str(name))
+    return kind if kind is not None and kind.files is None else None
+
+
+def of_folder(model_type: str | None) -> DrafterKind:
+    """The kind of a folder whose config.json names ``model_type``: its registered kind, else "model"."""
+    for kind in DRAFTERS.values():
+        if kind.model_type is not None and kind.model_type == model_type:
+            return kind
+    return DRAFTERS["model"]

@@ -1,0 +1,576 @@
+"""The production engine: Algorithm 1 (speculative.reference) over rows, with its refinements
+plugged in at four named seams. One iteration (:meth:`Engine.step`):
+
+1. Propose (lines 1-3): the drafter drafts gamma_b tokens for every row b, one drafter call
+   per step for all rows, row b drawing from its own stream (speculative.draft); or a
+   token tree for a single row (speculative.draft.trees).
+2. Score (line 4): ONE target call over every row's unread tokens and its draft, row b at
+   its own cache slots (model.call), giving p_1..p_{g_b+1} for every row.
+3. Verify (lines 5-9): each row by itself, with its own p, q and random stream, by a pure
+   verifier (token-wise, block, greedy or tree: device tensors in, device tensors out); the
+   iteration's verdicts reach the host in ONE copy, with the check that the logits are finite.
+4. Commit (line 10): row b emits its own x_1..x_n, t and the caches roll back by position:
+   a call overwrites the slots it is given before anything reads them, so the target's next
+   call for the row starts at its newest token. No row waits for another's acceptance.
+
+The target alone is the same engine with nothing drafted (``draft=None``): every iteration
+samples t from p_1. Rows that stop only by their count then keep their tokens on the device
+and are read when the rows change, so the baseline makes no host read per token.
+
+Rows join and leave between iterations (:meth:`Engine.add`, :meth:`Engine.step`,
+:attr:`Engine.finished`): a finished row leaves at once (the KV caches drop it,
+model.move_cache compacts the rest) and a waiting one takes its place. A row can also be
+stopped from outside (:meth:`Engine.cancel`, a server's client that left): it leaves at the
+start of the next step, before that step computes anything for it.
+
+Each row has its own sampling settings (temperature, top-k, top-p: ``Engine.add``'s
+``sampling``) and seeds: row b draws everything from its own torch.Generator, in the order a
+batch of one would, so a row's tokens do not depend on the other rows or the batch size, up to the
+numerics policy (docs/algorithm.md: a row's logits come from a matmul of another shape, and
+near-ties may fall the other way). gamma="auto" adapts one gamma for all rows from measured
+times, so under it rows see each other.
+
+Token trees are drafted for one row at a time: a batched tree would need every row's tree
+mask and path move in one call, and with one row they already beat a chain only where the
+target's call is cheap next to the draft's (docs/trees_and_blocks.md). An engine with a tree holds one row.
+
+Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] ->
+logits [B, T, V]; with ``return_hidden=True`` also its features, for a drafter that reads
+them), ``setup_cache``, ``move_cache``, ``cache_len`` and ``config.vocab_size`` /
+``config.max_seq_len``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from model import call as calls
+from speculative.draft.model import as_drafter
+from speculative.draft.protocol import Draft, pad_rows
+from speculative.draft.trees import TREE_MODES, check_tree
+from speculative.engine.gamma import AutoGamma
+from speculative.engine.stats import BatchStats, Clock, GenerationResult, SpeculativeStats, stop_reason
+from speculative.inputs import (
+    NonFiniteLogitsError,
+    check_gamma,
+    check_max_new_tokens,
+    check_pair,
+    check_prompt,
+    check_seed,
+    finite_rows,
+    model_device,
+    read_host,
+    usable_logits,
+)
+from speculative.sampling import Sampling, make_generator, sample_rows, warp, warp_rows
+from speculative.verify import tree as trees
+from speculative.verify.registry import rule as registered
+from speculative.verify.token import verify_greedy
+from speculative.verify.tree import TokenTree, branching_parents
+from speculative.verify.verdict import Verdict, Verification, together
+
+Callback = Callable[[list[int], list[bool]], None]
+DEFAULT_GAMMA = 4
+
+
+@dataclass(eq=False)  # a row is itself: two rows are never equal
+class Row:
+    """One request while the engine holds it, and what it produced."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    eos_id: int | None
+    callback: Callback | None
+    sampling: Sampling  # its own temperature, top-k and top-p
+    generator: torch.Generator
+    stats: SpeculativeStats
+    ids: list[int]  # prompt + output, on the host
+    joined: Any = None  # the clock's mark when it entered the batch
+    target_next: int = 0  # the target's first cache slot not holding a token of the row
+    owed: int = 0  # tokens emitted but still on the device (the target alone, see Engine.flush)
+    gamma: int | None = None  # pinned: drafted per iteration whatever the engine's policy (0: none)
+    error: Exception | None = None  # it failed alone (its logits were not finite)
+    cancelled: bool = False  # stopped from outside (Engine.cancel)
+    done: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.ids) + self.owed
+
+    @property
+    def produced(self) -> int:
+        return self.length - len(self.prompt)
+
+    def result(self) -> GenerationResult[SpeculativeStats]:
+        return GenerationResult(tokens=self.ids[len(self.prompt):], stats=self.stats)
+
+
+class Engine:
+    """Speculative decoding of many rows at once (see the module docstring).
+
+    ``draft``: a model of the target's vocabulary (wrapped in speculative.draft.ModelDrafter),
+    any drafter, or None for the target alone. ``gamma``: tokens drafted per iteration, an int
+    >= 1 or "auto". ``verify``: the name of a registered rule (speculative.verify.RULES: "token",
+    Algorithm 1, or "block", Sun et al. 2025), which says what it does at temperature 0; or your own
+    verifier with their signature, ``rule(p [g+1, V], q [g, V], drafted [g], generator) ->
+    Verdict``, which then judges every chain, at temperature 0 too (on one-hot p and q):
+    what ``python -m speculative.prove`` runs through the engine. ``tree``: draft
+    a token tree of this branching per depth instead of a chain (one row; its depth takes
+    gamma's place), drawn by ``tree_mode``. ``max_rows``: rows in one call at most.
+    ``cache_len``: the KV caches' length; None sizes them at the first step for the rows
+    added by then (a later row longer than that stops when the cache is full)."""
+
+    def __init__(self, target: Any, draft: Any = None, *, gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, verify: str = "token",
+                 tree: Sequence[int] | None = None, tree_mode: str = "without_replacement", max_rows: int = 1,
+                 cache_len: int | None = None) -> None:
+        self.target, self.drafter = target, None if draft is None else drafter_for(target, draft)
+        self.sampling = Sampling(temperature, top_k, top_p)
+        if not callable(verify):
+            registered(verify)  # ValueError for a name that is not registered
+        self.rule, self.tree, self.tree_mode = verify, None, tree_mode
+        if tree is not None:
+            self.tree, gamma = check_tree_request(tree, tree_mode, self.drafter, gamma, verify, max_rows)
+        self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
+        self.auto = AutoGamma(gamma_max=self.gamma_max) if gamma == "auto" and self.drafter is not None else None
+        self.gamma_setting = "auto" if self.auto else self.gamma_max
+        own = self.drafter.max_seq_len if self.drafter is not None else None
+        self.limit = min(target.config.max_seq_len, own or target.config.max_seq_len)
+        self.slack = self.gamma_max if self.tree is None else len(branching_parents(self.tree))  # slots past a row
+        if self.tree is not None and self.slack + 1 >= self.limit:
+            raise ValueError(f"the tree {self.tree} has {self.slack} nodes, which cannot fit in the "
+                             f"{self.limit}-token context")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+        self.max_rows, self.cache_len = max_rows, cache_len
+        self.device = model_device(target)
+        self.rows: list[Row] = []
+        self.waiting: deque[Row] = deque()
+        self.finished: list[Row] = []  # rows that are done, in the order they finished
+        self.stats = BatchStats(prompts=0, batch_size=max_rows)
+        self.clock: Clock | None = None
+        self.pending: list[torch.Tensor] = []  # the target alone: tokens of the rows not read yet
+        self.pending_finite: list[torch.Tensor] = []
+        # the engine's gamma for an iteration (a server's choice by load); None: gamma or "auto"
+        self.policy: Callable[[Engine], int] | None = None
+
+    # ------------------------------------------------------------------------- rows in and out
+    def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *, eos_id: int | None = None,
+            seed: int | None = None, callback: Callback | None = None, sampling: Sampling | None = None,
+            gamma: int | None = None) -> Row:
+        """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
+        temperature, top-k and top-p (default: the engine's). ``gamma``: pin its drafted tokens
+        per iteration (0..the engine's gamma; default: the engine's choice). ``callback(new_ids,
+        from_draft)`` sees each of its iterations' tokens: accepted draft tokens (True), then
+        the target's own (False). The row stops after max_new_tokens (never more), after
+        emitting eos_id (even in the middle of an accepted block: nothing after it is
+        emitted), or when it fills the context; its stats.stop_reason says which. A row whose
+        logits are not finite fails alone: ``row.error`` is a NonFiniteLogitsError, its
+        stop_reason "error", and the other rows go on."""
+        check_max_new_tokens(max_new_tokens)
+        check_seed(seed)
+        prompt = check_prompt(prompt_ids, self.target.config.vocab_size, self.row_limit)
+        stats = SpeculativeStats(gamma_setting=self.gamma_setting, accepted_per_position=[0] * self.gamma_max,
+                                 tried_per_position=[0] * self.gamma_max)
+        if sampling is not None and not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling must be a speculative.sampling.Sampling, got {type(sampling).__name__}")
+        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int)
+                                  or not 0 <= gamma <= self.gamma_max):
+            raise ValueError(f"a row's gamma must be an integer in 0..{self.gamma_max}, got {gamma!r}")
+        row = Row(prompt, max_new_tokens, eos_id, callback, sampling or self.sampling,
+                  make_generator(self.device, seed), stats, list(prompt), gamma=gamma)
+        self.waiting.append(row)
+        self.stats.prompts += 1
+        self.stats.rows.append(stats)
+        return row
+
+    @property
+    def row_limit(self) -> int:
+        """The longest a row may grow: the context, or the KV caches once sized."""
+        return self.limit if self.cache_len is None else min(self.limit, self.cache_len)
+
+    def cancel(self, row: Row) -> None:
+        """Stop ``row`` before its end: a waiting row is dropped at once, a row in the batch leaves
+        at the start of the next step, before that step computes anything for it (the KV caches
+        drop it as they drop a finished row). Either way it joins :attr:`finished` with what it
+        produced so far and stop_reason "cancelled". A row that is done already is left alone."""
+        if row.done or row.cancelled:
+            return
+        row.cancelled = True
+        for i, waiting in enumerate(self.waiting):
+            if waiting is row:
+                del self.waiting[i]
+                row.done = True
+                row.stats.stop_reason = "cancelled"
+                self.finished.append(row)
+                return
+
+    def start(self) -> None:
+        """Size and set up the KV caches (once, at the first step)."""
+        if self.cache_len is None:
+            longest = max((len(row.prompt) + row.max_new_tokens for row in self.waiting), default=self.limit)
+            self.cache_len = min(self.limit, longest + self.slack + 1)
+        self.target.setup_cache(self.max_rows, self.cache_len)
+        if self.drafter is not None:
+            self.drafter.start(self.max_rows, self.cache_len, self.target)
+        self.clock = Clock(self.device)
+        self.decode_start = self.clock.mark()
+
+    def admit(self) -> None:
+        """Waiting rows take the free places, behind the rows already there."""
+        old = len(self.rows)
+        while self.waiting and len(self.rows) < self.max_rows:
+            self.flush()
+            row = self.waiting.popleft()
+            row.joined = self.clock.mark()
+            if self.is_done(row):  # its prompt fills the context already
+                self.finish(row, row.joined)
+            else:
+                self.rows.append(row)
+        if self.drafter is not None and len(self.rows) > old:
+            self.drafter.keep_rows(list(range(old)), len(self.rows) - old)
+
+    def retire(self, now: Any) -> list[Row]:
+        """Rows that finished leave the batch (and every KV cache); the rest move up."""
+        done = [row for row in self.rows if self.is_done(row)]
+        if not done:
+            return []
+        self.flush()
+        for row in done:
+            self.finish(row, now)
+        kept = [b for b, row in enumerate(self.rows) if not row.done]
+        self.rows = [self.rows[b] for b in kept]
+        if kept != list(range(len(kept))):
+            self.target.move_cache(kept)
+        if self.drafter is not None:
+            self.drafter.keep_rows(kept)
+        return done
+
+    def finish(self, row: Row, now: Any) -> None:
+        row.done = True
+        row.stats.new_tokens = row.produced
+        row.stats.stop_reason = "error" if row.error else "cancelled" if row.cancelled else \
+            stop_reason(row.ids[len(row.prompt):], row.eos_id, row.max_new_tokens)
+        self.clock.add(row.stats, "decode_time_s", row.joined, now)
+        self.finished.append(row)
+
+    def is_done(self, row: Row) -> bool:
+        return (row.error is not None or row.cancelled or row.produced >= row.max_new_tokens
+                or row.length >= self.row_limit
+                or (row.eos_id is not None and row.produced > 0 and row.ids[-1] == row.eos_id))
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.waiting
+
+    def run(self) -> None:
+        """Step until every row added so far has finished; then wait for the device once."""
+        while not self.idle:
+            self.step()
+        if self.clock is not None:
+            self.clock.add(self.stats, "decode_time_s", self.decode_start, self.clock.mark())
+            self.clock.settle()
+
+    # ------------------------------------------------------------------------- one iteration
+    def step(self) -> list[Row]:
+        """One iteration of Algorithm 1 for every row in the batch. Returns the rows that finished
+        (the cancelled ones first: they leave before the iteration)."""
+        with torch.inference_mode():
+            if self.clock is None:
+                self.start()
+            cancelled = self.retire(self.clock.mark()) if any(row.cancelled for row in self.rows) else []
+            self.admit()
+            rows, clock = self.rows, self.clock
+            if not rows:
+                return cancelled
+            gammas = [self.gamma_for(row) for row in rows]
+            t0 = clock.mark()
+            draft = self.propose(rows, gammas)  # lines 1-3
+            t1 = clock.mark()
+            logits, hidden = self.score(rows, draft)  # line 4
+            t2 = clock.mark()
+            finite = finite_rows(logits)  # read with the verdicts: a row whose logits are not finite fails alone
+            verdict = judge_rows(logits, draft, [row.sampling for row in rows], self.rule,
+                                 [row.generator for row in rows], finite)
+            if self.deferred(rows):  # lines 5-9: tokens kept on the device, read when the rows change
+                self.defer(rows, verdict.parts[0], finite)
+                steps = [Verification([], 0, [])] * len(rows)
+            else:
+                steps = self.read(rows, draft, verdict, finite)  # lines 5-9: the iteration's one host read
+                self.commit(rows, draft, steps, hidden)  # line 10
+            t3 = clock.mark()
+            self.record(rows, draft, steps, (t0, t1, t2, t3))
+            depth = max(draft.depth(b) for b in range(len(rows)))
+            if self.auto is not None and depth > 0:  # t0..t2 are behind the read; the first also read prompts
+                timed = self.stats.iterations > 1
+                self.auto.update([o for step in steps for o in step.overlap[:step.accepted + 1]],
+                                 clock.seconds(t0, t1) / depth if timed else None,
+                                 clock.seconds(t1, t2) if timed else None)
+            return cancelled + self.retire(t3)
+
+    def gamma_for(self, row: Row) -> int:
+        """The row's pinned gamma, or the engine's (``policy``, gamma="auto" or the fixed gamma),
+        shrunk so that an iteration (up to gamma + 1 tokens) never passes the row's
+        max_new_tokens or its context."""
+        if self.drafter is None:
+            return 0
+        g = row.gamma if row.gamma is not None else self.policy(self) if self.policy else \
+            self.auto.gamma if self.auto else self.gamma_max
+        return max(0, min(g, self.gamma_max, row.max_new_tokens - row.produced - 1, self.row_limit - row.length - 1))
+
+    def read(self, rows: list[Row], draft: Draft, verdict: Verdict, finite: torch.Tensor) -> list[Verification]:
+        """The verdicts and every logit row's finite flag in ONE copy. A row with a non-finite
+        logit emits nothing and fails alone (``row.error``); the others' outcomes stand."""
+        *host, flags = read_host([*verdict.parts, finite])
+        steps, at = verdict.finish(*host), 0
+        for b, (row, n) in enumerate(zip(rows, [g + 1 for g in draft.lengths])):
+            if not all(flags[at:at + n]):
+                row.error, steps[b] = NonFiniteLogitsError(), Verification([], 0, [])
+            at += n
+        return steps
+
+    def propose(self, rows: list[Row], gammas: list[int]) -> Draft:
+        """Lines 1-3: a chain of up to gammas[b] tokens for every row, or a tree for one row
+        that fits in the cache slots after its sequence. Nothing (a plain target step) where
+        gamma is 0."""
+        nothing = Draft(torch.empty(len(rows), 0, dtype=torch.long, device=self.device), [0] * len(rows))
+        if self.drafter is None or max(gammas) == 0:
+            return nothing
+        if self.tree is None:
+            return self.drafter.propose([row.ids for row in rows], gammas, [row.sampling for row in rows],
+                                        [row.generator for row in rows], self.device)
+        row = rows[0]
+        levels = fit_tree(self.tree, gammas[0], self.cache_len - row.length)
+        grown = self.drafter.propose_tree(row.ids, levels, self.tree_mode, row.sampling, row.generator,
+                                          self.device) if levels else None
+        if grown is None:  # the drafter has nothing to go on yet
+            return nothing
+        tree, count = grown
+        return Draft(tree.tokens.view(1, -1), [tree.num_nodes], None, count, tree)
+
+    def score(self, rows: list[Row], draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Line 4: ONE target call in which row b feeds what the target has not read of it and
+        its draft, at its own cache position. Returns every row's logits for its g_b + 1
+        positions L_b-1 .. L_b+g_b-1 (a tree: the root and every node), stacked as one
+        [sum of (g_b + 1), V] tensor, and for a drafter that reads them the call's features."""
+        reads = self.drafter is not None and self.drafter.reads_features
+        starts = [row.target_next for row in rows]
+        wanted = [g + 1 for g in draft.lengths]
+        if self.pending:  # the target alone, rows unchanged: each feeds its newest token, still on the device
+            feed = self.pending[-1].view(-1, 1)
+        else:
+            unread = [row.ids[start:] for row, start in zip(rows, starts)]
+            if len(rows) == 1:
+                feed = torch.cat([torch.tensor([unread[0]], device=self.device), draft.tokens], dim=1)
+            else:
+                feed = pad_rows(unread, self.device, max(len(u) + g for u, g in zip(unread, draft.lengths)))
+                at = [(b, len(u) + j, j) for b, (u, g) in enumerate(zip(unread, draft.lengths)) for j in range(g)]
+                if at:
+                    index = torch.tensor(at, device=self.device).T
+                    feed[index[0], index[1]] = draft.tokens[index[0], index[2]]
+        if draft.tree is not None:  # each node at its depth, seeing its ancestors
+            call = calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device)
+        else:
+            call = calls.ragged(starts, feed.shape[1], self.cache_len, self.device)
+        out = self.target(feed, call, return_hidden=True) if reads else self.target(feed, call)
+        logits, hidden = out if reads else (out, None)
+        if len(rows) == 1:
+            return logits[0, -wanted[0]:], hidden
+        sizes = [len(row.ids) - start + g for row, start, g in zip(rows, starts, draft.lengths)]
+        if self.pending or len(set(sizes)) == 1 and len(set(wanted)) == 1:  # every row the same shape
+            return logits[:, -wanted[0]:].reshape(-1, logits.shape[-1]), hidden
+        at_row = [b for b, n in enumerate(wanted) for _ in range(n)]
+        at_col = [size - n + j for size, n in zip(sizes, wanted) for j in range(n)]
+        index = torch.tensor([at_row, at_col], device=logits.device)
+        return logits[index[0], index[1]], hidden
+
+    def commit(self, rows: list[Row], draft: Draft, steps: list[Verification], hidden: torch.Tensor | None) -> None:
+        """Line 10: row b emits x_1..x_n, t (nothing after an EOS) and rolls back: everything
+        before its newest token is in the target's cache (a tree's accepted path is first
+        moved into place); the drafter learns the new lengths and, if it reads them, the
+        target's features of the accepted paths."""
+        starts = [row.target_next for row in rows]
+        if draft.tree is not None and rows[0].error is None:
+            hidden = keep_path(self.target, steps[0].path, rows[0].length, starts[0], hidden)
+        emitted = [cut_at_eos(step.tokens, row.eos_id) for row, step in zip(rows, steps)]
+        for row, tokens in zip(rows, emitted):
+            row.ids.extend(tokens)
+        advance(rows, steps)
+        if self.drafter is not None:
+            self.drafter.commit([row.length for row in rows], hidden, starts)
+        for row, step, tokens in zip(rows, steps, emitted):
+            if row.callback is not None and tokens:
+                row.callback(tokens, [i < step.accepted for i in range(len(tokens))])
+
+    # ------------------------------------------------------------------------- the target alone
+    def deferred(self, rows: list[Row]) -> bool:
+        """Nothing drafted and every row stops by its count alone: no need to see the tokens yet."""
+        return self.drafter is None and all(row.eos_id is None and row.callback is None for row in rows)
+
+    def defer(self, rows: list[Row], tokens: torch.Tensor, finite: torch.Tensor) -> None:
+        self.pending.append(tokens)
+        self.pending_finite.append(finite)
+        for row in rows:
+            row.owed += 1
+            row.target_next = row.length - 1
+
+    def flush(self) -> None:
+        """Read the deferred tokens of the rows in ONE copy, with every call's finite flags; a
+        row that met a non-finite logit fails alone and keeps none of them."""
+        if not self.pending:
+            return
+        tokens, flags = read_host([torch.stack(self.pending, dim=1), torch.stack(self.pending_finite, dim=1)])
+        width = len(self.pending)
+        for b, row in enumerate(self.rows):
+            row.owed = 0
+            if all(flags[b * width:(b + 1) * width]):
+                row.ids.extend(tokens[b * width:(b + 1) * width])
+            else:
+                row.error = NonFiniteLogitsError()
+        self.pending, self.pending_finite = [], []
+
+    # ------------------------------------------------------------------------- what happened
+    def record(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
+        """One iteration into every row's record and the engine's own counts (marks: before
+        proposing, scoring and verifying, and after committing)."""
+        t0, t1, t2, now = marks
+        totals, clock = self.stats, self.clock
+        totals.iterations += 1
+        totals.draft_calls += draft.calls
+        totals.rows_history.append(len(rows))
+        for name, start, end in (("draft_time_s", t0, t1), ("target_time_s", t1, t2), ("verify_time_s", t2, now)):
+            clock.add(totals, name, start, end)
+        for b, (row, step) in enumerate(zip(rows, steps)):
+            depth, stats = (0 if row.error else draft.depth(b)), row.stats  # a failed row verified nothing
+            stats.record(depth, draft.calls if depth else 0, step.accepted, step.overlap,
+                         drafted=draft.lengths[b] if depth else 0)
+            clock.add(stats, "draft_time_s", t0, t1)
+            clock.add(stats, "target_time_s", t1, t2)
+            if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
+                clock.add(stats, "first_iteration_s", row.joined, now)
+                stats.first_iteration_tokens = row.produced
+
+
+# ----------------------------------------------------------------------------- the seams' pieces
+def judge_rows(logits: torch.Tensor, draft: Draft, samplings: list[Sampling], rule: str | Callable,
+               generators: list[torch.Generator], finite: torch.Tensor) -> Verdict:
+    """Lines 5-9 for every row, each with its own p, q, sampling and generator; their verdicts are read
+    together. ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_rows (a
+    sampled row verifies usable logits until the read checks them). Where nothing was drafted
+    t comes from p_1 alone; at temperature 0 the argmaxes of all rows and their drafts are the
+    parts, whatever B is."""
+    greedy = all(s.greedy for s in samplings)
+    if draft.tree is None and not any(draft.lengths):
+        tokens = logits.argmax(-1) if greedy else sample_rows(
+            warp_rows(usable_logits(logits, finite), samplings), generators)
+        return Verdict([tokens], lambda host: [Verification([t], 0, []) for t in host])
+    if greedy and draft.tree is None and greedy_shortcut(rule):
+        return verify_greedy(logits.argmax(-1), draft.tokens, draft.lengths)
+    verdicts, ok = [], finite.split([g + 1 for g in draft.lengths])
+    for b, (p, generator) in enumerate(zip(logits.split([g + 1 for g in draft.lengths]), generators)):
+        g = draft.lengths[b]
+        q = None if draft.q is None else draft.q[b, :g]
+        verdicts.append(judge(p, draft.tokens[b, :g], q, draft.tree, samplings[b], rule, generator, ok[b]))
+    return together(verdicts)
+
+
+def judge(logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None, tree: TokenTree | None,
+          sampling: Sampling, rule: str | Callable, generator: torch.Generator,
+          finite: torch.Tensor | None = None) -> Verdict:
+    """Lines 5-9 for one row by the verifier that fits its draft: a tree's walk, the comparison
+    of argmaxes at temperature 0 (where the rule is registered so), or the chosen rule (a
+    registered name, or a verifier of their signature, which also judges at temperature 0) on warped p and q. A
+    deterministic drafter's q (None) is one-hot on its tokens. A sampled verification runs on
+    usable_logits until the read checks ``finite``, so that no sampling kernel meets a NaN."""
+    if finite is not None and not sampling.greedy:
+        logits = usable_logits(logits, finite)
+    if tree is not None:
+        if sampling.greedy:
+            return trees.verify_tree_greedy(logits.argmax(-1), tree)
+        return trees.verify_tree(warp(logits, sampling), tree, generator)
+    if sampling.greedy and greedy_shortcut(rule):  # one-hot p and q: the argmaxes compared
+        return verify_greedy(logits.argmax(-1), drafted)
+    p = warp(logits, sampling)  # g = 0: t from p_1 alone
+    q = q if q is not None else F.one_hot(drafted, p.shape[-1]).to(p.dtype)
+    verifier = rule if callable(rule) else registered(rule).verify
+    return verifier(p, q, drafted, generator)
+
+
+def greedy_shortcut(rule: str | Callable) -> bool:
+    """Whether a rule is replaced by the comparison of argmaxes at temperature 0: as registered
+    (speculative.verify.registry); a verifier passed as a function never is."""
+    return not callable(rule) and registered(rule).greedy
+
+
+def advance(rows: list[Row], steps: list[Verification]) -> None:
+    """Line 10's rollback, per row: everything before the row's newest token is in the
+    target's cache, whatever the other rows accepted."""
+    for row in rows:
+        row.target_next = row.length - 1
+
+
+def cut_at_eos(tokens: list[int], eos_id: int | None) -> list[int]:
+    """Nothing after an emitted EOS, even in the middle of an accepted block."""
+    if eos_id is not None and eos_id in tokens:
+        return tokens[:tokens.index(eos_id) + 1]
+    return tokens
+
+
+def keep_path(target: Any, path: list[int], length: int, target_next: int,
+              hidden: torch.Tensor | None) -> torch.Tensor | None:
+    """After a tree's verification, move the accepted path's keys and values from the nodes'
+    slots (L + node) to consecutive slots L.. of the target's cache, and return the target's
+    features in sequence order (the call's chain part, then the path) for the drafter."""
+    if path and path != list(range(len(path))):
+        target.move_cache([0], [[length + node for node in path]], [list(range(length, length + len(path)))])
+    if hidden is None:
+        return None
+    prefix = length - target_next
+    order = list(range(prefix)) + [prefix + node for node in path]
+    return hidden[:, torch.tensor(order, device=hidden.device)]
+
+
+def fit_tree(tree: tuple[int, ...], depth: int, room: int) -> tuple[int, ...]:
+    """The first levels of ``tree``: at most ``depth`` of them, with fewer nodes than the
+    ``room`` cache slots left (the nodes sit in slots L..L+N-1)."""
+    levels = tree[:depth]
+    while levels and len(branching_parents(levels)) >= room:
+        levels = levels[:-1]
+    return levels
+
+
+def drafter_for(target: Any, draft: Any) -> Any:
+    """``draft`` as a drafter (a model is wrapped in ModelDrafter), checked against ``target``
+    (speculative.inputs), and never the target object itself: the two would share one KV cache."""
+    drafter = as_drafter(draft)
+    check_pair(target, drafter)
+    if draft is target or getattr(drafter, "model", None) is target:
+        raise ValueError("draft and target are the same object and would share one KV cache; "
+                         "pass a copy (copy.deepcopy(model)) as the draft")
+    return drafter
+
+
+def check_tree_request(tree: Sequence[int], tree_mode: str, drafter: Any, gamma: Any, verify: str,
+                       max_rows: int) -> tuple[tuple[int, ...], int]:
+    """The tree as a tuple, and its depth in gamma's place; ValueError for what cannot combine."""
+    shape = check_tree(tree)
+    if tree_mode not in TREE_MODES:
+        raise ValueError(f"tree_mode must be one of {', '.join(map(repr, TREE_MODES))}, got {tree_mode!r}")
+    if drafter is None or not hasattr(drafter, "propose_tree"):
+        raise ValueError(f"{type(drafter).__name__} cannot build token trees (a draft model or a feature head can)")
+    if gamma not in (DEFAULT_GAMMA, len(shape)):
+        raise ValueError("gamma and tree both set: a tree's depth is its gamma; leave gamma alone")
+    if verify != "token":
+        raise ValueError("block verification is for a chain; a tree is verified by its own walk")
+    if max_rows != 1:
+        raise ValueError("token trees are drafted for one row at a time (speculative.engine): use max_rows=1")
+    return shape, len(shape)
+
+
+__all__ = ["DEFAULT_GAMMA", "Engine", "NonFiniteLogitsError", "Row"]

@@ -1,0 +1,209 @@
+"""The four generation functions, each a few lines over the one engine (speculative.engine):
+speculative decoding and the target alone, for one prompt or a list of prompts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from speculative.engine.engine import DEFAULT_GAMMA, Callback, Engine
+from speculative.engine.stats import AutoregressiveStats, BatchResult, GenerationResult, SpeculativeStats
+from speculative.inputs import check_max_new_tokens
+
+
+def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                         gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0, top_k: int | None = None,
+                         top_p: float | None = None, eos_id: int | None = None, seed: int | None = None,
+                         callback: Callback | None = None, verify: str = "token", tree: Sequence[int] | None = None,
+                         tree_mode: str = "without_replacement") -> GenerationResult[SpeculativeStats]:
+    """Sample from ``target`` after ``prompt_ids``, with ``draft`` proposing up to ``gamma``
+    tokens per target call (an int >= 1, or "auto"). ``draft`` is a model of the target's
+    vocabulary (wrapped in speculative.draft.ModelDrafter) or any drafter. The output has
+    exactly the distribution of autoregressive_generate(target, ...) with the same
+    settings; temperature 0 is greedy.
+
+    ``verify`` chooses lines 5-9: "token" (Algorithm 1, token by token) or "block" (Sun et
+    al. 2025, speculative.verify.block: the block judged jointly, never fewer accepted tokens in
+    expectation). At temperature 0 both are the comparison of argmaxes (verify_greedy).
+
+    ``tree``: draft a token tree of this branching per depth instead of a chain, e.g.
+    (3, 2, 1, 1) (speculative.draft.trees), score all of its nodes in one target call
+    with tree attention, and verify it by multi-draft rejection sampling (speculative.verify.tree);
+    ``tree_mode`` says how children are drawn ("without_replacement", "iid" or
+    "deterministic", the top-k; greedy decoding always takes the top-k). The tree's depth
+    takes gamma's place (gamma must be left alone).
+
+    Stops after max_new_tokens (never more), after emitting eos_id (even in the middle of an
+    accepted block: nothing after it is emitted) or when prompt + output reaches the smaller
+    max_seq_len of the two models (gamma shrinks near every limit); stats.stop_reason says
+    which. ``callback(new_ids, from_draft)`` sees each iteration's tokens: accepted draft
+    tokens (True), then the target's own (False). Returns the new token ids and
+    SpeculativeStats. Raises NonFiniteLogitsError if the target's logits are not finite.
+    """
+    wall_start = time.perf_counter()
+    engine = Engine(target, draft, gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p, verify=verify,
+                    tree=tree, tree_mode=tree_mode)
+    row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=callback)
+    engine.run()
+    if row.error is not None:
+        raise row.error
+    row.stats.wall_time_s = time.perf_counter() - wall_start
+    return row.result()
+
+
+def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                            eos_id: int | None = None, seed: int | None = None,
+                            callback: Callback | None = None) -> GenerationResult[AutoregressiveStats]:
+    """The baseline: up to ``max_new_tokens`` tokens from ``model`` alone after ``prompt_ids``,
+    one call per token, with the same warping and sampling as speculative decoding.
+
+    Stops after max_new_tokens, after emitting eos_id, or when prompt + output reaches the
+    model's max_seq_len (stats.stop_reason says which). ``callback(new_ids, from_draft)`` is
+    called with each token (from_draft is always [False]). Returns the new token ids and
+    AutoregressiveStats. Raises NonFiniteLogitsError if the model's logits are not finite:
+    at once when tokens are seen one by one (an EOS id or a callback), else when the loop
+    ends (no token is returned): without them the tokens stay on the device until the end.
+    """
+    wall_start = time.perf_counter()
+    engine = Engine(model, None, temperature=temperature, top_k=top_k, top_p=top_p)
+    row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=callback)
+    engine.run()
+    if row.error is not None:
+        raise row.error
+    row.stats.wall_time_s = time.perf_counter() - wall_start
+    return GenerationResult(tokens=row.result().tokens, stats=AutoregressiveStats.of(row.stats))
+
+
+def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                               gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0, top_k: int | None = None,
+                               top_p: float | None = None, eos_id: int | None = None,
+                               seed: int | Sequence[int] | None = None, verify: str = "token",
+                               batch_size: int | None = None) -> BatchResult:
+    """speculative_generate for every prompt of ``prompts`` (token-id lists, any lengths), at
+    most ``batch_size`` rows at a time (default: all), one target call per iteration for all
+    rows, every row accepting its own number of tokens (ragged acceptance, as in vLLM,
+    SGLang and BASS, Qian et al. 2024; docs/batching.md). Returns one GenerationResult per
+    prompt, in order, and the batch's BatchStats.
+
+    Each row's output has exactly the target's distribution, and row i's tokens are those of
+    speculative_generate(target, draft, prompts[i], seed=seed + i, ...) (seed[i] for a list)
+    up to the numerics policy (speculative.engine). Token trees are not batched."""
+    return over_rows(target, draft, prompts, max_new_tokens, seed, batch_size, eos_id, SpeculativeStats,
+                     gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p, verify=verify)
+
+
+def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                                  eos_id: int | None = None, seed: int | Sequence[int] | None = None,
+                                  batch_size: int | None = None) -> BatchResult:
+    """autoregressive_generate for every prompt, one model call per token for all rows (each
+    at its own position), at most ``batch_size`` rows at a time. Row i draws with seed + i,
+    as autoregressive_generate(model, prompts[i], seed=seed + i) does alone."""
+    return over_rows(model, None, prompts, max_new_tokens, seed, batch_size, eos_id, AutoregressiveStats,
+                     temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def over_rows(target: Any, draft: Any, prompts: Any, max_new_tokens: int, seed: Any, batch_size: Any,
+              eos_id: int | None, kind: type, **settings: Any) -> BatchResult:
+    """Every prompt through one engine, as rows; results in the prompts' order."""
+    wall_start = time.perf_counter()
+    prompts = check_prompts(prompts)
+    check_max_new_tokens(max_new_tokens)
+    seeds = row_seeds(seed, len(prompts))
+    engine = Engine(target, draft, max_rows=check_batch_size(batch_size, len(prompts)), **settings)
+    rows = []
+    for i, (prompt, row_seed) in enumerate(zip(prompts, seeds)):
+        try:
+            rows.append(engine.add(prompt, max_new_tokens, eos_id=eos_id, seed=row_seed))
+        except ValueError as error:
+            raise ValueError(f"prompt {i}: {error}") from None
+    engine.run()
+    for row in rows:
+        if row.error is not None:
+            raise row.error
+    engine.stats.seed, engine.stats.wall_time_s = seed, time.perf_counter() - wall_start
+    for row in rows:
+        row.stats.wall_time_s = engine.stats.wall_time_s
+    results = [row.result() for row in rows]
+    if kind is AutoregressiveStats:
+        results = [GenerationResult(r.tokens, AutoregressiveStats.of(r.stats)) for r in results]
+    return BatchResult(results=results, stats=engine.stats)
+
+
+def row_seeds(seed: int | Sequence[int] | None, count: int) -> list[int | None]:
+    """seed + i for prompt i, a list as given, or None (fresh entropy) for every row."""
+    if seed is None:
+        return [None] * count
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return [seed + i for i in range(count)]
+    seeds = list(seed) if isinstance(seed, Sequence) else None
+    if seeds is None or len(seeds) != count or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
+        raise ValueError(f"seed must be an integer, None, or a list of {count} integers (one per prompt), got {seed!r}")
+    return seeds
+
+
+def check_prompts(prompts: Any) -> list[Any]:
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or isinstance(prompts, str):
+        raise ValueError("prompts must be a list of prompts, each a list of token ids")
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str) or not isinstance(prompt, (Sequence, torch.Tensor)):
+            raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+    return list(prompts)
+
+
+def check_batch_size(batch_size: Any, count: int) -> int:
+    if batch_size is None:
+        return count
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    return min(batch_size, count)
+
+
+# ----------------------------------------------------------------------------- a drafter's acceptance, measured
+# What measure_acceptance's numbers mean, written next to them into a summary.json.
+ACCEPTANCE_NOTES = {
+    "alpha": "alpha_greedy, alpha_t1: the paper's alpha, the probability that the target accepts a drafted token "
+             "(the mean of sum_x min(p, q) over the verified draft positions); the alpha of the cost model",
+    "acceptance": "acceptance_greedy, acceptance_t1: accepted / drafted tokens; lower than alpha, because the "
+                  "tokens drafted after a rejection count as drafted but are never verified",
+    "tau": "tau_greedy, tau_t1: new tokens per target call",
+}
+
+
+@torch.no_grad()
+def measure_acceptance(target: Any, draft: Any, prompts: list[list[int]], new_tokens: int, gamma: int,
+                       seed: int) -> dict[str, float]:
+    """Acceptance of speculative decoding on the prompts, greedy and at temperature 1 (prompt
+    i sampling with ``seed`` + i), as ACCEPTANCE_NOTES describes them.
+
+    ``alpha_*`` is the paper's alpha: the mean over verified positions of sum_x min(p, q), the
+    probability that a drafted token is accepted. ``acceptance_*`` is the empirical fraction of
+    drafted tokens that were kept, which is lower because the tokens after a rejection count
+    as drafted but never get their chance. ``tau_*`` is the number of tokens per target call.
+    ``draft`` is a draft model or any drafter (speculative.draft).
+    """
+    result = {}
+    for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
+        accepted = drafted = new = target_calls = 0
+        alpha_sum = alpha_count = 0.0
+        for i, prompt in enumerate(prompts):
+            out = speculative_generate(target, draft, prompt, new_tokens, gamma=gamma, temperature=temperature,
+                                       seed=seed + i)
+            accepted += out.stats.accepted_draft_tokens
+            drafted += out.stats.drafted_tokens
+            alpha_sum += out.stats.overlap_sum
+            alpha_count += out.stats.verified_positions
+            new += out.stats.new_tokens
+            target_calls += out.stats.target_calls
+        result[f"alpha_{name}"] = alpha_sum / max(1.0, alpha_count)
+        result[f"acceptance_{name}"] = accepted / max(1, drafted)
+        result[f"tau_{name}"] = new / max(1, target_calls)
+    return result
+
+

@@ -1,0 +1,5 @@
+import sys
+
+from speculative.proofs.checker import main
+
+sys.exit(main())

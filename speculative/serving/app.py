@@ -1,0 +1,529 @@
+"""An OpenAI-compatible HTTP API over an EngineLoop (speculative.serving), on FastAPI, uvicorn
+and pydantic, streaming with server-sent events. ``serve.py`` starts it; :func:`create_app`
+builds it around a :class:`Service` for any other host (the tests start it in a thread).
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed or not: ``max_tokens``,
+  ``temperature``, ``top_p``, ``top_k`` (an extension), ``stop``, ``seed``, ``stream``
+  (``stream_options.include_usage``) and ``n`` = 1; extensions ``speculative_gamma`` (pin the
+  request's gamma, 0 = no speculation) and ``return_token_ids``. A completion's prompt is a
+  string or a list of token ids; a chat is put in the Llama-2 chat template.
+* Every response has ``usage`` and ``speculation``: the request's drafted and accepted tokens,
+  alpha (``acceptance_rate``), tau (``tokens_per_target_call``), its target calls and mean gamma.
+* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``, one line, never
+a traceback: 400 for bad parameters, unknown fields or a prompt the context cannot hold (the
+message says the limits), 404 for another model's name or path, 429 with Retry-After when the
+waiting queue is full, 500 for a request whose logits turned non-finite (it fails alone; the
+others go on), 503 when the engine loop has stopped. There is no authentication: bind to
+127.0.0.1 (serve.py's default) or put the server behind one.
+
+A client that disconnects frees its row at once (EngineLoop.cancel); so does a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from speculative.inputs import NonFiniteLogitsError
+from speculative.sampling import Sampling
+from speculative.serving.loop import OverloadedError, Service, Ticket, prometheus
+from speculative.serving.text import TextStream, encode_dialog
+from weights.tokenizer import Tokenizer
+
+MAX_STOPS = 4  # as OpenAI
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; a chat's is what the context leaves
+
+
+class ClientGoneError(Exception):
+    """The client disconnected before its answer was complete."""
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.kind, self.code, self.param, self.headers)
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message.splitlines()[0] if message else kind, "type": kind, "param": param,
+                      "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# ----------------------------------------------------------------------------- requests
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Options(Strict):
+    """The fields both endpoints take."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # None: OpenAI's default, 1
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2 ** 63)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    user: str | None = None
+    speculative_gamma: Annotated[int, Field(ge=0)] | None = None
+    return_token_ids: bool = False
+
+
+class CompletionRequest(Options):
+    prompt: str | list[str] | list[int]
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatRequest(Options):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+def field_names(model: type[BaseModel]) -> str:
+    return ", ".join(sorted(model.model_fields))
+
+
+def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """The first problem of a request body, in one line, and the field it concerns."""
+    first = error.errors()[0]
+    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(where) or None
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if first.get("type") == "extra_forbidden":
+        return f"unknown or unsupported field {param!r}", param
+    if first.get("type") == "missing":
+        return f"{param} is required", param
+    return f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param
+
+
+# ----------------------------------------------------------------------------- text out
+class Output:
+    """A request's text as its tokens come: incremental detokenisation (speculative.serving.text.TextStream)
+    and stop strings. Text that could be the start of a stop string is held back until the
+    next tokens show it is not; a stop string ends the output before it, at the token that
+    completed it (``tokens`` are the ones kept)."""
+
+    def __init__(self, tokenizer: Tokenizer, shown: Sequence[int], stops: Sequence[str]) -> None:
+        self.stream, self.stops = TextStream(tokenizer, shown), list(stops)
+        self.longest = max(map(len, self.stops), default=0)
+        self.text, self.sent = "", 0
+        self.tokens: list[int] = []
+        self.stopped = False
+
+    def add(self, ids: Sequence[int]) -> str:
+        """The text ready to hand out after ``ids``."""
+        for token in ids:
+            if self.stopped:
+                break
+            self.tokens.append(int(token))
+            before = len(self.text)
+            self.text += self.stream.add(token)
+            if self.stops and len(self.text) > before:
+                start = max(0, before - self.longest + 1)
+                found = [at for stop in self.stops if (at := self.text.find(stop, start)) >= 0]
+                if found:
+                    self.text, self.stopped = self.text[:min(found)], True
+        return self.release(self.stopped)
+
+    def release(self, everything: bool) -> str:
+        end = len(self.text) if everything else len(self.text) - self.held()
+        piece = self.text[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return piece
+
+    def held(self) -> int:
+        """How much of the end of the text could begin a stop string."""
+        return max((k for stop in self.stops for k in range(1, len(stop)) if self.text.endswith(stop[:k])), default=0)
+
+    def finish(self) -> str:
+        """The rest: held-back text, and any incomplete character at the end."""
+        if not self.stopped:
+            self.text += self.stream.finish()
+        return self.release(True)
+
+
+# ----------------------------------------------------------------------------- one request
+class Exchange:
+    """One request between the event loop and the engine's thread: the ticket, the queue its
+    tokens arrive on, and its text."""
+
+    def __init__(self, service: Service, request: Request, prompt: list[int], body: Options, chat: bool) -> None:
+        self.service, self.request, self.body, self.chat = service, request, body, chat
+        self.prompt = prompt
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        self.output = Output(service.tokenizer, [] if chat else prompt, stops_of(body.stop))
+        loop = asyncio.get_running_loop()
+
+        def put(item: list[int] | None) -> None:
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is listening
+                pass
+
+        # A streamed request, or one with stop strings, reads every iteration's tokens as they
+        # come; any other waits for the end, so its tokens are handed over once, and the event
+        # loop is not woken (taking a core from the engine's threads) at every iteration.
+        eager, held = bool(body.stream or body.stop), []
+
+        def tokens(ids: list[int]) -> None:
+            if eager:
+                put(ids)
+            else:
+                held.extend(ids)
+
+        def done(ticket: Ticket) -> None:
+            if held:
+                put(list(held))
+            put(None)
+
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = None if body.top_p is None or body.top_p >= 1 else body.top_p
+        self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat),
+                             Sampling(temperature, body.top_k, top_p), body.seed, body.speculative_gamma,
+                             service.tokenizer.eos_id, on_tokens=tokens, on_done=done)
+        self.watcher: asyncio.Task | None = None
+
+    def submit(self) -> None:
+        try:
+            self.service.loop.submit(self.ticket)
+        except OverloadedError as error:
+            raise ApiError(429, str(error), "rate_limit_error", "queue_full",
+                           headers={"Retry-After": str(error.retry_after)}) from None
+        except RuntimeError as error:
+            raise ApiError(503, str(error), "server_error", "engine_stopped") from None
+        self.watcher = asyncio.ensure_future(wait_for_disconnect(self.request))
+
+    async def next(self) -> list[int] | None:
+        """The next iteration's tokens, or None at the end; ClientGoneError when the client left."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        getting = asyncio.ensure_future(self.queue.get())
+        await asyncio.wait({getting, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not getting.done():
+            getting.cancel()
+            raise ClientGoneError()
+        return getting.result()
+
+    async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """(text, token ids) per iteration until the request ends; a stop string cancels the row."""
+        while (ids := await self.next()) is not None:
+            kept = len(self.output.tokens)
+            if self.output.stopped:
+                continue  # tokens of the iteration that was running when the stop string was met
+            text = self.output.add(ids)
+            if self.output.stopped:
+                self.service.loop.cancel(self.ticket)
+            yield text, self.output.tokens[kept:]
+        yield self.output.finish(), []
+
+    def close(self) -> None:
+        """The request is over (or its client left): its row leaves the batch if it is still there."""
+        self.service.loop.cancel(self.ticket)
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    def failure(self) -> ApiError | None:
+        error = self.ticket.error
+        if error is None:
+            return None
+        if isinstance(error, NonFiniteLogitsError):
+            return ApiError(500, "this request's logits turned non-finite (inf or NaN) and it was stopped; the other "
+                            "requests go on", "server_error", "non_finite_logits")
+        if isinstance(error, ValueError):
+            return ApiError(400, str(error))
+        return ApiError(503, str(error), "server_error", "engine_stopped")
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.output.stopped or self.ticket.stop_reason == "eos" else "length"
+
+    def usage(self) -> dict[str, int]:
+        done = len(self.output.tokens)
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": done, "total_tokens": len(self.prompt) + done}
+
+    def speculation(self) -> dict[str, Any]:
+        """This request's speculation figures."""
+        row = self.ticket.row
+        stats = row.stats if row is not None else None
+        pinned = self.ticket.gamma
+        used = list(stats.gamma_history) if stats else []
+        mode = self.service.speculation
+        return {"gamma": pinned if pinned is not None else self.service.gamma_max if mode == "on" else mode,
+                "drafted_tokens": stats.drafted_tokens if stats else 0,
+                "accepted_tokens": stats.accepted_draft_tokens if stats else 0,
+                "acceptance_rate": stats.acceptance_rate if stats else None,
+                "tokens_per_target_call": row.produced / stats.target_calls if stats and stats.target_calls else None,
+                "target_calls": stats.target_calls if stats else 0,
+                "mean_gamma": sum(used) / len(used) if used else None}
+
+    def choice(self, text: str, ids: list[int], finish: str | None, delta: bool) -> dict[str, Any]:
+        if not self.chat:
+            out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        elif delta:
+            out = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+        else:
+            out = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": finish}
+        if self.body.return_token_ids:
+            out["token_ids"] = ids
+        return out
+
+    def document(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.service.model,
+                "choices": choices, **extra}
+
+    # ------------------------------------------------------------------------- the two ways to answer
+    async def whole(self) -> JSONResponse:
+        text: list[str] = []
+        try:
+            async for piece, _ in self.pieces():
+                text.append(piece)
+        except ClientGoneError:
+            return error_response(499, "the client closed the request", code="client_closed")  # read by nobody
+        finally:
+            self.close()
+        failed = self.failure()
+        if failed is not None:
+            return failed.response()
+        choice = self.choice("".join(text), self.output.tokens, self.finish_reason, delta=False)
+        return JSONResponse(self.document([choice], chunk=False, usage=self.usage(), speculation=self.speculation()))
+
+    async def streamed(self) -> JSONResponse | StreamingResponse:
+        """Server-sent events, one per iteration that adds text. The response waits for the first
+        iteration, so that a request that fails at once still gets its status code."""
+        pieces = self.pieces()
+        try:
+            first = await pieces.__anext__()
+        except ClientGoneError:
+            self.close()
+            return error_response(499, "the client closed the request", code="client_closed")
+        except BaseException:
+            self.close()
+            raise
+        failed = self.failure()
+        if failed is not None:
+            self.close()
+            return failed.response()
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if self.chat:
+                    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}
+                    yield sse(self.document([opening], chunk=True))
+                piece: tuple[str, list[int]] | None = first
+                while piece is not None:
+                    text, ids = piece
+                    if text or (ids and self.body.return_token_ids):
+                        yield sse(self.document([self.choice(text, ids, None, delta=True)], chunk=True))
+                    try:
+                        piece = await anext_or_none(pieces)
+                    except ClientGoneError:
+                        return
+                failed = self.failure()
+                if failed is not None:  # after some text: the stream says it, then ends
+                    yield sse({"error": {"message": failed.message, "type": failed.kind, "param": None,
+                                         "code": failed.code}})
+                else:
+                    extra = {"usage": self.usage(), "speculation": self.speculation()}
+                    yield sse(self.document([self.choice("", [], self.finish_reason, delta=True)], chunk=True,
+                                            **extra))
+                    if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                        yield sse(self.document([], chunk=True, **extra))
+                yield "data: [DONE]\n\n"
+            finally:
+                self.close()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def anext_or_none(pieces: AsyncIterator[tuple[str, list[int]]]) -> tuple[str, list[int]] | None:
+    try:
+        return await pieces.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def sse(document: dict[str, Any]) -> str:
+    return f"data: {json.dumps(document, separators=(',', ':'))}\n\n"
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the server's receive says http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def stops_of(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    return stops
+
+
+def max_tokens_of(service: Service, body: Options, prompt_tokens: int, chat: bool) -> int:
+    """The request's max_tokens, checked against what the context leaves after the prompt."""
+    room = service.context - prompt_tokens
+    if room < 1:
+        raise ApiError(400, f"the prompt is {prompt_tokens} tokens and {service.model}'s context is {service.context} "
+                       "tokens: it must hold the prompt and at least one new token", code="context_length_exceeded",
+                       param="messages" if chat else "prompt")
+    asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if asked is None:
+        return room if chat else min(COMPLETION_MAX_TOKENS, room)
+    if asked > room:
+        raise ApiError(400, f"the prompt ({prompt_tokens} tokens) and max_tokens ({asked}) exceed {service.model}'s "
+                       f"{service.context}-token context: max_tokens can be at most {room} here",
+                       code="context_length_exceeded", param="max_tokens")
+    return asked
+
+
+def check_common(service: Service, body: Options) -> None:
+    if body.model != service.model:
+        raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves {service.model!r}",
+                       code="model_not_found", param="model")
+    gamma = body.speculative_gamma
+    if gamma is not None and gamma > service.gamma_max:
+        limit = "this server has no drafter, so only 0" if service.gamma_max == 0 else \
+            f"it must lie in 0..{service.gamma_max} (the server's --gamma)"
+        raise ApiError(400, f"speculative_gamma {gamma}: {limit}", param="speculative_gamma")
+
+
+def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return service.tokenizer.encode(prompt, bos=True)
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise ApiError(400, f"one prompt per request (n = 1), got a list of {len(prompt)}", param="prompt")
+        return service.tokenizer.encode(prompt[0], bos=True)
+    vocab = service.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ApiError(400, f"prompt token ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}",
+                       param="prompt")
+    return list(prompt)
+
+
+# ----------------------------------------------------------------------------- the app
+def create_app(service: Service) -> FastAPI:
+    """The HTTP API over ``service`` (see the module docstring). The loop must be running."""
+    app = FastAPI(title="speculative-llama", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(error)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        message = f"no such path: {request.method} {request.url.path}" if error.status_code == 404 else \
+            f"{request.method} is not allowed on {request.url.path}" if error.status_code == 405 else str(error.detail)
+        return error_response(error.status_code, message, code="not_found" if error.status_code == 404 else None,
+                              headers=getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, error: Exception) -> JSONResponse:
+        line = f"{type(error).__name__}: {error}".splitlines()[0]
+        print(f"error: {request.method} {request.url.path}: {line}", file=sys.stderr)
+        return error_response(500, f"internal error: {line}", "server_error")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_common(service, body)
+        return await answer(Exchange(service, request, prompt_ids(service, body.prompt), body, chat=False))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        check_common(service, body)
+        try:
+            ids = encode_dialog(service.tokenizer, [(m.role, m.text) for m in body.messages])
+        except ValueError as error:
+            raise ApiError(400, str(error), param="messages") from None
+        return await answer(Exchange(service, request, ids, body, chat=True))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": service.model, "object": "model", "created": service.created, "owned_by": "speculative-llama",
+            "context_length": service.context,
+            "speculation": {"draft": service.draft, "gamma": service.speculation, "gamma_max": service.gamma_max}}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        loop = service.loop
+        ok = loop.healthy
+        body = {"status": "ok" if ok else "stopped", "model": service.model, "running": loop.running,
+                "waiting": loop.waiting}
+        if not ok:
+            body["error"] = str(loop.failure or "the engine loop is not running")
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus(service.loop), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def answer(exchange: Exchange) -> Any:
+    exchange.submit()
+    return await (exchange.streamed() if exchange.body.stream else exchange.whole())
+
+
+__all__ = ["ApiError", "Output", "create_app"]

@@ -1,0 +1,412 @@
+"""Requests that arrive over time, on the one production engine (speculative.engine), with
+speculation decided by the load.
+
+:class:`EngineLoop` owns an :class:`~speculative.engine.Engine` in one thread: a thread of
+its own (:meth:`~EngineLoop.start`), or the caller's (:meth:`~EngineLoop.here`, then
+:meth:`~EngineLoop.run`; serve.py runs it in the thread that loaded the models, see
+:meth:`~EngineLoop.here`). Other threads (a server's event loop) :meth:`~EngineLoop.submit` a
+:class:`Ticket` and may :meth:`~EngineLoop.cancel` it; the loop adds new requests and cancels rows between
+iterations, steps the engine while it holds rows, and reports every iteration's tokens and
+each request's end through the ticket's callbacks. The waiting queue is bounded: a request
+beyond it is refused with :class:`OverloadedError`, which says when to come back.
+
+:class:`~speculative.engine.gamma.LoadGamma` (speculative.engine.gamma) decides the gamma of every
+iteration from the load.
+
+Exactness: every row samples from its own generator, so a request's tokens do not depend on
+the other requests; a row's gamma only changes which tokens a seed gives, never their
+distribution (speculative.engine.gamma). A pinned gamma (``Ticket.gamma``) keeps a seed's tokens
+those of generate.py with that gamma, whatever the load.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculative.engine.engine import Engine, Row
+from speculative.engine.gamma import Iteration, LoadGamma, settle
+from speculative.sampling import Sampling
+
+GREEDY = Sampling(temperature=0.0)
+WINDOW_S = 10.0  # /metrics' rates are over the last this many seconds
+
+
+# ----------------------------------------------------------------------------- requests
+class OverloadedError(Exception):
+    """The waiting queue is full; ``retry_after`` is the estimated wait in whole seconds."""
+
+    def __init__(self, waiting: int, retry_after: int) -> None:
+        super().__init__(f"the server is at capacity: {waiting} requests are waiting already; retry in "
+                         f"{retry_after} s")
+        self.waiting, self.retry_after = waiting, retry_after
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request through an EngineLoop. ``on_tokens(ids)`` gets each iteration's tokens and
+    ``on_done(ticket)`` the end, once; both are called in the loop's thread and must be quick
+    (a server hands them to its event loop). At the end ``row`` holds the tokens and stats, or
+    ``error`` says why there are none (a refused request, a non-finite row, a failed loop)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling = GREEDY
+    seed: int | None = None
+    gamma: int | None = None  # pinned gamma, or None: the policy's
+    eos_id: int | None = None
+    on_tokens: Callable[[list[int]], None] = lambda ids: None
+    on_done: Callable[[Ticket], None] = lambda ticket: None
+    row: Row | None = None
+    error: Exception | None = None
+    cancelled: bool = False
+    done: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    seen: tuple[int, float, int, int] = (0, 0.0, 0, 0)  # the row's target calls, overlap, verified, produced
+
+    @property
+    def stop_reason(self) -> str | None:
+        """eos, max_new_tokens, max_seq_len, cancelled or error (None while it runs)."""
+        if self.error is not None:
+            return "error"
+        if self.row is None:
+            return "cancelled" if self.done else None
+        return self.row.stats.stop_reason
+
+
+class EngineLoop:
+    """An engine driven by one thread (see the module docstring). ``max_waiting``:
+    requests admitted but not yet in the batch, at most (further ones raise OverloadedError);
+    ``policy``: the engine's gamma policy (LoadGamma, FixedGamma, or None for the engine's
+    own gamma)."""
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 64, policy: Callable[[Engine], int] | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.engine, self.max_waiting, self.policy = engine, max_waiting, policy
+        engine.policy = policy
+        self.log = log or (lambda line: print(line, file=sys.stderr))
+        self.lock = threading.Condition()
+        self.inbox: deque[Ticket] = deque()
+        self.cancels: deque[Ticket] = deque()
+        self.tickets: dict[Row, Ticket] = {}
+        self.metrics = Metrics()
+        self.closing = False
+        self.failure: BaseException | None = None
+        self.last_gamma = 0
+        self.clean = False  # whether the previous iteration drafted (then the draft has nothing to catch up)
+        self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
+
+    # ------------------------------------------------------------------------- any thread
+    def start(self) -> EngineLoop:
+        """Run the loop in a thread of its own (tests, or an embedding application)."""
+        self.thread.start()
+        return self
+
+    def here(self) -> EngineLoop:
+        """Make the calling thread the loop's, which then calls :meth:`run` (until :meth:`close`,
+        or Ctrl-C in the main thread). serve.py runs the loop in the thread that loaded the
+        models, and the HTTP server beside it: PyTorch's CPU operators keep one OpenMP team per
+        thread that calls them, and a second live team on the same cores made every step
+        1.4-1.7 times slower (docs/serving.md)."""
+        self.thread = threading.current_thread()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step; requests still held end with an error."""
+        with self.lock:
+            self.closing = True
+            self.lock.notify()
+        if self.thread.is_alive() and self.thread is not threading.current_thread() \
+                and self.thread is not threading.main_thread():
+            self.thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not in the batch yet."""
+        return len(self.inbox) + len(self.engine.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.rows)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self.thread.is_alive() and not self.closing
+
+    def submit(self, ticket: Ticket) -> Ticket:
+        """Queue a request; raises OverloadedError when max_waiting requests wait already, and
+        RuntimeError when the loop is not running."""
+        with self.lock:
+            if not self.healthy:
+                raise RuntimeError(f"the engine loop is not running ({self.failure or 'closed'})")
+            waiting = self.waiting
+            if waiting >= self.max_waiting:
+                self.metrics.rejected += 1
+                raise OverloadedError(waiting, self.retry_after(waiting))
+            self.inbox.append(ticket)
+            self.lock.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop a request (its client left, or it met a stop string): its row leaves the batch
+        before the next iteration. Nothing happens to a request that is done."""
+        if ticket.done:
+            return
+        with self.lock:
+            ticket.cancelled = True
+            self.cancels.append(ticket)
+            self.lock.notify()
+
+    def retry_after(self, waiting: int) -> int:
+        """Seconds until the requests ahead are likely through: the waiting ones at the rate
+        requests finished lately (1 s when nothing finished lately)."""
+        rate = self.metrics.finish_rate()
+        return max(1, min(60, math.ceil(waiting / rate))) if rate else 1
+
+    # ------------------------------------------------------------------------- the loop's thread
+    def run(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    while not (self.inbox or self.cancels or self.closing) and self.engine.idle:
+                        # Not forever: a process's SIGINT may be delivered to another thread, and
+                        # the main thread (serve.py runs the loop there) only runs Python's
+                        # handler, which raises KeyboardInterrupt, once it wakes.
+                        self.lock.wait(0.25)
+                    if self.closing:
+                        break
+                    new, cancels = list(self.inbox), list(self.cancels)
+                    self.inbox.clear()
+                    self.cancels.clear()
+                for ticket in new:
+                    self.add(ticket)
+                for ticket in cancels:
+                    if ticket.row is not None:
+                        self.engine.cancel(ticket.row)
+                if not self.engine.idle:
+                    self.step()
+                self.deliver()
+        except KeyboardInterrupt:  # run in the main thread (here): Ctrl-C stops the server
+            self.closing = True
+            raise
+        except BaseException as error:  # a bug or the device failing: every request is told
+            self.failure = error
+            self.log(f"error: the engine loop stopped: {type(error).__name__}: {error}".splitlines()[0])
+        finally:
+            self.fail_all(self.failure or RuntimeError("the server is shutting down"))
+
+    def add(self, ticket: Ticket) -> None:
+        if ticket.cancelled:
+            self.end(ticket)
+            return
+        try:
+            ticket.row = self.engine.add(ticket.prompt, ticket.max_new_tokens, eos_id=ticket.eos_id, seed=ticket.seed,
+                                         sampling=ticket.sampling, gamma=ticket.gamma,
+                                         callback=lambda ids, drafted: ticket.on_tokens(ids))
+        except ValueError as error:
+            ticket.error = error
+            self.end(ticket)
+            return
+        self.tickets[ticket.row] = ticket
+
+    def step(self) -> None:
+        engine, stats = self.engine, self.engine.stats
+        before = (stats.iterations, stats.draft_time_s, stats.target_time_s)
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        settle(engine)
+        if stats.iterations == before[0]:
+            return  # only cancelled rows left
+        rows = list(engine.rows) + [row for row in engine.finished if row.stats.target_calls]
+        took_part, prompt_read, tokens, overlap, positions, gamma = 0, False, 0, 0.0, 0, 0
+        for row in rows:
+            ticket = self.tickets.get(row)
+            if ticket is None:
+                continue
+            now = (row.stats.target_calls, row.stats.overlap_sum, row.stats.verified_positions, row.produced)
+            if now[0] > ticket.seen[0]:
+                took_part += 1
+                prompt_read |= ticket.seen[0] == 0
+                gamma = max(gamma, row.stats.gamma_history[-1])
+                overlap += now[1] - ticket.seen[1]
+                positions += now[2] - ticket.seen[2]
+                tokens += now[3] - ticket.seen[3]
+            ticket.seen = now
+        it = Iteration(took_part, gamma, seconds, stats.draft_time_s - before[1], stats.target_time_s - before[2],
+                       tokens, overlap, positions, clean=not prompt_read and (gamma == 0 or self.last_gamma > 0))
+        self.last_gamma = gamma
+        self.metrics.observe(it)
+        if hasattr(self.policy, "observe"):
+            self.policy.observe(it)
+        if stats.iterations % 256 == 0:  # the engine's records of rows long gone
+            stats.rows = [row.stats for row in [*engine.rows, *engine.waiting]]
+            stats.rows_history.clear()
+
+    def deliver(self) -> None:
+        """Every row that finished (or was cancelled while waiting) to its ticket."""
+        for row in self.engine.finished:
+            ticket = self.tickets.pop(row, None)
+            if ticket is not None:
+                if row.error is not None:
+                    ticket.error = row.error
+                self.end(ticket)
+        self.engine.finished.clear()
+
+    def end(self, ticket: Ticket) -> None:
+        ticket.done = True
+        self.metrics.count(ticket.stop_reason or "cancelled")
+        ticket.on_done(ticket)
+
+    def fail_all(self, error: BaseException) -> None:
+        with self.lock:
+            pending = list(self.inbox) + list(self.tickets.values())
+            self.inbox.clear()
+            self.tickets.clear()
+        for ticket in pending:
+            if not ticket.done:
+                ticket.error = RuntimeError(f"the engine loop stopped: {type(error).__name__}: {error}")
+                self.end(ticket)
+
+
+@dataclass
+class Service:
+    """What the API serves: the loop and its engine's limits. ``speculation`` says how gamma is
+    chosen ("load", "on": always gamma_max, "off"; "none" without a drafter), ``gamma_max`` the
+    largest gamma a request may pin (0 without a drafter)."""
+
+    loop: EngineLoop
+    tokenizer: Any  # weights.Tokenizer: encode, decode, eos_id
+    model: str
+    context: int
+    gamma_max: int
+    speculation: str
+    draft: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loop.engine.target.config.vocab_size
+
+
+# ----------------------------------------------------------------------------- what /metrics shows
+class Metrics:
+    """Counters since start, and rates over the last WINDOW_S seconds (written by the loop's
+    thread, read by any)."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.iterations = 0
+        self.speculating = 0  # iterations in which some row drafted
+        self.tokens = 0
+        self.row_iterations = 0
+        self.overlap, self.positions = 0.0, 0
+        self.outcomes: dict[str, int] = {}
+        self.rejected = 0
+        self.recent: deque[tuple[float, Iteration]] = deque()
+        self.ends: deque[float] = deque()  # when requests finished lately
+
+    def observe(self, it: Iteration) -> None:
+        now = time.perf_counter()
+        self.iterations += 1
+        self.speculating += it.gamma > 0
+        self.tokens += it.tokens
+        self.row_iterations += it.rows
+        self.overlap += it.overlap
+        self.positions += it.positions
+        self.recent.append((now, it))
+        while self.recent and self.recent[0][0] < now - WINDOW_S:
+            self.recent.popleft()
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        now = time.perf_counter()
+        self.ends.append(now)
+        while self.ends and self.ends[0] < now - WINDOW_S:
+            self.ends.popleft()
+
+    def finish_rate(self) -> float:
+        """Requests finished per second over the window."""
+        now = time.perf_counter()
+        ends = [t for t in list(self.ends) if t >= now - WINDOW_S]
+        return len(ends) / WINDOW_S
+
+    def window(self) -> dict[str, float]:
+        """Rates over the last WINDOW_S seconds: tokens/s, the share of iterations that
+        speculated, the mean batch, tau (tokens per row and iteration) and alpha."""
+        now = time.perf_counter()
+        recent = [it for t, it in list(self.recent) if t >= now - WINDOW_S]
+        rows = sum(it.rows for it in recent)
+        positions = sum(it.positions for it in recent)
+        busy = sum(it.seconds for it in recent)
+        return {"tokens_per_second": sum(it.tokens for it in recent) / WINDOW_S,
+                "busy": busy / WINDOW_S,
+                "speculation_on": sum(it.gamma > 0 for it in recent) / len(recent) if recent else 0.0,
+                "batch": rows / len(recent) if recent else 0.0,
+                "tau": sum(it.tokens for it in recent) / rows if rows else 0.0,
+                "alpha": sum(it.overlap for it in recent) / positions if positions else math.nan}
+
+
+def prometheus(loop: EngineLoop, prefix: str = "speculative_") -> str:
+    """/metrics in the Prometheus text format (version 0.0.4)."""
+    m, window = loop.metrics, loop.metrics.window()
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {prefix}{name} {help_text}")
+        lines.append(f"# TYPE {prefix}{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"{prefix}{name}{labels} {value:.6g}" if isinstance(value, float) else
+                         f"{prefix}{name}{labels} {value}")
+
+    metric("requests_running", "gauge", "Requests in the batch now.", [("", loop.running)])
+    metric("requests_waiting", "gauge", "Requests waiting for a place in the batch.", [("", loop.waiting)])
+    metric("requests_total", "counter", "Requests that ended, by how (eos, max_new_tokens, max_seq_len, "
+           "cancelled, error) or were refused (rejected, queue full).",
+           [(f'{{outcome="{k}"}}', v) for k, v in sorted({**m.outcomes, "rejected": m.rejected}.items())])
+    metric("batch_size", "gauge", "Rows in the batch now.", [("", loop.running)])
+    metric("batch_size_mean", "gauge", f"Mean rows per iteration over the last {WINDOW_S:g} s.",
+           [("", window["batch"])])
+    metric("tokens_per_second", "gauge", f"Tokens emitted per second, all requests, over the last {WINDOW_S:g} s.",
+           [("", window["tokens_per_second"])])
+    metric("busy_ratio", "gauge", f"Share of the last {WINDOW_S:g} s the engine spent stepping.",
+           [("", window["busy"])])
+    metric("generated_tokens_total", "counter", "Tokens emitted since start.", [("", m.tokens)])
+    metric("iterations_total", "counter", "Engine iterations (one target call each) since start.",
+           [("", m.iterations)])
+    metric("speculating_iterations_total", "counter", "Iterations in which speculation was on (some row drafted).",
+           [("", m.speculating)])
+    metric("speculation_on_ratio", "gauge", f"Share of iterations with speculation on, last {WINDOW_S:g} s.",
+           [("", window["speculation_on"])])
+    metric("alpha", "gauge", f"Acceptance rate (the paper's alpha) over the last {WINDOW_S:g} s (NaN: nothing "
+           "verified).", [("", window["alpha"])])
+    metric("alpha_total", "gauge", "Acceptance rate since start.",
+           [("", m.overlap / m.positions if m.positions else math.nan)])
+    metric("tau", "gauge", f"Tokens per row and iteration (tau) over the last {WINDOW_S:g} s.", [("", window["tau"])])
+    metric("gamma", "gauge", "Gamma of the last iteration (0: speculation off).", [("", loop.last_gamma)])
+    policy = loop.policy
+    if isinstance(policy, LoadGamma):
+        metric("policy_alpha", "gauge", "The live alpha the gamma policy uses.", [("", policy.alpha)])
+        table = policy.table()
+        metric("policy_gamma", "gauge", "Gamma the cost model chooses now at each batch size (0: off).",
+               [(f'{{batch="{b}"}}', g) for b, g, _ in table])
+        metric("policy_speedup", "gauge", "The cost model's predicted speedup of that gamma over no speculation.",
+               [(f'{{batch="{b}"}}', s if s is not None else math.nan) for b, _, s in table])
+        cells = sorted(dict(policy.cells).items())
+        metric("step_seconds", "gauge", "Measured seconds of one iteration by batch size, gamma and part "
+               "(draft steps, target call, the rest).",
+               [(f'{{batch="{b}",gamma="{g}",part="{part}"}}', value) for (b, g), parts in cells
+                for part, value in zip(("draft", "target", "rest"), parts)])
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["EngineLoop", "Metrics", "OverloadedError", "Service", "Ticket",
+           "prometheus"]
