@@ -15,6 +15,15 @@ from collections.abc import Sequence
 import torch
 
 from model.call import CacheCall
+from speculative.proofs.toys import (  # noqa: F401 -- the tests import them from here
+    NGramModel,
+    chi_square_pvalue,
+    llama_next_logits,
+    noisy_copy,
+    random_llama,
+    ref_warp,
+    sequence_distribution,
+)
 
 
 class Recording:
