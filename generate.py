@@ -48,10 +48,12 @@ from speculative import (
 )
 from speculative.cli import options as cmdline
 from speculative.cli import output, report
-from speculative.cli.options import DTYPES, UsageError, pick_device, pick_dtype
+from speculative.cli.options import DTYPES, UsageError, drafters_help, pick_device, pick_dtype, rules_help
+from speculative.draft.trees import TREE_MODES
 from speculative.engine import DEFAULT_GAMMA
 from speculative.inputs import GAMMA_MAX
 from speculative.serving.text import continuation_text, encode_prompt
+from speculative.verify import RULES
 from speculative.verify.tree import branching_parents
 from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
 from weights.load import plan_configs
@@ -68,7 +70,7 @@ def build_parser() -> cmdline.ArgumentParser:
     parser = cmdline.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument_group("models").add_argument
     add("--target", default=DEFAULT_TARGET, help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)")
-    add("--draft", default=DEFAULT_DRAFT, help="a draft model, a feature head or lookup (default %(default)s)")
+    add("--draft", default=DEFAULT_DRAFT, help=f"{drafters_help()} (default %(default)s)")
     add("--no-draft", action="store_true", help="the target alone, one token per call: the baseline")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 (float16) on a GPU, float32 on cpu")
@@ -91,9 +93,9 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--batch-size", type=int, default=None, metavar="N", help="rows per target call at most (default: all)")
     add = parser.add_argument_group("decoding").add_argument
     add("--gamma", type=cmdline.gamma_arg, default=DEFAULT_GAMMA, help="draft length, or auto (default %(default)s)")
-    add("--verify", choices=["token", "block"], default="token", help="token-wise or block-wise (default %(default)s)")
+    add("--verify", choices=list(RULES), default="token", help=f"{rules_help()} (default %(default)s)")
     add("--tree", type=cmdline.tree_arg, default=None, help="a token tree's branching per depth, e.g. 3,2,1,1")
-    add("--tree-mode", choices=["without_replacement", "iid", "deterministic"], default="without_replacement",
+    add("--tree-mode", choices=list(TREE_MODES), default="without_replacement",
         help="how a tree node's children are drawn when sampling")
     add("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)g)")
     add("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")

@@ -40,10 +40,11 @@ from model.fast.setup import SETUPS, Setups
 from model.scale.memory import check_memory
 from speculative import Engine, PairMismatchError
 from speculative.cli import options as cmdline
-from speculative.cli.options import UsageError
+from speculative.cli.options import UsageError, rules_help
 from speculative.engine.gamma import FixedGamma, LoadGamma
 from speculative.inputs import GAMMA_MAX
 from speculative.serving.loop import EngineLoop, Service
+from speculative.verify import RULES
 from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
 from weights.step_cache import ENV, default_dir
 
@@ -77,7 +78,7 @@ def build_parser() -> cmdline.ArgumentParser:
         help="gamma by the cost model at the current load, always --gamma, or never (default %(default)s)")
     add("--gamma", type=int, default=4, help="draft length with --speculation on; the largest otherwise "
                                              "(default %(default)s)")
-    add("--verify", choices=["token", "block"], default="token", help="token-wise or block-wise (default %(default)s)")
+    add("--verify", choices=list(RULES), default="token", help=f"{rules_help()} (default %(default)s)")
     add("--access-log", action="store_true", help="log every request on stderr")
     return parser
 

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from model import ConfigError, Llama, ModelConfig
 from weights.registry import resolve
+from weights.tokenizer import Tokenizer
 
 
 class CheckpointError(ValueError):
@@ -253,3 +254,12 @@ def _normal_permissions(path: Path) -> None:
     umask = os.umask(0)  # the only portable way to read the umask is to set it and put it back
     os.umask(umask)
     path.chmod(0o666 & ~umask)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
+    """The SentencePiece tokenizer (``tokenizer.model``) stored with a checkpoint."""
+    directory = resolve(name_or_path)
+    path = directory / "tokenizer.model"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint has no SentencePiece tokenizer.model")
+    return Tokenizer(path)

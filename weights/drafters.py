@@ -1,12 +1,10 @@
-"""Loading and saving drafters: a draft model, the shipped feature head, or prompt lookup.
+"""Loading and saving drafters: the files of each drafter kind (speculative.draft.DRAFTERS).
 
-``load_drafter(name, target)`` is what ``generate.py --draft NAME`` calls:
-
-* ``lookup`` -> speculative.PromptLookupDrafter (no file at all);
-* a folder whose config.json says ``"model_type": "llama-feature-head"`` (``tiny-eagle``)
-  -> speculative.FeatureDrafter around a model.feature_head.FeatureHead, after checking
-  that the head was trained for this target (below);
-* any other checkpoint -> speculative.ModelDrafter around a Llama.
+``load_drafter(name, target)`` is what ``generate.py --draft NAME`` calls: a kind that needs
+no file by its name (``lookup``); otherwise the folder's kind (:func:`folder_kind`: a
+``model_type`` a kind registered, such as a feature head's ``llama-feature-head``, else a draft
+model), its files read by the loader of its ``files`` (:data:`LOADERS`), and the drafter built
+by the kind. A feature head is checked first against the target it was trained for (below).
 
 A feature head's config.json holds the head's own LLaMA shape under "head", and under
 "target" the shape it was trained against (hidden size, vocabulary, layer count) and a
@@ -23,24 +21,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from model import ModelConfig
 from model.feature_head import FeatureHead, fingerprint, same_fingerprint
-from speculative import FeatureDrafter, ModelDrafter, PromptLookupDrafter
+from speculative.draft.registry import DrafterKind, drafter_kind, named, of_folder
 from weights.checkpoint import CheckpointError, _normal_permissions, check_finite, load_model
-from weights.load import LOOKUP
 from weights.registry import resolve
 
-HEAD_TYPE = "llama-feature-head"
+HEAD_TYPE = drafter_kind("head").model_type
+
+
+def folder_kind(directory: Path) -> DrafterKind:
+    """The drafter kind of a folder: the one its config.json's model_type names, else a draft model."""
+    path = directory / "config.json"
+    try:
+        model_type = json.loads(path.read_text()).get("model_type") if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        model_type = None
+    return of_folder(model_type)
 
 
 def is_feature_head(directory: Path) -> bool:
-    path = directory / "config.json"
-    try:
-        return path.is_file() and json.loads(path.read_text()).get("model_type") == HEAD_TYPE
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return False
+    return folder_kind(directory).name == "head"
 
 
 def save_feature_head(head: FeatureHead, directory: str | os.PathLike, target: Any,
@@ -86,7 +89,6 @@ def load_feature_head(name_or_path: str | os.PathLike, target: Any, target_name:
         head = FeatureHead(head_config)
     path = directory / "model.safetensors"
     try:
-        from safetensors.torch import load_file
         state = load_file(path, device="cpu")
     except (OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"{path} is missing or not a readable safetensors file ({err})") from None
@@ -106,11 +108,18 @@ def load_feature_head(name_or_path: str | os.PathLike, target: Any, target_name:
 def load_drafter(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target",
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> Any:
     """The drafter ``generate.py --draft NAME`` means (see the module docstring)."""
-    if str(name_or_path) == LOOKUP:
-        return PromptLookupDrafter()
+    kind = named(str(name_or_path))
+    if kind is not None:
+        return kind.build(None, target)
     directory = resolve(name_or_path)
-    if is_feature_head(directory):
-        return FeatureDrafter(load_feature_head(directory, target, target_name), target)
+    kind = folder_kind(directory)
     device = device if device is not None else target.embed_tokens.weight.device
     dtype = dtype if dtype is not None else target.embed_tokens.weight.dtype
-    return ModelDrafter(load_model(directory, device=device, dtype=dtype))
+    return kind.build(LOADERS[kind.files](directory, target, target_name, device, dtype), target)
+
+
+# What reads each kind's files (DrafterKind.files): (folder, target, its name, device, dtype) -> a network.
+LOADERS = {
+    "checkpoint": lambda directory, target, name, device, dtype: load_model(directory, device=device, dtype=dtype),
+    "feature-head": lambda directory, target, name, device, dtype: load_feature_head(directory, target, name),
+}

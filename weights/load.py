@@ -25,36 +25,35 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from model import Llama, ModelConfig
 from model.fast.fuse import prepare_for_decoding, prepared
-from weights.checkpoint import load_model, read_config
+from model.fast.setup import Setups, cache_length, candidates, choose_setups, default_setups
+from speculative import PairMismatchError, check_pair
+from speculative.draft.registry import DRAFTERS, named
+from weights.checkpoint import load_model, load_tokenizer, read_config
+from weights.drafters import folder_kind, load_drafter
 from weights.registry import SHIPPED, resolve
+from weights.sharded import load_model_tp, plan_config
 from weights.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from model.fast.setup import Setups
-
-LOOKUP = "lookup"  # the drafter that needs no file (weights/drafters.py)
 
 
 def draft_kind(name_or_path: str | os.PathLike | None, planning: bool = False) -> str | None:
-    """What a draft name means: None (no draft), "lookup", "head" (a feature head's folder) or
-    "model". With ``planning``, a name that is neither shipped nor a folder is taken for a
-    model (a Llama-2 short name whose published shape --plan knows without the download);
-    otherwise it is resolved, and an unknown name raises UnknownCheckpointError."""
+    """What a draft name means: None (no draft), or the name of its drafter kind
+    (speculative.draft.DRAFTERS: "model", "head", "lookup", ...). With ``planning``, a name that
+    is neither shipped nor a folder is taken for a model (a Llama-2 short name whose published
+    shape --plan knows without the download); otherwise it is resolved, and an unknown name
+    raises UnknownCheckpointError."""
     if name_or_path is None:
         return None
-    if str(name_or_path) == LOOKUP:
-        return "lookup"
+    if named(str(name_or_path)) is not None:
+        return str(name_or_path)
     if planning and str(name_or_path) not in SHIPPED and not Path(name_or_path).expanduser().is_dir():
         return "model"
-    from weights.drafters import is_feature_head
-
-    return "head" if is_feature_head(resolve(name_or_path)) else "model"
+    return folder_kind(resolve(name_or_path)).name
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -66,14 +65,14 @@ def head_config(target: ModelConfig) -> ModelConfig:
 def plan_configs(target: str | os.PathLike, draft: str | os.PathLike | None) -> tuple[ModelConfig, ModelConfig | None]:
     """The configs to plan memory with (``generate.py --plan``), from config.json or, for
     Llama-2 short names not downloaded, the published shapes (weights.sharded.plan_config).
-    The draft's is None for no draft and for lookup, a head's is :func:`head_config`."""
-    from weights.sharded import plan_config
-
+    The draft's is as its kind counts it (DrafterKind.memory): its own config, a head's
+    :func:`head_config`, or None (no draft, or one without a network)."""
     target_config = plan_config(target)
     kind = draft_kind(draft, planning=True)
-    if kind == "head":
+    memory = DRAFTERS[kind].memory if kind is not None else "none"
+    if memory == "target-block":
         return target_config, head_config(target_config)
-    return target_config, plan_config(draft) if kind == "model" else None
+    return target_config, plan_config(draft) if memory == "own" else None
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class PairSpec:
 
     target: str
     draft: str | None
-    kind: str | None  # None (no draft), "model", "head" or "lookup"
+    kind: str | None  # None (no draft), or a drafter kind's name: "model", "head", "lookup", ...
     target_dir: Path
     draft_dir: Path | None  # a draft model's or a feature head's folder
     target_config: ModelConfig
@@ -96,8 +95,9 @@ class PairSpec:
 
     @property
     def planned_draft(self) -> ModelConfig | None:
-        """The draft's config for a memory plan: a draft model's, a head's :func:`head_config`, else None."""
-        return head_config(self.target_config) if self.kind == "head" else self.draft_config
+        """The draft's config for a memory plan, as its kind counts it (DrafterKind.memory)."""
+        memory = DRAFTERS[self.kind].memory if self.kind is not None else "none"
+        return head_config(self.target_config) if memory == "target-block" else self.draft_config
 
     def load(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *,
              quantize: str | None = None, tensor_parallel: bool = False, stack: bool = True, prepack: bool = True,
@@ -109,19 +109,15 @@ class PairSpec:
         :meth:`Pair.set_up` (model.fast.setup.choose_setups or default_setups)."""
         start = time.perf_counter()
         if tensor_parallel or quantize is not None:
-            from weights.sharded import load_model_tp
-
             target = load_model_tp(self.target_dir, device, dtype, quantize=quantize)
             draft = load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False) \
                 if self.kind == "model" else None
         else:
             target = load_model(self.target_dir, device=device, dtype=dtype)
             draft = load_model(self.draft_dir, device=device, dtype=dtype) if self.kind == "model" else None
-        drafter = draft
-        if self.kind in ("head", "lookup"):  # a head is checked against the target it was trained for
-            from weights.drafters import load_drafter
-
-            drafter = load_drafter(self.draft_dir or LOOKUP, target, self.target)
+        drafter = draft  # a draft model is returned as the model itself (the loops wrap it)
+        if self.kind not in (None, "model"):  # a head is checked against the target it was trained for
+            drafter = load_drafter(self.draft_dir or self.draft, target, self.target)
         networks = [net for net in (target, draft, getattr(drafter, "head", None)) if net is not None] \
             if prepare_models else []
         counts = [prepare_for_decoding(net, stack=stack, prepack=prepack) for net in networks]
@@ -169,8 +165,6 @@ class Pair:
         by model.fast.setup.choose_setups, compiled steps kept in ``store`` (a weights.StepCache)
         when one is given. The static cache of compiled steps is rounded up (cache_length) when a
         store keeps them, so that runs of other lengths find them."""
-        from model.fast.setup import cache_length, candidates, choose_setups, default_setups
-
         context = min(m.config.max_seq_len for m in (self.target, self.draft_model) if m is not None)
         cache_len = cache_length(positions, context) if store is not None else min(context, positions)
         models = dict(draft=self.draft_model, head=self.head, batch=batch, tree=tree)
@@ -191,9 +185,7 @@ class Pair:
         returns copies): a feature head's drafter is built anew around the new target."""
         draft = draft_model if self.kind == "model" else self.draft
         if self.kind == "head":
-            from speculative import FeatureDrafter
-
-            draft = FeatureDrafter(self.draft.head, target)
+            draft = DRAFTERS["head"].build(self.draft.head, target)
         return replace(self, target=target, draft=draft)
 
 
@@ -203,9 +195,6 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
     Raises UnknownCheckpointError or CheckpointError for a name or folder that is not there
     or broken, and speculative.PairMismatchError, naming both, when a draft model does not
     share the target's vocabulary and tokenizer."""
-    from speculative import PairMismatchError, check_pair
-    from weights import load_tokenizer
-
     kind = draft_kind(draft)
     target_dir = resolve(target)
     draft_dir = resolve(draft) if kind in ("model", "head") else None

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from speculative.draft import DRAFTERS
+from speculative.verify import RULES
+
 
 class UsageError(ValueError):
     """Bad command-line input; reported as one ``error:`` line with exit status 2."""
@@ -44,6 +47,17 @@ def tree_arg(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"must be the branching per depth as integers >= 1 joined by commas, e.g. "
                                          f"3,2,1,1; got {text!r}")
     return shape
+
+
+def rules_help() -> str:
+    """--verify's help: the registered rules (speculative.verify.RULES)."""
+    return "; ".join(f"{r.name}: {r.description}" for r in RULES.values())
+
+
+def drafters_help() -> str:
+    """--draft's help: a checkpoint or feature head by name or folder, or a kind that needs no file."""
+    named = [k.name for k in DRAFTERS.values() if k.files is None]
+    return f"a draft model or a feature head (a name or a folder), or {' or '.join(named)}"
 
 
 # ----------------------------------------------------------------------------- device and dtype
@@ -119,6 +133,8 @@ def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
                                       "generate.py ...")
         if args.temperature == 0:
             unused(["top_k", "top_p", "seed"], "at temperature 0: greedy decoding takes the most likely token")
+            if not args.no_draft and args.tree is None and RULES[args.verify].greedy:
+                unused(["verify"], f"at temperature 0: --verify {args.verify} is {RULES[args.verify].at_temperature_0}")
         if args.no_draft:
             unused(["draft", "gamma", "compare", "verify", "tree", "tree_mode"],
                    "with --no-draft: the target decodes alone")

@@ -1,7 +1,8 @@
 """The drafter kinds by name: what ``--draft`` can mean, how each is built and counted, and
 the toy instance the proofs check (``python -m speculative.prove NAME``).
 
-A kind is registered once, by the module that defines its drafter. weights/ reads a kind's
+A kind is registered once (the built-in ones at the end of this module; a new one by the
+module that defines its drafter, with :func:`register_drafter`). weights/ reads a kind's
 files (``files``: "checkpoint" for a Llama checkpoint, "feature-head" for a head's folder,
 None for a drafter that needs none, which ``--draft NAME`` then names directly) and hands
 what it loaded to ``build``; a folder's kind is the one whose ``model_type`` its config.json
@@ -14,13 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from speculative.draft.eagle import FeatureDrafter
+from speculative.draft.lookup import PromptLookupDrafter
+from speculative.draft.model import ModelDrafter
+
 
 @dataclass(frozen=True)
 class DrafterKind:
     name: str
     description: str  # one line, for --help and the docs
     build: Callable[[Any, Any], Any]  # build(loaded network or None, target) -> a drafter
-    toy: Callable[[Any], Any]  # toy(small float64 target) -> a drafter, for the proofs
+    toy: str | Callable[[Any], Any]  # for the proofs: toy(small float64 target) -> a drafter, or "MODULE:OBJECT"
     files: str | None = None  # what weights/ reads: "checkpoint", "feature-head", or None
     model_type: str | None = None  # config.json's model_type that marks a folder of this kind
     memory: str = "none"  # the memory plan: "none", "own" (its config) or "target-block" (one target block)
@@ -56,3 +61,17 @@ def of_folder(model_type: str | None) -> DrafterKind:
         if kind.model_type is not None and kind.model_type == model_type:
             return kind
     return DRAFTERS["model"]
+
+
+# ----------------------------------------------------------------------------- the built-in kinds
+register_drafter(DrafterKind(
+    "model", "a smaller model of the target's family (the paper's M_q), from a checkpoint",
+    build=lambda network, target: ModelDrafter(network), toy="speculative.proofs.checker:model_drafter",
+    files="checkpoint", memory="own"))
+register_drafter(DrafterKind(
+    "head", "a feature head: drafts from the target's own features (EAGLE), from its folder",
+    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:feature_drafter",
+    files="feature-head", model_type="llama-feature-head", memory="target-block"))
+register_drafter(DrafterKind(
+    "lookup", "prompt lookup: n-grams copied from the sequence, no model at all",
+    build=lambda network, target: PromptLookupDrafter(), toy="speculative.draft.lookup:PromptLookupDrafter"))

@@ -1,8 +1,11 @@
 """Is your verification rule or drafter exact? The proofs of this repository, pointed at your code.
 
     python -m speculative.prove MODULE:OBJECT [--quick]
+    python -m speculative.prove NAME [--quick]     # a registered rule or drafter: token, block, model, ...
 
-MODULE is a dotted module name or a path to a .py file; OBJECT names, in it, either
+NAME is a verification rule or a drafter kind as registered (speculative.verify.RULES,
+speculative.draft.DRAFTERS, whose ``toy`` says what to build for the toy target). MODULE is a
+dotted module name or a path to a .py file; OBJECT names, in it, either
 
 * a **verifier**: a function with the built-in verifiers' signature, ``rule(p [g+1, V], q [g, V],
   drafted [g], generator) -> speculative.verify.Verdict`` (speculative.verify.verify_step,
@@ -54,6 +57,7 @@ import torch
 
 from speculative.draft.eagle import FeatureDrafter
 from speculative.draft.model import ModelDrafter
+from speculative.draft.registry import DRAFTERS
 from speculative.engine.generation import speculative_generate, speculative_generate_batch
 from speculative.proofs.exact import Branching, Broken, Contract, NotApplicable, verifier_distribution
 from speculative.proofs.toys import (
@@ -69,6 +73,7 @@ from speculative.proofs.toys import (
     toy_table,
 )
 from speculative.sampling import Sampling
+from speculative.verify.registry import RULES
 
 TOLERANCE = 1e-9  # exact laws: float64 sums, a few ulps per branch
 P_VALUE = 1e-3  # chi-square: reject below
@@ -302,11 +307,18 @@ def kind_of(obj: Any) -> str:
 
 
 def load(spec: str) -> tuple[Any, str]:
-    """The object named by MODULE:OBJECT (a dotted module or a .py file), or InputError."""
+    """The object named by MODULE:OBJECT (a dotted module or a .py file), or by a registered
+    name: a verification rule (speculative.verify.RULES) or a drafter kind, whose toy instance
+    is checked (speculative.draft.DRAFTERS); InputError otherwise."""
+    if ":" not in spec and spec in RULES:
+        return RULES[spec].verify, f"rule {spec}"
+    if ":" not in spec and spec in DRAFTERS:
+        toy = DRAFTERS[spec].toy
+        return (load(toy)[0] if isinstance(toy, str) else toy), f"drafter {spec}"
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise InputError(f"expected MODULE:OBJECT (a dotted module name or a .py file, then a name in it), "
-                         f"got {spec!r}")
+        raise InputError(f"expected MODULE:OBJECT (a dotted module name or a .py file, then a name in it), or a "
+                         f"registered rule ({', '.join(RULES)}) or drafter ({', '.join(DRAFTERS)}), got {spec!r}")
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():
@@ -586,7 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description="Check that a verification rule or a drafter is exact: exact "
                                                  "enumeration, chi-square through the engine, greedy identity.")
     parser.add_argument("target", metavar="MODULE:OBJECT",
-                        help="a dotted module or a .py file, then a verifier or a drafter in it")
+                        help="a dotted module or a .py file, then a verifier or a drafter in it; or the name of a "
+                             "registered rule or drafter")
     parser.add_argument("--quick", action="store_true", help="half the toy cases and fewer chi-square runs")
     parser.add_argument("--only", metavar="PROPERTIES",
                         help="a comma-separated subset of: exact, zero (verifiers), chi-square, greedy")
