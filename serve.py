@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     validate(args)
     import uvicorn  # the serve extra: pip install -e ".[serve]"
 
-    from speculative.serving.app import create_app
+    from speculative.serving.app import create_app  # FastAPI and pydantic: the serve extra too
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY

@@ -28,15 +28,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 import torch
 
 from model import ConfigError, Llama, ModelConfig
 from model.feature_head import FeatureHead
 from model.training import evaluate, fit, init_weights, lr_at, next_token_loss, random_batch
+from speculative import FeatureDrafter
 from speculative.draft.distill import DIVERGENCES, distill_loss, eagle_losses, sample_sequences
 from speculative.engine.generation import ACCEPTANCE_NOTES, measure_acceptance
 from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer
 from weights.corpus import held_out_prompts, read_documents, story_openings, tokenize_corpus
+from weights.drafters import load_feature_head, save_feature_head
 from weights.runs import RunFolder, RunFolderError
 
 # Held-out loss: log.jsonl's eval_loss, every --eval-every steps, averages LOG_EVAL_BATCHES
@@ -216,8 +219,6 @@ def finish(run: RunFolder, summary: dict, hf: Path) -> None:
 
 # ----------------------------------------------------------------------------- tokenizer
 def cmd_tokenizer(args: argparse.Namespace) -> None:
-    import sentencepiece as spm
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     docs = [d for path in args.corpus for d in read_documents(path)]
@@ -325,9 +326,6 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- eagle
 def cmd_eagle(args: argparse.Namespace) -> None:
-    from speculative import FeatureDrafter
-    from weights.drafters import load_feature_head, save_feature_head
-
     target = frozen_target(args)
     tokenizer = load_tokenizer(args.target)
     train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)

@@ -18,7 +18,7 @@ positions apart, as token trees need (docs/kv_cache.md):
 * ``model.move_cache(rows, src, dst)``: the one way to keep or move entries.
 
 What a call is for (a chain, ragged rows, a tree) is the caller's business: the builders
-are in model/call.py. A compiled model (model/fast/compile.py) runs the same ``step``."""
+are in model/call.py. A compiled model (model/fast/compile.py) runs the same ``step``, applied from outside."""
 
 from __future__ import annotations
 
@@ -153,34 +153,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        # Set by model/fast/fuse.py: q, k and v stacked into one layer (q_proj.. are then None).
-        self.qkv_proj: nn.Module | None = None
-        self.qkv_heads = (0, 0)
         self.cache: KVCache | None = None
 
     @property
     def local_kv_heads(self) -> int:
         """KV heads this module holds: all of them, or a tensor-parallel shard's share."""
-        if self.qkv_proj is not None:
-            return self.qkv_heads[1]
         return self.k_proj.out_features // self.head_dim
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v [B, H, T, D], q and k rotated. The head counts are read from the weights,
+        so that a tensor-parallel shard runs the same code."""
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: tuple | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """``write``: (slots [B, 1, T, 1], window) of a cached call, or None (no cache, causal)."""
         batch, seq, _ = x.shape
-        # [B, T, H*D] -> [B, H, T, D]; the head count is read from the weights, so that a
-        # tensor-parallel shard runs the same code.
-        if self.qkv_proj is None:
-            q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-            k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-            v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:  # the same, with one product, and one rotation for the query and key heads together
-            n_q, n_kv = self.qkv_heads
-            qkv = self.qkv_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-            qk = apply_rope(qkv[:, :n_q + n_kv], cos, sin)
-            q, k, v = qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv:]
+        q, k, v = self.project(x, cos, sin)
         if write is not None:
             k, v = self.cache.write(*write, k, v)
         causal = write is None and seq > 1  # no cache: plain causal attention
@@ -197,14 +190,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
         self.up_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
         self.down_proj = nn.Linear(config.hidden_dim, config.dim, bias=False)
-        # Set by model/fast/fuse.py: gate and up stacked into one layer (gate_proj, up_proj: None).
-        self.gate_up_proj: nn.Module | None = None
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_proj(x), self.up_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = self.gate_up(x)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -233,19 +224,12 @@ class CachedStack(nn.Module):
         self.cache_len = 0  # usable slots per row (max_seq_len); 0: no cache yet
         self.cache_batch = 0  # rows (max_batch_size)
         self._rope: torch.Tensor | None = None  # [slots, 2, head_dim]: cos and sin of every position
-        self.compiled: Any = None  # set by model/fast/compile.py: cached calls go through it where a shape fits
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         """A zeroed KV cache of max_seq_len slots per row plus a scratch slot (written by padding, never
-        visible), and the rotary table. A compiled model keeps its static cache where the request fits."""
+        visible), and the rotary table."""
         if max_seq_len > self.config.max_seq_len:
             raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
-        if self.compiled is not None:  # keep the static cache, whose slots past max_seq_len are scratch
-            if not self.compiled.fits(max_batch_size, max_seq_len):
-                raise ValueError(f"this model was compiled for at most {max(self.compiled.rows)} rows and "
-                                 f"{self.compiled.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit")
-            self.cache_len, self.cache_batch = max_seq_len, max_batch_size
-            return
         kv_heads = self.layers[0].self_attn.local_kv_heads
         for layer in self.layers:
             layer.self_attn.cache = KVCache(max_batch_size, kv_heads, max_seq_len + 1, self.config.head_dim,
@@ -266,7 +250,7 @@ class CachedStack(nn.Module):
             layer.self_attn.cache.move(rows, src, dst)
 
     def cached(self, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
-        """Check ``call`` against the cache on the host; run the step, compiled where a shape fits."""
+        """Check ``call`` against the cache on the host, then run it (:meth:`run`)."""
         if self._rope is None:
             raise RuntimeError("a cached call needs setup_cache(...) first")
         if not isinstance(call, CacheCall):
@@ -279,9 +263,10 @@ class CachedStack(nn.Module):
         if call.top > self.cache_len or call.window > self.cache_len:
             raise ValueError(f"slots or positions up to {max(call.top, call.window - 1)} fall outside the KV cache "
                              f"(max_seq_len {self.cache_len})")
-        out = None if self.compiled is None else self.compiled(self, inputs, call, return_hidden)
-        if out is not None:  # None: not compiled, or no compiled shape fits this call: eager
-            return out
+        return self.run(inputs, call, return_hidden)
+
+    def run(self, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
+        """A checked call: the step, on the call's tensors."""
         return self.step(*inputs, call.slots, call.positions, call.visible, call.window, return_hidden)
 
     def attention_inputs(self, positions: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor | None,

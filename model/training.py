@@ -80,7 +80,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, gen: torch.Generator
     held-out loss at some steps). Every ``save_every`` steps and at the end, ``run`` saves the
     resumable state (model, optimizer, ``gen``) and plots the losses under ``title``. ``desc``
     and ``show`` (a row's fields for the bar) label the progress bar."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # the train extra: imported by training only
 
     bar = tqdm(total=steps, initial=start, desc=desc, dynamic_ncols=True, disable=not progress)
     step = start

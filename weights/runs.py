@@ -95,7 +95,7 @@ class RunFolder:
 
     def plot(self, title: str) -> None:
         """loss.png: the training loss per step and the held-out loss where it was logged."""
-        import matplotlib
+        import matplotlib  # the train extra, and slow to import: only where a plot is drawn
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

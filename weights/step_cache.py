@@ -205,7 +205,7 @@ class StepCache:
     @contextlib.contextmanager
     def _lock(self, key: dict[str, Any], wait: Callable[[], None] | None) -> Iterator[None]:
         try:
-            import fcntl
+            import fcntl  # POSIX only: imported where it is used, so that the module loads everywhere
         except ImportError:  # no advisory locks (Windows): the rename alone keeps entries whole
             yield
             return

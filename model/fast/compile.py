@@ -11,7 +11,7 @@ cache has shapes that depend on (B, T) alone: the cache is one static buffer wri
 place at the call's slots and read whole, with the call's mask (gpt-fast's design).
 :func:`compile_for_decoding` allocates that buffer, compiles the model's one cached step
 (``Llama.step``, the function an eager call runs too) once for every (rows, width) it is
-given by running it, and installs :class:`CompiledSteps` as ``model.compiled``: a cached
+given by running it, and installs :class:`CompiledSteps` from outside (:func:`install`): a cached
 call of B rows and T tokens then runs the smallest compiled shape that holds it, padded,
 and anything else -- a prompt longer than the widest shape -- runs eagerly on the same
 buffer. No shape met during generation is new, so nothing recompiles
@@ -45,6 +45,8 @@ from torch import nn
 
 from model.call import CacheCall
 from model.fast import aot
+from model.fast.prepack import PrepackedLinear
+from model.scale.tensor_parallel import ParallelAttention
 
 _SHAPES = 0  # shapes compiled so far in this process, over all models
 
@@ -143,6 +145,43 @@ class CompiledSteps:
         return out[:batch, :seq]
 
 
+class Compiled:
+    """Put in front of a model's class when its steps are compiled (:func:`install`): a cached
+    call runs through ``compiled`` (a :class:`CompiledSteps`) where a shape fits, eagerly
+    otherwise, and the static cache is kept where a request fits (its slots past the request's
+    length are scratch). ``compiled`` None: the model as it was."""
+
+    compiled: CompiledSteps | None = None
+
+    def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
+        if self.compiled is None:
+            return super().setup_cache(max_batch_size, max_seq_len)
+        if max_seq_len > self.config.max_seq_len:
+            raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
+        if not self.compiled.fits(max_batch_size, max_seq_len):
+            raise ValueError(f"this model was compiled for at most {max(self.compiled.rows)} rows and "
+                             f"{self.compiled.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit")
+        self.cache_len, self.cache_batch = max_seq_len, max_batch_size
+
+    def run(self, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
+        out = None if self.compiled is None else self.compiled(self, inputs, call, return_hidden)
+        return out if out is not None else super().run(inputs, call, return_hidden)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def install(model: nn.Module, steps: CompiledSteps | None) -> None:
+    """Route ``model``'s cached calls through ``steps`` (None: eagerly again, with a fresh cache
+    at the next setup_cache)."""
+    cls = type(model)
+    if not isinstance(model, Compiled):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"Compiled{cls.__name__}", (Compiled, cls), {})
+        model.__class__ = _CLASSES[cls]
+    model.compiled = steps
+
+
 def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence[int] = (1,),
                          cache_len: int | None = None, hidden: bool = False, mode: str | None = None,
                          tree_widths: Sequence[int] = (), store: Any = None, build: bool = True,
@@ -162,8 +201,6 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
 
     Prepacked layers (model/fast/prepack.py) stay oneDNN products inside the graph. Refused
     (CompileError): tensor-parallel shards (their collectives are not captured)."""
-    from model.scale.tensor_parallel import ParallelAttention
-
     if any(isinstance(m, ParallelAttention) for m in model.modules()):
         raise CompileError("tensor-parallel models are not compiled: their all-reduces would run outside the graph")
     widths = tuple(sorted(set(int(w) for w in widths)))
@@ -180,10 +217,8 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
         raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     steps = CompiledSteps(None, rows, widths, hidden, cache_len, 0.0, tree_widths)
     slots = cache_len + 1  # the cache length, plus the scratch slot padding writes
-    from model.fast.prepack import PrepackedLinear  # a package cannot call the packed layers' Python operator
-
     packaged = store is not None and model.device.type == "cpu" and mode in aot.PACKAGE_OPTIONS and not any(
-        isinstance(m, PrepackedLinear) for m in model.modules())
+        isinstance(m, PrepackedLinear) for m in model.modules())  # a package cannot call their Python operator
     start = time.perf_counter()
     if packaged:
         paths = aot.find_packages(model, steps.shapes, slots, hidden, mode, store, note or steps.notes.append,
@@ -192,7 +227,7 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
         raise NotCachedError("compiled steps are kept on disk for a CPU model in the "
                              f"{' or '.join(aot.PACKAGE_OPTIONS)} mode only")
     # One static buffer for every call.
-    model.compiled = None
+    install(model, None)
     model.setup_cache(rows[-1], cache_len)
     if packaged:
         steps.fn, steps.loaded, steps.built = aot.load_packages(model, paths, slots, hidden, mode, store,
@@ -203,7 +238,7 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     steps.compile_s = time.perf_counter() - start
-    model.compiled = steps
+    install(model, steps)
     return steps
 
 
@@ -266,7 +301,7 @@ def check_compiler(device: torch.device) -> None:
     """Raise CompileError when Inductor's C++ compiler (CXX, else g++) cannot build on this CPU."""
     if device.type != "cpu":
         return
-    from torch._inductor import cpp_builder
+    from torch._inductor import cpp_builder  # deferred: importing Inductor takes seconds, and most runs never compile
 
     try:
         compiler = cpp_builder.get_cpp_compiler()  # the first of $CXX (else g++) that runs --version

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.fast.prepack import prepack_linears
-from model.model import MLP, Attention
+from model.fast.prepack import PrepackedLinear, prepack_linears
+from model.model import MLP, Attention, apply_rope
 
 
 def _plain(*layers: nn.Module | None) -> bool:
@@ -38,6 +38,41 @@ def _stacked(*layers: nn.Linear) -> nn.Linear:
     return stacked
 
 
+class StackedAttention:
+    """Put in front of an attention class (:func:`stacked`): q, k and v from one product, and one
+    rotation for the query and key heads together."""
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.qkv_heads[1]
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch, seq, _ = x.shape
+        n_q, n_kv = self.qkv_heads
+        qkv = self.qkv_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        qk = apply_rope(qkv[:, :n_q + n_kv], cos, sin)
+        return qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv:]
+
+
+class StackedMLP:
+    """Put in front of an MLP class (:func:`stacked`): gate and up from one product."""
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj(x).chunk(2, dim=-1)
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def stacked(module: nn.Module, front: type) -> None:
+    """Make ``module`` an instance of ``front`` + its own class (a tensor-parallel layer stays one:
+    its forward still wraps the stacked projections)."""
+    cls = type(module)
+    if (front, cls) not in _CLASSES:
+        _CLASSES[front, cls] = type(f"Stacked{cls.__name__}", (front, cls), {})
+    module.__class__ = _CLASSES[front, cls]
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Replace q/k/v_proj by one ``qkv_proj`` and gate/up_proj by one ``gate_up_proj`` in
     every attention and MLP of ``model`` whose layers are plain nn.Linear, in place;
@@ -49,16 +84,19 @@ def fuse_projections(model: nn.Module) -> int:
     """
     fused = 0
     for module in list(model.modules()):  # a list: the loop adds modules
-        if isinstance(module, Attention) and module.qkv_proj is None and _plain(
+        if isinstance(module, Attention) and not isinstance(module, StackedAttention) and _plain(
                 module.q_proj, module.k_proj, module.v_proj):
             module.qkv_heads = (module.q_proj.out_features // module.head_dim,
                                 module.k_proj.out_features // module.head_dim)
             module.qkv_proj = _stacked(module.q_proj, module.k_proj, module.v_proj)
             module.q_proj = module.k_proj = module.v_proj = None
+            stacked(module, StackedAttention)
             fused += 1
-        elif isinstance(module, MLP) and module.gate_up_proj is None and _plain(module.gate_proj, module.up_proj):
+        elif isinstance(module, MLP) and not isinstance(module, StackedMLP) and _plain(module.gate_proj,
+                                                                                      module.up_proj):
             module.gate_up_proj = _stacked(module.gate_proj, module.up_proj)
             module.gate_proj = module.up_proj = None
+            stacked(module, StackedMLP)
             fused += 1
     return fused
 
@@ -73,8 +111,5 @@ def prepare_for_decoding(model: nn.Module, stack: bool = True, prepack: bool = T
 
 def prepared(model: nn.Module) -> tuple[int, int]:
     """What a model's set-up holds: (projection groups stacked, layers prepacked)."""
-    from model.fast.prepack import PrepackedLinear
-
-    stacked = sum(getattr(m, "qkv_proj", None) is not None or getattr(m, "gate_up_proj", None) is not None
-                  for m in model.modules() if isinstance(m, (Attention, MLP)))
-    return stacked, sum(isinstance(m, PrepackedLinear) for m in model.modules())
+    count = sum(isinstance(m, (StackedAttention, StackedMLP)) for m in model.modules())
+    return count, sum(isinstance(m, PrepackedLinear) for m in model.modules())

@@ -37,9 +37,12 @@ import torch
 from torch import nn
 
 from model.call import CacheCall
-from model.fast.compile import CompileError, compile_for_decoding
+from model.fast.aot import device_name
+from model.fast.compile import CompileError, compile_for_decoding, install
 from model.fast.fuse import prepare_for_decoding
 from model.fast.prepack import prepack_supported
+from model.scale.quantize import Int8Linear
+from model.scale.tensor_parallel import ParallelAttention
 
 SETUPS = ("plain", "stacked", "prepacked", "compiled")
 # Copies of a model are built to time them only below this size; a larger one gets the
@@ -299,9 +302,6 @@ def cache_length(needed: int, context: int) -> int:
 def cacheable(model: nn.Module) -> bool:
     """Whether a model's compiled steps can come from the cache: a CPU model small enough to
     fingerprint in a moment (MAX_COPY_BYTES), not int8, not a tensor-parallel shard."""
-    from model.scale.quantize import Int8Linear
-    from model.scale.tensor_parallel import ParallelAttention
-
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     return model.device.type == "cpu" and size < MAX_COPY_BYTES and not any(
         isinstance(m, (Int8Linear, ParallelAttention)) for m in model.modules())
@@ -328,7 +328,7 @@ def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, 
             return setups
         except CompileError:
             for model in models:
-                model.compiled = None
+                install(model, None)
     for model in models:
         prepare_for_decoding(model, stack=stack, prepack=prepack)
     return Setups(target, draft, [], notes=notes, hint=compile_hint(store, target) if usable else None)
@@ -336,8 +336,6 @@ def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, 
 
 def machine(device: Any) -> str:
     """The device and thread count that a measurement of compiled steps holds for."""
-    from model.fast.aot import device_name
-
     return f"{device_name(device)}, {torch.get_num_threads()} threads"
 
 

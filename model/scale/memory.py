@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
+from model.scale.tensor_parallel import check_divisible
 
 GB = 1e9
 
@@ -221,9 +222,6 @@ def plan(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: to
     ``capacity_bytes`` replaces the named device's size (e.g. the free memory measured
     right now); ``device_name`` is then only a label.
     """
-    # Imported here: model.scale.tensor_parallel imports torch.distributed, which a plan does not need.
-    from model.scale.tensor_parallel import check_divisible
-
     check_divisible(config_target, tp_size)
     configs = [config_target] + ([config_draft] if config_draft is not None else [])
     if context is None:

@@ -38,11 +38,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from model.config import ModelConfig
@@ -258,8 +261,6 @@ def weight_bytes(model: nn.Module) -> int:
 # ----------------------------------------------------------------------------- local launcher
 def free_port() -> int:
     """A TCP port nobody listens on right now, for MASTER_PORT."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -288,9 +289,6 @@ def launch_local(fn: Callable[..., None], world_size: int, *args: object, timeou
     that never completes) are killed and TimeoutError is raised, so a bug can fail a
     test but never hang it.
     """
-    import time
-
-    import torch.multiprocessing as mp
 
     context = mp.start_processes(_launch_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
                                  join=False, start_method="spawn")

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from speculative.draft.eagle import FeatureDrafter
@@ -406,8 +407,6 @@ def reseed(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     try:
-        import numpy
-
         numpy.random.seed(seed)
     except ImportError:  # pragma: no cover
         pass

@@ -44,6 +44,7 @@ import torch
 
 from speculative import inputs, sampling
 from speculative.sampling import Sampling, warp
+from speculative.verify.token import verify_step
 
 
 class NotApplicable(BaseException):  # noqa: N818 -- a BaseException, so that a rule's `except Exception` passes it
@@ -470,7 +471,7 @@ def verifier_distribution(target: Any, draft: Any, prompt: tuple[int, ...], gamm
     (x_i ~ q_i, warped by the code's warp from ``draft.next_logits``), then every outcome of the
     verifier (verifier_outcomes) against p from ``target.next_logits``, iteration after iteration."""
     if verifier is None:
-        from speculative.verify.token import verify_step as verifier
+        verifier = verify_step
     if branching is None:
         with Branching() as fresh:
             return verifier_distribution(target, draft, prompt, gamma, length, sampling, verifier, fresh)

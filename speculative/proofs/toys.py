@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from model import Llama, ModelConfig
 from model.call import CacheCall
+from model.feature_head import FeatureHead
 
 
 @dataclass
@@ -125,8 +127,6 @@ def random_llama(vocab: int = 8, dim: int = 16, n_layers: int = 1, n_heads: int 
                  dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A model.Llama with every matrix N(0, std) and norm weights 1 + N(0, 0.1): logits of
     order one, so next-token distributions are far from uniform."""
-    from model import Llama, ModelConfig
-
     config = ModelConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                          hidden_dim=hidden_dim, max_seq_len=max_seq_len)
     model = Llama(config)
@@ -150,9 +150,6 @@ def noisy_copy(model: torch.nn.Module, std: float, seed: int = 0) -> torch.nn.Mo
 @torch.no_grad()
 def random_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3) -> torch.nn.Module:
     """A model.feature_head.FeatureHead of the target's shape with random weights (as random_llama's)."""
-    from model import ModelConfig
-    from model.feature_head import FeatureHead
-
     config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
     head = FeatureHead(config)
     gen = torch.Generator().manual_seed(seed)

@@ -41,7 +41,6 @@ from speculative.inputs import NonFiniteLogitsError
 from speculative.sampling import Sampling
 from speculative.serving.loop import OverloadedError, Service, Ticket, prometheus
 from speculative.serving.text import TextStream, encode_dialog
-from weights.tokenizer import Tokenizer
 
 MAX_STOPS = 4  # as OpenAI
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; a chat's is what the context leaves
@@ -147,7 +146,7 @@ class Output:
     next tokens show it is not; a stop string ends the output before it, at the token that
     completed it (``tokens`` are the ones kept)."""
 
-    def __init__(self, tokenizer: Tokenizer, shown: Sequence[int], stops: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, shown: Sequence[int], stops: Sequence[str]) -> None:
         self.stream, self.stops = TextStream(tokenizer, shown), list(stops)
         self.longest = max(map(len, self.stops), default=0)
         self.text, self.sent = "", 0
