@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
     how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
     print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
           f"rows) on http://{host}:{port} -- no authentication", file=sys.stderr, flush=True)
+    if service.draft and args.verify != "token" and RULES[args.verify].greedy:  # what a named rule does at T = 0
+        print(f"note: --verify {args.verify} judges sampled requests; at temperature 0 a request gets "
+              f"{RULES[args.verify].at_temperature_0}", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=args.access_log, lifespan="off",
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)

@@ -1,8 +1,11 @@
 """Batched speculation against the batched target alone, batch sizes 1..32, and the cost
 model extended to batches.
 
-    python benchmarks/batch.py                                   # the shipped pair, 2 threads
-    python benchmarks/batch.py --batch-sizes 1 4 16 --temperatures 0 --threads 1
+    python -m benchmarks.batch                                   # the shipped pair, 2 threads
+    python -m benchmarks.batch --batch-sizes 1 4 16 --temperatures 0 --threads 1
+    python -m benchmarks.batch --prompts-per-row 3 --batch-sizes 1 2 4 8 16 --gammas 2 3 4 6 --temperatures 0 \\
+        --no-single --out docs/results/benchmarks_batch_continuous.md \\
+        --plot docs/results/benchmark_batch_continuous.png          # continuous batching
 
 For every batch size B: the batched target alone (autoregressive_generate_batch) and
 speculative_generate_batch with the drafter at every γ of --gammas (the best one is
@@ -24,37 +27,41 @@ where S(B) is the target-alone step and D(B) the draft step as measured inside t
 are the two functions of B that decide the crossover.
 
 The crossover is the smallest B where the best γ's speedup falls below 1. The report
-(docs/benchmarks_batch.md) and the plot (docs/benchmark_batch.png) show both; docs/batching.md
-explains them.
+(docs/results/benchmarks_batch.md) and the plot (docs/results/benchmark_batch.png) show both;
+docs/batching.md explains them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchmark import machine  # noqa: E402
-
-from model.fast.fuse import prepare_for_decoding  # noqa: E402
-from speculative import (  # noqa: E402
-    autoregressive_generate_batch,
-    speculative_generate,  # noqa: E402
-    speculative_generate_batch,
+from benchmarks import harness
+from benchmarks.harness import (
+    DOCS,
+    RESULTS,
+    command_line,
+    describe_machine,
+    link,
+    machine_lines,
+    median_seconds,
+    network,
+    page_head,
+    prepare_networks,
+    pyplot,
+    save_figure,
+    script_parser,
+    timed,
+    write_page,
 )
-from speculative.engine.gamma import expected_tokens_per_iteration  # noqa: E402
-from weights import load_drafter, load_model, load_tokenizer  # noqa: E402
+from model import call as cache_calls
+from speculative import autoregressive_generate_batch, speculative_generate, speculative_generate_batch
+from speculative.engine.gamma import expected_tokens_per_iteration
+from weights import load_drafter, load_model, load_tokenizer
 
 NAMES = ["Lily", "Tom", "Ben", "Mia", "Sue", "Max", "Anna", "Sam"]
 THINGS = ["a red ball", "a small dog", "a big box", "a new kite", "a shiny key", "a little bird", "a blue car",
@@ -68,7 +75,8 @@ def prompts_text(count: int) -> list[str]:
 
 
 def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+    """Not a number when empty: a figure that is missing from a table's arithmetic shows as nan."""
+    return harness.median(values, float("nan"))
 
 
 # ----------------------------------------------------------------------------- timed calls
@@ -78,21 +86,11 @@ def call_time(model, rows: int, width: int, context: int, calls: int) -> float:
     (rows at positions context, context+1, ... so that the per-row path runs, as in the loop)."""
     model.setup_cache(rows, context + width + rows + 1)
     tokens = torch.randint(0, model.config.vocab_size, (rows, context + rows))
-    model(tokens, calls.chain(0, context + rows, tokens.device, rows=rows))  # fill the cache
+    model(tokens, cache_calls.chain(0, context + rows, tokens.device, rows=rows))  # fill the cache
     starts = [context + b % 2 for b in range(rows)] if rows > 1 else [context]
     feed = torch.randint(0, model.config.vocab_size, (rows, width))
-    for _ in range(3):
-        model(feed, calls.ragged(starts, width, model.cache_len, feed.device))
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        model(feed, calls.ragged(starts, width, model.cache_len, feed.device))
-        times.append(time.perf_counter() - t0)
-    return median(times)
-
-
-def network(drafter):
-    return getattr(drafter, "model", None) or getattr(drafter, "head", None)
+    return median_seconds(lambda: model(feed, cache_calls.ragged(starts, width, model.cache_len, feed.device)),
+                          calls, warmup=3)
 
 
 @torch.inference_mode()
@@ -109,16 +107,9 @@ def draft_call_time(drafter, target, rows: int, context: int, calls: int) -> flo
         starts = [context + b % 2 for b in range(rows)] if rows > 1 else [context]
 
         def step():
-            call = calls.ragged(starts, 1, net.cache_len, "cpu")
+            call = cache_calls.ragged(starts, 1, net.cache_len, "cpu")
             return target.lm_head(net(feats, target.embed_tokens(tokens), call))
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        return median(times)
+        return median_seconds(step, calls, warmup=3)
     return call_time(net, rows, 1, context, calls)
 
 
@@ -230,14 +221,12 @@ def single_path(args, target, drafter, prompts) -> dict:
     single, batched = [], []
     for _ in range(args.repeats):
         for i, prompt in enumerate(prompts[:8]):
-            t0 = time.perf_counter()
-            a = speculative_generate(target, drafter, prompt, args.max_new_tokens, gamma=4, temperature=0, seed=i)
-            t1 = time.perf_counter()
-            b = speculative_generate_batch(target, drafter, [prompt], args.max_new_tokens, gamma=4, temperature=0,
-                                           seed=i)
-            t2 = time.perf_counter()
-            single.append(len(a.tokens) / (t1 - t0))
-            batched.append(len(b.results[0].tokens) / (t2 - t1))
+            seconds, a = timed(speculative_generate, target, drafter, prompt, args.max_new_tokens, gamma=4,
+                               temperature=0, seed=i)
+            single.append(len(a.tokens) / seconds)
+            seconds, b = timed(speculative_generate_batch, target, drafter, [prompt], args.max_new_tokens, gamma=4,
+                               temperature=0, seed=i)
+            batched.append(len(b.results[0].tokens) / seconds)
     return {"single_tps": median(single), "batch1_tps": median(batched),
             "ratio": median(batched) / median(single)}
 
@@ -260,17 +249,15 @@ def render(args, info, flags, results, costs, single, command) -> str:
     stream = (f"{args.prompts_per_row} prompts per row ({args.prompts_per_row} × B prompts through a batch of B "
               "rows: continuous batching keeps it full)" if args.prompts_per_row > 1 else
               "as many prompts as rows (rows that finish early leave a smaller batch behind)")
-    lines = ["# Batched speculation on this machine", "",
-             "Generated by `benchmarks/batch.py`; what the numbers mean: [batching.md](batching.md).", "",
-             f"Command: `{command}`", "", "| machine | |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in info.items()]
-    lines += ["", f"<details><summary>CPU flags</summary>\n\n{flags}\n\n</details>", "",
-              f"Target `{args.target}`, drafters {', '.join(f'`{d}`' for d in args.drafters)}, float32, "
+    batching = link(args.out, DOCS / "batching.md")
+    lines = page_head("Batched speculation on this machine", command)
+    lines += [f"What the numbers mean: [batching.md]({batching}).", ""] + machine_lines(info, flags)
+    lines += ["", f"Target `{args.target}`, drafters {', '.join(f'`{d}`' for d in args.drafters)}, float32, "
               f"{args.threads} thread(s); {args.max_new_tokens} new tokens per prompt (end-of-sequence ignored), "
               f"story openings, {stream}; γ ∈ {{{', '.join(map(str, args.gammas))}}}, the best reported; "
               f"{args.repeats} repeats in turns, medians. Total tokens/s: all rows' new tokens over the whole batched "
               "call (the prompts' reading included). Per-row tokens/s: a row's tokens over its time in the batch, "
-              "median over rows. T, D and V are explained in [batching.md](batching.md#what-batching-does-to-the-"
+              f"median over rows. T, D and V are explained in [batching.md]({batching}#what-batching-does-to-the-"
               "speedup); D is the draft step as measured in the runs (timed alone in brackets), c(B) = D / T(B,1).",
               ""]
     if single:
@@ -320,7 +307,7 @@ def render(args, info, flags, results, costs, single, command) -> str:
                     f"{predicted(r, costs, drafter, g):.2f}×)" for g in args.gammas) + " |")
             lines += ["", "</details>", ""]
     if args.plot:
-        lines += [f"![speedup against batch size]({os.path.relpath(args.plot, Path(args.out).parent)})", "",
+        lines += [f"![speedup against batch size]({link(args.out, args.plot)})", "",
                   "Measured speedup over the batched target alone (points) and the cost model's prediction (lines), "
                   "each drafter at its best γ, against the batch size; below 1 the target alone is faster.", ""]
     return "\n".join(lines)
@@ -328,9 +315,7 @@ def render(args, info, flags, results, costs, single, command) -> str:
 
 def plot(args, results, costs) -> None:
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         print("note: matplotlib is not installed; no plot", file=sys.stderr)
         args.plot = None
@@ -350,12 +335,11 @@ def plot(args, results, costs) -> None:
         ax.set_ylabel("speedup over the batched target alone")
         ax.set_title(("greedy" if temperature == 0 else f"T = {temperature:g}") + f", {args.threads} thread(s)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=110)
+    save_figure(fig, args.plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser("batch", __doc__)
     parser.add_argument("--target", default="tiny-target")
     parser.add_argument("--drafters", nargs="+", default=["tiny-draft", "tiny-eagle"],
                         help="draft models, feature heads or lookup (the first is also timed against the single loop)")
@@ -369,8 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=40, help="timed calls per cost-model cell")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_batch.md"))
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "benchmark_batch.png"))
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks_batch.md"))
+    parser.add_argument("--plot", default=str(RESULTS / "benchmark_batch.png"), help="PNG ('' for none)")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
     return parser
 
@@ -382,9 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     target = load_model(args.target)
     drafters = {name: load_drafter(name, target) for name in args.drafters}
-    for net in [target] + [network(d) for d in drafters.values()]:
-        if net is not None:
-            prepare_for_decoding(net, stack=True, prepack=True)
+    prepare_networks(target, drafters.values(), stack=True, prepack=True)
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(text) for text in prompts_text(max(args.batch_sizes) * args.prompts_per_row)]
     context = round(median([len(p) for p in prompts])) + args.max_new_tokens // 2
@@ -393,11 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch 1 / single: {single['ratio']:.3f}", file=sys.stderr)
     results = measure(args, target, drafters, prompts)
     costs = cost_model(args, target, drafters, context)
-    info, flags = machine([args.threads])
-    command = f"python benchmarks/batch.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+    info, flags = describe_machine(args.threads)
+    command = command_line("batch", argv)
     if args.plot:
         plot(args, results, costs)
-    Path(args.out).write_text(render(args, info, flags, results, costs, single, command))
+    write_page(args.out, render(args, info, flags, results, costs, single, command))
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "costs": costs, "single": single}, indent=1))
     print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))

@@ -1,7 +1,7 @@
 """Tokens per second of speculative decoding with each drafter against its baselines, in one run on one machine.
 
-    python benchmarks/benchmark.py                                   # the full run: docs/benchmarks.md + 2 PNGs
-    python benchmarks/benchmark.py --prompts 1 --repeats 1 --max-new-tokens 16 --gammas 2 --threads 1 \\
+    python -m benchmarks.benchmark                     # the full run: docs/results/benchmarks.md + 2 PNGs
+    python -m benchmarks.benchmark --prompts 1 --repeats 1 --max-new-tokens 16 --gammas 2 --threads 1 \\
         --drafters tiny-draft lookup --prompt-sets stories --no-hf --out /tmp/b.md --plot /tmp/b.png   # a smoke run
 
 For the same target, the same prompts and the same number of new tokens (end-of-sequence
@@ -32,49 +32,39 @@ transformers is used here only as a reference, never by the runtime code.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
-import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchmark_prompts import PROMPT_SETS, RETELL_CORPUS, STORY_OPENINGS, PromptSet, build_prompt_sets  # noqa: E402
-from benchmark_report import (  # noqa: E402
-    Method,
-    Report,
-    Results,
-    Runs,
-    keep_block,
-    plot_cost_model,
-    plot_drafters,
-    render,
+from benchmarks.benchmark_prompts import PROMPT_SETS, RETELL_CORPUS, STORY_OPENINGS, PromptSet, build_prompt_sets
+from benchmarks.benchmark_report import Method, Report, Results, Runs, plot_cost_model, plot_drafters, render
+from benchmarks.harness import (
+    RESULTS,
+    Progress,
+    command_line,
+    describe_machine,
+    keep_blocks,
+    link,
+    median_seconds,
+    prepare_networks,
+    script_parser,
+    timed,
+    write_page,
 )
-
-from model.fast.fuse import prepare_for_decoding  # noqa: E402
-from speculative import autoregressive_generate, check_pair, speculative_generate  # noqa: E402
-from speculative.inputs import GAMMA_MAX, check_finite  # noqa: E402
-from weights import load_model, load_tokenizer, resolve  # noqa: E402
-from weights.drafters import load_drafter  # noqa: E402
+from speculative import autoregressive_generate, check_pair, speculative_generate
+from speculative.inputs import GAMMA_MAX, check_finite
+from weights import load_model, load_tokenizer, resolve
+from weights.drafters import load_drafter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DRAFTERS = ["tiny-draft", "tiny-eagle", "lookup"]
 # transformers' runs only on the story openings: they are a reference for this project's loop, which the
 # second set would not tell more about, and they are the slowest calls of the run.
 HF_PROMPT_SET = "stories"
-# CPU flags that decide which kernels run (vector width, fused multiply-add, low-precision dot products)
-SIMD_FLAGS = ("sse", "ssse3", "avx", "fma", "f16c", "amx", "vnni", "bf16", "fp16")
 
 
 @dataclass
@@ -88,13 +78,13 @@ class Models:
 # ----------------------------------------------------------------------------- runners
 def run_ours(method: Method, models: Models, prompt: list[int], new_tokens: int, temperature: float,
              seed: int) -> tuple[float, list[int], Any]:
-    start = time.perf_counter()
     if method.key == "target":
-        result = autoregressive_generate(models.target, prompt, new_tokens, temperature=temperature, seed=seed)
+        seconds, result = timed(autoregressive_generate, models.target, prompt, new_tokens, temperature=temperature,
+                                seed=seed)
     else:
-        result = speculative_generate(models.target, models.drafters[method.drafter], prompt, new_tokens,
-                                      gamma=method.gamma, temperature=temperature, seed=seed)
-    return time.perf_counter() - start, result.tokens, result.stats
+        seconds, result = timed(speculative_generate, models.target, models.drafters[method.drafter], prompt,
+                                new_tokens, gamma=method.gamma, temperature=temperature, seed=seed)
+    return seconds, result.tokens, result.stats
 
 
 def run_hf(method: Method, models: Models, prompt: list[int], new_tokens: int, temperature: float,
@@ -116,12 +106,15 @@ def run_hf(method: Method, models: Models, prompt: list[int], new_tokens: int, t
         kwargs["assistant_model"] = hf_draft
     input_ids = torch.tensor([prompt], device=hf_target.device)
     torch.manual_seed(seed)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = hf_target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-    if out.device.type == "cuda":
-        torch.cuda.synchronize(out.device)
-    seconds = time.perf_counter() - start
+
+    def generate() -> torch.Tensor:
+        with torch.inference_mode():
+            out = hf_target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+        return out
+
+    seconds, out = timed(generate)
     return seconds, out[0, len(prompt):].tolist(), None
 
 
@@ -140,14 +133,6 @@ def load_hf(directory: Path, dtype: torch.dtype, device: str) -> Any:
     model.generation_config.eos_token_id = None  # time exactly max_new_tokens, like ours
     model.generation_config.pad_token_id = 0
     return model
-
-
-def network(drafter: Any) -> torch.nn.Module | None:
-    """The network a drafter runs (a draft model, a feature head), for the decoding set-up; None for a lookup."""
-    for name in ("model", "head"):
-        if isinstance(getattr(drafter, name, None), torch.nn.Module):
-            return getattr(drafter, name)
-    return None
 
 
 def load_drafters(names: list[str], target: Any, target_name: str) -> tuple[dict[str, Any], list[str]]:
@@ -184,63 +169,8 @@ def check_finite_micros(rows: int, vocab: int, dtype: torch.dtype, device: str, 
     one (the check ends with a host read, so each call has finished when it returns)."""
     logits = torch.randn(rows, vocab, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
                          device=device)  # the models return float32 logits (float64 for a float64 model)
-    times = []
     with torch.inference_mode():
-        for _ in range(calls):
-            start = time.perf_counter_ns()
-            check_finite(logits)
-            times.append(time.perf_counter_ns() - start)
-    return statistics.median(times) / 1e3
-
-
-# ----------------------------------------------------------------------------- the machine
-def lscpu() -> dict[str, str]:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines())}
-
-
-def proc_cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (Linux), else nothing."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return fields
-
-
-def machine(threads: list[int]) -> tuple[dict[str, str], str]:
-    """The machine table of the report, and the CPU's whole flag list."""
-    cpu, ls = proc_cpuinfo(), lscpu()
-    name = cpu.get("model name") or ls.get("Model name") or platform.processor() or platform.machine()
-    ident = ", ".join(f"{k} {cpu[k]}" for k in ("cpu family", "model", "stepping") if k in cpu)
-    flags = (cpu.get("flags") or ls.get("Flags") or "").split()
-    info = {"host": platform.node(), "CPU": name + (f" ({ident})" if ident else "")}
-    if ls.get("Hypervisor vendor"):
-        info["virtualisation"] = f"{ls['Hypervisor vendor']} guest ({ls.get('Virtualization type', '?')})"
-    info["cores"] = str(os.cpu_count())
-    caches = [f"{level} {ls[level]}" for level in ("L1d cache", "L2 cache", "L3 cache") if ls.get(level)]
-    if caches:
-        info["caches"] = "; ".join(caches)
-    if flags:
-        info["SIMD flags"] = " ".join(f for f in flags if f.startswith(SIMD_FLAGS) or f in SIMD_FLAGS)
-    info["PyTorch CPU kernels"] = torch.backends.cpu.get_cpu_capability()
-    info["torch threads"] = ", ".join(map(str, threads)) + " (each table names its own)"
-    info.update({"torch": torch.__version__, "python": platform.python_version(), "OS": platform.platform(),
-                 "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")})
-    try:
-        import transformers
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return info, " ".join(flags)
+        return median_seconds(lambda: check_finite(logits), calls) * 1e6
 
 
 def decoding_note(args: argparse.Namespace) -> str:
@@ -269,7 +199,7 @@ def setup_text(args: argparse.Namespace, drafters: list[str]) -> str:
 
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("benchmark", __doc__)
     parser.add_argument("--target", default="tiny-target", help="target checkpoint (default tiny-target)")
     parser.add_argument("--drafters", nargs="+", default=DRAFTERS,
                         help=f"drafters to compare, as generate.py --draft takes them: a draft checkpoint, a feature "
@@ -307,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU thread counts, each a full set of runs, interleaved with the others (default "
                              f"{' '.join(map(str, default_threads))}: one, and all cores)")
     parser.add_argument("--seed", type=int, default=0, help="base seed for sampling (default 0)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown report")
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "benchmark_speedup.png"),
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks.md"), help="markdown report")
+    parser.add_argument("--plot", default=str(RESULTS / "benchmark_speedup.png"),
                         help="PNG: measured speedup against gamma and the cost model, per drafter ('' for none)")
     parser.add_argument("--drafter-plot", default=None,
                         help="PNG: the drafters side by side (default: --plot's name with _drafters; '' for none)")
@@ -332,9 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     target = load_model(args.target, device=args.device, dtype=dtype)
     drafters, notes = load_drafters(args.drafters, target, args.target)
-    networks = [target] + [n for n in map(network, drafters.values()) if n is not None]
-    counts = [prepare_for_decoding(n, stack=not args.no_fuse, prepack=not args.no_prepack) for n in networks]
-    args.fused, args.prepacked = (sum(column) for column in zip(*counts))
+    args.fused, args.prepacked = prepare_networks(target, drafters.values(), stack=not args.no_fuse,
+                                                  prepack=not args.no_prepack)
     tokenizer = load_tokenizer(args.target)
     limit = min([target.config.max_seq_len] + [d.max_seq_len for d in drafters.values() if d.max_seq_len])
     # Room for the prompt and the output with every gamma at full length up to the last token (the loop
@@ -360,29 +289,29 @@ def main(argv: list[str] | None = None) -> int:
 
     results, finite = measure(args, models, sets, methods)
 
-    info, flags = machine(args.threads)
-    command = f"python benchmarks/benchmark.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+    info, flags = describe_machine(args.threads)
+    command = command_line("benchmark", argv)
     rep = Report(command, setup_text(args, list(drafters)), info, flags, args.threads, args.temperatures, sets,
-                 list(drafters), notes, finite, max(args.gammas) + 1, args.hf_gamma, plots=[])
+                 list(drafters), notes, finite, max(args.gammas) + 1, args.hf_gamma, plots=[],
+                 page=args.out)
     out = Path(args.out)
     title = f"{args.target}, {args.device} {args.dtype}"
     if args.plot and drafters:
         first = sets[0]
         plot_cost_model(Path(args.plot), f"{title}, {first.name} prompts", rep, methods[first.name], results,
                         first.name)
-        rep.plots.append((os.path.relpath(args.plot, out.parent),
+        rep.plots.append((link(out, args.plot),
                           f"Measured speedup against the cost model, {first.name} prompts. Points: measured speedup "
                           "over the target alone (median tokens/s ratio). Dashed lines: the paper's prediction from "
                           "the α and c measured over all fixed-γ runs of the drafter at that decoding; crosses: the "
                           "prediction from the measured call times; stars: γ = auto at its mean γ."))
     if args.drafter_plot and drafters:
         plot_drafters(Path(args.drafter_plot), title, rep, methods, results)
-        rep.plots.append((os.path.relpath(args.drafter_plot, out.parent),
+        rep.plots.append((link(out, args.drafter_plot),
                           "Drafters side by side. Bars: speedup over the target alone at each drafter's best fixed γ "
                           "(solid) and at γ = auto (hatched), per prompt set and decoding."))
     text, goal_lines = render(rep, methods, results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(keep_block(out.read_text() if out.is_file() else None, text))
+    write_page(out, keep_blocks(out.read_text() if out.is_file() else None, text))
     print("\n".join(goal_lines))
     print(f"wrote {out}" + "".join(f" and {p}" for p in (args.plot, args.drafter_plot) if p and drafters))
     return 0
@@ -395,7 +324,7 @@ def measure(args: argparse.Namespace, models: Models, sets: list[PromptSet],
                         for n in args.threads for s in sets for t in args.temperatures}
     finite: dict[int, float] = {}
     per_repeat = sum(len(s.prompts) * len(methods[s.name]) for s in sets) * len(args.temperatures)
-    total, done, start = args.repeats * len(args.threads) * per_repeat, 0, time.perf_counter()
+    progress = Progress(args.repeats * len(args.threads) * per_repeat)
     for r in range(args.repeats):
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -415,12 +344,9 @@ def measure(args: argparse.Namespace, models: Models, sets: list[PromptSet],
                             seconds, tokens, stats = call(m, models, prompt, args.max_new_tokens, t,
                                                           args.seed + 1000 * i + r)
                             results[(threads, s.name, t)][m.label].add(seconds, tokens, stats, i, r == 0)
-                            done += 1
-                            elapsed = time.perf_counter() - start
-                            print(f"\r[{done}/{total}] {elapsed:.0f}s, about {elapsed / done * (total - done):.0f}s "
-                                  f"left; {threads} threads, {s.name} {i}, T={t:g}, repeat {r}, {m.label}: "
-                                  f"{len(tokens) / seconds:.1f} tokens/s      ", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+                            progress.step(f"{threads} threads, {s.name} {i}, T={t:g}, repeat {r}, {m.label}: "
+                                          f"{len(tokens) / seconds:.1f} tokens/s")
+    progress.end()
     return results, finite
 
 

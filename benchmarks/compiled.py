@@ -1,7 +1,7 @@
 """Eager against compiled decoding on this machine: step times, c and tokens/s per drafter.
 
-    python benchmarks/compiled.py                     # 1 and 2 threads, docs/benchmarks_compiled.md
-    python benchmarks/compiled.py --threads 2 --max-new-tokens 64
+    python -m benchmarks.compiled            # 1 and 2 threads: docs/results/benchmarks_compiled.md
+    python -m benchmarks.compiled --threads 2 --max-new-tokens 64
 
 For every thread count: the eager set-up of generate.py (projections stacked, float32
 weights prepacked for oneDNN) and the compiled one (model/fast/compile.py, stacked, Inductor),
@@ -9,38 +9,44 @@ timed apart (one step of the target at widths 1 and gamma + 1, one step of each 
 network) and in whole runs: the target alone, and speculative decoding with tiny-draft,
 tiny-eagle (compiled: the head and its target, compiled with hidden states) and prompt
 lookup, greedy and at T = 1, gamma fixed. "compiled" here is the compiled step whatever it
-measured (`--compile force`); `--compile` would keep the faster one per model.
+measured (`--compile force`); `--compile` would keep the faster one per model. A summary
+table goes into docs/results/benchmarks.md (--summary), between its markers.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import shlex
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchmark import machine  # noqa: E402
-from benchmark_prompts import STORY_OPENINGS  # noqa: E402
-from benchmark_report import BLOCK_END, BLOCK_START, replace_block  # noqa: E402
-
-from model.fast.compile import compile_for_decoding, decode_widths  # noqa: E402
-from model.fast.fuse import fuse_projections, prepare_for_decoding  # noqa: E402
-from model.fast.setup import step_ms  # noqa: E402
-from speculative import PromptLookupDrafter, autoregressive_generate, speculative_generate  # noqa: E402
-from weights import load_drafter, load_model, load_tokenizer  # noqa: E402
+from benchmarks import harness
+from benchmarks.benchmark_prompts import STORY_OPENINGS
+from benchmarks.harness import (
+    COMPILED_BLOCK,
+    DOCS,
+    RESULTS,
+    command_line,
+    copy_bandwidth,
+    describe_machine,
+    link,
+    machine_lines,
+    page_head,
+    script_parser,
+    update_block,
+    write_page,
+)
+from model.fast.compile import compile_for_decoding, decode_widths
+from model.fast.fuse import fuse_projections, prepare_for_decoding
+from model.fast.setup import step_ms
+from speculative import PromptLookupDrafter, autoregressive_generate, speculative_generate
+from weights import load_drafter, load_model, load_tokenizer
 
 
 def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+    """Not a number when empty (a drafter without c): the table shows nan, the run goes on."""
+    return harness.median(values, float("nan"))
 
 
 def setups(args: argparse.Namespace) -> dict[str, dict]:
@@ -66,18 +72,6 @@ def setups(args: argparse.Namespace) -> dict[str, dict]:
         out[name] = {"target": target, "tiny-draft": draft, "target_h": target_h, "tiny-eagle": head,
                      "compile_s": compile_s, "cache_len": cache_len}
     return out
-
-
-def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second of a large copy (read + write), median of ``repeats``."""
-    src = torch.ones(int(gib * 2 ** 30) // 4)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / statistics.median(times[1:])
 
 
 def step_times(models: dict, args: argparse.Namespace) -> dict[str, float]:
@@ -107,26 +101,25 @@ def runs(models: dict, prompts: list[list[int]], args: argparse.Namespace, tempe
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser("compiled", __doc__)
     parser.add_argument("--target", default="tiny-target")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_compiled.md"))
-    parser.add_argument("--summary", default=str(ROOT / "docs" / "benchmarks.md"),
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks_compiled.md"))
+    parser.add_argument("--summary", default=str(RESULTS / "benchmarks.md"),
                         help="the page whose eager-vs-compiled block gets the summary table ('' for none)")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(text) for text in STORY_OPENINGS[:args.prompts]] * args.repeats
-    info, flags = machine(args.threads)
-    command = f"python benchmarks/compiled.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
-    lines = ["# Eager against compiled decoding", "",
-             "Generated by `benchmarks/compiled.py`; the design is in [compiled.md](compiled.md).", "",
-             f"Command: `{command}`", "", "| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in info.items()]
-    lines += ["", f"<details><summary>CPU flags</summary>\n\n{flags}\n\n</details>", "",
-              f"Target `{args.target}`, float32, γ {args.gamma}, {args.prompts} story openings × {args.repeats}, "
+    info, flags = describe_machine(args.threads)
+    command = command_line("compiled", argv)
+    lines = page_head("Eager against compiled decoding", command)
+    lines += [f"The design is in [compiled.md]({link(args.out, DOCS / 'compiled.md')}).", ""]
+    lines += machine_lines(info, flags)
+    lines += ["", f"Target `{args.target}`, float32, γ {args.gamma}, {args.prompts} story openings × {args.repeats}, "
               f"{args.max_new_tokens} new tokens each; tokens/s and c are medians over the runs (decode speed, the "
               "prompt's pass excluded). Eager: projections stacked and weights prepacked for oneDNN (generate.py's "
               "default); compiled: stacked and compiled by model/fast/compile.py's CPU default (Inductor, max-autotune "
@@ -181,18 +174,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} {results['compiled'][n]['tps'] / results['eager'][n]['tps']:.2f}x" for n in results["eager"]),
                 file=sys.stderr, flush=True)
         lines.append("")
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    write_page(args.out, "\n".join(lines))
     print(f"wrote {args.out}")
     if args.summary:
         compile_times = ", ".join(f"{t} thread(s) {s:.0f} s" for t, s in zip(args.threads, compile_seconds))
-        block = "\n".join([BLOCK_START, "## Eager against compiled", "",
-                            f"From `{command}` ({info.get('CPU', 'this CPU')}; the whole page, with the bandwidth "
-                            "bound: [benchmarks_compiled.md](benchmarks_compiled.md)). Eager: stacked + prepacked "
-                            "(the default set-up); compiled: model/fast/compile.py's default. Compile "
-                            f"time of target, draft, the head's target and the head: {compile_times}.", ""] + summary
-                           + ["", BLOCK_END])
-        page = Path(args.summary)
-        page.write_text(replace_block(page.read_text() if page.is_file() else "", block))
+        whole = link(args.summary, args.out)
+        update_block(args.summary, ["## Eager against compiled", "",
+                                    f"From `{command}` ({info.get('CPU', 'this CPU')}; the whole page, with the "
+                                    f"bandwidth bound: [{whole.rsplit('/', 1)[-1]}]({whole})). Eager: stacked + "
+                                    "prepacked (the default set-up); compiled: model/fast/compile.py's default. "
+                                    "Compile time of target, draft, the head's target and the head: "
+                                    f"{compile_times}.", ""] + summary + [""], COMPILED_BLOCK)
         print(f"updated {args.summary}")
     return 0
 

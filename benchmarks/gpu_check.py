@@ -1,6 +1,6 @@
 """The checks that need a CUDA GPU, in one run of at most about five minutes.
 
-    python benchmarks/gpu_check.py --out gpu_check.json
+    python -m benchmarks.gpu_check --out gpu_check.json
 
 1. ``pytest -m cuda``: the CUDA variants of the tensor-parallel and int8 tests.
 2. Memory bandwidth, measured with a large device-to-device copy (read + write bytes / time).
@@ -26,7 +26,6 @@ bandwidth), so that CI knows the script runs.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import signal
@@ -40,14 +39,12 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from model import Llama, ModelConfig  # noqa: E402
-from model.call import chain  # noqa: E402
-from model.scale.memory import DEVICES, LLAMA2_CONFIGS  # noqa: E402
-from model.scale.quantize import quantize_int8  # noqa: E402
-from model.scale.tensor_parallel import weight_bytes  # noqa: E402
+from benchmarks.harness import ROOT, describe_machine, script_parser
+from model import Llama, ModelConfig
+from model.call import chain
+from model.scale.memory import DEVICES, LLAMA2_CONFIGS
+from model.scale.quantize import quantize_int8
+from model.scale.tensor_parallel import weight_bytes
 
 # The dry run's shapes: a "7B" and a "1B" small enough to compile and run on a CPU in seconds.
 DRY_CONFIG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=256)
@@ -314,7 +311,7 @@ def dry_run(out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("gpu_check", __doc__)
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON (default gpu_check.json)")
     parser.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds allowed for pytest -m cuda")
     parser.add_argument("--skip-pytest", action="store_true", help="only the measurements")
@@ -324,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.dry_run:
         return dry_run(out)
-    report: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    report: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+                              "machine": describe_machine()[0]}
     if not torch.cuda.is_available():
         report["error"] = "no CUDA GPU is visible: this script is for a machine with one"
         out.write_text(json.dumps(report, indent=2) + "\n")

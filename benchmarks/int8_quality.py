@@ -1,8 +1,8 @@
 """What weight-only int8 costs in accuracy: logits and speculative acceptance, int8 vs float.
 
-    python benchmarks/int8_quality.py                       # the shipped pair (tiny-target, tiny-draft)
-    python benchmarks/int8_quality.py --random              # a random pair, no checkpoint needed
-    python benchmarks/int8_quality.py --target 70b --draft 7b --device cuda --reference bfloat16
+    python -m benchmarks.int8_quality                       # the shipped pair (tiny-target, tiny-draft)
+    python -m benchmarks.int8_quality --random              # a random pair, no checkpoint needed
+    python -m benchmarks.int8_quality --target 70b --draft 7b --device cuda --reference bfloat16
 
 For the target and the draft it reports the largest change int8 makes to any logit (and
 bfloat16's change, for scale), both against the reference dtype, on a fixed sequence;
@@ -16,21 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from model import Llama, ModelConfig  # noqa: E402
-from model.scale.quantize import quantize_int8  # noqa: E402
-from speculative import autoregressive_generate, speculative_generate  # noqa: E402
-from weights import load_model, load_tokenizer  # noqa: E402
-from weights.sharded import load_model_tp  # noqa: E402
+from benchmarks.harness import machine_line, script_parser, timed
+from model import Llama, ModelConfig
+from model.scale.quantize import quantize_int8
+from speculative import autoregressive_generate, speculative_generate
+from weights import load_model, load_tokenizer
+from weights.sharded import load_model_tp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 PROMPT = "Once upon a time, there was a little"
@@ -75,23 +70,9 @@ def speculate(target: Llama, draft: Llama, prompt: list[int], new: int, gamma: i
             "tokens": list(result.tokens)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="tiny-target")
-    parser.add_argument("--draft", default="tiny-draft")
-    parser.add_argument("--random", action="store_true", help="a random pair instead of checkpoints")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--reference", default="float32", choices=sorted(DTYPES),
-                        help="the dtype int8 is compared with; int8 layers compute in it too")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The report's figures (see the module docstring)."""
     dtype, device = DTYPES[args.reference], torch.device(args.device)
-    start = time.perf_counter()
-
     if args.random:
         target, draft = (m.to(device=device, dtype=dtype) for m in random_pair(args.seed))
         target8, draft8 = quantize_int8(converted(target, dtype)), quantize_int8(converted(draft, dtype))
@@ -123,7 +104,25 @@ def main(argv: list[str] | None = None) -> int:
         if temperature == 0:
             report[key]["reference_spec_equals_target"] = ref["tokens"] == list(greedy)
             report[key]["int8_spec_equals_int8_target"] = q["tokens"] == list(greedy8)
-    report["seconds"] = round(time.perf_counter() - start, 1)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = script_parser("int8_quality", __doc__)
+    parser.add_argument("--target", default="tiny-target")
+    parser.add_argument("--draft", default="tiny-draft")
+    parser.add_argument("--random", action="store_true", help="a random pair instead of checkpoints")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--reference", default="float32", choices=sorted(DTYPES),
+                        help="the dtype int8 is compared with; int8 layers compute in it too")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    seconds, report = timed(measure, args)
+    report.update(seconds=round(seconds, 1), machine=machine_line(args.threads))
     print(json.dumps(report, indent=2))
     return 0
 

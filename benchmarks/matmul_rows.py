@@ -1,8 +1,8 @@
 """What one linear layer costs on this CPU for 1..8 input rows, with PyTorch's default
 matmul and with the weight reordered once for oneDNN (model/fast/prepack.py).
 
-    python benchmarks/matmul_rows.py              # prints a markdown table (float32)
-    python benchmarks/matmul_rows.py --dtypes float32 bfloat16 float16 --threads 2
+    python -m benchmarks.matmul_rows              # prints a markdown table (float32)
+    python -m benchmarks.matmul_rows --dtypes float32 bfloat16 float16 --threads 2
 
 Speculative decoding assumes that verifying gamma + 1 tokens costs about one decode step.
 This shows whether the machine's matmul honours that: a decode step multiplies one row,
@@ -14,43 +14,31 @@ bfloat16 without native bf16) gets "–" in the prepacked columns.
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
-import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from model.fast.prepack import PrepackedLinear, prepack_supported  # noqa: E402
+from benchmarks.harness import machine_line, median_seconds, script_parser
+from model.fast.prepack import PrepackedLinear, prepack_supported
 
 
 def median_us(layer, x: torch.Tensor, calls: int) -> float:
-    """Median microseconds of layer(x)."""
-    for _ in range(max(3, calls // 20)):  # warm-up
-        layer(x)
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        layer(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    """Median microseconds of layer(x), after a warm-up of a twentieth as many calls (3 at least)."""
+    return median_seconds(lambda: layer(x), calls, warmup=max(3, calls // 20)) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("matmul_rows", __doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8], help="input rows (default 1 2 5 8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="weight and input dtypes (default float32)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; microseconds per call (median)\n")
+    print(f"{machine_line(args.threads)}; microseconds per call (median)\n")
     print("| weight [out x in] | dtype | rows | PyTorch default | prepacked | default / one row | "
           "prepacked / one row |")
     print("|---|---|---:|---:|---:|---:|---:|")

@@ -1,8 +1,10 @@
 """A bounded, closed-loop load test of serve.py on 127.0.0.1: speculation always on (gamma 4),
 always off, and decided by the load, at 1, 2, 4, 8 and 16 concurrent clients.
 
-    python benchmarks/serve_load.py                              # the shipped pair, 2 threads, greedy
-    python benchmarks/serve_load.py --concurrency 1 4 --modes load off --max-tokens 64
+    python -m benchmarks.serve_load                              # the shipped pair, 2 threads, greedy
+    python -m benchmarks.serve_load --concurrency 1 4 --modes load off --max-tokens 64
+    python -m benchmarks.serve_load --repeats 9 --repeats-levels 3 --out docs/results/serving_load.json \\
+        --plot-prefix docs/results/serving_load --markdown     # docs/serving.md's run
 
 A server is started for every mode (``serve.py --speculation MODE --port 0``) and warmed up;
 for every concurrency c the modes take turns, --repeats-levels times in rotating order (each
@@ -25,7 +27,7 @@ process's first calls included).
 
 Every request has a timeout (--timeout) and every level a deadline; the counts are fixed.
 Writes the figures as JSON (--out) and the plots (--plot-prefix): latency and throughput
-against concurrency. docs/serving.md shows a run.
+against concurrency (PREFIX.png). docs/serving.md shows a run.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -45,9 +46,18 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from benchmark_prompts import STORY_OPENINGS  # noqa: E402
+from benchmarks.benchmark_prompts import STORY_OPENINGS
+from benchmarks.harness import (
+    ROOT,
+    command_line,
+    load_average,
+    median,
+    pyplot,
+    save_figure,
+    script_parser,
+    timed,
+    turn_order,
+)
 
 MODES = ("on", "off", "load")
 
@@ -172,9 +182,8 @@ def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
             asyncio.run(level(server.url, 1, 2, args))
         runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in servers}
         for concurrency in args.concurrency:
-            order = list(servers)
             for repeat in range(args.repeats_levels):
-                for mode in order[repeat % len(order):] + order[:repeat % len(order)]:
+                for mode in turn_order(list(servers), repeat):
                     figures = measured_level(servers[mode], concurrency, args)
                     runs[mode].append([figures]) if repeat == 0 else runs[mode][-1].append(figures)
                     print(f"{mode:>4} c={concurrency:<2} {figures['tokens_per_s']:7.1f} tok/s  TTFT p50 "
@@ -251,18 +260,17 @@ def overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
             call = warm_call(args, prompt, speculative=mode == "on")
             with httpx.Client() as client:
                 for _ in range(args.repeats + 1):  # the first of each warms up
-                    start = time.perf_counter()
-                    answer = client.post(f"{server.url}/v1/completions", json=body, timeout=args.timeout)
+                    seconds, answer = timed(client.post, f"{server.url}/v1/completions", json=body,
+                                            timeout=args.timeout)
                     answer.raise_for_status()
-                    served.append(time.perf_counter() - start)
+                    served.append(seconds)
                     warm.append(call())
                     warm_thread.append(call(thread=True))
             tokens = answer.json()["usage"]["completion_tokens"]
         finally:
             server.stop()
         command = [generate_time(args, prompt, flags) for _ in range(2)]
-        server_s, warm_s = statistics.median(served[1:]), statistics.median(warm[1:])
-        thread_s = statistics.median(warm_thread[1:])
+        server_s, warm_s, thread_s = median(served[1:]), median(warm[1:]), median(warm_thread[1:])
         best_server, best_warm = min(served[1:]), min(warm[1:])
         out.append({"mode": mode, "generate_flags": flags, "tokens": tokens, "server_e2e_s": server_s,
                     "generate_warm_s": warm_s, "overhead_vs_warm": server_s / warm_s - 1,
@@ -275,11 +283,7 @@ def overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def plot(results: list[dict[str, Any]], prefix: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     styles = {"on": ("tab:green", "always on (γ 4)"), "off": ("tab:gray", "always off"),
               "load": ("tab:blue", "decided by load")}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -301,9 +305,8 @@ def plot(results: list[dict[str, Any]], prefix: str) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[1].set_yscale("log")
-    fig.tight_layout()
     path = f"{prefix}.png"
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     return [path]
 
 
@@ -337,7 +340,7 @@ def markdown(document: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("serve_load", __doc__)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
     parser.add_argument("--requests", type=int, default=8, help="requests per level at least (2 per client at least)")
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(json.loads(Path(args.from_json).read_text())), end="")
         return 0
     started = time.time()
-    load = os.getloadavg()
+    load = load_average()
     results = run_modes(args) if args.modes else []
     costs = [] if args.no_overhead else overhead(args)
     for cost in costs:
@@ -370,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
               f"each {100 * cost['best_overhead_vs_warm']:+.1f}%; the call from another thread "
               f"{cost['generate_warm_thread_s']:.3f} s: {100 * cost['overhead_vs_warm_thread']:+.1f}%); generate.py "
               f"as a command {cost['generate_command_s']:.3f} s", file=sys.stderr)
-    document = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+    document = {"command": command_line("serve_load", argv),
                 "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                "load_average_before": load, "load_average_after": os.getloadavg(),
+                "load_average_before": load, "load_average_after": load_average(),
                 "seconds": time.time() - started, "settings": vars(args), "results": results, "overhead": costs}
     if args.out:
         Path(args.out).write_text(json.dumps(document, indent=1) + "\n")

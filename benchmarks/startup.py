@@ -1,9 +1,9 @@
 """Fast by default: start-up time and decode speed of eager, compiled and cached compiled steps,
 in float32 and bfloat16.
 
-    python benchmarks/startup.py                         # the table in docs/benchmarks.md
-    python benchmarks/startup.py --dtypes float32 --max-new-tokens 64 --out ''
-    python benchmarks/startup.py --dtypes float32 float16 --kinds eager --out ''   # some set-ups only
+    python -m benchmarks.startup                         # the table in docs/results/benchmarks.md
+    python -m benchmarks.startup --dtypes float32 --max-new-tokens 64 --out ''
+    python -m benchmarks.startup --dtypes float32 float16 --kinds eager --out ''   # some set-ups only
 
 Start-up, in processes of their own (children of this script), for every dtype:
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -43,9 +42,21 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+# Only what the standard library has, here and in the harness: a start-up child's imports count in its time
+from benchmarks.harness import (
+    DOCS,
+    FAST_BLOCK,
+    RESULTS,
+    ROOT,
+    command_line,
+    copy_bandwidth,
+    describe_machine,
+    link,
+    load_average,
+    script_parser,
+    turn_order,
+    update_block,
+)
 
 STARTS = (("eager", "eager"), ("compiled", "compiled, first process"), ("compiled-again", "compiled, later process"),
           ("cached-build", "cached compiled, first process (builds)"), ("cached", "cached compiled, later process"))
@@ -99,9 +110,7 @@ def speed_child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from benchmark_prompts import STORY_OPENINGS
-    from compiled import copy_bandwidth
-
+    from benchmarks.benchmark_prompts import STORY_OPENINGS
     from model.fast.setup import step_ms
     from speculative import autoregressive_generate, speculative_generate
 
@@ -116,7 +125,8 @@ def speed_child(args: argparse.Namespace) -> None:
     steps: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for round_ in range(args.rounds):
-            for (dtype, kind), (pair, _) in pairs.items():
+            for dtype, kind in turn_order(list(pairs), round_):
+                pair = pairs[dtype, kind][0]
                 label = f"{dtype} {kind}"
                 for name, temperature in CASES:
                     for i, prompt in enumerate(prompts):
@@ -142,8 +152,8 @@ def speed_child(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- the parent
 def spawn(args: argparse.Namespace, child: str, dtype: str, store: str, inductor: str) -> tuple[float, dict]:
-    command = [sys.executable, __file__, "--child", child, "--dtype", dtype, "--store", store, "--work", args.work,
-               "--dtypes", *args.dtypes, "--kinds", *args.kinds,
+    command = [sys.executable, "-m", "benchmarks.startup", "--child", child, "--dtype", dtype, "--store", store,
+               "--work", args.work, "--dtypes", *args.dtypes, "--kinds", *args.kinds,
                *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
                    "target", "draft", "threads", "gamma", "max_new_tokens", "prompts", "rounds"))]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor, "OMP_NUM_THREADS": str(args.threads)}
@@ -196,7 +206,7 @@ def tables(args: argparse.Namespace, starts: dict[tuple[str, str], float], speed
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser("startup", __doc__)
     parser.add_argument("--target", default="tiny-target")
     parser.add_argument("--draft", default="tiny-draft")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "bfloat16/float32"],
@@ -208,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8, help="turns of every set-up; the fastest counts per prompt")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="page to update ('' for none)")
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks.md"), help="page to update ('' for none)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
@@ -220,11 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         start_child(args)
         return 0
-    from benchmark import machine
-    from benchmark_report import FAST_END, FAST_START, replace_block
-
-    command = f"python benchmarks/startup.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
-    load_before = os.getloadavg()
+    command = command_line("startup", argv)
+    load_before = load_average() or (0.0,)
     starts: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory(prefix="startup-") as work:
         args.work = work
@@ -242,13 +249,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{dtype} {kind}: start-up {seconds:.1f}s ({'; '.join(result['setup'])})", file=sys.stderr,
                           flush=True)
         _, speed = spawn(args, "speed", args.dtypes[0], "", str(Path(work) / f"inductor-{args.dtypes[0]}"))
-    load_after = os.getloadavg()
-    info, _ = machine([args.threads])
-    lines = [FAST_START, "## Fast by default: start-up and decode speed", "",
+    load_after = load_average() or (0.0,)
+    info, _ = describe_machine(args.threads)
+    compiled_md = link(args.out or RESULTS / "benchmarks.md", DOCS / "compiled.md")
+    lines = ["## Fast by default: start-up and decode speed", "",
              f"From `{command}` on {info.get('CPU', 'this CPU')}, {args.threads} threads, torch {info.get('torch')}, "
              f"{info.get('date')}; load average {load_before[0]:.1f} before the run and {load_after[0]:.1f} after it "
              f"({os.cpu_count()} cores; the run's own threads count in it). {args.prompts} story openings, "
-             f"{args.max_new_tokens} new tokens, γ {args.gamma}; the design is in [compiled.md](compiled.md). "
+             f"{args.max_new_tokens} new tokens, γ {args.gamma}; the design is in [compiled.md]({compiled_md}). "
              "Start-up: from starting a process of its own to its first decoded token (loading, set-up, compiling or "
              "loading the steps; a later process: the fastest of 3). Tokens/s (decoding only): one process "
              "holding every set-up, taken in turns for "
@@ -256,12 +264,10 @@ def main(argv: list[str] | None = None) -> int:
              "bound is the target's weight bytes over a 1 GiB copy's bandwidth (bytes read and written): a step "
              "only reads, and part of its weights can stay in the last-level cache between steps, so a step can "
              "come in under it (over 100%).", ""]
-    lines += tables(args, starts, speed) + ["", FAST_END]
+    lines += tables(args, starts, speed) + [""]
     print("\n".join(lines))
     if args.out:
-        page = Path(args.out)
-        page.write_text(replace_block(page.read_text() if page.is_file() else "", "\n".join(lines), FAST_START,
-                                      FAST_END))
+        update_block(args.out, lines, FAST_BLOCK)
         print(f"updated {args.out}", file=sys.stderr)
     return 0
 

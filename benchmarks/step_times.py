@@ -1,7 +1,7 @@
 """One decode step of the target and of the draft, in isolation, under each decoding set-up.
 
-    python benchmarks/step_times.py                       # the shipped pair, float32, a markdown table
-    python benchmarks/step_times.py --draft tiny-draft-undistilled --rows 1 5
+    python -m benchmarks.step_times                       # the shipped pair, float32, a markdown table
+    python -m benchmarks.step_times --draft tiny-draft-undistilled --rows 1 5
 
 The paper's c is the cost of a draft step relative to a target step; the shipped pair was
 chosen so that a target step costs about 10x a draft step. This measures both, one token
@@ -13,20 +13,15 @@ and the medians reported, so that a busy moment of the machine hits them all ali
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from model.call import CacheCall  # noqa: E402
-from model.fast.fuse import prepare_for_decoding  # noqa: E402
-from weights import load_model  # noqa: E402
+from benchmarks.harness import machine_line, markdown_table, mean_seconds, median, script_parser, turn_order
+from model.call import CacheCall
+from model.fast.fuse import prepare_for_decoding
+from weights import load_model
 
 SETUPS = {  # name: (stack projections, prepack weights)
     "defaults (stacked, prepacked)": (True, True),
@@ -37,15 +32,15 @@ START = 100  # cache position of the timed calls: a prompt's worth of context be
 
 
 def ms_per_call(model: torch.nn.Module, rows: int, calls: int) -> float:
+    """Milliseconds per call over ``calls`` calls, each at the next position (64 apart at most)."""
     tokens = torch.full((1, rows), 5)
-    start = time.perf_counter()
-    for i in range(calls):
-        model(tokens, CacheCall.of(torch.arange(rows).unsqueeze(0) + START + i % 64))
-    return (time.perf_counter() - start) / calls * 1e3
+    step = iter(range(calls))
+    return mean_seconds(lambda: model(tokens, CacheCall.of(torch.arange(rows).unsqueeze(0) + START + next(step) % 64)),
+                        calls) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("step_times", __doc__)
     parser.add_argument("--target", default="tiny-target", help="registry name or path (default tiny-target)")
     parser.add_argument("--draft", default="tiny-draft", help="registry name or path (default tiny-draft)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="tokens per call (default 1)")
@@ -67,20 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[tuple[str, str, int], list[float]] = {}
     with torch.inference_mode():
         calls = {key: max(5, int(0.2 / (ms_per_call(model, 1, 3) / 1e3))) for key, model in models.items()}
-        for _ in range(args.rounds):
-            for (setup, role), model in models.items():
+        for turn in range(args.rounds):
+            for setup, role in turn_order(list(models), turn):
+                model = models[setup, role]
                 for rows in args.rows:
                     times.setdefault((setup, role, rows), []).append(ms_per_call(model, rows, calls[setup, role]))
 
-    print(f"{args.threads} threads, torch {torch.__version__}, float32; milliseconds per call (median of "
-          f"{args.rounds} rounds)\n")
-    print("| set-up | rows | target | draft | target / draft |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"{machine_line(args.threads)}; float32, milliseconds per call (median of {args.rounds} rounds)\n")
+    rows = []
     for setup in SETUPS:
-        for rows in args.rows:
-            target = statistics.median(times[setup, "target", rows])
-            draft = statistics.median(times[setup, "draft", rows])
-            print(f"| {setup} | {rows} | {target:.3f} | {draft:.3f} | {target / draft:.1f} |")
+        for width in args.rows:
+            target, draft = (median(times[setup, role, width]) for role in ("target", "draft"))
+            rows.append([setup, width, f"{target:.3f}", f"{draft:.3f}", f"{target / draft:.1f}"])
+    print("\n".join(markdown_table(["set-up", "rows", "target", "draft", "target / draft"], rows, "lrrrr")))
     return 0
 
 

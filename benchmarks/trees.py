@@ -1,7 +1,7 @@
 """Token trees and block verification against the plain chain, on the shipped pair.
 
-    python benchmarks/trees.py            # the full run, about 11 min on 2 cores: docs/benchmarks_trees.md + a PNG
-    python benchmarks/trees.py --prompts 1 --repeats 1 --max-new-tokens 16 --gammas 3 --shapes 2,1,1,1 3,2,1,1 \\
+    python -m benchmarks.trees     # the full run, about 11 min on 2 cores: docs/results/benchmarks_trees.md + a PNG
+    python -m benchmarks.trees --prompts 1 --repeats 1 --max-new-tokens 16 --gammas 3 --shapes 2,1,1,1 3,2,1,1 \\
         --nodes 1 8 --out /tmp/t.md --plot /tmp/t.png             # a smoke run
 
 For every drafter of ``--drafters`` (a draft model; a feature head, tiny-eagle, or
@@ -16,7 +16,7 @@ LABEL=PATH for one not shipped yet), greedy and at temperature 1, it times
   greedy trees always take the top-k),
 
 and the target alone (``autoregressive_generate``) for the speedup. tau is new tokens per
-target call, alpha the paper's acceptance rate, tokens/s what benchmarks/benchmark.py
+target call, alpha the paper's acceptance rate, tokens/s what benchmarks.benchmark
 reports (new tokens / wall time of the whole call, benchmark_report.Runs), each a median
 over prompts x repeats. Runs are interleaved (repeat > prompt > temperature >
 configuration) so that a change in machine load hits all configurations alike.
@@ -33,47 +33,52 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchmark import load_drafters, machine, network  # noqa: E402
-from benchmark_prompts import STORY_OPENINGS, PromptSet, build_prompt_sets  # noqa: E402
-from benchmark_report import (  # noqa: E402
+from benchmarks.benchmark import load_drafters
+from benchmarks.benchmark_prompts import STORY_OPENINGS, PromptSet, build_prompt_sets
+from benchmarks.benchmark_report import (
     COLORS,
     Method,
     Results,
     Row,
     Runs,
-    _pyplot,
-    _save,
     best_fixed,
     fmt,
     greedy_agreement,
-    median,
     row,
     temperature_name,
     threads_name,
 )
-
-from model import call as calls  # noqa: E402
-from model.call import CacheCall  # noqa: E402
-from model.fast.fuse import prepare_for_decoding  # noqa: E402
-from speculative import autoregressive_generate, speculative_generate  # noqa: E402
-from speculative.draft.trees import TREE_MODES, check_tree  # noqa: E402
-from speculative.engine.stats import clock  # noqa: E402
-from speculative.inputs import model_device  # noqa: E402
-from speculative.verify.tree import TokenTree, branching_parents  # noqa: E402
-from weights import load_model, load_tokenizer  # noqa: E402
+from benchmarks.harness import (
+    RESULTS,
+    Progress,
+    command_line,
+    describe_machine,
+    link,
+    machine_lines,
+    median,
+    page_head,
+    prepare_networks,
+    pyplot,
+    save_figure,
+    script_parser,
+    timed,
+    write_page,
+)
+from model import call as cache_calls
+from model.call import CacheCall
+from speculative import autoregressive_generate, speculative_generate
+from speculative.draft.trees import TREE_MODES, check_tree
+from speculative.engine.stats import clock
+from speculative.inputs import model_device
+from speculative.verify.tree import TokenTree, branching_parents
+from weights import load_model, load_tokenizer
 
 DRAFTERS = ["tiny-draft", "tiny-eagle"]
 SHAPES = ["2,1,1,1", "2,2,1,1", "3,2,1,1", "3,2,2,1", "4,2,1,1,1", "3,3,1,1,1"]
@@ -132,16 +137,16 @@ def configs_for(temperature: float, drafters: dict[str, Any], args: argparse.Nam
 def run(config: Config, target: Any, drafters: dict[str, Any], prompt: list[int], new_tokens: int,
         temperature: float, seed: int, tree_mode: str) -> tuple[float, list[int], Any]:
     """One call, timed end to end as benchmark.py times its own (cache allocation and the prompt included)."""
-    begin = time.perf_counter()
     if config.key == "target":
-        result = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=seed)
+        seconds, result = timed(autoregressive_generate, target, prompt, new_tokens, temperature=temperature,
+                                seed=seed)
     elif config.tree:
-        result = speculative_generate(target, drafters[config.drafter], prompt, new_tokens, temperature=temperature,
-                                      seed=seed, tree=config.tree, tree_mode=tree_mode)
+        seconds, result = timed(speculative_generate, target, drafters[config.drafter], prompt, new_tokens,
+                                temperature=temperature, seed=seed, tree=config.tree, tree_mode=tree_mode)
     else:
-        result = speculative_generate(target, drafters[config.drafter], prompt, new_tokens, temperature=temperature,
-                                      seed=seed, gamma=config.gamma, verify=config.verify)
-    return time.perf_counter() - begin, result.tokens, result.stats
+        seconds, result = timed(speculative_generate, target, drafters[config.drafter], prompt, new_tokens,
+                                temperature=temperature, seed=seed, gamma=config.gamma, verify=config.verify)
+    return seconds, result.tokens, result.stats
 
 
 # ----------------------------------------------------------------------------- one target call against N nodes
@@ -151,10 +156,11 @@ def call_inputs(target: Any, prefix: list[int], nodes: list[int]) -> dict[int, t
     device = model_device(target)
     start, token = len(prefix), prefix[-1]
     parents = branching_parents(COST_SHAPE)
-    feeds = {0: (torch.tensor([[token]], device=device), calls.chain(start, 1, device))}
+    feeds = {0: (torch.tensor([[token]], device=device), cache_calls.chain(start, 1, device))}
     for n in nodes:
         tree = TokenTree(torch.full((n,), token, dtype=torch.long, device=device), parents[:n], "deterministic")
-        feeds[n] = (torch.full((1, n + 1), token, dtype=torch.long, device=device), calls.tree(start, 1, tree, device))
+        feeds[n] = (torch.full((1, n + 1), token, dtype=torch.long, device=device),
+                    cache_calls.tree(start, 1, tree, device))
     return feeds
 
 
@@ -166,7 +172,7 @@ def time_calls(target: Any, prefix: list[int], nodes: list[int], calls: int, cos
     device = model_device(target)
     with torch.inference_mode():
         target.setup_cache(1, len(prefix) + max(nodes, default=0) + 1)
-        target(torch.tensor([prefix], device=device), calls.chain(0, len(prefix), device))
+        target(torch.tensor([prefix], device=device), cache_calls.chain(0, len(prefix), device))
         for feed, call in feeds.values():  # untimed: first-call allocations of each size
             target(feed, call)
         for _ in range(calls):
@@ -182,8 +188,7 @@ def measure(args: argparse.Namespace, target: Any, drafters: dict[str, Any], pro
     results: Results = {(args.threads, PROMPT_SET, t): {c.label: Runs() for c in configs[t]}
                         for t in args.temperatures}
     costs: dict[int, list[float]] = {}
-    total = args.repeats * len(prompts) * sum(map(len, configs.values()))
-    done, begin = 0, time.perf_counter()
+    progress = Progress(args.repeats * len(prompts) * sum(map(len, configs.values())))
     for t, cs in configs.items():  # untimed: first-call allocations and lazy initialisation of every path
         for c in cs:
             run(c, target, drafters, prompts[0], min(8, args.max_new_tokens), t, args.seed, args.tree_mode)
@@ -194,14 +199,11 @@ def measure(args: argparse.Namespace, target: Any, drafters: dict[str, Any], pro
                     seconds, tokens, stats = run(c, target, drafters, prompt, args.max_new_tokens, t,
                                                  args.seed + 1000 * i + r, args.tree_mode)
                     results[(args.threads, PROMPT_SET, t)][c.label].add(seconds, tokens, stats, i, r == 0)
-                    done += 1
-                    elapsed = time.perf_counter() - begin
-                    print(f"\r[{done}/{total}] {elapsed:.0f}s, about {elapsed / done * (total - done):.0f}s left; "
-                          f"prompt {i}, {temperature_name(t)}, repeat {r}, {c.label}: "
-                          f"{len(tokens) / seconds:.1f} tokens/s      ", end="", file=sys.stderr, flush=True)
+                    progress.step(f"prompt {i}, {temperature_name(t)}, repeat {r}, {c.label}: "
+                                  f"{len(tokens) / seconds:.1f} tokens/s")
         if args.nodes:  # one round of call timings per repeat, so that they too see the run's changing load
             time_calls(target, prefix, args.nodes, args.calls, costs)
-    print(file=sys.stderr)
+    progress.end()
     return results, costs
 
 
@@ -377,7 +379,7 @@ def render(head: list[str], args: argparse.Namespace, results: Results, configs:
 # ----------------------------------------------------------------------------- the plot
 def plot(path: Path, title: str, args: argparse.Namespace, results: Results, configs: dict[float, list[Config]],
          drafters: list[str], costs: dict[int, list[float]]) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     temps = args.temperatures
     settings = {t: list(dict.fromkeys(c.setting for c in configs[t] if c.key != "target")) for t in temps}
     width = max(8.0, 0.45 * max(map(len, settings.values())) * max(1, len(drafters)))
@@ -425,7 +427,7 @@ def plot(path: Path, title: str, args: argparse.Namespace, results: Results, con
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(title, fontsize=10)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def in_run_ratio(cell: dict[str, Runs], config: Config) -> float | None:
@@ -437,7 +439,7 @@ def in_run_ratio(cell: dict[str, Runs], config: Config) -> float | None:
 
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("trees", __doc__)
     parser.add_argument("--target", default="tiny-target", help="target checkpoint (default tiny-target)")
     parser.add_argument("--drafters", nargs="+", default=DRAFTERS,
                         help="drafters, as generate.py --draft takes them, or LABEL=PATH to name one's rows "
@@ -465,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch CPU threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0, help="base seed for sampling (default 0)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_trees.md"), help="markdown report")
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "benchmark_trees.png"), help="PNG ('' for none)")
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks_trees.md"), help="markdown report")
+    parser.add_argument("--plot", default=str(RESULTS / "benchmark_trees.png"), help="PNG ('' for none)")
     return parser
 
 
@@ -498,8 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     if not drafters:
         sys.exit("error: no drafter loaded")
     # The decoding set-up of generate.py and benchmark.py, on the target and on every drafter's network
-    networks = [target] + [n for n in map(network, drafters.values()) if n is not None]
-    stacked, prepacked = (sum(column) for column in zip(*(prepare_for_decoding(n) for n in networks)))
+    stacked, prepacked = prepare_networks(target, drafters.values())
     tokenizer = load_tokenizer(args.target)
     limit = min([target.config.max_seq_len] + [d.max_seq_len for d in drafters.values() if d.max_seq_len])
     # Room for the prompt, the output and the largest draft at full size up to the last token: the loop
@@ -515,11 +516,10 @@ def main(argv: list[str] | None = None) -> int:
 
     results, costs = measure(args, target, drafters, prompts, configs, prefix)
 
-    info, flags = machine([args.threads])
-    info["torch threads"] = str(args.threads)
-    command = f"python benchmarks/trees.py {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+    info, flags = describe_machine(args.threads)
+    command = command_line("trees", argv)
     out = Path(args.out)
-    plot_path = os.path.relpath(args.plot, out.parent) if args.plot else None
+    plot_path = link(out, args.plot) if args.plot else None
     setup = (f"Target `{args.target}`, float32 on cpu; drafters {', '.join(f'`{d}`' for d in drafters)}; as "
              f"generate.py, q/k/v and gate/up stacked ({stacked} groups, model/fast/fuse.py) and large weights "
              f"reordered for oneDNN ({prepacked} layers, model/fast/prepack.py) in the target and every drafter's "
@@ -529,22 +529,17 @@ def main(argv: list[str] | None = None) -> int:
              f"at T > 0 and the top-k greedy. {len(prompts)} story openings × {args.repeats} repeats, "
              f"{args.max_new_tokens} new tokens each (end-of-sequence ignored), {threads_name(args.threads)}. "
              "tokens/s is the median over prompts and repeats of new tokens / wall time of the whole call (cache "
-             "allocation and the prompt's forward included), as benchmarks/benchmark.py measures it; the speedup "
-             "is the ratio of medians against the target alone at the same temperature; α (the paper's acceptance "
-             "rate) and τ (new tokens per target call) are medians over runs.")
-    head = ["# Token trees and block verification", "",
-            "Generated by `benchmarks/trees.py`; do not edit by hand. Command:", "", f"    {command}", "",
-            "## Setup", "", setup, ""] + [f"* Note: {n}." for n in notes]
-    head += ["", "| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in info.items()]
-    if flags:
-        head += ["", "<details><summary>all CPU flags</summary>", "", flags, "", "</details>"]
+             "allocation and the prompt's forward included), as `python -m benchmarks.benchmark` measures it; the "
+             "speedup is the ratio of medians against the target alone at the same temperature; α (the paper's "
+             "acceptance rate) and τ (new tokens per target call) are medians over runs.")
+    head = page_head("Token trees and block verification", command) + ["## Setup", "", setup, ""]
+    head += [f"* Note: {n}." for n in notes] + [""] + machine_lines(info, flags)
     summaries = summarize(results, args, configs, list(drafters))
     goals = goal_lines(results, args, configs, summaries)
     if args.plot:
         plot(Path(args.plot), f"{args.target} with {', '.join(drafters)}, {threads_name(args.threads)}", args,
              results, configs, list(drafters), costs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(head, args, results, configs, summaries, costs, goals, sets, plot_path))
+    write_page(out, render(head, args, results, configs, summaries, costs, goals, sets, plot_path))
     print("\n".join(goals))
     print(f"wrote {out}" + (f" and {args.plot}" if args.plot else ""))
     return 0

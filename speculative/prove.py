@@ -2,9 +2,9 @@
 
 import sys
 
-from speculative.proofs.checker import check, main
+from speculative.proofs.checker import check, feature_drafter, main, model_drafter, toy_draft, toy_head
 
-__all__ = ["check", "main"]
+__all__ = ["check", "feature_drafter", "main", "model_drafter", "toy_draft", "toy_head"]
 
 if __name__ == "__main__":
     sys.exit(main())

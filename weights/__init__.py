@@ -3,6 +3,7 @@ by name (load.py, drafters.py), the compiled-step cache, training runs' folders 
 
 from __future__ import annotations
 
+from model.moved import install
 from weights.checkpoint import (
     CheckpointError,
     NonFiniteWeightsError,
@@ -16,6 +17,9 @@ from weights.load import Pair, PairSpec, load_pair, read_pair
 from weights.registry import UnknownCheckpointError, resolve
 from weights.step_cache import StepCache
 from weights.tokenizer import Tokenizer
+
+# Old module paths, for one release (model/moved.py): the command line's helpers and the text functions moved.
+install({"weights.cli": "speculative.cli.options", "weights.text": "speculative.serving.text"})
 
 __all__ = ["CheckpointError", "NonFiniteWeightsError", "Pair", "PairSpec", "StepCache", "Tokenizer",
            "UnknownCheckpointError", "load_drafter", "load_model", "load_pair", "load_tokenizer", "read_config",

@@ -53,10 +53,10 @@ _SHAPES = 0  # shapes compiled so far in this process, over all models
 # What compile_for_decoding's ``mode`` names: torch.compile's own modes, or Inductor options.
 # "autotune" (the CPU default): Inductor's C++ GEMM kernels, chosen by timing them against
 # the ATen product once per shape (max_autotune), over weights it lays out once as constants
-# of the graph (freezing): on the shipped target, 2.1 ms a step against 4.2 ms eager and
-# 6 ms for "default", which calls MKL's sgemm and repacks the weights at every call (see
-# docs/compiled.md). Its costs: about a minute of compiling per model on 2 cores, a second
-# copy of the weights, and weights fixed at compile time (change them and compile again).
+# of the graph (freezing); "default" calls MKL's sgemm, which repacks the weights at every
+# call (docs/compiled.md has the step times of each). Its costs: minutes of compiling per
+# model, a second copy of the weights, and weights fixed at compile time (change them and
+# compile again).
 # Each mode: (torch.compile's mode, whether Inductor freezes the weights). Freezing is set on
 # Inductor's config while the shapes compile (compile_for_decoding compiles them all up
 # front): passed in torch.compile's options it is not seen, and the C++ template is not used.

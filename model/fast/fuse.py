@@ -4,10 +4,10 @@ Why this exists. Every operator PyTorch runs has a fixed cost (a few microsecond
 CPU, a kernel launch on a GPU, and on a CPU with prepacked weights oneDNN's own set-up per
 call). q, k and v are three products of the same normalised input, and so are gate and up
 in the MLP: stacking their weights makes two products out of five per layer, and the
-rotary embedding then turns the query and key heads in one go. On the shipped pair (2 CPU
-cores, float32, prepacked) one target step went from 5.5 to 4.7 ms and one draft step
-from 0.52 to 0.48 ms (benchmarks/step_times.py). Checkpoints keep the Hugging Face
-layout; this is done after loading, for inference, like model/fast/prepack.py.
+rotary embedding then turns the query and key heads in one go (what it saves per step:
+``python -m benchmarks.step_times``). Checkpoints keep the Hugging Face layout; this is done
+after loading, for inference, like model/fast/prepack.py, by giving each stacked module a
+class of its own (:func:`stacked`), so that model/model.py knows nothing of it.
 
 The stacked product computes the same dot products as the separate ones; only the
 blocking of the matrix product may change, so results agree to float rounding.

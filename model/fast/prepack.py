@@ -4,23 +4,22 @@ Why this exists. Speculative decoding's cost model assumes that the target score
 tokens in about the time it takes to score one: decoding is memory-bound, and the weights
 are read once either way. On a CPU, PyTorch sends a float32 ``F.linear`` to MKL's sgemm,
 which copies ("packs") the whole weight matrix into its blocked layout at *every* call
-with more than one input row. The copy costs as much as the product, so on the shipped
-pair (2 cores) a 5-token verification took 1.6 one-token steps, and a 4096 x 4096 layer
-of a 7B model takes 4x longer for 5 rows than for 1. oneDNN can reorder a weight into
-its blocked layout once, ahead of time; its products then cost about the same for 1 to 8
-rows (measurements in docs/cost_model.md).
+with more than one input row. The copy costs as much as the product, so a verification of
+a few tokens costs well over one step. oneDNN can reorder a weight into its blocked layout
+once, ahead of time; its products then cost about the same for 1 to 8 rows (the
+measurements, and the command that makes them, are in docs/cost_model.md).
 
 :func:`prepack_linears` swaps large ``nn.Linear`` layers of a float32 CPU model for
 :class:`PrepackedLinear`, in place. Small layers keep MKL: oneDNN's fixed cost per call
-(about 16 microseconds here) exceeds the whole product of a 128 x 128 matrix. The result
+exceeds the whole product of a small matrix. The result
 differs from ``F.linear`` only by the order of float32 additions (about 1e-6 relative).
 
 Bfloat16 has the same cost on a CPU with native bf16 (AVX-512 BF16, AMX): ``F.linear`` sends it
 to oneDNN, which reorders the weight at every call, so a product costs about twice the packed
-one (the shipped target's 2048 x 384 head: 80 against 34 microseconds, 2 threads, Zen 4), and
-bfloat16 weights are prepacked there too. Float16 is not: its one-row product is already a fast
-memory-bound kernel, and this oneDNN has no float16 reorder where the CPU lacks AVX-512 FP16
-(docs/benchmarks.md: why float16 speculation gained nothing).
+one (``python -m benchmarks.matmul_rows --dtypes``), and bfloat16 weights are prepacked there
+too. Float16 is not: its one-row product is already a fast memory-bound kernel, and this oneDNN
+has no float16 reorder where the CPU lacks AVX-512 FP16 (docs/compiled.md: why float16
+speculation gained nothing).
 
 It uses two operators that PyTorch's own compiler (Inductor) uses for the same purpose,
 ``torch.ops.mkldnn._reorder_linear_weight`` and ``torch.ops.mkldnn._linear_pointwise``.

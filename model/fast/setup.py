@@ -10,9 +10,9 @@ machine, not on the model:
   a CPU in float32 only): verifying several tokens costs about one step;
 * ``compiled``: stacked, and the static-shape step compiled (model/fast/compile.py).
 
-They were tuned on one Zen 4 with AVX-512; on a Zen 3 without it stacking made the draft
-step slower (1.29 against 1.04 ms) and prepacking made a one-token target step slower (12.0
-against 10.1 ms) while it made a 5-token one faster. So :func:`choose_setup` builds each
+Which wins differs between CPUs (on one without AVX-512, stacking made the draft step slower,
+and prepacking a one-token target step slower while it made a 5-token one faster: the figures
+are in docs/compiled.md). So :func:`choose_setups` builds each
 candidate on a copy of the model, times one step at each decode width the run will use
 (the sum: a speculative run calls both the 1-token and the gamma+1-token step about once per
 iteration), and keeps the fastest; the timings are returned to be printed.

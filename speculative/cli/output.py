@@ -99,10 +99,9 @@ def busy_hint(times: Sequence[float], sizes: Sequence[int], threads: int, device
     (all 0 without a draft). Only decode iterations of the most common size are compared:
     the first also read the prompt, and iterations that drafted fewer tokens are cheaper.
     With several threads each operator waits for all of them, so when other processes hold
-    the cores most steps wait for a descheduled thread: measured on 2 cores with 2 spinning
-    processes, the shipped pair's iterations took 7.5 ms (10th percentile) to 556 ms (90th)
-    with 2 threads, 11 tokens/s, against 8.1 to 9.7 ms and 401 tokens/s with --threads 1; on
-    the idle machine, 7.0 to 8.6 ms with 2 threads. Needs 10 such iterations; else None.
+    the cores most steps wait for a descheduled thread, and the spread of the step times grows
+    by orders of magnitude (docs/cli.md shows a measured case). Needs 10 such iterations;
+    else None.
     """
     if device.type != "cpu" or threads <= 1:
         return None

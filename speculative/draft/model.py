@@ -18,13 +18,9 @@ from speculative.verify.tree import TokenTree
 class ModelDrafter:
     """The paper's M_q: a smaller model of the target's family, with its own KV cache.
 
-    Its rollback is writing at an earlier slot (docs/kv_cache.md): a call at slot s
-    overwrites the cache from s on, so for each row the drafter only remembers ``next``, its
-    first cache slot not holding a token of the row's sequence. It is fed the last token and
-    x_1..x_{gamma-1}, never its own last proposal x_gamma, so after proposing
-    next = L + gamma - 1; after verification (length L') everything before the newest token
-    is valid at most: next = min(next, L' - 1). When all gamma were accepted, its next call
-    therefore feeds [x_gamma, t] together, and it never re-runs a proposal.
+    For each row it remembers only ``next``, its first cache slot not holding a token of the
+    row's sequence: next = L + gamma - 1 after proposing, min(next, L' - 1) after verification
+    (docs/kv_cache.md, "The two models' bookkeeping", says why that is the whole rollback).
 
     The model is used only through its cached call ``model(tokens, call)``, ``setup_cache``,
     ``move_cache`` and ``config.vocab_size`` / ``config.max_seq_len``.

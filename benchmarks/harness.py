@@ -1,0 +1,379 @@
+"""What every benchmark script shares: timing, set-ups taken in turns, the machine, and the pages.
+
+Every script runs from the repository root as ``python -m benchmarks.NAME`` and imports this
+module as ``benchmarks.harness``. It imports nothing heavy itself (torch only inside the
+functions that need it), so that a parent process that only starts others, or a start-up
+timed from the process's birth, pays nothing for it.
+
+* Timing: :func:`median`, :func:`timed`, :func:`median_seconds`, :func:`mean_seconds`,
+  :func:`copy_bandwidth`, :class:`Progress`.
+* Turns: set-ups that take turns, so that a machine whose speed drifts slows them all alike:
+  :func:`turn_order`; warm processes, one per checkout, that answer one round at a time
+  (:class:`WarmProcess`, :func:`answer_rounds`, :func:`take_turns`), run on another checkout's
+  code by :func:`checkout_env`; and the figures of rounds, :func:`per_prompt`.
+* The machine: :func:`describe_machine` (CPU model and flags from /proc/cpuinfo or lscpu,
+  cores, torch threads and version, load average), :func:`machine_lines`, :func:`machine_line`.
+* A script's command line and its pages: :func:`script_parser`, :func:`command_line`,
+  :func:`page_head`, :func:`markdown_table`, :func:`link`, :func:`replace_block`,
+  :func:`keep_blocks`, :func:`update_block`, :func:`write_page`, :func:`pyplot`,
+  :func:`save_figure`; the pages and images generated live in :data:`RESULTS` (docs/results).
+* Set-ups: :func:`network`, :func:`prepare_networks` (the decoding set-up of generate.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parent
+ROOT = BENCHMARKS.parent
+DOCS = ROOT / "docs"
+RESULTS = DOCS / "results"  # every page and image a script here generates
+
+
+# ----------------------------------------------------------------------------- timing
+def median(values: Iterable[float], default: Any = None) -> Any:
+    """The median, or ``default`` when there is nothing to take it of."""
+    values = list(values)
+    return statistics.median(values) if values else default
+
+
+def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, Any]:
+    """Seconds of one call of ``fn`` by the wall clock, and what it returned."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return time.perf_counter() - start, result
+
+
+def median_seconds(fn: Callable[[], Any], calls: int, warmup: int = 0) -> float:
+    """Median seconds of ``calls`` calls of ``fn`` timed one by one, after ``warmup`` untimed ones.
+    The median: a call that another process interrupted does not move it."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn)[0] for _ in range(calls))
+
+
+def mean_seconds(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds per call over ``calls`` calls timed together: for calls too short to time alone."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second of a large copy in memory (bytes read + written), median of ``repeats``
+    after one untimed copy: what bounds a decode step that reads every weight once."""
+    import torch  # deferred: see the module docstring
+
+    src = torch.ones(int(gib * 2 ** 30) // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), repeats, warmup=1)
+
+
+class Progress:
+    """``[done/total] elapsed, about N s left; what`` on one line of stderr, rewritten per step."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / self.done * (self.total - self.done)
+        print(f"\r[{self.done}/{self.total}] {elapsed:.0f}s, about {left:.0f}s left; {what}      ", end="",
+              file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        print(file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- turns
+def turn_order(names: Sequence[Any], turn: int) -> list[Any]:
+    """``names`` rotated by ``turn``: each goes first in its turn, so that the machine's drift
+    falls on all alike (two names alternate)."""
+    k = turn % len(names) if names else 0
+    return list(names[k:]) + list(names[:k])
+
+
+def per_prompt(rounds: Sequence[Sequence[float]], pick: Callable[[Iterable[float]], float] = max) -> float:
+    """The median over prompts of ``pick`` over the rounds of each prompt's figure. With ``max``
+    (tokens/s): the fastest round per prompt, as a busy machine only ever slows a run down."""
+    return statistics.median(pick(figures[i] for figures in rounds) for i in range(len(rounds[0])))
+
+
+@contextmanager
+def checkout_env(root: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A working folder and an environment in which ``python -m benchmarks.NAME`` runs this
+    checkout's benchmarks on ``root``'s packages (model, speculative, weights). ``-m`` puts the
+    working folder first on the module path, and it holds only a link to this benchmarks/;
+    PYTHONPATH names ``root``, which comes before the installed (editable) packages."""
+    with tempfile.TemporaryDirectory(prefix="checkout-") as work:
+        (Path(work) / "benchmarks").symlink_to(BENCHMARKS, target_is_directory=True)
+        yield Path(work), {**os.environ, "PYTHONPATH": str(Path(root).resolve())}
+
+
+class WarmProcess:
+    """A child process that set itself up once (loading and warm-up are not measured) and then
+    measures one round each time it is asked: the parent's side of :func:`answer_rounds`."""
+
+    def __init__(self, name: str, command: list[str], cwd: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd,
+                                     env=env)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.proc.wait()
+            raise SystemExit(f"error: the {name} process did not start ({' '.join(command)} in {cwd})")
+
+    def round(self) -> Any:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"error: the {self.name} process stopped (exit status {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def answer_rounds(one_round: Callable[[], Any]) -> None:
+    """The child's side of :class:`WarmProcess`: ``ready``, then one JSON line of
+    ``one_round()`` per ``go`` on stdin (anything else, or the end of stdin, ends it). Nothing
+    else may print to stdout meanwhile."""
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        print(json.dumps(one_round()), flush=True)
+
+
+def take_turns(processes: dict[str, WarmProcess], rounds: int,
+               progress: Callable[[int, dict[str, list[Any]]], None] | None = None) -> dict[str, list[Any]]:
+    """``rounds`` rounds of every process, one at a time (the others wait on their input) and
+    in rotating order; every process's answers, by name."""
+    got: dict[str, list[Any]] = {name: [] for name in processes}
+    for r in range(rounds):
+        for name in turn_order(list(processes), r):
+            got[name].append(processes[name].round())
+        if progress:
+            progress(r, got)
+    return got
+
+
+# ----------------------------------------------------------------------------- the machine
+# CPU flags that decide which kernels run (vector width, fused multiply-add, low-precision dot products)
+SIMD_FLAGS = ("sse", "ssse3", "avx", "fma", "f16c", "amx", "vnni", "bf16", "fp16")
+
+
+def _lscpu() -> dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines())}
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (Linux), else nothing."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def load_average() -> tuple[float, float, float] | None:
+    try:
+        return os.getloadavg()
+    except OSError:  # not on every platform
+        return None
+
+
+def describe_machine(threads: int | Sequence[int] | None = None) -> tuple[dict[str, str], str]:
+    """The machine as a page's table shows it (name -> value), and the CPU's whole flag list."""
+    import torch  # deferred: see the module docstring
+
+    cpu, ls = _cpuinfo(), _lscpu()
+    name = cpu.get("model name") or ls.get("Model name") or platform.processor() or platform.machine()
+    ident = ", ".join(f"{k} {cpu[k]}" for k in ("cpu family", "model", "stepping") if k in cpu)
+    flags = (cpu.get("flags") or ls.get("Flags") or "").split()
+    info = {"host": platform.node(), "CPU": name + (f" ({ident})" if ident else "")}
+    if ls.get("Hypervisor vendor"):
+        info["virtualisation"] = f"{ls['Hypervisor vendor']} guest ({ls.get('Virtualization type', '?')})"
+    info["cores"] = str(os.cpu_count())
+    caches = [f"{level} {ls[level]}" for level in ("L1d cache", "L2 cache", "L3 cache") if ls.get(level)]
+    if caches:
+        info["caches"] = "; ".join(caches)
+    if flags:
+        info["SIMD flags"] = " ".join(f for f in flags if f.startswith(SIMD_FLAGS) or f in SIMD_FLAGS)
+    info["PyTorch CPU kernels"] = torch.backends.cpu.get_cpu_capability()
+    if threads is None:
+        threads = torch.get_num_threads()
+    counts = [threads] if isinstance(threads, int) else list(threads)
+    info["torch threads"] = ", ".join(map(str, counts)) + (" (each table names its own)" if len(counts) > 1 else "")
+    info.update({"torch": torch.__version__, "python": platform.python_version(), "OS": platform.platform(),
+                 "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")})
+    load = load_average()
+    if load is not None:
+        info["load average"] = " / ".join(f"{x:.2f}" for x in load) + " (1 / 5 / 15 min, at the end of the run)"
+    try:
+        import transformers  # optional: only a reference of benchmark.py
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info, " ".join(flags)
+
+
+def machine_lines(info: dict[str, str], flags: str = "") -> list[str]:
+    """A page's machine table, and the whole flag list folded away under it."""
+    lines = markdown_table(["machine", ""], info.items())
+    if flags:
+        lines += ["", "<details><summary>all CPU flags</summary>", "", flags, "", "</details>"]
+    return lines
+
+
+def machine_line(threads: int | None = None) -> str:
+    """The machine in one line, for a table printed on stdout."""
+    info, _ = describe_machine(threads)
+    load = info.get("load average", "?").split(" (")[0]
+    return (f"{info['CPU']}, {info['cores']} cores, {info['torch threads']} torch threads, torch {info['torch']}, "
+            f"load average {load}")
+
+
+# ----------------------------------------------------------------------------- pages
+def script_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """A script's parser: its usage as ``python -m benchmarks.NAME``, its docstring as the help."""
+    return argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def command_line(name: str, argv: Sequence[str] | None = None) -> str:
+    """The command that ran ``benchmarks.NAME`` with ``argv`` (default: this process's), as a page names it."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return f"python -m benchmarks.{name} {shlex.join(args)}".rstrip()
+
+
+def page_head(title: str, command: str) -> list[str]:
+    """A generated page's first lines: its title and the exact command that made it."""
+    module = " ".join(command.split()[:3])
+    return [f"# {title}", "", f"Generated by `{module}`; do not edit by hand. Command:", "", f"    {command}", ""]
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
+    """A markdown table; ``align`` has one letter per column, ``r`` for right-aligned (numbers)."""
+    rule = ["---:" if align[i:i + 1] == "r" else "---" for i in range(len(header))]
+    return ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join(rule) + "|"] + [
+        "| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def link(page: str | Path, target: str | Path) -> str:
+    """``target`` as a relative link from ``page`` (both paths, wherever the page is written)."""
+    return Path(os.path.relpath(Path(target).resolve(), Path(page).resolve().parent)).as_posix()
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block that one script writes into a page another script generates: between two markers."""
+
+    start: str
+    end: str
+
+
+# Written into results/benchmarks.md by compiled.py and startup.py; benchmark.py keeps them when it
+# rewrites the page (keep_blocks).
+COMPILED_BLOCK = Block("<!-- eager-vs-compiled: written by python -m benchmarks.compiled -->",
+                       "<!-- /eager-vs-compiled -->")
+FAST_BLOCK = Block("<!-- fast-by-default: written by python -m benchmarks.startup -->", "<!-- /fast-by-default -->")
+BLOCKS = (COMPILED_BLOCK, FAST_BLOCK)
+
+
+def replace_block(text: str, block: str, marker: Block) -> str:
+    """``text`` with the block between ``marker``'s lines replaced by ``block`` (appended if it has none)."""
+    if marker.start in text and marker.end in text:
+        head, rest = text.split(marker.start, 1)
+        return head + block + rest.split(marker.end, 1)[1]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def keep_blocks(old: str | None, new: str) -> str:
+    """The new page with the old page's marked blocks, those it had."""
+    for marker in BLOCKS:
+        if old is not None and marker.start in old and marker.end in old:
+            kept = marker.start + old.split(marker.start, 1)[1].split(marker.end, 1)[0] + marker.end
+            new = replace_block(new, kept, marker)
+    return new
+
+
+def update_block(page: str | Path, lines: list[str], marker: Block) -> None:
+    """Write ``lines`` into ``page`` between ``marker``'s lines (the page is made if missing)."""
+    page = Path(page)
+    block = "\n".join([marker.start, *lines, marker.end])
+    write_page(page, replace_block(page.read_text() if page.is_file() else "", block, marker))
+
+
+def write_page(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only."""
+    import matplotlib  # optional: the train and test extras have it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> None:
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+# ----------------------------------------------------------------------------- set-ups
+def network(drafter: Any) -> Any:
+    """The network a drafter runs (a draft model, a feature head), for the decoding set-up; None for a lookup."""
+    import torch  # deferred: see the module docstring
+
+    for name in ("model", "head"):
+        if isinstance(getattr(drafter, name, None), torch.nn.Module):
+            return getattr(drafter, name)
+    return None
+
+
+def prepare_networks(target: Any, drafters: Iterable[Any] = (), **options: Any) -> tuple[int, int]:
+    """generate.py's decoding set-up (projections stacked, float32 CPU weights prepacked; ``options``:
+    prepare_for_decoding's ``stack`` and ``prepack``) on the target and every drafter's network:
+    the stacked groups and the prepacked layers, counted."""
+    try:  # deferred: a warm child of before_after.py imports the packages of the checkout it measures
+        from model.fast.fuse import prepare_for_decoding
+    except ImportError:  # a checkout from before model/fast (compared by before_after.py)
+        from model.fuse import prepare_for_decoding
+    networks = [target] + [n for n in map(network, drafters) if n is not None]
+    counts = [prepare_for_decoding(n, **options) for n in networks]
+    stacked, prepacked = (sum(column) for column in zip(*counts))
+    return stacked, prepacked
