@@ -341,12 +341,12 @@ def machine(device: Any) -> str:
 
 def compile_hint(store: Any, target: nn.Module) -> str:
     """What a one-time --compile would gain and cost: the last measurement on this machine
-    (Setups.record), or, when there is none, the figures of docs/benchmarks.md."""
+    (Setups.record), or, when there is none, the figures of docs/results/benchmarks.md."""
     seen = store.measured(machine(target.device))
     if not seen:
         return ("compiled steps for this run are not in the cache: `--compile` builds them once (minutes; on a 2-core "
                 "Zen 4 about 3 min for the shipped pair, whose steps then take about half the time: "
-                "docs/benchmarks.md), and later runs load them in a few seconds")
+                "docs/results/benchmarks.md), and later runs load them in a few seconds")
     gain = " and ".join(f"{name} step {m['eager_ms']:.2f} -> {m['compiled_ms']:.2f} ms"
                         for name, m in seen["models"].items() if "eager_ms" in m)
     return (f"compiled steps for this run are not in the cache: `--compile` builds them once (it took "
