@@ -1,39 +1,29 @@
-"""Shared test setup.
+"""Session set-up for every test folder (the helpers the tests share are in tests/support/).
 
 * One CPU thread: the suite runs next to long training jobs on a small machine, and a
   single thread also makes float32 reductions deterministic from run to run.
-* ``SHARED_DATA`` / ``needs_shared``: the read-only data folder that sits beside the repo
-  (``../shared/data``). A fresh clone does not have it, so tests that read it skip with a
-  reason instead of failing; CI provides it.
-* Tiny Hugging Face Llama configs and a helper that gives a model weights large enough
-  that attention is far from uniform, so that rotary/scaling mistakes show up in logits.
+* The compiled-step cache (weights/step_cache.py) points at a temporary folder of the
+  session's own, never the user's.
+* ``head_folder``: a feature head for the shipped target with random weights, saved as a
+  checkpoint (the generate.py tests of tests/scripts/ use it).
 
-Other test modules import the names below with ``from conftest import ...`` (pytest puts
-this folder on ``sys.path``).
+Every folder under tests/ is a package, and pytest puts the repository root on ``sys.path``
+(``pythonpath`` in pyproject.toml), so tests import ``tests.support.X``, the packages and the
+scripts (``import generate``) from wherever pytest is started.
 """
 
 from __future__ import annotations
 
 import atexit
-import copy
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `pytest tests/x.py` from anywhere still finds the packages
-    sys.path.insert(0, str(REPO_ROOT))
-
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-needs_shared = pytest.mark.skipif(
-    not SHARED_DATA.is_dir(), reason="../shared/data is absent (a fresh clone); CI provides it"
-)
+from tests.support.paths import TARGET
 
 torch.set_num_threads(1)
 
@@ -42,87 +32,17 @@ torch.set_num_threads(1)
 os.environ["SPECULATIVE_LLAMA_CACHE"] = tempfile.mkdtemp(prefix="speculative-llama-tests-")
 atexit.register(shutil.rmtree, os.environ["SPECULATIVE_LLAMA_CACHE"], ignore_errors=True)
 
-# A Llama-2-shaped model in miniature: every dimension small, nothing else unusual.
-BASE_HF_CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 172,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 
-# The configs every parity test runs over. Sequence lengths in the tests stay under 64,
-# which is why the scaled configs use original_max_position_embeddings 64: with head_dim 16
-# and theta 500000 the llama3 rule then leaves one frequency alone, smooths one and divides
-# the rest, so all three of its branches are exercised.
-HF_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama2": {},
-    "gqa": {"num_attention_heads": 8, "num_key_value_heads": 2},
-    "llama3.1": {
-        "num_key_value_heads": 2,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 1024,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    },
-    "linear-rope": {"max_position_embeddings": 512, "rope_scaling": {"type": "linear", "factor": 4.0}},
-    "tied": {"tie_word_embeddings": True},
-    "head-dim": {"head_dim": 32},  # head_dim * heads != hidden_size, as some Llama-family configs have
-}
+@pytest.fixture(scope="module")
+def head_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A feature head for the shipped target with random weights (what is tested here is the
+    plumbing; the shipped head's acceptance is in its model card)."""
+    from model import ModelConfig
+    from model.feature_head import FeatureHead
+    from weights import load_model
+    from weights.drafters import save_feature_head
 
-
-def hf_config(name: str = "llama2", **overrides: Any) -> dict[str, Any]:
-    """A fresh config.json dict of one of the named tiny configs.
-
-    Deep-copied because transformers' ``LlamaConfig`` writes into a rope_scaling dict it is given.
-    """
-    return copy.deepcopy({**BASE_HF_CONFIG, **HF_CONFIGS[name], **overrides})
-
-
-@torch.no_grad()
-def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> torch.nn.Module:
-    """Re-draw every parameter in place: matrices N(0, std), norm weights 1 + N(0, 0.1).
-
-    Default inits (std 0.02 and norm weights of exactly 1) make attention almost uniform
-    and hide a norm weight that was never loaded; these values make both visible.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    seen: set[int] = set()
-    for param in model.parameters():  # parameters() yields tied weights once
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-        value = 1 + 0.1 * noise if param.ndim == 1 else std * noise
-        param.copy_(value.to(param.dtype))
-    return model
-
-
-def hf_model(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """A randomly initialised transformers ``LlamaForCausalLM`` for ``config``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(LlamaConfig(**config))
-    return randomize_(model, seed).to(dtype).eval()
-
-
-def hf_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
-
-
-def random_tokens(batch: int, seq: int, vocab: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    target = load_model(TARGET)
+    torch.manual_seed(0)
+    head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))
+    return save_feature_head(head, tmp_path_factory.mktemp("head") / "head", target, target_name="tiny-target")

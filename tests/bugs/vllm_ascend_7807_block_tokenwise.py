@@ -5,7 +5,7 @@ w_i = min(1, w_{i-1} p_i(x_i)/q_i(x_i)), which never accept fewer tokens in expe
 Algorithm 1's token-by-token test. vllm-ascend's "block verification" applied the token-wise
 acceptance test and residual instead. That is Algorithm 1 itself: exact, only slower than what was
 asked for. The checker proves exactness, so this rule PASSES it; the loss shows only in the
-expected number of accepted tokens (tests/test_block_verification.py measures it).
+expected number of accepted tokens (tests/speculative/verify/test_block.py measures it).
 
     python -m speculative.prove tests/bugs/vllm_ascend_7807_block_tokenwise.py:verify    # passes
 """

@@ -21,10 +21,8 @@ import functools
 
 import pytest
 import torch
-from conftest import randomize_
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy_models import random_llama
 
 from model import Llama, ModelConfig
 from model import call as calls
@@ -33,6 +31,8 @@ from model.fast.fuse import fuse_projections
 from model.fast.prepack import prepack_linears, prepack_supported
 from model.feature_head import FeatureHead
 from speculative.verify.tree import TokenTree
+from tests.support.hf import randomize_
+from tests.support.toy_models import random_llama
 
 EXACT = 1e-10  # float64
 
@@ -102,7 +102,7 @@ VARIANTS = ["plain", "stacked", "prepacked", "stacked+prepacked"]
 
 
 def tolerance(model: torch.nn.Module) -> float:
-    # float32: a cached call and a plain forward sum in different orders (as in test_prepack.py)
+    # float32: a cached call and a plain forward sum in different orders (as in tests/model/fast/test_prepack.py)
     return EXACT if model.dtype == torch.float64 else 1e-4
 
 

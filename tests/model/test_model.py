@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HF_CONFIGS, hf_config, hf_logits, hf_model, random_tokens, randomize_
 
 from model import Llama, ModelConfig
 from model import call as calls
 from model.call import CacheCall
+from tests.support.hf import HF_CONFIGS, hf_config, hf_logits, hf_model, random_tokens, randomize_
 from weights import load_model, save_model
 
 transformers = pytest.importorskip("transformers", reason="transformers (the reference) is in the [test] extras")

@@ -26,52 +26,32 @@ from model import ModelConfig
 from model.scale import memory as memory_lib
 from model.scale.memory import DEFAULT_RESERVE, NotEnoughMemoryError
 from speculative.cli import options as cmdline
+from speculative.cli import output
 from speculative.cli.report import JSON_NOTES
-from weights import load_model, load_tokenizer, read_config
-
-ROOT = Path(__file__).resolve().parents[1]
-TARGET = ROOT / "weights" / "tiny-target"
-DRAFT = ROOT / "weights" / "tiny-draft"
-PAIR = ["--target", str(TARGET), "--draft", str(DRAFT)]
-NEAR_TIE = 1e-4  # docs/algorithm.md, numerics policy: float32 greedy may differ only at such near-ties
-
-needs_pair = pytest.mark.skipif(
-    not (TARGET / "config.json").is_file() or not (DRAFT / "config.json").is_file(),
-    reason="the shipped pair weights/tiny-target + weights/tiny-draft is absent (it is committed once trained)",
+from tests.support.cli import (
+    DRAFT,
+    PAIR,
+    ROOT,
+    TARGET,
+    assert_one_error_line,
+    assert_unused_flags,
+    cli,
+    main_error,
+    main_json,
+    main_ok,
+    needs_pair,
+    warnings_in,
 )
+from weights import load_model, load_tokenizer, read_config
+from weights.registry import marked_for_chat
 
-
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run generate.py in a subprocess with one CPU thread."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
-    full_env.pop("NO_COLOR", None)
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
-                          env=full_env, cwd=ROOT, timeout=timeout)
+NEAR_TIE = 1e-4  # docs/algorithm.md, numerics policy: float32 greedy may differ only at such near-ties
 
 
 def run_json(*args: str) -> dict[str, Any]:
     proc = cli(*args, "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)  # the whole of stdout is one JSON document
-
-
-def assert_one_error_line(status: int, stderr: str, stdout: str, *fragments: str) -> None:
-    assert status == 2, stderr
-    assert "Traceback" not in stderr
-    lines = stderr.strip("\n").splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("error: "), lines[0]
-    for fragment in fragments:
-        assert fragment.lower() in lines[0].lower(), (fragment, lines[0])
-    assert stdout == ""
-
-
-def main_error(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
-    """generate.main(argv) in-process: must return 2 with one error line naming ``fragments``."""
-    status = generate.main(argv)
-    out = capsys.readouterr()
-    assert_one_error_line(status, out.err, out.out, *fragments)
-    return out.err
 
 
 # ----------------------------------------------------------------------------- bad input, no weights needed
@@ -308,7 +288,7 @@ def test_streaming_detokenisation_keeps_spaces_and_multibyte_characters() -> Non
     new = tokenizer.encode(" the café said 🙂 and Ünal smiled.", bos=False)
     assert any(tokenizer.piece(t).startswith("<0x") for t in new)  # byte-fallback tokens are in there
     out = io.StringIO()
-    streamer = cmdline.Streamer(tokenizer, prompt, out, color=False)
+    streamer = output.Streamer(tokenizer, prompt, out, color=False)
     for i, token in enumerate(new):
         streamer([token], [i % 2 == 0])
         assert "\ufffd" not in out.getvalue()  # half a character is never printed
@@ -344,7 +324,7 @@ def test_colours_on_a_terminal_only() -> None:
         return b"".join(chunks).decode(errors="replace"), err
 
     out, err = on_tty()
-    assert cmdline.GREEN in out or cmdline.YELLOW in out
+    assert output.GREEN in out or output.YELLOW in out
     assert "colours:" in err  # the legend
     out, err = on_tty("--no-color")
     assert "\x1b[" not in out and "colours:" not in err
@@ -407,24 +387,6 @@ def test_checkpoint_without_weights(capsys: pytest.CaptureFixture[str], tmp_path
 
 
 # ----------------------------------------------------------------------------- a new user's first hour (issue 12)
-def main_ok(capsys: pytest.CaptureFixture[str], argv: list[str], status: int = 0) -> tuple[str, list[str]]:
-    """generate.main(argv) in-process: the status, then (stdout, stderr lines); never a traceback."""
-    got = generate.main(argv)
-    out = capsys.readouterr()
-    assert got == status, out.err
-    assert "Traceback" not in out.err
-    return out.out, out.err.strip("\n").splitlines()
-
-
-def main_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    out, err = main_ok(capsys, [*argv, "--json"])
-    return json.loads(out), err
-
-
-def warnings_in(err: list[str]) -> list[str]:
-    return [line for line in err if line.startswith("warning: ")]
-
-
 def copy_checkpoint(source: Path, tmp_path: Path, name: str) -> Path:
     out = tmp_path / name
     shutil.copytree(source, out)
@@ -438,7 +400,7 @@ def test_corrupted_weights_are_one_error_line(capsys: pytest.CaptureFixture[str]
     """A safetensors file with its header intact and 0xFF (NaN) bytes in the middle of its data:
     greedy used to print token 0 forever and sampling to crash in the tokenizer. Now loading
     refuses it, naming the file and the tensor, whatever the decoding settings."""
-    from damage import overwrite_middle
+    from tests.support.damage import overwrite_middle
 
     broken = copy_checkpoint(DRAFT if role == "draft" else TARGET, tmp_path, role)
     name = overwrite_middle(broken / "model.safetensors")
@@ -452,7 +414,7 @@ def test_corrupted_weights_are_one_error_line(capsys: pytest.CaptureFixture[str]
 
 @needs_pair
 def test_corrupted_weights_in_a_real_process(tmp_path: Path) -> None:
-    from damage import overwrite_middle
+    from tests.support.damage import overwrite_middle
 
     broken = copy_checkpoint(DRAFT, tmp_path, "draft")
     name = overwrite_middle(broken / "model.safetensors")
@@ -500,15 +462,6 @@ def test_non_finite_logits_are_one_error_line_and_no_tokens(capsys: pytest.Captu
 ])
 def test_flags_a_run_cannot_use_get_one_warning_each(argv: list[str], expected: list[str]) -> None:
     assert_unused_flags(argv, expected)
-
-
-def assert_unused_flags(argv: list[str], expected: list[str]) -> None:
-    """cmdline.unused_flags for ``argv``: one warning per expected fragment, each starting with it."""
-    args = generate.build_parser().parse_args(argv)
-    got = cmdline.unused_flags(args, generate.given_flags(argv))
-    assert len(got) == len(expected), got
-    for line, fragment in zip(got, expected):
-        assert line.startswith(fragment), (line, fragment)
 
 
 @needs_pair
@@ -672,12 +625,12 @@ def test_chat_warning_reads_the_name_the_config_and_the_chat_template(tmp_path: 
     folder = tmp_path / "base"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Llama-2-7b-hf"}))
-    assert "not marked as a chat model" in cmdline.chat_warning(str(folder))
+    assert "not marked as a chat model" in cmdline.chat_warning(str(folder), marked_for_chat(str(folder)))
     (folder / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct"}))
-    assert cmdline.chat_warning(str(folder)) is None
+    assert cmdline.chat_warning(str(folder), marked_for_chat(str(folder))) is None
     (folder / "config.json").write_text("{}")
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    assert cmdline.chat_warning(str(folder)) is None
+    assert cmdline.chat_warning(str(folder), marked_for_chat(str(folder))) is None
 
 
 @needs_pair
@@ -723,20 +676,20 @@ def test_prompt_from_standard_input_in_a_real_process() -> None:
 def test_busy_hint_from_step_times() -> None:
     cpu = torch.device("cpu")
     steady = [0.008 * i for i in range(40)]
-    assert cmdline.busy_hint(steady, [4] * 40, threads=2, device=cpu) is None
+    assert output.busy_hint(steady, [4] * 40, threads=2, device=cpu) is None
     # Measured with 2 threads next to two spinning processes: most steps wait for a descheduled thread.
     times, t = [], 0.0
     for i in range(40):
         t += 0.0075 if i % 3 == 0 else 0.55
         times.append(t)
-    hint = cmdline.busy_hint(times, [4] * 40, threads=2, device=cpu)
+    hint = output.busy_hint(times, [4] * 40, threads=2, device=cpu)
     assert hint is not None and hint.startswith("hint: ") and "--threads 1" in hint, hint
-    assert cmdline.busy_hint(times, [4] * 40, threads=1, device=cpu) is None  # nothing to suggest
-    assert cmdline.busy_hint(times, [4] * 40, threads=2, device=torch.device("cuda", 0)) is None
-    assert cmdline.busy_hint(times[:8], [4] * 8, threads=2, device=cpu) is None  # too few steps to tell
+    assert output.busy_hint(times, [4] * 40, threads=1, device=cpu) is None  # nothing to suggest
+    assert output.busy_hint(times, [4] * 40, threads=2, device=torch.device("cuda", 0)) is None
+    assert output.busy_hint(times[:8], [4] * 8, threads=2, device=cpu) is None  # too few steps to tell
     # Iterations that drafted fewer tokens are cheaper by design: they are not compared with the rest.
     mixed = [0.008 * i + (0.02 if i % 2 else 0) for i in range(40)]
-    assert cmdline.busy_hint(mixed, [4 if i % 2 else 1 for i in range(40)], threads=2, device=cpu) is None
+    assert output.busy_hint(mixed, [4 if i % 2 else 1 for i in range(40)], threads=2, device=cpu) is None
 
 
 @needs_pair
@@ -749,7 +702,7 @@ def test_busy_machine_prints_one_hint(capsys: pytest.CaptureFixture[str], monkey
         clock["t"] += 0.008 if clock["calls"] % 3 == 0 else 0.5
         return clock["t"]
 
-    monkeypatch.setattr(cmdline, "perf_counter", busy_now)
+    monkeypatch.setattr(output, "perf_counter", busy_now)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     _, err = main_ok(capsys, ["--target", str(TARGET), "--no-draft", "--max-new-tokens", "30"])
     hints = [line for line in err if line.startswith("hint: ")]

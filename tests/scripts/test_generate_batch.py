@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cli import (
+
+import generate
+from tests.support.cli import (
     TARGET,
     assert_one_error_line,
     assert_unused_flags,
@@ -28,9 +30,6 @@ from test_cli import (
     needs_pair,
     warnings_in,
 )
-from test_cli_drafters import head_folder  # noqa: F401  (a fixture: a feature head with random weights)
-
-import generate
 
 NEW = "8"
 LINES = ["Once upon a time", "The dog and the cat", "The little girl went to the park with her"]
@@ -137,7 +136,7 @@ def test_every_drafter_and_the_target_alone_batch(three: str, greedy_alone: list
 
 
 @needs_pair
-def test_a_feature_head_batches(three: str, greedy_alone: list[list[int]], head_folder: Path) -> None:  # noqa: F811
+def test_a_feature_head_batches(three: str, greedy_alone: list[list[int]], head_folder: Path) -> None:
     doc = run_json([*EXACT, "--prompts-file", three, "--draft", str(head_folder)])
     assert [row["tokens"] for row in doc["prompts"]] == greedy_alone
     assert doc["batch"]["draft_calls"] > 0 and doc["settings"]["draft"] == str(head_folder)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cli import TARGET, main_error, needs_pair
 
 import generate
+from tests.support.cli import TARGET, main_error, needs_pair
 
 NEW = "24"
 
@@ -40,23 +40,6 @@ def alone_float64() -> list[int]:
         assert generate.main(["--target", str(TARGET), "--no-draft", "--max-new-tokens", NEW, "--dtype", "float64",
                               "--json"]) == 0
     return json.loads(buffer.getvalue())["tokens"]
-
-
-@pytest.fixture(scope="module")
-def head_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A feature head for the shipped target with random weights (what is tested here is the
-    plumbing; the shipped head's acceptance is in its model card)."""
-    import torch
-
-    from model import ModelConfig
-    from model.feature_head import FeatureHead
-    from weights import load_model
-    from weights.drafters import save_feature_head
-
-    target = load_model(TARGET)
-    torch.manual_seed(0)
-    head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))
-    return save_feature_head(head, tmp_path_factory.mktemp("head") / "head", target, target_name="tiny-target")
 
 
 @needs_pair

@@ -8,7 +8,7 @@
 * ``--plan`` prints bytes per GPU from configs alone; checked against a hand count of the
   Llama-2 70B architecture, not against model.scale.memory.
 * ``--tp 0`` ends with exit status 2 and one ``error:`` line (``--tp`` without ``--plan`` is a
-  warning, like every flag a run cannot use: tests/test_cli.py).
+  warning, like every flag a run cannot use: tests/scripts/test_generate.py).
 
 Subprocesses run with one thread, for the 2-core CI.
 """
@@ -25,9 +25,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TARGET = ROOT / "weights" / "tiny-target"
-DRAFT = ROOT / "weights" / "tiny-draft"
+from tests.support.paths import DRAFT, ROOT, TARGET
 
 needs_pair = pytest.mark.skipif(
     not (TARGET / "config.json").is_file() or not (DRAFT / "config.json").is_file(),

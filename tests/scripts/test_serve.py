@@ -22,7 +22,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -30,8 +29,16 @@ import openai
 import pytest
 import torch
 import uvicorn
-from proofs import proof
-from toy_models import (
+
+import generate
+import serve
+from speculative import Engine
+from speculative.engine.gamma import FixedGamma, LoadGamma
+from speculative.serving.app import Output, create_app
+from speculative.serving.loop import EngineLoop, Service
+from tests.support.paths import ROOT
+from tests.support.proofs import proof
+from tests.support.toy_models import (
     chi_square_pvalue,
     llama_next_logits,
     noisy_copy,
@@ -40,17 +47,9 @@ from toy_models import (
     reference_greedy,
     sequence_distribution,
 )
-
-import generate
-import serve
-from speculative import Engine
-from speculative.engine.gamma import FixedGamma, LoadGamma
-from speculative.serving.app import Output, create_app
-from speculative.serving.loop import EngineLoop, Service
 from weights import load_tokenizer
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
 GREEDY_PROMPTS = ["Once upon a time", "The little dog"]
 NEW = 48  # tokens per reference request
 

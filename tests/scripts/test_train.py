@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import train
+from tests.support.paths import SHARED_DATA
 from weights import load_model, load_tokenizer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = SHARED_DATA
 STORIES = SHARED / "tinystories" / "tinystories_v1_train_head_2MiB.txt"
 VALID = SHARED / "tinystories" / "tinystories_v1_valid_head.txt"
 needs_shared = pytest.mark.skipif(not STORIES.is_file(),

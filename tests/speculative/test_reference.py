@@ -37,19 +37,25 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mutation import mutated
-from proofs import proof
-from strategies import max_gap, samplings, toy_table
-from test_speculative_exact import target_distribution
-from toy_models import NGramModel, Recording, chi_square_pvalue, ref_warp, reference_greedy
 
 import speculative.reference as reference
 from speculative import autoregressive_generate, speculative_generate
 from speculative.sampling import Sampling, warp
+from tests.support.mutation import mutated
+from tests.support.paths import ROOT
+from tests.support.proofs import proof
+from tests.support.strategies import max_gap, samplings, toy_table
+from tests.support.toy_models import (
+    NGramModel,
+    Recording,
+    chi_square_pvalue,
+    ref_warp,
+    reference_greedy,
+    target_distribution,
+)
 
 torch.set_num_threads(1)
 
-ROOT = Path(__file__).resolve().parents[1]
 SOURCE = Path(reference.__file__).read_text()
 TOL = 1e-12
 P_VALUE = 1e-3
@@ -277,7 +283,7 @@ TOP = Sampling(temperature=0.8, top_k=2, top_p=0.8)
 
 @pytest.fixture(scope="module")
 def toy_pair() -> tuple[NGramModel, NGramModel]:
-    """The statistical tests' bigram pair over 3 tokens (tests/test_speculative_statistical.py)."""
+    """The statistical tests' bigram pair over 3 tokens (tests/speculative/engine/test_generation_statistical.py)."""
     return NGramModel.random(3, 2, seed=10, scale=1.0), NGramModel.random(3, 2, seed=1010, scale=1.0)
 
 

@@ -1,7 +1,7 @@
 """speculative.sampling: logits -> probabilities (temperature, top-k, top-p, greedy) and sampling.
 
 Expected values are worked out by hand in the comments (logits chosen as logs of small
-integers), or come from the plain-Python reference ``toy_models.ref_warp``.
+integers), or come from the plain-Python reference ``ref_warp`` (tests/support/toy_models.py).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy_models import chi_square_pvalue, ref_warp
 
 from speculative.sampling import Sampling, make_generator, sample, warp
+from tests.support.toy_models import chi_square_pvalue, ref_warp
 
 torch.set_num_threads(1)
 

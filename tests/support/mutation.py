@@ -1,8 +1,8 @@
 """Source-level mutants: a module's own source with a few lines changed, run as a fresh module;
 and the catalogue of bugs that the proofs must catch, with the maintained mutation run:
 
-    python tests/mutation.py            # every catalogued bug, each in a fresh copy of the source
-    python tests/mutation.py --bug "r <= p/q"
+    python tests/support/mutation.py            # every catalogued bug, each in a fresh copy of the source
+    python tests/support/mutation.py --bug "r <= p/q"
 
 A mutant made this way breaks the code the loop actually runs (a comparison, a wiring slip
 inside a function), which patching a module attribute cannot reach. Every replacement must
@@ -108,6 +108,20 @@ CATALOGUE = [
 ]
 
 
+# Left out of the copy: at the top of the repository only (tests/weights/ is a test folder, not the
+# checkpoints), and caches anywhere. weights/ itself is linked into the copy, not copied.
+_TOP_LEVEL = {".venv", ".git", "runs", "cache", "weights"}
+_ANYWHERE = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info")
+
+
+def _ignored(root: Path):
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        top = set(names) & _TOP_LEVEL if Path(folder) == root else set()
+        return top | set(_ANYWHERE(folder, names))
+
+    return ignore
+
+
 def run_catalogue(root: Path, names: list[str] | None, timeout: float) -> list[tuple[Bug, str, str, float]]:
     """Write each bug into a fresh copy of the repository and run ``pytest -m proof -x`` there.
     Returns (bug, "caught" / "survived", the first failing test, seconds) per bug."""
@@ -117,8 +131,7 @@ def run_catalogue(root: Path, names: list[str] | None, timeout: float) -> list[t
             continue
         with tempfile.TemporaryDirectory() as tmp:
             copy = Path(tmp) / "repo"
-            shutil.copytree(root, copy, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "cache", "__pycache__",
-                                                                       ".hypothesis", "*.egg-info", "weights"))
+            shutil.copytree(root, copy, ignore=_ignored(root))
             (copy / "weights").symlink_to(root / "weights")  # read-only data, the largest part
             source = (copy / bug.path).read_text()
             if source.count(bug.old) != 1:
@@ -140,13 +153,13 @@ def run_catalogue(root: Path, names: list[str] | None, timeout: float) -> list[t
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python tests/mutation.py [--bug NAME ...]: the maintained mutation run (minutes per bug)."""
+    """python tests/support/mutation.py [--bug NAME ...]: the maintained mutation run (minutes per bug)."""
     parser = argparse.ArgumentParser(description="Write each catalogued bug into a copy of the source and run the "
                                                  "proofs (pytest -m proof) against it.")
     parser.add_argument("--bug", action="append", help="run only this bug (repeatable); default: all")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per bug")
     args = parser.parse_args(argv)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # tests/support/mutation.py -> the repository
     results = run_catalogue(root, args.bug, args.timeout)
     print("| bug | reproduces | result | first failing proof | seconds |\n|---|---|---|---|---:|")
     for bug, verdict, first, seconds in results:

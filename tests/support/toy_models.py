@@ -4,8 +4,10 @@ the tests compare the implementation with.
 The models and references that ``python -m speculative.prove`` also uses live in
 speculative/proofs/toys.py and are imported from there (:class:`NGramModel`, :func:`random_llama`,
 :func:`noisy_copy`, :func:`llama_next_logits`, :func:`ref_warp`, :func:`sequence_distribution`,
-:func:`chi_square_pvalue`), so that they exist once. Here: :class:`Recording` wraps a model and
-logs every call; :func:`reference_greedy` and :func:`far_from_argmax` are the greedy references.
+:func:`chi_square_pvalue`, :func:`random_head`), so that they exist once. Here: :class:`Recording`
+wraps a model and logs every call; :func:`reference_greedy`, :func:`reference_greedy_toy` and
+:func:`far_from_argmax` are the greedy references; :func:`target_distribution` is a toy target's
+own law of its first tokens, with the reference warp.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from speculative.proofs.toys import (  # noqa: F401 -- the tests import them fro
     chi_square_pvalue,
     llama_next_logits,
     noisy_copy,
+    random_head,
     random_llama,
     ref_warp,
     sequence_distribution,
 )
+from speculative.sampling import Sampling
 
 
 class Recording:
@@ -89,3 +93,19 @@ def far_from_argmax(model: torch.nn.Module, prompt: Sequence[int], tokens: Seque
             bad.append((i, gap))
         seq.append(token)
     return bad
+
+
+def reference_greedy_toy(model: NGramModel, prompt: list[int], count: int) -> list[int]:
+    """A toy n-gram model's own greedy output: the argmax of its next-token logits, token by token."""
+    seq = list(prompt)
+    for _ in range(count):
+        seq.append(int(model.next_logits(seq).argmax()))
+    return seq[len(prompt):]
+
+
+def target_distribution(target: NGramModel, prompt: tuple[int, ...], length: int,
+                        sampling: Sampling) -> dict[tuple[int, ...], float]:
+    """The target's own autoregressive distribution, with the reference warp."""
+    return sequence_distribution(
+        lambda ctx: ref_warp(target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p),
+        prompt, length)

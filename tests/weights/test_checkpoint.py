@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_config, hf_logits, hf_model, random_tokens, randomize_
-from damage import overwrite_middle
 from safetensors.torch import load_file, save_file
 
 from model import ConfigError, Llama, ModelConfig
 from model.call import chain
+from tests.support.damage import overwrite_middle
+from tests.support.hf import hf_config, hf_logits, hf_model, random_tokens, randomize_
 from weights import (
     CheckpointError,
     NonFiniteWeightsError,

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT, SHARED_DATA, needs_shared
 
 from model.call import chain
+from tests.support.paths import REPO_ROOT, SHARED_DATA, needs_shared
 from weights import CheckpointError, load_model, load_tokenizer
 from weights.convert import convert_llama2c, interleaved_to_rotate_half, main, read_llama2c_header
 

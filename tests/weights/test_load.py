@@ -1,7 +1,7 @@
-"""Loading a pair by name (weights/load.py) and the text helpers beside the tokenizer
-(speculative/serving/text.py): what each draft name means, what is refused before the weights are read,
-that a loaded pair decodes as its target alone, and that streaming hands out exactly the text
-of the whole sequence."""
+"""Loading a pair by name (weights/load.py): what each draft name means, what is refused before the
+weights are read, that a loaded pair decodes as its target alone; and what marks a checkpoint for
+chat (weights/registry.py). The text helpers beside the tokenizer are tested in
+tests/speculative/serving/test_text.py."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from speculative import (
     autoregressive_generate,
     speculative_generate,
 )
-from speculative.serving.text import TextStream, continuation_text, encode_prompt
-from weights import UnknownCheckpointError, load_model, load_pair, load_tokenizer, read_pair
+from weights import UnknownCheckpointError, load_model, load_pair, read_pair
 from weights.load import draft_kind, plan_configs
 from weights.registry import WEIGHTS_DIR, marked_for_chat
 
@@ -38,7 +37,7 @@ def config_json(name: str) -> dict:
 
 
 def stacked(model: torch.nn.Module) -> bool:
-    return model.layers[0].self_attn.qkv_proj is not None
+    return getattr(model.layers[0].self_attn, "qkv_proj", None) is not None
 
 
 # ----------------------------------------------------------------------------- load_pair
@@ -139,43 +138,7 @@ def test_plan_configs_count_a_head_as_one_block_of_its_target() -> None:
     assert head.n_layers == 1 and head.dim == target.dim == config_json("tiny-target")["hidden_size"]
 
 
-# ----------------------------------------------------------------------------- speculative/serving/text.py
-@pytest.fixture(scope="module")
-def tokenizer():
-    if not (WEIGHTS_DIR / "tiny-target" / "tokenizer.model").is_file():
-        pytest.skip("the shipped tokenizer is absent")
-    return load_tokenizer("tiny-target")
-
-
-def test_the_chat_template_by_hand(tokenizer) -> None:
-    assert encode_prompt(tokenizer, "Tell me a story.") == tokenizer.encode("Tell me a story.", bos=True)
-    assert encode_prompt(tokenizer, " Hi. ", chat=True) == tokenizer.encode("[INST] Hi. [/INST]", bos=True)
-    with_system = encode_prompt(tokenizer, "Hi.", chat=True, system=" Be brief. ")
-    assert with_system == tokenizer.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi. [/INST]", bos=True)
-
-
-def test_a_text_stream_hands_out_the_whole_text_and_never_half_a_character(tokenizer) -> None:
-    prompt = tokenizer.encode("Once upon a time")
-    new = tokenizer.encode(" the café said 🙂 and Ünal smiled.", bos=False)
-    assert any(tokenizer.piece(t).startswith("<0x") for t in new)  # byte-fallback pieces are in there
-    stream = TextStream(tokenizer, prompt)
-    pieces = [stream.add(token) for token in new]
-    assert "" in pieces  # a character's first bytes wait for the rest
-    assert not any("\ufffd" in piece for piece in pieces)
-    expected = tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
-    assert "".join(pieces) + stream.finish() == expected == continuation_text(tokenizer, prompt, new)
-    assert stream.finish() == ""  # nothing twice
-
-
-def test_finish_hands_out_what_never_completed(tokenizer) -> None:
-    prompt = tokenizer.encode("Once upon a time")
-    first_byte = tokenizer.sp.piece_to_id("<0xC3>")  # the first of the two bytes of "é"
-    stream = TextStream(tokenizer, prompt)
-    assert stream.add(first_byte) == ""
-    rest = stream.finish()
-    assert rest and rest == tokenizer.decode(prompt + [first_byte])[len(tokenizer.decode(prompt)):]
-
-
+# ----------------------------------------------------------------------------- weights/registry.py
 def test_what_marks_a_checkpoint_for_chat(tmp_path: Path) -> None:
     base = tmp_path / "base"
     base.mkdir()

@@ -27,8 +27,8 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import SHARED_DATA, needs_shared
 
+from tests.support.paths import SHARED_DATA, needs_shared
 from weights import CheckpointError, Tokenizer, load_tokenizer
 
 pytestmark = needs_shared

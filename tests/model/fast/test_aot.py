@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_cli import ROOT, TARGET, main_error, main_ok
-from toy_models import far_from_argmax, random_llama
 
 from model.fast import aot
 from model.fast.compile import MODE_ENV, CompileError, NotCachedError, compile_for_decoding
 from model.fast.fuse import fuse_projections
+from tests.support.cli import ROOT, TARGET, main_error, main_ok
+from tests.support.toy_models import far_from_argmax, random_llama
 from weights import StepCache, load_model, save_model
 from weights.step_cache import MANIFEST, PAYLOAD, EntryError
 

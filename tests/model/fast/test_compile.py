@@ -21,16 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import PAIR, main_error, main_ok, needs_pair
-from toy_models import (
-    chi_square_pvalue,
-    far_from_argmax,
-    llama_next_logits,
-    noisy_copy,
-    random_llama,
-    ref_warp,
-    sequence_distribution,
-)
 
 from model import call as calls
 from model.call import CacheCall
@@ -39,6 +29,16 @@ from model.fast.prepack import prepack_linears, prepack_supported
 from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
 from speculative.inputs import GAMMA_MAX
 from speculative.verify.tree import TokenTree, branching_parents
+from tests.support.cli import PAIR, main_error, main_ok, needs_pair
+from tests.support.toy_models import (
+    chi_square_pvalue,
+    far_from_argmax,
+    llama_next_logits,
+    noisy_copy,
+    random_llama,
+    ref_warp,
+    sequence_distribution,
+)
 
 torch.set_num_threads(1)
 
@@ -373,9 +373,8 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
     """The head's step compiled (chain widths, batch buckets, a tree's expansions):
     its outputs are the eager head's within float32 rounding, the feature drafter's greedy
     output keeps the near-tie rule, and nothing recompiles over chain, batch and tree runs."""
-    from test_drafters import random_head
-
     from speculative.draft.eagle import FeatureDrafter
+    from tests.support.toy_models import random_head
 
     target = pair(seed=6)[0]
     head, chead = random_head(target), None

@@ -12,13 +12,13 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import randomize_
 from torch import nn
 
 from model import Llama, ModelConfig
 from model.call import chain
 from model.fast.prepack import MIN_ELEMENTS, PrepackedLinear, packable, prepack_linears, prepack_supported
 from speculative import autoregressive_generate, speculative_generate
+from tests.support.hf import randomize_
 from weights import save_model
 
 needs_onednn = pytest.mark.skipif(not prepack_supported(),

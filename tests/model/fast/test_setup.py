@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import random_llama
 
 import model.fast.setup as setup_lib
 from model import call as calls
@@ -23,13 +22,14 @@ from model.fast.setup import (
     tree_sizes,
 )
 from speculative.verify.tree import branching_parents
+from tests.support.toy_models import random_llama
 
 torch.set_num_threads(1)
 
 
 def kinds(model: torch.nn.Module) -> set[str]:
     attention = model.layers[0].self_attn
-    out = {"stacked" if attention.qkv_proj is not None else "separate"}
+    out = {"stacked" if getattr(attention, "qkv_proj", None) is not None else "separate"}
     if any(isinstance(m, PrepackedLinear) for m in model.modules()):
         out.add("packed")
     return out
@@ -62,7 +62,8 @@ def test_the_fastest_measured_candidate_is_kept(fastest: str, monkeypatch: pytes
 
     def fake_step_ms(model, widths, hidden, calls=15):
         packed = any(isinstance(m, PrepackedLinear) for m in model.modules())
-        name = "prepacked" if packed else "stacked" if model.layers[0].self_attn.qkv_proj is not None else "plain"
+        stacked = getattr(model.layers[0].self_attn, "qkv_proj", None) is not None
+        name = "prepacked" if packed else "stacked" if stacked else "plain"
         return times[name]
 
     monkeypatch.setattr(setup_lib, "step_ms", fake_step_ms)
@@ -126,7 +127,7 @@ def test_choose_setups_returns_the_models_to_decode_with(monkeypatch: pytest.Mon
     timed: list[tuple[str, tuple[int, ...]]] = []
 
     def fake_step_ms(model, widths, hidden, calls=15):
-        stacked = model.layers[0].self_attn.qkv_proj is not None
+        stacked = getattr(model.layers[0].self_attn, "qkv_proj", None) is not None
         timed.append((model.config.dim, tuple(widths), hidden))
         return 1.0 if stacked else 2.0  # stacking wins
 
@@ -148,7 +149,7 @@ def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(monk
     and the drafter's tree calls. An eager target leaves the head alone."""
     from types import SimpleNamespace
 
-    from test_drafters import random_head
+    from tests.support.toy_models import random_head
 
     compiled = []
 

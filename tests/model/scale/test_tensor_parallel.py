@@ -163,7 +163,7 @@ def test_all_ranks_share_one_seed(ranks: dict) -> None:
 def test_int8_tensor_parallel_close_and_half_the_bytes(ranks: dict) -> None:
     with torch.inference_mode():
         reference = load_model(ranks["dir"] / "target", "cpu", torch.float32)(tokens())
-    bound = 0.025 * reference.std().item()  # LOGIT_BOUND of tests/test_quantize.py, justified there
+    bound = 0.025 * reference.std().item()  # LOGIT_BOUND of tests/model/scale/test_quantize.py, justified there
     for result in ranks["results"]:
         assert (result["int8_logits"] - reference).abs().max().item() < bound
         # float32 -> int8 is 4x smaller for the block weights; embeddings/norms stay float32.

@@ -5,7 +5,7 @@ same q_i. transformers #47932 (vLLM #10198 had the same slip) drew the draft tok
 warped distribution and handed the verifier the raw softmax: at temperature 1 with no
 top-k/top-p the two coincide, so only a decoding setting shows it, and before this file only
 one chi-square test did. Here each drafter's q is compared, row by row, with the reference
-warp (tests/toy_models.ref_warp, plain Python) of the logits it drew from, for a chain and
+warp (tests/support/toy_models.py: ref_warp, plain Python) of the logits it drew from, for a chain and
 for a batch of rows, under temperature, top-k and top-p; and the check is shown to fail on
 that bug written into the drafters' sampling step."""
 
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mutation import mutated
-from proofs import proof
-from test_drafters import random_head
-from toy_models import noisy_copy, random_llama, ref_warp
 
 import speculative.draft.eagle as eagle_module
+import speculative.draft.model as model_module
 import speculative.draft.protocol as drafter_module
 from model.call import chain
 from speculative.draft.eagle import FeatureDrafter
 from speculative.draft.model import ModelDrafter
 from speculative.sampling import Sampling
+from tests.support.mutation import mutated
+from tests.support.proofs import proof
+from tests.support.toy_models import noisy_copy, random_head, random_llama, ref_warp
 
 torch.set_num_threads(1)
 SETTINGS = [Sampling(temperature=0.6), Sampling(temperature=1.0, top_k=4), Sampling(temperature=1.4, top_p=0.7),
@@ -111,7 +111,7 @@ def test_the_check_catches_a_raw_softmax_handed_over(pair: tuple, rows: bool, mo
     from the warped q, the verifier handed softmax(logits)."""
     broken = mutated(drafter_module, ("    probs.append(q)\n    return sample_rows(",
                                       "    probs.append(torch.softmax(logits, -1))\n    return sample_rows("))
-    for module in (drafter_module, eagle_module):
+    for module in (drafter_module, model_module, eagle_module):
         monkeypatch.setattr(module, "draw_rows", broken.draw_rows)
     target, draft = pair
     sampling = Sampling(temperature=0.6, top_k=4)

@@ -1,24 +1,18 @@
-"""The drafter interface, prompt lookup and the feature drafter (speculative.draft,
-speculative.draft.lookup, speculative.draft.eagle), and Algorithm 1's exactness over every drafter.
+"""Prompt lookup (speculative/draft/lookup.py), and Algorithm 1's exactness with a deterministic
+drafter.
 
-* The interface: a plain model and ModelDrafter around it are the same run, token for
-  token; anything else is refused with a clear error.
-* Prompt lookup: its incremental index against a brute-force scan written here.
+* Its incremental index against a brute-force scan written here, and by hand.
 * Exact enumeration with a deterministic drafter: q is one-hot on the drafted token, and
   the emitted distribution equals the target's to 1e-12 in float64 -- with the real
   prompt-lookup proposals, blocks shorter than gamma and empty blocks included; broken
   rules are caught by the same enumeration.
-* Chi-square end to end, for lookup (toy bigram target) and for the feature drafter
-  (a LLaMA target and a random head), with the mutants of test_speculative_statistical
-  that apply to them (temperature-on-p-only is no bug for a one-hot q, and
-  bonus-from-draft needs a draft model's distribution).
-* Greedy identity for every drafter, and the feature drafter's bookkeeping: the features
-  it keeps are the target's own, position by position.
+* Chi-square end to end (a toy bigram target), with the variants of tests/support/statistical.py
+  that apply to it (temperature-on-p-only is no bug for a one-hot q, and bonus-from-draft needs
+  a draft model's distribution).
 """
 
 from __future__ import annotations
 
-import copy
 import importlib
 import math
 
@@ -26,100 +20,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from proofs import proof
-from strategies import max_gap, samplings, toy_table
-from test_speculative_exact import TOL, target_distribution
-from test_speculative_statistical import (
-    BUGS,
-    NOT_BUGS,
-    P_VALUE,
-    Setting,
-    sample_counts,
-    window_distribution,
-)
-from toy_models import NGramModel, chi_square_pvalue, llama_next_logits, random_llama, ref_warp, reference_greedy
 
-from model.call import chain
-from speculative import (
-    Draft,
-    FeatureDrafter,
-    ModelDrafter,
-    PromptLookupDrafter,
-    as_drafter,
-    speculative_generate,
-)
+from speculative import PromptLookupDrafter, speculative_generate
 from speculative.draft.lookup import NgramIndex
-from speculative.proofs.toys import random_head  # the feature head of the tests and of speculative.prove
 from speculative.sampling import Sampling, warp
+from tests.support.proofs import proof
+from tests.support.statistical import BUGS, NOT_BUGS, P_VALUE, Setting, sample_counts, window_distribution
+from tests.support.strategies import max_gap, samplings, toy_table
+from tests.support.toy_models import NGramModel, chi_square_pvalue, ref_warp, reference_greedy_toy, target_distribution
 
 verify = importlib.import_module("speculative.verify.token")
 
-
-# ----------------------------------------------------------------------------- interface
-def test_a_plain_model_and_its_model_drafter_are_the_same_run() -> None:
-    target, draft = NGramModel.random(5, 2, seed=1), NGramModel.random(5, 2, seed=2)
-    for temperature in (0.0, 0.8):
-        plain = speculative_generate(target, draft, [1, 2], 30, gamma=3, temperature=temperature, seed=4)
-        wrapped = speculative_generate(target, ModelDrafter(draft), [1, 2], 30, gamma=3, temperature=temperature,
-                                       seed=4)
-        assert plain.tokens == wrapped.tokens
-        assert plain.stats.gamma_history == wrapped.stats.gamma_history
-
-
-def test_as_drafter() -> None:
-    model = NGramModel.random(3, 2)
-    lookup = PromptLookupDrafter()
-    assert as_drafter(lookup) is lookup
-    assert isinstance(as_drafter(model), ModelDrafter) and as_drafter(model).model is model
-    with pytest.raises(TypeError, match="draft must be a model"):
-        as_drafter("tiny-draft")
-
-
-def test_a_drafter_for_another_vocabulary_is_refused() -> None:
-    target = random_llama(vocab=8)
-    head = random_head(random_llama(vocab=9))
-    with pytest.raises(ValueError, match="vocabulary"):
-        speculative_generate(target, FeatureDrafter(head, random_llama(vocab=9)), [1], 4)
-
-
-@proof('a drafter that proposes fewer tokens, or none, stays exact',
-       'exact identity, greedy')
-def test_a_drafter_may_propose_fewer_tokens_or_none() -> None:
-    """A drafter that proposes nothing turns every iteration into a plain target step; one
-    that proposes a single token gets it verified like any block."""
-
-    class Fixed:
-        reads_features, vocab_size, max_seq_len = False, None, None
-
-        def __init__(self, block: list[int]) -> None:
-            self.block = block
-
-        def start(self, max_rows, cache_len, target=None):
-            pass
-
-        def propose(self, ids, gammas, sampling, generators, device):
-            return Draft(torch.tensor([self.block[:g] for g in gammas], dtype=torch.long).view(len(gammas), -1),
-                         [len(self.block[:g]) for g in gammas])
-
-        def commit(self, lengths, hidden=None, hidden_starts=None):
-            pass
-
-        def keep_rows(self, rows, new=0):
-            pass
-
-    target = NGramModel.random(4, 2, seed=3)
-    greedy = speculative_generate(target, Fixed([]), [0], 10, gamma=4, temperature=0)
-    assert greedy.stats.target_calls == 10 and greedy.stats.drafted_tokens == 0
-    assert greedy.tokens == reference_greedy_toy(target, [0], 10)
-    one = speculative_generate(target, Fixed([2]), [0], 10, gamma=4, temperature=0)
-    assert one.tokens == greedy.tokens and set(one.stats.gamma_history) <= {0, 1}
-
-
-def reference_greedy_toy(model: NGramModel, prompt: list[int], count: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(count):
-        seq.append(int(model.next_logits(seq).argmax()))
-    return seq[len(prompt):]
+TOL = 1e-12
 
 
 # ----------------------------------------------------------------------------- prompt lookup
@@ -308,199 +220,3 @@ def test_lookup_first_tokens_have_the_target_distribution(lookup_toy: dict, vari
         assert p_value < P_VALUE, f"the test did not catch {variant} (p = {p_value:.3g})"
     else:
         assert p_value > P_VALUE, f"{variant} rejected (p = {p_value:.3g})"
-
-
-# ----------------------------------------------------------------------------- feature drafter
-FEATURE_RUNS = 1000
-FEATURE_CASES = [
-    ("correct", Sampling()),
-    ("correct", Sampling(temperature=0.8, top_k=5, top_p=0.9)),
-    ("inverted-ratio", Sampling()),
-    ("residual-from-p", Sampling()),
-    ("q-of-next-position", Sampling()),
-    ("temperature-on-p-only", Sampling(temperature=0.4)),
-]
-
-
-@pytest.fixture(scope="module")
-def feature_pair() -> dict:
-    target = random_llama(vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0)
-    return {"target": target, "head": random_head(target), "logits": llama_next_logits(target)}
-
-
-@proof("the engine with the feature head follows the target's law",
-       'chi-square, p > 1e-3, 1000 seeded runs',
-       rejects=('the same bugs as the draft model',))
-@pytest.mark.parametrize("variant, sampling", FEATURE_CASES, ids=[f"{v}-{s}" for v, s in FEATURE_CASES])
-def test_feature_drafter_first_tokens_have_the_target_distribution(feature_pair: dict, variant: str,
-                                                                   sampling: Sampling,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """gamma 2, tokens 2 and 3 jointly (64 cells): the first iteration reads the prompt and
-    drafts nothing, so the drafted tokens (and the bugs) start at token 2."""
-    if variant in BUGS:
-        BUGS[variant](monkeypatch, Setting(sampling, draft_after=lambda drafted: None))
-    target = feature_pair["target"]
-    drafter = FeatureDrafter(feature_pair["head"], target)
-    drafted = 0
-
-    def generate(seed: int) -> list[int]:
-        nonlocal drafted
-        out = speculative_generate(target, drafter, [1, 5], 4, gamma=2, temperature=sampling.temperature,
-                                   top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
-        drafted += out.stats.drafted_tokens
-        return out.tokens
-
-    counts = sample_counts(generate, FEATURE_RUNS, 1, 2)
-
-    def next_probs(ctx: tuple[int, ...]) -> list[float]:
-        return ref_warp(feature_pair["logits"](ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p)
-
-    p_value = chi_square_pvalue(counts, window_distribution(next_probs, [1, 5], 1, 2))
-    assert drafted >= FEATURE_RUNS  # the drafter did draft
-    if variant in BUGS:
-        assert p_value < P_VALUE, f"the test did not catch {variant} (p = {p_value:.3g})"
-    else:
-        assert p_value > P_VALUE, f"{variant} rejected (p = {p_value:.3g})"
-
-
-@pytest.fixture(scope="module")
-def llama64() -> dict:
-    target = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64,
-                          seed=3, dtype=torch.float64)
-    return {"target": target, "head": random_head(target, std=0.2)}
-
-
-@proof("every drafter's greedy output is the target's",
-       'exact identity')
-@settings(max_examples=25, derandomize=True, deadline=None)
-@given(prompt=st.lists(st.integers(0, 15), min_size=1, max_size=8), gamma=st.integers(1, 6),
-       kind=st.sampled_from(["lookup", "feature"]))
-def test_greedy_output_of_every_drafter_is_the_target_greedy_output(llama64: dict, prompt: list[int], gamma: int,
-                                                                    kind: str) -> None:
-    target = llama64["target"]
-    drafter = PromptLookupDrafter() if kind == "lookup" else FeatureDrafter(llama64["head"], target)
-    out = speculative_generate(target, drafter, prompt, 16, gamma=gamma, temperature=0)
-    assert out.tokens == reference_greedy(target, prompt, 16)
-
-
-@proof("the feature drafter keeps the target's features of the accepted path only",
-       'exact, to 1e-9')
-def test_feature_drafter_keeps_the_target_features_of_the_accepted_path(llama64: dict) -> None:
-    """After every iteration the features it holds for positions 0..L-2 are the target's own
-    (a no-cache forward over the final sequence), and the head read every position once
-    with a true feature: a drafter that kept the features of rejected tokens, or that did
-    not re-read positions it had drafted from predicted features, fails here."""
-    target = llama64["target"]
-    head = copy.deepcopy(llama64["head"])
-    drafter = FeatureDrafter(head, target)
-    calls: list[tuple[int, int]] = []
-    real_forward = head.forward
-
-    def recording(features, embeddings, call=None):
-        calls.append((None if call is None else int(call.slots[0, 0]), features.shape[1]))
-        return real_forward(features, embeddings, call)
-
-    head.forward = recording
-    snapshots = []
-
-    def known(drafter: FeatureDrafter) -> torch.Tensor:  # the features it holds for its row
-        return drafter.features[0, :drafter.known[0]].clone()
-
-    out = speculative_generate(target, drafter, [3, 1, 4], 30, gamma=3, temperature=1.0, seed=2,
-                               callback=lambda ids, flags: snapshots.append(known(drafter)))
-    assert 0 < out.stats.accepted_draft_tokens < out.stats.drafted_tokens  # accepted and rejected both happened
-    sequence = [3, 1, 4] + out.tokens
-    with torch.no_grad():
-        _, hidden = target(torch.tensor([sequence]), return_hidden=True)
-    for kept in snapshots:
-        torch.testing.assert_close(kept, hidden[0, :kept.shape[0]], rtol=1e-9, atol=1e-9)
-    assert snapshots[-1].shape[0] == len(sequence) - 1
-    # Catch-up calls (the first of each iteration) start where the true inputs end.
-    firsts = [start for start, width in calls if width > 1 or start == 0]
-    assert firsts == sorted(firsts)
-
-
-def test_feature_drafter_needs_the_target_features() -> None:
-    target = random_llama(vocab=8)
-    drafter = FeatureDrafter(random_head(target), target)
-    drafter.start(1, 8, target)
-    with pytest.raises(ValueError, match="hidden states"):
-        drafter.commit([3], None, [0])
-    with pytest.raises(ValueError, match="another target"):
-        drafter.start(1, 8, random_llama(vocab=8))
-
-
-def test_return_hidden_is_what_the_output_head_reads() -> None:
-    model = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, dtype=torch.float64)
-    tokens = torch.tensor([[1, 5, 2, 7, 3]])
-    with torch.no_grad():
-        logits, hidden = model(tokens, return_hidden=True)
-        torch.testing.assert_close(logits, model(tokens), rtol=0, atol=0)
-        torch.testing.assert_close(model.lm_head(hidden), logits, rtol=0, atol=0)
-        model.setup_cache(1, 8)
-        first, h1 = model(tokens[:, :3], chain(0, 3, "cpu"), return_hidden=True)
-        second, h2 = model(tokens[:, 3:], chain(3, 2, "cpu"), return_hidden=True)
-    torch.testing.assert_close(torch.cat([h1, h2], dim=1), hidden, rtol=1e-12, atol=1e-12)
-
-
-def test_seeded_runs_of_lookup_and_feature_drafters_repeat() -> None:
-    target = random_llama(vocab=8, max_seq_len=40)
-    for drafter in (PromptLookupDrafter(), FeatureDrafter(random_head(target), target)):
-        runs = [speculative_generate(target, drafter, [1, 2, 1, 2], 20, gamma=3, seed=9).tokens for _ in range(2)]
-        assert runs[0] == runs[1]
-        other = speculative_generate(target, drafter, [1, 2, 1, 2], 20, gamma=3, seed=10).tokens
-        assert other != runs[0]
-
-
-# ----------------------------------------------------------------------------- loading
-def test_feature_head_round_trip_and_load_drafter(tmp_path) -> None:
-    from weights import load_drafter
-    from weights.drafters import load_feature_head, save_feature_head
-
-    target = random_llama(vocab=8, dim=16, n_layers=2, max_seq_len=32)
-    head = random_head(target)
-    save_feature_head(head, tmp_path / "head", target, target_name="toy-target")
-    loaded = load_feature_head(tmp_path / "head", target)
-    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    assert (tmp_path / "head" / "model.safetensors").stat().st_mode & 0o044  # readable by others, like config.json
-    assert isinstance(load_drafter(tmp_path / "head", target), FeatureDrafter)
-    assert isinstance(load_drafter("lookup", target), PromptLookupDrafter)
-
-
-@pytest.mark.parametrize("other, what", [
-    ({"dim": 32, "n_heads": 2}, "hidden_size"),
-    ({"vocab": 9}, "vocab_size"),
-    ({"n_layers": 3}, "num_hidden_layers"),
-    ({"seed": 11}, "fingerprint"),
-])
-def test_a_head_trained_for_another_target_is_refused(tmp_path, other: dict, what: str) -> None:
-    from weights import CheckpointError
-    from weights.drafters import load_feature_head, save_feature_head
-
-    shape = {"vocab": 8, "dim": 16, "n_layers": 2, "n_heads": 2, "seed": 0}
-    trained_for = random_llama(vocab=8, dim=16, n_layers=2, n_heads=2, seed=0)
-    save_feature_head(random_head(trained_for), tmp_path / "head", trained_for, target_name="target-a")
-    another = random_llama(**{**shape, **other})
-    with pytest.raises(CheckpointError, match=f"target-a.*{what}|{what}.*target-a") as err:
-        load_feature_head(tmp_path / "head", another, "target-b")
-    assert "target-b" in str(err.value) and "target-a" in str(err.value)
-    # The same target, cast to bfloat16, is still the one the head was trained for.
-    load_feature_head(tmp_path / "head", copy.deepcopy(trained_for).to(torch.bfloat16))
-
-
-def test_a_broken_head_folder_is_a_checkpoint_error(tmp_path) -> None:
-    from weights import CheckpointError
-    from weights.drafters import load_feature_head, save_feature_head
-
-    target = random_llama(vocab=8, dim=16)
-    save_feature_head(random_head(target), tmp_path / "head", target)
-    path = tmp_path / "head" / "model.safetensors"
-    data = bytearray(path.read_bytes())
-    data[-64:] = b"\xff" * 64  # NaN in float32
-    path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="non-finite"):
-        load_feature_head(tmp_path / "head", target)
-    (tmp_path / "head" / "config.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="feature head"):
-        load_feature_head(tmp_path / "head", target)

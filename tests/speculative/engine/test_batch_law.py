@@ -8,7 +8,7 @@ variants.
   depth-first search over scripts visits every branch once, with its exact probability
   (float64). The joint law of the two rows' first tokens must be the product of the
   target's own laws, to 1e-10. The acceptance test and the residual are the library's
-  (proved alone in test_speculative_exact.py); what is tested here is the batching.
+  (proved alone in tests/speculative/verify/test_token.py); what is tested here is the batching.
 * Chi-square, end to end with the real generators: each row's first tokens against the
   target's exact law, and the joint law of two rows with the same prompt against the
   product of the marginals.
@@ -30,14 +30,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from proofs import proof
-from toy_models import chi_square_pvalue, llama_next_logits, random_llama, ref_warp, sequence_distribution
 
 import speculative.verify.token as verify
 from speculative import speculative_generate_batch
 from speculative.proofs.exact import Chooser
 from speculative.proofs.exact import enumerate_runs as enumerate_law
 from speculative.sampling import Sampling
+from tests.support.proofs import proof
+from tests.support.statistical import set_verify_step
+from tests.support.toy_models import chi_square_pvalue, llama_next_logits, random_llama, ref_warp, sequence_distribution
 
 torch.set_num_threads(1)
 batch = importlib.import_module("speculative.engine.engine")
@@ -144,7 +145,7 @@ def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
 
     mp.setattr(drafter_module, "sample_rows", sample_rows)
     mp.setattr(loop, "sample_rows", sample_rows)  # an iteration where no row drafted: t ~ p_1 per row
-    mp.setattr(verify, "verify_step", enumerated_verify)
+    set_verify_step(mp, enumerated_verify)
 
 
 def make_pair(vocab: int) -> dict:
@@ -242,7 +243,7 @@ RUNS = 1200
 
 @pytest.fixture(scope="module")
 def llama8() -> dict:
-    """float32 target and draft over 8 tokens, as in test_speculative_statistical."""
+    """float32 target and draft over 8 tokens, as in test_generation_statistical.py."""
     target = random_llama(vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0)
     draft = random_llama(vocab=8, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16, seed=1)
     return {"target": target, "draft": draft, "logits": llama_next_logits(target)}

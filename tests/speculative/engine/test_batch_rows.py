@@ -23,8 +23,6 @@ import random
 
 import pytest
 import torch
-from proofs import proof
-from toy_models import far_from_argmax, noisy_copy, random_llama, reference_greedy
 
 from model import call as calls
 from model.call import CacheCall
@@ -41,6 +39,8 @@ from speculative import (
 )
 from speculative.sampling import sample_rows
 from speculative.verify.verdict import Verification
+from tests.support.proofs import proof
+from tests.support.toy_models import far_from_argmax, noisy_copy, random_llama, reference_greedy
 
 torch.set_num_threads(1)
 verify_module = importlib.import_module("speculative.verify.token")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from proofs import proof
-from toy_models import noisy_copy, random_llama, reference_greedy
 
 from model import ModelConfig
 from model.feature_head import FeatureHead
@@ -24,6 +22,8 @@ from speculative import (
     autoregressive_generate,
     speculative_generate,
 )
+from tests.support.proofs import proof
+from tests.support.toy_models import noisy_copy, random_llama, reference_greedy
 
 torch.set_num_threads(1)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]

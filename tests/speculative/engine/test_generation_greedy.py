@@ -16,8 +16,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from proofs import proof
-from toy_models import (
+
+from speculative import PairMismatchError, autoregressive_generate, check_pair, speculative_generate
+from tests.support.proofs import proof
+from tests.support.toy_models import (
     FakeTokenizer,
     NGramModel,
     Recording,
@@ -25,13 +27,6 @@ from toy_models import (
     noisy_copy,
     random_llama,
     reference_greedy,
-)
-
-from speculative import (
-    PairMismatchError,
-    autoregressive_generate,
-    check_pair,
-    speculative_generate,
 )
 
 torch.set_num_threads(1)

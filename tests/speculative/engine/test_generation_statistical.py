@@ -9,7 +9,8 @@ seeded, so every outcome is reproducible.
 
 Variants are injected by monkeypatching the functions the loop calls
 (``speculative.verify.acceptance_probability`` / ``residual_distribution`` and the loop's
-``verify_step``). Bugs that must be rejected:
+``verify_step``); they and the harness live in tests/support/statistical.py, which the drafters'
+and the trees' chi-square proofs share. Bugs that must be rejected:
 
 * ``inverted-ratio``: accept with min(1, q/p) instead of min(1, p/q);
 * ``residual-from-p``: at a rejection, resample from p instead of norm(max(0, p - q));
@@ -27,122 +28,24 @@ Look-alikes that are NOT bugs and must pass:
 from __future__ import annotations
 
 import copy
-import importlib
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import pytest
 import torch
-from proofs import proof
-from toy_models import (
+
+from speculative import autoregressive_generate, speculative_generate
+from speculative.sampling import Sampling, warp
+from tests.support.proofs import proof
+from tests.support.statistical import BUGS, NOT_BUGS, P_VALUE, Setting, sample_counts, window_distribution
+from tests.support.toy_models import (
     NGramModel,
     chi_square_pvalue,
     llama_next_logits,
     random_llama,
     ref_warp,
     reference_greedy,
-    sequence_distribution,
 )
 
-from speculative import autoregressive_generate, speculative_generate
-from speculative.sampling import Sampling, warp
-
 torch.set_num_threads(1)
-loop = importlib.import_module("speculative.engine.engine")
-verify = importlib.import_module("speculative.verify.token")
-
-P_VALUE = 1e-3
-real_acceptance = verify.acceptance_probability
-real_residual = verify.residual_distribution
-real_verify_step = verify.verify_step
-
-
-# ----------------------------------------------------------------------------- variants
-@dataclass
-class Setting:
-    """What a variant may need to know: the sampling settings and the draft's next-token
-    distribution after a drafted block (for bonus-from-draft)."""
-
-    sampling: Sampling
-    draft_after: Callable[[torch.Tensor], torch.Tensor]
-
-
-def inverted_ratio(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    mp.setattr(verify, "acceptance_probability", lambda p, q, token: real_acceptance(q, p, token))
-
-
-def residual_from_p(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    mp.setattr(verify, "residual_distribution", lambda p, q: p)
-
-
-def bonus_from_draft(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    def step(p, q, drafted, generator):
-        if len(drafted):
-            p = p.clone()
-            p[-1] = setting.draft_after(drafted)
-        return real_verify_step(p, q, drafted, generator)
-
-    mp.setattr(verify, "verify_step", step)
-
-
-def temperature_on_p_only(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    t = setting.sampling.temperature
-    assert t not in (0, 1) and setting.sampling.top_k is None and setting.sampling.top_p is None
-
-    def step(p, q, drafted, generator):
-        raw = q ** t  # softmax(l / t) ** t is proportional to softmax(l): the untempered q
-        return real_verify_step(p, raw / raw.sum(-1, keepdim=True), drafted, generator)
-
-    mp.setattr(verify, "verify_step", step)
-
-
-def q_of_next_position(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    mp.setattr(verify, "verify_step",
-               lambda p, q, drafted, generator: real_verify_step(p, torch.cat([q[1:], q[-1:]]), drafted, generator))
-
-
-def ratio_without_min(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    def raw_ratio(p, q, token):
-        token = torch.as_tensor(token).unsqueeze(-1)
-        return p.gather(-1, token).squeeze(-1) / q.gather(-1, token).squeeze(-1)
-
-    mp.setattr(verify, "acceptance_probability", raw_ratio)
-
-
-def no_bonus_token(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    def step(p, q, drafted, generator):
-        verdict = real_verify_step(p, q, drafted, generator)
-
-        def finish(*host):
-            result = verdict.finish(*host)
-            if len(drafted) and result.accepted == len(drafted):
-                result.tokens = result.tokens[:-1]
-            return result
-
-        return verify.Verdict(verdict.parts, finish)
-
-    mp.setattr(verify, "verify_step", step)
-
-
-BUGS = {"inverted-ratio": inverted_ratio, "residual-from-p": residual_from_p, "bonus-from-draft": bonus_from_draft,
-        "temperature-on-p-only": temperature_on_p_only, "q-of-next-position": q_of_next_position}
-NOT_BUGS = {"correct": None, "ratio-without-min": ratio_without_min, "no-bonus-token": no_bonus_token,
-            "gamma-auto": None}
-
-
-# ----------------------------------------------------------------------------- harness
-def window_distribution(next_probs: Callable[[tuple[int, ...]], Sequence[float]], prompt: Sequence[int],
-                        skip: int, length: int) -> dict[tuple[int, ...], float]:
-    """Exact joint distribution of output tokens skip .. skip+length-1 of plain sampling."""
-    out: dict[tuple[int, ...], float] = {}
-    for seq, prob in sequence_distribution(next_probs, prompt, skip + length).items():
-        out[seq[skip:]] = out.get(seq[skip:], 0.0) + prob
-    return out
-
-
-def sample_counts(generate: Callable[[int], list[int]], runs: int, skip: int, length: int) -> Counter:
-    return Counter(tuple(generate(seed)[skip:skip + length]) for seed in range(runs))
 
 
 # ----------------------------------------------------------------------------- toy models

@@ -17,13 +17,20 @@ import importlib
 
 import pytest
 import torch
-from proofs import proof
-from test_drafters import random_head
-from test_speculative_statistical import P_VALUE, sample_counts, window_distribution
-from toy_models import chi_square_pvalue, llama_next_logits, noisy_copy, random_llama, ref_warp, reference_greedy
 
 from speculative import FeatureDrafter, PromptLookupDrafter, speculative_generate
 from speculative.sampling import Sampling
+from tests.support.proofs import proof
+from tests.support.statistical import P_VALUE, sample_counts, window_distribution
+from tests.support.toy_models import (
+    chi_square_pvalue,
+    llama_next_logits,
+    noisy_copy,
+    random_head,
+    random_llama,
+    ref_warp,
+    reference_greedy,
+)
 
 tree_module = importlib.import_module("speculative.verify.tree")
 real_reject = tree_module.reject_child

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from toy_models import noisy_copy, random_llama
 
 from speculative import (
     NonFiniteLogitsError,
@@ -26,6 +25,7 @@ from speculative import (
 )
 from speculative.engine.stats import Clock
 from speculative.inputs import read_host
+from tests.support.toy_models import noisy_copy, random_llama
 
 torch.set_num_threads(1)
 READS = ("tolist", "item", "__bool__", "__int__", "__float__")

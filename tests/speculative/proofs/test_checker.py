@@ -19,9 +19,9 @@ from speculative.proofs.checker import check, feature_drafter, load, main, model
 from speculative.proofs.exact import Branching, verifier_outcomes
 from speculative.verify.block import verify_block
 from speculative.verify.token import verify_step
+from tests.support.paths import ROOT
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
 BUGS = ROOT / "tests" / "bugs"
 
 

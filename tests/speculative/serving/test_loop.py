@@ -13,12 +13,12 @@ import time
 
 import pytest
 import torch
-from toy_models import noisy_copy, random_llama
 
 from speculative import Engine, Sampling, speculative_generate
 from speculative.engine.gamma import FixedGamma, Iteration, LoadGamma
 from speculative.serving.loop import EngineLoop, OverloadedError, Ticket, prometheus
 from speculative.serving.text import encode_dialog, encode_prompt
+from tests.support.toy_models import noisy_copy, random_llama
 from weights import load_tokenizer
 
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Block verification (speculative/verify/block.py) proven without sampling, the way Algorithm 1 is in
-tests/test_speculative_exact.py.
+tests/speculative/verify/test_token.py.
 
 An iteration's law is computed exactly: every drafted block x_1..x_gamma (each x_i ~ q_i, drawn
 before anything is judged), weighted by q(x^gamma), then the block rule's P(tau = n | block) and
@@ -28,13 +28,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from proofs import proof
-from strategies import max_gap, samplings, toy_table
-from toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
 import speculative.verify.token as verify
 from speculative.sampling import Sampling, warp
 from speculative.verify.block import block_outcomes, block_residuals, block_weights, stop_probabilities, verify_block
+from tests.support.proofs import proof
+from tests.support.strategies import max_gap, samplings, toy_table
+from tests.support.toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,5 @@
-"""Exactness without sampling: Algorithm 1 emits tokens with exactly the target's distribution.
+"""Token-wise verification (speculative/verify/token.py) proven without sampling: Algorithm 1 emits
+tokens with exactly the target's distribution.
 
 Everything here is computed, not sampled, in float64, from the implementation's own
 ``acceptance_probability``, ``residual_distribution`` and ``warp``:
@@ -10,10 +11,10 @@ Everything here is computed, not sampled, in float64, from the implementation's 
 * the same, with the verifier the loop calls (verify_step) run once per branch of its
   randomness (speculative.proofs.exact), so that a slip inside it (the residual, the bonus row, the
   threshold) shows;
-* r = 0 exactly against a token the target rules out (the strict comparison);
-* the cost model's formulas and gamma="auto" against values worked out by hand or by brute force.
+* r = 0 exactly against a token the target rules out (the strict comparison).
 
-Each identity is also shown to fail for a deliberately broken acceptance rule or residual.
+Each identity is also shown to fail for a deliberately broken acceptance rule or residual. (The
+cost model's formulas and gamma="auto" are tested in tests/speculative/engine/test_gamma.py.)
 """
 
 from __future__ import annotations
@@ -25,15 +26,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from proofs import proof
-from strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
-from toy_models import NGramModel, ref_warp, sequence_distribution
 
 import speculative.verify.token as verify
-from speculative.engine.gamma import GAMMA_START, AutoGamma, best_gamma, expected_speedup, expected_tokens_per_iteration
-from speculative.inputs import GAMMA_MAX
 from speculative.proofs.exact import verifier_distribution
 from speculative.sampling import Sampling, warp
+from tests.support.proofs import proof
+from tests.support.strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
+from tests.support.toy_models import NGramModel, target_distribution
 
 torch.set_num_threads(1)
 
@@ -211,14 +210,6 @@ def speculative_distribution(target: NGramModel, draft: NGramModel, prompt: tupl
     return out
 
 
-def target_distribution(target: NGramModel, prompt: tuple[int, ...], length: int,
-                        sampling: Sampling) -> dict[tuple[int, ...], float]:
-    """The target's own autoregressive distribution, with the reference warp."""
-    return sequence_distribution(
-        lambda ctx: ref_warp(target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p),
-        prompt, length)
-
-
 @proof("several iterations of Algorithm 1 emit exactly the target's law (temperature, top-k, top-p)",
        'exact enumeration, float64, to 1e-12, toy n-gram models, every drafted chain and accept/reject branch')
 @settings(max_examples=150, derandomize=True, deadline=None)
@@ -288,79 +279,6 @@ def test_several_steps_catch_a_warp_applied_to_one_model_only() -> None:
     assert max_gap(got, target_distribution(target, (0,), 3, sampling)) > 1e-3
 
 
-# ----------------------------------------------------------------------------- cost model and gamma="auto"
-def test_expected_tokens_per_iteration_by_hand() -> None:
-    assert expected_tokens_per_iteration(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096, abs=1e-12)
-    assert expected_tokens_per_iteration(0.5, 1) == pytest.approx(1.5, abs=1e-12)
-    assert expected_tokens_per_iteration(1.0, 4) == 5.0  # the limit gamma + 1
-    assert expected_tokens_per_iteration(1 - 1e-13, 4) == pytest.approx(5.0, abs=1e-9)  # no cancellation
-    assert expected_tokens_per_iteration(0.0, 7) == 1.0
-
-
-def test_expected_speedup_by_hand() -> None:
-    # docs/cost_model.md: alpha .8, gamma 4, c .05 -> 3.3616 / 1.2
-    assert expected_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2, abs=1e-12)
-    assert expected_speedup(0.5, 4, 0.25) == pytest.approx(1.9375 / 2.0, abs=1e-12)
-    assert expected_speedup(1.0, 3, 0.0) == 4.0
-
-
-def brute_force_speedup(alpha: float, gamma: int, c: float) -> float:
-    return sum(alpha ** k for k in range(gamma + 1)) / (gamma * c + 1)
-
-
-def brute_force_best_gamma(alpha: float, c: float) -> int:
-    speedups = [brute_force_speedup(alpha, g, c) for g in range(1, GAMMA_MAX + 1)]
-    return 1 + max(range(GAMMA_MAX), key=lambda i: (round(speedups[i], 12), -i))
-
-
-@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0])
-@pytest.mark.parametrize("c", [0.0, 0.01, 0.05, 0.1, 0.3, 1.0, 2.0])
-def test_best_gamma_is_the_brute_force_optimum(alpha: float, c: float) -> None:
-    best = max(brute_force_speedup(alpha, g, c) for g in range(1, GAMMA_MAX + 1))
-    chosen = best_gamma(alpha, c)
-    assert 1 <= chosen <= GAMMA_MAX
-    assert brute_force_speedup(alpha, chosen, c) == pytest.approx(best, rel=1e-12)
-
-
-def test_best_gamma_known_points() -> None:
-    assert best_gamma(0.0, 0.1) == 1  # nothing is ever accepted: draft as little as possible
-    assert best_gamma(1.0, 0.0) == GAMMA_MAX  # free and always right: draft as much as allowed
-    assert best_gamma(0.8, 0.05) == 8  # docs/cost_model.md's table
-    assert best_gamma(0.7, 0.1) == 4
-
-
-def test_auto_gamma_starts_at_4_then_follows_the_estimates() -> None:
-    auto = AutoGamma()
-    assert auto.gamma == GAMMA_START == 4
-    auto.update([0.9, 0.9], None, None)  # acceptance but no timing yet: stay at the start value
-    assert auto.gamma == 4
-    auto.update([0.8], draft_step_s=0.005, target_call_s=0.1)
-    # Laplace's rule on counts fading by 0.95 per position: S = 0.95^2 0.9 + 0.95 0.9 + 0.8
-    mass, count = 0.95 ** 2 * 0.9 + 0.95 * 0.9 + 0.8, 0.95 ** 2 + 0.95 + 1
-    assert auto.alpha == pytest.approx((mass + 1) / (count + 2))
-    assert auto.gamma == brute_force_best_gamma((mass + 1) / (count + 2), 0.05)
-    for _ in range(200):
-        auto.update([1.0, 1.0, 1.0], draft_step_s=0.0001, target_call_s=0.1)
-    assert auto.gamma == GAMMA_MAX
-    for _ in range(200):
-        auto.update([0.0], draft_step_s=0.05, target_call_s=0.1)
-    assert auto.gamma == 1  # never below 1
-
-
-def test_auto_gamma_does_not_jump_on_the_first_accepted_tokens() -> None:
-    """Two fully accepted positions are weak evidence: alpha stays well below 1 and gamma
-    moves only a little (a plain moving average would make alpha 1 and gamma 16)."""
-    auto = AutoGamma()
-    auto.update([1.0, 1.0], draft_step_s=0.0005, target_call_s=0.005)
-    assert auto.alpha == pytest.approx((1.95 + 1) / (1.95 + 2))
-    assert auto.alpha < 0.8
-    assert auto.gamma <= 6
-    for _ in range(100):  # but it does follow sustained evidence
-        auto.update([1.0] * 4, draft_step_s=0.0005, target_call_s=0.005)
-    assert auto.alpha > 0.95
-    assert auto.gamma > 8
-
-
 # ----------------------------------------------------------------------------- r = 0
 def forced_uniforms_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.rand returns exactly 0 (it can: it draws from [0, 1))."""
@@ -374,7 +292,7 @@ def test_verify_step_never_keeps_a_token_the_target_rules_out(monkeypatch: pytes
     """r = 0 against a drafted token of target probability 0: the strict r < p/q rejects it and
     the residual gives another token. SGLang #35771 compared with <=, which accepts it: the one
     mutant that every other test lets through, since r = 0 has probability 0 under sampling."""
-    from mutation import mutated
+    from tests.support.mutation import mutated
 
     p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]], dtype=torch.float64)
     q = torch.tensor([[0.6, 0.2, 0.2]], dtype=torch.float64)
@@ -418,7 +336,7 @@ def test_the_loops_verifier_emits_exactly_the_target_distribution(vocab: int, ga
 def test_the_enumeration_of_the_verifier_catches_wiring_slips(slip: tuple[str, str]) -> None:
     """Slips inside verify_step that a reference built from acceptance_probability and
     residual_distribution could not see: the enumeration of the function itself does."""
-    from mutation import mutated
+    from tests.support.mutation import mutated
 
     broken = mutated(verify, slip).verify_step
     target, draft = NGramModel(toy_table(3, 2, 5, 0.0)), NGramModel(toy_table(3, 2, 6, 0.0))

@@ -28,14 +28,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from proofs import proof
-from strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
-from toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
 import speculative.verify.token as verify
 import speculative.verify.tree as tree
 from speculative.sampling import Sampling, warp
 from speculative.verify.tree import TokenTree, verify_tree, verify_tree_greedy
+from tests.support.proofs import proof
+from tests.support.strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
+from tests.support.toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
 
 torch.set_num_threads(1)
 

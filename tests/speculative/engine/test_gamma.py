@@ -1,0 +1,84 @@
+"""The cost model and gamma="auto" (speculative/engine/gamma.py): the expected tokens per
+iteration and the speedup against values worked out by hand (docs/cost_model.md), the best gamma
+against a brute-force search, and AutoGamma's estimates, which start at 4 and follow the evidence
+without jumping on the first accepted tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculative.engine.gamma import GAMMA_START, AutoGamma, best_gamma, expected_speedup, expected_tokens_per_iteration
+from speculative.inputs import GAMMA_MAX
+
+
+# ----------------------------------------------------------------------------- cost model and gamma="auto"
+def test_expected_tokens_per_iteration_by_hand() -> None:
+    assert expected_tokens_per_iteration(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096, abs=1e-12)
+    assert expected_tokens_per_iteration(0.5, 1) == pytest.approx(1.5, abs=1e-12)
+    assert expected_tokens_per_iteration(1.0, 4) == 5.0  # the limit gamma + 1
+    assert expected_tokens_per_iteration(1 - 1e-13, 4) == pytest.approx(5.0, abs=1e-9)  # no cancellation
+    assert expected_tokens_per_iteration(0.0, 7) == 1.0
+
+
+def test_expected_speedup_by_hand() -> None:
+    # docs/cost_model.md: alpha .8, gamma 4, c .05 -> 3.3616 / 1.2
+    assert expected_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2, abs=1e-12)
+    assert expected_speedup(0.5, 4, 0.25) == pytest.approx(1.9375 / 2.0, abs=1e-12)
+    assert expected_speedup(1.0, 3, 0.0) == 4.0
+
+
+def brute_force_speedup(alpha: float, gamma: int, c: float) -> float:
+    return sum(alpha ** k for k in range(gamma + 1)) / (gamma * c + 1)
+
+
+def brute_force_best_gamma(alpha: float, c: float) -> int:
+    speedups = [brute_force_speedup(alpha, g, c) for g in range(1, GAMMA_MAX + 1)]
+    return 1 + max(range(GAMMA_MAX), key=lambda i: (round(speedups[i], 12), -i))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0])
+@pytest.mark.parametrize("c", [0.0, 0.01, 0.05, 0.1, 0.3, 1.0, 2.0])
+def test_best_gamma_is_the_brute_force_optimum(alpha: float, c: float) -> None:
+    best = max(brute_force_speedup(alpha, g, c) for g in range(1, GAMMA_MAX + 1))
+    chosen = best_gamma(alpha, c)
+    assert 1 <= chosen <= GAMMA_MAX
+    assert brute_force_speedup(alpha, chosen, c) == pytest.approx(best, rel=1e-12)
+
+
+def test_best_gamma_known_points() -> None:
+    assert best_gamma(0.0, 0.1) == 1  # nothing is ever accepted: draft as little as possible
+    assert best_gamma(1.0, 0.0) == GAMMA_MAX  # free and always right: draft as much as allowed
+    assert best_gamma(0.8, 0.05) == 8  # docs/cost_model.md's table
+    assert best_gamma(0.7, 0.1) == 4
+
+
+def test_auto_gamma_starts_at_4_then_follows_the_estimates() -> None:
+    auto = AutoGamma()
+    assert auto.gamma == GAMMA_START == 4
+    auto.update([0.9, 0.9], None, None)  # acceptance but no timing yet: stay at the start value
+    assert auto.gamma == 4
+    auto.update([0.8], draft_step_s=0.005, target_call_s=0.1)
+    # Laplace's rule on counts fading by 0.95 per position: S = 0.95^2 0.9 + 0.95 0.9 + 0.8
+    mass, count = 0.95 ** 2 * 0.9 + 0.95 * 0.9 + 0.8, 0.95 ** 2 + 0.95 + 1
+    assert auto.alpha == pytest.approx((mass + 1) / (count + 2))
+    assert auto.gamma == brute_force_best_gamma((mass + 1) / (count + 2), 0.05)
+    for _ in range(200):
+        auto.update([1.0, 1.0, 1.0], draft_step_s=0.0001, target_call_s=0.1)
+    assert auto.gamma == GAMMA_MAX
+    for _ in range(200):
+        auto.update([0.0], draft_step_s=0.05, target_call_s=0.1)
+    assert auto.gamma == 1  # never below 1
+
+
+def test_auto_gamma_does_not_jump_on_the_first_accepted_tokens() -> None:
+    """Two fully accepted positions are weak evidence: alpha stays well below 1 and gamma
+    moves only a little (a plain moving average would make alpha 1 and gamma 16)."""
+    auto = AutoGamma()
+    auto.update([1.0, 1.0], draft_step_s=0.0005, target_call_s=0.005)
+    assert auto.alpha == pytest.approx((1.95 + 1) / (1.95 + 2))
+    assert auto.alpha < 0.8
+    assert auto.gamma <= 6
+    for _ in range(100):  # but it does follow sustained evidence
+        auto.update([1.0] * 4, draft_step_s=0.0005, target_call_s=0.005)
+    assert auto.alpha > 0.95
+    assert auto.gamma > 8
