@@ -283,7 +283,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     if not args.json and is_main:
         for line in lines:
             print(f"setup: {line}", file=sys.stderr)
-        for line in setups.notes:
+        for line in [*setups.notes, *filter(None, [cmdline.rule_note(args, given)])]:
             print(f"note: {line}", file=sys.stderr)
         if setups.compile_note(args.max_new_tokens):
             print(f"note: {setups.compile_note(args.max_new_tokens)}", file=sys.stderr)

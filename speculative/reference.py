@@ -4,7 +4,7 @@ A draft model M_q proposes a chain of gamma tokens, the target M_p scores them i
 and token-wise verification keeps a prefix and adds one token of the target's own. Nothing
 else: no statistics, trees, batches, compilation, EOS handling or callbacks (the engine,
 speculative.engine, has those). Line numbers are those of Algorithm 1 as written out in
-docs/algorithm.md; tests/test_reference.py proves this function exact by enumerating every
+docs/algorithm.md; tests/speculative/test_reference.py proves this function exact by enumerating every
 random choice it makes.
 
 Both models are used through ``setup_cache(1, n)``, their cached call ``model(tokens [1, T],

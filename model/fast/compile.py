@@ -15,7 +15,7 @@ given by running it, and installs :class:`CompiledSteps` from outside (:func:`in
 call of B rows and T tokens then runs the smallest compiled shape that holds it, padded,
 and anything else -- a prompt longer than the widest shape -- runs eagerly on the same
 buffer. No shape met during generation is new, so nothing recompiles
-(tests/test_compile.py makes any recompilation an error over whole runs).
+(tests/model/fast/test_compile.py makes any recompilation an error over whole runs).
 
 The model knows nothing of what calls it; the widths to compile are the caller's choice
 (generate.py: 1, 2 and gamma + 1, or every width up to the largest gamma under "auto").

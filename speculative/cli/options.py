@@ -133,8 +133,6 @@ def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
                                       "generate.py ...")
         if args.temperature == 0:
             unused(["top_k", "top_p", "seed"], "at temperature 0: greedy decoding takes the most likely token")
-            if not args.no_draft and args.tree is None and RULES[args.verify].greedy:
-                unused(["verify"], f"at temperature 0: --verify {args.verify} is {RULES[args.verify].at_temperature_0}")
         if args.no_draft:
             unused(["draft", "gamma", "compare", "verify", "tree", "tree_mode"],
                    "with --no-draft: the target decodes alone")
@@ -151,6 +149,15 @@ def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
     elif args.prompts_file is not None and not args.plan:
         unused(["no_color"], "with --prompts-file, which prints no colours")
     return warnings
+
+
+def rule_note(args: argparse.Namespace, given: set[str]) -> str | None:
+    """What a rule named by --verify does at temperature 0, where it is registered to give way to
+    the comparison of argmaxes (speculative.verify.registry): said once, after the header."""
+    rule = RULES[args.verify]
+    if "verify" in given and args.temperature == 0 and not args.no_draft and args.tree is None and rule.greedy:
+        return f"at temperature 0, --verify {rule.name} is {rule.at_temperature_0}"
+    return None
 
 
 def chat_warning(name: str, marked: bool) -> str | None:

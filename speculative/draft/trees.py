@@ -20,7 +20,7 @@ How a node's children are drawn from its distribution (``mode``, speculative.ver
 * "iid": k independent draws from q (SpecInfer's setting; siblings may repeat).
 
 The law used for drawing is the warped q that verification is given: drafting from one
-q and judging with another is the bug the mutants of tests/test_tree_verification.py show.
+q and judging with another is the bug the mutants of tests/speculative/verify/test_tree.py show.
 """
 
 from __future__ import annotations

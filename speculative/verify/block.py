@@ -26,7 +26,7 @@ past every prefix at least as often): docs/trees_and_blocks.md, "Block verificat
 At temperature 0 (one-hot p and q) w_i is 1 while x_i is the target's argmax and 0 from the first
 mismatch on, m_i is 1 exactly when x_{i+1} is the first mismatch, so h_i is 1 there and 0 elsewhere:
 tau is the number of leading matches whatever the eta_i are, and t is the target's argmax. That is
-greedy token-wise verification (tests/test_block_verification.py checks it against verify_greedy).
+greedy token-wise verification (tests/speculative/verify/test_block.py checks it against verify_greedy).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor, lengths: l
     whatever r_i is); the residual norm(max(0, p_i - q_i)) at the first mismatch is one-hot
     on the target's choice (line 8), and so is the bonus p_{gamma+1} (line 7); the overlap
     sum_x min(p_i(x), q_i(x)) is 1 on a match and 0 otherwise. The greedy tests compare the
-    loop's output with the target's own greedy decoding, and tests/test_speculative_exact.py compares
+    loop's output with the target's own greedy decoding, and tests/speculative/verify/test_token.py compares
     this function with verify_step on one-hot inputs.
 
     Why a separate function: a verification of a small target is a few milliseconds, and
