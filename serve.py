@@ -41,6 +41,7 @@ from model.scale.memory import check_memory
 from speculative import Engine, PairMismatchError
 from speculative.cli import options as cmdline
 from speculative.cli.options import UsageError, rules_help
+from speculative.engine import DEFAULT_GAMMA
 from speculative.engine.gamma import FixedGamma, LoadGamma
 from speculative.inputs import GAMMA_MAX
 from speculative.serving.loop import EngineLoop, Service
@@ -76,7 +77,7 @@ def build_parser() -> cmdline.ArgumentParser:
         help="requests waiting for a row at most; more get 429 with Retry-After (default %(default)s)")
     add("--speculation", choices=("load", "on", "off"), default="load",
         help="gamma by the cost model at the current load, always --gamma, or never (default %(default)s)")
-    add("--gamma", type=int, default=4, help="draft length with --speculation on; the largest otherwise "
+    add("--gamma", type=int, default=DEFAULT_GAMMA, help="draft length with --speculation on; the largest otherwise "
                                              "(default %(default)s)")
     add("--verify", choices=list(RULES), default="token", help=f"{rules_help()} (default %(default)s)")
     add("--access-log", action="store_true", help="log every request on stderr")

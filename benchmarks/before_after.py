@@ -166,6 +166,7 @@ def warm_child(args: argparse.Namespace) -> None:
     def served(ids: list[int], seed: int) -> float:
         """One request through the server's engine loop, run in this thread as serve.py runs it."""
         nonlocal engine
+        # Imported here, as above: from the checkout this child measures, whose layout may be older
         from speculative.engine import Engine
         try:
             from speculative.serving.loop import EngineLoop, Ticket

@@ -125,7 +125,7 @@ def call(method: Method, models: Models, prompt: list[int], new_tokens: int, tem
 
 
 def load_hf(directory: Path, dtype: torch.dtype, device: str) -> Any:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # the test extra's oracle, heavy: only for --hf runs
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -191,7 +191,7 @@ def check_compiled_decode(bandwidth: float | None, config: ModelConfig = LLAMA2_
                           dtype: torch.dtype = torch.bfloat16, steps: int = 64) -> dict[str, Any]:
     """Decode tokens/s of one random model, eager and then compiled (one-token steps), and
     each against the bandwidth bound."""
-    from model.fast.compile import compile_for_decoding
+    from model.fast.compile import compile_for_decoding  # deferred: Inductor loads only for the checks that compile
 
     model = random_model(config, device, dtype)
     out = {"eager": bound_entry(model, decode_tokens_per_second(model, steps=steps), bandwidth)}
@@ -217,7 +217,7 @@ def check_speculative_7b(config: ModelConfig = LLAMA2_CONFIGS["7b"], draft_layer
                          gamma: int = 4) -> dict[str, Any]:
     """A 7B-shaped target and a 1B-shaped early-exit draft (4 of 32 layers: ~1.1B parameters),
     greedy: speculative against the target alone, eager, then both models compiled."""
-    from model.fast.compile import compile_for_decoding, decode_widths
+    from model.fast.compile import compile_for_decoding, decode_widths  # deferred: as above
     from speculative import autoregressive_generate, speculative_generate
 
     target = random_model(config, device, dtype)
@@ -248,6 +248,7 @@ def check_speculative_7b(config: ModelConfig = LLAMA2_CONFIGS["7b"], draft_layer
 def check_shipped_pair(max_new_tokens: int = 128, gamma: int = 4, device: str = "cuda",
                        dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, Any]:
     """Speculative vs target-only on tiny-draft -> tiny-target on the GPU, greedy."""
+    # deferred: the checks of the bare GPU run first, without the project's packages loaded
     from speculative import autoregressive_generate, speculative_generate
     from weights import load_model, load_tokenizer
 

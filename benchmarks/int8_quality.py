@@ -15,6 +15,7 @@ JSON object.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from typing import Any
 
@@ -49,7 +50,6 @@ def random_pair(seed: int = 0) -> tuple[Llama, Llama]:
 
 
 def converted(model: Llama, dtype: torch.dtype) -> Llama:
-    import copy
 
     return copy.deepcopy(model).to(dtype)
 

@@ -218,7 +218,7 @@ def warm_call(args: argparse.Namespace, prompt: str, speculative: bool) -> Any:
     function that runs it once, in this thread or (``thread=True``) in another as the server's
     engine runs, and returns its wall_time_s. (On a CPU that other processes keep busy, 2 torch
     threads have run 3-5 times slower from the main thread than from another one.)"""
-    import torch
+    import torch  # deferred: the load client itself never loads torch or a model
 
     from speculative import autoregressive_generate, speculative_generate
     from speculative.serving.text import encode_prompt

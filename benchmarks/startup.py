@@ -69,7 +69,7 @@ CASES = (("alone", 0.0), ("alone", 1.0), ("speculative", 0.0), ("speculative", 1
 
 def set_up(args: argparse.Namespace, dtype: str, kind: str, store: str) -> tuple:
     """The pair in ``dtype`` ("T" or "T/D") set up as ``kind`` says, and the target's weight bytes."""
-    import torch
+    import torch  # deferred: a child's import time is part of the start-up this script measures
 
     from model.fast.compile import decode_widths
     from weights import StepCache, load_pair
@@ -94,7 +94,7 @@ def set_up(args: argparse.Namespace, dtype: str, kind: str, store: str) -> tuple
 # ----------------------------------------------------------------------------- children
 def start_child(args: argparse.Namespace) -> None:
     """One process, one set-up: ready when its first call has decoded a token."""
-    import torch
+    import torch  # deferred, as in set_up: the start-up measured includes it
 
     torch.set_num_threads(args.threads)
     from speculative import speculative_generate

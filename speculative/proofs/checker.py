@@ -14,8 +14,9 @@ dotted module name or a path to a .py file; OBJECT names, in it, either
   speculative.draft), or a function or class that makes one, called with no argument when it
   can be, else with the toy target (``factory(target) -> drafter``; the target is a small float64
   model.Llama, and :func:`toy_draft` / :func:`toy_head` build a draft model or a feature head for
-  it). The built-in drafters: ``speculative.draft.lookup:PromptLookupDrafter``,
-  ``speculative.prove:model_drafter``, ``speculative.prove:feature_drafter``.
+  it). The registered drafters are checked by name (``python -m speculative.prove lookup``),
+  each as its registration's ``toy`` builds it (``speculative.prove:model_drafter`` for a draft
+  model, ``speculative.prove:feature_drafter`` for a feature head).
 
 The properties (docs/proofs_checker.md says what each one proves and how):
 
