@@ -242,10 +242,13 @@ def test_greedy_float32_differs_only_at_near_ties(greedy_alone: dict[str, list[i
 
 
 @needs_pair
-def test_prepacking_is_on_by_default_on_cpu_float32_and_can_be_turned_off() -> None:
+def test_prepacking_is_on_by_default_on_cpu_float32_and_can_be_turned_off(tmp_path: Path) -> None:
     from model.fast.prepack import prepack_supported
 
-    args = ("--target", str(TARGET), "--no-draft", "--max-new-tokens", "20", "--dtype", "float32")
+    # an empty compiled-step cache: where the session's holds this pair's steps (a test that compiled it
+    # kept them there), the default run loads those instead of prepacking
+    args = ("--target", str(TARGET), "--no-draft", "--max-new-tokens", "20", "--dtype", "float32",
+            "--cache-dir", str(tmp_path))
     packed, plain = run_json(*args), run_json(*args, "--no-prepack")
     assert plain["settings"]["prepacked_layers"] == 0
     if prepack_supported():
