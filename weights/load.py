@@ -25,13 +25,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model import Llama, ModelConfig
 from model.fast.fuse import prepare_for_decoding, prepared
-from model.fast.setup import Setups, cache_length, candidates, choose_setups, default_setups
 from speculative import PairMismatchError, check_pair
 from speculative.draft.registry import DRAFTERS, named
 from weights.checkpoint import load_model, load_tokenizer, read_config
@@ -39,6 +38,9 @@ from weights.drafters import folder_kind, load_drafter
 from weights.registry import SHIPPED, resolve
 from weights.sharded import load_model_tp, plan_config
 from weights.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from model.fast.setup import Setups
 
 
 def draft_kind(name_or_path: str | os.PathLike | None, planning: bool = False) -> str | None:
@@ -165,6 +167,9 @@ class Pair:
         by model.fast.setup.choose_setups, compiled steps kept in ``store`` (a weights.StepCache)
         when one is given. The static cache of compiled steps is rounded up (cache_length) when a
         store keeps them, so that runs of other lengths find them."""
+        # Deferred: model.fast.setup loads Inductor's config (about a second), which loading a pair does not need.
+        from model.fast.setup import cache_length, candidates, choose_setups, default_setups
+
         context = min(m.config.max_seq_len for m in (self.target, self.draft_model) if m is not None)
         cache_len = cache_length(positions, context) if store is not None else min(context, positions)
         models = dict(draft=self.draft_model, head=self.head, batch=batch, tree=tree)
