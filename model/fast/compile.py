@@ -45,6 +45,7 @@ from torch import nn
 
 from model.call import CacheCall
 from model.fast import aot
+from model.fast.fuse import in_front
 from model.fast.prepack import PrepackedLinear
 from model.scale.tensor_parallel import ParallelAttention
 
@@ -168,17 +169,11 @@ class Compiled:
         return out if out is not None else super().run(inputs, call, return_hidden)
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def install(model: nn.Module, steps: CompiledSteps | None) -> None:
     """Route ``model``'s cached calls through ``steps`` (None: eagerly again, with a fresh cache
     at the next setup_cache)."""
-    cls = type(model)
     if not isinstance(model, Compiled):
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"Compiled{cls.__name__}", (Compiled, cls), {})
-        model.__class__ = _CLASSES[cls]
+        in_front(model, Compiled, "Compiled")
     model.compiled = steps
 
 

@@ -7,7 +7,7 @@ in the MLP: stacking their weights makes two products out of five per layer, and
 rotary embedding then turns the query and key heads in one go (what it saves per step:
 ``python -m benchmarks.step_times``). Checkpoints keep the Hugging Face layout; this is done
 after loading, for inference, like model/fast/prepack.py, by giving each stacked module a
-class of its own (:func:`stacked`), so that model/model.py knows nothing of it.
+class of its own (:func:`in_front`), so that model/model.py knows nothing of it.
 
 The stacked product computes the same dot products as the separate ones; only the
 blocking of the matrix product may change, so results agree to float rounding.
@@ -39,7 +39,7 @@ def _stacked(*layers: nn.Linear) -> nn.Linear:
 
 
 class StackedAttention:
-    """Put in front of an attention class (:func:`stacked`): q, k and v from one product, and one
+    """Put in front of an attention class (:func:`in_front`): q, k and v from one product, and one
     rotation for the query and key heads together."""
 
     @property
@@ -55,7 +55,7 @@ class StackedAttention:
 
 
 class StackedMLP:
-    """Put in front of an MLP class (:func:`stacked`): gate and up from one product."""
+    """Put in front of an MLP class (:func:`in_front`): gate and up from one product."""
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj(x).chunk(2, dim=-1)
@@ -64,12 +64,13 @@ class StackedMLP:
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
-def stacked(module: nn.Module, front: type) -> None:
-    """Make ``module`` an instance of ``front`` + its own class (a tensor-parallel layer stays one:
-    its forward still wraps the stacked projections)."""
+def in_front(module: nn.Module, front: type, prefix: str) -> None:
+    """Make ``module`` an instance of ``front`` put in front of its own class (named prefix + its
+    class's name): how a fast path changes a built module from outside. A tensor-parallel layer
+    stays one: its forward still wraps what ``front`` overrides."""
     cls = type(module)
     if (front, cls) not in _CLASSES:
-        _CLASSES[front, cls] = type(f"Stacked{cls.__name__}", (front, cls), {})
+        _CLASSES[front, cls] = type(f"{prefix}{cls.__name__}", (front, cls), {})
     module.__class__ = _CLASSES[front, cls]
 
 
@@ -90,13 +91,13 @@ def fuse_projections(model: nn.Module) -> int:
                                 module.k_proj.out_features // module.head_dim)
             module.qkv_proj = _stacked(module.q_proj, module.k_proj, module.v_proj)
             module.q_proj = module.k_proj = module.v_proj = None
-            stacked(module, StackedAttention)
+            in_front(module, StackedAttention, "Stacked")
             fused += 1
         elif isinstance(module, MLP) and not isinstance(module, StackedMLP) and _plain(module.gate_proj,
                                                                                       module.up_proj):
             module.gate_up_proj = _stacked(module.gate_proj, module.up_proj)
             module.gate_proj = module.up_proj = None
-            stacked(module, StackedMLP)
+            in_front(module, StackedMLP, "Stacked")
             fused += 1
     return fused
 
