@@ -23,7 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from model import ModelConfig
+from model.feature_head import FeatureHead
 from tests.support.paths import TARGET
+from weights import load_model
+from weights.drafters import save_feature_head
 
 torch.set_num_threads(1)
 
@@ -37,11 +41,6 @@ atexit.register(shutil.rmtree, os.environ["SPECULATIVE_LLAMA_CACHE"], ignore_err
 def head_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A feature head for the shipped target with random weights (what is tested here is the
     plumbing; the shipped head's acceptance is in its model card)."""
-    from model import ModelConfig
-    from model.feature_head import FeatureHead
-    from weights import load_model
-    from weights.drafters import save_feature_head
-
     target = load_model(TARGET)
     torch.manual_seed(0)
     head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))

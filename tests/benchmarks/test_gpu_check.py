@@ -6,11 +6,13 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from model import ModelConfig
 from tests.support.paths import ROOT
 
 
@@ -40,8 +42,6 @@ def test_without_a_gpu_it_says_so(tmp_path: Path) -> None:
 
 def test_decode_check_smoke_on_cpu() -> None:
     """The 7B decode check's code path, with a tiny config on the CPU: both dtypes measured, int8 half the bytes."""
-    from model import ModelConfig
-
     config = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=64, max_seq_len=256)
     result = load_script().check_7b_decode(1e9, config=config, device="cpu", steps=4)
     assert result["bfloat16"]["tokens_per_second"] > 0 and result["int8"]["tokens_per_second"] > 0
@@ -68,8 +68,6 @@ def test_dry_run_runs_the_compiled_and_speculative_sections(tmp_path: Path) -> N
 
 
 def test_a_section_past_its_timeout_is_recorded_not_waited_for() -> None:
-    import time
-
     report: dict = {}
     start = time.perf_counter()
     load_script().section(report, "slow", lambda: time.sleep(30), timeout_s=0.5)

@@ -13,6 +13,7 @@ import torch
 from model import Llama, ModelConfig
 from model import call as calls
 from model.call import CacheCall
+from model.model import apply_rope, rope_cos_sin
 from tests.support.hf import HF_CONFIGS, hf_config, hf_logits, hf_model, random_tokens, randomize_
 from weights import load_model, save_model
 
@@ -257,8 +258,6 @@ def test_llama2_parameter_counts(size: str) -> None:
 def test_rolled_rope_is_the_rotate_half_formula_bit_for_bit() -> None:
     """apply_rope (roll + signed sin) against transformers' form x * cos + cat(-x2, x1) * sin,
     written out here from its definition, with the unsigned sin computed independently."""
-    from model.model import apply_rope, rope_cos_sin
-
     head_dim, positions = 64, torch.arange(40)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     cos, signed_sin = rope_cos_sin(inv_freq, positions)

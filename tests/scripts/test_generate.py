@@ -10,21 +10,26 @@ no traceback). Subprocesses run with one thread, for the 2-core CI.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from sentencepiece import sentencepiece_model_pb2
 
 import generate
 from model import ModelConfig
+from model.fast.prepack import prepack_supported
 from model.scale import memory as memory_lib
-from model.scale.memory import DEFAULT_RESERVE, NotEnoughMemoryError
+from model.scale.memory import DEFAULT_RESERVE, LLAMA2_CONFIGS, NotEnoughMemoryError, cheapest_fit, plan
 from speculative.cli import options as cmdline
 from speculative.cli import output
 from speculative.cli.report import JSON_NOTES
@@ -42,6 +47,7 @@ from tests.support.cli import (
     needs_pair,
     warnings_in,
 )
+from tests.support.damage import overwrite_middle
 from weights import load_model, load_tokenizer, read_config
 from weights.registry import marked_for_chat
 
@@ -243,8 +249,6 @@ def test_greedy_float32_differs_only_at_near_ties(greedy_alone: dict[str, list[i
 
 @needs_pair
 def test_prepacking_is_on_by_default_on_cpu_float32_and_can_be_turned_off(tmp_path: Path) -> None:
-    from model.fast.prepack import prepack_supported
-
     # an empty compiled-step cache: where the session's holds this pair's steps (a test that compiled it
     # kept them there), the default run loads those instead of prepacking
     args = ("--target", str(TARGET), "--no-draft", "--max-new-tokens", "20", "--dtype", "float32",
@@ -284,8 +288,6 @@ def test_chat_template() -> None:
 def test_streaming_detokenisation_keeps_spaces_and_multibyte_characters() -> None:
     """Fed one token at a time, the streamer prints exactly the text of the whole sequence, although
     "🙂" and "é" are byte-fallback pieces that decode to nothing sensible alone."""
-    import io
-
     tokenizer = load_tokenizer(TARGET)
     prompt = tokenizer.encode("Once upon a time")
     new = tokenizer.encode(" the café said 🙂 and Ünal smiled.", bos=False)
@@ -303,7 +305,7 @@ def test_streaming_detokenisation_keeps_spaces_and_multibyte_characters() -> Non
 @needs_pair
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 def test_colours_on_a_terminal_only() -> None:
-    import pty
+    import pty  # POSIX only: the test is skipped on Windows, where the module does not exist
 
     def on_tty(*args: str) -> tuple[str, str]:
         master, slave = pty.openpty()
@@ -352,7 +354,6 @@ def test_vocabulary_mismatch(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 @needs_pair
 def test_tokenizer_mismatch(tmp_path: Path) -> None:
     pytest.importorskip("google.protobuf")
-    from sentencepiece import sentencepiece_model_pb2
 
     draft = copy_draft(tmp_path)
     proto = sentencepiece_model_pb2.ModelProto()
@@ -403,8 +404,6 @@ def test_corrupted_weights_are_one_error_line(capsys: pytest.CaptureFixture[str]
     """A safetensors file with its header intact and 0xFF (NaN) bytes in the middle of its data:
     greedy used to print token 0 forever and sampling to crash in the tokenizer. Now loading
     refuses it, naming the file and the tensor, whatever the decoding settings."""
-    from tests.support.damage import overwrite_middle
-
     broken = copy_checkpoint(DRAFT if role == "draft" else TARGET, tmp_path, role)
     name = overwrite_middle(broken / "model.safetensors")
     pair = {"target": TARGET, "draft": DRAFT, role: broken}
@@ -417,8 +416,6 @@ def test_corrupted_weights_are_one_error_line(capsys: pytest.CaptureFixture[str]
 
 @needs_pair
 def test_corrupted_weights_in_a_real_process(tmp_path: Path) -> None:
-    from tests.support.damage import overwrite_middle
-
     broken = copy_checkpoint(DRAFT, tmp_path, "draft")
     name = overwrite_middle(broken / "model.safetensors")
     proc = cli("--target", str(TARGET), "--draft", str(broken), "--max-new-tokens", "4")
@@ -431,8 +428,6 @@ def test_non_finite_logits_are_one_error_line_and_no_tokens(capsys: pytest.Captu
     """Finite weights whose arithmetic overflows: the final norm's weight at float16's largest value
     makes every normalised activation above 1 infinite, so the logits are inf/NaN. The run ends with
     one error line, after its header, and stdout holds nothing (not even the prompt)."""
-    from safetensors.torch import load_file, save_file
-
     hot = copy_checkpoint(TARGET, tmp_path, "hot")
     tensors = load_file(hot / "model.safetensors")
     tensors["model.norm.weight"].fill_(torch.finfo(torch.float16).max)
@@ -580,9 +575,6 @@ def test_plan_that_does_not_fit_exits_1_with_the_cheapest_fix(capsys: pytest.Cap
 def test_cheapest_fit_by_hand() -> None:
     """The order: bfloat16 for wider weights, then int8, then the fewest more GPUs, then a bigger GPU,
     then int8 on more GPUs. Each suggestion is checked to fit, and the cheaper ones not to."""
-    from dataclasses import replace
-
-    from model.scale.memory import LLAMA2_CONFIGS, cheapest_fit, plan
 
     t70, d7, t13 = LLAMA2_CONFIGS["70b"], LLAMA2_CONFIGS["7b"], LLAMA2_CONFIGS["13b"]
     assert cheapest_fit(t70, d7, device_name="h200", tp_size=2) is None  # it fits already
@@ -656,8 +648,6 @@ def test_compare_measures_the_speedup_next_to_the_prediction(capsys: pytest.Capt
 
 @needs_pair
 def test_prompt_from_standard_input(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import io
-
     tokenizer = load_tokenizer(TARGET)
     monkeypatch.setattr(sys, "stdin", io.StringIO("The dog and the cat\n"))
     doc, _ = main_json(capsys, [*PAIR, "--prompt", "-", "--max-new-tokens", "3"])

@@ -9,6 +9,7 @@ Every load loop is bounded in requests and time; nothing waits without a timeout
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -391,8 +392,6 @@ def test_a_full_queue_answers_429_with_retry_after() -> None:
 @proof("a request whose logits turn non-finite fails alone through the server, and the others keep their own "
        "tokens", "exact identity, float64, greedy, a NaN embedding read by one request only")
 def test_a_request_whose_logits_turn_non_finite_fails_alone_with_500() -> None:
-    import copy
-
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
     draft = noisy_copy(target, std=0.3, seed=1)
     broken = copy.deepcopy(target)

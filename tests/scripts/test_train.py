@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import train
+from speculative import FeatureDrafter
 from tests.support.paths import SHARED_DATA
-from weights import load_model, load_tokenizer
+from weights import CheckpointError, load_drafter, load_model, load_tokenizer
+from weights.drafters import load_feature_head
 
 SHARED = SHARED_DATA
 STORIES = SHARED / "tinystories" / "tinystories_v1_train_head_2MiB.txt"
@@ -182,10 +184,6 @@ def eagle(target: Path, corpus: dict[str, Path], out: Path, steps: int) -> dict:
 def test_eagle_head_learns_to_draft_for_its_target_and_resumes(corpus: dict[str, Path], tmp_path: Path) -> None:
     """A few dozen steps on a small target: the head's greedy acceptance rises far above an
     untrained head's, the run resumes, and the head loads only for its own target."""
-    from speculative import FeatureDrafter
-    from weights import CheckpointError, load_drafter
-    from weights.drafters import load_feature_head
-
     target_dir = pretrain(corpus, tmp_path / "target", steps=60, dim=64, layers=2, seed=0) / "hf"
     first = eagle(target_dir, corpus, tmp_path / "eagle", steps=10)
     summary = eagle(target_dir, corpus, tmp_path / "eagle", steps=150)  # resumes at step 10

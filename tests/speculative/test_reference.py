@@ -53,6 +53,7 @@ from tests.support.toy_models import (
     reference_greedy,
     target_distribution,
 )
+from weights import load_model, load_tokenizer
 
 torch.set_num_threads(1)
 
@@ -352,8 +353,6 @@ TEXTS = ["Once upon a time", "The little dog ran to the park and", "Lily had a r
 
 
 def shipped_pair(dtype: torch.dtype) -> tuple[Any, Any, list[list[int]]]:
-    from weights import load_model, load_tokenizer
-
     tokenizer = load_tokenizer(SHIPPED[0])
     return load_model(SHIPPED[0], dtype=dtype), load_model(SHIPPED[1], dtype=dtype), list(map(tokenizer.encode, TEXTS))
 

@@ -25,6 +25,7 @@ from weights import (
     save_model,
 )
 from weights.registry import ENV_VAR, LLAMA2, WEIGHTS_DIR
+from weights.sharded import load_model_tp
 
 
 def _saved(directory: Path, name: str = "gqa", seed: int = 1, **save_kwargs) -> Llama:
@@ -192,8 +193,6 @@ def test_corrupted_data_is_refused_naming_file_and_tensor(tmp_path: Path, save_d
     """Header intact, data overwritten in the middle: the file opens and every shape checks out,
     so only the values betray it. Both loaders refuse it (the tensor-parallel one, here with one
     rank, is what --quantize uses)."""
-    from weights.sharded import load_model_tp
-
     _saved(tmp_path, dtype=save_dtype)
     path = tmp_path / "model.safetensors"
     name = overwrite_middle(path)

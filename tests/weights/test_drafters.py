@@ -12,13 +12,12 @@ import torch
 
 from speculative import FeatureDrafter, PromptLookupDrafter
 from tests.support.toy_models import random_head, random_llama
+from weights import CheckpointError, load_drafter
+from weights.drafters import load_feature_head, save_feature_head
 
 
 # ----------------------------------------------------------------------------- loading
 def test_feature_head_round_trip_and_load_drafter(tmp_path) -> None:
-    from weights import load_drafter
-    from weights.drafters import load_feature_head, save_feature_head
-
     target = random_llama(vocab=8, dim=16, n_layers=2, max_seq_len=32)
     head = random_head(target)
     save_feature_head(head, tmp_path / "head", target, target_name="toy-target")
@@ -37,9 +36,6 @@ def test_feature_head_round_trip_and_load_drafter(tmp_path) -> None:
     ({"seed": 11}, "fingerprint"),
 ])
 def test_a_head_trained_for_another_target_is_refused(tmp_path, other: dict, what: str) -> None:
-    from weights import CheckpointError
-    from weights.drafters import load_feature_head, save_feature_head
-
     shape = {"vocab": 8, "dim": 16, "n_layers": 2, "n_heads": 2, "seed": 0}
     trained_for = random_llama(vocab=8, dim=16, n_layers=2, n_heads=2, seed=0)
     save_feature_head(random_head(trained_for), tmp_path / "head", trained_for, target_name="target-a")
@@ -52,9 +48,6 @@ def test_a_head_trained_for_another_target_is_refused(tmp_path, other: dict, wha
 
 
 def test_a_broken_head_folder_is_a_checkpoint_error(tmp_path) -> None:
-    from weights import CheckpointError
-    from weights.drafters import load_feature_head, save_feature_head
-
     target = random_llama(vocab=8, dim=16)
     save_feature_head(random_head(target), tmp_path / "head", target)
     path = tmp_path / "head" / "model.safetensors"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.support.toy_models import random_llama
+from weights import load_model
 from weights.runs import RunFolder, RunFolderError
 
 torch.set_num_threads(1)
@@ -45,8 +46,6 @@ def test_a_run_folder_of_another_shape_names_the_differences(tmp_path: Path) -> 
 
 
 def test_a_run_folder_log_plot_and_export(tmp_path: Path) -> None:
-    from weights import load_model
-
     run = RunFolder(tmp_path / "out")
     for step, loss in enumerate([5.0, 4.0, 3.0, 2.0], 1):
         run.log({"step": step, "loss": loss, **({"eval_loss": loss + 0.5} if step % 2 == 0 else {})})

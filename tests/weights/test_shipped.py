@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from weights import load_model, load_tokenizer, read_config
+from speculative import FeatureDrafter, autoregressive_generate
+from weights import load_drafter, load_model, load_tokenizer, read_config
 from weights.registry import SHIPPED, SHIPPED_HEADS, SHIPPED_MODELS, WEIGHTS_DIR
 
 MAX_SHIPPED_BYTES = 45 * 10**6  # everything tracked in weights/ stays within 45 MB
@@ -34,9 +35,6 @@ def test_model_card_matches_the_files(name: str) -> None:
 
 @pytest.mark.parametrize("name", SHIPPED_HEADS)
 def test_head_card_matches_the_files_and_the_head_loads_for_its_target(name: str) -> None:
-    from speculative import FeatureDrafter
-    from weights import load_drafter
-
     target = load_model("tiny-target")
     drafter = load_drafter(name, target, "tiny-target")
     assert isinstance(drafter, FeatureDrafter)
@@ -71,8 +69,6 @@ def test_shipped_checkpoint_loads_in_transformers_with_equal_logits(name: str) -
 def test_target_greedy_story_is_english() -> None:
     """A weak but falsifiable check that the target learned to write: its greedy continuation is made of
     common English words (a random or broken model writes fragments and non-words)."""
-    from speculative import autoregressive_generate
-
     model, tokenizer = load_model("tiny-target"), load_tokenizer("tiny-target")
     out = autoregressive_generate(model, tokenizer.encode("Once upon a time"), 60, temperature=0)
     words = re.findall(r"[a-z]+", tokenizer.decode(out.tokens).lower())

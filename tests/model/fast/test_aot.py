@@ -31,9 +31,11 @@ from typing import Any
 import pytest
 import torch
 
+import serve
 from model.fast import aot
 from model.fast.compile import MODE_ENV, CompileError, NotCachedError, compile_for_decoding
 from model.fast.fuse import fuse_projections
+from speculative import autoregressive_generate
 from tests.support.cli import ROOT, TARGET, main_error, main_ok
 from tests.support.toy_models import far_from_argmax, random_llama
 from weights import StepCache, load_model, save_model
@@ -89,8 +91,6 @@ def load(folder: Path, store: StepCache, key: dict[str, Any], build: bool = Fals
 
 
 def greedy(model: torch.nn.Module) -> list[int]:
-    from speculative import autoregressive_generate
-
     return autoregressive_generate(model, [1, 5, 9], 12, temperature=0).tokens
 
 
@@ -317,8 +317,6 @@ def test_serve_py_builds_the_steps_once_and_a_later_start_loads_them(built: dict
     """serve.py sets the pair up as generate.py does: --compile force keeps the server's steps
     (every batch size and width it calls) in the cache, and a later default start loads them
     and decodes the eager step's tokens."""
-    import serve
-
     monkeypatch.setenv(MODE_ENV, MODE)
     argv = ["--target", str(built["folder"]), "--no-draft", "--max-batch", "1", "--cache-dir", str(tmp_path)]
 

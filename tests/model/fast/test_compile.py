@@ -27,6 +27,7 @@ from model.call import CacheCall
 from model.fast.compile import CompileError, compile_for_decoding, decode_widths
 from model.fast.prepack import prepack_linears, prepack_supported
 from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
+from speculative.draft.eagle import FeatureDrafter
 from speculative.inputs import GAMMA_MAX
 from speculative.verify.tree import TokenTree, branching_parents
 from tests.support.cli import PAIR, main_error, main_ok, needs_pair
@@ -35,6 +36,7 @@ from tests.support.toy_models import (
     far_from_argmax,
     llama_next_logits,
     noisy_copy,
+    random_head,
     random_llama,
     ref_warp,
     sequence_distribution,
@@ -373,9 +375,6 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
     """The head's step compiled (chain widths, batch buckets, a tree's expansions):
     its outputs are the eager head's within float32 rounding, the feature drafter's greedy
     output keeps the near-tie rule, and nothing recompiles over chain, batch and tree runs."""
-    from speculative.draft.eagle import FeatureDrafter
-    from tests.support.toy_models import random_head
-
     target = pair(seed=6)[0]
     head, chead = random_head(target), None
     chead = copy.deepcopy(head)

@@ -4,6 +4,8 @@ or does not apply is said, not guessed."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ from model.fast.setup import (
     tree_sizes,
 )
 from speculative.verify.tree import branching_parents
-from tests.support.toy_models import random_llama
+from tests.support.toy_models import random_head, random_llama
 
 torch.set_num_threads(1)
 
@@ -147,9 +149,6 @@ def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(monk
     """compile_for_decoding replaced by a recorder: the target is compiled for its widths with
     features, the rows' buckets and the whole tree's call; the head, untimed, for the same widths
     and the drafter's tree calls. An eager target leaves the head alone."""
-    from types import SimpleNamespace
-
-    from tests.support.toy_models import random_head
 
     compiled = []
 

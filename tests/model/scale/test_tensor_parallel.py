@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from model import Llama, ModelConfig
 from model.call import chain
@@ -217,8 +218,6 @@ def test_single_process_load_is_the_whole_model(tmp_path: Path) -> None:
     The checkpoint also holds per-layer ``rotary_emb.inv_freq`` tensors, as the Llama-2 *-hf
     repositories do; like load_model, the sharded loader skips them.
     """
-    from safetensors.torch import load_file, save_file
-
     model = random_model(TARGET, 2)
     save_model(model, tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")

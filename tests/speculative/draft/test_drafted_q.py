@@ -19,6 +19,7 @@ import speculative.draft.model as model_module
 import speculative.draft.protocol as drafter_module
 from model.call import chain
 from speculative.draft.eagle import FeatureDrafter
+from speculative.draft.lookup import PromptLookupDrafter
 from speculative.draft.model import ModelDrafter
 from speculative.sampling import Sampling
 from tests.support.mutation import mutated
@@ -92,8 +93,6 @@ def test_each_drafter_hands_over_the_q_it_drew_from(pair: tuple, sampling: Sampl
        'exact')
 def test_prompt_lookup_hands_over_no_q() -> None:
     """A deterministic drafter reports q = None: the loop takes it as one-hot on its tokens."""
-    from speculative.draft.lookup import PromptLookupDrafter
-
     lookup = PromptLookupDrafter()
     lookup.start()
     lookup.keep_rows([], 1)

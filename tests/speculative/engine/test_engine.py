@@ -9,6 +9,8 @@ for token, greedy or sampled, with a draft model, a feature head or nothing draf
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -191,8 +193,6 @@ def test_a_row_whose_logits_turn_non_finite_fails_alone(pair: dict) -> None:
     """Token 15's embedding is NaN in a copy of the target: a row that reads it gets NaN logits
     and fails with NonFiniteLogitsError, in the iteration's one read; the other rows go on and
     stay exact (greedy, the target's own tokens), with a draft model and with nothing drafted."""
-    import copy
-
     broken = copy.deepcopy(pair["target"])
     with torch.no_grad():
         broken.embed_tokens.weight[15] = float("nan")

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model.fast.setup import apply_setup
 from speculative import PairMismatchError, autoregressive_generate, check_pair, speculative_generate
 from tests.support.proofs import proof
 from tests.support.toy_models import (
@@ -115,8 +116,6 @@ def test_greedy_bfloat16_differs_only_at_near_ties(setup: str, monkeypatch: pyte
     """A 16-bit target is a different target: the proofs hold for the bfloat16 model that runs,
     in the set-up that runs it (oneDNN-prepacked bfloat16 where the CPU has native bf16); wide
     enough (512) for its products to be prepacked."""
-    from model.fast.setup import apply_setup
-
     target = random_llama(vocab=16, dim=512, n_layers=1, n_heads=8, n_kv_heads=4, hidden_dim=512, max_seq_len=64,
                           seed=7, dtype=torch.bfloat16)
     runner, draft = copy.deepcopy(target), noisy_copy(target, std=0.02, seed=8)

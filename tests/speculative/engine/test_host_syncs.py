@@ -8,6 +8,7 @@ counts are taken by wrapping those methods of torch.Tensor for the duration of o
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -120,8 +121,6 @@ def test_target_alone_batched_reads_when_the_rows_change(pair: tuple, temperatur
 @pytest.fixture(scope="module")
 def broken_pair(pair: tuple) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The target with NaN in its last norm: every logit NaN. The draft is fine."""
-    import copy
-
     target = copy.deepcopy(pair[0])
     with torch.no_grad():
         target.norm.weight[0] = float("nan")

@@ -29,7 +29,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import speculative.verify.block as block
 import speculative.verify.token as verify
+from speculative import speculative_generate
 from speculative.sampling import Sampling, warp
 from speculative.verify.block import block_outcomes, block_residuals, block_weights, stop_probabilities, verify_block
 from tests.support.proofs import proof
@@ -535,8 +537,6 @@ def test_gamma_zero_samples_p_1() -> None:
 def _toy_first_tokens_pvalue(verify_rule: str, runs: int = 2000) -> float:
     """Chi-square of the loop's first 3 tokens (gamma 3, temperature 0.5, a bigram pair over 3
     tokens) against the target's exact distribution."""
-    from speculative import speculative_generate
-
     target = NGramModel.random(3, 2, seed=10, scale=1.0)
     draft = NGramModel.random(3, 2, seed=1010, scale=1.0)
     sampling = Sampling(temperature=0.5)
@@ -558,8 +558,6 @@ def test_the_loop_with_block_verification_has_the_target_distribution() -> None:
        rejects=('stop with probability w_i instead of h_i',))
 def test_the_loop_catches_a_block_rule_that_stops_with_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stopping at i with probability w_i instead of h_i (a plausible misreading of line B3)."""
-    import speculative.verify.block as block
-
     monkeypatch.setattr(block, "stop_probabilities", lambda weights, mass: weights[1:])
     assert _toy_first_tokens_pvalue("block") < 1e-3
 
@@ -567,8 +565,6 @@ def test_the_loop_catches_a_block_rule_that_stops_with_the_weights(monkeypatch: 
 @proof('the engine with block verification at temperature 0 is greedy token-wise',
        'exact identity')
 def test_block_verification_in_the_loop_is_greedy_token_wise_at_temperature_0() -> None:
-    from speculative import speculative_generate
-
     target, draft = NGramModel.random(5, 2, seed=3), NGramModel.random(5, 2, seed=4)
     for gamma in (1, 3, 6):
         token = speculative_generate(target, draft, [1, 2], 30, gamma=gamma, temperature=0)
@@ -579,8 +575,6 @@ def test_block_verification_in_the_loop_is_greedy_token_wise_at_temperature_0() 
 def test_block_verification_accepts_more_in_the_loop() -> None:
     """Same pair, same seeds: block verification keeps more drafted tokens in total (E[tau] >= E[n]
     per block, strictly on this pair)."""
-    from speculative import speculative_generate
-
     target, draft = NGramModel.random(6, 2, seed=21, scale=2.0), NGramModel.random(6, 2, seed=22, scale=2.0)
     totals = {}
     for rule in ("token", "block"):
@@ -590,8 +584,6 @@ def test_block_verification_accepts_more_in_the_loop() -> None:
 
 
 def test_an_unknown_verification_rule_is_refused() -> None:
-    from speculative import speculative_generate
-
     target, draft = NGramModel.random(3, 2, seed=1), NGramModel.random(3, 2, seed=2)
     with pytest.raises(ValueError, match="verify must be one of 'token', 'block'"):
         speculative_generate(target, draft, [0], 3, verify="tree")

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 import speculative.verify.token as verify
 from speculative.proofs.exact import verifier_distribution
 from speculative.sampling import Sampling, warp
+from tests.support.mutation import mutated
 from tests.support.proofs import proof
 from tests.support.strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
 from tests.support.toy_models import NGramModel, target_distribution
@@ -292,8 +293,6 @@ def test_verify_step_never_keeps_a_token_the_target_rules_out(monkeypatch: pytes
     """r = 0 against a drafted token of target probability 0: the strict r < p/q rejects it and
     the residual gives another token. SGLang #35771 compared with <=, which accepts it: the one
     mutant that every other test lets through, since r = 0 has probability 0 under sampling."""
-    from tests.support.mutation import mutated
-
     p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]], dtype=torch.float64)
     q = torch.tensor([[0.6, 0.2, 0.2]], dtype=torch.float64)
     drafted = torch.tensor([0])
@@ -336,8 +335,6 @@ def test_the_loops_verifier_emits_exactly_the_target_distribution(vocab: int, ga
 def test_the_enumeration_of_the_verifier_catches_wiring_slips(slip: tuple[str, str]) -> None:
     """Slips inside verify_step that a reference built from acceptance_probability and
     residual_distribution could not see: the enumeration of the function itself does."""
-    from tests.support.mutation import mutated
-
     broken = mutated(verify, slip).verify_step
     target, draft = NGramModel(toy_table(3, 2, 5, 0.0)), NGramModel(toy_table(3, 2, 6, 0.0))
     got = verifier_distribution(target, draft, (0,), 2, 3, Sampling(), broken)
