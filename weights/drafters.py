@@ -42,10 +42,6 @@ def folder_kind(directory: Path) -> DrafterKind:
     return of_folder(model_type)
 
 
-def is_feature_head(directory: Path) -> bool:
-    return folder_kind(directory).name == "head"
-
-
 def save_feature_head(head: FeatureHead, directory: str | os.PathLike, target: Any,
                       dtype: torch.dtype | None = None, target_name: str | None = None) -> Path:
     """Write ``head`` (trained for ``target``) as config.json + model.safetensors."""
