@@ -165,13 +165,12 @@ class Pair:
         the compiled steps that ``store`` holds for this run, else stacked and prepacked as
         ``stack`` and ``prepack`` say), or a request of model.fast.setup.candidates, measured or forced
         by model.fast.setup.choose_setups, compiled steps kept in ``store`` (a weights.StepCache)
-        when one is given. The static cache of compiled steps is rounded up (cache_length) when a
-        store keeps them, so that runs of other lengths find them."""
+        when one is given (their packages take a cache of any length: one build serves every run)."""
         # Deferred: model.fast.setup loads Inductor's config (about a second), which loading a pair does not need.
-        from model.fast.setup import cache_length, candidates, choose_setups, default_setups
+        from model.fast.setup import candidates, choose_setups, default_setups
 
         context = min(m.config.max_seq_len for m in (self.target, self.draft_model) if m is not None)
-        cache_len = cache_length(positions, context) if store is not None else min(context, positions)
+        cache_len = min(context, positions)
         models = dict(draft=self.draft_model, head=self.head, batch=batch, tree=tree)
         if setup == "default":
             setups = default_setups(self.target, widths, cache_len, store=store, stack=stack, prepack=prepack,

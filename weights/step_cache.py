@@ -4,7 +4,8 @@
         3f9c.../manifest.json                  # the entry's key, its file's size and hash, when it was built
         3f9c.../step.pt2                       # the compiled step (model/fast/aot.py)
         3f9c....lock                           # held while a process builds that entry
-        measured.json                          # what compiling gained on this machine (the default run's note)
+        measured.json                          # per machine and model: the step times --compile measured,
+                                               # which decide whether the default run uses the compiled steps
 
 An entry's name is a hash of its key (model/fast/aot.py's entry_key: the model's weights and config,
 dtype, set-up, shape, torch, the CPU or GPU, the threads), so an entry of another model, torch or
@@ -166,28 +167,36 @@ class StepCache:
         return len(entries), sum(e.size for e in entries)
 
     # ------------------------------------------------------------------------- what compiling gained here
-    def measured(self, machine: str) -> dict[str, Any] | None:
-        """The last measurement recorded for ``machine`` (a device and thread count), if any."""
-        try:
-            return json.loads((self.root / MEASURED).read_text()).get(machine)
-        except (OSError, ValueError, AttributeError):
+    def measured(self, machine: str, model: str | None = None) -> dict[str, Any] | None:
+        """What was recorded for ``model`` (model/fast/setup.py's record_key) on ``machine`` (a
+        device and thread count); without ``model``, every model's record on that machine."""
+        known = self.measurements().get(machine)
+        if not isinstance(known, dict):
             return None
+        return known if model is None else known.get(model)
 
-    def record(self, machine: str, measurement: dict[str, Any]) -> None:
-        """Keep ``measurement`` for ``machine`` (written whole, then renamed into place)."""
+    def measurements(self) -> dict[str, Any]:
+        """Every record, by machine then model ({} when there is none or it does not parse)."""
+        try:
+            known = json.loads((self.root / MEASURED).read_text())
+        except (OSError, ValueError):
+            return {}
+        return known if isinstance(known, dict) else {}
+
+    def record(self, machine: str, model: str, measurement: dict[str, Any]) -> None:
+        """Keep ``measurement`` for ``model`` on ``machine`` (the file written whole, then renamed
+        into place)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            try:
-                known = json.loads((self.root / MEASURED).read_text())
-            except (OSError, ValueError):
-                known = {}
-            known = {**(known if isinstance(known, dict) else {}), machine: measurement}
+            known = self.measurements()
+            on_machine = known.get(machine) if isinstance(known.get(machine), dict) else {}
+            known[machine] = {**on_machine, model: measurement}
             fd, tmp = tempfile.mkstemp(prefix=".measured-", dir=self.root)
             with os.fdopen(fd, "w") as f:
                 json.dump(known, f, indent=1, sort_keys=True)
             os.replace(tmp, self.root / MEASURED)
         except OSError:
-            pass  # a note's figures are worth no failure
+            pass  # a measurement that cannot be kept: the default stays eager, which is always right
 
     # ------------------------------------------------------------------------- internals
     @staticmethod

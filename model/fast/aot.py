@@ -14,8 +14,16 @@ opening a library and reading the constants.
 How: :class:`StepProgram` is the model's ``step`` at one (rows, width) with the KV cache passed
 in (one key and one value buffer per layer), written in place: torch.export traces it,
 ``aoti_compile_and_package`` builds it, and :class:`PackagedSteps` calls the loaded packages,
-one per shape, all on the model's one static cache, with the arguments model/fast/compile.py's
-dispatcher gives a torch.compile'd step. Which shapes, where they are kept and whether an
+one per shape, all on the model's one cache, with the arguments model/fast/compile.py's
+dispatcher gives a compiled step.
+
+One package serves every length: the cache's length and rows and the call's window (the last
+dimension of its visibility mask) are dynamic in the exported program, while the rows and
+tokens of the call, which fix the shapes of every weight product, are static. So a package
+built once serves a prompt of any length and any ``--max-new-tokens`` up to the model's
+context, and its attention reads the slots the call can see, not a whole static buffer
+(docs/compiled.md has the measurement behind this choice). The rotary table frozen into the
+package covers the model's whole context. Which shapes, where they are kept and whether an
 entry is still good are the callers' business (model/fast/compile.py, weights/step_cache.py);
 :func:`entry_key` lists everything an entry depends on.
 """
@@ -67,12 +75,12 @@ class _Buffers(nn.Module):
 
 class StepProgram(nn.Module):
     """``model.step`` at one shape: ``forward(*inputs, slots, positions, visible, *caches)``
-    with the window the whole static cache (``window`` slots) and ``caches`` every layer's
-    key and value buffers, written in place."""
+    with the window ``visible``'s last dimension and ``caches`` every layer's key and value
+    buffers, written in place."""
 
-    def __init__(self, model: nn.Module, window: int, hidden: bool) -> None:
+    def __init__(self, model: nn.Module, hidden: bool) -> None:
         super().__init__()
-        self.model, self.window, self.hidden, self.n_inputs = model, window, hidden, len(model.example_inputs(1, 1))
+        self.model, self.hidden, self.n_inputs = model, hidden, len(model.example_inputs(1, 1))
 
     def forward(self, *args: torch.Tensor) -> Any:
         inputs, (slots, positions, visible), caches = args[:self.n_inputs], args[self.n_inputs:self.n_inputs + 3], \
@@ -80,7 +88,7 @@ class StepProgram(nn.Module):
         layers = self.model.layers
         for layer, k, v in zip(layers, caches[0::2], caches[1::2]):
             layer.self_attn.cache = _Buffers(k, v)
-        return self.model.step(*inputs, slots, positions, visible, self.window, self.hidden)
+        return self.model.step(*inputs, slots, positions, visible, visible.shape[-1], self.hidden)
 
 
 def cache_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -97,33 +105,40 @@ def example_call(model: nn.Module, rows: int, width: int, window: int) -> tuple[
     return (*model.example_inputs(rows, width), where, where.clone(), visible)
 
 
-@contextlib.contextmanager
-def detached_caches(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """The model's cache buffers, with the cache modules taken out of the model meanwhile (so that
-    export does not also lift them as the model's own state), put back afterwards."""
-    modules = [layer.self_attn.cache for layer in model.layers]
-    try:
-        for layer in model.layers:
-            layer.self_attn.cache = None
-        yield [t for cache in modules for t in (cache.k, cache.v)]
-    finally:
-        for layer, cache in zip(model.layers, modules):
-            layer.self_attn.cache = cache
+# The example sizes export traces the dynamic dimensions at: distinct, and none 0 or 1 (which export
+# would specialise on). A package checks at each call that a size lies in the range export found.
+EXAMPLE_SLOTS, EXAMPLE_WINDOW = 67, 37
 
 
-def build_package(model: nn.Module, rows: int, width: int, window: int, hidden: bool, mode: str,
+def build_package(model: nn.Module, rows: int, width: int, hidden: bool, mode: str,
                   path: str | os.PathLike) -> None:
-    """Export ``model.step`` at (rows, width) and compile it into an AOTInductor package at
-    ``path``. The model must have its static cache (compile_for_decoding sets it up)."""
-    program = StepProgram(model, window, hidden)
-    with detached_caches(model) as caches, torch.inference_mode(False), torch.no_grad(), quiet_inductor():
+    """Export ``model.step`` at (rows, width), the cache's rows and length and the call's window
+    dynamic, and compile it into an AOTInductor package at ``path``."""
+    from model.model import rope_tables  # the model's own module: the table the step reads, at full context
+
+    program = StepProgram(model, hidden)
+    layer = model.layers[0].self_attn
+    cache_shape = (rows + 1, layer.local_kv_heads, max(EXAMPLE_SLOTS, width + 2), model.config.head_dim)
+    caches = [torch.zeros(cache_shape, dtype=model.dtype, device=model.device) for _ in range(2 * len(model.layers))]
+    window = min(EXAMPLE_WINDOW, cache_shape[2] - 1) if width < EXAMPLE_WINDOW else width + 1
+    args = (*example_call(model, rows, width, window), *caches)
+    any_size = torch.export.Dim.AUTO(min=1)
+    inputs = len(args) - len(caches)
+    shapes = ((*[None] * (inputs - 1), {2: any_size}, *[{0: any_size, 2: any_size}] * len(caches)),)  # forward(*args)
+    saved, cached = model._rope, [layer.self_attn.cache for layer in model.layers]
+    model._rope = torch.stack(rope_tables(model.config, model.config.max_seq_len + 1, model.device, model.dtype), 1)
+    with torch.inference_mode(False), torch.no_grad(), quiet_inductor():
         grads = [p.requires_grad for p in model.parameters()]
         try:
             for p in model.parameters():
                 p.requires_grad_(False)
-            exported = torch.export.export(program, (*example_call(model, rows, width, window), *caches),
-                                           strict=False)
+            for layer in model.layers:  # out of the model meanwhile: export must not lift them as its state
+                layer.self_attn.cache = None
+            exported = torch.export.export(program, args, dynamic_shapes=shapes, strict=False)
         finally:
+            model._rope = saved
+            for layer, cache in zip(model.layers, cached):
+                layer.self_attn.cache = cache
             for p, grad in zip(model.parameters(), grads):
                 p.requires_grad_(grad)
         torch._inductor.aoti_compile_and_package(exported, package_path=os.fspath(path),
@@ -157,14 +172,18 @@ def quiet_inductor() -> Iterator[None]:
 
 class PackagedSteps:
     """The loaded packages of one model, called as model/fast/compile.py calls a torch.compile'd
-    step: ``fn(*inputs, slots, positions, visible, window, return_hidden)``, the shape read from
+    step, less the window: ``fn(*inputs, slots, positions, visible, return_hidden)``, the shape read from
     the first input. Every package reads and writes the model's one static cache."""
 
     def __init__(self, model: nn.Module, runners: dict[tuple[int, int], Any]) -> None:
         self.runners, self.caches = runners, cache_tensors(model)
 
+    def new_cache(self, model: nn.Module) -> None:
+        """Call the model's cache from now on (after its setup_cache allocated another)."""
+        self.caches = cache_tensors(model)
+
     def __call__(self, *args: Any) -> Any:
-        *tensors, _window, _hidden = args
+        *tensors, _hidden = args
         out = self.runners[tuple(tensors[0].shape[:2])].boxed_run([*tensors, *self.caches])
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -175,14 +194,14 @@ def describe(key: dict[str, Any]) -> str:
     return f"{key['kind']} {key['dtype']} step, {key['rows']} x {key['width']} tokens"
 
 
-def find_packages(model: nn.Module, shapes: Sequence[tuple[int, int]], window: int, hidden: bool, mode: str,
+def find_packages(model: nn.Module, shapes: Sequence[tuple[int, int]], hidden: bool, mode: str,
                   store: Any, note: Callable[[str], None], build: bool) -> dict[tuple[int, int], tuple[dict, Any]]:
     """Each shape's key and the store's file for it (None: not there, or refused with a note and
     discarded). Without ``build``, a missing shape is NotCachedError."""
     fingerprint = model_fingerprint(model)
     found = {}
     for rows, width in shapes:
-        key = entry_key(model, rows, width, window, hidden, mode, fingerprint)
+        key = entry_key(model, rows, width, hidden, mode, fingerprint)
         try:
             found[rows, width] = (key, store.find(key))
         except Exception as err:  # the store's EntryError, or a file it could not read
@@ -197,7 +216,7 @@ def find_packages(model: nn.Module, shapes: Sequence[tuple[int, int]], window: i
     return found
 
 
-def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any]], window: int, hidden: bool,
+def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any]], hidden: bool,
                   mode: str, store: Any, note: Callable[[str], None], build: bool,
                   check: Callable[[], None]) -> tuple[PackagedSteps, int, int]:
     """Build what is missing (``check()`` first: it raises when no compiler can), load every
@@ -213,7 +232,7 @@ def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any
                     raise NotCachedError(f"the {describe(key)} is not in the cache")
                 check()
                 try:
-                    path = store.build(key, lambda p, s=shape: build_package(model, *s, window, hidden, mode, p),
+                    path = store.build(key, lambda p, s=shape: build_package(model, *s, hidden, mode, p),
                                        wait=lambda k=key: note(f"compiled-step cache: another process is building "
                                                                f"the {describe(k)}; waiting for it"))
                 except OSError as err:
@@ -226,7 +245,7 @@ def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any
                 built, fresh = built + 1, True
             try:
                 runner = load_package(path)
-                error = probe(model, runner, *shape, window, hidden)
+                error = probe(model, runner, *shape, hidden)
                 problem = None if error <= tolerance(model.dtype) else \
                     f"its probe call differs from the eager step by {error:.1e} (relative)"
             except Exception as err:  # a library that does not load or run here
@@ -258,9 +277,11 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 @torch.inference_mode()
-def probe(model: nn.Module, runner: Any, rows: int, width: int, window: int, hidden: bool) -> float:
+def probe(model: nn.Module, runner: Any, rows: int, width: int, hidden: bool) -> float:
     """A package's call against the eager step on a fixed input (written at the first slots of
-    the model's cache, which the run's own calls overwrite): the relative difference."""
+    the model's cache, which the run's own calls overwrite, with a window of the whole cache):
+    the relative difference."""
+    window = model.layers[0].self_attn.cache.k.shape[2]
     args = list(example_call(model, rows, width, window))
     generator = torch.Generator().manual_seed(0)
     for i, x in enumerate(args[:-3]):  # token ids or features, not zeros: a wrong weight must show
@@ -275,12 +296,18 @@ def probe(model: nn.Module, runner: Any, rows: int, width: int, window: int, hid
 # ----------------------------------------------------------------------------- what an entry depends on
 def model_fingerprint(model: nn.Module) -> str:
     """A hash of the model's config, and of the names, dtypes, shapes and bytes of its weights
-    as they will be compiled (stacked or not), KV caches excluded."""
-    digest = hashlib.blake2b(repr(model.config).encode(), digest_size=16)
+    as they will be compiled (stacked or not), KV caches excluded. Remembered on the model while
+    its tensors are the same objects at the same versions (hashing a 1B model's bytes takes seconds)."""
     state = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if ".cache." not in n]
+    seen = tuple((name, id(t), t.data_ptr(), t._version) for name, t in state)
+    remembered = getattr(model, "_fingerprint", None)
+    if remembered is not None and remembered[0] == seen:
+        return remembered[1]
+    digest = hashlib.blake2b(repr(model.config).encode(), digest_size=16)
     for name, tensor in state:
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    object.__setattr__(model, "_fingerprint", (seen, digest.hexdigest()))
     return digest.hexdigest()
 
 
@@ -323,11 +350,12 @@ def _cpuinfo() -> str:
         return ""
 
 
-def entry_key(model: nn.Module, rows: int, width: int, window: int, hidden: bool, mode: str,
+def entry_key(model: nn.Module, rows: int, width: int, hidden: bool, mode: str,
               fingerprint: str | None = None) -> dict[str, Any]:
     """Everything a compiled step depends on: the model (weights and config), its dtype and
-    set-up, the shape and cache, the mode, the code, torch, the device and the thread count."""
+    set-up, the call's shape (not the cache's: it is dynamic), the mode, the code, torch, the
+    device and the thread count."""
     return {"model": fingerprint or model_fingerprint(model), "kind": type(model).__name__,
             "dtype": str(model.dtype).removeprefix("torch."), "setup": "compiled", "mode": mode,
-            "rows": rows, "width": width, "slots": window, "hidden": hidden, "code": code_fingerprint(),
+            "rows": rows, "width": width, "hidden": hidden, "code": code_fingerprint(),
             "torch": torch.__version__, "device": device_name(model.device), "threads": torch.get_num_threads()}

@@ -23,8 +23,10 @@ The model knows nothing of what calls it; the widths to compile are the caller's
 Kept on disk: given a ``store`` (weights/step_cache.py), a CPU model's shapes are compiled ahead
 of time into packages (model/fast/aot.py) that the store keeps, and a later process loads them in
 seconds instead of compiling again; each is checked against the eager step on a probe
-call when it is loaded. A compile that cannot happen (no working C++ compiler, an Inductor
-error) is a CompileError of one line.
+call when it is loaded. A package's cache length and window are dynamic: one build serves
+every run length up to the model's context, and a call attends over its own window only.
+A compile that cannot happen (no working C++ compiler, an Inductor error) is a CompileError
+of one line.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class CompiledSteps:
     loaded: int = 0  # shapes loaded from a store
     built: int = 0  # shapes compiled into a store
     notes: list[str] = field(default_factory=list)  # entries refused, waits for another builder
+    dynamic: bool = False  # packages (model/fast/aot.py): any cache length; a call's window, not the whole cache
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -115,18 +118,21 @@ class CompiledSteps:
         """The call through a compiled shape, or None when none fits (the caller runs eagerly).
 
         The same call, padded: B rows to the smallest compiled row count >= B, T tokens to the
-        smallest compiled width >= T, and the window to the whole static cache (what makes the
-        shapes static). A padding token is written at the last slot, which no real token sees
-        (a call's window stops at the cache length), and sees that slot alone; padding rows
-        write rows the call does not own. ``inputs``: the step's first arguments, each
-        [B, T, ...] (a Llama's tokens; a feature head's features and embeddings). Every
-        argument is a fresh tensor of standard strides: the compiled step is specialised to
-        strides, and to which of its arguments are one tensor."""
+        smallest compiled width >= T, and for a torch.compile'd step the window to the whole
+        static cache (what makes the shapes static). A padding token is written at the last
+        slot, the scratch slot, which no real token sees (a call's window stops at the cache
+        length), and sees slot 0 alone; padding rows write rows the call does not own.
+        ``inputs``: the step's first arguments, each [B, T, ...] (a Llama's tokens; a feature
+        head's features and embeddings). Every argument is a fresh tensor of standard strides:
+        the compiled step is specialised to strides, and to which of its arguments are one tensor."""
         batch, seq = inputs[0].shape[:2]
         shape = self.shape_for(batch, seq)
         if shape is None or return_hidden != self.hidden:
             return None
         (rows, width), slots = shape, model.layers[0].self_attn.cache.k.shape[2]
+        # The window: the call's own for packages (their window is dynamic; at least 2 slots, a size
+        # export does not specialise on), the whole cache for a torch.compile'd step (static shapes).
+        window = min(slots, max(2, call.window)) if self.dynamic else slots
         device = call.slots.device
         padded = []
         for x in inputs:
@@ -136,11 +142,12 @@ class CompiledSteps:
         where[:batch, :seq] = call.slots
         positions = torch.zeros((rows, width), dtype=torch.long, device=device)
         positions[:batch, :seq] = call.positions
-        visible = torch.zeros((rows, width, slots), dtype=torch.bool, device=device)
+        visible = torch.zeros((rows, width, window), dtype=torch.bool, device=device)
         visible[:batch, :seq, :call.window] = True if call.visible is None else call.visible
-        visible[batch:, :, -1] = True  # padding sees the slot it writes
-        visible[:, seq:, -1] = True
-        out = self.fn(*padded, where, positions, visible, slots, return_hidden)
+        visible[batch:, :, 0] = True  # padding sees slot 0 (any slot would do: its output is cut off)
+        visible[:, seq:, 0] = True
+        extra = () if self.dynamic else (slots,)
+        out = self.fn(*padded, where, positions, visible, *extra, return_hidden)
         if return_hidden:
             return out[0][:batch, :seq], out[1][:batch, :seq]
         return out[:batch, :seq]
@@ -155,13 +162,18 @@ class Compiled:
     compiled: CompiledSteps | None = None
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
-        if self.compiled is None:
+        steps = self.compiled
+        if steps is None:
             return super().setup_cache(max_batch_size, max_seq_len)
         if max_seq_len > self.config.max_seq_len:
             raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
-        if not self.compiled.fits(max_batch_size, max_seq_len):
-            raise ValueError(f"this model was compiled for at most {max(self.compiled.rows)} rows and "
-                             f"{self.compiled.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit")
+        if not steps.fits(max_batch_size, max_seq_len):
+            raise ValueError(f"this model was compiled for at most {max(steps.rows)} rows and "
+                             f"{steps.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit")
+        if steps.dynamic and self.layers[0].self_attn.cache.k.shape[2] <= max_seq_len:
+            # Packages take a cache of any length: a longer one now, with every compiled row (padding writes them).
+            super().setup_cache(max(steps.rows), max_seq_len)
+            steps.fn.new_cache(self)
         self.cache_len, self.cache_batch = max_seq_len, max_batch_size
 
     def run(self, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
@@ -206,18 +218,20 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     cache_len = cache_len or model.config.max_seq_len
     if cache_len > model.config.max_seq_len:
         raise CompileError(f"cache length {cache_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
-    if mode is None:
-        mode = "reduce-overhead" if model.device.type == "cuda" else os.environ.get(MODE_ENV) or "autotune"
+    mode = mode or default_mode(model.device)
     if mode not in MODES:
         raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    steps = CompiledSteps(None, rows, widths, hidden, cache_len, 0.0, tree_widths)
-    slots = cache_len + 1  # the cache length, plus the scratch slot padding writes
     packaged = store is not None and model.device.type == "cpu" and mode in aot.PACKAGE_OPTIONS and not any(
         isinstance(m, PrepackedLinear) for m in model.modules())  # a package cannot call their Python operator
+    # A package serves any cache length up to the context; the buffer set up now holds the widest call.
+    steps = CompiledSteps(None, rows, widths, hidden, model.config.max_seq_len if packaged else cache_len, 0.0,
+                          tree_widths, dynamic=packaged)
+    if packaged:
+        cache_len = min(model.config.max_seq_len, max(cache_len, max(w for _, w in steps.shapes) + 1))
+    slots = cache_len + 1  # the cache length, plus the scratch slot padding writes
     start = time.perf_counter()
     if packaged:
-        paths = aot.find_packages(model, steps.shapes, slots, hidden, mode, store, note or steps.notes.append,
-                                  build)
+        paths = aot.find_packages(model, steps.shapes, hidden, mode, store, note or steps.notes.append, build)
     elif not build:
         raise NotCachedError("compiled steps are kept on disk for a CPU model in the "
                              f"{' or '.join(aot.PACKAGE_OPTIONS)} mode only")
@@ -225,7 +239,7 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     install(model, None)
     model.setup_cache(rows[-1], cache_len)
     if packaged:
-        steps.fn, steps.loaded, steps.built = aot.load_packages(model, paths, slots, hidden, mode, store,
+        steps.fn, steps.loaded, steps.built = aot.load_packages(model, paths, hidden, mode, store,
                                                                 note or steps.notes.append, build,
                                                                 lambda: check_compiler(model.device))
     else:
@@ -235,6 +249,11 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     steps.compile_s = time.perf_counter() - start
     install(model, steps)
     return steps
+
+
+def default_mode(device: torch.device) -> str:
+    """The mode compile_for_decoding uses when given none: CUDA graphs on a GPU, else $MODE_ENV or "autotune"."""
+    return "reduce-overhead" if device.type == "cuda" else os.environ.get(MODE_ENV) or "autotune"
 
 
 def compile_steps(model: nn.Module, shapes: Sequence[tuple[int, int]], slots: int, hidden: bool, mode: str) -> Any:

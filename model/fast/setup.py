@@ -17,12 +17,14 @@ candidate on a copy of the model, times one step at each decode width the run wi
 (the sum: a speculative run calls both the 1-token and the gamma+1-token step about once per
 iteration), and keeps the fastest; the timings are returned to be printed.
 
-The default of generate.py is still a fixed choice (stacked and prepacked) and not a
-measurement at every start: the set-ups round float32 sums in different orders, so a
-measured choice would let timing noise pick between greedy outputs that differ at a
-near-tie, and the default path must start at once. Measuring is one flag away
-(``--setup measure``, or ``--compile`` with the compiled set-up among the candidates), and
-any set-up can be forced by name.
+The default of generate.py is not a measurement at every start: the set-ups round float32
+sums in different orders, so a measured choice would let timing noise pick between greedy
+outputs that differ at a near-tie, and the default path must start at once. It reads the
+measurement a ``--compile`` made once and recorded beside the compiled steps
+(weights/step_cache.py): a model runs its compiled steps by default only where they measured
+faster than the fixed eager set-up (stacked and prepacked) on this machine, and the fixed eager
+set-up otherwise (:func:`default_setups`). Measuring the eager set-ups alone is one flag away
+(``--setup measure``), and any set-up can be forced by name.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch
 from torch import nn
 
 from model.call import CacheCall
-from model.fast.aot import device_name
-from model.fast.compile import CompileError, compile_for_decoding, install
+from model.fast.aot import device_name, model_fingerprint
+from model.fast.compile import CompileError, compile_for_decoding, default_mode, install
 from model.fast.fuse import prepare_for_decoding
 from model.fast.prepack import prepack_supported
 from model.scale.quantize import Int8Linear
@@ -61,6 +63,7 @@ class SetupChoice:
     why: str = ""  # set when nothing was timed
     cache: str = ""  # the compiled steps: "loaded" from a store, "kept" in one (built now), "" no store
     dropped: str = ""  # why the compiled candidate was dropped (it could not compile)
+    model_key: str = ""  # record_key of the model measured (set when compiled steps were kept in a store)
 
     def line(self, name: str) -> str:
         dropped = f" (compiled dropped: {self.dropped})" if self.dropped else ""
@@ -69,7 +72,8 @@ class SetupChoice:
             return f"{name}: {self.chosen} ({self.why}{compiled}){dropped}"
         timed = ", ".join(f"{setup} {ms:.2f}" for setup, ms in self.times_ms.items())
         compiled = f" ({self.compiled_how()})" if "compiled" in self.times_ms else ""
-        return f"{name}: {timed} ms per step at each decode width{compiled} -> {self.chosen}{dropped}"
+        why = f" ({self.why})" if self.why else ""
+        return f"{name}: {timed} ms per step at each decode width{compiled} -> {self.chosen}{why}{dropped}"
 
     def compiled_how(self) -> str:
         if self.cache == "loaded":
@@ -160,9 +164,31 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
         chosen = eager[-1] if eager else "compiled"
         why = "the only set-up asked for" if len(candidates) == 1 else \
             f"{size / 2 ** 30:.1f} GB: too large to time copies; the fixed choice"
+        # Compiled steps kept in a store are timed against the fixed eager set-up, for the record
+        # that decides the default (default_setups): on a copy, or in place, stacked, before compiling.
+        timed = chosen == "compiled" and store.get("store") is not None and store.get("build", True)
+        baseline = fixed_eager(model)
+        eager_ms = None
+        if timed and size < MAX_COPY_BYTES:
+            trial = copy.deepcopy(model)
+            apply_setup(trial, baseline, widths, cache_len)
+            trial.setup_cache(1, cache_len)
+            eager_ms = step_ms(trial, widths, hidden)
+            del trial
+        elif timed:
+            baseline = "stacked"
+            apply_setup(model, baseline, widths, cache_len)
+            model.setup_cache(1, cache_len)
+            eager_ms = step_ms(model, widths, hidden)
         seconds = apply_setup(model, chosen, widths, cache_len, hidden, mode, rows, tree_widths, **store)
-        return model, SetupChoice(chosen, compile_s=seconds, widths=len(widths), why=why, cache=cache_state(model))
-    best, times, compile_s, cache, dropped = None, {}, 0.0, "", ""
+        choice = SetupChoice(chosen, compile_s=seconds, widths=len(widths), why=why, cache=cache_state(model))
+        if eager_ms is not None:
+            choice.times_ms = {baseline: eager_ms, "compiled": step_ms(model, widths, hidden)}
+            choice.why = "forced"
+        if choice.cache:
+            choice.model_key = record_key(model, mode)
+        return model, choice
+    best, times, compile_s, cache, dropped, model_key = None, {}, 0.0, "", "", ""
     for setup in candidates:
         trial = copy.deepcopy(model)
         try:
@@ -171,15 +197,27 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
             dropped = str(err)
             continue
         if setup != "compiled":
-            trial.setup_cache(1, cache_len + max(widths))
+            trial.setup_cache(1, cache_len)
         else:
             cache = cache_state(trial)
+            model_key = record_key(trial, mode) if cache else ""
         times[setup] = step_ms(trial, widths, hidden)
         if best is None or times[setup] < times[best[0]]:
             best = (setup, trial)
         del trial
     chosen, kept = best
-    return kept, SetupChoice(chosen, times, compile_s, len(widths), cache=cache, dropped=dropped)
+    return kept, SetupChoice(chosen, times, compile_s, len(widths), cache=cache, dropped=dropped, model_key=model_key)
+
+
+def fixed_eager(model: nn.Module) -> str:
+    """The eager set-up a default run gets: stacked and prepacked where prepacking applies."""
+    return "prepacked" if applies(model, "prepacked") else "stacked"
+
+
+def record_key(model: nn.Module, mode: str | None) -> str:
+    """What a measurement of compiled steps is recorded under: the model's weights and config
+    as compiled (stacked), its dtype, and the compile mode."""
+    return f"{model_fingerprint(model)} {model.dtype} {mode or default_mode(model.device)}"
 
 
 # ----------------------------------------------------------------------------- a run's models
@@ -214,18 +252,18 @@ class Setups:
     hint: str | None = None  # the default run's word on what compiling would gain here
 
     def record(self, store: Any, target: nn.Module) -> None:
-        """Keep in ``store`` what compiling gave on this machine (build time, step times), for
-        the hint of a later default run."""
-        built = [choice for _, choice in self.choices if choice.cache == "kept"]
-        if not built:
-            return
-        models = {}
+        """Keep in ``store``, per model whose compiled steps were built now, what it measured on
+        this machine: its step times per set-up and the build time. A later default run reads it
+        (:func:`default_setups`): the compiled steps run by default only where they measured faster."""
         for name, choice in self.choices:
-            eager = [ms / choice.widths for setup, ms in choice.times_ms.items() if setup != "compiled"]
-            models[name] = {"eager_ms": min(eager), "compiled_ms": choice.times_ms["compiled"] / choice.widths} \
-                if eager and "compiled" in choice.times_ms else {}
-        store.record(machine(target.device), {"build_s": sum(c.compile_s for c in built), "models": models,
-                                              "date": time.strftime("%Y-%m-%d")})
+            eager = {setup: ms / choice.widths for setup, ms in choice.times_ms.items() if setup != "compiled"}
+            if choice.cache != "kept" or not choice.model_key or not eager or "compiled" not in choice.times_ms:
+                continue
+            compiled_ms = choice.times_ms["compiled"] / choice.widths
+            store.record(machine(target.device), choice.model_key, {
+                "model": name, "eager_ms": eager, "compiled_ms": compiled_ms, "widths": choice.widths,
+                "faster": compiled_ms < min(eager.values()), "build_s": round(choice.compile_s, 1),
+                "date": time.strftime("%Y-%m-%d %H:%M")})
 
     @property
     def lines(self) -> list[str]:
@@ -292,13 +330,6 @@ def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence
 
 
 # ----------------------------------------------------------------------------- the default: compiled when cached
-def cache_length(needed: int, context: int) -> int:
-    """The static cache a compiled run gets: the next power of two >= ``needed`` (at least 64),
-    at most ``context``. Rounded so that runs of other lengths find the same compiled steps;
-    not longer, because a compiled step attends over its whole static cache."""
-    return min(context, max(64, 1 << max(0, needed - 1).bit_length()))
-
-
 def cacheable(model: nn.Module) -> bool:
     """Whether a model's compiled steps can come from the cache: a CPU model small enough to
     fingerprint in a moment (MAX_COPY_BYTES), not int8, not a tensor-parallel shard."""
@@ -310,28 +341,65 @@ def cacheable(model: nn.Module) -> bool:
 def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, draft: nn.Module | None = None,
                    head: nn.Module | None = None, batch: int = 1, tree: Sequence[int] | None = None, store: Any = None,
                    stack: bool = True, prepack: bool = True) -> Setups:
-    """The set-up of a run that asked for none: the compiled steps when ``store`` holds every one
-    this run needs (for a static cache of ``cache_len``; loaded and probed, in seconds), else at
-    once the fixed eager set-up (``stack``ed and ``prepack``ed, model/fast/fuse.py). The models as
-    loaded (weights.PairSpec.load with prepare_models=False). ``Setups.hint`` says what compiling
-    would gain when nothing was cached; ``Setups.notes`` the entries refused on the way."""
+    """The set-up of a run that asked for none, per model: its compiled steps when an earlier
+    ``--compile`` measured them faster than the fixed eager set-up on this machine (``store``'s
+    record, Setups.record) and ``store`` holds every shape this run needs (loaded and probed, in
+    seconds); else at once the fixed eager set-up (``stack``ed and ``prepack``ed,
+    model/fast/fuse.py). A feature head follows its target. The models as loaded
+    (weights.PairSpec.load with prepare_models=False). ``Setups.hint`` says what compiling would
+    gain when nothing was measured; ``Setups.notes`` the entries refused on the way."""
     notes: list[str] = []
-    models = [m for m in (target, draft, head) if m is not None]
-    usable = store is not None and stack and all(cacheable(m) for m in models)
-    if usable:
-        try:
-            setups = choose_setups(target, ("compiled",), widths, cache_len, draft=draft, head=head, batch=batch,
-                                   tree=tree, store=store, build=False, note=notes.append)
-            for _, choice in setups.choices:
-                choice.why = "the default, its compiled steps found in the cache"
-            setups.notes = notes
-            return setups
-        except CompileError:
-            for model in models:
+    rows, sizes = row_buckets(batch), tree_sizes(tree) if tree else []
+    usable = store is not None and stack
+    choices, unmeasured, missing = [], False, False
+    target_shapes = {"hidden": head is not None, "tree_widths": (sizes[-1] + 1,) if sizes else ()}
+    plan = [("target", target, widths, target_shapes),
+            ("draft", draft, (1, 2), {"tree_widths": sizes[:-1]})]
+    for name, model, model_widths, shapes in plan:
+        if model is None:
+            continue
+        prepare_for_decoding(model, stack=stack, prepack=False)
+        seen = store.measured(machine(model.device), record_key(model, None)) if usable and cacheable(model) else None
+        unmeasured |= usable and cacheable(model) and seen is None
+        choice = None
+        if seen and seen.get("faster"):
+            try:
+                steps = compile_for_decoding(model, model_widths, rows, cache_len, store=store, build=False,
+                                             note=notes.append, **shapes)
+                faster = f"{min(seen['eager_ms'].values()):.2f} -> {seen['compiled_ms']:.2f} ms a step"
+                choice = SetupChoice("compiled", compile_s=steps.compile_s, cache="loaded",
+                                     why=f"the default: measured faster here, {faster}; its compiled steps found "
+                                         "in the cache")
+            except CompileError:
                 install(model, None)
-    for model in models:
-        prepare_for_decoding(model, stack=stack, prepack=prepack)
-    return Setups(target, draft, [], notes=notes, hint=compile_hint(store, target) if usable else None)
+                missing = True
+        elif seen:
+            eager = min(seen["eager_ms"], key=seen["eager_ms"].get)
+            choice = SetupChoice(fixed_eager(model) if prepack else "stacked",
+                                 why=f"the default: the compiled steps measured slower here ({seen['compiled_ms']:.2f} "
+                                     f"against {seen['eager_ms'][eager]:.2f} ms a step {eager})")
+        if choice is None or choice.chosen != "compiled":
+            prepare_for_decoding(model, stack=stack, prepack=prepack)
+        if choice is not None:
+            choices.append((name, choice))
+        if name == "target" and head is not None:  # the head follows its target
+            compiled = choice is not None and choice.chosen == "compiled"
+            try:
+                if compiled:
+                    steps = compile_for_decoding(head, widths, rows, cache_len, tree_widths=sizes[:-1], store=store,
+                                                 build=False, note=notes.append)
+                    choices.append(("head", SetupChoice("compiled", compile_s=steps.compile_s, why="as its target",
+                                                        cache="loaded")))
+            except CompileError:
+                install(head, None)
+                compiled = False
+            if not compiled:
+                prepare_for_decoding(head, stack=stack, prepack=prepack)
+    hint = compile_hint(store, target) if unmeasured and not any(c.chosen == "compiled" for _, c in choices) else None
+    if missing:
+        hint = ("compiled steps that measured faster here are missing from the cache or refused: `--compile` builds "
+                "them again (this run decodes eagerly)")
+    return Setups(target, draft, choices, notes=notes, hint=hint)
 
 
 def machine(device: Any) -> str:
@@ -340,15 +408,15 @@ def machine(device: Any) -> str:
 
 
 def compile_hint(store: Any, target: nn.Module) -> str:
-    """What a one-time --compile would gain and cost: the last measurement on this machine
-    (Setups.record), or, when there is none, the figures of docs/results/benchmarks.md."""
-    seen = store.measured(machine(target.device))
+    """What a one-time --compile would gain and cost: the measurements recorded on this machine
+    (Setups.record), or, when there are none, the figures of docs/results/benchmarks.md."""
+    seen = store.measured(machine(target.device)) or {}
     if not seen:
-        return ("compiled steps for this run are not in the cache: `--compile` builds them once (minutes; on a 2-core "
-                "Zen 4 about 3 min for the shipped pair, whose steps then take about half the time: "
-                "docs/results/benchmarks.md), and later runs load them in a few seconds")
-    gain = " and ".join(f"{name} step {m['eager_ms']:.2f} -> {m['compiled_ms']:.2f} ms"
-                        for name, m in seen["models"].items() if "eager_ms" in m)
-    return (f"compiled steps for this run are not in the cache: `--compile` builds them once (it took "
-            f"{seen['build_s']:.0f}s here on {seen['date']}{'; ' + gain if gain else ''}), and later runs load them in "
-            "seconds")
+        return ("compiled steps for this run were not measured on this machine: `--compile` builds them once (minutes; "
+                "on a 2-core Zen 5 about 2 min for the shipped pair, whose steps then take about half the time: "
+                "docs/results/benchmarks.md), and later runs load them in a few seconds where they measured faster")
+    last = max(seen.values(), key=lambda m: m.get("date", ""))
+    return (f"compiled steps for this run were not measured: `--compile` builds them once (on {last['date']} it took "
+            f"{last['build_s']:.0f}s here for a {last['model']}, whose step went "
+            f"{min(last['eager_ms'].values()):.2f} -> {last['compiled_ms']:.2f} ms), and later runs load them in "
+            "seconds where they measured faster")

@@ -22,7 +22,8 @@ LEGEND = (f"colours: {GREEN}draft tokens accepted by the target{RESET}, {YELLOW}
 
 
 def compile_cache(store: Any, action: str) -> int:
-    """--compile-cache: list the entries of the compiled-step cache (size, key) on stdout, or clear it."""
+    """--compile-cache: list the entries of the compiled-step cache (size, key) and what --compile
+    measured with them on each machine (which the default run follows), on stdout; or clear it."""
     if action == "clear":
         count, size = store.clear()
         print(f"removed {count} entries ({size / 1e6:.1f} MB) from {store.root}")
@@ -32,6 +33,19 @@ def compile_cache(store: Any, action: str) -> int:
     for entry in entries:
         key = ", ".join(f"{k} {v}" for k, v in entry.key.items()) or entry.problem
         print(f"  {entry.path.name[:12]}  {entry.size / 1e6:7.1f} MB  {entry.built}  {key}")
+    measured = store.measurements()
+    print(f"measured: {sum(len(m) for m in measured.values() if isinstance(m, dict))} models on {len(measured)} "
+          "machines (the default run uses a model's compiled steps only where they measured faster)")
+    for machine, models in measured.items():
+        print(f"  on {machine}:")
+        for key, m in (models.items() if isinstance(models, dict) else []):
+            try:
+                eager = ", ".join(f"{setup} {ms:.3f}" for setup, ms in m["eager_ms"].items())
+                verdict = "faster: the default uses them" if m["faster"] else "slower: the default stays eager"
+                print(f"    {m['model']} {key.split()[0][:12]} {' '.join(key.split()[1:])}: {eager} -> compiled "
+                      f"{m['compiled_ms']:.3f} ms a step ({verdict}); built in {m['build_s']:.0f}s on {m['date']}")
+            except (KeyError, TypeError, AttributeError, ValueError):
+                print(f"    {key[:12]}: a record that does not parse (ignored)")
     return 0
 
 

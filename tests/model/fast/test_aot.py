@@ -2,7 +2,11 @@
 process with the tokens of a fresh compile, and safe to reuse.
 
 * a later process loads the entries a first one built, and decodes the same tokens; the default
-  run uses them when they are there, and says what --compile would gain when they are not;
+  run uses them when they are there and --compile measured them faster than eager on this
+  machine, stays eager when they measured slower or were not measured, and says what --compile
+  would gain when nothing was measured;
+* one build serves every length: the steps built for a short run decode a run at the model's
+  whole context, and a cache longer than the one they were built with;
 * stale entries (other weights, other threads) are not found; a foreign one (its manifest names
   another torch), a truncated or damaged file, an unparsable manifest and an entry whose probe
   call disagrees with the eager step are refused with one note line each, then rebuilt, or the
@@ -67,7 +71,20 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     proc = subprocess_cli("--target", str(folder), *RUN, "--compile", "force", "--cache-dir", str(cache))
     assert proc.returncode == 0, proc.stderr
     (entry,) = StepCache(cache).entries()
+    (records,) = StepCache(cache).measurements().values()
+    (record,) = records.values()
+    assert record["model"] == "target" and record["compiled_ms"] > 0 and record["eager_ms"]["prepacked"] > 0
+    mark_measured(StepCache(cache), faster=True)  # what a real model measures; the tests below check the decision
     return {"folder": folder, "cache": cache, "first": json.loads(proc.stdout), "entry": entry}
+
+
+def mark_measured(store: StepCache, faster: bool) -> None:
+    """Make every record of ``store`` say that the compiled steps measured faster (or slower)."""
+    known = store.measurements()
+    for models in known.values():
+        for record in models.values():
+            record["faster"] = faster
+    (store.root / "measured.json").write_text(json.dumps(known))
 
 
 def stacked(folder: Path) -> torch.nn.Module:
@@ -85,7 +102,7 @@ def fresh_copy(built: dict[str, Any], tmp_path: Path) -> tuple[StepCache, dict[s
 def load(folder: Path, store: StepCache, key: dict[str, Any], build: bool = False,
          notes: list[str] | None = None) -> torch.nn.Module:
     model = stacked(folder)
-    compile_for_decoding(model, (key["width"],), (key["rows"],), key["slots"] - 1, mode=MODE, store=store,
+    compile_for_decoding(model, (key["width"],), (key["rows"],), 16, mode=MODE, store=store,
                          build=build, note=(notes if notes is not None else []).append)
     return model
 
@@ -99,14 +116,55 @@ def test_a_later_process_loads_the_entry_and_decodes_the_same_tokens(built: dict
     """The first process built its one shape; a second process's default run finds it, loads it
     (the setup: line says so) and decodes the first's tokens."""
     first = built["first"]
-    assert first["settings"]["setup"][0].startswith("target: compiled (the only set-up asked for; compiled in")
-    assert "kept in the cache" in first["settings"]["setup"][0]
+    (line,) = first["settings"]["setup"]
+    assert line.startswith("target: prepacked ") and " ms per step at each decode width (compiled in" in line
+    assert line.endswith("kept in the cache) -> compiled (forced)"), line
     proc = subprocess_cli("--target", str(built["folder"]), *RUN, "--cache-dir", str(built["cache"]))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     later = json.loads(proc.stdout)
     (line,) = later["settings"]["setup"]
-    assert "its compiled steps found in the cache; loaded from the compiled-step cache in" in line
+    assert "the default: measured faster here" in line and "loaded from the compiled-step cache in" in line, line
     assert later["tokens"] == first["tokens"]
+
+
+@pytest.mark.parametrize("record", ["slower", "none"])
+def test_the_default_stays_eager_unless_the_steps_measured_faster(built: dict[str, Any], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  record: str) -> None:
+    """The same cached entry, with a record that says the compiled steps were slower here, or
+    with no record at all: the default run decodes eagerly, and says why."""
+    store, _ = fresh_copy(built, tmp_path)
+    if record == "slower":
+        mark_measured(store, faster=False)
+    else:
+        (store.root / "measured.json").unlink()
+    monkeypatch.setenv(MODE_ENV, MODE)
+    out, _ = main_ok(capsys, ["--target", str(built["folder"]), *RUN, "--cache-dir", str(store.root)])
+    setup = json.loads(out)["settings"]["setup"]
+    if record == "slower":
+        (line,) = setup
+        assert line.startswith("target: prepacked (the default: the compiled steps measured slower here"), line
+    else:
+        assert setup == "default"
+        _, err = main_ok(capsys, ["--target", str(built["folder"]), *RUN[:-1], "--no-color", "--cache-dir",
+                                  str(store.root)])
+        assert any("`--compile` builds them once" in line for line in err if line.startswith("note: ")), err
+    assert json.loads(out)["tokens"] == built["first"]["tokens"]
+
+
+def test_one_build_serves_every_length(built: dict[str, Any], tmp_path: Path) -> None:
+    """The shape built by the fixture's 8-token run serves a cache of the model's whole context
+    (128): a greedy run to the end of the context through the loaded package, which agrees with
+    the eager model, and nothing is built again."""
+    store, key = fresh_copy(built, tmp_path)
+    loaded = load(built["folder"], store, key)
+    assert loaded.compiled.dynamic and loaded.compiled.cache_len == 128
+    prompt = [1, 5, 9]
+    tokens = autoregressive_generate(loaded, prompt, 128 - len(prompt), temperature=0).tokens
+    assert len(tokens) == 128 - len(prompt) and loaded.compiled.built == 0
+    assert loaded.layers[0].self_attn.cache.k.shape[2] == 129  # grown to the context, and its scratch slot
+    assert far_from_argmax(stacked(built["folder"]), prompt, tokens) == []
 
 
 def test_loaded_steps_are_the_fresh_compile_s(built: dict[str, Any], tmp_path: Path) -> None:
@@ -123,10 +181,37 @@ def test_compile_cache_lists_and_clears(built: dict[str, Any], tmp_path: Path,
     store, key = fresh_copy(built, tmp_path)
     out, _ = main_ok(capsys, ["--compile-cache", "--cache-dir", str(store.root)])
     lines = out.splitlines()
-    assert lines[0].startswith(f"{store.root}: 1 entries") and len(lines) == 2
+    assert lines[0].startswith(f"{store.root}: 1 entries") and len(lines) == 5
     assert f"width {key['width']}" in lines[1] and f"model {key['model']}" in lines[1] and " MB " in lines[1]
+    assert lines[2].startswith("measured: 1 models on 1 machines") and lines[3].startswith("  on ")
+    assert lines[4].startswith(f"    target {key['model'][:12]} torch.float32 {MODE}: prepacked ")
+    assert "(faster: the default uses them); built in" in lines[4], lines[4]
     out, _ = main_ok(capsys, ["--compile-cache", "clear", "--cache-dir", str(store.root)])
     assert out.startswith("removed 1 entries") and store.entries() == []
+
+
+def test_compile_at_the_model_s_full_context(built: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The regression of issue 37: `--compile --max-new-tokens 300` on a model of 128 positions,
+    with a draft model (whose verification calls widen the cache a run needs past the context),
+    measures, compiles and decodes to the end of the context, as eager and `--setup measure` do,
+    with the same tokens; a later default run at full context loads what it built."""
+    draft = tmp_path / "draft"
+    save_model(random_llama(vocab=2048, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=128,
+                            seed=4), draft)
+    shutil.copy(TARGET / "tokenizer.model", draft)
+    monkeypatch.setenv(MODE_ENV, MODE)
+    argv = ["--target", str(built["folder"]), "--draft", str(draft), "--prompt", "Once upon a time",
+            "--max-new-tokens", "300", "--json", "--cache-dir", str(tmp_path / "cache"), "--gamma", "2"]
+    runs = {}
+    for name, flags in {"eager": [], "measure": ["--setup", "measure"], "compile": ["--compile"],
+                        "force": ["--compile", "force"], "later": []}.items():
+        out, _ = main_ok(capsys, argv + flags)
+        runs[name] = json.loads(out)
+    assert runs["eager"]["prompt_tokens"] + len(runs["eager"]["tokens"]) == 128  # the whole context
+    for name in ("measure", "compile", "force", "later"):
+        assert runs[name]["tokens"] == runs["eager"]["tokens"], name
+    assert all(line.endswith("-> compiled (forced)") for line in runs["force"]["settings"]["setup"])
 
 
 # ----------------------------------------------------------------------------- stale, foreign, corrupted
@@ -137,7 +222,7 @@ def test_stale_entries_are_not_found(built: dict[str, Any], tmp_path: Path) -> N
     with torch.no_grad():
         other.norm.weight[0] += 1e-3
     with pytest.raises(NotCachedError, match="1 of the 1 compiled shapes"):
-        compile_for_decoding(other, (1,), cache_len=key["slots"] - 1, mode=MODE, store=store, build=False)
+        compile_for_decoding(other, (1,), cache_len=16, mode=MODE, store=store, build=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
@@ -201,12 +286,12 @@ def test_an_entry_whose_probe_disagrees_is_refused(built: dict[str, Any], tmp_pa
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(-1.0)
-    other.setup_cache(1, key["slots"] - 1)
-    other_key = aot.entry_key(other, key["rows"], key["width"], key["slots"], False, MODE)
+    other.setup_cache(1, 16)
+    other_key = aot.entry_key(other, key["rows"], key["width"], False, MODE)
     store.build(other_key, lambda path: shutil.copy(store.folder(key) / PAYLOAD, path))
     notes: list[str] = []
     with pytest.raises(NotCachedError):
-        compile_for_decoding(other, (1,), cache_len=key["slots"] - 1, mode=MODE, store=store, build=False,
+        compile_for_decoding(other, (1,), cache_len=16, mode=MODE, store=store, build=False,
                              note=notes.append)
     assert len(notes) == 1 and "its probe call differs from the eager step" in notes[0], notes
     assert store.find(other_key) is None
@@ -222,7 +307,7 @@ def test_the_default_run_notes_a_broken_entry_and_decodes_eagerly(built: dict[st
     _, err = main_ok(capsys, argv + ["--no-color"])
     notes = [line for line in err if line.startswith("note: ")]
     assert len(notes) == 2 and "refused (its file has" in notes[0] and notes[0].endswith("; decoding eagerly")
-    assert "`--compile` builds them once" in notes[1]  # and what compiling would gain
+    assert "`--compile` builds them again" in notes[1]  # and how to have them back
     out, _ = main_ok(capsys, argv + ["--json"])  # the broken entry is gone: eager, the compiled run's tokens
     assert json.loads(out)["settings"]["setup"] == "default" and json.loads(out)["tokens"] == built["first"]["tokens"]
 
@@ -328,6 +413,7 @@ def test_serve_py_builds_the_steps_once_and_a_later_start_loads_them(built: dict
 
     _, first = start("--compile", "force")
     assert "kept in the cache" in first.lines[0], first.lines
+    mark_measured(StepCache(tmp_path), faster=True)
     pair, later = start()
     (line,) = later.lines
     assert "loaded from the compiled-step cache" in line, line
