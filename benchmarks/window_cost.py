@@ -40,6 +40,7 @@ def static_package(model: Any, width: int, slots: int, path: Path) -> None:
 
     from model.fast import aot
 
+    model.setup_cache(1, slots - 1)  # the rotary table, for the static cache's positions
     program = aot.StepProgram(model, hidden=False)
     caches = [torch.zeros(1, model.layers[0].self_attn.local_kv_heads, slots, model.config.head_dim)
               for _ in range(2 * len(model.layers))]

@@ -17,9 +17,12 @@ in (one key and one value buffer per layer), written in place: torch.export trac
 one per shape, all on the model's one cache, with the arguments model/fast/compile.py's
 dispatcher gives a compiled step.
 
-One package serves every length: the cache's length and rows and the call's window (the last
-dimension of its visibility mask) are dynamic in the exported program, while the rows and
-tokens of the call, which fix the shapes of every weight product, are static. So a package
+One package serves every length: the cache's length and the call's window (the last dimension
+of its visibility mask) are dynamic in the exported program, while the rows and tokens of the
+call, which fix the shapes of every weight product, are static; a package is handed the
+cache's first rows, as many as its call has (a view: its writes land in the one cache). A
+dynamic row count cost a quarter of a step here: the in-place write into a slice of a cache
+of unknown rows became a copy of the whole cache. So a package
 built once serves a prompt of any length and any ``--max-new-tokens`` up to the model's
 context, and its attention reads the slots the call can see, not a whole static buffer
 (docs/compiled.md has the measurement behind this choice). The rotary table frozen into the
@@ -112,19 +115,19 @@ EXAMPLE_SLOTS, EXAMPLE_WINDOW = 67, 37
 
 def build_package(model: nn.Module, rows: int, width: int, hidden: bool, mode: str,
                   path: str | os.PathLike) -> None:
-    """Export ``model.step`` at (rows, width), the cache's rows and length and the call's window
-    dynamic, and compile it into an AOTInductor package at ``path``."""
+    """Export ``model.step`` at (rows, width), the cache's length and the call's window dynamic,
+    and compile it into an AOTInductor package at ``path``."""
     from model.model import rope_tables  # the model's own module: the table the step reads, at full context
 
     program = StepProgram(model, hidden)
     layer = model.layers[0].self_attn
-    cache_shape = (rows + 1, layer.local_kv_heads, max(EXAMPLE_SLOTS, width + 2), model.config.head_dim)
+    cache_shape = (rows, layer.local_kv_heads, max(EXAMPLE_SLOTS, width + 2), model.config.head_dim)
     caches = [torch.zeros(cache_shape, dtype=model.dtype, device=model.device) for _ in range(2 * len(model.layers))]
     window = min(EXAMPLE_WINDOW, cache_shape[2] - 1) if width < EXAMPLE_WINDOW else width + 1
     args = (*example_call(model, rows, width, window), *caches)
     any_size = torch.export.Dim.AUTO(min=1)
     inputs = len(args) - len(caches)
-    shapes = ((*[None] * (inputs - 1), {2: any_size}, *[{0: any_size, 2: any_size}] * len(caches)),)  # forward(*args)
+    shapes = ((*[None] * (inputs - 1), {2: any_size}, *[{2: any_size}] * len(caches)),)  # forward(*args)
     saved, cached = model._rope, [layer.self_attn.cache for layer in model.layers]
     model._rope = torch.stack(rope_tables(model.config, model.config.max_seq_len + 1, model.device, model.dtype), 1)
     with torch.inference_mode(False), torch.no_grad(), quiet_inductor():
@@ -173,18 +176,22 @@ def quiet_inductor() -> Iterator[None]:
 class PackagedSteps:
     """The loaded packages of one model, called as model/fast/compile.py calls a torch.compile'd
     step, less the window: ``fn(*inputs, slots, positions, visible, return_hidden)``, the shape read from
-    the first input. Every package reads and writes the model's one static cache."""
+    the first input. Every package reads and writes the model's one cache."""
 
     def __init__(self, model: nn.Module, runners: dict[tuple[int, int], Any]) -> None:
-        self.runners, self.caches = runners, cache_tensors(model)
+        self.runners = runners
+        self.new_cache(model)
 
     def new_cache(self, model: nn.Module) -> None:
-        """Call the model's cache from now on (after its setup_cache allocated another)."""
-        self.caches = cache_tensors(model)
+        """Call the model's cache from now on (after its setup_cache allocated another): for each
+        compiled row count, views of that many first rows of every buffer."""
+        caches = cache_tensors(model)
+        self.caches = {rows: [t[:rows] for t in caches] for rows in {r for r, _ in self.runners}}
 
     def __call__(self, *args: Any) -> Any:
         *tensors, _hidden = args
-        out = self.runners[tuple(tensors[0].shape[:2])].boxed_run([*tensors, *self.caches])
+        rows, width = tensors[0].shape[:2]
+        out = self.runners[rows, width].boxed_run([*tensors, *self.caches[rows]])
         return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -287,7 +294,7 @@ def probe(model: nn.Module, runner: Any, rows: int, width: int, hidden: bool) ->
     for i, x in enumerate(args[:-3]):  # token ids or features, not zeros: a wrong weight must show
         args[i] = (torch.randint(0, getattr(model.config, "vocab_size", 2), x.shape, generator=generator)
                    if x.dtype == torch.long else torch.randn(x.shape, generator=generator).to(x.dtype)).to(x.device)
-    got = runner.boxed_run([*args, *cache_tensors(model)])
+    got = runner.boxed_run([*args, *[t[:rows] for t in cache_tensors(model)]])
     want = model.step(*args, window, hidden)
     want = [want] if isinstance(want, torch.Tensor) else list(want)
     return max(float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-12)) for g, w in zip(got, want))
