@@ -1,0 +1,199 @@
+"""Against llama.cpp, on this machine, in one run: the shipped pair's decode speed, ours and theirs.
+
+    python -m benchmarks.llama_cpp --bin LLAMA_CPP/build/bin --gguf GGUF_DIR
+    python -m benchmarks.llama_cpp --bin ... --gguf ... --rounds 3 --max-new-tokens 200 --out docs/results/llama_cpp.md
+
+Optional and for developers only (never in CI): llama.cpp is not a dependency. Build it from
+llama-cpp-python's sdist (CPU only, a few minutes on 2 cores)::
+
+    pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: && tar xzf llama_cpp_python-0.3.36.tar.gz
+    cd llama_cpp_python-0.3.36/vendor/llama.cpp
+    cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+    cmake --build build -j2 --target llama-bench llama-completion llama-speculative-simple
+
+and convert the shipped pair with its own converter, in float32 and float16, into GGUF_DIR::
+
+    python convert_hf_to_gguf.py weights/tiny-target --outtype f32 --outfile GGUF_DIR/tiny-target-f32.gguf
+    (likewise tiny-target f16, tiny-draft f32 and f16)
+
+What runs, per story opening (the first ``--prompts`` of benchmarks/benchmark_prompts.py), for
+``--max-new-tokens`` tokens, greedy and at T = 1 (seed i for prompt i), at ``--threads``:
+
+* ours: ``generate.py --json``, the target alone (``--no-draft``) and with the default draft,
+  in three set-ups: eager (an empty compiled-step cache: what a first run gets), the default
+  after one ``--compile`` (the cache given by ``--cache-dir``, default the user's; build it
+  first with ``python generate.py --compile``), and ``--dtype bfloat16`` after one
+  ``--compile`` in bfloat16 (another target, asked for by name: ``python generate.py --dtype
+  bfloat16 --compile``). Decode tokens/s as generate.py reports them
+  (the prompt's pass excluded);
+* llama.cpp: ``llama-completion`` (the target alone) and ``llama-speculative-simple`` (draft
+  of the same type, ``--spec-type draft-simple``, ``--spec-draft-n-max`` gamma, every draft
+  kept: ``--spec-draft-p-min 0``), f32 and f16; decode tokens/s as they report them
+  (eval time over eval runs; "decoded ... speed").
+
+Every configuration is a process of its own; the rounds take turns in rotated order so that
+the VM's drift falls on all alike; per prompt the fastest round, then the median over the
+prompts. Then one step of each: ``llama-bench`` tg (one token) and pp5 (a 5-token batch, what
+a gamma = 4 verification costs), and ours from model.fast.setup.step_ms on each set-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.benchmark_prompts import STORY_OPENINGS
+from benchmarks.harness import ROOT, machine_line, script_parser, turn_order
+
+GAMMA = 4
+
+
+def ours(prompt: str, seed: int, temperature: float, draft: bool, setup: tuple[str, str], args: Any) -> float:
+    cache, dtype = setup
+    cmd = [sys.executable, str(ROOT / "generate.py"), "--dtype", dtype, "--prompt", prompt,
+           "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(temperature), "--seed", str(seed),
+           "--threads", str(args.threads), "--json", "--gamma", str(GAMMA), "--cache-dir", cache]
+    if not draft:
+        cmd.append("--no-draft")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"generate.py failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return float(json.loads(proc.stdout)["stats"]["tokens_per_second"])
+
+
+def sampling(temperature: float, seed: int) -> list[str]:
+    if temperature == 0:
+        return ["--temp", "0"]
+    return ["--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", str(seed)]
+
+
+def theirs(prompt: str, seed: int, temperature: float, draft: bool, dtype: str, args: Any) -> float:
+    common = ["-p", prompt, "-n", str(args.max_new_tokens), "-t", str(args.threads), "-c", "512",
+              *sampling(temperature, seed)]
+    target, draft_file = (str(args.gguf / f"tiny-{name}-{dtype}.gguf") for name in ("target", "draft"))
+    if draft:
+        cmd = [str(args.bin / "llama-speculative-simple"), "-m", target, "-md", draft_file,
+               "--spec-type", "draft-simple", "--spec-draft-n-max", str(GAMMA), "--spec-draft-n-min", "0",
+               "--spec-draft-p-min", "0", "-td", str(args.threads), *common]
+        pattern = r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s"
+    else:
+        cmd = [str(args.bin / "llama-completion"), "-m", target, "-no-cnv", "--no-display-prompt", *common]
+        pattern = r"eval time =\s+[\d.]+ ms /\s+\d+ runs\s+\(\s*[\d.]+ ms per token,\s+([\d.]+) tokens per second\)"
+    for _ in range(3):  # now and then the log's last lines are lost at exit (its writer is a thread of its own)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        found = re.findall(pattern, proc.stderr + proc.stdout)
+        if found or proc.returncode:
+            break
+    if proc.returncode or not found:
+        raise SystemExit(f"{Path(cmd[0]).name} failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
+    # llama-completion prints the prompt's eval line first ("prompt eval time"), then the decode's
+    return float(found[-1])
+
+
+def bench_steps(dtype: str, args: Any) -> tuple[float, float]:
+    """llama-bench: ms of one token (tg) and of a 5-token batch (pp5), in one process."""
+    cmd = [str(args.bin / "llama-bench"), "-m", str(args.gguf / f"tiny-target-{dtype}.gguf"), "-t", str(args.threads),
+           "-p", "5", "-n", "128", "-r", "10", "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    rows = json.loads(proc.stdout)
+    speed = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
+    return 1e3 / speed[0, 128], 5e3 / speed[5, 0]
+
+
+def our_steps(setup: tuple[str, str], threads: int) -> tuple[float, float]:
+    """ms of one target call of 1 and of 5 tokens, in the set-up a default run in ``dtype`` gets from ``cache``."""
+    cache, dtype = setup
+    code = f"""
+import json, torch
+torch.set_num_threads({threads})
+from model.fast.setup import step_ms
+from weights import StepCache, read_pair
+from model.fast.compile import decode_widths
+spec = read_pair("tiny-target", "tiny-draft")
+pair = spec.load(dtype=getattr(torch, {dtype!r}), prepare_models=False)
+pair, _ = pair.set_up("default", decode_widths({GAMMA}, {GAMMA}), 512, store=StepCache({cache!r}))
+pair.target.setup_cache(1, 256)
+best = [min(step_ms(pair.target, (w,), False) for _ in range(5)) for w in (1, {GAMMA + 1})]
+print(json.dumps(best))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"step timing failed: {proc.stderr.strip().splitlines()[-1:]}")
+    one, five = json.loads(proc.stdout.strip().splitlines()[-1])
+    return one, five
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = script_parser("llama_cpp", __doc__)
+    parser.add_argument("--bin", type=Path, required=True, help="llama.cpp's build/bin")
+    parser.add_argument("--gguf", type=Path, required=True, help="the folder of tiny-{target,draft}-{f32,f16}.gguf")
+    parser.add_argument("--cache-dir", default=None, help="our compiled-step cache (default: the user's)")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="also write the tables to this page")
+    args = parser.parse_args(argv)
+    from weights.step_cache import default_dir
+
+    cache = args.cache_dir or str(default_dir())
+    empty = tempfile.mkdtemp(prefix="llama-cpp-bench-empty-cache-")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    rows = [("this project, eager f32", "ours", (empty, "float32")),
+            ("this project, default after --compile (f32)", "ours", (cache, "float32")),
+            ("this project, --dtype bfloat16 after --compile", "ours", (cache, "bfloat16")),
+            ("llama.cpp f32", "theirs", "f32"), ("llama.cpp f16", "theirs", "f16")]
+    cells = [(row, draft, temperature) for row in rows for draft in (False, True) for temperature in (0.0, 1.0)]
+    prompts = STORY_OPENINGS[:args.prompts]
+    seen: dict[Any, list[list[float]]] = {cell: [[] for _ in prompts] for cell in cells}
+    for turn in range(args.rounds):
+        for cell in turn_order(cells, turn):
+            (name, who, setup), draft, temperature = cell
+            for i, prompt in enumerate(prompts):
+                run = ours if who == "ours" else theirs
+                seen[cell][i].append(run(prompt, i, temperature, draft, setup, args))
+            print(f"round {turn + 1}: {name}, {'speculative' if draft else 'target alone'}, T={temperature:g}: "
+                  f"{statistics.median(max(r) for r in seen[cell]):.0f} tokens/s", file=sys.stderr, flush=True)
+    steps = {name: our_steps(setup, args.threads) if who == "ours" else bench_steps(setup, args)
+             for name, who, setup in rows}
+
+    def speed(cell: Any) -> float:
+        return statistics.median(max(r) for r in seen[cell])
+
+    def spread(cell: Any) -> str:
+        best = sorted(max(r) for r in seen[cell])
+        return f"{best[0]:.0f}–{best[-1]:.0f}"
+
+    lines = [machine_line(args.threads), "",
+             f"{len(prompts)} story openings, {args.max_new_tokens} new tokens, gamma {GAMMA}, {args.threads} threads, "
+             f"{args.rounds} rounds in turns; tokens/s: per prompt the fastest round, median over the prompts "
+             "(the range over the prompts after it).", "",
+             "| | target alone, greedy | target alone, T=1 | speculative, greedy | speculative, T=1 | one step | "
+             "5-token verification |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, _, _ in rows:
+        one, five = steps[name]
+        cols = [f"{speed(((name, w, s), d, t)):.0f} ({spread(((name, w, s), d, t))})"
+                for (n, w, s) in rows if n == name for d in (False, True) for t in (0.0, 1.0)]
+        lines.append(f"| {name} | {' | '.join(cols)} | {one:.2f} ms | {five / one:.2f} steps |")
+    best = max(speed(c) for c in cells if c[0][1] == "theirs" and c[2] == 0.0)
+    best_t1 = max(speed(c) for c in cells if c[0][1] == "theirs" and c[2] == 1.0)
+    default = next(c for c in cells if c[0][0] == rows[1][0] and c[1] and c[2] == 0.0)
+    default_t1 = next(c for c in cells if c[0][0] == rows[1][0] and c[1] and c[2] == 1.0)
+    lines += ["", f"The default run (speculative, after one --compile) against the fastest llama.cpp configuration: "
+              f"greedy {speed(default) / best:.2f}x ({speed(default):.0f} against {best:.0f} tokens/s), T=1 "
+              f"{speed(default_t1) / best_t1:.2f}x ({speed(default_t1):.0f} against {best_t1:.0f})."]
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
