@@ -301,12 +301,14 @@ class Block:
     end: str
 
 
-# Written into results/benchmarks.md by compiled.py and startup.py; benchmark.py keeps them when it
+# Written into results/benchmarks.md by compiled.py, startup.py and llama_cpp.py; benchmark.py keeps them when it
 # rewrites the page (keep_blocks).
 COMPILED_BLOCK = Block("<!-- eager-vs-compiled: written by python -m benchmarks.compiled -->",
                        "<!-- /eager-vs-compiled -->")
 FAST_BLOCK = Block("<!-- fast-by-default: written by python -m benchmarks.startup -->", "<!-- /fast-by-default -->")
-BLOCKS = (COMPILED_BLOCK, FAST_BLOCK)
+LLAMA_CPP_BLOCK = Block("<!-- against-llama-cpp: written by python -m benchmarks.llama_cpp -->",
+                        "<!-- /against-llama-cpp -->")
+BLOCKS = (COMPILED_BLOCK, FAST_BLOCK, LLAMA_CPP_BLOCK)
 
 
 def replace_block(text: str, block: str, marker: Block) -> str:

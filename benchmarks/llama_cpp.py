@@ -1,7 +1,7 @@
 """Against llama.cpp, on this machine, in one run: the shipped pair's decode speed, ours and theirs.
 
     python -m benchmarks.llama_cpp --bin LLAMA_CPP/build/bin --gguf GGUF_DIR
-    python -m benchmarks.llama_cpp --bin ... --gguf ... --rounds 3 --max-new-tokens 200 --out docs/results/llama_cpp.md
+    python -m benchmarks.llama_cpp --bin ... --gguf ... --rounds 3 --out ''      # print only
 
 Optional and for developers only (never in CI): llama.cpp is not a dependency. Build it from
 llama-cpp-python's sdist (CPU only, a few minutes on 2 cores)::
@@ -50,7 +50,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.benchmark_prompts import STORY_OPENINGS
-from benchmarks.harness import ROOT, machine_line, script_parser, turn_order
+from benchmarks.harness import (
+    LLAMA_CPP_BLOCK,
+    RESULTS,
+    ROOT,
+    command_line,
+    machine_line,
+    script_parser,
+    turn_order,
+    update_block,
+)
 
 GAMMA = 4
 
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None, help="also write the tables to this page")
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks.md"), help="page to update ('' for none)")
     args = parser.parse_args(argv)
     from weights.step_cache import default_dir
 
@@ -171,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         best = sorted(max(r) for r in seen[cell])
         return f"{best[0]:.0f}–{best[-1]:.0f}"
 
-    lines = [machine_line(args.threads), "",
+    lines = ["## Against llama.cpp", "",
+             f"From `{command_line('llama_cpp', argv)}` (llama.cpp built from llama-cpp-python 0.3.36's sources, "
+             "the pair converted by its convert_hf_to_gguf.py; how: the script's docstring) on "
+             f"{machine_line(args.threads)}.", "",
              f"{len(prompts)} story openings, {args.max_new_tokens} new tokens, gamma {GAMMA}, {args.threads} threads, "
              f"{args.rounds} rounds in turns; tokens/s: per prompt the fastest round, median over the prompts "
              "(the range over the prompts after it).", "",
@@ -191,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{speed(default_t1) / best_t1:.2f}x ({speed(default_t1):.0f} against {best_t1:.0f})."]
     print("\n".join(lines))
     if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
+        update_block(args.out, lines, LLAMA_CPP_BLOCK)
     return 0
 
 

@@ -359,9 +359,12 @@ def test_cli_setup_forced_and_measured(capsys: pytest.CaptureFixture[str]) -> No
 
 
 @needs_pair
-def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str], tmp_path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """--setup compiled with --prompts-file: the target compiled for batch sizes 1 and 2,
-    the greedy tokens of every prompt those of the eager batch."""
+    the greedy tokens of every prompt those of the eager batch. The steps go to a cache of this
+    test's own: in the session's, later default runs of the shipped target would load them."""
+    monkeypatch.setenv("SPECULATIVE_LLAMA_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "p.txt"
     prompts.write_text("Once upon a time\nThe dog ran\nA little girl\n")
     base = ["--target", str(PAIR[1]), "--no-draft", "--max-new-tokens", "8", "--json", "--prompts-file",
