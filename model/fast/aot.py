@@ -53,6 +53,7 @@ PACKAGE_OPTIONS: dict[str, dict[str, Any]] = {
     "autotune": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                  "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False},
     "default": {},
+    "shared": {"aot_inductor.package_constants_in_so": False},  # the weights handed over at load: shared_constants
 }
 SOURCES = ("model.py", "call.py", "fast/compile.py", "fast/aot.py", "feature_head.py", "fast/fuse.py", "config.py")
 
@@ -252,6 +253,8 @@ def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any
                 built, fresh = built + 1, True
             try:
                 runner = load_package(path)
+                if mode == "shared":
+                    runner.load_constants(shared_constants(model, runner), False, True, True)  # user-managed
                 error = probe(model, runner, *shape, hidden)
                 problem = None if error <= tolerance(model.dtype) else \
                     f"its probe call differs from the eager step by {error:.1e} (relative)"
@@ -270,6 +273,21 @@ def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any
                 raise NotCachedError(f"the {describe(key)} failed its check") if not build else \
                     CompileError(f"the compiled {describe(key)} failed its check twice ({problem})")
     return PackagedSteps(model, runners), loaded, built
+
+
+def shared_constants(model: nn.Module, runner: Any) -> dict[str, torch.Tensor]:
+    """What a package built without its weights ("shared") is handed at load: the model's own
+    tensors by name (no copy: the runner reads them where they are), and the rotary table of the
+    whole context, the one constant that is not the model's."""
+    from model.model import rope_tables
+
+    state = {f"model.{n}": t for n, t in [*model.named_parameters(), *model.named_buffers()] if ".cache." not in n}
+    names = runner.get_constant_fqns()
+    other = [n for n in names if n not in state]
+    if len(other) > 1:
+        raise CompileError(f"the package asks for constants the model does not have: {', '.join(other[:3])}")
+    table = torch.stack(rope_tables(model.config, model.config.max_seq_len + 1, model.device, model.dtype), 1)
+    return {n: state.get(n, table) for n in names}
 
 
 def first_line(err: BaseException) -> str:

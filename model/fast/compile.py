@@ -66,9 +66,14 @@ _SHAPES = 0  # shapes compiled so far in this process, over all models
 # $SPECULATIVE_LLAMA_COMPILE_MODE replaces "autotune" as the CPU default: "default" compiles in a
 # fraction of the time (no GEMM is timed), for steps about as fast as eager ones.
 MODE_ENV = "SPECULATIVE_LLAMA_COMPILE_MODE"
+# "shared" (the CPU default for a model of SHARED_BYTES or more): packages without frozen weights,
+# handed the model's own tensors when they are loaded (model/fast/aot.py): one copy of the weights
+# for the eager model and every compiled shape, where "autotune" keeps a frozen copy per shape.
+SHARED_BYTES = 1 << 30
 MODES: dict[str, tuple[str, bool]] = {
     "autotune": ("max-autotune-no-cudagraphs", True),
     "default": ("default", False),
+    "shared": ("default", False),
     "reduce-overhead": ("reduce-overhead", False),
     "max-autotune": ("max-autotune", False),
 }
@@ -218,7 +223,7 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     cache_len = cache_len or model.config.max_seq_len
     if cache_len > model.config.max_seq_len:
         raise CompileError(f"cache length {cache_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
-    mode = mode or default_mode(model.device)
+    mode = mode or default_mode(model)
     if mode not in MODES:
         raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     packaged = store is not None and model.device.type == "cpu" and mode in aot.PACKAGE_OPTIONS and not any(
@@ -251,9 +256,13 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     return steps
 
 
-def default_mode(device: torch.device) -> str:
-    """The mode compile_for_decoding uses when given none: CUDA graphs on a GPU, else $MODE_ENV or "autotune"."""
-    return "reduce-overhead" if device.type == "cuda" else os.environ.get(MODE_ENV) or "autotune"
+def default_mode(model: nn.Module) -> str:
+    """The mode compile_for_decoding uses when given none: CUDA graphs on a GPU; else $MODE_ENV, or
+    "shared" for a model of SHARED_BYTES or more (one copy of its weights), else "autotune"."""
+    if model.device.type == "cuda":
+        return "reduce-overhead"
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return os.environ.get(MODE_ENV) or ("shared" if size >= SHARED_BYTES else "autotune")
 
 
 def compile_steps(model: nn.Module, shapes: Sequence[tuple[int, int]], slots: int, hidden: bool, mode: str) -> Any:

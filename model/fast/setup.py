@@ -149,9 +149,12 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
     (the compiled one compiled for ``rows`` and ``tree_widths`` as well, through ``store``:
     compile_for_decoding's store=, build=, note=). One candidate is applied without timing; a
     model too large to copy (MAX_COPY_BYTES) gets the last eager candidate (or the compiled one,
-    if it is the only one), untimed. A compiled candidate that cannot compile (CompileError) is
-    dropped when there are others, and the choice says why. Returns the model to decode with
-    and the choice. Ties go to the earlier candidate."""
+    if it is the only one), untimed, unless compiled steps are being built into a store: then the
+    candidates are timed on copies all the same (twice its memory while --compile runs, once;
+    ``--compile force`` times the fixed eager set-up on a copy, for the record). A compiled
+    candidate that cannot compile (CompileError) is dropped when there are others, and the
+    choice says why. Returns the model to decode with and the choice. Ties go to the earlier
+    candidate."""
     usable = [c for c in candidates if applies(model, c)]
     if not usable:
         raise ValueError(f"the {' or '.join(candidates)} set-up does not apply to this model (prepacking is for "
@@ -159,27 +162,21 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
     candidates = usable
     widths = tuple(sorted(set(widths)))
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    if len(candidates) == 1 or size >= MAX_COPY_BYTES:
+    building = store.get("store") is not None and store.get("build", True)
+    if len(candidates) == 1 or (size >= MAX_COPY_BYTES and not building):
         eager = [c for c in candidates if c != "compiled"]
         chosen = eager[-1] if eager else "compiled"
         why = "the only set-up asked for" if len(candidates) == 1 else \
             f"{size / 2 ** 30:.1f} GB: too large to time copies; the fixed choice"
-        # Compiled steps kept in a store are timed against the fixed eager set-up, for the record
-        # that decides the default (default_setups): on a copy, or in place, stacked, before compiling.
-        timed = chosen == "compiled" and store.get("store") is not None and store.get("build", True)
-        baseline = fixed_eager(model)
-        eager_ms = None
-        if timed and size < MAX_COPY_BYTES:
+        # Compiled steps kept in a store are timed against the fixed eager set-up, on a copy, for the
+        # record that decides the default (default_setups).
+        baseline, eager_ms = fixed_eager(model), None
+        if chosen == "compiled" and building:
             trial = copy.deepcopy(model)
             apply_setup(trial, baseline, widths, cache_len)
             trial.setup_cache(1, cache_len)
             eager_ms = step_ms(trial, widths, hidden)
             del trial
-        elif timed:
-            baseline = "stacked"
-            apply_setup(model, baseline, widths, cache_len)
-            model.setup_cache(1, cache_len)
-            eager_ms = step_ms(model, widths, hidden)
         seconds = apply_setup(model, chosen, widths, cache_len, hidden, mode, rows, tree_widths, **store)
         choice = SetupChoice(chosen, compile_s=seconds, widths=len(widths), why=why, cache=cache_state(model))
         if eager_ms is not None:
@@ -217,7 +214,7 @@ def fixed_eager(model: nn.Module) -> str:
 def record_key(model: nn.Module, mode: str | None) -> str:
     """What a measurement of compiled steps is recorded under: the model's weights and config
     as compiled (stacked), its dtype, and the compile mode."""
-    return f"{model_fingerprint(model)} {model.dtype} {mode or default_mode(model.device)}"
+    return f"{model_fingerprint(model)} {model.dtype} {mode or default_mode(model)}"
 
 
 # ----------------------------------------------------------------------------- a run's models
@@ -331,10 +328,9 @@ def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence
 
 # ----------------------------------------------------------------------------- the default: compiled when cached
 def cacheable(model: nn.Module) -> bool:
-    """Whether a model's compiled steps can come from the cache: a CPU model small enough to
-    fingerprint in a moment (MAX_COPY_BYTES), not int8, not a tensor-parallel shard."""
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model.device.type == "cpu" and size < MAX_COPY_BYTES and not any(
+    """Whether a model's compiled steps can come from the cache: a CPU model, not int8, not a
+    tensor-parallel shard (one of SHARED_BYTES or more is kept with its weights shared)."""
+    return model.device.type == "cpu" and not any(
         isinstance(m, (Int8Linear, ParallelAttention)) for m in model.modules())
 
 

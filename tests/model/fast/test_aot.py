@@ -22,6 +22,7 @@ here; what these tests check does not depend on the kernels in it).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -37,7 +38,7 @@ import torch
 
 import serve
 from model.fast import aot
-from model.fast.compile import MODE_ENV, CompileError, NotCachedError, compile_for_decoding
+from model.fast.compile import MODE_ENV, CompileError, NotCachedError, compile_for_decoding, install
 from model.fast.fuse import fuse_projections
 from speculative import autoregressive_generate
 from tests.support.cli import ROOT, TARGET, main_error, main_ok
@@ -212,6 +213,30 @@ def test_compile_at_the_model_s_full_context(built: dict[str, Any], tmp_path: Pa
     for name in ("measure", "compile", "force", "later"):
         assert runs[name]["tokens"] == runs["eager"]["tokens"], name
     assert all(line.endswith("-> compiled (forced)") for line in runs["force"]["settings"]["setup"])
+
+
+def test_shared_packages_hold_no_weights_and_read_the_model_s_own(tmp_path: Path) -> None:
+    """The "shared" mode (the CPU default for models of 1 GB or more): a package without its
+    weights, handed the model's own tensors at load. Its file is smaller than the weights, it
+    agrees with the eager step, and it reads the model's tensors where they are: a weight
+    changed in place after loading changes the package's output as it changes the eager one's."""
+    model = random_llama(vocab=2048, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=64,
+                         seed=5, std=0.05)  # 8 MB of weights: more than a package's code
+    fuse_projections(model)
+    reference = copy.deepcopy(model)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    store = StepCache(tmp_path)
+    steps = compile_for_decoding(model, (1, 3), cache_len=16, mode="shared", store=store)
+    assert steps.built == 2 and steps.dynamic
+    assert all(entry.size < weights for entry in store.entries()), (weights, [e.size for e in store.entries()])
+    tokens = greedy(model)
+    assert far_from_argmax(reference, [1, 5, 9], tokens) == []
+    aot_runner = model.compiled.fn.runners[1, 1]
+    assert aot.probe(model, aot_runner, 1, 1, False) < 1e-5
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # in place: the package must see it
+    assert aot.probe(model, aot_runner, 1, 1, False) < 1e-5
+    install(model, None)
 
 
 # ----------------------------------------------------------------------------- stale, foreign, corrupted
