@@ -30,6 +30,7 @@ set-up otherwise (:func:`default_setups`). Measuring the eager set-ups alone is 
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -211,10 +212,15 @@ def fixed_eager(model: nn.Module) -> str:
     return "prepacked" if applies(model, "prepacked") else "stacked"
 
 
-def record_key(model: nn.Module, mode: str | None) -> str:
+def record_key(model: nn.Module, mode: str | None, fingerprint: bool = True) -> str:
     """What a measurement of compiled steps is recorded under: the model's weights and config
-    as compiled (stacked), its dtype, and the compile mode."""
-    return f"{model_fingerprint(model)} {model.dtype} {mode or default_mode(model)}"
+    as compiled (stacked), its dtype, the compile mode, and a digest of its config and shapes.
+    Without ``fingerprint``, the key's tail alone (no weight is hashed): what a record must end
+    with to be this model's, cheap to look for before hashing gigabytes of weights."""
+    shapes = [(n, tuple(t.shape)) for n, t in model.named_parameters()]
+    digest = hashlib.blake2b(repr((model.config, shapes)).encode(), digest_size=8).hexdigest()
+    tail = f"{model.dtype} {mode or default_mode(model)} {digest}"
+    return f"{model_fingerprint(model)} {tail}" if fingerprint else tail
 
 
 # ----------------------------------------------------------------------------- a run's models
@@ -355,7 +361,9 @@ def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, 
         if model is None:
             continue
         prepare_for_decoding(model, stack=stack, prepack=False)
-        seen = store.measured(machine(model.device), record_key(model, None)) if usable and cacheable(model) else None
+        records = (store.measured(machine(model.device)) or {}) if usable and cacheable(model) else {}
+        tail = record_key(model, None, fingerprint=False)
+        seen = records.get(record_key(model, None)) if any(k.endswith(tail) for k in records) else None
         unmeasured |= usable and cacheable(model) and seen is None
         choice = None
         if seen and seen.get("faster"):

@@ -42,7 +42,7 @@ def compile_cache(store: Any, action: str) -> int:
             try:
                 eager = ", ".join(f"{setup} {ms:.3f}" for setup, ms in m["eager_ms"].items())
                 verdict = "faster: the default uses them" if m["faster"] else "slower: the default stays eager"
-                print(f"    {m['model']} {key.split()[0][:12]} {' '.join(key.split()[1:])}: {eager} -> compiled "
+                print(f"    {m['model']} {key.split()[0][:12]} {' '.join(key.split()[1:3])}: {eager} -> compiled "
                       f"{m['compiled_ms']:.3f} ms a step ({verdict}); built in {m['build_s']:.0f}s on {m['date']}")
             except (KeyError, TypeError, AttributeError, ValueError):
                 print(f"    {key[:12]}: a record that does not parse (ignored)")
