@@ -56,7 +56,7 @@ from speculative.serving.text import continuation_text, encode_prompt
 from speculative.verify import RULES
 from speculative.verify.tree import branching_parents
 from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
-from weights.load import plan_configs
+from weights.load import is_head, plan_configs
 from weights.registry import marked_for_chat
 from weights.step_cache import ENV, default_dir
 
@@ -190,7 +190,7 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
         raise UsageError(f"{setup_flag(args)} is for one process: tensor-parallel shards keep the default set-up (a "
                          f"compiled shard's all-reduces would run outside the graph); drop {setup_flag(args)} under "
                          "torchrun")
-    if spec.kind == "head" and world_size > 1:
+    if is_head(spec.kind) and world_size > 1:
         raise UsageError(f"--draft {args.draft} is a feature head, which reads the target's whole output head: not "
                          "supported under tensor parallelism; use a draft model or --draft lookup")
     if args.tree is not None and spec.kind == "lookup":

@@ -5,6 +5,7 @@ a draft distilled toward its target (DistillSpec, Zhou et al. 2023).
     python train.py pretrain  --corpus A.txt B.txt --tokenizer runs/tok/tokenizer.model --out runs/target ...
     python train.py distill   --target runs/target/hf --draft runs/draft/hf --corpus A.txt --out runs/distill ...
     python train.py eagle     --target tiny-target --corpus A.txt --eval-corpus B.txt --out runs/eagle ...
+    python train.py eagle3    --target tiny-target --corpus A.txt --eval-corpus B.txt --out runs/eagle3 ...
 
 Every run writes into its --out folder: ``state.pt`` (resumable), ``log.jsonl``,
 ``loss.png`` and, at the end, an HF-layout checkpoint in ``hf/``. Rerunning the same
@@ -25,6 +26,7 @@ import json
 import math
 import random
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +34,17 @@ import sentencepiece as spm
 import torch
 
 from model import ConfigError, Llama, ModelConfig
+from model.eagle3_head import Eagle3Head, default_layers
 from model.feature_head import FeatureHead
 from model.training import evaluate, fit, init_weights, lr_at, next_token_loss, random_batch
 from speculative import FeatureDrafter
 from speculative.draft.distill import DIVERGENCES, distill_loss, eagle_losses, sample_sequences
+from speculative.draft.ttt import draft_vocabulary, ttt_losses
 from speculative.engine.generation import ACCEPTANCE_NOTES, measure_acceptance
 from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer
 from weights.corpus import held_out_prompts, read_documents, story_openings, tokenize_corpus
 from weights.drafters import load_feature_head, save_feature_head
+from weights.eagle3 import load_eagle3_head, save_eagle3_head
 from weights.runs import RunFolder, RunFolderError
 
 # Held-out loss: log.jsonl's eval_loss, every --eval-every steps, averages LOG_EVAL_BATCHES
@@ -174,6 +179,37 @@ def build_parser() -> argparse.ArgumentParser:
     acceptance_options(eag, "length of the story openings the target continues (default 8)")
     common(eag, steps=1500, lr=1e-3)
     eag.set_defaults(func=cmd_eagle)
+
+    e3 = sub.add_parser("eagle3", help="train an EAGLE-3 head: fused features of three target layers, training-"
+                                       "time test, the target's own continuations, a reduced vocabulary")
+    e3.add_argument("--target", required=True, help="target checkpoint (name or HF-layout folder)")
+    e3.add_argument("--corpus", nargs="+", required=True,
+                    help="training text files: story openings for the target to continue (and windows, with "
+                         "--data corpus)")
+    e3.add_argument("--eval-corpus", nargs="+", required=True, help="held-out files for the acceptance prompts")
+    e3.add_argument("--data", choices=["target", "corpus"], default="target",
+                    help="what the head trains on: the target's own continuations of story openings, written "
+                         "once to the run folder (data.pt) and reused, or corpus windows (default target)")
+    e3.add_argument("--sequences", type=int, default=2048,
+                    help="continuations the target writes for --data target, half greedy and half sampled at "
+                         "temperature 1 (default 2048)")
+    e3.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
+    e3.add_argument("--ttt-steps", type=int, default=7,
+                    help="drafting steps unrolled in training (training-time test; 1: none) (default 7)")
+    e3.add_argument("--ttt-decay", type=float, default=0.8, help="weight of step k's loss is decay^k (default 0.8)")
+    e3.add_argument("--loss", choices=["soft-ce", "regression"], default="soft-ce",
+                    help="soft cross-entropy against the target's distribution, or EAGLE-1's smooth-L1 feature "
+                         "regression plus 0.5 x that cross-entropy (default soft-ce)")
+    e3.add_argument("--draft-vocab", type=int, default=1024,
+                    help="ids of the head's own output layer: the most frequent in the data (0: the target's whole "
+                         "vocabulary) (default 1024)")
+    e3.add_argument("--layers", default=None,
+                    help="the three target layers whose inputs are fused, as I,J,K (default 2, N/2, N-3)")
+    e3.add_argument("--bf16", action="store_true", help="bf16 autocast for the frozen target's forward")
+    e3.add_argument("--cache-dir", default="runs/cache", help="tokenised-corpus cache folder (default runs/cache)")
+    acceptance_options(e3, "length of the story openings the target continues (default 8)")
+    common(e3, steps=1500, lr=1e-3)
+    e3.set_defaults(func=cmd_eagle3)
     return parser
 
 
@@ -366,6 +402,95 @@ def cmd_eagle(args: argparse.Namespace) -> None:
     drafter = FeatureDrafter(load_feature_head(hf, target, args.target), target)
     after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
     finish(run, {"steps": step, "gamma": args.gamma, "held_out": after}, hf)
+
+
+# ----------------------------------------------------------------------------- eagle3
+def target_continuations(run: RunFolder, target: Llama, openings: list[list[int]], args: argparse.Namespace,
+                         gen: torch.Generator) -> torch.Tensor:
+    """data.pt of the run folder: --sequences continuations the frozen target writes after story
+    openings, half greedy and half sampled at temperature 1, written once and reused (a resumed
+    run, or another run pointed at the same folder, reads them back)."""
+    path = run.out / "data.pt"
+    if path.is_file():
+        data = torch.load(path, weights_only=True)
+        if data.shape[1] == args.seq_len and len(data) >= args.sequences:
+            return data[:args.sequences]
+    rng, chunks, chunk = random.Random(args.seed), [], 64
+    print(f"the target writes {args.sequences} continuations of {args.seq_len - args.prompt_tokens} tokens "
+          f"into {path} (once)")
+    with torch.inference_mode():
+        for start in range(0, args.sequences, chunk):
+            prompts = [rng.choice(openings) for _ in range(min(chunk, args.sequences - start))]
+            greedy = (start // chunk) % 2 == 0
+            chunks.append(sample_sequences(target, prompts, args.seq_len - args.prompt_tokens, gen, greedy=greedy))
+    data = torch.cat(chunks)
+    torch.save(data, path)
+    return data
+
+
+def cmd_eagle3(args: argparse.Namespace) -> None:
+    target = frozen_target(args)
+    tokenizer = load_tokenizer(args.target)
+    n = target.config.n_layers
+    try:
+        layers = tuple(int(i) for i in args.layers.split(",")) if args.layers else default_layers(n)
+    except ValueError:
+        raise TrainError(f"--layers takes three layer ids as I,J,K, got {args.layers!r}") from None
+    if len(layers) != 3 or not all(0 <= i < n for i in layers):
+        raise TrainError(f"--layers takes three layer ids in 0..{n - 1}, got {args.layers}")
+    if not 1 <= args.ttt_steps < args.seq_len or not 0 <= args.draft_vocab <= target.config.vocab_size:
+        raise TrainError(f"--ttt-steps must lie in 1..{args.seq_len - 1} and --draft-vocab in 0.."
+                         f"{target.config.vocab_size}")
+    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
+    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
+    run = RunFolder(args.out)
+    data_gen = torch.Generator().manual_seed(args.seed + 1)
+    if args.data == "target":
+        data = target_continuations(run, target, openings, args, data_gen)
+        counted = data[:, args.prompt_tokens:]
+    else:
+        corpus = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
+        counted = torch.from_numpy(corpus[:2_000_000].astype(np.int64))
+    vocab = args.draft_vocab or target.config.vocab_size
+    kept, coverage = draft_vocabulary(counted, target.config.vocab_size, vocab)
+    # The head: one block of the target's shape, its output layer started from the target's rows.
+    head = Eagle3Head(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}), layers, draft_vocab=vocab)
+    init_weights(head, 1)
+    with torch.no_grad():
+        head.set_vocabulary(kept)
+        head.lm_head.weight.copy_(target.lm_head.weight[kept])
+        head.norm.weight.copy_(target.norm.weight)
+    head.train()
+    optimizer = adamw([p for p in head.parameters() if p.requires_grad], args)
+    run, gen, step = start_run(args, head, optimizer)
+    rng = random.Random(args.seed + step)
+    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; target layers {list(layers)}; draft "
+          f"vocabulary {vocab} ids covering {coverage:.1%} of the training tokens; data: {args.data}")
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        if args.data == "target":
+            tokens = data[torch.tensor(rng.sample(range(len(data)), args.batch_size))]
+        else:
+            tokens = random_batch(corpus, args.batch_size, args.seq_len, gen)[0]
+        loss, per_step = ttt_losses(head, target, tokens, args.ttt_steps, decay=args.ttt_decay,
+                                    regression=args.loss == "regression", bf16=args.bf16)
+        return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
+
+    start = time.perf_counter()
+    step = fit(head, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, save_every=args.save_every, title="eagle3 head", desc="eagle3",
+               progress=not args.no_progress,
+               show=lambda row: {"loss": f"{row['loss']:.3f}", "a1": f"{row['alpha_by_depth'][0]:.2f}",
+                                 "a_last": f"{row['alpha_by_depth'][-1]:.2f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
+    run.plot_depths("alpha_by_depth", "alpha.png", "training alpha by draft depth (true tokens, own features)")
+    head.eval()
+    hf = save_eagle3_head(head, run.out / "hf", target, target_name=args.target, dtype=getattr(torch, args.save_dtype))
+    # Measure what will ship: the head as saved (rounded to --save-dtype), read back.
+    drafter = FeatureDrafter(load_eagle3_head(hf, target, args.target), target)
+    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+    finish(run, {"steps": step, "gamma": args.gamma, "draft_vocab": vocab, "coverage": coverage,
+                 "layers": list(layers), "data": args.data, "loss": args.loss, "ttt_steps": args.ttt_steps,
+                 "train_seconds_this_session": time.perf_counter() - start, "held_out": after}, hf)
 
 
 def main(argv: list[str] | None = None) -> None:

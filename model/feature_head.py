@@ -39,6 +39,10 @@ class FeatureHead(CachedStack):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The head reads the target's final features as they are (EAGLE-3's fuses three: model/eagle3_head.py)."""
+        return features
+
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, call: CacheCall | None = None) -> torch.Tensor:
         """Predicted next features [B, T, dim] for features and next-token embeddings [B, T, dim],
         through the KV cache as ``call`` places them, or without a cache, causal (training)."""

@@ -33,6 +33,10 @@ from torch import nn
 from model.call import CacheCall, checked_move
 from model.config import ModelConfig
 
+# What a call returns besides the logits: nothing (False), the final norm's output (True), or
+# the inputs of the layers a tuple names, concatenated (EAGLE-3 reads three of them).
+Hidden = bool | tuple[int, ...]
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight. Half-precision inputs are normalised in float32, as in the reference
@@ -300,11 +304,12 @@ class Llama(CachedStack):
         return self.embed_tokens.weight.dtype
 
     def forward(self, tokens: torch.Tensor, call: CacheCall | None = None,
-                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                return_hidden: Hidden = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] (float32, or float64 for a float64 model) for ``tokens`` [B, T],
         through the KV cache as ``call`` places them, or causal without a cache. With
-        return_hidden, also the final norm's output [B, T, dim] (a drafter that reads the
-        target's features wants them, and a second forward would cost a whole step)."""
+        return_hidden True, also the final norm's output [B, T, dim]; with a tuple of layer
+        ids, the inputs of those layers, concatenated [B, T, len(ids) * dim] (a drafter that
+        reads the target's features wants them, and a second forward would cost a whole step)."""
         if call is not None:
             return self.cached((tokens,), call, return_hidden)
         if tokens.shape[1] > self.config.max_seq_len:
@@ -313,19 +318,25 @@ class Llama(CachedStack):
         return self.decode(self.embed_tokens(tokens), cos, sin, None, None, return_hidden)
 
     def step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None,
-             window: int, return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             window: int, return_hidden: Hidden) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A cached call's computation, from tensors alone (what model/fast/compile.py compiles)."""
         return self.decode(self.embed_tokens(tokens), *self.attention_inputs(positions, slots, visible, window),
                            return_hidden)
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: tuple | None,
-               mask: torch.Tensor | None, return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The blocks, the final norm and the output head."""
-        for layer in self.layers:
+               mask: torch.Tensor | None, return_hidden: Hidden) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The blocks, the final norm and the output head; the hidden states ``return_hidden`` asks for."""
+        taps = return_hidden if isinstance(return_hidden, tuple) else ()
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped[i] = x
             x = layer(x, cos, sin, write, mask)
         hidden = self.norm(x)
         logits = self.lm_head(hidden)
         logits = logits if logits.dtype == torch.float64 else logits.float()
+        if taps:
+            hidden = torch.cat([tapped[i] for i in taps], dim=-1)
         return (logits, hidden) if return_hidden else logits
 
     def example_inputs(self, batch: int, width: int) -> tuple[torch.Tensor, ...]:  # for compiling the step

@@ -27,6 +27,7 @@ from model import ModelConfig
 from model.feature_head import FeatureHead, fingerprint, same_fingerprint
 from speculative.draft.registry import DrafterKind, drafter_kind, named, of_folder
 from weights.checkpoint import CheckpointError, _normal_permissions, check_finite, load_model
+from weights.eagle3 import SPECULATORS_TYPE, is_eagle3, load_eagle3_head
 from weights.registry import resolve
 
 HEAD_TYPE = drafter_kind("head").model_type
@@ -36,8 +37,9 @@ def folder_kind(directory: Path) -> DrafterKind:
     """The drafter kind of a folder: the one its config.json's model_type names, else a draft model."""
     path = directory / "config.json"
     try:
-        model_type = json.loads(path.read_text()).get("model_type") if path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        model_type = SPECULATORS_TYPE if is_eagle3(config) else config.get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError):
         model_type = None
     return of_folder(model_type)
 
@@ -118,4 +120,5 @@ def load_drafter(name_or_path: str | os.PathLike, target: Any, target_name: str 
 LOADERS = {
     "checkpoint": lambda directory, target, name, device, dtype: load_model(directory, device=device, dtype=dtype),
     "feature-head": lambda directory, target, name, device, dtype: load_feature_head(directory, target, name),
+    "eagle3-head": lambda directory, target, name, device, dtype: load_eagle3_head(directory, target, name),
 }

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 def draft_kind(name_or_path: str | os.PathLike | None, planning: bool = False) -> str | None:
     """What a draft name means: None (no draft), or the name of its drafter kind
-    (speculative.draft.DRAFTERS: "model", "head", "lookup", ...). With ``planning``, a name that
+    (speculative.draft.DRAFTERS: "model", "head", "eagle3", "lookup", ...). With ``planning``, a name that
     is neither shipped nor a folder is taken for a model (a Llama-2 short name whose published
     shape --plan knows without the download); otherwise it is resolved, and an unknown name
     raises UnknownCheckpointError."""
@@ -77,13 +77,18 @@ def plan_configs(target: str | os.PathLike, draft: str | os.PathLike | None) -> 
     return target_config, plan_config(draft) if memory == "own" else None
 
 
+def is_head(kind: str | None) -> bool:
+    """Whether a drafter kind is a head on the target's features (its files are a head's folder)."""
+    return kind is not None and DRAFTERS[kind].files not in (None, "checkpoint")
+
+
 @dataclass(frozen=True)
 class PairSpec:
     """What two names mean, read from their configs and tokenizers alone (:func:`read_pair`)."""
 
     target: str
     draft: str | None
-    kind: str | None  # None (no draft), or a drafter kind's name: "model", "head", "lookup", ...
+    kind: str | None  # None (no draft), or a drafter kind's name: "model", "head", "eagle3", "lookup", ...
     target_dir: Path
     draft_dir: Path | None  # a draft model's or a feature head's folder
     target_config: ModelConfig
@@ -154,7 +159,7 @@ class Pair:
     @property
     def head(self) -> torch.nn.Module | None:
         """The feature head, when the drafter is one."""
-        return self.draft.head if self.kind == "head" else None
+        return self.draft.head if is_head(self.kind) else None
 
     def set_up(self, setup: str, widths: Sequence[int], positions: int, *, batch: int = 1,
                tree: Sequence[int] | None = None, store: Any = None, stack: bool = True,
@@ -188,8 +193,8 @@ class Pair:
         """The same pair with other target and draft model objects (model.fast.setup.choose_setups
         returns copies): a feature head's drafter is built anew around the new target."""
         draft = draft_model if self.kind == "model" else self.draft
-        if self.kind == "head":
-            draft = DRAFTERS["head"].build(self.draft.head, target)
+        if is_head(self.kind):
+            draft = DRAFTERS[self.kind].build(self.draft.head, target)
         return replace(self, target=target, draft=draft)
 
 
@@ -201,7 +206,7 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
     share the target's vocabulary and tokenizer."""
     kind = draft_kind(draft)
     target_dir = resolve(target)
-    draft_dir = resolve(draft) if kind in ("model", "head") else None
+    draft_dir = resolve(draft) if kind is not None and DRAFTERS[kind].files is not None else None
     target_config = read_config(target_dir)
     draft_config = read_config(draft_dir) if kind == "model" else None
     tokenizer = load_tokenizer(target_dir)

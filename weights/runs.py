@@ -117,6 +117,29 @@ class RunFolder:
         fig.savefig(self.out / "loss.png", dpi=100)
         plt.close(fig)
 
+    def plot_depths(self, key: str, name: str, title: str) -> None:
+        """``name`` (a .png): a per-depth list logged under ``key`` at every step, one line per depth,
+        smoothed over 20 steps (EAGLE-3's training alpha by draft depth)."""
+        import matplotlib  # the train extra
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.rows() if key in r]
+        if not rows:
+            return
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for depth in range(len(rows[0][key])):
+            values = [r[key][depth] for r in rows]
+            smooth = [sum(values[max(0, i - 19):i + 1]) / len(values[max(0, i - 19):i + 1]) for i in range(len(values))]
+            ax.plot([r["step"] for r in rows], smooth, label=f"depth {depth + 1}")
+        ax.set_xlabel("step")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.out / name, dpi=100)
+        plt.close(fig)
+
     def export(self, model: nn.Module, tokenizer_path: str | os.PathLike, dtype: torch.dtype) -> Path:
         """hf/: the model as an HF-layout checkpoint in ``dtype``, with its tokenizer.model."""
         hf = save_model(model, self.out / "hf", dtype=dtype)

@@ -55,7 +55,8 @@ PACKAGE_OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
     "shared": {"aot_inductor.package_constants_in_so": False},  # the weights handed over at load: shared_constants
 }
-SOURCES = ("model.py", "call.py", "fast/compile.py", "fast/aot.py", "feature_head.py", "fast/fuse.py", "config.py")
+SOURCES = ("model.py", "call.py", "fast/compile.py", "fast/aot.py", "feature_head.py", "eagle3_head.py", "fast/fuse.py",
+           "config.py")
 
 
 class CompileError(ValueError):

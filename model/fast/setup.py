@@ -299,6 +299,12 @@ def tree_sizes(branching: Sequence[int]) -> list[int]:
     return sizes
 
 
+def features_for(head: nn.Module | None) -> bool | tuple[int, ...]:
+    """What the target's steps return for a feature head: nothing without one, the inputs of the
+    layers an EAGLE-3 head reads (its ``target_layers``), else the final features."""
+    return False if head is None else (getattr(head, "target_layers", None) or True)
+
+
 def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence[int], cache_len: int, *,
                   draft: nn.Module | None = None, head: nn.Module | None = None, batch: int = 1,
                   tree: Sequence[int] | None = None, **store: Any) -> Setups:
@@ -313,7 +319,7 @@ def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence
     returned replace the ones given (a drafter built around the old target must be built anew)."""
     rows = row_buckets(batch)
     sizes = tree_sizes(tree) if tree else []
-    target, choice = choose_setup(target, candidates, widths, cache_len, hidden=head is not None, rows=rows,
+    target, choice = choose_setup(target, candidates, widths, cache_len, hidden=features_for(head), rows=rows,
                                   tree_widths=(sizes[-1] + 1,) if sizes else (), **store)
     choices = [("target", choice)]
     if head is not None and choice.chosen == "compiled":  # the head follows its target
@@ -354,7 +360,7 @@ def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, 
     rows, sizes = row_buckets(batch), tree_sizes(tree) if tree else []
     usable = store is not None and stack
     choices, unmeasured, missing = [], False, False
-    target_shapes = {"hidden": head is not None, "tree_widths": (sizes[-1] + 1,) if sizes else ()}
+    target_shapes = {"hidden": features_for(head), "tree_widths": (sizes[-1] + 1,) if sizes else ()}
     plan = [("target", target, widths, target_shapes),
             ("draft", draft, (1, 2), {"tree_widths": sizes[:-1]})]
     for name, model, model_widths, shapes in plan:

@@ -46,13 +46,21 @@ from speculative.verify.tree import TokenTree
 
 
 class FeatureDrafter:
-    """An EAGLE-1 style drafter: ``head`` is a model.feature_head.FeatureHead trained for ``target``."""
-
-    reads_features = True
+    """A drafter around a feature head trained for ``target``: EAGLE-1's
+    (model.feature_head.FeatureHead: the target's final features, the target's output head)
+    or EAGLE-3's (model.eagle3_head.Eagle3Head: three layers' features fused, its own output
+    layer over a reduced vocabulary). The bookkeeping above is the same for both; they differ
+    in what the target returns (``reads_features``: True, or the layer ids), how a feature is
+    stored (``head.project``) and where logits come from (:meth:`_logits`)."""
 
     def __init__(self, head: Any, target: Any) -> None:
         self.head, self.target = head, target
+        self.reads_features = getattr(head, "target_layers", None) or True
         self.vocab_size = target.config.vocab_size
+        # EAGLE-3: the target id of each draft id, None when the two vocabularies are one
+        ids = head.target_ids() if hasattr(head, "draft_logits") else None
+        same = ids is not None and len(ids) == self.vocab_size and bool((ids.diff() == 1).all())
+        self.ids = None if ids is None or same else ids
         self.max_seq_len = head.config.max_seq_len
         self.features: torch.Tensor | None = None  # [rows, cache_len, dim] the target's features by position
         self.known: list[int] = []  # row b: positions 0..known[b]-1 hold the target's own features
@@ -69,7 +77,18 @@ class FeatureDrafter:
         self.known, self.next = [], []
 
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
-        logits = self.target.lm_head(feature)
+        """Logits over the target's vocabulary for predicted features. A reduced draft
+        vocabulary's logits are placed at their target ids and -inf elsewhere: every warp
+        then gives those ids probability 0, so q is zero outside the draft vocabulary and the
+        token drawn and its q are one distribution (the verifier needs nothing more)."""
+        if not hasattr(self.head, "draft_logits"):
+            logits = self.target.lm_head(feature)
+        elif self.ids is None:
+            logits = self.head.draft_logits(feature)
+        else:
+            small = self.head.draft_logits(feature)
+            logits = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+            logits[..., self.ids] = small
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
@@ -138,6 +157,7 @@ class FeatureDrafter:
         length - 1), in one copy."""
         if hidden is None or hidden_starts is None:
             raise ValueError("FeatureDrafter.commit needs the target's hidden states")
+        hidden = self.head.project(hidden)  # EAGLE-3: fc of the fused features, once per position
         if len(lengths) == 1:
             start = hidden_starts[0]
             self.features[0, start:lengths[0] - 1] = hidden[0, :lengths[0] - 1 - start]

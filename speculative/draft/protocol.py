@@ -14,8 +14,9 @@ stream); a single prompt is a batch of one. A drafter is four calls, the engine'
   generators[b] only, and the distributions they were drawn from, as tensors on ``device``;
 * ``commit(lengths, hidden, hidden_starts)``: after verification row b has lengths[b]
   tokens; roll back whatever depended on rejected tokens. A drafter whose
-  ``reads_features`` is True also gets the target's features of the positions its call
-  just read (``hidden`` [rows, T, dim], row b's from position hidden_starts[b] on);
+  ``reads_features`` is set also gets the target's features of the positions its call
+  just read (``hidden`` [rows, T, ...], row b's from position hidden_starts[b] on): the
+  final norm's output (True) or the inputs of the target layers it names (a tuple);
 * ``keep_rows(rows, new)``: rows 0..len(rows)-1 become the old rows ``rows`` (finished rows
   leave), followed by ``new`` fresh sequences.
 
@@ -67,7 +68,7 @@ class Draft:
 class Drafter(Protocol):
     """Anything that proposes tokens for the engine (see the module docstring)."""
 
-    reads_features: bool  # commit() wants the target's features
+    reads_features: bool | tuple[int, ...]  # commit() wants the target's features (True: final; a tuple: layers)
     vocab_size: int | None  # the ids it proposes lie below this (None: any id of the sequence)
     max_seq_len: int | None  # the longest sequence it can draft for (None: no limit of its own)
 

@@ -26,7 +26,7 @@ class DrafterKind:
     description: str  # one line, for --help and the docs
     build: Callable[[Any, Any], Any]  # build(loaded network or None, target) -> a drafter
     toy: str | Callable[[Any], Any]  # for the proofs: toy(small float64 target) -> a drafter, or "MODULE:OBJECT"
-    files: str | None = None  # what weights/ reads: "checkpoint", "feature-head", or None
+    files: str | None = None  # what weights/ reads: "checkpoint", "feature-head", "eagle3-head", or None
     model_type: str | None = None  # config.json's model_type that marks a folder of this kind
     memory: str = "none"  # the memory plan: "none", "own" (its config) or "target-block" (one target block)
 
@@ -72,6 +72,10 @@ register_drafter(DrafterKind(
     "head", "a feature head: drafts from the target's own features (EAGLE), from its folder",
     build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:feature_drafter",
     files="feature-head", model_type="llama-feature-head", memory="target-block"))
+register_drafter(DrafterKind(
+    "eagle3", "an EAGLE-3 head: fused features of three target layers, its own reduced vocabulary, from its folder",
+    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:eagle3_drafter",
+    files="eagle3-head", model_type="eagle3", memory="target-block"))
 register_drafter(DrafterKind(
     "lookup", "prompt lookup: n-grams copied from the sequence, no model at all",
     build=lambda network, target: PromptLookupDrafter(), toy="speculative.draft.lookup:PromptLookupDrafter"))

@@ -35,8 +35,8 @@ mask and path move in one call, and with one row they already beat a chain only 
 target's call is cheap next to the draft's (docs/trees_and_blocks.md). An engine with a tree holds one row.
 
 Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] ->
-logits [B, T, V]; with ``return_hidden=True`` also its features, for a drafter that reads
-them), ``setup_cache``, ``move_cache``, ``cache_len`` and ``config.vocab_size`` /
+logits [B, T, V]; with ``return_hidden`` also its features, the ones a drafter that reads
+them asks for: ``drafter.reads_features``), ``setup_cache``, ``move_cache``, ``cache_len`` and ``config.vocab_size`` /
 ``config.max_seq_len``.
 """
 
@@ -378,7 +378,7 @@ class Engine:
             call = calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device)
         else:
             call = calls.ragged(starts, feed.shape[1], self.cache_len, self.device)
-        out = self.target(feed, call, return_hidden=True) if reads else self.target(feed, call)
+        out = self.target(feed, call, return_hidden=self.drafter.reads_features) if reads else self.target(feed, call)
         logits, hidden = out if reads else (out, None)
         if len(rows) == 1:
             return logits[0, -wanted[0]:], hidden

@@ -68,6 +68,7 @@ from speculative.proofs.toys import (
     llama_next_logits,
     max_gap,
     noisy_copy,
+    random_eagle3_head,
     random_head,
     random_llama,
     ref_warp,
@@ -202,6 +203,12 @@ def model_drafter(target: torch.nn.Module) -> ModelDrafter:
 def feature_drafter(target: torch.nn.Module) -> FeatureDrafter:
     """The feature drafter (speculative.draft.eagle.FeatureDrafter) with a random head for the target."""
     return FeatureDrafter(toy_head(target), target)
+
+
+def eagle3_drafter(target: torch.nn.Module) -> FeatureDrafter:
+    """The feature drafter around a random EAGLE-3 head (model.eagle3_head.Eagle3Head) whose draft
+    vocabulary leaves out token 1: fused features of three target layers, its own output layer."""
+    return FeatureDrafter(random_eagle3_head(target, seed=5, std=0.3), target)
 
 
 # ----------------------------------------------------------------------------- results

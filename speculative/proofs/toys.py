@@ -29,6 +29,7 @@ import torch
 
 from model import Llama, ModelConfig
 from model.call import CacheCall
+from model.eagle3_head import Eagle3Head, default_layers
 from model.feature_head import FeatureHead
 
 
@@ -156,6 +157,22 @@ def random_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3) -> tor
     for name, param in head.named_parameters():
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
         param.copy_(1 + 0.1 * noise if name.endswith("layernorm.weight") else std * noise)
+    return head.to(target.dtype).eval()
+
+
+@torch.no_grad()
+def random_eagle3_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
+                       drop: Sequence[int] = (1,)) -> torch.nn.Module:
+    """A model.eagle3_head.Eagle3Head for the target with random weights, its draft vocabulary
+    the target's less the ids in ``drop`` (a reduced vocabulary: q must be 0 on them)."""
+    config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
+    kept = [i for i in range(config.vocab_size) if i not in set(drop)]
+    head = Eagle3Head(config, default_layers(target.config.n_layers), draft_vocab=len(kept))
+    head.set_vocabulary(torch.tensor(kept))
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in head.named_parameters():
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+        param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
     return head.to(target.dtype).eval()
 
 

@@ -200,3 +200,40 @@ def test_eagle_head_learns_to_draft_for_its_target_and_resumes(corpus: dict[str,
     other = load_model(pretrain(corpus, tmp_path / "other", steps=2, dim=64, layers=2, seed=5) / "hf")
     with pytest.raises(CheckpointError, match="fingerprint"):
         load_feature_head(tmp_path / "eagle" / "hf", other, "other")
+
+
+def eagle3(target: Path, corpus: dict[str, Path], out: Path, steps: int, *extra: str) -> dict:
+    train.main(["eagle3", "--target", str(target), "--corpus", str(corpus["train"]), "--eval-corpus",
+                str(corpus["valid"]), "--out", str(out), "--steps", str(steps), "--lr", "3e-3", "--warmup", "2",
+                "--batch-size", "8", "--seq-len", "48", "--sequences", "32", "--ttt-steps", "3", "--draft-vocab",
+                "256", "--eval-prompts", "6", "--eval-new-tokens", "24", "--seed", "0", "--save-every", "10",
+                "--save-dtype", "float32", "--no-progress", "--threads", "1", *extra])
+    return json.loads((out / "summary.json").read_text())
+
+
+@needs_shared
+def test_eagle3_head_trains_on_the_target_s_own_text_and_resumes(corpus: dict[str, Path], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The target writes its continuations once (data.pt, reused on resume); training-time test
+    logs a loss and an alpha per depth; the head as saved (the speculators layout) drafts
+    better than after 10 steps and loads for its target."""
+    target_dir = pretrain(corpus, tmp_path / "target", steps=60, dim=64, layers=4, seed=0) / "hf"
+    first = eagle3(target_dir, corpus, tmp_path / "e3", steps=10)
+    written = (tmp_path / "e3" / "data.pt").stat().st_mtime_ns
+    summary = eagle3(target_dir, corpus, tmp_path / "e3", steps=80)  # resumes at step 10
+    assert (tmp_path / "e3" / "data.pt").stat().st_mtime_ns == written
+    rows = [json.loads(line) for line in (tmp_path / "e3" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 81)) and summary["steps"] == 80
+    assert all(len(r["alpha_by_depth"]) == len(r["loss_by_depth"]) == 3 for r in rows)
+    assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5]) - 1.0
+    assert (tmp_path / "e3" / "alpha.png").stat().st_size > 1000
+    assert summary["held_out"]["alpha_greedy"] > first["held_out"]["alpha_greedy"] + 0.1, (first, summary)
+    config = json.loads((tmp_path / "e3" / "hf" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 256
+    drafter = load_drafter(tmp_path / "e3" / "hf", load_model(target_dir))
+    assert isinstance(drafter, FeatureDrafter) and drafter.reads_features == (2, 2, 1)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        eagle3(target_dir, corpus, tmp_path / "bad", 5, "--layers", "1,2,9")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --layers takes three layer ids in 0..3, got 1,2,9"]

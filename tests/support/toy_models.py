@@ -22,6 +22,7 @@ from speculative.proofs.toys import (  # noqa: F401 -- the tests import them fro
     chi_square_pvalue,
     llama_next_logits,
     noisy_copy,
+    random_eagle3_head,
     random_head,
     random_llama,
     ref_warp,

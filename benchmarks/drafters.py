@@ -1,0 +1,152 @@
+"""Drafters side by side on held-out story openings: acceptance by draft position, tokens per
+target call, the drafter's cost, and tokens/s against the target alone, in one run.
+
+    python -m benchmarks.drafters --drafters tiny-draft tiny-eagle tiny-eagle3 --gamma 5
+    python -m benchmarks.drafters --drafters tiny-eagle runs/e3/1-fused/hf ... --labels EAGLE-1 "+ fused" ... \\
+        --out docs/results/drafters_eagle3.md       # the ablation table of docs/drafters.md
+
+The prompts are the first ``--prompt-tokens`` tokens of held-out TinyStories validation
+stories (never trained on; weights.corpus.held_out_prompts, as train.py measures
+acceptance). Every drafter and the target alone decode the same prompts, greedy and at
+temperature 1 (prompt i with seed i), end of sequence ignored, in the set-up generate.py
+takes by default (model.fast.setup.default_setups: compiled steps where an earlier
+``--compile`` measured them faster on this machine, else stacked and prepacked at once;
+``--no-cache``: never compiled). Rounds take turns so that a change in machine load hits
+every method alike; tokens/s is the median over rounds of each round's total, and the
+speed-up is over the target alone in the same round.
+
+Columns: alpha at draft position i is accepted / verified at position i (the earlier ones
+all accepted), greedy; tokens per target call; c, the drafting time per position drafted
+ahead over the time of a target call (the cost model's c); tokens/s and the speed-up.
+
+Do not run it while anything else loads the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+from benchmarks.harness import command_line, machine_line, markdown_table, script_parser, turn_order
+from model.fast.compile import decode_widths
+from speculative import autoregressive_generate, speculative_generate
+from speculative.inputs import GAMMA_MAX
+from weights import StepCache, load_tokenizer, read_pair
+from weights.corpus import held_out_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
+
+
+def load(target: str, draft: str | None, gamma: int, positions: int, cache: bool) -> tuple[Any, Any]:
+    """The target and drafter in generate.py's default set-up for these calls."""
+    spec = read_pair(target, draft)
+    pair = spec.load(prepare_models=False)
+    widths = decode_widths(gamma, GAMMA_MAX) if draft else (1,)
+    pair, _ = pair.set_up("default", widths, positions, store=StepCache() if cache else None)
+    return pair.target, pair.draft
+
+
+def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int, gamma: int,
+            temperature: float) -> dict[str, Any]:
+    """Every prompt once; the totals of its stats."""
+    total: dict[str, Any] = {"new": 0, "calls": 0, "wall": 0.0, "draft_s": 0.0, "target_s": 0.0, "ahead": 0,
+                             "accepted": [0] * gamma, "tried": [0] * gamma}
+    for i, prompt in enumerate(prompts):
+        if drafter is None:
+            out = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=i)
+        else:
+            out = speculative_generate(target, drafter, prompt, new_tokens, gamma=gamma, temperature=temperature,
+                                       seed=i)
+        s = out.stats
+        total["new"] += s.new_tokens
+        total["wall"] += s.wall_time_s
+        if drafter is not None:
+            total["calls"] += s.target_calls
+            total["draft_s"] += s.draft_time_s
+            total["target_s"] += s.target_time_s
+            total["ahead"] += sum(s.gamma_history)
+            for j in range(min(gamma, len(s.tried_per_position))):
+                total["accepted"][j] += s.accepted_per_position[j]
+                total["tried"][j] += s.tried_per_position[j]
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = script_parser("benchmarks.drafters", __doc__)
+    parser.add_argument("--target", default="tiny-target")
+    parser.add_argument("--drafters", nargs="+", required=True, help="drafter names or folders")
+    parser.add_argument("--labels", nargs="*", default=None, help="a label per drafter (default: the names)")
+    parser.add_argument("--gamma", type=int, default=5, help="tokens drafted per target call (default 5)")
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
+    parser.add_argument("--prompt-tokens", type=int, default=8, help="tokens per prompt (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generation (default 128)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds in turns (default 3)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-cache", action="store_true", help="never the compiled steps: stacked and prepacked")
+    parser.add_argument("--out", default=None, help="write the table (markdown) here too")
+    args = parser.parse_args(argv)
+    labels = args.labels or args.drafters
+    if len(labels) != len(args.drafters):
+        parser.error("--labels takes one label per drafter")
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(args.target)
+    prompts = held_out_prompts([str(VALID)], tokenizer, args.prompts, args.prompt_tokens, 0)
+    positions = args.prompt_tokens + args.max_new_tokens + args.gamma + 2
+    methods = {"target alone": load(args.target, None, args.gamma, positions, not args.no_cache)}
+    for label, name in zip(labels, args.drafters):
+        methods[label] = load(args.target, name, args.gamma, positions, not args.no_cache)
+    results: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    with torch.inference_mode():
+        for target, drafter in methods.values():  # warm-up: one prompt each
+            run_all(target, drafter, prompts[:1], 16, args.gamma, 0.0)
+        for r in range(args.rounds):
+            for name in turn_order(list(methods), r):
+                target, drafter = methods[name]
+                for temperature in (0.0, 1.0):
+                    results.setdefault((name, temperature), []).append(
+                        run_all(target, drafter, prompts, args.max_new_tokens, args.gamma, temperature))
+            print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
+    rows, figures = [], {}
+    for name in methods:
+        row: list[Any] = [name]
+        figure: dict[str, Any] = {}
+        for temperature in (0.0, 1.0):
+            runs = results[name, temperature]
+            speeds = [run["new"] / run["wall"] for run in runs]
+            base = [run["new"] / run["wall"] for run in results["target alone", temperature]]
+            first = runs[0]
+            alphas = [a / t if t else float("nan") for a, t in zip(first["accepted"], first["tried"])]
+            tau = first["new"] / first["calls"] if first["calls"] else 1.0
+            c = (first["draft_s"] / first["ahead"]) / (first["target_s"] / first["calls"]) if first["ahead"] else 0.0
+            key = "greedy" if temperature == 0 else "t1"
+            figure[key] = {"alpha_by_position": alphas, "tokens_per_call": tau, "c": c,
+                           "tokens_per_s": median(speeds), "speedup": median(s / b for s, b in zip(speeds, base))}
+        figures[name] = figure
+        g, t = figure["greedy"], figure["t1"]
+        row += [" ".join(f"{a:.2f}" for a in g["alpha_by_position"]) if name != "target alone" else "",
+                f"{g['tokens_per_call']:.2f}", f"{t['tokens_per_call']:.2f}", f"{g['c']:.3f}" if g["c"] else "",
+                f"{g['tokens_per_s']:.0f}", f"{g['speedup']:.2f}×", f"{t['tokens_per_s']:.0f}", f"{t['speedup']:.2f}×"]
+        rows.append(row)
+    header = ["drafter", f"α by position 1..{args.gamma} (greedy)", "tokens/call greedy", "tokens/call T=1",
+              "c (draft step / target call)", "tok/s greedy", "speed-up greedy", "tok/s T=1", "speed-up T=1"]
+    lines = [f"Command: `{command_line('benchmarks.drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
+             "", f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens "
+             f"each (EOS ignored), γ = {args.gamma}, {args.rounds} rounds in turns; set-up: "
+             f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}.", "",
+             *markdown_table(header, rows, "l" + "r" * (len(header) - 1))]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
