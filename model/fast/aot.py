@@ -376,12 +376,13 @@ def _cpuinfo() -> str:
         return ""
 
 
-def entry_key(model: nn.Module, rows: int, width: int, hidden: bool, mode: str,
+def entry_key(model: nn.Module, rows: int, width: int, hidden: bool | tuple[int, ...], mode: str,
               fingerprint: str | None = None) -> dict[str, Any]:
     """Everything a compiled step depends on: the model (weights and config), its dtype and
     set-up, the call's shape (not the cache's: it is dynamic), the mode, the code, torch, the
     device and the thread count."""
     return {"model": fingerprint or model_fingerprint(model), "kind": type(model).__name__,
             "dtype": str(model.dtype).removeprefix("torch."), "setup": "compiled", "mode": mode,
-            "rows": rows, "width": width, "hidden": hidden, "code": code_fingerprint(),
+            "rows": rows, "width": width, "code": code_fingerprint(),
+            "hidden": list(hidden) if isinstance(hidden, tuple) else hidden,  # as JSON reads it back
             "torch": torch.__version__, "device": device_name(model.device), "threads": torch.get_num_threads()}

@@ -37,6 +37,7 @@ import pytest
 import torch
 
 import serve
+from model import call as calls
 from model.fast import aot
 from model.fast.compile import MODE_ENV, CompileError, NotCachedError, compile_for_decoding, install
 from model.fast.fuse import fuse_projections
@@ -444,3 +445,24 @@ def test_serve_py_builds_the_steps_once_and_a_later_start_loads_them(built: dict
     assert "loaded from the compiled-step cache" in line, line
     assert pair.target.compiled.loaded >= 1 and pair.target.compiled.built == 0
     assert far_from_argmax(stacked(built["folder"]), [1, 5, 9], greedy(pair.target)) == []
+
+
+def test_packages_that_return_three_layers_inputs_load_again(tmp_path: Path) -> None:
+    """The steps an EAGLE-3 head's target runs return the inputs of the layers it reads (a tuple
+    of ids, JSON's list in the manifest): built once, found again by a later run, and equal
+    to the eager call."""
+    model = random_llama(vocab=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64, seed=4)
+    eager = copy.deepcopy(model)
+    layers = (2, 2, 1)
+    compile_for_decoding(model, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=True)
+    again = copy.deepcopy(eager)
+    steps = compile_for_decoding(again, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=False)
+    assert steps.loaded and not steps.built
+    tokens = torch.tensor([[5, 9, 2]])
+    with torch.no_grad():
+        for m in (again, eager):
+            m.setup_cache(1, 32)
+        got, want = (m(tokens, calls.chain(0, 3, "cpu"), return_hidden=layers) for m in (again, eager))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+    assert got[1].shape == (1, 3, 96)
