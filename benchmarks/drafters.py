@@ -16,7 +16,8 @@ every method alike; tokens/s is the median over rounds of each round's total, an
 speed-up is over the target alone in the same round.
 
 Columns: alpha at draft position i is accepted / verified at position i (the earlier ones
-all accepted), greedy; tokens per target call; c, the drafting time per position drafted
+all accepted), greedy; alpha, the paper's: the mean of sum_x min(p, q) over the verified
+positions, greedy and at temperature 1; tokens per target call; c, the drafting time per position drafted
 ahead over the time of a target call (the cost model's c); tokens/s and the speed-up.
 
 Do not run it while anything else loads the machine.
@@ -56,7 +57,7 @@ def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int
             temperature: float) -> dict[str, Any]:
     """Every prompt once; the totals of its stats."""
     total: dict[str, Any] = {"new": 0, "calls": 0, "wall": 0.0, "draft_s": 0.0, "target_s": 0.0, "ahead": 0,
-                             "accepted": [0] * gamma, "tried": [0] * gamma}
+                             "overlap": 0.0, "verified": 0, "accepted": [0] * gamma, "tried": [0] * gamma}
     for i, prompt in enumerate(prompts):
         if drafter is None:
             out = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=i)
@@ -71,6 +72,8 @@ def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int
             total["draft_s"] += s.draft_time_s
             total["target_s"] += s.target_time_s
             total["ahead"] += sum(s.gamma_history)
+            total["overlap"] += s.overlap_sum
+            total["verified"] += s.verified_positions
             for j in range(min(gamma, len(s.tried_per_position))):
                 total["accepted"][j] += s.accepted_per_position[j]
                 total["tried"][j] += s.tried_per_position[j]
@@ -82,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="tiny-target")
     parser.add_argument("--drafters", nargs="+", required=True, help="drafter names or folders")
     parser.add_argument("--labels", nargs="*", default=None, help="a label per drafter (default: the names)")
-    parser.add_argument("--gamma", type=int, default=5, help="tokens drafted per target call (default 5)")
+    parser.add_argument("--gamma", type=int, nargs="+", default=[5],
+                        help="tokens drafted per target call; several: every drafter at each (default 5)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
     parser.add_argument("--prompt-tokens", type=int, default=8, help="tokens per prompt (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generation (default 128)")
@@ -97,20 +101,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.target)
     prompts = held_out_prompts([str(VALID)], tokenizer, args.prompts, args.prompt_tokens, 0)
-    positions = args.prompt_tokens + args.max_new_tokens + args.gamma + 2
-    methods = {"target alone": load(args.target, None, args.gamma, positions, not args.no_cache)}
+    positions = args.prompt_tokens + args.max_new_tokens + max(args.gamma) + 2
+    methods = {"target alone": (*load(args.target, None, 1, positions, not args.no_cache), 1)}
     for label, name in zip(labels, args.drafters):
-        methods[label] = load(args.target, name, args.gamma, positions, not args.no_cache)
+        for gamma in args.gamma:
+            key = label if len(args.gamma) == 1 else f"{label}, γ = {gamma}"
+            methods[key] = (*load(args.target, name, gamma, positions, not args.no_cache), gamma)
     results: dict[tuple[str, float], list[dict[str, Any]]] = {}
     with torch.inference_mode():
-        for target, drafter in methods.values():  # warm-up: one prompt each
-            run_all(target, drafter, prompts[:1], 16, args.gamma, 0.0)
+        for target, drafter, gamma in methods.values():  # warm-up: one prompt each
+            run_all(target, drafter, prompts[:1], 16, gamma, 0.0)
         for r in range(args.rounds):
             for name in turn_order(list(methods), r):
-                target, drafter = methods[name]
+                target, drafter, gamma = methods[name]
                 for temperature in (0.0, 1.0):
                     results.setdefault((name, temperature), []).append(
-                        run_all(target, drafter, prompts, args.max_new_tokens, args.gamma, temperature))
+                        run_all(target, drafter, prompts, args.max_new_tokens, gamma, temperature))
             print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     rows, figures = [], {}
     for name in methods:
@@ -125,19 +131,21 @@ def main(argv: list[str] | None = None) -> int:
             tau = first["new"] / first["calls"] if first["calls"] else 1.0
             c = (first["draft_s"] / first["ahead"]) / (first["target_s"] / first["calls"]) if first["ahead"] else 0.0
             key = "greedy" if temperature == 0 else "t1"
-            figure[key] = {"alpha_by_position": alphas, "tokens_per_call": tau, "c": c,
+            alpha = first["overlap"] / first["verified"] if first["verified"] else float("nan")
+            figure[key] = {"alpha_by_position": alphas, "alpha": alpha, "tokens_per_call": tau, "c": c,
                            "tokens_per_s": median(speeds), "speedup": median(s / b for s, b in zip(speeds, base))}
         figures[name] = figure
         g, t = figure["greedy"], figure["t1"]
-        row += [" ".join(f"{a:.2f}" for a in g["alpha_by_position"]) if name != "target alone" else "",
+        row += [" ".join(f"{a:.2f}" for a in g["alpha_by_position"]) if methods[name][1] is not None else "",
+                f"{g['alpha']:.3f} / {t['alpha']:.3f}" if methods[name][1] is not None else "",
                 f"{g['tokens_per_call']:.2f}", f"{t['tokens_per_call']:.2f}", f"{g['c']:.3f}" if g["c"] else "",
                 f"{g['tokens_per_s']:.0f}", f"{g['speedup']:.2f}×", f"{t['tokens_per_s']:.0f}", f"{t['speedup']:.2f}×"]
         rows.append(row)
-    header = ["drafter", f"α by position 1..{args.gamma} (greedy)", "tokens/call greedy", "tokens/call T=1",
+    header = ["drafter", "α by position 1..γ (greedy)", "α greedy / T=1", "tokens/call greedy", "tokens/call T=1",
               "c (draft step / target call)", "tok/s greedy", "speed-up greedy", "tok/s T=1", "speed-up T=1"]
     lines = [f"Command: `{command_line('benchmarks.drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
              "", f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens "
-             f"each (EOS ignored), γ = {args.gamma}, {args.rounds} rounds in turns; set-up: "
+             f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, {args.rounds} rounds in turns; set-up: "
              f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}.", "",
              *markdown_table(header, rows, "l" + "r" * (len(header) - 1))]
     text = "\n".join(lines) + "\n"

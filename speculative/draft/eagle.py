@@ -91,6 +91,15 @@ class FeatureDrafter:
             logits[..., self.ids] = small
         return logits if logits.dtype == torch.float64 else logits.float()
 
+    def _draw(self, predicted: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None],
+              probs: list[torch.Tensor]) -> torch.Tensor:
+        """Line 3 for every row (protocol.draw_rows). Greedy with a reduced vocabulary: the argmax
+        of the head's own logits, mapped, which is the argmax of the placed ones (the map keeps
+        the order of ids, so ties fall on the same token) without building them."""
+        if self.ids is not None and all(s.greedy for s in samplings):
+            return self.ids[self.head.draft_logits(predicted).argmax(-1)]
+        return draw_rows(self._logits(predicted), samplings, generators, probs)
+
     def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
                 generators: list[torch.Generator], device: torch.device) -> Draft:
         """One head call per step for all rows: the first catches each row up on its true
@@ -118,7 +127,7 @@ class FeatureDrafter:
             call = calls.ragged(starts, feats.shape[1], self.head.cache_len, device)
             predicted = newest(self.head(feats, self.target.embed_tokens(nxt), call), widths if i == 0 else [1])
             live = [gen if g > i else None for gen, g in zip(generators, gammas)]
-            tokens.append(draw_rows(self._logits(predicted), samplings, live, probs))
+            tokens.append(self._draw(predicted, samplings, live, probs))
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
             feats, nxt, widths = predicted.unsqueeze(1), tokens[-1].view(-1, 1), [1] * len(ids)
         self.next = [len(row) - 1 if g else n for row, g, n in zip(ids, gammas, self.next)]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from model import call as calls
 from model.eagle3_head import default_layers
-from speculative import FeatureDrafter, speculative_generate
+from speculative import FeatureDrafter, speculative_generate, speculative_generate_batch
 from speculative.draft.ttt import draft_vocabulary, ttt_losses
 from speculative.proofs.checker import check
 from speculative.sampling import Sampling
@@ -206,3 +206,13 @@ def test_the_draft_vocabulary_is_the_most_frequent_ids() -> None:
     assert kept.tolist() == [2, 5, 9] and coverage == pytest.approx(9 / 11)
     kept, _ = draft_vocabulary(torch.tensor([[4, 3]]), 6, 1)  # a tie: the lower id
     assert kept.tolist() == [3]
+
+
+def test_eagle3_rows_of_a_batch_each_get_the_target_greedy_output(llama64: dict) -> None:
+    """Rows of different lengths, in one call per iteration: each row's tokens are its own greedy ones."""
+    target = llama64["target"]
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    batch = speculative_generate_batch(target, FeatureDrafter(llama64["head"], target), prompts, 12, gamma=3,
+                                       temperature=0)
+    assert [r.tokens for r in batch.results] == [reference_greedy(target, p, 12) for p in prompts]
+    assert batch.stats.accepted_draft_tokens > 0
