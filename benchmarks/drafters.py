@@ -81,7 +81,7 @@ def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = script_parser("benchmarks.drafters", __doc__)
+    parser = script_parser("drafters", __doc__)
     parser.add_argument("--target", default="tiny-target")
     parser.add_argument("--drafters", nargs="+", required=True, help="drafter names or folders")
     parser.add_argument("--labels", nargs="*", default=None, help="a label per drafter (default: the names)")
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     header = ["drafter", "α by position 1..γ (greedy)", "α greedy / T=1", "tokens/call greedy", "tokens/call T=1",
               "c (draft step / target call)", "tok/s greedy", "speed-up greedy", "tok/s T=1", "speed-up T=1"]
-    lines = [f"Command: `{command_line('benchmarks.drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
+    lines = [f"Command: `{command_line('drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
              "", f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens "
              f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, {args.rounds} rounds in turns; set-up: "
              f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}.", "",

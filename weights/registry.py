@@ -25,7 +25,7 @@ LLAMA2 = {
 }
 # The tiny pair trained by train.py and committed in this folder, and the feature head for its target.
 SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled")
-SHIPPED_HEADS = ("tiny-eagle",)
+SHIPPED_HEADS = ("tiny-eagle", "tiny-eagle3")
 SHIPPED = SHIPPED_MODELS + SHIPPED_HEADS
 
 
