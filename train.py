@@ -6,6 +6,8 @@ a draft distilled toward its target (DistillSpec, Zhou et al. 2023).
     python train.py distill   --target runs/target/hf --draft runs/draft/hf --corpus A.txt --out runs/distill ...
     python train.py eagle     --target tiny-target --corpus A.txt --eval-corpus B.txt --out runs/eagle ...
     python train.py eagle3    --target tiny-target --corpus A.txt --eval-corpus B.txt --out runs/eagle3 ...
+    python train.py parallel  --target tiny-target --draft tiny-draft --corpus A.txt --eval-corpus B.txt ...
+    python train.py peagle    --target tiny-target --head tiny-eagle3 --corpus A.txt --eval-corpus B.txt ...
 
 Every run writes into its --out folder: ``state.pt`` (resumable), ``log.jsonl``,
 ``loss.png`` and, at the end, an HF-layout checkpoint in ``hf/``. Rerunning the same
@@ -34,11 +36,13 @@ import sentencepiece as spm
 import torch
 
 from model import ConfigError, Llama, ModelConfig
-from model.eagle3_head import Eagle3Head, default_layers
+from model.eagle3_head import Eagle3Head, PEagleHead, default_layers
 from model.feature_head import FeatureHead
 from model.training import evaluate, fit, init_weights, lr_at, next_token_loss, random_batch
 from speculative import FeatureDrafter
 from speculative.draft.distill import DIVERGENCES, distill_loss, eagle_losses, sample_sequences
+from speculative.draft.parallel import ParallelDrafter, ParallelFeatureDrafter
+from speculative.draft.parallel_training import parallel_losses, peagle_losses, with_mask_token
 from speculative.draft.ttt import draft_vocabulary, ttt_losses
 from speculative.engine.generation import ACCEPTANCE_NOTES, measure_acceptance
 from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer
@@ -210,6 +214,48 @@ def build_parser() -> argparse.ArgumentParser:
     acceptance_options(e3, "length of the story openings the target continues (default 8)")
     common(e3, steps=1500, lr=1e-3)
     e3.set_defaults(func=cmd_eagle3)
+
+    par = sub.add_parser("parallel", help="adapt a draft model to parallel drafting (PARD): a mask token, gamma "
+                                          "tokens from one call, trained with conditional drop")
+    par.add_argument("--target", required=True, help="target checkpoint (name or HF-layout folder)")
+    par.add_argument("--draft", required=True, help="draft checkpoint to adapt (or a parallel draft to go on with)")
+    par.add_argument("--corpus", nargs="+", required=True,
+                     help="text files: story openings the target continues, or the text itself (--data corpus)")
+    par.add_argument("--eval-corpus", nargs="+", required=True, help="held-out files for the acceptance prompts")
+    par.add_argument("--data", choices=["target", "corpus"], default="target",
+                     help="train on the target's own continuations (written once to data.pt) or on corpus text "
+                          "(default target)")
+    par.add_argument("--sequences", type=int, default=2048,
+                     help="continuations the target writes (default 2048; a run folder holding more reuses them)")
+    par.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
+    par.add_argument("--depths", type=int, default=8, help="draft positions trained, 1 real + masks (default 8)")
+    par.add_argument("--keep", type=float, default=0.8,
+                     help="conditional drop: depth d keeps keep^d of the anchors (default 0.8)")
+    par.add_argument("--min-keep", type=float, default=0.2, help="... and at least this share (default 0.2)")
+    par.add_argument("--bf16", action="store_true", help="bf16 autocast for the frozen target's forward")
+    par.add_argument("--cache-dir", default="runs/cache", help="tokenised-corpus cache folder (default runs/cache)")
+    acceptance_options(par, "length of the story openings the target continues (default 8)")
+    common(par, steps=1500, lr=5e-4)
+    par.set_defaults(func=cmd_parallel)
+
+    pe = sub.add_parser("peagle", help="adapt an EAGLE-3 head to parallel drafting (P-EAGLE): a mask feature and "
+                                       "embedding, the whole chain from one head call, trained with conditional drop")
+    pe.add_argument("--target", required=True, help="target checkpoint (name or HF-layout folder)")
+    pe.add_argument("--head", required=True, help="the EAGLE-3 head to adapt (or a P-EAGLE head to go on with)")
+    pe.add_argument("--corpus", nargs="+", required=True, help="text files whose story openings the target continues")
+    pe.add_argument("--eval-corpus", nargs="+", required=True, help="held-out files for the acceptance prompts")
+    pe.add_argument("--sequences", type=int, default=2048,
+                    help="continuations the target writes (default 2048; a run folder holding more reuses them)")
+    pe.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
+    pe.add_argument("--depths", type=int, default=8, help="draft positions trained, 1 real + masks (default 8)")
+    pe.add_argument("--keep", type=float, default=0.8, help="conditional drop: depth d keeps keep^d of the anchors")
+    pe.add_argument("--min-keep", type=float, default=0.2, help="... and at least this share (default 0.2)")
+    pe.add_argument("--mask-id", type=int, default=0,
+                    help="the target id whose embedding row the mask takes in the written file (default 0, <unk>)")
+    pe.add_argument("--bf16", action="store_true", help="bf16 autocast for the frozen target's forward")
+    acceptance_options(pe, "length of the story openings the target continues (default 8)")
+    common(pe, steps=600, lr=5e-4)
+    pe.set_defaults(func=cmd_peagle)
     return parser
 
 
@@ -490,6 +536,114 @@ def cmd_eagle3(args: argparse.Namespace) -> None:
     after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
     finish(run, {"steps": step, "gamma": args.gamma, "draft_vocab": vocab, "coverage": coverage,
                  "layers": list(layers), "data": args.data, "loss": args.loss, "ttt_steps": args.ttt_steps,
+                 "train_seconds_this_session": time.perf_counter() - start, "held_out": after}, hf)
+
+
+# ----------------------------------------------------------------------------- parallel
+def cmd_parallel(args: argparse.Namespace) -> None:
+    target = frozen_target(args)
+    tokenizer = load_tokenizer(args.target)
+    start_from = load_model(args.draft)
+    vocab = target.config.vocab_size
+    if "pard_token" in start_from.config.extra:  # a parallel draft already: go on with it
+        draft = start_from
+    elif start_from.config.vocab_size == vocab:
+        draft = with_mask_token(start_from)
+    else:
+        raise TrainError(f"the draft's vocabulary ({start_from.config.vocab_size}) differs from the target's ({vocab})")
+    if not 2 <= args.depths < args.seq_len or not 0 < args.min_keep <= args.keep <= 1:
+        raise TrainError(f"--depths must lie in 2..{args.seq_len - 1}, and 0 < --min-keep <= --keep <= 1")
+    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
+    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
+    run = RunFolder(args.out)
+    if args.data == "target":
+        data = target_continuations(run, target, openings, args, torch.Generator().manual_seed(args.seed + 1))
+    else:
+        corpus = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
+    draft.train()
+    optimizer = adamw(draft.parameters(), args)
+    run, gen, step = start_run(args, draft, optimizer)
+    rng = random.Random(args.seed + step)
+    mask = draft.config.extra["pard_token"]
+    print(f"draft: {sum(p.numel() for p in draft.parameters()):,} parameters, mask id {mask}; {args.depths} draft "
+          f"positions per call; data: {args.data}")
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        if args.data == "target":
+            tokens = data[torch.tensor(rng.sample(range(len(data)), args.batch_size))]
+        else:
+            tokens = random_batch(corpus, args.batch_size, args.seq_len, gen)[0]
+        loss, per_step = parallel_losses(draft, target, tokens, args.depths, keep=args.keep, min_keep=args.min_keep,
+                                         gen=gen, bf16=args.bf16)
+        return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
+
+    start = time.perf_counter()
+    step = fit(draft, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, save_every=args.save_every, title="parallel draft", desc="parallel",
+               progress=not args.no_progress,
+               show=lambda row: {"loss": f"{row['loss']:.3f}", "a1": f"{row['alpha_by_depth'][0]:.2f}",
+                                 "a4": f"{row['alpha_by_depth'][min(3, len(row['alpha_by_depth']) - 1)]:.2f}",
+                                 "tok_s": f"{row['tokens_per_s']:.0f}"})
+    run.plot_depths("alpha_by_depth", "alpha.png", "training alpha by draft position (one call, true tokens)")
+    draft.eval()
+    hf = run.export(draft, load_tokenizer(args.target).path, getattr(torch, args.save_dtype))
+    # Measure what will ship: the draft as saved (rounded to --save-dtype), read back.
+    shipped = load_model(hf)
+    drafter = ParallelDrafter(shipped, shipped.config.extra["pard_token"], vocab)
+    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+    finish(run, {"steps": step, "gamma": args.gamma, "depths": args.depths, "keep": args.keep,
+                 "min_keep": args.min_keep, "data": args.data, "mask_id": mask,
+                 "train_seconds_this_session": time.perf_counter() - start, "held_out": after}, hf)
+
+
+# ----------------------------------------------------------------------------- peagle
+def cmd_peagle(args: argparse.Namespace) -> None:
+    target = frozen_target(args)
+    tokenizer = load_tokenizer(args.target)
+    start_from = load_eagle3_head(args.head, target, args.target)
+    if not 0 <= args.mask_id < target.config.vocab_size:
+        raise TrainError(f"--mask-id must be a target id in 0..{target.config.vocab_size - 1}")
+    if not 2 <= args.depths < args.seq_len - 1 or not 0 < args.min_keep <= args.keep <= 1:
+        raise TrainError(f"--depths must lie in 2..{args.seq_len - 2}, and 0 < --min-keep <= --keep <= 1")
+    if isinstance(start_from, PEagleHead):
+        head = start_from
+    else:  # the EAGLE-3 head's weights, a mask feature of zeros and the mean embedding as the mask's
+        head = PEagleHead(start_from.config, start_from.target_layers, start_from.draft_vocab,
+                          start_from.layers[0].norm_before_residual, args.mask_id)
+        missing = head.load_state_dict(start_from.state_dict(), strict=False).missing_keys
+        assert sorted(missing) == ["mask_embedding", "mask_hidden"], missing
+        with torch.no_grad():
+            head.mask_embedding.copy_(target.embed_tokens.weight.mean(0))
+    head.requires_grad_(True)
+    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
+    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
+    run = RunFolder(args.out)
+    data = target_continuations(run, target, openings, args, torch.Generator().manual_seed(args.seed + 1))
+    head.train()
+    optimizer = adamw([p for p in head.parameters() if p.requires_grad], args)
+    run, gen, step = start_run(args, head, optimizer)
+    rng = random.Random(args.seed + step)
+    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; {args.depths} draft positions per call")
+
+    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
+        tokens = data[torch.tensor(rng.sample(range(len(data)), args.batch_size))]
+        loss, per_step = peagle_losses(head, target, tokens, args.depths, keep=args.keep, min_keep=args.min_keep,
+                                       gen=gen, bf16=args.bf16)
+        return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
+
+    start = time.perf_counter()
+    step = fit(head, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=batch_loss, save_every=args.save_every, title="P-EAGLE head", desc="peagle",
+               progress=not args.no_progress,
+               show=lambda row: {"loss": f"{row['loss']:.3f}", "a1": f"{row['alpha_by_depth'][0]:.2f}",
+                                 "a4": f"{row['alpha_by_depth'][min(3, len(row['alpha_by_depth']) - 1)]:.2f}"})
+    run.plot_depths("alpha_by_depth", "alpha.png", "training alpha by draft position (one call, true tokens)")
+    head.eval()
+    hf = save_eagle3_head(head, run.out / "hf", target, target_name=args.target, dtype=getattr(torch, args.save_dtype))
+    drafter = ParallelFeatureDrafter(load_eagle3_head(hf, target, args.target), target)
+    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
+    finish(run, {"steps": step, "gamma": args.gamma, "depths": args.depths, "keep": args.keep,
+                 "min_keep": args.min_keep, "mask_id": head.mask_token_id,
                  "train_seconds_this_session": time.perf_counter() - start, "held_out": after}, hf)
 
 

@@ -130,19 +130,23 @@ def main(argv: list[str] | None = None) -> int:
             alphas = [a / t if t else float("nan") for a, t in zip(first["accepted"], first["tried"])]
             tau = first["new"] / first["calls"] if first["calls"] else 1.0
             c = (first["draft_s"] / first["ahead"]) / (first["target_s"] / first["calls"]) if first["ahead"] else 0.0
+            per_iteration = first["draft_s"] / first["target_s"] if first["target_s"] else 0.0
             key = "greedy" if temperature == 0 else "t1"
             alpha = first["overlap"] / first["verified"] if first["verified"] else float("nan")
             figure[key] = {"alpha_by_position": alphas, "alpha": alpha, "tokens_per_call": tau, "c": c,
+                           "draft_per_iteration": per_iteration,
                            "tokens_per_s": median(speeds), "speedup": median(s / b for s, b in zip(speeds, base))}
         figures[name] = figure
         g, t = figure["greedy"], figure["t1"]
         row += [" ".join(f"{a:.2f}" for a in g["alpha_by_position"]) if methods[name][1] is not None else "",
                 f"{g['alpha']:.3f} / {t['alpha']:.3f}" if methods[name][1] is not None else "",
                 f"{g['tokens_per_call']:.2f}", f"{t['tokens_per_call']:.2f}", f"{g['c']:.3f}" if g["c"] else "",
+                f"{g['draft_per_iteration']:.3f}" if g["c"] else "",
                 f"{g['tokens_per_s']:.0f}", f"{g['speedup']:.2f}×", f"{t['tokens_per_s']:.0f}", f"{t['speedup']:.2f}×"]
         rows.append(row)
     header = ["drafter", "α by position 1..γ (greedy)", "α greedy / T=1", "tokens/call greedy", "tokens/call T=1",
-              "c (draft step / target call)", "tok/s greedy", "speed-up greedy", "tok/s T=1", "speed-up T=1"]
+              "c (draft step / target call)", "drafting / iteration (target calls)", "tok/s greedy",
+              "speed-up greedy", "tok/s T=1", "speed-up T=1"]
     lines = [f"Command: `{command_line('drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
              "", f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens "
              f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, {args.rounds} rounds in turns; set-up: "

@@ -23,6 +23,7 @@ _METADATA_FIELDS = {
     "model_type", "attention_dropout", "pretraining_tp", "tokenizer_class",
     "output_attentions", "output_hidden_states", "return_dict", "max_length",
     "rope_scaling", "rope_parameters", "rope_theta",
+    "pard_token",  # a parallel draft's mask id (PARD; vLLM reads it): an input id, not a change to the forward
 }
 # Fields we implement only at one value: anything else is refused.
 _FIXED_FIELDS = {
@@ -144,7 +145,7 @@ class ModelConfig:
             "bos_token_id": self.bos_id,
             "eos_token_id": self.eos_id,
         }
-        for key in ("torch_dtype", "pad_token_id"):
+        for key in ("torch_dtype", "pad_token_id", "pard_token"):
             if key in self.extra:
                 out[key] = self.extra[key]
         return out

@@ -135,3 +135,30 @@ class Eagle3Head(CachedStack):
         """Inputs of a call of ``batch`` rows and ``width`` tokens, for compiling the step."""
         shape = (batch, width, self.config.dim)
         return tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+
+
+class PEagleHead(Eagle3Head):
+    """P-EAGLE (parallel EAGLE, vLLM's ``speculators`` "peagle"): an EAGLE-3 head taught to draft a
+    whole block in one call. The positions after the sequence have no feature and no token
+    yet; they read a learned feature (``mask_hidden``, at the fused width, through ``fc`` like a
+    target's) and the embedding of a mask id (``mask_embedding``, also what that id reads where it
+    occurs in the text). ``embed_tokens``: a table of the head's own when its files bring one
+    that differs from the target's (P-EAGLE trains its embeddings), else None (the target's)."""
+
+    def __init__(self, config: ModelConfig, target_layers: Sequence[int], draft_vocab: int | None = None,
+                 norm_before_residual: bool = False, mask_token_id: int = 0) -> None:
+        super().__init__(config, target_layers, draft_vocab, norm_before_residual)
+        self.mask_token_id = int(mask_token_id)
+        self.mask_hidden = nn.Parameter(torch.zeros(len(self.target_layers) * config.dim))
+        self.mask_embedding = nn.Parameter(torch.zeros(config.dim))
+        self.embed_tokens: nn.Embedding | None = None
+
+    def embed(self, ids: torch.Tensor, target_embeddings: nn.Embedding) -> torch.Tensor:
+        """Token embeddings as the head reads them: its own table or the target's, and the mask
+        embedding for the mask id itself (it is that id's row in a P-EAGLE file)."""
+        table = self.embed_tokens if self.embed_tokens is not None else target_embeddings
+        return torch.where((ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding, table(ids))
+
+    def mask_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mask position's feature (projected) and embedding, [dim] each."""
+        return self.project(self.mask_hidden), self.mask_embedding

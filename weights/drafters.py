@@ -31,14 +31,17 @@ from weights.eagle3 import SPECULATORS_TYPE, is_eagle3, load_eagle3_head
 from weights.registry import resolve
 
 HEAD_TYPE = drafter_kind("head").model_type
+PARALLEL_TYPE = drafter_kind("parallel").model_type  # a Llama checkpoint whose config names a pard_token
 
 
 def folder_kind(directory: Path) -> DrafterKind:
-    """The drafter kind of a folder: the one its config.json's model_type names, else a draft model."""
+    """The drafter kind of a folder: the one its config.json's model_type names (an EAGLE-3 head's
+    speculators config, or a parallel draft's ``pard_token``, stand for theirs), else a draft model."""
     path = directory / "config.json"
     try:
         config = json.loads(path.read_text()) if path.is_file() else {}
-        model_type = SPECULATORS_TYPE if is_eagle3(config) else config.get("model_type")
+        model_type = (config.get("speculators_model_type") or SPECULATORS_TYPE) if is_eagle3(config) \
+            else PARALLEL_TYPE if "pard_token" in config else config.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError):
         model_type = None
     return of_folder(model_type)

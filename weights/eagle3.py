@@ -14,6 +14,13 @@
   the weights as ``midlayer.*`` in place of ``layers.0.*``, in model.safetensors or
   pytorch_model.bin.
 
+A P-EAGLE head (speculators' "peagle": an EAGLE-3 head that drafts a block in one call,
+model.eagle3_head.PEagleHead) is the speculators layout with ``speculators_model_type:
+"peagle"``, a ``mask_token_id``, the learned ``mask_hidden`` [1, 1, 3 * dim] and its own
+``embed_tokens`` (P-EAGLE trains them; the mask's row is the mask embedding). Read here, a table
+equal to the target's is dropped (the target's is used) and the mask row kept; written here,
+the table is the target's with the mask row set.
+
 A head is checked against the target before anything is built: its hidden size and
 vocabulary must be the target's and its layer ids must exist, or CheckpointError says which
 in one line. Our own files also record a fingerprint of the target's weights
@@ -30,9 +37,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from model import ModelConfig
-from model.eagle3_head import Eagle3Head, default_layers
+from model.eagle3_head import Eagle3Head, PEagleHead, default_layers
 from model.feature_head import fingerprint, same_fingerprint
 from weights.checkpoint import CheckpointError, _normal_permissions, check_finite
 from weights.registry import resolve
@@ -40,13 +48,14 @@ from weights.registry import resolve
 # What marks a folder as an EAGLE-3 head (weights.drafters.folder_kind reads these).
 OFFICIAL_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 SPECULATORS_TYPE = "eagle3"
+PEAGLE_TYPE = "peagle"
 # speculators options that change the computation and that this head does not implement
 UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def is_eagle3(config: dict[str, Any]) -> bool:
     """Whether a config.json describes an EAGLE-3 head, in either layout."""
-    return (config.get("speculators_model_type") == SPECULATORS_TYPE
+    return (config.get("speculators_model_type") in (SPECULATORS_TYPE, PEAGLE_TYPE)
             or any(a in OFFICIAL_ARCHITECTURES for a in config.get("architectures") or []))
 
 
@@ -65,7 +74,7 @@ def read_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
     try:
         hf = json.loads(path.read_text())
-        if hf.get("speculators_model_type") == SPECULATORS_TYPE:
+        if hf.get("speculators_model_type") in (SPECULATORS_TYPE, PEAGLE_TYPE):
             bad = [k for k in UNSUPPORTED if hf.get(k)]
             if bad:
                 raise CheckpointError(f"{path}: EAGLE-3 option {bad[0]} is not implemented here")
@@ -81,11 +90,13 @@ def read_config(directory: Path) -> dict[str, Any]:
             return {"layout": "speculators", "shape": _shape(layer), "draft_vocab": int(hf["draft_vocab_size"]),
                     "layers": hf.get("eagle_aux_hidden_state_layer_ids"),
                     "norm_before_residual": bool(hf.get("norm_before_residual", False)),
-                    "target": hf.get("target_fingerprint")}
+                    "target": hf.get("target_fingerprint"),
+                    "mask": int(hf.get("mask_token_id") or 0) if hf["speculators_model_type"] == PEAGLE_TYPE else None}
         eagle = hf.get("eagle_config") or {}
         return {"layout": "official", "shape": _shape(hf), "draft_vocab": int(hf.get("draft_vocab_size") or
                                                                                 hf["vocab_size"]),
-                "layers": eagle.get("eagle_aux_hidden_state_layer_ids"), "norm_before_residual": False, "target": None}
+                "layers": eagle.get("eagle_aux_hidden_state_layer_ids"), "norm_before_residual": False, "target": None,
+                "mask": None}
     except CheckpointError:
         raise
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
@@ -130,9 +141,13 @@ def load_eagle3_head(name_or_path: str | os.PathLike, target: Any, target_name: 
                               f"{target_name}'s (fingerprint mismatch): train one for it with train.py eagle3")
     shape.max_seq_len = target.config.max_seq_len  # it drafts at the target's positions (published heads say 2048)
     with torch.device("meta"):
-        head = Eagle3Head(shape, layers, info["draft_vocab"], info["norm_before_residual"])
+        head = Eagle3Head(shape, layers, info["draft_vocab"], info["norm_before_residual"]) if info["mask"] is None \
+            else PEagleHead(shape, layers, info["draft_vocab"], info["norm_before_residual"], info["mask"])
     state = _tensors(directory, info["layout"])
-    state.pop("embed_tokens.weight", None)  # the target's own embeddings are used
+    table = state.pop("embed_tokens.weight", None)  # the target's own embeddings are used (EAGLE-3 copies them)
+    own_table = None
+    if info["mask"] is not None:
+        own_table = _peagle_inputs(state, table, target, info["mask"], directory)
     if "d2t" not in state and info["draft_vocab"] == shape.vocab_size:  # one vocabulary: identity maps
         state["d2t"] = torch.zeros(shape.vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(shape.vocab_size, dtype=torch.bool)
@@ -152,7 +167,29 @@ def load_eagle3_head(name_or_path: str | os.PathLike, target: Any, target_name: 
         else:
             state[name] = tensor.to(device=embedding.device, dtype=torch.long if name == "d2t" else torch.bool)
     head.load_state_dict(state, assign=True, strict=True)
+    if own_table is not None:
+        head.embed_tokens = nn.Embedding.from_pretrained(own_table.to(device=embedding.device, dtype=embedding.dtype))
     return head.eval()
+
+
+def _peagle_inputs(state: dict[str, torch.Tensor], table: torch.Tensor | None, target: Any, mask: int,
+                   directory: Path) -> torch.Tensor | None:
+    """A P-EAGLE file's mask inputs as PEagleHead holds them (in ``state``); its own embedding
+    table where it differs from the target's (else None: the target's is used)."""
+    if "mask_hidden" not in state:
+        raise CheckpointError(f"{directory}: a P-EAGLE head without mask_hidden")
+    state["mask_hidden"] = state["mask_hidden"].reshape(-1)
+    own = target.embed_tokens.weight.detach().cpu().float()
+    if not 0 <= mask < own.shape[0]:
+        raise CheckpointError(f"{directory}: mask_token_id {mask} is not an id of the target's vocabulary")
+    rows = table.float() if table is not None else own
+    state["mask_embedding"] = rows[mask].clone()
+    if table is None or tuple(table.shape) != tuple(own.shape):
+        return None
+    others = torch.ones(own.shape[0], dtype=torch.bool)
+    others[mask] = False
+    same = torch.allclose(rows[others], own[others], rtol=1e-2, atol=1e-3 * float(own.abs().max()))
+    return None if same else rows
 
 
 def save_eagle3_head(head: Eagle3Head, directory: str | os.PathLike, target: Any, *, target_name: str | None = None,
@@ -161,8 +198,13 @@ def save_eagle3_head(head: Eagle3Head, directory: str | os.PathLike, target: Any
     ``speculators`` layout (or the ``official`` one)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    parallel = isinstance(head, PEagleHead)
+    if parallel and layout != "speculators":
+        raise ValueError("a P-EAGLE head is written in the speculators layout only")
     tensors = {}
     for name, t in (*head.named_parameters(), *head.named_buffers()):
+        if name.startswith("embed_tokens.") or name in ("mask_embedding", "mask_hidden"):
+            continue  # P-EAGLE's inputs, written below in speculators' form
         if layout == "official" and name.startswith("layers.0."):
             name = "midlayer." + name.removeprefix("layers.0.")
         tensors[name] = t.detach().to(dtype or t.dtype if t.is_floating_point() else t.dtype).cpu().contiguous()
@@ -186,6 +228,16 @@ def save_eagle3_head(head: Eagle3Head, directory: str | os.PathLike, target: Any
             "norm_before_residual": head.layers[0].norm_before_residual, "target_hidden_size": target.config.dim,
             "eagle_aux_hidden_state_layer_ids": list(head.target_layers), "torch_dtype": dtype_name,
             "target_fingerprint": fingerprint(target)}
+        if parallel:
+            save = dtype or head.dtype
+            table = (head.embed_tokens if head.embed_tokens is not None else target.embed_tokens).weight.detach()
+            table = table.to(save).cpu().clone()
+            table[head.mask_token_id] = head.mask_embedding.detach().to(save).cpu()
+            tensors["embed_tokens.weight"] = table.contiguous()
+            tensors["mask_hidden"] = head.mask_hidden.detach().to(save).cpu().reshape(1, 1, -1).contiguous()
+            config.update({"architectures": ["PEagleSpeculator"], "speculators_model_type": PEAGLE_TYPE,
+                           "mask_token_id": head.mask_token_id, "embed_requires_grad": True})
+            config["speculators_config"]["algorithm"] = PEAGLE_TYPE
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     _normal_permissions(directory / "model.safetensors")

@@ -77,6 +77,11 @@ def plan_configs(target: str | os.PathLike, draft: str | os.PathLike | None) -> 
     return target_config, plan_config(draft) if memory == "own" else None
 
 
+def is_checkpoint(kind: str | None) -> bool:
+    """Whether a drafter kind's files are a Llama checkpoint (a draft model, or a parallel draft)."""
+    return kind is not None and DRAFTERS[kind].files == "checkpoint"
+
+
 def is_head(kind: str | None) -> bool:
     """Whether a drafter kind is a head on the target's features (its files are a head's folder)."""
     return kind is not None and DRAFTERS[kind].files not in (None, "checkpoint")
@@ -118,12 +123,14 @@ class PairSpec:
         if tensor_parallel or quantize is not None:
             target = load_model_tp(self.target_dir, device, dtype, quantize=quantize)
             draft = load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False) \
-                if self.kind == "model" else None
+                if is_checkpoint(self.kind) else None
         else:
             target = load_model(self.target_dir, device=device, dtype=dtype)
-            draft = load_model(self.draft_dir, device=device, dtype=dtype) if self.kind == "model" else None
+            draft = load_model(self.draft_dir, device=device, dtype=dtype) if is_checkpoint(self.kind) else None
         drafter = draft  # a draft model is returned as the model itself (the loops wrap it)
-        if self.kind not in (None, "model"):  # a head is checked against the target it was trained for
+        if is_checkpoint(self.kind) and self.kind != "model":  # a parallel draft: its drafter around it
+            drafter = DRAFTERS[self.kind].build(draft, target)
+        elif not is_checkpoint(self.kind) and self.kind is not None:  # a head is checked against its target
             drafter = load_drafter(self.draft_dir or self.draft, target, self.target)
         networks = [net for net in (target, draft, getattr(drafter, "head", None)) if net is not None] \
             if prepare_models else []
@@ -153,8 +160,10 @@ class Pair:
 
     @property
     def draft_model(self) -> Llama | None:
-        """The draft model, when the drafter is one."""
-        return self.draft if self.kind == "model" else None
+        """The draft model, when the drafter is one (or is built around one, a parallel draft)."""
+        if self.kind == "model":
+            return self.draft
+        return self.draft.model if is_checkpoint(self.kind) else None
 
     @property
     def head(self) -> torch.nn.Module | None:
@@ -193,6 +202,8 @@ class Pair:
         """The same pair with other target and draft model objects (model.fast.setup.choose_setups
         returns copies): a feature head's drafter is built anew around the new target."""
         draft = draft_model if self.kind == "model" else self.draft
+        if is_checkpoint(self.kind) and self.kind != "model":
+            draft = DRAFTERS[self.kind].build(draft_model, target)
         if is_head(self.kind):
             draft = DRAFTERS[self.kind].build(self.draft.head, target)
         return replace(self, target=target, draft=draft)
@@ -208,11 +219,14 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
     target_dir = resolve(target)
     draft_dir = resolve(draft) if kind is not None and DRAFTERS[kind].files is not None else None
     target_config = read_config(target_dir)
-    draft_config = read_config(draft_dir) if kind == "model" else None
+    draft_config = read_config(draft_dir) if is_checkpoint(kind) else None
     tokenizer = load_tokenizer(target_dir)
-    if kind == "model":  # check_pair reads only .config and the tokenizers
+    if is_checkpoint(kind):  # check_pair reads only .config and the tokenizers
+        # a parallel draft's vocabulary is the target's plus its mask id (pard_token) at the end
+        own = draft_config if kind == "model" or draft_config.vocab_size != target_config.vocab_size + 1 else \
+            replace(draft_config, vocab_size=target_config.vocab_size)
         try:
-            check_pair(SimpleNamespace(config=target_config), SimpleNamespace(config=draft_config), tokenizer,
+            check_pair(SimpleNamespace(config=target_config), SimpleNamespace(config=own), tokenizer,
                        load_tokenizer(draft_dir))
         except PairMismatchError as err:
             raise PairMismatchError(f"draft {draft} cannot speculate for target {target}: {err}") from None

@@ -72,10 +72,13 @@ def summary_lines(stats: dict[str, Any], speculative: bool, compare: bool = Fals
         # gamma is what was asked for (or auto's mean); near the end of the output or of the
         # context fewer are drafted, and the prediction uses what each iteration drafted.
         used = f" (drafted {mean:.2f} per iteration)" if mean is not None and abs(mean - gamma) > 1e-9 else ""
-        lines.append(f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(c, '.3f')}: tau (tokens per "
-                     f"target call) {_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
+        iterations, calls = len(drafted), stats.get("draft_calls") or 0
+        k = f"{calls / iterations:.2f}" if iterations and calls else "g"
+        lines.append(f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(c, '.3f')} (a draft call / a "
+                     f"target call), k={k} draft calls per iteration: tau (tokens per target call) "
+                     f"{_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
                      f"(1-alpha^(g+1))/(1-alpha) over the g drafted in each iteration; predicted speedup "
-                     f"(1-alpha^(g+1))/((1-alpha)(g*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x"
+                     f"(1-alpha^(g+1))/((1-alpha)(k*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x"
                      + ("" if compare else " (--compare measures it)"))
     return lines
 

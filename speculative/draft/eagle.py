@@ -76,6 +76,12 @@ class FeatureDrafter:
                                     device=self.head.device)
         self.known, self.next = [], []
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: the target's, or as a head that has its own says (P-EAGLE's)."""
+        if hasattr(self.head, "embed"):
+            return self.head.embed(ids, self.target.embed_tokens)
+        return self.target.embed_tokens(ids)
+
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary for predicted features. A reduced draft
         vocabulary's logits are placed at their target ids and -inf elsewhere: every warp
@@ -125,7 +131,7 @@ class FeatureDrafter:
         tokens, probs = [], []
         for i in range(steps):
             call = calls.ragged(starts, feats.shape[1], self.head.cache_len, device)
-            predicted = newest(self.head(feats, self.target.embed_tokens(nxt), call), widths if i == 0 else [1])
+            predicted = newest(self.head(feats, self.embed(nxt), call), widths if i == 0 else [1])
             live = [gen if g > i else None for gen, g in zip(generators, gammas)]
             tokens.append(self._draw(predicted, samplings, live, probs))
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
@@ -146,7 +152,7 @@ class FeatureDrafter:
             return None
         feats = self.features[:1, start:length - 1]
         after = torch.tensor([ids[start + 1:length]], dtype=torch.long, device=device)
-        root = self.head(feats, self.target.embed_tokens(after), calls.chain(start, feats.shape[1], device))[0, -1:]
+        root = self.head(feats, self.embed(after), calls.chain(start, feats.shape[1], device))[0, -1:]
         self.next[0] = length - 1
         node_features = [root[:0]]  # predicted features of the nodes fed in the last call
 
@@ -154,7 +160,7 @@ class FeatureDrafter:
             known = torch.cat([root, node_features[0]])  # row 0: the root; row j + 1: node j
             parent_features = known[torch.tensor(parents, device=tokens.device) + 1]
             call = calls.tree(length - 1, 0, TokenTree(tokens, parents, mode="deterministic"), tokens.device)
-            out = self.head(parent_features.unsqueeze(0), self.target.embed_tokens(tokens.view(1, -1)), call)[0]
+            out = self.head(parent_features.unsqueeze(0), self.embed(tokens.view(1, -1)), call)[0]
             node_features[0] = out
             return self._logits(out[torch.tensor(rows, device=out.device)])
 

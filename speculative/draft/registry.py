@@ -18,6 +18,7 @@ from typing import Any
 from speculative.draft.eagle import FeatureDrafter
 from speculative.draft.lookup import PromptLookupDrafter
 from speculative.draft.model import ModelDrafter
+from speculative.draft.parallel import ParallelDrafter, ParallelFeatureDrafter
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,11 @@ register_drafter(DrafterKind(
     build=lambda network, target: ModelDrafter(network), toy="speculative.proofs.checker:model_drafter",
     files="checkpoint", memory="own"))
 register_drafter(DrafterKind(
+    "parallel", "a parallel draft model (PARD): gamma tokens from one call, mask tokens after the sequence",
+    build=lambda network, target: ParallelDrafter(network, network.config.extra["pard_token"],
+                                                  target.config.vocab_size),
+    toy="speculative.proofs.checker:parallel_drafter", files="checkpoint", model_type="pard", memory="own"))
+register_drafter(DrafterKind(
     "head", "a feature head: drafts from the target's own features (EAGLE), from its folder",
     build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:feature_drafter",
     files="feature-head", model_type="llama-feature-head", memory="target-block"))
@@ -76,6 +82,10 @@ register_drafter(DrafterKind(
     "eagle3", "an EAGLE-3 head: fused features of three target layers, its own reduced vocabulary, from its folder",
     build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:eagle3_drafter",
     files="eagle3-head", model_type="eagle3", memory="target-block"))
+register_drafter(DrafterKind(
+    "peagle", "a P-EAGLE head: an EAGLE-3 head that drafts the whole chain in one call, from its folder",
+    build=lambda head, target: ParallelFeatureDrafter(head, target), toy="speculative.proofs.checker:peagle_drafter",
+    files="eagle3-head", model_type="peagle", memory="target-block"))
 register_drafter(DrafterKind(
     "lookup", "prompt lookup: n-grams copied from the sequence, no model at all",
     build=lambda network, target: PromptLookupDrafter(), toy="speculative.draft.lookup:PromptLookupDrafter"))

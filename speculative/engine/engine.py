@@ -138,7 +138,8 @@ class Engine:
         if tree is not None:
             self.tree, gamma = check_tree_request(tree, tree_mode, self.drafter, gamma, verify, max_rows)
         self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
-        self.auto = AutoGamma(gamma_max=self.gamma_max) if gamma == "auto" and self.drafter is not None else None
+        self.auto = AutoGamma(gamma_max=self.gamma_max, parallel=getattr(self.drafter, "parallel", False)) \
+            if gamma == "auto" and self.drafter is not None else None
         self.gamma_setting = "auto" if self.auto else self.gamma_max
         own = self.drafter.max_seq_len if self.drafter is not None else None
         self.limit = min(target.config.max_seq_len, own or target.config.max_seq_len)
@@ -309,9 +310,11 @@ class Engine:
             depth = max(draft.depth(b) for b in range(len(rows)))
             if self.auto is not None and depth > 0:  # t0..t2 are behind the read; the first also read prompts
                 timed = self.stats.iterations > 1
-                self.auto.update([o for step in steps for o in step.overlap[:step.accepted + 1]],
-                                 clock.seconds(t0, t1) / depth if timed else None,
-                                 clock.seconds(t1, t2) if timed else None)
+                verified = [(j + 1, o) for step in steps for j, o in enumerate(step.overlap[:step.accepted + 1])]
+                self.auto.update([o for _, o in verified],
+                                 clock.seconds(t0, t1) / (draft.calls or depth) if timed else None,  # per call
+                                 clock.seconds(t1, t2) if timed else None,
+                                 positions=[j for j, _ in verified], width=depth + 1)
             return cancelled + self.retire(t3)
 
     def gamma_for(self, row: Row) -> int:

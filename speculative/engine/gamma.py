@@ -88,34 +88,87 @@ def best_gamma(alpha: float, c: float, gamma_max: int = GAMMA_MAX) -> int:
 
 @dataclass
 class AutoGamma:
-    """Chooses gamma before each iteration from running estimates of alpha and c."""
+    """Chooses gamma before each iteration from running estimates of alpha and c.
+
+    With ``parallel`` (a drafter whose one call drafts the whole chain, speculative.draft.parallel)
+    the drafting costs one call whatever gamma, so the cost model above would always answer
+    gamma_max. Two things it assumes away then decide: a parallel draft's acceptance falls with
+    the position (position i does not see the tokens drafted before it), and the target's call
+    grows with its width g + 1. So it keeps alpha per position (alpha_i, faded as alpha is) and
+    the target's call time per width, and picks the gamma with the most expected tokens,
+    1 + sum_{j<=g} alpha_1 ... alpha_j, per unit of time, c_call + T(g + 1) (a width not measured
+    yet is read off the line through the nearest measured ones; once tried, it is measured)."""
 
     decay: float = 0.9  # weight of the past in the moving averages of the call times
     fade: float = 0.95  # per position, of the past acceptance counts
     gamma_max: int = GAMMA_MAX
     gamma: int = GAMMA_START  # the gamma to use next
     alpha: float | None = None
-    draft_step_s: float | None = None
+    draft_step_s: float | None = None  # one drafter call (token by token: one step)
     target_call_s: float | None = None
     accepted_mass: float = 0.0  # S: faded sum of acceptance probabilities
     positions: float = 0.0  # N: faded count of verified positions
+    parallel: bool = False
+    by_position: dict[int, list[float]] | None = None  # parallel: position -> [S_i, N_i]
+    by_width: dict[int, float] | None = None  # parallel: target call width -> its moving average
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def update(self, overlaps: list[float], draft_step_s: float | None, target_call_s: float | None) -> None:
+    def update(self, overlaps: list[float], draft_step_s: float | None, target_call_s: float | None,
+               positions: list[int] | None = None, width: int | None = None) -> None:
         """Feed one iteration's measurements: the acceptance probabilities of its verified
-        positions, and (None to skip) the mean time of its draft steps and of its target call."""
-        for beta in overlaps:
+        positions (``positions``: their draft positions 1.., for a parallel drafter), and (None
+        to skip) the mean time of its drafter calls and of its target call (``width``: its tokens)."""
+        for i, beta in enumerate(overlaps):
             self.accepted_mass = self.fade * self.accepted_mass + beta
             self.positions = self.fade * self.positions + 1
+            if self.parallel and positions is not None:
+                self.by_position = {} if self.by_position is None else self.by_position
+                cell = self.by_position.get(positions[i], [0.0, 0.0])
+                self.by_position[positions[i]] = [self.fade * cell[0] + beta, self.fade * cell[1] + 1]
         if overlaps:
             self.alpha = (self.accepted_mass + 1) / (self.positions + 2)
         if draft_step_s is not None and target_call_s is not None:
             self.draft_step_s = self._average(self.draft_step_s, draft_step_s)
             self.target_call_s = self._average(self.target_call_s, target_call_s)
+            if self.parallel and width is not None:
+                self.by_width = self.by_width or {}
+                self.by_width[width] = self._average(self.by_width.get(width), target_call_s)
         if self.alpha is not None and self.draft_step_s is not None and self.target_call_s:
-            self.gamma = best_gamma(self.alpha, self.draft_step_s / self.target_call_s, self.gamma_max)
+            self.gamma = self.best_parallel() if self.parallel else \
+                best_gamma(self.alpha, self.draft_step_s / self.target_call_s, self.gamma_max)
+
+    def alpha_at(self, position: int) -> float:
+        """Position i's alpha, (S_i + 1) / (N_i + 2); positions never verified take the last known one's."""
+        known = self.by_position or {}
+        cell = known.get(position) or known.get(max((p for p in known if p < position), default=-1))
+        return (cell[0] + 1) / (cell[1] + 2) if cell else (self.alpha or 0.5)
+
+    def target_at(self, width: int) -> float:
+        """The target's call time at ``width`` tokens: measured, else on the line through the two
+        nearest measured widths (one measured width: the same time; none: the mean call)."""
+        known = sorted((self.by_width or {}).items())
+        if not known:
+            return self.target_call_s or 0.0
+        if len(known) == 1 or width in dict(known):
+            return dict(known).get(width, known[0][1])
+        below = [k for k in known if k[0] < width]
+        above = [k for k in known if k[0] > width]
+        (w0, t0), (w1, t1) = (below[-1], above[0]) if below and above else known[:2] if above else known[-2:]
+        return max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), 0.0)
+
+    def best_parallel(self) -> int:
+        """The gamma in [1, gamma_max] with the most expected tokens per second (the smaller on ties)."""
+        best, rate_best, reach, tokens = 1, -1.0, 1.0, 1.0
+        for g in range(1, self.gamma_max + 1):
+            reach *= self.alpha_at(g)
+            tokens += reach
+            seconds = (self.draft_step_s or 0.0) + self.target_at(g + 1)
+            rate = tokens / seconds if seconds > 0 else tokens
+            if rate > rate_best * (1 + 1e-9):
+                best, rate_best = g, rate
+        return best
 
 
 # ----------------------------------------------------------------------------- a server's gamma: by the load

@@ -154,13 +154,14 @@ class SpeculativeStats:
 
     @property
     def cost_ratio(self) -> float | None:
-        """c: drafting time per position drafted ahead / mean time of one target call. For a
-        model drafter that is one draft step per token, the paper's c; a tree costs one
-        call per depth."""
-        ahead = sum(self.gamma_history)
-        if not ahead or not self.target_calls or not self.target_time_s:
+        """c: the mean time of one drafter call / the mean time of one target call. An iteration
+        costs k c + 1 target calls, k its drafter calls: one per token drafted for a model or a
+        feature head (the paper's c, and a tree's one call per depth), one for a whole parallel
+        draft. A lookup makes no calls: its c is per position drafted ahead."""
+        calls = self.draft_calls or sum(self.gamma_history)
+        if not calls or not self.target_calls or not self.target_time_s:
             return None
-        return (self.draft_time_s / ahead) / (self.target_time_s / self.target_calls)
+        return (self.draft_time_s / calls) / (self.target_time_s / self.target_calls)
 
     @property
     def predicted_tokens_per_target_call(self) -> float | None:
@@ -176,12 +177,15 @@ class SpeculativeStats:
     def predicted_speedup(self) -> float | None:
         """Theorem 3.8 over the iterations of this run: the expected tokens of every iteration,
         sum (1 - alpha^(g_i+1)) / (1 - alpha), over its expected cost in target calls,
-        sum (g_i c + 1); for a fixed g that is (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1))."""
+        sum (k_i c + 1) with k_i its drafter calls (:attr:`cost_ratio`); for a fixed g drafted
+        token by token that is (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1)), for a parallel
+        draft (1 - alpha^(g+1)) / ((1 - alpha)(c + 1))."""
         alpha, c = self.acceptance_rate, self.cost_ratio
         if alpha is None or c is None or not self.gamma_history:
             return None
         tokens = sum(expected_tokens_per_iteration(alpha, g) for g in self.gamma_history)
-        return tokens / sum(g * c + 1 for g in self.gamma_history)
+        calls = self.draft_calls or sum(self.gamma_history)
+        return tokens / (calls * c + len(self.gamma_history))
 
     @property
     def tokens_per_second(self) -> float | None:

@@ -59,6 +59,7 @@ import torch
 
 from speculative.draft.eagle import FeatureDrafter
 from speculative.draft.model import ModelDrafter
+from speculative.draft.parallel import ParallelDrafter, ParallelFeatureDrafter
 from speculative.draft.registry import DRAFTERS
 from speculative.engine.generation import speculative_generate, speculative_generate_batch
 from speculative.proofs.exact import Branching, Broken, Contract, NotApplicable, verifier_distribution
@@ -68,9 +69,11 @@ from speculative.proofs.toys import (
     llama_next_logits,
     max_gap,
     noisy_copy,
+    parallel_copy,
     random_eagle3_head,
     random_head,
     random_llama,
+    random_peagle_head,
     ref_warp,
     sequence_distribution,
     toy_table,
@@ -200,6 +203,13 @@ def model_drafter(target: torch.nn.Module) -> ModelDrafter:
     return ModelDrafter(toy_draft(target))
 
 
+def parallel_drafter(target: torch.nn.Module) -> ParallelDrafter:
+    """The parallel drafter (speculative.draft.parallel.ParallelDrafter) over a toy draft of the
+    target with one more id, its mask: every chain from one call."""
+    draft = parallel_copy(target, std=0.5, seed=7)
+    return ParallelDrafter(draft, draft.config.extra["pard_token"], target.config.vocab_size)
+
+
 def feature_drafter(target: torch.nn.Module) -> FeatureDrafter:
     """The feature drafter (speculative.draft.eagle.FeatureDrafter) with a random head for the target."""
     return FeatureDrafter(toy_head(target), target)
@@ -209,6 +219,12 @@ def eagle3_drafter(target: torch.nn.Module) -> FeatureDrafter:
     """The feature drafter around a random EAGLE-3 head (model.eagle3_head.Eagle3Head) whose draft
     vocabulary leaves out token 1: fused features of three target layers, its own output layer."""
     return FeatureDrafter(random_eagle3_head(target, seed=5, std=0.3), target)
+
+
+def peagle_drafter(target: torch.nn.Module) -> ParallelFeatureDrafter:
+    """The parallel feature drafter (P-EAGLE) around a random head whose draft vocabulary leaves
+    out token 1: every chain from one head call."""
+    return ParallelFeatureDrafter(random_peagle_head(target, seed=5, std=0.3), target)
 
 
 # ----------------------------------------------------------------------------- results

@@ -29,7 +29,7 @@ import torch
 
 from model import Llama, ModelConfig
 from model.call import CacheCall
-from model.eagle3_head import Eagle3Head, default_layers
+from model.eagle3_head import Eagle3Head, PEagleHead, default_layers
 from model.feature_head import FeatureHead
 
 
@@ -149,6 +149,25 @@ def noisy_copy(model: torch.nn.Module, std: float, seed: int = 0) -> torch.nn.Mo
 
 
 @torch.no_grad()
+def parallel_copy(model: torch.nn.Module, std: float, seed: int = 0) -> torch.nn.Module:
+    """A noisy copy (as noisy_copy's) whose vocabulary gains one id, the mask of a parallel draft
+    (speculative.draft.parallel), with a random embedding: it drafts sometimes right, and the
+    positions after the sequence read masks."""
+    vocab = model.config.vocab_size
+    config = ModelConfig(**{**vars(model.config), "vocab_size": vocab + 1, "extra": {"pard_token": vocab}})
+    twin = type(model)(config).to(model.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    own = model.state_dict()
+    for name, param in twin.named_parameters():
+        source = own[name]
+        noise = std * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype)
+        if param.shape[0] == vocab + 1 and source.shape[0] == vocab:  # embeddings, output head: the mask's row
+            source = torch.cat([source, source.mean(0, keepdim=True)])
+        param.copy_(source + noise)
+    return twin.eval()
+
+
+@torch.no_grad()
 def random_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3) -> torch.nn.Module:
     """A model.feature_head.FeatureHead of the target's shape with random weights (as random_llama's)."""
     config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
@@ -168,6 +187,22 @@ def random_eagle3_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
     config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
     kept = [i for i in range(config.vocab_size) if i not in set(drop)]
     head = Eagle3Head(config, default_layers(target.config.n_layers), draft_vocab=len(kept))
+    head.set_vocabulary(torch.tensor(kept))
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in head.named_parameters():
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+        param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
+    return head.to(target.dtype).eval()
+
+
+@torch.no_grad()
+def random_peagle_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
+                       drop: Sequence[int] = (1,)) -> torch.nn.Module:
+    """A model.eagle3_head.PEagleHead for the target with random weights (a random mask feature
+    and mask embedding among them), its draft vocabulary the target's less ``drop``."""
+    config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
+    kept = [i for i in range(config.vocab_size) if i not in set(drop)]
+    head = PEagleHead(config, default_layers(target.config.n_layers), draft_vocab=len(kept))
     head.set_vocabulary(torch.tensor(kept))
     gen = torch.Generator().manual_seed(seed)
     for name, param in head.named_parameters():

@@ -237,3 +237,66 @@ def test_eagle3_head_trains_on_the_target_s_own_text_and_resumes(corpus: dict[st
         eagle3(target_dir, corpus, tmp_path / "bad", 5, "--layers", "1,2,9")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: --layers takes three layer ids in 0..3, got 1,2,9"]
+
+
+def parallel(target: Path, draft: Path, corpus: dict[str, Path], out: Path, steps: int, *extra: str) -> dict:
+    train.main(["parallel", "--target", str(target), "--draft", str(draft), "--corpus", str(corpus["train"]),
+                "--eval-corpus", str(corpus["valid"]), "--out", str(out), "--steps", str(steps), "--lr", "3e-3",
+                "--warmup", "2", "--batch-size", "8", "--seq-len", "48", "--sequences", "32", "--depths", "4",
+                "--eval-prompts", "6", "--eval-new-tokens", "24", "--seed", "0", "--save-every", "10",
+                "--save-dtype", "float32", "--no-progress", "--threads", "1", *extra])
+    return json.loads((out / "summary.json").read_text())
+
+
+@needs_shared
+def test_a_draft_adapts_to_parallel_drafting_and_resumes(corpus: dict[str, Path], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The draft gains a mask id; the target's continuations are written once; the loss and alpha
+    of every draft position are logged; the adapted draft (pard_token in its config) drafts better
+    than after 10 steps, in one call per iteration, and loads as a parallel drafter."""
+    target_dir = pretrain(corpus, tmp_path / "target", steps=60, dim=64, layers=4, seed=0) / "hf"
+    draft_dir = pretrain(corpus, tmp_path / "draft", steps=60, dim=32, layers=2, seed=1) / "hf"
+    first = parallel(target_dir, draft_dir, corpus, tmp_path / "par", steps=10)
+    written = (tmp_path / "par" / "data.pt").stat().st_mtime_ns
+    summary = parallel(target_dir, draft_dir, corpus, tmp_path / "par", steps=80)  # resumes at step 10
+    assert (tmp_path / "par" / "data.pt").stat().st_mtime_ns == written
+    rows = [json.loads(line) for line in (tmp_path / "par" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 81)) and summary["steps"] == 80
+    assert all(len(r["alpha_by_depth"]) == 4 for r in rows)
+    assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5]) - 0.5
+    assert (tmp_path / "par" / "alpha.png").stat().st_size > 1000
+    assert summary["held_out"]["alpha_greedy"] > first["held_out"]["alpha_greedy"], (first, summary)
+    config = json.loads((tmp_path / "par" / "hf" / "config.json").read_text())
+    assert config["pard_token"] == 512 and config["vocab_size"] == 513 and config["model_type"] == "llama"
+    from weights import load_pair
+    pair = load_pair(target_dir, tmp_path / "par" / "hf")
+    assert pair.kind == "parallel" and pair.draft.mask_id == 512 and pair.draft_model is pair.draft.model
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        parallel(target_dir, draft_dir, corpus, tmp_path / "bad", 5, "--depths", "1")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --depths must lie in 2..47, and 0 < --min-keep <= --keep <= 1"]
+
+
+@needs_shared
+def test_an_eagle3_head_adapts_to_parallel_drafting(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """train.py peagle from an EAGLE-3 head: written in speculators' "peagle" layout, it loads as a
+    parallel feature drafter and its later draft positions gain acceptance."""
+    target_dir = pretrain(corpus, tmp_path / "target", steps=60, dim=64, layers=4, seed=0) / "hf"
+    eagle3(target_dir, corpus, tmp_path / "e3", steps=30)
+    args = ["peagle", "--target", str(target_dir), "--head", str(tmp_path / "e3" / "hf"), "--corpus",
+            str(corpus["train"]), "--eval-corpus", str(corpus["valid"]), "--out", str(tmp_path / "pe"), "--lr", "3e-3",
+            "--warmup", "2", "--batch-size", "8", "--seq-len", "48", "--sequences", "32", "--depths", "4",
+            "--eval-prompts", "6", "--eval-new-tokens", "24", "--seed", "0", "--save-every", "10",
+            "--save-dtype", "float32", "--no-progress", "--threads", "1"]
+    train.main([*args, "--steps", "40"])
+    rows = [json.loads(line) for line in (tmp_path / "pe" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41)) and all(len(r["alpha_by_depth"]) == 4 for r in rows)
+    late = [sum(r["alpha_by_depth"][1:]) for r in rows]
+    assert sum(late[-5:]) > sum(late[:5]), "the mask positions did not learn"
+    config = json.loads((tmp_path / "pe" / "hf" / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 0
+    from speculative.draft.parallel import ParallelFeatureDrafter
+    drafter = load_drafter(tmp_path / "pe" / "hf", load_model(target_dir))
+    assert isinstance(drafter, ParallelFeatureDrafter) and drafter.parallel

@@ -50,6 +50,7 @@ SECTIONS = {
         "tests/speculative/draft/test_lookup.py",
         "tests/speculative/draft/test_eagle.py",
         "tests/speculative/draft/test_eagle3.py",
+        "tests/speculative/draft/test_parallel.py",
     ],
     "Batches and the engine": [
         "tests/speculative/engine/test_batch_law.py",

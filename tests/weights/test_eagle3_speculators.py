@@ -2,7 +2,8 @@
 ways: a head that save_eagle3_head writes loads through speculators' own
 Eagle3DraftModel.from_pretrained and gives the same logits; one built and saved there loads
 with load_eagle3_head and gives the same logits, target layers and vocabulary map (or, of more
-than one decoder layer, is refused).
+than one decoder layer, is refused). The same both ways for P-EAGLE heads ("peagle"), whose
+logits at real and mask positions are compared over one conditional-drop layout.
 
 speculators depends on a CUDA build of torch, so CI (.ci/run) installs it without its
 dependencies, and the test skips where it cannot be imported:
@@ -25,7 +26,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from speculative.proofs.toys import random_eagle3_head, random_llama
+from model import call as calls
+from model.eagle3_head import PEagleHead
+from speculative.proofs.toys import random_eagle3_head, random_llama, random_peagle_head
 from weights import CheckpointError
 from weights.checkpoint import save_model
 from weights.eagle3 import load_eagle3_head, save_eagle3_head
@@ -44,7 +47,8 @@ def import_speculators() -> tuple[types.ModuleType, ...]:
         sys.modules[name] = types.ModuleType(name)
         vars(sys.modules[name]).update(STUBS[name])
     try:
-        return tuple(importlib.import_module(f"speculators{m}") for m in ("", ".models.eagle3", ".proposals.greedy"))
+        return tuple(importlib.import_module(f"speculators{m}")
+                     for m in ("", ".models.eagle3", ".proposals.greedy", ".models.peagle", ".models.peagle.core"))
     except ImportError as err:
         pytest.skip(f"speculators (the oracle) does not import here ({err}): {INSTALL}", allow_module_level=True)
     finally:
@@ -52,7 +56,7 @@ def import_speculators() -> tuple[types.ModuleType, ...]:
             sys.modules.pop(name, None)
 
 
-spec, spec_eagle3, spec_greedy = import_speculators()
+spec, spec_eagle3, spec_greedy, spec_peagle, spec_peagle_core = import_speculators()
 
 # LLaMA 3 rope with an original length so short that the scaling changes every band at these
 # positions: a rope field lost or misread on either side changes the logits.
@@ -166,3 +170,77 @@ def test_a_speculators_head_of_two_layers_is_refused(target, verifier, tmp_path)
     their_head(verifier, KEPT, n_layers=2).save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="head of 2 decoder layers is not implemented"):
         load_eagle3_head(tmp_path, target)
+
+
+# ----------------------------------------------------------------------------- P-EAGLE
+# Real nodes 0..11, then mask nodes (anchor, depth): speculators' layout of one conditional drop.
+ANCHORS = torch.cat([torch.arange(12), torch.tensor([0, 2, 3, 5, 9, 0, 3, 9, 0])])
+DEPTHS = torch.cat([torch.zeros(12, dtype=torch.long), torch.tensor([1, 1, 1, 1, 1, 2, 2, 2, 3])])
+
+
+@torch.no_grad()
+def our_parallel_logits(head, target) -> torch.Tensor:
+    """Each node as the parallel drafter computes it: the head's cached call over the true inputs
+    up to its anchor and ``depth`` mask positions, the last one's logits."""
+    mask_feature, mask_embedding = head.mask_inputs()
+    features, embeddings = head.project(FUSED[0]), head.embed(IDS[0], target.embed_tokens)
+    rows = []
+    for anchor, depth in zip(ANCHORS.tolist(), DEPTHS.tolist()):
+        head.setup_cache(1, 32)
+        f = torch.cat([features[:anchor + 1], mask_feature.expand(depth, -1)]).unsqueeze(0)
+        e = torch.cat([embeddings[:anchor + 1], mask_embedding.expand(depth, -1)]).unsqueeze(0)
+        rows.append(head.draft_logits(head(f, e, calls.chain(0, anchor + 1 + depth, "cpu"))[0, -1]))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def their_parallel_logits(model, monkeypatch) -> torch.Tensor:
+    """PEagleDraftModel.forward (its training pass, the only one it has) over the same layout,
+    the logits read at its output layer; the loss after them needs Triton and is not reached."""
+    monkeypatch.setattr(spec_peagle_core, "generate_cod_sample_indices", lambda **kw: (ANCHORS, DEPTHS))
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        model.eval()(FUSED, IDS, document_ids=torch.zeros_like(IDS), verifier_last_hidden_states=torch.zeros(1, 12, 32),
+                     num_depths=4)
+    except RuntimeError as err:
+        assert "Triton" in str(err), err
+    finally:
+        hook.remove()
+    return seen[0][0]
+
+
+def test_our_peagle_head_loads_in_speculators(target, verifier, tmp_path, monkeypatch):
+    head = random_peagle_head(target, seed=5, std=0.3, drop=(1, 7, 20))
+    head.mask_token_id = int(IDS[0, 6])  # the mask id also occurs in the text: it reads the mask embedding there
+    save_eagle3_head(head, tmp_path, target, target_name=verifier)
+    config = spec_peagle.PEagleSpeculatorConfig.from_pretrained(tmp_path)
+    config.transformer_layer_config._attn_implementation = "eager"
+    theirs = spec_peagle.PEagleDraftModel.from_pretrained(tmp_path, config=config)
+    assert theirs.mask_token_id == head.mask_token_id
+    torch.testing.assert_close(theirs.mask_hidden.flatten(), head.mask_hidden.detach())
+    assert_vocabulary(theirs.d2t, theirs.t2d)
+    torch.testing.assert_close(our_parallel_logits(head, target), their_parallel_logits(theirs, monkeypatch),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_speculators_peagle_head_loads_here(target, verifier, tmp_path, monkeypatch):
+    """Built there as it trains one (its embeddings trained too: here they differ from the
+    target's), saved, read here into a PEagleHead with a table of its own."""
+    theirs = their_head(verifier, KEPT)
+    config = spec_peagle.PEagleSpeculatorConfig(**{**theirs.config.model_dump(), "speculators_model_type": "peagle",
+                                                   "mask_token_id": 11})
+    config.transformer_layer_config._attn_implementation = "eager"
+    model = spec_peagle.PEagleDraftModel(config)
+    model.load_state_dict(theirs.state_dict(), strict=False)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        model.mask_hidden.copy_(torch.randn(model.mask_hidden.shape, generator=gen))
+        model.embed_tokens.weight.add_(0.05 * torch.randn(model.embed_tokens.weight.shape, generator=gen))
+    model.save_pretrained(tmp_path)
+
+    ours = load_eagle3_head(tmp_path, target)
+    assert isinstance(ours, PEagleHead) and ours.mask_token_id == 11 and ours.embed_tokens is not None
+    assert ours.target_layers == (1, 4, 6)
+    torch.testing.assert_close(our_parallel_logits(ours, target), their_parallel_logits(model, monkeypatch),
+                               atol=1e-5, rtol=1e-5)

@@ -35,8 +35,11 @@ def test_the_summary_of_a_speculative_run() -> None:
     first, cost = summary_lines(speculative_stats(), speculative=True)
     assert first == ("40 new tokens at 123.5 tokens/s (decoding: the prompt's pass and loading excluded); 12 target "
                      "calls, 48 draft calls; stopped: eos (the model ended the text (end-of-sequence))")
-    assert cost.startswith("cost model: alpha=0.800 gamma=4 c=0.100: tau (tokens per target call) 3.33 measured vs "
-                           "3.36 predicted")
+    assert cost.startswith("cost model: alpha=0.800 gamma=4 c=0.100 (a draft call / a target call), k=4.00 draft "
+                           "calls per iteration: tau (tokens per target call) 3.33 measured vs 3.36 predicted")
+    assert "(1-alpha^(g+1))/((1-alpha)(k*c+1))" in cost
+    parallel = summary_lines(speculative_stats(draft_calls=12), speculative=True)[1]
+    assert "k=1.00 draft calls per iteration" in parallel
     assert cost.endswith("= 2.40x (--compare measures it)")
     assert summary_lines(speculative_stats(), speculative=True, compare=True)[1].endswith("= 2.40x")
 

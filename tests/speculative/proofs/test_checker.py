@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from speculative.draft.lookup import PromptLookupDrafter
-from speculative.proofs.checker import check, eagle3_drafter, feature_drafter, load, main, model_drafter
+from speculative.proofs.checker import (
+    check,
+    eagle3_drafter,
+    feature_drafter,
+    load,
+    main,
+    model_drafter,
+    parallel_drafter,
+)
 from speculative.proofs.exact import Branching, verifier_outcomes
 from speculative.verify.block import verify_block
 from speculative.verify.token import verify_step
@@ -72,8 +80,8 @@ def test_the_built_in_verifiers_pass(rule) -> None:
     assert report.ok and statuses(report) == {"exact law": "PASS", "zero draw": "PASS", "greedy identity": "PASS"}
 
 
-@pytest.mark.parametrize("drafter", [model_drafter, PromptLookupDrafter, feature_drafter, eagle3_drafter],
-                         ids=["model", "prompt-lookup", "feature", "eagle3"])
+@pytest.mark.parametrize("drafter", [model_drafter, PromptLookupDrafter, feature_drafter, eagle3_drafter,
+                                     parallel_drafter], ids=["model", "prompt-lookup", "feature", "eagle3", "parallel"])
 def test_the_built_in_drafters_pass(drafter) -> None:
     report = check(drafter, quick=True, properties=["exact", "greedy"])
     assert report.ok and statuses(report) == {"exact law": "PASS", "greedy identity": "PASS"}
