@@ -70,7 +70,8 @@ def build_parser() -> cmdline.ArgumentParser:
     parser = cmdline.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument_group("models").add_argument
     add("--target", default=DEFAULT_TARGET, help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)")
-    add("--draft", default=DEFAULT_DRAFT, help=f"{drafters_help()} (default %(default)s)")
+    add("--draft", default=DEFAULT_DRAFT, help=f"{drafters_help()} (default %(default)s: the fastest exact "
+                                               "drafter measured on held-out prompts, see docs/drafters.md)")
     add("--no-draft", action="store_true", help="the target alone, one token per call: the baseline")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 (float16) on a GPU, float32 on cpu")

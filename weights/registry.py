@@ -24,7 +24,7 @@ LLAMA2 = {
     "70b-chat": ("Llama-2-70b-chat-hf", "meta-llama/Llama-2-70b-chat-hf"),
 }
 # The tiny pair trained by train.py and committed in this folder, and the feature head for its target.
-SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled")
+SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled", "tiny-draft-parallel")
 SHIPPED_HEADS = ("tiny-eagle", "tiny-eagle3")
 SHIPPED = SHIPPED_MODELS + SHIPPED_HEADS
 

@@ -29,7 +29,9 @@ def test_model_card_matches_the_files(name: str) -> None:
     tokenizer = load_tokenizer(name)
     n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     assert card_figure(name, "Parameters") == n_params == model.config.num_parameters()
-    assert card_figure(name, "Vocabulary") == model.config.vocab_size == tokenizer.vocab_size
+    masks = 1 if "pard_token" in model.config.extra else 0  # a parallel draft's mask id, after the tokenizer's
+    assert card_figure(name, "Vocabulary") == model.config.vocab_size == tokenizer.vocab_size + masks
+    assert model.config.extra.get("pard_token", tokenizer.vocab_size) == tokenizer.vocab_size
     assert model.config.bos_id == tokenizer.bos_id and model.config.eos_id == tokenizer.eos_id
 
 
