@@ -52,13 +52,25 @@ def small() -> dict:
 def test_parallel_first_tokens_have_the_target_distribution(small: dict, kind: str, variant: str,
                                                             sampling: Sampling,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    check_law(small, kind, variant, sampling, monkeypatch, "token")
+
+
+@proof("block verification of a parallel draft follows the target's law", "chi-square, p > 1e-3, 1000 seeded runs")
+@pytest.mark.parametrize("kind", ["model", "head"])
+def test_parallel_drafts_verified_as_a_block_have_the_target_distribution(small: dict, kind: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    check_law(small, kind, "correct", Sampling(temperature=0.9), monkeypatch, "block")
+
+
+def check_law(small: dict, kind: str, variant: str, sampling: Sampling, monkeypatch: pytest.MonkeyPatch,
+              verify: str) -> None:
     if variant in BUGS:
         BUGS[variant](monkeypatch, Setting(sampling, draft_after=lambda drafted: None))
     target, drafter = small["target"], small[kind]
 
     def generate(seed: int) -> list[int]:
         return speculative_generate(target, drafter, [1, 5], 4, gamma=3, temperature=sampling.temperature,
-                                    top_k=sampling.top_k, top_p=sampling.top_p, seed=seed).tokens
+                                    top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, verify=verify).tokens
 
     counts = sample_counts(generate, RUNS, 1, 2)
 
