@@ -90,8 +90,11 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.gamma > GAMMA_MAX:
         raise UsageError(f"--gamma must be at most {GAMMA_MAX}, got {args.gamma}")
-    if args.max_waiting < 0 or not 0 <= args.port < 65536:
-        raise UsageError(f"--max-waiting must be >= 0 and --port in 0..65535, got {args.max_waiting} and {args.port}")
+    if args.max_waiting < 1:  # every request waits for the loop to take it: 0 would refuse them all
+        raise UsageError(f"--max-waiting must be >= 1 (a request waits for the engine's loop to take it), got "
+                         f"{args.max_waiting}")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must lie in 0..65535, got {args.port}")
     if args.compile and args.setup != "default":
         raise UsageError(f"--compile and --setup {args.setup} both choose the set-up: give one")
     if args.compile:

@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continuations the target writes (default 2048; a run folder holding more reuses them)")
     pe.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
     pe.add_argument("--depths", type=int, default=8, help="draft positions trained, 1 real + masks (default 8)")
-    pe.add_argument("--keep", type=float, default=0.8, help="conditional drop: depth d keeps keep^d of the anchors")
+    pe.add_argument("--keep", type=float, default=0.8,
+                    help="conditional drop: depth d keeps keep^d of the anchors (default 0.8)")
     pe.add_argument("--min-keep", type=float, default=0.2, help="... and at least this share (default 0.2)")
     pe.add_argument("--mask-id", type=int, default=0,
                     help="the target id whose embedding row the mask takes in the written file (default 0, <unk>)")

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 class Sampling:
     """Decoding settings, validated once; applied to target and draft logits alike.
 
-    temperature: 0 means greedy (then top_k and top_p change nothing); otherwise logits are divided by it.
+    temperature: 0 means greedy (then top_k and top_p change nothing); otherwise logits are divided by it
+    (any positive value, however small: see :func:`warp`).
     top_k: keep the k largest logits (ties with the k-th are kept too); None keeps all.
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; None keeps all.
     """
@@ -64,7 +65,17 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """
     if sampling.temperature == 0:
         return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    if sampling.temperature != 1:
+    if sampling.temperature < 1:
+        # logits / T overflows to inf for a tiny T (1e-300), and softmax of inf is NaN; shifted
+        # by their max first, the logits divide to 0 at the argmax and to <= 0 elsewhere, so any
+        # T > 0 gives its distribution, tending to greedy (ties share the mass) as T -> 0. A T
+        # that is 0 in the logits' dtype is that limit itself.
+        shifted = logits - logits.amax(-1, keepdim=True)
+        if sampling.temperature < torch.finfo(logits.dtype).tiny:
+            logits = torch.where(shifted == 0, 0.0, float("-inf")).to(logits.dtype)
+        else:
+            logits = shifted / sampling.temperature
+    elif sampling.temperature != 1:
         logits = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth_largest = logits.topk(sampling.top_k, dim=-1).values[..., -1:]

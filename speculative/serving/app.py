@@ -438,15 +438,26 @@ def check_common(service: Service, body: Options) -> None:
         raise ApiError(400, f"speculative_gamma {gamma}: {limit}", param="speculative_gamma")
 
 
+def unicode_text(text: str, param: str) -> str:
+    """``text`` as it came, or 400 when it cannot be UTF-8 (a lone surrogate such as "\\ud800",
+    which JSON allows and which the tokenizer would fail on as an internal error)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ApiError(400, f"{param} is not valid Unicode text ({error.reason} at character {error.start})",
+                       param=param) from None
+    return text
+
+
 def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        return service.tokenizer.encode(prompt, bos=True)
+        return service.tokenizer.encode(unicode_text(prompt, "prompt"), bos=True)
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise ApiError(400, f"one prompt per request (n = 1), got a list of {len(prompt)}", param="prompt")
-        return service.tokenizer.encode(prompt[0], bos=True)
+        return service.tokenizer.encode(unicode_text(prompt[0], "prompt"), bos=True)
     vocab = service.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise ApiError(400, f"prompt token ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}",
@@ -491,7 +502,7 @@ def create_app(service: Service) -> FastAPI:
     async def chat(body: ChatRequest, request: Request) -> Any:
         check_common(service, body)
         try:
-            ids = encode_dialog(service.tokenizer, [(m.role, m.text) for m in body.messages])
+            ids = encode_dialog(service.tokenizer, [(m.role, unicode_text(m.text, "messages")) for m in body.messages])
         except ValueError as error:
             raise ApiError(400, str(error), param="messages") from None
         return await answer(Exchange(service, request, ids, body, chat=True))

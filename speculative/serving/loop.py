@@ -88,8 +88,8 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, *, max_waiting: int = 64, policy: Callable[[Engine], int] | None = None,
                  log: Callable[[str], None] | None = None) -> None:
-        if max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        if max_waiting < 1:  # a request waits for the loop to take it: 0 would refuse every request
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine, self.max_waiting, self.policy = engine, max_waiting, policy
         engine.policy = policy
         self.log = log or (lambda line: print(line, file=sys.stderr))

@@ -179,6 +179,15 @@ def test_greedy_completions_are_generate_pys_streamed_or_not(shipped, references
         assert chunks[-2].choices[0].finish_reason == finish
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy_and_stops_nothing(shipped, references) -> None:
+    """temperature 1e-300 made every warped probability NaN, a token id past the vocabulary, and
+    the engine's failure ended serve.py (exit 0) for every client: it is greedy's limit now."""
+    ref = references[GREEDY_PROMPTS[0]]
+    tiny = completion(shipped, GREEDY_PROMPTS[0], temperature=1e-300, seed=3)
+    assert ids_of(tiny.choices[0]) == ref["tokens"]
+    assert ids_of(completion(shipped, GREEDY_PROMPTS[0], temperature=0).choices[0]) == ref["tokens"]
+
+
 def test_a_chat_is_generate_pys_chat_streamed_or_not(shipped, references) -> None:
     ref = references["chat"]
     messages = [{"role": "user", "content": "Tell me a story"}]
@@ -360,6 +369,11 @@ def test_bad_bodies_paths_and_chats_get_json_errors(shipped) -> None:
                                             headers={"Content-Type": "application/json"}, timeout=10)
     for answer, status, words in [
         (post("/v1/completions", b"{not json"), 400, "not valid JSON"),
+        # a lone surrogate is valid JSON and not valid Unicode text: it was a 500 from the tokenizer
+        (post("/v1/completions", b'{"model": "tiny-target", "prompt": "Once \\ud800"}'), 400,
+         "prompt is not valid Unicode text"),
+        (post("/v1/chat/completions", b'{"model": "tiny-target", "messages": [{"role": "user", "content": '
+                                      b'"\\udfff"}]}'), 400, "messages is not valid Unicode text"),
         (post("/v1/completions", b'{"prompt": "x"}'), 400, "model is required"),
         (post("/v1/chat/completions", b'{"model": "tiny-target", "messages": [{"role": "assistant", "content": '
                                       b'"hi"}]}'), 400, "ending with a user message"),
@@ -457,6 +471,7 @@ def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
     taken.listen()
     for argv, words in [(["--max-batch", "0"], "--max-batch must be >= 1"),
                         (["--gamma", "40"], "at most 16"),
+                        (["--max-waiting", "0"], "--max-waiting must be >= 1"),  # it refused every request
                         (["--compile", "--setup", "plain"], "both choose"),
                         (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1")]:
         assert serve.main(argv) == 2

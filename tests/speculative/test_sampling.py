@@ -45,6 +45,18 @@ def test_temperature_zero_is_one_hot_argmax_first_on_ties() -> None:
     assert close(warp(torch.tensor([0.5, 2.0, 2.0, -1.0]), Sampling(temperature=0)), [0, 1, 0, 0], tol=0)
 
 
+def test_a_temperature_too_small_to_divide_by_gives_its_limit_not_nan() -> None:
+    """1e-300 overflowed logits / T to inf and softmax to NaN (a server request stopped the engine
+    with it): the limit is greedy, ties sharing the mass."""
+    for dtype in (torch.float32, torch.float64):
+        tiny = Sampling(temperature=1e-300)
+        assert close(warp(logits_of(1, 3, 2, dtype=dtype), tiny), [0, 1, 0], tol=0)
+        assert close(warp(torch.tensor([0.5, 2.0, 2.0, -1.0], dtype=dtype), tiny), [0, 0.5, 0.5, 0], tol=0)
+        assert close(warp(torch.tensor([[-3e38, 1.0], [1.0, 3e38]], dtype=dtype), tiny).flatten(), [0, 1, 0, 1], tol=0)
+        token = sample(warp(logits_of(1, 3, 2, dtype=dtype), tiny), torch.Generator().manual_seed(0))
+        assert int(token) == 1
+
+
 def test_top_k() -> None:
     assert close(warp(logits_of(1, 2, 3), Sampling(top_k=2)), [0, 2 / 5, 3 / 5])
     assert close(warp(logits_of(1, 2, 3), Sampling(top_k=1)), [0, 0, 1])

@@ -78,3 +78,17 @@ def test_target_greedy_story_is_english() -> None:
               "one", "day", "with", "play", "loved", "of", "in", "it", "saw", "said"}
     assert len(words) > 30
     assert sum(w in common for w in words) / len(words) > 0.25, words
+
+
+@pytest.mark.parametrize("name", SHIPPED_MODELS)
+def test_transformers_autotokenizer_loads_the_folder_as_it_is(name: str) -> None:
+    """Load generators and evaluation harnesses count tokens with the model's own tokenizer:
+    without tokenizer_config.json, AutoTokenizer refused the folder. On story text it gives our
+    ids, BOS first (a text that starts with spaces is split otherwise by its Llama conversion)."""
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(WEIGHTS_DIR / name)
+    ours = load_tokenizer(name)
+    for text in ["Once upon a time, there was a little dog.", "Tom said: \"Look!\"\nThen 123 cats ran away."]:
+        assert theirs(text).input_ids == ours.encode(text, bos=True)
+        assert theirs.decode(ours.encode(text, bos=False)) == text
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
