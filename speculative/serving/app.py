@@ -40,8 +40,9 @@ from starlette.exceptions import HTTPException
 from speculative.inputs import NonFiniteLogitsError
 from speculative.sampling import Sampling
 from speculative.serving.loop import OverloadedError, Service, Ticket, prometheus
-from speculative.serving.text import TextStream, encode_dialog
+from speculative.serving.text import StopStrings, TextStream, encode_dialog
 
+MAX_STOP_CHARS = 1024  # a stop string's length at most (matching is linear in the text, the table in the stop)
 MAX_STOPS = 4  # as OpenAI
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; a chat's is what the context leaves
 
@@ -147,8 +148,7 @@ class Output:
     completed it (``tokens`` are the ones kept)."""
 
     def __init__(self, tokenizer: Any, shown: Sequence[int], stops: Sequence[str]) -> None:
-        self.stream, self.stops = TextStream(tokenizer, shown), list(stops)
-        self.longest = max(map(len, self.stops), default=0)
+        self.stream, self.stops = TextStream(tokenizer, shown), StopStrings(stops)
         self.text, self.sent = "", 0
         self.tokens: list[int] = []
         self.stopped = False
@@ -159,13 +159,11 @@ class Output:
             if self.stopped:
                 break
             self.tokens.append(int(token))
-            before = len(self.text)
-            self.text += self.stream.add(token)
-            if self.stops and len(self.text) > before:
-                start = max(0, before - self.longest + 1)
-                found = [at for stop in self.stops if (at := self.text.find(stop, start)) >= 0]
-                if found:
-                    self.text, self.stopped = self.text[:min(found)], True
+            piece = self.stream.add(token)
+            found = self.stops.feed(piece, len(self.text)) if self.stops.stops else None
+            self.text += piece
+            if found is not None:
+                self.text, self.stopped = self.text[:found], True
         return self.release(self.stopped)
 
     def release(self, everything: bool) -> str:
@@ -176,7 +174,7 @@ class Output:
 
     def held(self) -> int:
         """How much of the end of the text could begin a stop string."""
-        return max((k for stop in self.stops for k in range(1, len(stop)) if self.text.endswith(stop[:k])), default=0)
+        return self.stops.held
 
     def finish(self) -> str:
         """The rest: held-back text, and any incomplete character at the end."""
@@ -407,7 +405,10 @@ def stops_of(stop: str | list[str] | None) -> list[str]:
         raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
     if any(not s for s in stops):
         raise ApiError(400, "stop strings must not be empty", param="stop")
-    return stops
+    if max(map(len, stops), default=0) > MAX_STOP_CHARS:
+        raise ApiError(400, f"stop strings can be at most {MAX_STOP_CHARS} characters, got one of "
+                       f"{max(map(len, stops))}", param="stop")
+    return [unicode_text(s, "stop") for s in stops]
 
 
 def max_tokens_of(service: Service, body: Options, prompt_tokens: int, chat: bool) -> int:

@@ -62,24 +62,81 @@ class TextStream:
 
     ``prompt_ids`` are the tokens already shown (their text is never handed out again).
     What it hands out, :meth:`finish` included, adds up to the whole sequence's text after
-    the prompt's: ``decode(prompt + new)[len(decode(prompt)):]``."""
+    the prompt's: ``decode(prompt + new)[len(decode(prompt)):]``.
+
+    Decoding the whole sequence at every token would cost O(length) each, O(length^2) a
+    request. Only a window is decoded: from ``start`` (the first token of the last piece handed
+    out) to the end, against the same window up to ``read`` (what is handed out). Both begin at
+    the same token, so SentencePiece's dropping of a first piece's leading space, or a
+    character cut at the window's start, is the same in both, and their difference is the new
+    text. The window moves on each time text is handed out."""
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.ids = [int(t) for t in prompt_ids]
-        self.shown = len(tokenizer.decode(self.ids))
+        self.read = len(self.ids)  # tokens whose text is handed out (or is the prompt's)
+        self.start = max(0, self.read - 4)  # a few tokens of context: the window never starts at the new one
 
     def add(self, token: int) -> str:
         """The text that is complete now that ``token`` follows ("" while a character waits)."""
         self.ids.append(int(token))
-        ready = self.tokenizer.decode(self.ids).rstrip("\ufffd")
-        if len(ready) <= self.shown:
+        before = self.tokenizer.decode(self.ids[self.start:self.read])
+        ready = self.tokenizer.decode(self.ids[self.start:]).rstrip("\ufffd")
+        if len(ready) <= len(before) or not ready.startswith(before):
             return ""
-        piece, self.shown = ready[self.shown:], len(ready)
-        return piece
+        self.start, self.read = self.read, len(self.ids)
+        return ready[len(before):]
 
     def finish(self) -> str:
         """Whatever was held back at the end (a byte sequence that never completed)."""
-        text = self.tokenizer.decode(self.ids)[self.shown:]
-        self.shown += len(text)
+        before = self.tokenizer.decode(self.ids[self.start:self.read])
+        text = self.tokenizer.decode(self.ids[self.start:])[len(before):]
+        self.start, self.read = self.read, len(self.ids)
         return text
+
+
+class StopStrings:
+    """Stop strings found as text arrives, in time linear in the text (a request's stops were
+    searched in the whole tail and every prefix of every stop compared at every token: four long
+    stops stalled the event loop). Each stop has a Knuth-Morris-Pratt automaton whose state is
+    the longest prefix of the stop that the text ends with."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.fallback = [self._fallback(s) for s in self.stops]
+        self.state = [0] * len(self.stops)
+
+    @staticmethod
+    def _fallback(stop: str) -> list[int]:
+        """fallback[k]: the longest proper prefix of stop[:k + 1] that is also its suffix."""
+        table, k = [0] * len(stop), 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = table[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            table[i] = k
+        return table
+
+    def feed(self, text: str, offset: int) -> int | None:
+        """Read ``text``, which starts at position ``offset`` of the whole text; the earliest
+        start of a stop string completed in it (None: none)."""
+        found = None
+        for i, char in enumerate(text):
+            for j, stop in enumerate(self.stops):
+                k, table = self.state[j], self.fallback[j]
+                while k and char != stop[k]:
+                    k = table[k - 1]
+                if char == stop[k]:
+                    k += 1
+                if k == len(stop):
+                    start = offset + i + 1 - k
+                    found = start if found is None else min(found, start)
+                    k = table[k - 1]
+                self.state[j] = k
+        return found
+
+    @property
+    def held(self) -> int:
+        """How much of the end of the text could begin a stop string."""
+        return max(self.state, default=0)

@@ -348,6 +348,7 @@ def error_of(call) -> tuple[int, dict, httpx.Headers]:
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"n": 2}, 400, "n:"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+    ({"stop": ["x" * 1025]}, 400, "at most 1024 characters"),  # four 1 MB stops stalled the event loop
     ({"extra_body": {"top_k": 0}}, 400, "top_k"),
     ({"extra_body": {"logit_bias": {"5": 1}}}, 400, "unknown or unsupported field 'logit_bias'"),
     ({"extra_body": {"speculative_gamma": 9}}, 400, "0..4"),
