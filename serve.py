@@ -75,6 +75,9 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--max-batch", type=int, default=16, help="rows per target call at most (default %(default)s)")
     add("--max-waiting", type=int, default=64,
         help="requests waiting for a row at most; more get 429 with Retry-After (default %(default)s)")
+    add("--stall-after", type=float, default=60.0,
+        help="seconds without an engine step while requests wait or run after which /health answers 503 "
+             "(default %(default)s)")
     add("--speculation", choices=("load", "on", "off"), default="load",
         help="gamma by the cost model at the current load, always --gamma, or never (default %(default)s)")
     add("--gamma", type=int, default=DEFAULT_GAMMA, help="draft length with --speculation on; the largest otherwise "
@@ -90,6 +93,8 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.gamma > GAMMA_MAX:
         raise UsageError(f"--gamma must be at most {GAMMA_MAX}, got {args.gamma}")
+    if not args.stall_after > 0:
+        raise UsageError(f"--stall-after must be > 0 seconds, got {args.stall_after}")
     if args.max_waiting < 1:  # every request waits for the loop to take it: 0 would refuse them all
         raise UsageError(f"--max-waiting must be >= 1 (a request waits for the engine's loop to take it), got "
                          f"{args.max_waiting}")
@@ -158,7 +163,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         chosen = ", ".join(f"{b}: {g}" for b, g, _ in policy.table())
         print(f"cost model: every gamma measured at batch sizes up to {args.max_batch} in {seconds:.1f}s; gamma by "
               f"batch size now {chosen} (it follows the live alpha and step costs)", file=sys.stderr)
-    loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy)
+    loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy, stall_after=args.stall_after)
     if here:
         loop.here()
     else:
@@ -215,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.should_exit = True
         web.join(5)
+    if service.loop.failure is not None:  # a supervisor must see a failure, not a clean stop
+        print("error: serve.py stops because its engine failed (every request in flight was answered 503)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -518,11 +518,14 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         loop = service.loop
-        ok = loop.healthy
-        body = {"status": "ok" if ok else "stopped", "model": service.model, "running": loop.running,
-                "waiting": loop.waiting}
-        if not ok:
+        stalled = loop.stalled
+        ok = loop.healthy and stalled is None
+        body = {"status": "ok" if ok else "stalled" if loop.healthy else "stopped", "model": service.model,
+                "running": loop.running, "waiting": loop.waiting}
+        if not loop.healthy:
             body["error"] = str(loop.failure or "the engine loop is not running")
+        elif stalled is not None:
+            body["error"] = f"the engine has made no progress for {stalled:.0f} s with requests in hand"
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -87,7 +87,7 @@ class EngineLoop:
     own gamma)."""
 
     def __init__(self, engine: Engine, *, max_waiting: int = 64, policy: Callable[[Engine], int] | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, stall_after: float = 60.0) -> None:
         if max_waiting < 1:  # a request waits for the loop to take it: 0 would refuse every request
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine, self.max_waiting, self.policy = engine, max_waiting, policy
@@ -100,6 +100,10 @@ class EngineLoop:
         self.metrics = Metrics()
         self.closing = False
         self.failure: BaseException | None = None
+        # A step that has not returned for stall_after seconds while requests wait or run is a
+        # hang (a device, a deadlock): /health says so, since the thread itself looks alive.
+        self.stall_after = stall_after
+        self.beat = time.monotonic()  # the last time the loop was seen working or idle
         self.last_gamma = 0
         self.clean = False  # whether the previous iteration drafted (then the draft has nothing to catch up)
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
@@ -127,6 +131,14 @@ class EngineLoop:
         if self.thread.is_alive() and self.thread is not threading.current_thread() \
                 and self.thread is not threading.main_thread():
             self.thread.join(timeout)
+
+    @property
+    def stalled(self) -> float | None:
+        """Seconds since the loop last made progress, when that is longer than ``stall_after``
+        while there is work; else None."""
+        quiet = time.monotonic() - self.beat
+        busy = self.waiting or self.running
+        return quiet if busy and quiet > self.stall_after else None
 
     @property
     def waiting(self) -> int:
@@ -180,7 +192,9 @@ class EngineLoop:
                         # Not forever: a process's SIGINT may be delivered to another thread, and
                         # the main thread (serve.py runs the loop there) only runs Python's
                         # handler, which raises KeyboardInterrupt, once it wakes.
+                        self.beat = time.monotonic()
                         self.lock.wait(0.25)
+                    self.beat = time.monotonic()
                     if self.closing:
                         break
                     new, cancels = list(self.inbox), list(self.cancels)
@@ -193,6 +207,7 @@ class EngineLoop:
                         self.engine.cancel(ticket.row)
                 if not self.engine.idle:
                     self.step()
+                    self.beat = time.monotonic()
                 self.deliver()
         except KeyboardInterrupt:  # run in the main thread (here): Ctrl-C stops the server
             self.closing = True

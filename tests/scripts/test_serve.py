@@ -94,13 +94,14 @@ class Letters:
 
 @contextlib.contextmanager
 def toy_server(target, draft, *, policy=None, max_rows: int = 4, max_waiting: int = 64, gamma: int = 3,
-               step_delay: float = 0.0) -> Iterator[SimpleNamespace]:
+               step_delay: float = 0.0, stall_after: float = 60.0) -> Iterator[SimpleNamespace]:
     """A float64 toy pair served in-process; ``step_delay`` makes every engine step that slow."""
     engine = Engine(target, draft, gamma=gamma, max_rows=max_rows, cache_len=target.config.max_seq_len)
     if step_delay:
         step = engine.step
         engine.step = lambda: (time.sleep(step_delay), step())[1]
-    loop = EngineLoop(engine, max_waiting=max_waiting, policy=policy, log=lambda line: None).start()
+    loop = EngineLoop(engine, max_waiting=max_waiting, policy=policy, log=lambda line: None,
+                      stall_after=stall_after).start()
     service = Service(loop, Letters(), "toy", target.config.max_seq_len, gamma, "load")
     with listening(service) as url:
         yield SimpleNamespace(url=url, loop=loop, engine=engine, client=client(url))
@@ -438,6 +439,29 @@ def test_a_stopped_engine_answers_503() -> None:
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
 
 
+def test_a_stuck_engine_turns_health_to_503_and_back() -> None:
+    """/health stayed 200 while the engine's thread hung in a step (it is alive): now a step that
+    has not returned for --stall-after seconds while a request waits is a 503 'stalled'."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    with toy_server(target, None, stall_after=0.3) as server:
+        gate, step = threading.Event(), server.engine.step
+        server.engine.step = lambda: (gate.wait(20), step())[1]
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(server.client.completions.create, model="toy", prompt=[1, 2], max_tokens=3)
+            deadline, health = time.monotonic() + 10, None
+            while time.monotonic() < deadline:
+                health = httpx.get(f"{server.url}/health", timeout=10)
+                if health.status_code == 503:
+                    break
+                time.sleep(0.05)
+            assert health.status_code == 503 and health.json()["status"] == "stalled", health.text
+            assert "no progress" in health.json()["error"]
+            gate.set()
+            assert held.result(timeout=30).usage.completion_tokens == 3
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+
+
 # ----------------------------------------------------------------------------- text pieces
 def test_output_holds_back_what_may_start_a_stop_string_and_cuts_at_its_token() -> None:
     """Fed token by token or in blocks, the text handed out adds up to the continuation, up to a
@@ -473,6 +497,7 @@ def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
     for argv, words in [(["--max-batch", "0"], "--max-batch must be >= 1"),
                         (["--gamma", "40"], "at most 16"),
                         (["--max-waiting", "0"], "--max-waiting must be >= 1"),  # it refused every request
+                        (["--stall-after", "0"], "--stall-after must be > 0"),
                         (["--compile", "--setup", "plain"], "both choose"),
                         (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1")]:
         assert serve.main(argv) == 2
@@ -520,3 +545,44 @@ def test_the_retry_after_estimate_is_bounded() -> None:
     now = time.perf_counter()
     loop.metrics.ends.extend([now] * 3)  # 0.3 requests per second over the window
     assert loop.retry_after(6) == math.ceil(6 / 0.3) and loop.retry_after(600) == 60
+
+
+def test_an_engine_failure_ends_serve_py_with_a_non_zero_status(monkeypatch, capsys) -> None:
+    """A failing engine answered every request in flight and then ended serve.py with status 0, so
+    a supervisor saw a clean stop: the request now gets its 503 and serve.py returns 1. serve.py
+    runs here in the test's own thread (it runs the engine in its caller's); a client thread
+    sends the request that the injected fault fails."""
+    from speculative.engine import engine as engine_module
+
+    real = engine_module.Engine.step
+
+    def failing(self):
+        if self.waiting or self.rows:
+            raise RuntimeError("injected: the device failed")
+        return real(self)
+
+    monkeypatch.setattr(engine_module.Engine, "step", failing)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    answers: list[int] = []
+
+    def client() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                            json={"model": "tiny-target", "prompt": "Once", "max_tokens": 4})
+        answers.append(answer.status_code)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    status = serve.main(["--port", str(port), "--speculation", "off", "--threads", "1"])
+    thread.join(30)
+    assert status == 1 and answers == [503], (status, answers)
+    assert "engine failed" in capsys.readouterr().err
