@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import threading
+from typing import Any
 
 import torch
 
@@ -70,9 +71,18 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add = parser.add_argument_group("serving").add_argument
-    add("--host", default="127.0.0.1", help="address to listen on; there is no authentication (default %(default)s)")
+    add("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    add("--api-key", default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set, else no key)")
+    add("--allowed-hosts", default=None,
+        help="Host names a request may name, comma-separated, or * for any (default: the address listened on, "
+             "and localhost for a loopback one)")
+    add("--cors-origin", action="append", default=[],
+        help="a web origin allowed to read answers from a browser, repeatable (default: none, no CORS)")
     add("--port", type=int, default=8000, help="0 picks a free port (default %(default)s)")
     add("--max-batch", type=int, default=16, help="rows per target call at most (default %(default)s)")
+    add("--max-connections", type=int, default=256,
+        help="open connections at most; beyond, 503 at once (default %(default)s)")
     add("--max-waiting", type=int, default=64,
         help="requests waiting for a row at most; more get 429 with Retry-After (default %(default)s)")
     add("--stall-after", type=float, default=60.0,
@@ -93,6 +103,8 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.gamma > GAMMA_MAX:
         raise UsageError(f"--gamma must be at most {GAMMA_MAX}, got {args.gamma}")
+    if args.max_connections < 1:
+        raise UsageError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not args.stall_after > 0:
         raise UsageError(f"--stall-after must be > 0 seconds, got {args.stall_after}")
     if args.max_waiting < 1:  # every request waits for the loop to take it: 0 would refuse them all
@@ -173,6 +185,34 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
                    args.draft if speculative else None)
 
 
+API_KEY_ENV = "SPECULATIVE_API_KEY"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def access_of(args: argparse.Namespace) -> Any:
+    """Who may call the server: the API key (flag or environment), the Host allow-list, CORS."""
+    from speculative.serving.app import Access
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if args.allowed_hosts == "*":
+        hosts = None
+    elif args.allowed_hosts:
+        hosts = frozenset(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip())
+    elif args.host in ("0.0.0.0", "::", ""):
+        hosts = None  # every address of the machine: its names are not known here
+    else:
+        hosts = frozenset({args.host.lower(), *(LOOPBACK if args.host in LOOPBACK else ())})
+    return Access(api_key=key, hosts=hosts, cors=tuple(args.cors_origin))
+
+
+def exposure_warning(host: str, access: Any) -> str | None:
+    """The warning for a server that others can reach without a key."""
+    if host in LOOPBACK or access.api_key:
+        return None
+    return (f"warning: listening on {host} without an API key: anyone who can reach this address can use the model "
+            f"(--api-key, or ${API_KEY_ENV})")
+
+
 def run(args: argparse.Namespace) -> int:
     validate(args)
     import uvicorn  # the serve extra: pip install -e ".[serve]"
@@ -190,13 +230,18 @@ def run(args: argparse.Namespace) -> int:
     service = start(args, here=True)  # the engine runs in this thread, below
     host, port = listener.getsockname()[:2]
     how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
+    access = access_of(args)
     print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
-          f"rows) on http://{host}:{port} -- no authentication", file=sys.stderr, flush=True)
+          f"rows) on http://{host}:{port} -- {'API key required' if access.api_key else 'no authentication'}",
+          file=sys.stderr, flush=True)
+    if (warning := exposure_warning(args.host, access)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     if service.draft and args.verify != "token" and RULES[args.verify].greedy:  # what a named rule does at T = 0
         print(f"note: --verify {args.verify} judges sampled requests; at temperature 0 a request gets "
               f"{RULES[args.verify].at_temperature_0}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(service), log_level="warning", access_log=args.access_log, lifespan="off",
-                            timeout_graceful_shutdown=2)
+    config = uvicorn.Config(create_app(service, access), log_level="warning", access_log=args.access_log,
+                            lifespan="off", timeout_graceful_shutdown=2, limit_concurrency=args.max_connections,
+                            timeout_keep_alive=5)
     server = uvicorn.Server(config)
 
     def http() -> None:  # uvicorn in a thread of its own; when it stops, so does the engine

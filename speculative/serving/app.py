@@ -24,11 +24,13 @@ A client that disconnects frees its row at once (EngineLoop.cancel); so does a s
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -467,10 +469,49 @@ def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[in
 
 
 # ----------------------------------------------------------------------------- the app
-def create_app(service: Service) -> FastAPI:
-    """The HTTP API over ``service`` (see the module docstring). The loop must be running."""
+@dataclass(frozen=True)
+class Access:
+    """Who may call the API. ``api_key``: the /v1 paths require ``Authorization: Bearer KEY``
+    (as OpenAI clients send it; /health and /metrics stay open to probes). ``hosts``: the Host
+    names a request may name (None: any), so that a web page on another name that resolves to
+    this address (DNS rebinding) is refused. ``cors``: origins allowed to read answers from a
+    browser (none by default: no CORS headers at all)."""
+
+    api_key: str | None = None
+    hosts: frozenset[str] | None = None
+    cors: tuple[str, ...] = ()
+
+
+def host_name(header: str) -> str:
+    """The name of a Host header without its port ("[::1]:8000" -> "::1")."""
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def create_app(service: Service, access: Access | None = None) -> FastAPI:
+    """The HTTP API over ``service`` (see the module docstring), open to ``access``. The loop
+    must be running."""
+    access = access or Access()
     app = FastAPI(title="speculative-llama", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    if access.cors:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Any:
+        if access.hosts is not None and host_name(request.headers.get("host", "")).lower() not in access.hosts:
+            return error_response(400, f"Host {request.headers.get('host', '')!r} is not one this server answers "
+                                       "to (--allowed-hosts)", code="invalid_host")
+        if access.api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {access.api_key}".encode()):
+                return error_response(401, "a valid API key is required: Authorization: Bearer KEY",
+                                      "authentication_error", code="invalid_api_key")
+        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -540,4 +581,4 @@ async def answer(exchange: Exchange) -> Any:
     return await (exchange.streamed() if exchange.body.stream else exchange.whole())
 
 
-__all__ = ["ApiError", "Output", "create_app"]
+__all__ = ["Access", "ApiError", "Output", "create_app"]

@@ -35,7 +35,7 @@ import generate
 import serve
 from speculative import Engine
 from speculative.engine.gamma import FixedGamma, LoadGamma
-from speculative.serving.app import Output, create_app
+from speculative.serving.app import Access, Output, create_app
 from speculative.serving.loop import EngineLoop, Service
 from tests.support.paths import ROOT
 from tests.support.proofs import proof
@@ -57,11 +57,11 @@ NEW = 48  # tokens per reference request
 
 # ----------------------------------------------------------------------------- servers
 @contextlib.contextmanager
-def listening(service: Service) -> Iterator[str]:
+def listening(service: Service, access=None) -> Iterator[str]:
     """The API over ``service`` on 127.0.0.1 at a free port, in a thread; its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="error", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(uvicorn.Config(create_app(service, access), log_level="error", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -94,7 +94,7 @@ class Letters:
 
 @contextlib.contextmanager
 def toy_server(target, draft, *, policy=None, max_rows: int = 4, max_waiting: int = 64, gamma: int = 3,
-               step_delay: float = 0.0, stall_after: float = 60.0) -> Iterator[SimpleNamespace]:
+               step_delay: float = 0.0, stall_after: float = 60.0, access=None) -> Iterator[SimpleNamespace]:
     """A float64 toy pair served in-process; ``step_delay`` makes every engine step that slow."""
     engine = Engine(target, draft, gamma=gamma, max_rows=max_rows, cache_len=target.config.max_seq_len)
     if step_delay:
@@ -103,7 +103,7 @@ def toy_server(target, draft, *, policy=None, max_rows: int = 4, max_waiting: in
     loop = EngineLoop(engine, max_waiting=max_waiting, policy=policy, log=lambda line: None,
                       stall_after=stall_after).start()
     service = Service(loop, Letters(), "toy", target.config.max_seq_len, gamma, "load")
-    with listening(service) as url:
+    with listening(service, access) as url:
         yield SimpleNamespace(url=url, loop=loop, engine=engine, client=client(url))
 
 
@@ -462,6 +462,43 @@ def test_a_stuck_engine_turns_health_to_503_and_back() -> None:
         assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
+def test_an_api_key_a_host_allow_list_and_cors_only_when_asked() -> None:
+    """There was no way to require a key, any Host was answered (a page on another name that
+    resolves to 127.0.0.1 could use the model: DNS rebinding), and no CORS choice."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    access = Access(api_key="s3cret", hosts=frozenset({"127.0.0.1", "localhost"}), cors=("http://app.example",))
+    with toy_server(target, None, access=access) as server:
+        code, body, _ = error_of(lambda: server.client.completions.create(model="toy", prompt=[1], max_tokens=2))
+        assert code == 401 and body["code"] == "invalid_api_key" and body["type"] == "authentication_error"
+        keyed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0, timeout=30)
+        assert keyed.completions.create(model="toy", prompt=[1], max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # probes need no key
+        rebound = httpx.get(f"{server.url}/health", headers={"Host": "evil.example:80"}, timeout=10)
+        assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
+        asked = httpx.get(f"{server.url}/health", headers={"Origin": "http://app.example"}, timeout=10)
+        other = httpx.get(f"{server.url}/health", headers={"Origin": "http://evil.example"}, timeout=10)
+        assert asked.headers.get("access-control-allow-origin") == "http://app.example"
+        assert "access-control-allow-origin" not in other.headers
+    with toy_server(target, None) as server:  # the default: no key, any Host, no CORS headers
+        assert httpx.get(f"{server.url}/health", headers={"Origin": "http://app.example"},
+                         timeout=10).headers.get("access-control-allow-origin") is None
+
+
+def test_serve_py_s_access_defaults_and_its_warning(monkeypatch) -> None:
+    parse = serve.build_parser().parse_args
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    local = serve.access_of(parse([]))
+    assert local.api_key is None and local.hosts == {"127.0.0.1", "::1", "localhost"} and local.cors == ()
+    assert serve.exposure_warning("127.0.0.1", local) is None
+    everywhere = serve.access_of(parse(["--host", "0.0.0.0"]))
+    assert "without an API key" in serve.exposure_warning("0.0.0.0", everywhere)
+    monkeypatch.setenv(serve.API_KEY_ENV, "k")
+    keyed = serve.access_of(parse(["--host", "10.0.0.5", "--allowed-hosts", "api.example, 10.0.0.5"]))
+    assert keyed.api_key == "k" and keyed.hosts == {"api.example", "10.0.0.5"}
+    assert serve.exposure_warning("10.0.0.5", keyed) is None
+    assert serve.access_of(parse(["--allowed-hosts", "*"])).hosts is None
+
+
 # ----------------------------------------------------------------------------- text pieces
 def test_output_holds_back_what_may_start_a_stop_string_and_cuts_at_its_token() -> None:
     """Fed token by token or in blocks, the text handed out adds up to the continuation, up to a
@@ -498,6 +535,7 @@ def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
                         (["--gamma", "40"], "at most 16"),
                         (["--max-waiting", "0"], "--max-waiting must be >= 1"),  # it refused every request
                         (["--stall-after", "0"], "--stall-after must be > 0"),
+                        (["--max-connections", "0"], "--max-connections must be >= 1"),
                         (["--compile", "--setup", "plain"], "both choose"),
                         (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1")]:
         assert serve.main(argv) == 2
