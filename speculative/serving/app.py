@@ -452,6 +452,16 @@ def unicode_text(text: str, param: str) -> str:
     return text
 
 
+def too_long(service: Service, texts: Sequence[Any], param: str) -> None:
+    """400 before tokenizing when the text cannot fit the context whatever its tokens: a token
+    covers at most ``service.longest_piece`` characters, so a text of more characters than that
+    many times the context has more tokens than the context holds."""
+    chars = sum(len(t) for t in texts if isinstance(t, str))
+    if chars > service.context * service.longest_piece:
+        raise ApiError(400, f"the {param} is {chars} characters, more than {service.model}'s context of "
+                            f"{service.context} tokens can hold", code="context_length_exceeded", param=param)
+
+
 def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[int]:
     if isinstance(prompt, str):
         return service.tokenizer.encode(unicode_text(prompt, "prompt"), bos=True)
@@ -469,6 +479,49 @@ def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[in
 
 
 # ----------------------------------------------------------------------------- the app
+MAX_BODY_BYTES = 4 << 20  # a request body's size at most (the longest context's text fits many times over)
+
+
+class BodyLimit:
+    """Requests whose body is larger than ``limit`` bytes get a 413 before anything parses them:
+    by their Content-Length at once, or, sent in chunks, as soon as the chunks pass the limit."""
+
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await self.refuse(scope, receive, send)
+        if length is not None:
+            return await self.app(scope, receive, send)
+        body, more = b"", True  # sent in chunks: read them here, up to the limit, then hand them on
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await self.refuse(scope, receive, send)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        await error_response(413, f"the request body is larger than {self.limit} bytes",
+                             code="body_too_large")(scope, receive, send)
+
+
 @dataclass(frozen=True)
 class Access:
     """Who may call the API. ``api_key``: the /v1 paths require ``Authorization: Bearer KEY``
@@ -489,12 +542,13 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-def create_app(service: Service, access: Access | None = None) -> FastAPI:
+def create_app(service: Service, access: Access | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
     """The HTTP API over ``service`` (see the module docstring), open to ``access``. The loop
     must be running."""
     access = access or Access()
     app = FastAPI(title="speculative-llama", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(BodyLimit, limit=max_body)
     if access.cors:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -538,13 +592,17 @@ def create_app(service: Service, access: Access | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_common(service, body)
-        return await answer(Exchange(service, request, prompt_ids(service, body.prompt), body, chat=False))
+        too_long(service, [body.prompt] if isinstance(body.prompt, str) else body.prompt, "prompt")
+        ids = await asyncio.to_thread(prompt_ids, service, body.prompt)  # not on the event loop
+        return await answer(Exchange(service, request, ids, body, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         check_common(service, body)
         try:
-            ids = encode_dialog(service.tokenizer, [(m.role, unicode_text(m.text, "messages")) for m in body.messages])
+            too_long(service, [m.text for m in body.messages], "messages")
+            turns = [(m.role, unicode_text(m.text, "messages")) for m in body.messages]
+            ids = await asyncio.to_thread(encode_dialog, service.tokenizer, turns)  # not on the event loop
         except ValueError as error:
             raise ApiError(400, str(error), param="messages") from None
         return await answer(Exchange(service, request, ids, body, chat=True))

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from speculative.engine.engine import Engine, Row
@@ -306,6 +307,16 @@ class Service:
     speculation: str
     draft: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @cached_property
+    def longest_piece(self) -> int:
+        """The most characters one token stands for (its piece's length; a tokenizer without
+        pieces: 64), so that a text of more than context x this many characters is too long
+        before it is tokenized."""
+        piece, size = getattr(self.tokenizer, "piece", None), getattr(self.tokenizer, "vocab_size", None)
+        if piece is None or not size:
+            return 64
+        return max(1, max(len(piece(i)) for i in range(size)))
 
     @property
     def vocab_size(self) -> int:

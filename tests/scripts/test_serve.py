@@ -499,6 +499,28 @@ def test_serve_py_s_access_defaults_and_its_warning(monkeypatch) -> None:
     assert serve.access_of(parse(["--allowed-hosts", "*"])).hosts is None
 
 
+def test_bodies_past_the_limit_get_413_and_text_too_long_for_the_context_400_before_tokenizing(shipped) -> None:
+    """There was no limit on the body, and the whole prompt was tokenized on the event loop before
+    its length was checked."""
+    url = f"{shipped.url}/v1/completions"
+    big = b'{"model": "tiny-target", "prompt": "' + b"a" * (5 << 20) + b'"}'
+    whole = httpx.post(url, content=big, headers={"Content-Type": "application/json"}, timeout=30)
+    assert whole.status_code == 413 and whole.json()["error"]["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length: refused as the chunks pass the limit
+        yield b'{"model": "tiny-target", "prompt": "'
+        for _ in range(80):
+            yield b"a" * (64 << 10)
+        yield b'"}'
+
+    streamed = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "body_too_large"
+    longest = max(len(shipped.tokenizer.piece(i)) for i in range(shipped.tokenizer.vocab_size))
+    code, body, _ = error_of(lambda: completion(shipped, "a" * (512 * longest + 1)))
+    assert code == 400 and body["code"] == "context_length_exceeded" and "characters" in body["message"]
+    assert httpx.get(f"{shipped.url}/health", timeout=10).status_code == 200
+
+
 # ----------------------------------------------------------------------------- text pieces
 def test_output_holds_back_what_may_start_a_stop_string_and_cuts_at_its_token() -> None:
     """Fed token by token or in blocks, the text handed out adds up to the continuation, up to a
