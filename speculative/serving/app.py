@@ -91,17 +91,22 @@ class Options(Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=1)] | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2 ** 63)] | None = None
-    stream: bool = False
+    seed: Annotated[int, Field(ge=-2 ** 63, lt=2 ** 63)] | None = None  # OpenAI's int64; a negative one is folded
+    stream: bool | None = False  # null: OpenAI's default, as for every nullable field here
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=1)] | None = 1
     user: str | None = None
+    # accepted at the value that changes nothing (refused otherwise, below): what clients send by default
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     speculative_gamma: Annotated[int, Field(ge=0)] | None = None
     return_token_ids: bool = False
 
 
 class CompletionRequest(Options):
     prompt: str | list[str] | list[int]
+    logprobs: Annotated[int, Field(ge=0)] | None = None  # 0 or null: none; refused otherwise (not computed yet)
+    echo: bool | None = None
 
 
 class TextPart(Strict):
@@ -122,6 +127,8 @@ class Message(Strict):
 class ChatRequest(Options):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None  # false or null: none; refused otherwise (not computed yet)
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
 
 
 def field_names(model: type[BaseModel]) -> str:
@@ -224,7 +231,8 @@ class Exchange:
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = None if body.top_p is None or body.top_p >= 1 else body.top_p
         self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat),
-                             Sampling(temperature, body.top_k, top_p), body.seed, body.speculative_gamma,
+                             Sampling(temperature, body.top_k, top_p),
+                             None if body.seed is None else body.seed % 2 ** 63, body.speculative_gamma,
                              service.tokenizer.eos_id, on_tokens=tokens, on_done=done)
         self.watcher: asyncio.Task | None = None
 
@@ -316,7 +324,7 @@ class Exchange:
     def document(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.service.model,
-                "choices": choices, **extra}
+                "system_fingerprint": self.service.fingerprint, "choices": choices, **extra}
 
     # ------------------------------------------------------------------------- the two ways to answer
     async def whole(self) -> JSONResponse:
@@ -434,6 +442,19 @@ def check_common(service: Service, body: Options) -> None:
     if body.model != service.model:
         raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves {service.model!r}",
                        code="model_not_found", param="model")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0):
+            raise ApiError(400, f"{name} is not supported (it would change the target's distribution, which "
+                                "speculation reproduces exactly); only 0 or null", param=name)
+    if getattr(body, "logprobs", None) or getattr(body, "top_logprobs", None) or getattr(body, "echo", None):
+        raise ApiError(400, "logprobs, top_logprobs and echo are not supported yet; only null, 0 or false",
+                       param="logprobs")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    chat_max = getattr(body, "max_completion_tokens", None)
+    if chat_max is not None and body.max_tokens is not None and chat_max != body.max_tokens:
+        raise ApiError(400, f"max_tokens ({body.max_tokens}) and max_completion_tokens ({chat_max}) differ: give one",
+                       param="max_completion_tokens")
     gamma = body.speculative_gamma
     if gamma is not None and gamma > service.gamma_max:
         limit = "this server has no drafter, so only 0" if service.gamma_max == 0 else \

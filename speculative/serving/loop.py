@@ -21,6 +21,7 @@ those of generate.py with that gamma, whatever the load.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import threading
@@ -307,6 +308,14 @@ class Service:
     speculation: str
     draft: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """OpenAI's ``system_fingerprint``: what, besides the request, decides the output here (the
+        model served, its drafter and how gamma is chosen; the output's law is the target's either
+        way, but greedy near-ties can fall otherwise with another set-up)."""
+        digest = hashlib.sha256(f"{self.model}|{self.draft}|{self.speculation}|{self.gamma_max}".encode())
+        return "fp_" + digest.hexdigest()[:12]
 
     @cached_property
     def longest_piece(self) -> int:

@@ -350,6 +350,9 @@ def error_of(call) -> tuple[int, dict, httpx.Headers]:
     ({"n": 2}, 400, "n:"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ({"stop": ["x" * 1025]}, 400, "at most 1024 characters"),  # four 1 MB stops stalled the event loop
+    ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ({"logprobs": 2}, 400, "logprobs, top_logprobs and echo are not supported yet"),
+    ({"stream_options": {"include_usage": True}}, 400, "only allowed with stream: true"),  # it was ignored
     ({"extra_body": {"top_k": 0}}, 400, "top_k"),
     ({"extra_body": {"logit_bias": {"5": 1}}}, 400, "unknown or unsupported field 'logit_bias'"),
     ({"extra_body": {"speculative_gamma": 9}}, 400, "0..4"),
@@ -519,6 +522,26 @@ def test_bodies_past_the_limit_get_413_and_text_too_long_for_the_context_400_bef
     code, body, _ = error_of(lambda: completion(shipped, "a" * (512 * longest + 1)))
     assert code == 400 and body["code"] == "context_length_exceeded" and "characters" in body["message"]
     assert httpx.get(f"{shipped.url}/health", timeout=10).status_code == 200
+
+
+def test_openai_valid_nulls_and_negative_seeds_are_accepted_with_a_system_fingerprint(shipped) -> None:
+    """null for n, stream, logprobs and the penalties, penalties of 0 and negative seeds (all valid
+    OpenAI requests, what some clients send by default) got 400."""
+    url = f"{shipped.url}/v1/completions"
+    body = {"model": "tiny-target", "prompt": "Once", "max_tokens": 6, "n": None, "stream": None, "logprobs": None,
+            "echo": False, "presence_penalty": 0, "frequency_penalty": None, "seed": -5, "temperature": 1}
+    first, again = (httpx.post(url, json=body, timeout=30) for _ in range(2))
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]  # a pinned seed, folded
+    assert first.json()["system_fingerprint"].startswith("fp_")
+    chat = httpx.post(f"{shipped.url}/v1/chat/completions", timeout=30, json={
+        "model": "tiny-target", "messages": [{"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 4,
+        "max_completion_tokens": 4, "logprobs": False, "top_logprobs": None, "n": 1})
+    assert chat.status_code == 200 and chat.json()["system_fingerprint"] == first.json()["system_fingerprint"]
+    both = httpx.post(f"{shipped.url}/v1/chat/completions", timeout=30, json={
+        "model": "tiny-target", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "max_completion_tokens": 5})
+    assert both.status_code == 400 and "differ" in both.json()["error"]["message"]
 
 
 # ----------------------------------------------------------------------------- text pieces
