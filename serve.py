@@ -226,8 +226,10 @@ def run(args: argparse.Namespace) -> int:
         listener.bind((args.host, args.port))
     except OSError as err:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
-    listener.listen(2048)  # clients may connect from now on; they are answered once uvicorn runs
     service = start(args, here=True)  # the engine runs in this thread, below
+    # Bound before the models load (a port in use is said at once), listening only now: a client
+    # that comes early is refused at once instead of hanging until the models are ready.
+    listener.listen(2048)
     host, port = listener.getsockname()[:2]
     how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
     access = access_of(args)

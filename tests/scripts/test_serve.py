@@ -591,19 +591,39 @@ def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
 
 def test_serve_py_starts_on_127_0_0_1_and_answers_the_openai_client() -> None:
     """The README's two lines: start it, query it; Ctrl-C ends it with status 0, even in a process
-    that inherited SIGINT ignored (as the workers of some test runners start theirs)."""
+    that inherited SIGINT ignored (as the workers of some test runners start theirs). Until the
+    models are ready the port refuses connections (it listened before they loaded, and early
+    clients hung)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--max-batch", "2", "--speculation", "on"],
-                               cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    process = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--max-batch", "2", "--speculation",
+                                "on"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        lines = []
+        refused: list[bool] = []
+
+        def knock() -> None:  # until the start-up line: every connection must be refused
+            while not lines or not lines[-1].startswith("serving "):
+                with socket.socket() as early:
+                    early.settimeout(1)
+                    refused.append(early.connect_ex(("127.0.0.1", port)) != 0)
+                time.sleep(0.05)
+
+        lines: list[str] = []
+        knocker = threading.Thread(target=knock, daemon=True)
+        knocker.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             line = process.stderr.readline()
             lines.append(line)
             if not line or line.startswith("serving "):
                 break
+        knocker.join(10)
+        # the last knocks may meet the ready server, between its listening and our reading its line
+        assert len(refused) >= 3 and refused[0] and sum(refused) >= len(refused) - 2, refused
         assert lines[-1].startswith("serving tiny-target (draft tiny-draft, speculation on, gamma 4"), lines
         assert "http://127.0.0.1:" in lines[-1] and "no authentication" in lines[-1]
         url = lines[-1].split(" on ")[1].split()[0]
