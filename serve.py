@@ -85,6 +85,8 @@ def build_parser() -> cmdline.ArgumentParser:
         help="open connections at most; beyond, 503 at once (default %(default)s)")
     add("--max-waiting", type=int, default=64,
         help="requests waiting for a row at most; more get 429 with Retry-After (default %(default)s)")
+    add("--grace", type=float, default=30.0,
+        help="on SIGTERM, seconds the requests in hand have to finish before they are cut (default %(default)s)")
     add("--stall-after", type=float, default=60.0,
         help="seconds without an engine step while requests wait or run after which /health answers 503 "
              "(default %(default)s)")
@@ -105,6 +107,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--gamma must be at most {GAMMA_MAX}, got {args.gamma}")
     if args.max_connections < 1:
         raise UsageError(f"--max-connections must be >= 1, got {args.max_connections}")
+    if not args.grace >= 0:
+        raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
     if not args.stall_after > 0:
         raise UsageError(f"--stall-after must be > 0 seconds, got {args.stall_after}")
     if args.max_waiting < 1:  # every request waits for the loop to take it: 0 would refuse them all
@@ -255,11 +259,15 @@ def run(args: argparse.Namespace) -> int:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    # Ctrl-C and SIGTERM end the engine loop in this thread, then the server. Installed here, not
-    # left to Python's default: a process started with SIGINT ignored (a test runner's worker)
-    # inherits that, and uvicorn installs its handlers only in the main thread.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, interrupt)
+    def terminate(signum: int, frame: object) -> None:  # a supervisor's stop: finish what is in hand first
+        print(f"stopping: no new requests; those in hand have {args.grace:g} s to finish", file=sys.stderr, flush=True)
+        service.loop.drain(args.grace)
+
+    # Ctrl-C ends the engine loop in this thread at once, then the server; SIGTERM drains it first.
+    # Installed here, not left to Python's default: a process started with SIGINT ignored (a test
+    # runner's worker) inherits that, and uvicorn installs its handlers only in the main thread.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, terminate)
     web = threading.Thread(target=http, name="http", daemon=True)
     web.start()
     try:
@@ -271,6 +279,10 @@ def run(args: argparse.Namespace) -> int:
         print("error: serve.py stops because its engine failed (every request in flight was answered 503)",
               file=sys.stderr)
         return 1
+    if service.loop.cut:
+        print(f"error: the grace period ended with {service.loop.cut} requests unfinished (answered 503)",
+              file=sys.stderr)
+        return 3
     return 0
 
 

@@ -638,10 +638,10 @@ def create_app(service: Service, access: Access | None = None, max_body: int = M
     @app.get("/health")
     async def health() -> JSONResponse:
         loop = service.loop
-        stalled = loop.stalled
-        ok = loop.healthy and stalled is None
-        body = {"status": "ok" if ok else "stalled" if loop.healthy else "stopped", "model": service.model,
-                "running": loop.running, "waiting": loop.waiting}
+        stalled, draining = loop.stalled, loop.drain_until is not None
+        ok = loop.healthy and stalled is None and not draining
+        status = "ok" if ok else "stopped" if not loop.healthy else "draining" if draining else "stalled"
+        body = {"status": status, "model": service.model, "running": loop.running, "waiting": loop.waiting}
         if not loop.healthy:
             body["error"] = str(loop.failure or "the engine loop is not running")
         elif stalled is not None:

@@ -106,6 +106,8 @@ class EngineLoop:
         # hang (a device, a deadlock): /health says so, since the thread itself looks alive.
         self.stall_after = stall_after
         self.beat = time.monotonic()  # the last time the loop was seen working or idle
+        self.drain_until: float | None = None  # draining (SIGTERM): new requests refused, this deadline for the rest
+        self.cut = 0  # requests still held when the drain's deadline passed
         self.last_gamma = 0
         self.clean = False  # whether the previous iteration drafted (then the draft has nothing to catch up)
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
@@ -124,6 +126,13 @@ class EngineLoop:
         1.4-1.7 times slower (docs/serving.md)."""
         self.thread = threading.current_thread()
         return self
+
+    def drain(self, grace: float) -> None:
+        """Graceful shutdown: refuse new requests from now on, let those in hand finish for up to
+        ``grace`` seconds, then stop (the ones still held end with an error, counted in ``cut``)."""
+        with self.lock:
+            self.drain_until = time.monotonic() + grace
+            self.lock.notify()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the loop after its current step; requests still held end with an error."""
@@ -159,8 +168,9 @@ class EngineLoop:
         """Queue a request; raises OverloadedError when max_waiting requests wait already, and
         RuntimeError when the loop is not running."""
         with self.lock:
-            if not self.healthy:
-                raise RuntimeError(f"the engine loop is not running ({self.failure or 'closed'})")
+            if not self.healthy or self.drain_until is not None:
+                raise RuntimeError(f"the engine loop is not running ({self.failure or 'closed'})"
+                                   if self.drain_until is None else "the server is shutting down")
             waiting = self.waiting
             if waiting >= self.max_waiting:
                 self.metrics.rejected += 1
@@ -190,7 +200,7 @@ class EngineLoop:
         try:
             while True:
                 with self.lock:
-                    while not (self.inbox or self.cancels or self.closing) and self.engine.idle:
+                    while not (self.inbox or self.cancels or self.closing or self.drain_until) and self.engine.idle:
                         # Not forever: a process's SIGINT may be delivered to another thread, and
                         # the main thread (serve.py runs the loop there) only runs Python's
                         # handler, which raises KeyboardInterrupt, once it wakes.
@@ -198,6 +208,10 @@ class EngineLoop:
                         self.lock.wait(0.25)
                     self.beat = time.monotonic()
                     if self.closing:
+                        break
+                    if self.drain_until is not None and (
+                            time.monotonic() > self.drain_until or (self.engine.idle and not self.inbox)):
+                        self.cut = len(self.inbox) + len(self.tickets)
                         break
                     new, cancels = list(self.inbox), list(self.cancels)
                     self.inbox.clear()

@@ -689,3 +689,53 @@ def test_an_engine_failure_ends_serve_py_with_a_non_zero_status(monkeypatch, cap
     thread.join(30)
     assert status == 1 and answers == [503], (status, answers)
     assert "engine failed" in capsys.readouterr().err
+
+
+def started_serve_py(*flags: str) -> tuple[subprocess.Popen, str]:
+    """serve.py in a process of its own on a free 127.0.0.1 port, once its start-up line is out."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--speculation", "off", *flags], cwd=ROOT,
+                               env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line or line.startswith("serving "):
+            break
+    assert line.startswith("serving "), line
+    return process, line.split(" on ")[1].split()[0]
+
+
+@pytest.mark.parametrize("grace, status", [(60.0, 0), (0.3, 3)])
+def test_sigterm_lets_requests_in_hand_finish_within_the_grace_then_cuts_them(grace: float, status: int) -> None:
+    """SIGTERM ended the loop at once with status 0, cutting every request in flight. Now: no new
+    requests (503, /health 503 'draining'), those in hand finish within --grace, and the status
+    says whether they all did (0) or some were cut (3)."""
+    process, url = started_serve_py("--grace", str(grace))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(httpx.post, f"{url}/v1/completions", timeout=60,
+                               json={"model": "tiny-target", "prompt": "Once", "max_tokens": 400, "temperature": 0})
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{url}/health", timeout=10).json()["running"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            if grace > 1:
+                health = httpx.get(f"{url}/health", timeout=10)
+                assert health.status_code == 503 and health.json()["status"] == "draining"
+                late = httpx.post(f"{url}/v1/completions", timeout=10,
+                                  json={"model": "tiny-target", "prompt": "Hi", "max_tokens": 2})
+                assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+            answer = long.result(timeout=60)
+        if status == 0:
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
+        else:
+            assert answer.status_code == 503
+        assert process.wait(timeout=60) == status
+        rest = process.stderr.read()
+        assert "Traceback" not in rest and ("unfinished" in rest) == (status == 3), rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        process.stderr.close()
