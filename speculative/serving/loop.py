@@ -70,6 +70,7 @@ class Ticket:
     cancelled: bool = False
     done: bool = False
     submitted: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None  # when its latest tokens came (None: none yet)
     seen: tuple[int, float, int, int] = (0, 0.0, 0, 0)  # the row's target calls, overlap, verified, produced
 
     @property
@@ -105,6 +106,7 @@ class EngineLoop:
         # A step that has not returned for stall_after seconds while requests wait or run is a
         # hang (a device, a deadlock): /health says so, since the thread itself looks alive.
         self.stall_after = stall_after
+        self.step_started = time.perf_counter()
         self.beat = time.monotonic()  # the last time the loop was seen working or idle
         self.drain_until: float | None = None  # draining (SIGTERM): new requests refused, this deadline for the rest
         self.cut = 0  # requests still held when the drain's deadline passed
@@ -241,7 +243,7 @@ class EngineLoop:
         try:
             ticket.row = self.engine.add(ticket.prompt, ticket.max_new_tokens, eos_id=ticket.eos_id, seed=ticket.seed,
                                          sampling=ticket.sampling, gamma=ticket.gamma,
-                                         callback=lambda ids, drafted: ticket.on_tokens(ids))
+                                         callback=lambda ids, drafted: self.tokens_out(ticket, ids))
         except ValueError as error:
             ticket.error = error
             self.end(ticket)
@@ -251,9 +253,10 @@ class EngineLoop:
     def step(self) -> None:
         engine, stats = self.engine, self.engine.stats
         before = (stats.iterations, stats.draft_time_s, stats.target_time_s)
-        start = time.perf_counter()
+        start = self.step_started = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - start
+        self.metrics.last_step_s = seconds
         settle(engine)
         if stats.iterations == before[0]:
             return  # only cancelled rows left
@@ -267,6 +270,8 @@ class EngineLoop:
             if now[0] > ticket.seen[0]:
                 took_part += 1
                 prompt_read |= ticket.seen[0] == 0
+                if ticket.seen[0] == 0:
+                    self.metrics.prompt_tokens += len(ticket.prompt)
                 gamma = max(gamma, row.stats.gamma_history[-1])
                 overlap += now[1] - ticket.seen[1]
                 positions += now[2] - ticket.seen[2]
@@ -292,7 +297,19 @@ class EngineLoop:
                 self.end(ticket)
         self.engine.finished.clear()
 
+    def tokens_out(self, ticket: Ticket, ids: list[int]) -> None:
+        """A row's tokens of this iteration: the latencies they close, then to its ticket."""
+        now, m = time.perf_counter(), self.metrics
+        if ticket.last_token is None:  # its first iteration: it waited until this step began
+            m.queue.observe(max(0.0, self.step_started - ticket.submitted))
+            m.first_token.observe(now - ticket.submitted)
+        elif ids:
+            m.inter_token.observe((now - ticket.last_token) / len(ids), len(ids))
+        ticket.last_token = now
+        ticket.on_tokens(ids)
+
     def end(self, ticket: Ticket) -> None:
+        self.metrics.latency.observe(time.perf_counter() - ticket.submitted)
         ticket.done = True
         self.metrics.count(ticket.stop_reason or "cancelled")
         ticket.on_done(ticket)
@@ -347,12 +364,41 @@ class Service:
 
 
 # ----------------------------------------------------------------------------- what /metrics shows
+class Histogram:
+    """A Prometheus histogram: cumulative counts of observations at most each bound, their sum and count."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        at = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
+        self.counts[at] += times
+        self.sum += value * times
+        self.count += times
+
+    def samples(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            running += count
+            out.append((f'_bucket{{le="{bound}"}}', running))
+        return out + [("_sum", self.sum), ("_count", self.count)]
+
+
+SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 class Metrics:
     """Counters since start, and rates over the last WINDOW_S seconds (written by the loop's
     thread, read by any)."""
 
     def __init__(self) -> None:
         self.started = time.time()
+        self.first_token, self.inter_token = Histogram(SECONDS), Histogram(SECONDS)
+        self.queue, self.latency = Histogram(SECONDS), Histogram(SECONDS)
+        self.prompt_tokens = 0
+        self.last_step_s = 0.0
         self.iterations = 0
         self.speculating = 0  # iterations in which some row drafted
         self.tokens = 0
@@ -429,6 +475,15 @@ def prometheus(loop: EngineLoop, prefix: str = "speculative_") -> str:
     metric("busy_ratio", "gauge", f"Share of the last {WINDOW_S:g} s the engine spent stepping.",
            [("", window["busy"])])
     metric("generated_tokens_total", "counter", "Tokens emitted since start.", [("", m.tokens)])
+    metric("prompt_tokens_total", "counter", "Prompt tokens read since start.", [("", m.prompt_tokens)])
+    metric("last_step_seconds", "gauge", "Seconds the engine's latest iteration took.", [("", m.last_step_s)])
+    for name, histogram, help_text in (
+            ("time_to_first_token_seconds", m.first_token, "From a request's arrival to its first tokens."),
+            ("inter_token_seconds", m.inter_token, "Between a request's tokens (an iteration's tokens share its "
+                                                   "gap)."),
+            ("queue_seconds", m.queue, "From a request's arrival to its first iteration in the batch."),
+            ("request_seconds", m.latency, "From a request's arrival to its end.")):
+        metric(name, "histogram", help_text, histogram.samples())
     metric("iterations_total", "counter", "Engine iterations (one target call each) since start.",
            [("", m.iterations)])
     metric("speculating_iterations_total", "counter", "Iterations in which speculation was on (some row drafted).",

@@ -529,7 +529,8 @@ def test_openai_valid_nulls_and_negative_seeds_are_accepted_with_a_system_finger
     OpenAI requests, what some clients send by default) got 400."""
     url = f"{shipped.url}/v1/completions"
     body = {"model": "tiny-target", "prompt": "Once", "max_tokens": 6, "n": None, "stream": None, "logprobs": None,
-            "echo": False, "presence_penalty": 0, "frequency_penalty": None, "seed": -5, "temperature": 1}
+            "echo": False, "presence_penalty": 0, "frequency_penalty": None, "seed": -5, "temperature": 1,
+            "speculative_gamma": 2}  # a pinned seed reproduces with a pinned gamma (docs/serving.md, Exactness)
     first, again = (httpx.post(url, json=body, timeout=30) for _ in range(2))
     assert first.status_code == 200, first.text
     assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]  # a pinned seed, folded
@@ -542,6 +543,27 @@ def test_openai_valid_nulls_and_negative_seeds_are_accepted_with_a_system_finger
         "model": "tiny-target", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
         "max_completion_tokens": 5})
     assert both.status_code == 400 and "differ" in both.json()["error"]["message"]
+
+
+def test_metrics_have_latency_histograms_and_token_counters() -> None:
+    """/metrics had no latency histograms: time to first token, between tokens, in the queue and
+    end to end, with the prompt tokens read and the latest iteration's time."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    with toy_server(target, None) as server:  # the target alone: one token per iteration
+        prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+        for prompt in prompts:
+            server.client.completions.create(model="toy", prompt=prompt, max_tokens=6)
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["speculative_prompt_tokens_total"] == sum(map(len, prompts))
+    assert values["speculative_last_step_seconds"] > 0
+    for name in ("time_to_first_token_seconds", "queue_seconds", "request_seconds"):
+        assert values[f"speculative_{name}_count"] == len(prompts), name
+        buckets = [v for k, v in values.items() if k.startswith(f"speculative_{name}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == len(prompts)
+        assert f"# TYPE speculative_{name} histogram" in text
+    # 6 tokens each: the first closes the time to first token, the other 5 an inter-token gap each
+    assert values["speculative_inter_token_seconds_count"] == 5 * len(prompts)
 
 
 # ----------------------------------------------------------------------------- text pieces
