@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 from speculative.inputs import NonFiniteLogitsError
@@ -96,6 +96,13 @@ class Options(Strict):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = 1
     user: str | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def fold(cls, seed: int | None) -> int | None:
+        """OpenAI's seeds are int64; the generators take 0..2^63 - 1: a negative one is folded there."""
+        return None if seed is None else seed % 2 ** 63
+
     # accepted at the value that changes nothing (refused otherwise, below): what clients send by default
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -231,8 +238,7 @@ class Exchange:
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = None if body.top_p is None or body.top_p >= 1 else body.top_p
         self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat),
-                             Sampling(temperature, body.top_k, top_p),
-                             None if body.seed is None else body.seed % 2 ** 63, body.speculative_gamma,
+                             Sampling(temperature, body.top_k, top_p), body.seed, body.speculative_gamma,
                              service.tokenizer.eos_id, on_tokens=tokens, on_done=done)
         self.watcher: asyncio.Task | None = None
 
