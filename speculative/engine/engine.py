@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -98,6 +98,9 @@ class Row:
     error: Exception | None = None  # it failed alone (its logits were not finite)
     cancelled: bool = False  # stopped from outside (Engine.cancel)
     done: bool = False
+    logprobs: int | None = None  # record each emitted token's log-probability and this many top ones (None: not)
+    # per emitted token: (its log p, [(id, log p) of the top ones]), p the target's own at temperature 1
+    logprob_record: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -164,7 +167,7 @@ class Engine:
     # ------------------------------------------------------------------------- rows in and out
     def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *, eos_id: int | None = None,
             seed: int | None = None, callback: Callback | None = None, sampling: Sampling | None = None,
-            gamma: int | None = None) -> Row:
+            gamma: int | None = None, logprobs: int | None = None) -> Row:
         """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
         temperature, top-k and top-p (default: the engine's). ``gamma``: pin its drafted tokens
         per iteration (0..the engine's gamma; default: the engine's choice). ``callback(new_ids,
@@ -184,8 +187,12 @@ class Engine:
         if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int)
                                   or not 0 <= gamma <= self.gamma_max):
             raise ValueError(f"a row's gamma must be an integer in 0..{self.gamma_max}, got {gamma!r}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 (the top ones to record) or None, got {logprobs!r}")
+        if logprobs is not None and self.tree is not None:
+            raise ValueError("logprobs are recorded for chains only, not token trees")
         row = Row(prompt, max_new_tokens, eos_id, callback, sampling or self.sampling,
-                  make_generator(self.device, seed), stats, list(prompt), gamma=gamma)
+                  make_generator(self.device, seed), stats, list(prompt), gamma=gamma, logprobs=logprobs)
         self.waiting.append(row)
         self.stats.prompts += 1
         self.stats.rows.append(stats)
@@ -304,7 +311,7 @@ class Engine:
                 steps = [Verification([], 0, [])] * len(rows)
             else:
                 steps = self.read(rows, draft, verdict, finite)  # lines 5-9: the iteration's one host read
-                self.commit(rows, draft, steps, hidden)  # line 10
+                self.commit(rows, draft, steps, hidden, logits)  # line 10
             t3 = clock.mark()
             self.record(rows, draft, steps, (t0, t1, t2, t3))
             depth = max(draft.depth(b) for b in range(len(rows)))
@@ -393,7 +400,8 @@ class Engine:
         index = torch.tensor([at_row, at_col], device=logits.device)
         return logits[index[0], index[1]], hidden
 
-    def commit(self, rows: list[Row], draft: Draft, steps: list[Verification], hidden: torch.Tensor | None) -> None:
+    def commit(self, rows: list[Row], draft: Draft, steps: list[Verification], hidden: torch.Tensor | None,
+               logits: torch.Tensor | None = None) -> None:
         """Line 10: row b emits x_1..x_n, t (nothing after an EOS) and rolls back: everything
         before its newest token is in the target's cache (a tree's accepted path is first
         moved into place); the drafter learns the new lengths and, if it reads them, the
@@ -402,6 +410,8 @@ class Engine:
         if draft.tree is not None and rows[0].error is None:
             hidden = keep_path(self.target, steps[0].path, rows[0].length, starts[0], hidden)
         emitted = [cut_at_eos(step.tokens, row.eos_id) for row, step in zip(rows, steps)]
+        if logits is not None and draft.tree is None and any(row.logprobs is not None for row in rows):
+            record_logprobs(rows, emitted, [g + 1 for g in draft.lengths], logits)
         for row, tokens in zip(rows, emitted):
             row.ids.extend(tokens)
         advance(rows, steps)
@@ -414,7 +424,8 @@ class Engine:
     # ------------------------------------------------------------------------- the target alone
     def deferred(self, rows: list[Row]) -> bool:
         """Nothing drafted and every row stops by its count alone: no need to see the tokens yet."""
-        return self.drafter is None and all(row.eos_id is None and row.callback is None for row in rows)
+        return self.drafter is None and all(row.eos_id is None and row.callback is None and row.logprobs is None
+                                            for row in rows)
 
     def defer(self, rows: list[Row], tokens: torch.Tensor, finite: torch.Tensor) -> None:
         self.pending.append(tokens)
@@ -458,6 +469,32 @@ class Engine:
             if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
                 clock.add(stats, "first_iteration_s", row.joined, now)
                 stats.first_iteration_tokens = row.produced
+
+
+def record_logprobs(rows: list[Row], emitted: list[list[int]], wanted: list[int], logits: torch.Tensor) -> None:
+    """Each asking row's emitted tokens' log-probabilities under the target's own distribution at
+    temperature 1, before any warping, and its top ones: the verification call's logits, row b's
+    g_b + 1 positions one after another, position j being the target's law of the j-th token it
+    emits (the accepted prefix before it is the sequence that position read). One host read."""
+    starts = [sum(wanted[:b]) for b in range(len(rows))]
+    asking = [b for b, row in enumerate(rows) if row.logprobs is not None and emitted[b] and row.error is None]
+    if not asking:
+        return
+    at = [starts[b] + j for b in asking for j in range(len(emitted[b]))]
+    logp = torch.log_softmax(logits[torch.tensor(at, device=logits.device)], dim=-1)
+    chosen = torch.tensor([t for b in asking for t in emitted[b]], device=logits.device)
+    k = max(rows[b].logprobs for b in asking)
+    top = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else None
+    host = read_host([logp.gather(1, chosen[:, None])[:, 0]] + ([top.values, top.indices] if top else []))
+    values, top_values, top_ids = host[0], host[1] if top else None, host[2] if top else None
+    i = 0
+    for b in asking:
+        row = rows[b]
+        for _ in emitted[b]:
+            tops = [] if top is None else [(int(t), v) for t, v in zip(top_ids[i * k:i * k + row.logprobs],
+                                                                        top_values[i * k:i * k + row.logprobs])]
+            row.logprob_record.append((values[i], tops))
+            i += 1
 
 
 # ----------------------------------------------------------------------------- the seams' pieces

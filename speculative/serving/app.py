@@ -45,6 +45,7 @@ from speculative.serving.loop import OverloadedError, Service, Ticket, prometheu
 from speculative.serving.text import StopStrings, TextStream, encode_dialog
 
 MAX_STOP_CHARS = 1024  # a stop string's length at most (matching is linear in the text, the table in the stop)
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_STOPS = 4  # as OpenAI
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; a chat's is what the context leaves
 
@@ -112,8 +113,8 @@ class Options(Strict):
 
 class CompletionRequest(Options):
     prompt: str | list[str] | list[int]
-    logprobs: Annotated[int, Field(ge=0)] | None = None  # 0 or null: none; refused otherwise (not computed yet)
-    echo: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # k: each token's and its top k
+    echo: bool | None = None  # the prompt's log-probabilities: refused when true (not computed)
 
 
 class TextPart(Strict):
@@ -134,8 +135,8 @@ class Message(Strict):
 class ChatRequest(Options):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = None  # false or null: none; refused otherwise (not computed yet)
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 def field_names(model: type[BaseModel]) -> str:
@@ -239,7 +240,7 @@ class Exchange:
         top_p = None if body.top_p is None or body.top_p >= 1 else body.top_p
         self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat),
                              Sampling(temperature, body.top_k, top_p), body.seed, body.speculative_gamma,
-                             service.tokenizer.eos_id, on_tokens=tokens, on_done=done)
+                             service.tokenizer.eos_id, on_tokens=tokens, on_done=done, logprobs=logprobs_of(body, chat))
         self.watcher: asyncio.Task | None = None
 
     def submit(self) -> None:
@@ -315,13 +316,32 @@ class Exchange:
                 "target_calls": stats.target_calls if stats else 0,
                 "mean_gamma": sum(used) / len(used) if used else None}
 
-    def choice(self, text: str, ids: list[int], finish: str | None, delta: bool) -> dict[str, Any]:
+    def logprobs(self, start: int, ids: list[int]) -> dict[str, Any] | None:
+        """OpenAI's logprobs of the kept tokens start.. (``ids``): the target's own log-probability
+        of each at temperature 1, before any warping, and its top ones (engine.record_logprobs)."""
+        if self.ticket.logprobs is None or self.ticket.row is None:
+            return None
+        record = self.ticket.row.logprob_record[start:start + len(ids)]
+        name = lambda token: token_text(self.service.tokenizer, token)  # noqa: E731
+        if self.chat:
+            return {"content": [{"token": name(t), "logprob": v, "bytes": list(name(t).encode()),
+                                 "top_logprobs": [{"token": name(i), "logprob": w, "bytes": list(name(i).encode())}
+                                                  for i, w in tops]}
+                                for t, (v, tops) in zip(ids, record)]}
+        texts = [name(t) for t in ids]
+        offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [v for v, _ in record],
+                "top_logprobs": [{name(i): w for i, w in tops} for _, tops in record], "text_offset": offsets}
+
+    def choice(self, text: str, ids: list[int], finish: str | None, delta: bool, start: int = 0) -> dict[str, Any]:
+        logprobs = self.logprobs(start, ids)
         if not self.chat:
-            out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            out = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         elif delta:
-            out = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+            out = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                   "finish_reason": finish}
         else:
-            out = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            out = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                    "finish_reason": finish}
         if self.body.return_token_ids:
             out["token_ids"] = ids
@@ -372,10 +392,12 @@ class Exchange:
                                "finish_reason": None}
                     yield sse(self.document([opening], chunk=True))
                 piece: tuple[str, list[int]] | None = first
+                sent = 0  # kept tokens handed out so far
                 while piece is not None:
                     text, ids = piece
-                    if text or (ids and self.body.return_token_ids):
-                        yield sse(self.document([self.choice(text, ids, None, delta=True)], chunk=True))
+                    if text or (ids and (self.body.return_token_ids or self.ticket.logprobs is not None)):
+                        yield sse(self.document([self.choice(text, ids, None, delta=True, start=sent)], chunk=True))
+                    sent += len(ids)
                     try:
                         piece = await anext_or_none(pieces)
                     except ClientGoneError:
@@ -415,6 +437,20 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
+def logprobs_of(body: Options, chat: bool) -> int | None:
+    """How many top log-probabilities to record per token (None: none): chat's top_logprobs when
+    logprobs is true, a completion's logprobs."""
+    if chat:
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """A token's own text: its SentencePiece piece with the word-boundary mark as a space."""
+    piece = getattr(tokenizer, "piece", None)
+    return piece(int(token)).replace("\u2581", " ") if piece is not None else tokenizer.decode([int(token)])
+
+
 def stops_of(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOPS:
@@ -452,9 +488,11 @@ def check_common(service: Service, body: Options) -> None:
         if getattr(body, name) not in (None, 0):
             raise ApiError(400, f"{name} is not supported (it would change the target's distribution, which "
                                 "speculation reproduces exactly); only 0 or null", param=name)
-    if getattr(body, "logprobs", None) or getattr(body, "top_logprobs", None) or getattr(body, "echo", None):
-        raise ApiError(400, "logprobs, top_logprobs and echo are not supported yet; only null, 0 or false",
-                       param="logprobs")
+    if getattr(body, "echo", None):
+        raise ApiError(400, "echo (the prompt's log-probabilities) is not supported; only null or false",
+                       param="echo")
+    if getattr(body, "top_logprobs", None) and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     chat_max = getattr(body, "max_completion_tokens", None)

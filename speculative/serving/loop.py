@@ -63,6 +63,7 @@ class Ticket:
     seed: int | None = None
     gamma: int | None = None  # pinned gamma, or None: the policy's
     eos_id: int | None = None
+    logprobs: int | None = None  # record the tokens' log-probabilities and this many top ones (None: not)
     on_tokens: Callable[[list[int]], None] = lambda ids: None
     on_done: Callable[[Ticket], None] = lambda ticket: None
     row: Row | None = None
@@ -242,7 +243,7 @@ class EngineLoop:
             return
         try:
             ticket.row = self.engine.add(ticket.prompt, ticket.max_new_tokens, eos_id=ticket.eos_id, seed=ticket.seed,
-                                         sampling=ticket.sampling, gamma=ticket.gamma,
+                                         sampling=ticket.sampling, gamma=ticket.gamma, logprobs=ticket.logprobs,
                                          callback=lambda ids, drafted: self.tokens_out(ticket, ids))
         except ValueError as error:
             ticket.error = error

@@ -351,7 +351,8 @@ def error_of(call) -> tuple[int, dict, httpx.Headers]:
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ({"stop": ["x" * 1025]}, 400, "at most 1024 characters"),  # four 1 MB stops stalled the event loop
     ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
-    ({"logprobs": 2}, 400, "logprobs, top_logprobs and echo are not supported yet"),
+    ({"extra_body": {"echo": True}}, 400, "echo (the prompt's log-probabilities) is not supported"),
+    ({"logprobs": 21}, 400, "logprobs"),
     ({"stream_options": {"include_usage": True}}, 400, "only allowed with stream: true"),  # it was ignored
     ({"extra_body": {"top_k": 0}}, 400, "top_k"),
     ({"extra_body": {"logit_bias": {"5": 1}}}, 400, "unknown or unsupported field 'logit_bias'"),
@@ -564,6 +565,61 @@ def test_metrics_have_latency_histograms_and_token_counters() -> None:
         assert f"# TYPE speculative_{name} histogram" in text
     # 6 tokens each: the first closes the time to first token, the other 5 an inter-token gap each
     assert values["speculative_inter_token_seconds_count"] == 5 * len(prompts)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_logprobs_are_the_target_s_own_streamed_or_not(speculate: bool) -> None:
+    """logprobs were refused, so harnesses that score with them could not use the server. Each
+    returned token's log-probability and top ones are the target's own at temperature 1 (a
+    no-cache forward over prompt + output), with a draft or without, for completions and chats,
+    whole or streamed; a stop string's cut keeps them aligned with the tokens kept."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    draft = noisy_copy(target, std=0.2, seed=1) if speculate else None
+    with toy_server(target, draft) as server:
+        def own(prompt: list[int], ids: list[int]) -> torch.Tensor:
+            with torch.no_grad():
+                logp = torch.log_softmax(target(torch.tensor([prompt + ids]))[0], dim=-1)
+            return logp[len(prompt) - 1:len(prompt) - 1 + len(ids)]
+
+        prompt = [1, 2, 3]
+        whole = server.client.completions.create(model="toy", prompt=prompt, max_tokens=10, temperature=0.8, seed=4,
+                                                 logprobs=3, extra_body={"return_token_ids": True})
+        ids = whole.choices[0].model_extra["token_ids"]
+        expected = own(prompt, ids)
+        lp = whole.choices[0].logprobs
+        assert lp.tokens == [chr(97 + t) for t in ids]
+        assert lp.token_logprobs == pytest.approx([float(expected[j, t]) for j, t in enumerate(ids)], abs=1e-6)
+        for j, tops in enumerate(lp.top_logprobs):
+            best = expected[j].topk(3)
+            assert list(tops) == [chr(97 + t) for t in best.indices.tolist()]
+            assert list(tops.values()) == pytest.approx(best.values.tolist(), abs=1e-6)
+        stream = server.client.completions.create(model="toy", prompt=prompt, max_tokens=10, temperature=0.8,
+                                                  seed=4, logprobs=3, stream=True,
+                                                  extra_body={"return_token_ids": True})
+        pieces = [c.choices[0] for c in stream if c.choices]
+        streamed = [t for p in pieces for t in (p.model_extra or {}).get("token_ids", [])]
+        values = [v for p in pieces if p.logprobs for v in p.logprobs.token_logprobs]
+        expected = own(prompt, streamed)
+        assert values == pytest.approx([float(expected[j, t]) for j, t in enumerate(streamed)], abs=1e-6)
+
+
+def test_chat_logprobs_in_openai_s_shape_are_the_shipped_target_s_own(shipped) -> None:
+    from speculative.serving.text import encode_dialog
+    from weights import load_model
+
+    chunks = list(shipped.client.chat.completions.create(
+        model="tiny-target", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=12, temperature=0,
+        stream=True, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True}))
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    content = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert len(content) == len(ids) == 12
+    prompt = encode_dialog(shipped.tokenizer, [("user", "Tell me a story")])
+    with torch.no_grad():
+        logp = torch.log_softmax(load_model("tiny-target")(torch.tensor([prompt + ids]))[0].double(), dim=-1)
+    for j, (item, token) in enumerate(zip(content, ids)):
+        assert item.logprob == pytest.approx(float(logp[len(prompt) - 1 + j, token]), abs=1e-4)
+        assert item.top_logprobs[0].token == item.token  # greedy: the emitted token is the best one
+        assert bytes(item.bytes).decode() == item.token and len(item.top_logprobs) == 2
 
 
 # ----------------------------------------------------------------------------- text pieces

@@ -221,3 +221,30 @@ def test_a_pinned_gamma_and_the_engines_policy(pair: dict) -> None:
     assert two.result().tokens == alone.tokens
     with pytest.raises(ValueError, match="gamma must be an integer in 0..4"):
         engine.add([1], 4, gamma=5)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_logprobs_are_the_target_s_own_with_and_without_speculation(speculate: bool) -> None:
+    """Each emitted token's recorded log-probability, and its top ones, are the target's own at
+    temperature 1 (a no-cache forward over the final sequence), whatever was drafted and
+    accepted, for rows of a batch sampled at their own temperatures."""
+    target = random_llama(vocab=16, dim=16, n_layers=2, max_seq_len=64, seed=0, dtype=torch.float64)
+    engine = Engine(target, noisy_copy(target, std=0.2, seed=1) if speculate else None, gamma=3, max_rows=2)
+    rows = [engine.add([1, 2, 3], 12, seed=0, sampling=Sampling(temperature=0.7), logprobs=3),
+            engine.add([4, 5], 10, seed=1, sampling=Sampling(temperature=0), logprobs=0),
+            engine.add([6], 8, seed=2)]
+    engine.run()
+    for row in rows[:2]:
+        new = row.ids[len(row.prompt):]
+        assert len(row.logprob_record) == len(new) > 0
+        with torch.no_grad():
+            logp = torch.log_softmax(target(torch.tensor([row.ids]))[0], dim=-1)
+        for j, (token, (value, tops)) in enumerate(zip(new, row.logprob_record)):
+            own = logp[len(row.prompt) - 1 + j]
+            assert value == pytest.approx(float(own[token]), abs=1e-9)
+            best = own.topk(row.logprobs)
+            assert [t for t, _ in tops] == best.indices.tolist()
+            assert [v for _, v in tops] == pytest.approx(best.values.tolist(), abs=1e-9)
+    assert rows[2].logprob_record == []
+    if speculate:
+        assert engine.stats.accepted_draft_tokens > 0
