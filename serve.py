@@ -31,7 +31,6 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any
 
 import torch
 
@@ -73,7 +72,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add = parser.add_argument_group("serving").add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     add("--api-key", default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set, else no key)")
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECULATIVE_API_KEY if set, else no key)")
     add("--allowed-hosts", default=None,
         help="Host names a request may name, comma-separated, or * for any (default: the address listened on, "
              "and localhost for a loopback one)")
@@ -189,34 +188,6 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
                    args.draft if speculative else None)
 
 
-API_KEY_ENV = "SPECULATIVE_API_KEY"
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-def access_of(args: argparse.Namespace) -> Any:
-    """Who may call the server: the API key (flag or environment), the Host allow-list, CORS."""
-    from speculative.serving.app import Access
-
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    if args.allowed_hosts == "*":
-        hosts = None
-    elif args.allowed_hosts:
-        hosts = frozenset(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip())
-    elif args.host in ("0.0.0.0", "::", ""):
-        hosts = None  # every address of the machine: its names are not known here
-    else:
-        hosts = frozenset({args.host.lower(), *(LOOPBACK if args.host in LOOPBACK else ())})
-    return Access(api_key=key, hosts=hosts, cors=tuple(args.cors_origin))
-
-
-def exposure_warning(host: str, access: Any) -> str | None:
-    """The warning for a server that others can reach without a key."""
-    if host in LOOPBACK or access.api_key:
-        return None
-    return (f"warning: listening on {host} without an API key: anyone who can reach this address can use the model "
-            f"(--api-key, or ${API_KEY_ENV})")
-
-
 def run(args: argparse.Namespace) -> int:
     validate(args)
     import uvicorn  # the serve extra: pip install -e ".[serve]"
@@ -236,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
     listener.listen(2048)
     host, port = listener.getsockname()[:2]
     how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
-    access = access_of(args)
+    from speculative.serving.app import access_for, exposure_warning
+
+    access = access_for(args.host, args.api_key, args.allowed_hosts, args.cors_origin)
     print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
           f"rows) on http://{host}:{port} -- {'API key required' if access.api_key else 'no authentication'}",
           file=sys.stderr, flush=True)

@@ -36,36 +36,30 @@ import torch
 
 from model import call as calls
 from speculative.draft.eagle import FeatureDrafter
+from speculative.draft.model import ModelDrafter
 from speculative.draft.protocol import Draft
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling, sample_rows, warp_rows
 from speculative.verify.tree import TokenTree
 
 
-class ParallelDrafter:
+class ParallelDrafter(ModelDrafter):
     """A draft model that reads ``mask_id`` placeholders and drafts a whole chain per call.
 
     ``vocab_size``: the target's vocabulary (the draft's logits beyond it, and the mask's,
-    are dropped). The model is used through its cached call, ``setup_cache``,
-    ``move_cache`` and its config, like :class:`speculative.draft.model.ModelDrafter`."""
+    are dropped). Its cache, rollback and rows are ModelDrafter's (``next``, as above)."""
 
-    reads_features = False
     parallel = True  # one call per iteration, whatever gamma (the cost model's c, speculative.engine.gamma)
 
     def __init__(self, model: Any, mask_id: int, vocab_size: int | None = None) -> None:
+        super().__init__(model)
         own = model.config.vocab_size
         self.vocab_size = vocab_size or (own - 1 if mask_id == own - 1 else own)
         if not 0 <= mask_id < own:
             raise ValueError(f"the mask id {mask_id} is not an id of the draft's {own}-token vocabulary")
         if self.vocab_size > own:
             raise ValueError(f"the draft's vocabulary ({own} ids) is smaller than the target's ({self.vocab_size})")
-        self.model, self.mask_id = model, mask_id
-        self.max_seq_len = model.config.max_seq_len
-        self.next: list[int] = []
-
-    def start(self, max_rows: int, cache_len: int, target: Any = None) -> None:
-        self.model.setup_cache(max_rows, cache_len)
-        self.next = []
+        self.mask_id = mask_id
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits over the target's ids, the mask never among them."""
@@ -110,20 +104,18 @@ class ParallelDrafter:
         the tree verifiers need only that a node's children were drawn from the q they are
         given)."""
         logits = self._call([ids], [len(branching)], device)[0]  # [depth, V]
+        return tree_by_depth(logits, branching, mode, sampling, generator), 1
 
-        def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
-            return logits[torch.tensor([depths[r] for r in rows], device=logits.device)]
 
-        return grow_tree(logits[0], expand, branching, mode, sampling, generator), 1
+def tree_by_depth(logits: torch.Tensor, branching: Sequence[int], mode: str, sampling: Sampling,
+                  generator: torch.Generator) -> TokenTree:
+    """A tree grown from one parallel call's logits [depth, V]: the root's children from q_1, every
+    node at depth d's children from q_{d+1}, whatever its path."""
 
-    def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
-               hidden_starts: list[int] | None = None) -> None:
-        self.next = [min(nxt, length - 1) for nxt, length in zip(self.next, lengths)]
+    def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
+        return logits[torch.tensor([depths[r] for r in rows], device=logits.device)]
 
-    def keep_rows(self, rows: list[int], new: int = 0) -> None:
-        if rows != list(range(len(rows))):
-            self.model.move_cache(rows)
-        self.next = [self.next[r] for r in rows] + [0] * new
+    return grow_tree(logits[0], expand, branching, mode, sampling, generator)
 
 
 def draw_positions(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator],
@@ -185,8 +177,4 @@ class ParallelFeatureDrafter(FeatureDrafter):
         if self.known[0] < len(ids) - 1 or self.known[0] == 0:
             return None
         logits = self._logits(self._call([ids], [len(branching)], device)[0])
-
-        def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
-            return logits[torch.tensor([depths[r] for r in rows], device=logits.device)]
-
-        return grow_tree(logits[0], expand, branching, mode, sampling, generator), 1
+        return tree_by_depth(logits, branching, mode, sampling, generator), 1

@@ -125,15 +125,21 @@ def parallel_losses(draft: Llama, target: Any, tokens: torch.Tensor, depths: int
     node_depth = torch.cat([torch.zeros(length - 1, dtype=torch.long), depth])
     p_nodes, log_q_nodes = p[:, wanted], log_q[:, nodes]
     ce = -(p_nodes * log_q_nodes.clamp_min(-1e4)).sum(-1)  # [B, nodes]; clamp: 0 * -inf where p has no mass
+    return ce.mean(), by_position(ce, p_nodes, log_q_nodes, node_depth, depths)
+
+
+def by_position(ce: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, node_depth: torch.Tensor,
+                depths: int) -> dict[str, list[float]]:
+    """The loss and alpha (sum_x min(p, q), averaged) of the nodes at each draft position."""
     per_step: dict[str, list[float]] = {"loss": [], "alpha": []}
     with torch.no_grad():
-        overlap = torch.minimum(p_nodes, log_q_nodes.exp()).sum(-1)
+        overlap = torch.minimum(p, log_q.exp()).sum(-1)
         for d in range(depths):
             at = node_depth == d
             if at.any():
                 per_step["loss"].append(ce[:, at].mean().item())
                 per_step["alpha"].append(overlap[:, at].mean().item())
-    return ce.mean(), per_step
+    return per_step
 
 
 def peagle_losses(head: Any, target: Any, tokens: torch.Tensor, depths: int, *, keep: float = 0.8,
@@ -171,12 +177,4 @@ def peagle_losses(head: Any, target: Any, tokens: torch.Tensor, depths: int, *, 
     wanted = torch.cat([torch.arange(1, length), anchors + depth + 1])  # the target position whose law it learns
     node_depth = torch.cat([torch.zeros(real, dtype=torch.long), depth])
     ce = -(p_kept[:, wanted] * log_q).sum(-1)
-    per_step: dict[str, list[float]] = {"loss": [], "alpha": []}
-    with torch.no_grad():
-        overlap = torch.minimum(p_draft[:, wanted], log_q.exp()).sum(-1)
-        for d in range(depths):
-            at = node_depth == d
-            if at.any():
-                per_step["loss"].append(ce[:, at].mean().item())
-                per_step["alpha"].append(overlap[:, at].mean().item())
-    return ce.mean(), per_step
+    return ce.mean(), by_position(ce, p_draft[:, wanted], log_q, node_depth, depths)

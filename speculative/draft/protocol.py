@@ -29,10 +29,11 @@ its q is one-hot on each token it proposed. Algorithm 1 then accepts x with prob
 p(x), and the residual is p with x removed and renormalised; the engine builds the one-hot
 rows only where it needs them (temperature > 0).
 
-Three drafters implement it: :class:`ModelDrafter` (a smaller model of the same family,
+The drafters that implement it: :class:`ModelDrafter` (a smaller model of the same family,
 the paper's M_q), :class:`speculative.draft.lookup.PromptLookupDrafter` (n-gram copying from the
-sequence) and :class:`speculative.draft.eagle.FeatureDrafter` (a head that reads the target's
-own features, EAGLE). docs/drafters.md compares them.
+sequence), :class:`speculative.draft.eagle.FeatureDrafter` (a head that reads the target's
+own features, EAGLE), and the parallel drafters of speculative.draft.parallel (the whole chain
+from one call: PARD, P-EAGLE). docs/drafters.md compares them.
 """
 
 from __future__ import annotations

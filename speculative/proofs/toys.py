@@ -181,12 +181,12 @@ def random_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3) -> tor
 
 @torch.no_grad()
 def random_eagle3_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
-                       drop: Sequence[int] = (1,)) -> torch.nn.Module:
+                       drop: Sequence[int] = (1,), kind: type = Eagle3Head) -> torch.nn.Module:
     """A model.eagle3_head.Eagle3Head for the target with random weights, its draft vocabulary
     the target's less the ids in ``drop`` (a reduced vocabulary: q must be 0 on them)."""
     config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
     kept = [i for i in range(config.vocab_size) if i not in set(drop)]
-    head = Eagle3Head(config, default_layers(target.config.n_layers), draft_vocab=len(kept))
+    head = kind(config, default_layers(target.config.n_layers), draft_vocab=len(kept))
     head.set_vocabulary(torch.tensor(kept))
     gen = torch.Generator().manual_seed(seed)
     for name, param in head.named_parameters():
@@ -200,15 +200,7 @@ def random_peagle_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
                        drop: Sequence[int] = (1,)) -> torch.nn.Module:
     """A model.eagle3_head.PEagleHead for the target with random weights (a random mask feature
     and mask embedding among them), its draft vocabulary the target's less ``drop``."""
-    config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
-    kept = [i for i in range(config.vocab_size) if i not in set(drop)]
-    head = PEagleHead(config, default_layers(target.config.n_layers), draft_vocab=len(kept))
-    head.set_vocabulary(torch.tensor(kept))
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in head.named_parameters():
-        noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-        param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
-    return head.to(target.dtype).eval()
+    return random_eagle3_head(target, seed, std, drop, kind=PEagleHead)
 
 
 def llama_next_logits(model: torch.nn.Module) -> Callable[[Sequence[int]], torch.Tensor]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import sys
 import time
 import uuid
@@ -598,6 +599,32 @@ class Access:
     api_key: str | None = None
     hosts: frozenset[str] | None = None
     cors: tuple[str, ...] = ()
+
+
+API_KEY_ENV = "SPECULATIVE_API_KEY"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def access_for(host: str, api_key: str | None, allowed_hosts: str | None, cors: Sequence[str]) -> Access:
+    """serve.py's access: the key (given, else $SPECULATIVE_API_KEY), the Host names (given,
+    comma-separated or *; else the address listened on, with localhost for a loopback one; any
+    for 0.0.0.0, whose names are not known here), the CORS origins."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if allowed_hosts == "*" or (not allowed_hosts and host in ("0.0.0.0", "::", "")):
+        hosts = None
+    elif allowed_hosts:
+        hosts = frozenset(h.strip().lower() for h in allowed_hosts.split(",") if h.strip())
+    else:
+        hosts = frozenset({host.lower(), *(LOOPBACK if host in LOOPBACK else ())})
+    return Access(api_key=key, hosts=hosts, cors=tuple(cors))
+
+
+def exposure_warning(host: str, access: Access) -> str | None:
+    """The warning for a server that others can reach without a key."""
+    if host in LOOPBACK or access.api_key:
+        return None
+    return (f"warning: listening on {host} without an API key: anyone who can reach this address can use the model "
+            f"(--api-key, or ${API_KEY_ENV})")
 
 
 def host_name(header: str) -> str:
