@@ -506,6 +506,125 @@ def test_serve_py_s_access_defaults_and_its_warning(monkeypatch) -> None:
         == ["http://a", "http://b"]
 
 
+def test_bodies_past_the_limit_get_413_and_text_too_long_for_the_context_400_before_tokenizing(shipped) -> None:
+    """There was no limit on the body, and the whole prompt was tokenized on the event loop before
+    its length was checked."""
+    url = f"{shipped.url}/v1/completions"
+    big = b'{"model": "tiny-target", "prompt": "' + b"a" * (5 << 20) + b'"}'
+    whole = httpx.post(url, content=big, headers={"Content-Type": "application/json"}, timeout=30)
+    assert whole.status_code == 413 and whole.json()["error"]["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length: refused as the chunks pass the limit
+        yield b'{"model": "tiny-target", "prompt": "'
+        for _ in range(80):
+            yield b"a" * (64 << 10)
+        yield b'"}'
+
+    streamed = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "body_too_large"
+    longest = max(len(shipped.tokenizer.piece(i)) for i in range(shipped.tokenizer.vocab_size))
+    code, body, _ = error_of(lambda: completion(shipped, "a" * (512 * longest + 1)))
+    assert code == 400 and body["code"] == "context_length_exceeded" and "characters" in body["message"]
+    assert httpx.get(f"{shipped.url}/health", timeout=10).status_code == 200
+
+
+def test_openai_valid_nulls_and_negative_seeds_are_accepted_with_a_system_fingerprint(shipped) -> None:
+    """null for n, stream, logprobs and the penalties, penalties of 0 and negative seeds (all valid
+    OpenAI requests, what some clients send by default) got 400."""
+    url = f"{shipped.url}/v1/completions"
+    body = {"model": "tiny-target", "prompt": "Once", "max_tokens": 6, "n": None, "stream": None, "logprobs": None,
+            "echo": False, "presence_penalty": 0, "frequency_penalty": None, "seed": -5, "temperature": 1,
+            "speculative_gamma": 2}  # a pinned seed reproduces with a pinned gamma (docs/serving.md, Exactness)
+    first, again = (httpx.post(url, json=body, timeout=30) for _ in range(2))
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]  # a pinned seed, folded
+    assert first.json()["system_fingerprint"].startswith("fp_")
+    chat = httpx.post(f"{shipped.url}/v1/chat/completions", timeout=30, json={
+        "model": "tiny-target", "messages": [{"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 4,
+        "max_completion_tokens": 4, "logprobs": False, "top_logprobs": None, "n": 1})
+    assert chat.status_code == 200 and chat.json()["system_fingerprint"] == first.json()["system_fingerprint"]
+    both = httpx.post(f"{shipped.url}/v1/chat/completions", timeout=30, json={
+        "model": "tiny-target", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "max_completion_tokens": 5})
+    assert both.status_code == 400 and "differ" in both.json()["error"]["message"]
+
+
+def test_metrics_have_latency_histograms_and_token_counters() -> None:
+    """/metrics had no latency histograms: time to first token, between tokens, in the queue and
+    end to end, with the prompt tokens read and the latest iteration's time."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    with toy_server(target, None) as server:  # the target alone: one token per iteration
+        prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+        for prompt in prompts:
+            server.client.completions.create(model="toy", prompt=prompt, max_tokens=6)
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["speculative_prompt_tokens_total"] == sum(map(len, prompts))
+    assert values["speculative_last_step_seconds"] > 0
+    for name in ("time_to_first_token_seconds", "queue_seconds", "request_seconds"):
+        assert values[f"speculative_{name}_count"] == len(prompts), name
+        buckets = [v for k, v in values.items() if k.startswith(f"speculative_{name}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == len(prompts)
+        assert f"# TYPE speculative_{name} histogram" in text
+    # 6 tokens each: the first closes the time to first token, the other 5 an inter-token gap each
+    assert values["speculative_inter_token_seconds_count"] == 5 * len(prompts)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_logprobs_are_the_target_s_own_streamed_or_not(speculate: bool) -> None:
+    """logprobs were refused, so harnesses that score with them could not use the server. Each
+    returned token's log-probability and top ones are the target's own at temperature 1 (a
+    no-cache forward over prompt + output), with a draft or without, for completions and chats,
+    whole or streamed; a stop string's cut keeps them aligned with the tokens kept."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    draft = noisy_copy(target, std=0.2, seed=1) if speculate else None
+    with toy_server(target, draft) as server:
+        def own(prompt: list[int], ids: list[int]) -> torch.Tensor:
+            with torch.no_grad():
+                logp = torch.log_softmax(target(torch.tensor([prompt + ids]))[0], dim=-1)
+            return logp[len(prompt) - 1:len(prompt) - 1 + len(ids)]
+
+        prompt = [1, 2, 3]
+        whole = server.client.completions.create(model="toy", prompt=prompt, max_tokens=10, temperature=0.8, seed=4,
+                                                 logprobs=3, extra_body={"return_token_ids": True})
+        ids = whole.choices[0].model_extra["token_ids"]
+        expected = own(prompt, ids)
+        lp = whole.choices[0].logprobs
+        assert lp.tokens == [chr(97 + t) for t in ids]
+        assert lp.token_logprobs == pytest.approx([float(expected[j, t]) for j, t in enumerate(ids)], abs=1e-6)
+        for j, tops in enumerate(lp.top_logprobs):
+            best = expected[j].topk(3)
+            assert list(tops) == [chr(97 + t) for t in best.indices.tolist()]
+            assert list(tops.values()) == pytest.approx(best.values.tolist(), abs=1e-6)
+        stream = server.client.completions.create(model="toy", prompt=prompt, max_tokens=10, temperature=0.8,
+                                                  seed=4, logprobs=3, stream=True,
+                                                  extra_body={"return_token_ids": True})
+        pieces = [c.choices[0] for c in stream if c.choices]
+        streamed = [t for p in pieces for t in (p.model_extra or {}).get("token_ids", [])]
+        values = [v for p in pieces if p.logprobs for v in p.logprobs.token_logprobs]
+        expected = own(prompt, streamed)
+        assert values == pytest.approx([float(expected[j, t]) for j, t in enumerate(streamed)], abs=1e-6)
+
+
+def test_chat_logprobs_in_openai_s_shape_are_the_shipped_target_s_own(shipped) -> None:
+    from speculative.serving.text import encode_dialog
+    from weights import load_model
+
+    chunks = list(shipped.client.chat.completions.create(
+        model="tiny-target", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=12, temperature=0,
+        stream=True, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True}))
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    content = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert len(content) == len(ids) == 12
+    prompt = encode_dialog(shipped.tokenizer, [("user", "Tell me a story")])
+    with torch.no_grad():
+        logp = torch.log_softmax(load_model("tiny-target")(torch.tensor([prompt + ids]))[0].double(), dim=-1)
+    for j, (item, token) in enumerate(zip(content, ids)):
+        assert item.logprob == pytest.approx(float(logp[len(prompt) - 1 + j, token]), abs=1e-4)
+        assert item.top_logprobs[0].token == item.token  # greedy: the emitted token is the best one
+        assert bytes(item.bytes).decode() == item.token and len(item.top_logprobs) == 2
+
+
 # ----------------------------------------------------------------------------- text pieces
 def test_output_holds_back_what_may_start_a_stop_string_and_cuts_at_its_token() -> None:
     """Fed token by token or in blocks, the text handed out adds up to the continuation, up to a
