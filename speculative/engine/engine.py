@@ -77,6 +77,12 @@ from speculative.verify.verdict import Verdict, Verification, together
 
 Callback = Callable[[list[int], list[bool]], None]
 DEFAULT_GAMMA = 4
+Logprob = tuple[float, list[tuple[int, float]]]  # a token's log p and the top (id, log p), p the target's at T = 1
+
+
+class RowFailedError(RuntimeError):
+    """What a row's own part of an iteration raised (its callback: a server's handler of its
+    tokens): that row fails alone, the others go on."""
 
 
 @dataclass(eq=False)  # a row is itself: two rows are never equal
@@ -95,12 +101,14 @@ class Row:
     target_next: int = 0  # the target's first cache slot not holding a token of the row
     owed: int = 0  # tokens emitted but still on the device (the target alone, see Engine.flush)
     gamma: int | None = None  # pinned: drafted per iteration whatever the engine's policy (0: none)
-    error: Exception | None = None  # it failed alone (its logits were not finite)
+    error: Exception | None = None  # it failed alone (its logits were not finite, its callback raised)
     cancelled: bool = False  # stopped from outside (Engine.cancel)
     done: bool = False
     logprobs: int | None = None  # record each emitted token's log-probability and this many top ones (None: not)
     # per emitted token: (its log p, [(id, log p) of the top ones]), p the target's own at temperature 1
-    logprob_record: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    logprob_record: list[Logprob] = field(default_factory=list)
+    echo: bool = False  # also record the prompt's tokens (from the call that reads the prompt)
+    prompt_record: list[Logprob | None] = field(default_factory=list)  # per prompt token; None for the first
 
     @property
     def length(self) -> int:
@@ -167,7 +175,7 @@ class Engine:
     # ------------------------------------------------------------------------- rows in and out
     def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *, eos_id: int | None = None,
             seed: int | None = None, callback: Callback | None = None, sampling: Sampling | None = None,
-            gamma: int | None = None, logprobs: int | None = None) -> Row:
+            gamma: int | None = None, logprobs: int | None = None, echo: bool = False) -> Row:
         """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
         temperature, top-k and top-p (default: the engine's). ``gamma``: pin its drafted tokens
         per iteration (0..the engine's gamma; default: the engine's choice). ``callback(new_ids,
@@ -176,7 +184,10 @@ class Engine:
         emitting eos_id (even in the middle of an accepted block: nothing after it is
         emitted), or when it fills the context; its stats.stop_reason says which. A row whose
         logits are not finite fails alone: ``row.error`` is a NonFiniteLogitsError, its
-        stop_reason "error", and the other rows go on."""
+        stop_reason "error", and the other rows go on; so does a row whose callback raises
+        (``row.error`` a RowFailedError). ``logprobs``: record each emitted token's
+        log-probability and this many top ones (``row.logprob_record``); ``echo``: the prompt's
+        too (``row.prompt_record``), from the target call that reads it."""
         check_max_new_tokens(max_new_tokens)
         check_seed(seed)
         prompt = check_prompt(prompt_ids, self.target.config.vocab_size, self.row_limit)
@@ -189,10 +200,10 @@ class Engine:
             raise ValueError(f"a row's gamma must be an integer in 0..{self.gamma_max}, got {gamma!r}")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 (the top ones to record) or None, got {logprobs!r}")
-        if logprobs is not None and self.tree is not None:
+        if (logprobs is not None or echo) and self.tree is not None:
             raise ValueError("logprobs are recorded for chains only, not token trees")
         row = Row(prompt, max_new_tokens, eos_id, callback, sampling or self.sampling,
-                  make_generator(self.device, seed), stats, list(prompt), gamma=gamma, logprobs=logprobs)
+                  make_generator(self.device, seed), stats, list(prompt), gamma=gamma, logprobs=logprobs, echo=echo)
         self.waiting.append(row)
         self.stats.prompts += 1
         self.stats.rows.append(stats)
@@ -390,6 +401,8 @@ class Engine:
             call = calls.ragged(starts, feed.shape[1], self.cache_len, self.device)
         out = self.target(feed, call, return_hidden=self.drafter.reads_features) if reads else self.target(feed, call)
         logits, hidden = out if reads else (out, None)
+        if any(row.echo and start == 0 for row, start in zip(rows, starts)):  # read from column 0 of each row
+            record_prompts(rows, starts, logits)
         if len(rows) == 1:
             return logits[0, -wanted[0]:], hidden
         sizes = [len(row.ids) - start + g for row, start, g in zip(rows, starts, draft.lengths)]
@@ -419,7 +432,10 @@ class Engine:
             self.drafter.commit([row.length for row in rows], hidden, starts)
         for row, step, tokens in zip(rows, steps, emitted):
             if row.callback is not None and tokens:
-                row.callback(tokens, [i < step.accepted for i in range(len(tokens))])
+                try:
+                    row.callback(tokens, [i < step.accepted for i in range(len(tokens))])
+                except Exception as error:  # its own handler failed: it leaves at the end of this step
+                    row.error = RowFailedError(f"{type(error).__name__}: {error}".splitlines()[0])
 
     # ------------------------------------------------------------------------- the target alone
     def deferred(self, rows: list[Row]) -> bool:
@@ -481,20 +497,49 @@ def record_logprobs(rows: list[Row], emitted: list[list[int]], wanted: list[int]
     if not asking:
         return
     at = [starts[b] + j for b in asking for j in range(len(emitted[b]))]
-    logp = torch.log_softmax(logits[torch.tensor(at, device=logits.device)], dim=-1)
-    chosen = torch.tensor([t for b in asking for t in emitted[b]], device=logits.device)
-    k = max(rows[b].logprobs for b in asking)
-    top = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else None
-    host = read_host([logp.gather(1, chosen[:, None])[:, 0]] + ([top.values, top.indices] if top else []))
-    values, top_values, top_ids = host[0], host[1] if top else None, host[2] if top else None
-    i = 0
+    records = token_logprobs(logits[torch.tensor(at, device=logits.device)], [t for b in asking for t in emitted[b]],
+                             [rows[b].logprobs for b in asking for _ in emitted[b]])
     for b in asking:
-        row = rows[b]
-        for _ in emitted[b]:
-            tops = [] if top is None else [(int(t), v) for t, v in zip(top_ids[i * k:i * k + row.logprobs],
-                                                                        top_values[i * k:i * k + row.logprobs])]
-            row.logprob_record.append((values[i], tops))
-            i += 1
+        rows[b].logprob_record.extend(records[:len(emitted[b])])
+        records = records[len(emitted[b]):]
+
+
+def record_prompts(rows: list[Row], starts: list[int], logits: torch.Tensor) -> None:
+    """The prompt's log-probabilities of each row that asks for them (echo) and is read from
+    its start in this call: column i of its logits is the target's law of its token i + 1
+    (every row's tokens begin at column 0, see Engine.score). The first token has none. A row
+    whose prompt logits are not finite fails alone."""
+    asking = [b for b, (row, start) in enumerate(zip(rows, starts)) if row.echo and start == 0 and len(row.prompt) > 1]
+    for b, row in enumerate(rows):
+        if row.echo and starts[b] == 0:
+            row.prompt_record = [None]
+    if not asking:
+        return
+    laws = torch.cat([logits[b, :len(rows[b].prompt) - 1] for b in asking])
+    finite = read_host([torch.isfinite(laws).all(-1)])[0]
+    records = token_logprobs(laws, [t for b in asking for t in rows[b].prompt[1:]],
+                             [rows[b].logprobs or 0 for b in asking for _ in rows[b].prompt[1:]])
+    for b in asking:
+        n = len(rows[b].prompt) - 1
+        if not all(finite[:n]):
+            rows[b].error = NonFiniteLogitsError()
+        rows[b].prompt_record += records[:n]
+        records, finite = records[n:], finite[n:]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[Logprob]:
+    """For each row of ``logits`` [N, V]: the log-probability of ``tokens[i]`` under its softmax
+    (temperature 1, no warping) and its ``tops[i]`` most likely (id, log p). One host read."""
+    logp = torch.log_softmax(logits if logits.dtype in (torch.float32, torch.float64) else logits.float(), dim=-1)
+    chosen = torch.tensor(tokens, device=logits.device)
+    k = min(max(tops), logp.shape[-1])
+    top = logp.topk(k, dim=-1) if k else None
+    host = read_host([logp.gather(1, chosen[:, None])[:, 0]] + ([top.values, top.indices] if top else []))
+    out = []
+    for i, n in enumerate(tops):
+        best = [] if top is None else [(int(t), v) for t, v in zip(host[2][i * k:i * k + n], host[1][i * k:i * k + n])]
+        out.append((host[0][i], best))
+    return out
 
 
 # ----------------------------------------------------------------------------- the seams' pieces
@@ -613,4 +658,4 @@ def check_tree_request(tree: Sequence[int], tree_mode: str, drafter: Any, gamma:
     return shape, len(shape)
 
 
-__all__ = ["DEFAULT_GAMMA", "Engine", "NonFiniteLogitsError", "Row"]
+__all__ = ["DEFAULT_GAMMA", "Engine", "NonFiniteLogitsError", "Row", "RowFailedError"]

@@ -24,6 +24,7 @@ from speculative import (
     autoregressive_generate,
     speculative_generate,
 )
+from speculative.engine.engine import RowFailedError
 from tests.support.proofs import proof
 from tests.support.toy_models import noisy_copy, random_llama, reference_greedy
 
@@ -248,3 +249,45 @@ def test_logprobs_are_the_target_s_own_with_and_without_speculation(speculate: b
     assert rows[2].logprob_record == []
     if speculate:
         assert engine.stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_echo_records_the_prompt_s_logprobs_from_the_call_that_reads_it(speculate: bool) -> None:
+    """With echo, each prompt token after the first gets the target's own log-probability and
+    top ones given the tokens before it (a no-cache forward over the prompt), for rows of
+    different lengths read in one call (each from column 0 of its own row); the first gets
+    None; a one-token prompt has nothing else to record."""
+    target = random_llama(vocab=16, dim=16, n_layers=2, max_seq_len=64, seed=0, dtype=torch.float64)
+    engine = Engine(target, noisy_copy(target, std=0.2, seed=1) if speculate else None, gamma=3, max_rows=4)
+    rows = [engine.add([1, 2, 3, 4, 5], 4, seed=0, logprobs=2, echo=True), engine.add([7, 8], 4, seed=1, echo=True),
+            engine.add([9], 3, seed=2, echo=True), engine.add([3, 3, 3], 3, seed=3, logprobs=1)]
+    engine.step()  # the four are read together
+    assert all(row.stats.target_calls == 1 for row in rows)
+    engine.run()
+    for row in rows[:2]:
+        assert len(row.prompt_record) == len(row.prompt) and row.prompt_record[0] is None
+        with torch.no_grad():
+            logp = torch.log_softmax(target(torch.tensor([row.prompt]))[0], dim=-1)
+        for i, (value, tops) in enumerate(row.prompt_record[1:]):
+            assert value == pytest.approx(float(logp[i, row.prompt[i + 1]]), abs=1e-9)
+            best = logp[i].topk(row.logprobs or 1)
+            assert [t for t, _ in tops] == (best.indices.tolist() if row.logprobs else [])
+            assert [v for _, v in tops] == pytest.approx(best.values.tolist() if row.logprobs else [], abs=1e-9)
+    assert rows[2].prompt_record == [None] and rows[3].prompt_record == []
+
+
+def test_a_row_whose_callback_raises_fails_alone() -> None:
+    """An exception raised in one row's callback (a server's handler of its tokens) escaped the
+    step and failed every row; now that row fails alone and the others' tokens are untouched."""
+    target = random_llama(vocab=16, dim=16, n_layers=2, max_seq_len=64, seed=0, dtype=torch.float64)
+    engine = Engine(target, noisy_copy(target, std=0.2, seed=1), gamma=3, max_rows=2)
+
+    def broken(ids: list[int], drafted: list[bool]) -> None:
+        raise KeyError("its handler failed")
+
+    bad = engine.add([1, 2], 12, callback=broken, sampling=Sampling(temperature=0))
+    good = engine.add([4, 5], 12, callback=lambda ids, drafted: None, sampling=Sampling(temperature=0))
+    engine.run()
+    assert isinstance(bad.error, RowFailedError) and "its handler failed" in str(bad.error)
+    assert bad.stats.stop_reason == "error" and bad.produced < 12
+    assert good.error is None and good.ids[2:] == reference_greedy(target, [4, 5], 12)
