@@ -19,8 +19,9 @@ and while serving; "on" always drafts --gamma tokens, "off" never drafts. A requ
 its own gamma ("speculative_gamma"): a seeded request with a pinned gamma gets generate.py's
 tokens for that gamma and seed whatever the load.
 
-There is no authentication: the server listens on 127.0.0.1 unless --host says otherwise.
-Exit status: 0 after a clean shutdown (Ctrl-C), 2 for bad input, with one ``error: ...`` line.
+It listens on 127.0.0.1 unless --host says otherwise, with no key unless --api-key is given.
+Exit status: 0 after Ctrl-C or a SIGTERM whose requests all finished within --grace, 1 when
+the engine failed, 2 for bad input (one ``error: ...`` line), 3 when SIGTERM's grace cut requests.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from speculative.engine import DEFAULT_GAMMA
 from speculative.engine.gamma import FixedGamma, LoadGamma
 from speculative.inputs import GAMMA_MAX
 from speculative.serving.loop import EngineLoop, Service
+from speculative.serving.threads import ThreadTuner
 from speculative.verify import RULES
 from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
 from weights.step_cache import ENV, default_dir
@@ -68,7 +70,9 @@ def build_parser() -> cmdline.ArgumentParser:
         help="compiled decode steps, compiled once at start-up")
     add("--cache-dir", default=None, help=f"compiled steps' cache (default: ${ENV}, else {default_dir()})")
     add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
-    add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add("--threads", type=int, default=None,
+        help="torch CPU threads, fixed (default: up to torch's choice, fewer while they measure faster: another "
+             "process on the cores)")
     add = parser.add_argument_group("serving").add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     add("--api-key", default=None,
@@ -86,6 +90,13 @@ def build_parser() -> cmdline.ArgumentParser:
         help="requests waiting for a row at most; more get 429 with Retry-After (default %(default)s)")
     add("--grace", type=float, default=30.0,
         help="on SIGTERM, seconds the requests in hand have to finish before they are cut (default %(default)s)")
+    for flag, default, text in (
+            ("--queue-timeout", 60.0, "a request may wait for a row, then 503 with Retry-After (0: no limit)"),
+            ("--request-timeout", 600.0, "a request may take in all, then 504 and its row is freed (0: no limit)"),
+            ("--read-timeout", 10.0, "a client has to send a request's headers, and then its body"),
+            ("--write-timeout", 30.0, "a write of an answer may wait for the client to read, then it is dropped"),
+            ("--keepalive", 15.0, "a stream with nothing to send waits before an SSE comment keeps it open")):
+        add(flag, type=float, default=default, help=f"seconds {text} (default %(default)s)")
     add("--stall-after", type=float, default=60.0,
         help="seconds without an engine step while requests wait or run after which /health answers 503 "
              "(default %(default)s)")
@@ -108,8 +119,11 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not args.grace >= 0:
         raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
-    if not args.stall_after > 0:
-        raise UsageError(f"--stall-after must be > 0 seconds, got {args.stall_after}")
+    for name in ("stall_after", "read_timeout", "write_timeout", "keepalive", "queue_timeout", "request_timeout"):
+        least = 0 if name in ("queue_timeout", "request_timeout") else 1e-9  # 0: no limit for the first two
+        if not getattr(args, name) >= least:
+            raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if least == 0 else '> 0'} seconds, got "
+                             f"{getattr(args, name)}")
     if args.max_waiting < 1:  # every request waits for the loop to take it: 0 would refuse them all
         raise UsageError(f"--max-waiting must be >= 1 (a request waits for the engine's loop to take it), got "
                          f"{args.max_waiting}")
@@ -161,6 +175,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     dtype = pick_dtype(args.dtype, device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    most = torch.get_num_threads()
     pair, context, setups = load(args, device, dtype)
     for line in setups.lines:
         print(f"setup: {line}", file=sys.stderr)
@@ -178,7 +193,12 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         chosen = ", ".join(f"{b}: {g}" for b, g, _ in policy.table())
         print(f"cost model: every gamma measured at batch sizes up to {args.max_batch} in {seconds:.1f}s; gamma by "
               f"batch size now {chosen} (it follows the live alpha and step costs)", file=sys.stderr)
-    loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy, stall_after=args.stall_after)
+    # Fewer threads when they measure faster (a neighbour on the cores), on a CPU with threads to spare.
+    tuner = None
+    if args.threads is None and device.type == "cpu":
+        tuner = ThreadTuner(most, torch.set_num_threads, log=lambda line: print(line, file=sys.stderr, flush=True))
+    loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy, stall_after=args.stall_after, tuner=tuner,
+                      queue_timeout=args.queue_timeout or None, request_timeout=args.request_timeout or None)
     if here:
         loop.here()
     else:
@@ -208,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = listener.getsockname()[:2]
     how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
     from speculative.serving.app import access_for, exposure_warning
+    from speculative.serving.connections import Limits, header_deadline, http_protocol
 
     access = access_for(args.host, args.api_key, args.allowed_hosts, args.cors_origin)
     print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
@@ -218,9 +239,10 @@ def run(args: argparse.Namespace) -> int:
     if service.draft and args.verify != "token" and RULES[args.verify].greedy:  # what a named rule does at T = 0
         print(f"note: --verify {args.verify} judges sampled requests; at temperature 0 a request gets "
               f"{RULES[args.verify].at_temperature_0}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(service, access), log_level="warning", access_log=args.access_log,
+    limits = Limits(read_timeout=args.read_timeout, write_timeout=args.write_timeout, keepalive=args.keepalive)
+    config = uvicorn.Config(create_app(service, access, limits), log_level="warning", access_log=args.access_log,
                             lifespan="off", timeout_graceful_shutdown=2, limit_concurrency=args.max_connections,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, http=header_deadline(http_protocol(), args.read_timeout))
     server = uvicorn.Server(config)
 
     def http() -> None:  # uvicorn in a thread of its own; when it stops, so does the engine

@@ -2,21 +2,15 @@
 and pydantic, streaming with server-sent events. ``serve.py`` starts it; :func:`create_app`
 builds it around a :class:`Service` for any other host (the tests start it in a thread).
 
-* ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed or not: ``max_tokens``,
-  ``temperature``, ``top_p``, ``top_k`` (an extension), ``stop``, ``seed``, ``stream``
-  (``stream_options.include_usage``) and ``n`` = 1; extensions ``speculative_gamma`` (pin the
-  request's gamma, 0 = no speculation) and ``return_token_ids``. A completion's prompt is a
-  string or a list of token ids; a chat is put in the Llama-2 chat template.
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed or not; docs/serving.md
+  has the table of every request field (applied, refused, or accepted and ignored).
 * Every response has ``usage`` and ``speculation``: the request's drafted and accepted tokens,
   alpha (``acceptance_rate``), tau (``tokens_per_target_call``), its target calls and mean gamma.
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``, one line, never
-a traceback: 400 for bad parameters, unknown fields or a prompt the context cannot hold (the
-message says the limits), 404 for another model's name or path, 429 with Retry-After when the
-waiting queue is full, 500 for a request whose logits turned non-finite (it fails alone; the
-others go on), 503 when the engine loop has stopped. There is no authentication: bind to
-127.0.0.1 (serve.py's default) or put the server behind one.
+a traceback (docs/serving.md lists them). :class:`Access` decides who may call; each
+connection's bytes and time are bounded by speculative.serving.connections.
 
 A client that disconnects frees its row at once (EngineLoop.cancel); so does a stop string.
 """
@@ -38,17 +32,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from speculative.engine.engine import RowFailedError
 from speculative.inputs import NonFiniteLogitsError
 from speculative.sampling import Sampling
-from speculative.serving.loop import OverloadedError, Service, Ticket, prometheus
+from speculative.serving.connections import Bounds, Limits
+from speculative.serving.loop import DeadlineError, OverloadedError, Service, Ticket, prometheus
 from speculative.serving.text import StopStrings, TextStream, encode_dialog
 
 MAX_STOP_CHARS = 1024  # a stop string's length at most (matching is linear in the text, the table in the stop)
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_STOPS = 4  # as OpenAI
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; a chat's is what the context leaves
+
+
+IDLE_IDS: list[int] = []  # Exchange.next's answer when no tokens came for the keep-alive interval
+IDLE: tuple[str, list[int]] = ("", IDLE_IDS)  # ... and Exchange.pieces'
 
 
 class ClientGoneError(Exception):
@@ -88,7 +89,7 @@ class Options(Strict):
     """The fields both endpoints take."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo (the prompt scored, nothing made)
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # None: OpenAI's default, 1
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=1)] | None = None
@@ -115,7 +116,7 @@ class Options(Strict):
 class CompletionRequest(Options):
     prompt: str | list[str] | list[int]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # k: each token's and its top k
-    echo: bool | None = None  # the prompt's log-probabilities: refused when true (not computed)
+    echo: bool | None = None  # the prompt before the completion, and its log-probabilities with logprobs
 
 
 class TextPart(Strict):
@@ -206,9 +207,13 @@ class Exchange:
     """One request between the event loop and the engine's thread: the ticket, the queue its
     tokens arrive on, and its text."""
 
-    def __init__(self, service: Service, request: Request, prompt: list[int], body: Options, chat: bool) -> None:
+    def __init__(self, service: Service, request: Request, prompt: list[int], body: Options, chat: bool,
+                 limits: Limits | None = None) -> None:
         self.service, self.request, self.body, self.chat = service, request, body, chat
+        self.limits = limits or Limits()
         self.prompt = prompt
+        self.echo = bool(getattr(body, "echo", None))
+        self.keep = None if body.max_tokens != 0 else 0  # tokens to hand out at most (None: all)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
@@ -239,9 +244,10 @@ class Exchange:
 
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = None if body.top_p is None or body.top_p >= 1 else body.top_p
-        self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat),
+        self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat) or 1,  # 0: one, never shown
                              Sampling(temperature, body.top_k, top_p), body.seed, body.speculative_gamma,
-                             service.tokenizer.eos_id, on_tokens=tokens, on_done=done, logprobs=logprobs_of(body, chat))
+                             service.tokenizer.eos_id, on_tokens=tokens, on_done=done, logprobs=logprobs_of(body, chat),
+                             echo=self.echo and body.logprobs is not None)
         self.watcher: asyncio.Task | None = None
 
     def submit(self) -> None:
@@ -255,21 +261,29 @@ class Exchange:
         self.watcher = asyncio.ensure_future(wait_for_disconnect(self.request))
 
     async def next(self) -> list[int] | None:
-        """The next iteration's tokens, or None at the end; ClientGoneError when the client left."""
+        """The next iteration's tokens, None at the end, or IDLE_IDS when none came for the
+        keep-alive interval; ClientGoneError when the client left."""
         if not self.queue.empty():
             return self.queue.get_nowait()
         getting = asyncio.ensure_future(self.queue.get())
-        await asyncio.wait({getting, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not getting.done():
-            getting.cancel()
+        await asyncio.wait({getting, self.watcher}, timeout=self.limits.keepalive,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if getting.done():
+            return getting.result()
+        getting.cancel()
+        if self.watcher.done():
             raise ClientGoneError()
-        return getting.result()
+        return IDLE_IDS
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """(text, token ids) per iteration until the request ends; a stop string cancels the row."""
+        """(text, token ids) per iteration until the request ends, and IDLE for every keep-alive
+        interval in which nothing came; a stop string cancels the row."""
         while (ids := await self.next()) is not None:
+            if ids is IDLE_IDS:
+                yield IDLE
+                continue
             kept = len(self.output.tokens)
-            if self.output.stopped:
+            if self.output.stopped or self.keep == 0:
                 continue  # tokens of the iteration that was running when the stop string was met
             text = self.output.add(ids)
             if self.output.stopped:
@@ -290,9 +304,21 @@ class Exchange:
         if isinstance(error, NonFiniteLogitsError):
             return ApiError(500, "this request's logits turned non-finite (inf or NaN) and it was stopped; the other "
                             "requests go on", "server_error", "non_finite_logits")
+        if isinstance(error, RowFailedError):
+            return ApiError(500, f"this request failed on the server ({error}); the other requests go on",
+                            "server_error", "request_failed")
+        if isinstance(error, DeadlineError) and error.queue:
+            return ApiError(503, str(error), "server_error", "queue_timeout",
+                            headers={"Retry-After": str(self.service.loop.retry_after(self.service.loop.waiting))})
+        if isinstance(error, DeadlineError):
+            return ApiError(504, str(error), "server_error", "request_timeout")
         if isinstance(error, ValueError):
             return ApiError(400, str(error))
         return ApiError(503, str(error), "server_error", "engine_stopped")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.body.stream_options is not None and self.body.stream_options.include_usage
 
     @property
     def finish_reason(self) -> str:
@@ -334,8 +360,28 @@ class Exchange:
         return {"tokens": texts, "token_logprobs": [v for v, _ in record],
                 "top_logprobs": [{name(i): w for i, w in tops} for _, tops in record], "text_offset": offsets}
 
-    def choice(self, text: str, ids: list[int], finish: str | None, delta: bool, start: int = 0) -> dict[str, Any]:
+    def echoed(self) -> tuple[str, dict[str, Any] | None]:
+        """With echo: the prompt's text and, with logprobs, the prompt tokens' log-probabilities
+        under the target (the first token has none, as in OpenAI's answers)."""
+        text = self.body.prompt if isinstance(self.body.prompt, str) else \
+            self.body.prompt[0] if isinstance(self.body.prompt[0], str) else self.service.tokenizer.decode(self.prompt)
+        row = self.ticket.row
+        if self.body.logprobs is None or row is None or len(row.prompt_record) != len(self.prompt):
+            return text, None
+        name = lambda token: token_text(self.service.tokenizer, token)  # noqa: E731
+        texts = [name(t) for t in self.prompt]
+        return text, {"tokens": texts, "token_logprobs": [r and r[0] for r in row.prompt_record],
+                      "top_logprobs": [r and {name(i): w for i, w in r[1]} for r in row.prompt_record],
+                      "text_offset": [sum(map(len, texts[:i])) for i in range(len(texts))]}
+
+    def choice(self, text: str, ids: list[int], finish: str | None, delta: bool, start: int = 0,
+               echo: bool = False) -> dict[str, Any]:
         logprobs = self.logprobs(start, ids)
+        if echo:  # the prompt in front
+            before, scored = self.echoed()
+            text = before + text
+            if scored is not None:
+                logprobs = join_logprobs(scored, logprobs)
         if not self.chat:
             out = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         elif delta:
@@ -350,6 +396,8 @@ class Exchange:
 
     def document(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        if chunk and self.include_usage:  # as OpenAI: usage null on every chunk but the last, which has it
+            extra["usage"] = extra.get("usage") if not choices else None
         return {"id": self.id, "object": kind, "created": self.created, "model": self.service.model,
                 "system_fingerprint": self.service.fingerprint, "choices": choices, **extra}
 
@@ -366,12 +414,14 @@ class Exchange:
         failed = self.failure()
         if failed is not None:
             return failed.response()
-        choice = self.choice("".join(text), self.output.tokens, self.finish_reason, delta=False)
+        choice = self.choice("".join(text), self.output.tokens, self.finish_reason, delta=False, echo=self.echo)
         return JSONResponse(self.document([choice], chunk=False, usage=self.usage(), speculation=self.speculation()))
 
     async def streamed(self) -> JSONResponse | StreamingResponse:
         """Server-sent events, one per iteration that adds text. The response waits for the first
-        iteration, so that a request that fails at once still gets its status code."""
+        iteration (for up to the keep-alive interval), so that a request that fails at once
+        still gets its status code; one still waiting for a row after that starts its stream,
+        with an SSE comment for every interval in which nothing came (so do long gaps later)."""
         pieces = self.pieces()
         try:
             first = await pieces.__anext__()
@@ -381,7 +431,7 @@ class Exchange:
         except BaseException:
             self.close()
             raise
-        failed = self.failure()
+        failed = self.failure() if first is not IDLE else None
         if failed is not None:
             self.close()
             return failed.response()
@@ -393,10 +443,16 @@ class Exchange:
                                "finish_reason": None}
                     yield sse(self.document([opening], chunk=True))
                 piece: tuple[str, list[int]] | None = first
-                sent = 0  # kept tokens handed out so far
+                sent, echoed = 0, not self.echo  # kept tokens handed out so far; the prompt, with echo
                 while piece is not None:
                     text, ids = piece
-                    if text or (ids and (self.body.return_token_ids or self.ticket.logprobs is not None)):
+                    if piece is IDLE:  # nothing to send for a while: a comment keeps the stream open
+                        yield ": keep-alive\n\n"
+                    elif not echoed and self.failure() is None:
+                        echoed = True
+                        yield sse(self.document([self.choice("", [], None, delta=True, echo=True)], chunk=True))
+                    if piece is not IDLE and (text or (ids and (self.body.return_token_ids
+                                                                or self.ticket.logprobs is not None))):
                         yield sse(self.document([self.choice(text, ids, None, delta=True, start=sent)], chunk=True))
                     sent += len(ids)
                     try:
@@ -404,14 +460,14 @@ class Exchange:
                     except ClientGoneError:
                         return
                 failed = self.failure()
-                if failed is not None:  # after some text: the stream says it, then ends
+                if failed is not None:  # after the stream began: the stream says it, then ends
                     yield sse({"error": {"message": failed.message, "type": failed.kind, "param": None,
                                          "code": failed.code}})
                 else:
                     extra = {"usage": self.usage(), "speculation": self.speculation()}
                     yield sse(self.document([self.choice("", [], self.finish_reason, delta=True)], chunk=True,
                                             **extra))
-                    if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                    if self.include_usage:
                         yield sse(self.document([], chunk=True, **extra))
                 yield "data: [DONE]\n\n"
             finally:
@@ -426,6 +482,16 @@ async def anext_or_none(pieces: AsyncIterator[tuple[str, list[int]]]) -> tuple[s
         return await pieces.__anext__()
     except StopAsyncIteration:
         return None
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """A completion's logprobs for the prompt's tokens, then the completion's (text offsets go on)."""
+    if then is None:
+        return first
+    shift = sum(map(len, first["tokens"]))
+    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] +
+            then["token_logprobs"], "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+            "text_offset": first["text_offset"] + [shift + offset for offset in then["text_offset"]]}
 
 
 def sse(document: dict[str, Any]) -> str:
@@ -489,9 +555,9 @@ def check_common(service: Service, body: Options) -> None:
         if getattr(body, name) not in (None, 0):
             raise ApiError(400, f"{name} is not supported (it would change the target's distribution, which "
                                 "speculation reproduces exactly); only 0 or null", param=name)
-    if getattr(body, "echo", None):
-        raise ApiError(400, "echo (the prompt's log-probabilities) is not supported; only null or false",
-                       param="echo")
+    if body.max_tokens == 0 and not getattr(body, "echo", None):
+        raise ApiError(400, "max_tokens must be >= 1 (0 only with echo: true, to score the prompt)",
+                       param="max_tokens")
     if getattr(body, "top_logprobs", None) and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if body.stream_options is not None and not body.stream:
@@ -545,49 +611,6 @@ def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[in
 
 
 # ----------------------------------------------------------------------------- the app
-MAX_BODY_BYTES = 4 << 20  # a request body's size at most (the longest context's text fits many times over)
-
-
-class BodyLimit:
-    """Requests whose body is larger than ``limit`` bytes get a 413 before anything parses them:
-    by their Content-Length at once, or, sent in chunks, as soon as the chunks pass the limit."""
-
-    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await self.refuse(scope, receive, send)
-        if length is not None:
-            return await self.app(scope, receive, send)
-        body, more = b"", True  # sent in chunks: read them here, up to the limit, then hand them on
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.limit:
-                return await self.refuse(scope, receive, send)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def refuse(self, scope: dict, receive: Any, send: Any) -> None:
-        await error_response(413, f"the request body is larger than {self.limit} bytes",
-                             code="body_too_large")(scope, receive, send)
-
-
 @dataclass(frozen=True)
 class Access:
     """Who may call the API. ``api_key``: the /v1 paths require ``Authorization: Bearer KEY``
@@ -634,30 +657,40 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-def create_app(service: Service, access: Access | None = None, max_body: int = MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP API over ``service`` (see the module docstring), open to ``access``. The loop
-    must be running."""
-    access = access or Access()
+class Guard:
+    """ASGI middleware, outermost: a request naming another Host gets 400, one to /v1 without the
+    API key 401, before anything else reads it (see Access)."""
+
+    def __init__(self, app: Any, access: Access) -> None:
+        self.app, self.access = app, access
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers, access = Headers(scope=scope), self.access
+            if access.hosts is not None and host_name(headers.get("host", "")).lower() not in access.hosts:
+                return await error_response(400, f"Host {headers.get('host', '')!r} is not one this server answers "
+                                                 "to (--allowed-hosts)", code="invalid_host")(scope, receive, send)
+            if access.api_key is not None and scope["path"].startswith("/v1/"):
+                given = headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {access.api_key}".encode()):
+                    return await error_response(401, "a valid API key is required: Authorization: Bearer KEY",
+                                                "authentication_error", code="invalid_api_key")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(service: Service, access: Access | None = None, limits: Limits | None = None) -> FastAPI:
+    """The HTTP API over ``service`` (see the module docstring), open to ``access``, each
+    connection within ``limits`` (speculative.serving.connections). The loop must be running."""
+    access, limits = access or Access(), limits or Limits()
     app = FastAPI(title="speculative-llama", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
-    app.add_middleware(BodyLimit, limit=max_body)
+    app.add_middleware(Bounds, limits=limits)  # middleware added later wraps what was added before
     if access.cors:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(access.cors), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Any:
-        if access.hosts is not None and host_name(request.headers.get("host", "")).lower() not in access.hosts:
-            return error_response(400, f"Host {request.headers.get('host', '')!r} is not one this server answers "
-                                       "to (--allowed-hosts)", code="invalid_host")
-        if access.api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {access.api_key}".encode()):
-                return error_response(401, "a valid API key is required: Authorization: Bearer KEY",
-                                      "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    app.add_middleware(Guard, access=access)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -686,7 +719,7 @@ def create_app(service: Service, access: Access | None = None, max_body: int = M
         check_common(service, body)
         too_long(service, [body.prompt] if isinstance(body.prompt, str) else body.prompt, "prompt")
         ids = await asyncio.to_thread(prompt_ids, service, body.prompt)  # not on the event loop
-        return await answer(Exchange(service, request, ids, body, chat=False))
+        return await answer(Exchange(service, request, ids, body, chat=False, limits=limits))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
@@ -697,7 +730,7 @@ def create_app(service: Service, access: Access | None = None, max_body: int = M
             ids = await asyncio.to_thread(encode_dialog, service.tokenizer, turns)  # not on the event loop
         except ValueError as error:
             raise ApiError(400, str(error), param="messages") from None
-        return await answer(Exchange(service, request, ids, body, chat=True))
+        return await answer(Exchange(service, request, ids, body, chat=True, limits=limits))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

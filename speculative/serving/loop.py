@@ -35,6 +35,7 @@ from typing import Any
 from speculative.engine.engine import Engine, Row
 from speculative.engine.gamma import Iteration, LoadGamma, settle
 from speculative.sampling import Sampling
+from speculative.serving.threads import ThreadTuner
 
 GREEDY = Sampling(temperature=0.0)
 WINDOW_S = 10.0  # /metrics' rates are over the last this many seconds
@@ -48,6 +49,16 @@ class OverloadedError(Exception):
         super().__init__(f"the server is at capacity: {waiting} requests are waiting already; retry in "
                          f"{retry_after} s")
         self.waiting, self.retry_after = waiting, retry_after
+
+
+class DeadlineError(Exception):
+    """A request passed one of the loop's deadlines: ``queue`` (it waited that long for a row)
+    or not (it ran that long); ``seconds`` is the deadline."""
+
+    def __init__(self, queue: bool, seconds: float) -> None:
+        super().__init__(f"the request waited more than {seconds:g} s for a place in the batch (--queue-timeout)"
+                         if queue else f"the request ran longer than {seconds:g} s (--request-timeout)")
+        self.queue, self.seconds = queue, seconds
 
 
 @dataclass(eq=False)
@@ -64,6 +75,7 @@ class Ticket:
     gamma: int | None = None  # pinned gamma, or None: the policy's
     eos_id: int | None = None
     logprobs: int | None = None  # record the tokens' log-probabilities and this many top ones (None: not)
+    echo: bool = False  # and the prompt's (Engine.add)
     on_tokens: Callable[[list[int]], None] = lambda ids: None
     on_done: Callable[[Ticket], None] = lambda ticket: None
     row: Row | None = None
@@ -88,13 +100,19 @@ class EngineLoop:
     """An engine driven by one thread (see the module docstring). ``max_waiting``:
     requests admitted but not yet in the batch, at most (further ones raise OverloadedError);
     ``policy``: the engine's gamma policy (LoadGamma, FixedGamma, or None for the engine's
-    own gamma)."""
+    own gamma); ``queue_timeout``, ``request_timeout``: seconds a request may wait for a row,
+    and in all (None: no limit), after which it ends with a DeadlineError; ``tuner``: chooses
+    the operators' thread count (speculative.serving.threads)."""
 
     def __init__(self, engine: Engine, *, max_waiting: int = 64, policy: Callable[[Engine], int] | None = None,
-                 log: Callable[[str], None] | None = None, stall_after: float = 60.0) -> None:
+                 log: Callable[[str], None] | None = None, stall_after: float = 60.0,
+                 queue_timeout: float | None = None, request_timeout: float | None = None,
+                 tuner: ThreadTuner | None = None) -> None:
         if max_waiting < 1:  # a request waits for the loop to take it: 0 would refuse every request
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine, self.max_waiting, self.policy = engine, max_waiting, policy
+        self.tuner = tuner  # the operators' thread count, chosen by measuring (speculative.serving.threads)
+        self.queue_timeout, self.request_timeout = queue_timeout, request_timeout
         engine.policy = policy
         self.log = log or (lambda line: print(line, file=sys.stderr))
         self.lock = threading.Condition()
@@ -224,6 +242,7 @@ class EngineLoop:
                 for ticket in cancels:
                     if ticket.row is not None:
                         self.engine.cancel(ticket.row)
+                self.expire()
                 if not self.engine.idle:
                     self.step()
                     self.beat = time.monotonic()
@@ -244,16 +263,35 @@ class EngineLoop:
         try:
             ticket.row = self.engine.add(ticket.prompt, ticket.max_new_tokens, eos_id=ticket.eos_id, seed=ticket.seed,
                                          sampling=ticket.sampling, gamma=ticket.gamma, logprobs=ticket.logprobs,
-                                         callback=lambda ids, drafted: self.tokens_out(ticket, ids))
-        except ValueError as error:
+                                         echo=ticket.echo, callback=lambda ids, drafted: self.tokens_out(ticket, ids))
+        except Exception as error:  # its own: a ValueError for bad input, anything else fails it alone too
             ticket.error = error
             self.end(ticket)
             return
         self.tickets[ticket.row] = ticket
 
+    def expire(self) -> None:
+        """Requests past a deadline leave (as cancelled rows do) with a DeadlineError: those still
+        waiting for a row after queue_timeout seconds, and any after request_timeout."""
+        if self.queue_timeout is None and self.request_timeout is None:
+            return
+        now, waiting = time.perf_counter(), {id(row) for row in self.engine.waiting}
+        for ticket in list(self.tickets.values()):
+            age = now - ticket.submitted
+            if ticket.cancelled or ticket.error is not None:
+                continue
+            if self.queue_timeout is not None and age > self.queue_timeout and id(ticket.row) in waiting:
+                ticket.error = DeadlineError(True, self.queue_timeout)
+            elif self.request_timeout is not None and age > self.request_timeout:
+                ticket.error = DeadlineError(False, self.request_timeout)
+            else:
+                continue
+            self.engine.cancel(ticket.row)
+
     def step(self) -> None:
         engine, stats = self.engine, self.engine.stats
         before = (stats.iterations, stats.draft_time_s, stats.target_time_s)
+        probe = self.tuner is not None and self.tuner.probing is not None
         start = self.step_started = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - start
@@ -282,7 +320,9 @@ class EngineLoop:
                        tokens, overlap, positions, clean=not prompt_read and (gamma == 0 or self.last_gamma > 0))
         self.last_gamma = gamma
         self.metrics.observe(it)
-        if hasattr(self.policy, "observe"):
+        if self.tuner is not None and it.clean:
+            self.tuner.observe((took_part, gamma), seconds)
+        if hasattr(self.policy, "observe") and not probe:  # a probe's times are not the chosen count's
             self.policy.observe(it)
         if stats.iterations % 256 == 0:  # the engine's records of rows long gone
             stats.rows = [row.stats for row in [*engine.rows, *engine.waiting]]
@@ -478,6 +518,14 @@ def prometheus(loop: EngineLoop, prefix: str = "speculative_") -> str:
     metric("generated_tokens_total", "counter", "Tokens emitted since start.", [("", m.tokens)])
     metric("prompt_tokens_total", "counter", "Prompt tokens read since start.", [("", m.prompt_tokens)])
     metric("last_step_seconds", "gauge", "Seconds the engine's latest iteration took.", [("", m.last_step_s)])
+    if loop.tuner is not None:
+        tuner = loop.tuner
+        metric("threads", "gauge", "Threads the engine's operators use now (chosen by measuring them).",
+               [("", tuner.probing or tuner.threads)])
+        metric("thread_probes_total", "counter", "Times another thread count was tried for a few iterations.",
+               [("", tuner.probes)])
+        metric("thread_switches_total", "counter", "Times a tried thread count measured faster and was kept.",
+               [("", tuner.switches)])
     for name, histogram, help_text in (
             ("time_to_first_token_seconds", m.first_token, "From a request's arrival to its first tokens."),
             ("inter_token_seconds", m.inter_token, "Between a request's tokens (an iteration's tokens share its "
@@ -513,5 +561,5 @@ def prometheus(loop: EngineLoop, prefix: str = "speculative_") -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["EngineLoop", "Metrics", "OverloadedError", "Service", "Ticket",
+__all__ = ["DeadlineError", "EngineLoop", "Metrics", "OverloadedError", "Service", "Ticket",
            "prometheus"]

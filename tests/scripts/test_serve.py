@@ -346,12 +346,11 @@ def error_of(call) -> tuple[int, dict, httpx.Headers]:
 @pytest.mark.parametrize("options, status, words", [
     ({"temperature": 3}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
-    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 0}, 400, "0 only with echo"),
     ({"n": 2}, 400, "n:"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ({"stop": ["x" * 1025]}, 400, "at most 1024 characters"),  # four 1 MB stops stalled the event loop
     ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
-    ({"extra_body": {"echo": True}}, 400, "echo (the prompt's log-probabilities) is not supported"),
     ({"logprobs": 21}, 400, "logprobs"),
     ({"stream_options": {"include_usage": True}}, 400, "only allowed with stream: true"),  # it was ignored
     ({"extra_body": {"top_k": 0}}, 400, "top_k"),
@@ -606,6 +605,58 @@ def test_logprobs_are_the_target_s_own_streamed_or_not(speculate: bool) -> None:
         assert values == pytest.approx([float(expected[j, t]) for j, t in enumerate(streamed)], abs=1e-6)
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+def test_echo_scores_the_prompt_with_the_target_s_own_logprobs(speculate: bool) -> None:
+    """echo was refused, so evaluation harnesses (which score a text as echo, logprobs and
+    max_tokens 0) could not use the server. The prompt comes back in front of the completion,
+    and each prompt token after the first has the target's own log-probability given the ones
+    before it (the first has none, as in OpenAI's answers), whole or streamed."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    draft = noisy_copy(target, std=0.2, seed=1) if speculate else None
+    prompt = [1, 2, 3, 7, 5]
+    with torch.no_grad():
+        own = torch.log_softmax(target(torch.tensor([prompt]))[0], dim=-1)
+    expected = [None] + [float(own[i, t]) for i, t in enumerate(prompt[1:])]
+    with toy_server(target, draft) as server:
+        scored = server.client.completions.create(model="toy", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+        choice = scored.choices[0]
+        assert choice.text == "bcdhf" and scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+        assert choice.logprobs.tokens == list("bcdhf")
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-9)
+        for i, tops in enumerate(choice.logprobs.top_logprobs[1:]):
+            assert list(tops) == [chr(97 + t) for t in own[i].topk(2).indices.tolist()]
+        plain = server.client.completions.create(model="toy", prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
+        both = server.client.completions.create(model="toy", prompt=prompt, max_tokens=6, temperature=0, logprobs=1,
+                                                echo=True)
+        assert both.choices[0].text == "bcdhf" + plain.choices[0].text
+        assert both.choices[0].logprobs.token_logprobs == pytest.approx(
+            expected + plain.choices[0].logprobs.token_logprobs, abs=1e-9)
+        assert both.choices[0].logprobs.text_offset == list(range(11))
+        chunks = list(server.client.completions.create(model="toy", prompt=prompt, max_tokens=6, temperature=0,
+                                                       logprobs=1, echo=True, stream=True))
+        assert chunks[0].choices[0].text == "bcdhf"
+        assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-9)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == both.choices[0].text
+        unscored = server.client.completions.create(model="toy", prompt="bcd", max_tokens=2, temperature=0, echo=True)
+        assert unscored.choices[0].text.startswith("bcd") and unscored.choices[0].logprobs is None
+
+
+def test_stream_usage_comes_as_openai_sends_it() -> None:
+    """With stream_options.include_usage OpenAI sends "usage": null on every chunk and the
+    usage in one last chunk without choices; the chunks had no usage field but the last two."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    with toy_server(target, None) as server:
+        body = {"model": "toy", "prompt": [1, 2], "max_tokens": 5, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+        chunks = [json.loads(line[6:]) for line in lines]
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
 def test_chat_logprobs_in_openai_s_shape_are_the_shipped_target_s_own(shipped) -> None:
     from speculative.serving.text import encode_dialog
     from weights import load_model
@@ -729,94 +780,3 @@ def test_the_retry_after_estimate_is_bounded() -> None:
     now = time.perf_counter()
     loop.metrics.ends.extend([now] * 3)  # 0.3 requests per second over the window
     assert loop.retry_after(6) == math.ceil(6 / 0.3) and loop.retry_after(600) == 60
-
-
-def test_an_engine_failure_ends_serve_py_with_a_non_zero_status(monkeypatch, capsys) -> None:
-    """A failing engine answered every request in flight and then ended serve.py with status 0, so
-    a supervisor saw a clean stop: the request now gets its 503 and serve.py returns 1. serve.py
-    runs here in the test's own thread (it runs the engine in its caller's); a client thread
-    sends the request that the injected fault fails."""
-    from speculative.engine import engine as engine_module
-
-    real = engine_module.Engine.step
-
-    def failing(self):
-        if self.waiting or self.rows:
-            raise RuntimeError("injected: the device failed")
-        return real(self)
-
-    monkeypatch.setattr(engine_module.Engine, "step", failing)
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    answers: list[int] = []
-
-    def client() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                            json={"model": "tiny-target", "prompt": "Once", "max_tokens": 4})
-        answers.append(answer.status_code)
-
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    status = serve.main(["--port", str(port), "--speculation", "off", "--threads", "1"])
-    thread.join(30)
-    assert status == 1 and answers == [503], (status, answers)
-    assert "engine failed" in capsys.readouterr().err
-
-
-def started_serve_py(*flags: str) -> tuple[subprocess.Popen, str]:
-    """serve.py in a process of its own on a free 127.0.0.1 port, once its start-up line is out."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--speculation", "off", *flags], cwd=ROOT,
-                               env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stderr.readline()
-        if not line or line.startswith("serving "):
-            break
-    assert line.startswith("serving "), line
-    return process, line.split(" on ")[1].split()[0]
-
-
-@pytest.mark.parametrize("grace, status", [(60.0, 0), (0.3, 3)])
-def test_sigterm_lets_requests_in_hand_finish_within_the_grace_then_cuts_them(grace: float, status: int) -> None:
-    """SIGTERM ended the loop at once with status 0, cutting every request in flight. Now: no new
-    requests (503, /health 503 'draining'), those in hand finish within --grace, and the status
-    says whether they all did (0) or some were cut (3)."""
-    process, url = started_serve_py("--grace", str(grace))
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            long = pool.submit(httpx.post, f"{url}/v1/completions", timeout=60,
-                               json={"model": "tiny-target", "prompt": "Once", "max_tokens": 400, "temperature": 0})
-            deadline = time.monotonic() + 30
-            while httpx.get(f"{url}/health", timeout=10).json()["running"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            process.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
-            if grace > 1:
-                health = httpx.get(f"{url}/health", timeout=10)
-                assert health.status_code == 503 and health.json()["status"] == "draining"
-                late = httpx.post(f"{url}/v1/completions", timeout=10,
-                                  json={"model": "tiny-target", "prompt": "Hi", "max_tokens": 2})
-                assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
-            answer = long.result(timeout=60)
-        if status == 0:
-            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
-        else:
-            assert answer.status_code == 503
-        assert process.wait(timeout=60) == status
-        rest = process.stderr.read()
-        assert "Traceback" not in rest and ("unfinished" in rest) == (status == 3), rest
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-        process.stderr.close()

@@ -1,0 +1,53 @@
+"""serve.py with faults planted, for the fault suite (tests/scripts/test_serve_faults.py):
+
+    python -m tests.support.faulty_serve [serve.py's flags]
+
+It is serve.py itself (its main, its flags, its process), with three faults that a request
+sets off by holding a marker token id in its prompt (given as token ids):
+
+* ROW_FAULT: the handler of that request's tokens raises, in the engine's step (a fault of
+  one row: it must fail that request alone);
+* ENGINE_FAULT: the engine's step raises before it begins (a fault of no row: every request in
+  flight gets 503, /health says so, and serve.py exits 1);
+* STALL: the engine's step hangs for STALL_S seconds, once per such request (a stuck engine:
+  /health turns 503, deadlines pass).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import serve
+from speculative.engine.engine import Engine
+from speculative.serving.loop import EngineLoop
+
+ROW_FAULT, ENGINE_FAULT, STALL = 2001, 2002, 2003  # token ids (the shipped pair has 2048)
+STALL_S = 2.5
+
+real_step, real_tokens_out = Engine.step, EngineLoop.tokens_out
+stalled: set[int] = set()
+
+
+def step(self: Engine) -> list:
+    rows = [*self.rows, *self.waiting]
+    if any(ENGINE_FAULT in row.prompt for row in rows):
+        raise RuntimeError("planted: the device failed outside any row")
+    for row in rows:
+        if STALL in row.prompt and id(row) not in stalled:
+            stalled.add(id(row))
+            time.sleep(STALL_S)
+    return real_step(self)
+
+
+def tokens_out(self: EngineLoop, ticket, ids: list[int]) -> None:
+    if ROW_FAULT in ticket.prompt:
+        raise RuntimeError("planted: this request's handler failed")
+    real_tokens_out(self, ticket, ids)
+
+
+Engine.step = step
+EngineLoop.tokens_out = tokens_out
+
+if __name__ == "__main__":
+    sys.exit(serve.main(sys.argv[1:]))
