@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -70,15 +71,40 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
+def server_specs(args: argparse.Namespace) -> dict[str, tuple[Path, list[str]]]:
+    """Every server to measure by label: its checkout and its serve.py flags. --modes gives one
+    per speculation mode; --server LABEL[@CHECKOUT]=FLAGS adds any other (another commit's
+    serve.py from its own checkout, say, to compare before and after in one run)."""
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    specs = {mode: (ROOT, ["--speculation", mode, *threads]) for mode in args.modes}
+    for spec in args.server:
+        label, _, flags = spec.partition("=")
+        label, _, root = label.partition("@")
+        specs[label] = (Path(root).resolve() if root else ROOT, shlex.split(flags))
+    return specs
+
+
+class Neighbour:
+    """Another process that keeps one core busy (a pure-Python loop), as a sidecar, a gateway
+    or a load generator on the same machine would."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait(10)
+
+
 class Server:
     """serve.py in a subprocess, on a free port of 127.0.0.1."""
 
-    def __init__(self, mode: str, args: argparse.Namespace) -> None:
-        command = [sys.executable, str(ROOT / "serve.py"), "--port", "0", "--speculation", mode,
-                   "--max-batch", str(args.max_batch), "--threads", str(args.threads), "--gamma", str(args.gamma),
-                   "--max-waiting", "256"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    def __init__(self, mode: str, args: argparse.Namespace, root: Path = ROOT, flags: list[str] | None = None) -> None:
+        flags = ["--speculation", mode, "--threads", str(args.threads)] if flags is None else flags
+        command = [sys.executable, str(root / "serve.py"), "--port", "0", "--max-batch", str(args.max_batch),
+                   "--gamma", str(args.gamma), "--max-waiting", "256", *flags]
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        self.process = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         deadline = time.monotonic() + args.start_timeout
         while time.monotonic() < deadline:
@@ -176,17 +202,20 @@ def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every mode's server at once (idle ones cost nothing), every level run for each mode in
     turns, --repeats-levels times in rotating order: a slow moment of a shared machine falls on
     every mode alike, and each mode keeps its best repeat (load only ever slows a run)."""
-    servers = {mode: Server(mode, args) for mode in args.modes}
+    servers = {label: Server(label, args, root, flags) for label, (root, flags) in server_specs(args).items()}
+    neighbour = None
     try:
         for server in servers.values():  # warm-up: first calls, the allocator, the policy's first updates
             asyncio.run(level(server.url, 1, 2, args))
+        if args.neighbour:  # after start-up: the servers calibrated alone, and meet it while serving
+            neighbour = Neighbour()
         runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in servers}
         for concurrency in args.concurrency:
             for repeat in range(args.repeats_levels):
                 for mode in turn_order(list(servers), repeat):
                     figures = measured_level(servers[mode], concurrency, args)
                     runs[mode].append([figures]) if repeat == 0 else runs[mode][-1].append(figures)
-                    print(f"{mode:>4} c={concurrency:<2} {figures['tokens_per_s']:7.1f} tok/s  TTFT p50 "
+                    print(f"{mode:>8} c={concurrency:<2} {figures['tokens_per_s']:7.1f} tok/s  TTFT p50 "
                           f"{1e3 * figures['ttft_p50']:6.1f} ms  ITL p50 {1e3 * figures['itl_p50']:5.2f} p99 "
                           f"{1e3 * figures['itl_p99']:6.2f} ms  e2e p50 {figures['e2e_p50']:5.2f} s  speculating "
                           f"{figures['speculation_on'] or 0:.2f}", file=sys.stderr, flush=True)
@@ -198,6 +227,8 @@ def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "policy_gamma": policy})
         return results
     finally:
+        if neighbour is not None:
+            neighbour.stop()
         for server in servers.values():
             server.stop()
 
@@ -286,9 +317,10 @@ def plot(results: list[dict[str, Any]], prefix: str) -> list[str]:
     plt = pyplot()
     styles = {"on": ("tab:green", "always on (γ 4)"), "off": ("tab:gray", "always off"),
               "load": ("tab:blue", "decided by load")}
+    others = iter(["tab:orange", "tab:red", "tab:purple", "tab:brown", "tab:olive", "tab:cyan"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for result in results:
-        color, label = styles[result["mode"]]
+        color, label = styles.get(result["mode"]) or (next(others, "black"), result["mode"])
         c = [row["concurrency"] for row in result["levels"]]
         axes[0].plot(c, [1e3 * row["itl_p50"] for row in result["levels"]], "o-", color=color, label=f"{label} p50")
         axes[0].plot(c, [1e3 * row["itl_p99"] for row in result["levels"]], "o--", color=color, alpha=0.5,
@@ -308,6 +340,12 @@ def plot(results: list[dict[str, Any]], prefix: str) -> list[str]:
     path = f"{prefix}.png"
     save_figure(fig, path)
     return [path]
+
+
+def repeats_of(document: dict[str, Any], mode: str, concurrency: int) -> list[dict[str, Any]]:
+    """Every repeat of one server's level (the tables show the best; the medians beside them)."""
+    result = next(r for r in document["results"] if r["mode"] == mode)
+    return next(repeats for repeats in result["repeats"] if repeats[0]["concurrency"] == concurrency)
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -331,6 +369,18 @@ def markdown(document: dict[str, Any]) -> str:
             lines.append(f"| {c} | {load['itl_p50'] / off['itl_p50']:.3f} (1/{off['itl_p50'] / load['itl_p50']:.2f}) | "
                          f"{load['tokens_per_s'] / best:.3f} |")
         lines.append("")
+    labels = list(by_mode)
+    if len(labels) > 1 and not {"on", "off", "load"} <= set(labels):  # servers compared: tokens/s side by side
+        lines += ["| clients | " + " | ".join(f"{label} tokens/s" for label in labels) + " | " +
+                  " | ".join(f"{label} / {labels[0]}" for label in labels[1:]) + " |",
+                  "|---:|" + "---:|" * (2 * len(labels) - 1)]
+        for c in by_mode[labels[0]]:
+            rates = [by_mode[label][c]["tokens_per_s"] for label in labels]
+            medians = [median([r["tokens_per_s"] for r in repeats_of(document, label, c)]) for label in labels]
+            lines.append(f"| {c} | " + " | ".join(f"{rate:.0f} (median {m:.0f})" for rate, m in zip(rates, medians))
+                         + " | " + " | ".join(f"{rate / rates[0]:.3f} (median {m / medians[0]:.3f})"
+                                              for rate, m in zip(rates[1:], medians[1:])) + " |")
+        lines.append("")
     for cost in document.get("overhead", []):
         lines.append(f"- {cost['mode']}: server {1e3 * cost['server_e2e_s']:.0f} ms end to end, generate.py's call "
                      f"{1e3 * cost['generate_warm_s']:.0f} ms ({100 * cost['overhead_vs_warm']:+.1f}%), from another "
@@ -346,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=8, help="requests per level at least (2 per client at least)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="the --modes servers' threads (0: serve.py's default)")
+    parser.add_argument("--server", action="append", default=[], metavar="LABEL[@CHECKOUT]=FLAGS",
+                        help="another server to measure: serve.py FLAGS, from CHECKOUT's serve.py if given")
+    parser.add_argument("--neighbour", action="store_true",
+                        help="a process keeping one core busy runs beside the servers while they are measured")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7, help="runs of each side of the overhead comparison")
@@ -365,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.time()
     load = load_average()
-    results = run_modes(args) if args.modes else []
+    results = run_modes(args) if args.modes or args.server else []
     costs = [] if args.no_overhead else overhead(args)
     for cost in costs:
         print(f"server cost ({cost['mode']}): {cost['server_e2e_s']:.3f} s end to end against generate.py's call, "
