@@ -46,7 +46,7 @@ from speculative.engine import DEFAULT_GAMMA
 from speculative.engine.gamma import FixedGamma, LoadGamma
 from speculative.inputs import GAMMA_MAX
 from speculative.serving.loop import EngineLoop, Service
-from speculative.serving.threads import ThreadTuner
+from speculative.serving.threads import ThreadTuner, openmp_threads
 from speculative.verify import RULES
 from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
 from weights.step_cache import ENV, default_dir
@@ -196,7 +196,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     # Fewer threads when they measure faster (a neighbour on the cores), on a CPU with threads to spare.
     tuner = None
     if args.threads is None and device.type == "cpu":
-        tuner = ThreadTuner(most, torch.set_num_threads, log=lambda line: print(line, file=sys.stderr, flush=True))
+        tuner = ThreadTuner(most, openmp_threads(), log=lambda line: print(line, file=sys.stderr, flush=True))
     loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy, stall_after=args.stall_after, tuner=tuner,
                       queue_timeout=args.queue_timeout or None, request_timeout=args.request_timeout or None)
     if here:

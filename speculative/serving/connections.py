@@ -40,10 +40,6 @@ class BodyTooLargeError(Exception):
     pass
 
 
-class SlowReaderError(Exception):
-    """A write of the answer waited longer than the write timeout for the client to read."""
-
-
 async def refuse(send: Any, status: int, message: str, code: str) -> None:
     """An OpenAI-style JSON error, sent as plain ASGI messages (nothing below parsed the request)."""
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
@@ -85,17 +81,38 @@ class Bounds:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        async def bounded(message: dict) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.limits.write_timeout)
-            except TimeoutError:
-                raise SlowReaderError() from None
+        # The write deadline: one timer per request looks at the write in progress, if any,
+        # every half deadline (a timeout around every write would cost a task per SSE chunk).
+        loop, task, timeout = asyncio.get_running_loop(), asyncio.current_task(), self.limits.write_timeout
+        writing: list[float] = []  # when the write in progress began
+        slow = False
 
+        async def bounded(message: dict) -> None:
+            writing.append(loop.time())
+            try:
+                await send(message)
+            finally:
+                writing.pop()
+
+        def watch() -> None:
+            nonlocal slow, timer
+            if writing and loop.time() - writing[0] > timeout:
+                slow = True
+                task.cancel()
+            else:
+                timer = loop.call_later(timeout / 2, watch)
+
+        timer = loop.call_later(timeout / 2, watch)
         try:
             await self.app(scope, replay, bounded)
-        except SlowReaderError:
+        except asyncio.CancelledError:
+            if not slow:
+                raise
+            task.uncancel()
             print(f"error: {scope.get('method')} {scope.get('path')}: the client read nothing for "
-                  f"{self.limits.write_timeout:g} s: its connection is dropped", file=sys.stderr, flush=True)
+                  f"{timeout:g} s: its connection is dropped", file=sys.stderr, flush=True)
+        finally:
+            timer.cancel()
 
     async def read(self, receive: Any) -> bytes | None:
         body, more = b"", True
@@ -167,4 +184,4 @@ def header_deadline(protocol: type, seconds: float) -> type:
     return HeaderDeadline
 
 
-__all__ = ["MAX_BODY_BYTES", "Bounds", "Limits", "SlowReaderError", "header_deadline", "http_protocol"]
+__all__ = ["MAX_BODY_BYTES", "Bounds", "Limits", "header_deadline", "http_protocol"]

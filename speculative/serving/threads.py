@@ -19,11 +19,40 @@ slow iterations; a probe that is faster by ``margin`` becomes the choice.
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 Shape = tuple[int, int]  # (rows in the iteration, gamma)
+
+
+def openmp_threads() -> Callable[[int], None]:
+    """The function that sets the operators' thread count in the calling thread: omp_set_num_threads
+    of the OpenMP runtime torch's operators use (of those this process loaded, in
+    /proc/self/maps, the one whose setting torch.get_num_threads() then reports: other
+    packages bring their own, sentencepiece for one), else torch.set_num_threads.
+    torch.set_num_threads also turns MKL's choice of fewer threads for small products off for
+    good and clears oneDNN's primitive cache: after it, batches of 8 rows decoded 9-10% slower
+    on the machine of docs/serving.md, even at the same count."""
+    import torch
+
+    maps = Path("/proc/self/maps")
+    paths = {line.split()[-1] for line in maps.read_text().splitlines()} if maps.exists() else set()
+    now = torch.get_num_threads()
+    other = 2 if now == 1 else 1
+    for path in sorted(p for p in paths if any(name in Path(p).name for name in ("libgomp", "libiomp", "libomp"))):
+        try:
+            apply = ctypes.CDLL(path).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        apply(other)
+        works = torch.get_num_threads() == other
+        apply(now)
+        if works:
+            return apply
+    return torch.set_num_threads
 
 
 def ladder(most: int) -> list[int]:

@@ -99,3 +99,27 @@ def test_one_core_has_nothing_to_choose(most: int) -> None:
     for _ in range(100):
         tuner.observe((1, 4), 1.0)
     assert not tuner.active and calls == []
+
+
+def test_the_openmp_setter_changes_this_thread_s_operator_threads() -> None:
+    """serve.py's setter changes the count torch's operators use in the calling thread (checked
+    in a thread of its own, whose OpenMP settings are its own)."""
+    import threading
+
+    import torch
+
+    from speculative.serving.threads import openmp_threads
+
+    seen: list[int] = []
+
+    def probe() -> None:
+        apply = openmp_threads()
+        apply(1)
+        seen.append(torch.get_num_threads())
+        apply(2)
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join(30)
+    assert seen == [1, 2]
