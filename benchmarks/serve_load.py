@@ -1,7 +1,7 @@
 """A bounded, closed-loop load test of serve.py on 127.0.0.1: speculation always on (gamma 4),
 always off, and decided by the load, at 1, 2, 4, 8 and 16 concurrent clients.
 
-    python -m benchmarks.serve_load                              # the shipped pair, 2 threads, greedy
+    python -m benchmarks.serve_load                              # the shipped pair, greedy
     python -m benchmarks.serve_load --concurrency 1 4 --modes load off --max-tokens 64
     python -m benchmarks.serve_load --repeats 9 --repeats-levels 3 --out docs/results/serving_load.json \\
         --plot-prefix docs/results/serving_load --markdown     # docs/serving.md's run
@@ -100,7 +100,8 @@ class Server:
     """serve.py in a subprocess, on a free port of 127.0.0.1."""
 
     def __init__(self, mode: str, args: argparse.Namespace, root: Path = ROOT, flags: list[str] | None = None) -> None:
-        flags = ["--speculation", mode, "--threads", str(args.threads)] if flags is None else flags
+        flags = ["--speculation", mode, *(["--threads", str(args.threads)] if args.threads else [])] \
+            if flags is None else flags
         command = [sys.executable, str(root / "serve.py"), "--port", "0", "--max-batch", str(args.max_batch),
                    "--gamma", str(args.gamma), "--max-waiting", "256", *flags]
         env = {**os.environ, "PYTHONPATH": str(root)}
@@ -237,7 +238,7 @@ def generate_time(args: argparse.Namespace, prompt: str, extra: list[str]) -> fl
     """generate.py's own time for one prompt, as a command: wall_time_s of its --json (the
     generation call, loading excluded, but a fresh process's first calls included)."""
     command = [sys.executable, str(ROOT / "generate.py"), "--prompt", prompt, "--max-new-tokens",
-               str(args.max_tokens), "--threads", str(args.threads), "--json", *extra]
+               str(args.max_tokens), *(["--threads", str(args.threads)] if args.threads else []), "--json", *extra]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     return json.loads(out.stdout)["stats"]["wall_time_s"]
@@ -255,7 +256,8 @@ def warm_call(args: argparse.Namespace, prompt: str, speculative: bool) -> Any:
     from speculative.serving.text import encode_prompt
     from weights import load_pair
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_pair("tiny-target", "tiny-draft" if speculative else None)
     ids = encode_prompt(tokenizer, prompt)
 
@@ -396,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=8, help="requests per level at least (2 per client at least)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--threads", type=int, default=2, help="the --modes servers' threads (0: serve.py's default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="the --modes servers' --threads (default 0: none given, serve.py's own choice)")
     parser.add_argument("--server", action="append", default=[], metavar="LABEL[@CHECKOUT]=FLAGS",
                         help="another server to measure: serve.py FLAGS, from CHECKOUT's serve.py if given")
     parser.add_argument("--neighbour", action="store_true",
