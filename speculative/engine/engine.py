@@ -42,6 +42,7 @@ them asks for: ``drafter.reads_features``), ``setup_cache``, ``move_cache``, ``c
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -516,15 +517,14 @@ def record_prompts(rows: list[Row], starts: list[int], logits: torch.Tensor) -> 
     if not asking:
         return
     laws = torch.cat([logits[b, :len(rows[b].prompt) - 1] for b in asking])
-    finite = read_host([torch.isfinite(laws).all(-1)])[0]
     records = token_logprobs(laws, [t for b in asking for t in rows[b].prompt[1:]],
                              [rows[b].logprobs or 0 for b in asking for _ in rows[b].prompt[1:]])
     for b in asking:
         n = len(rows[b].prompt) - 1
-        if not all(finite[:n]):
+        if not all(math.isfinite(value) for value, _ in records[:n]):  # finite logits give a finite log p
             rows[b].error = NonFiniteLogitsError()
         rows[b].prompt_record += records[:n]
-        records, finite = records[n:], finite[n:]
+        records = records[n:]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[Logprob]:

@@ -213,7 +213,7 @@ class Exchange:
         self.limits = limits or Limits()
         self.prompt = prompt
         self.echo = bool(getattr(body, "echo", None))
-        self.keep = None if body.max_tokens != 0 else 0  # tokens to hand out at most (None: all)
+        self.scoring = body.max_tokens == 0  # echo alone: the prompt scored, no token handed out
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
@@ -283,7 +283,7 @@ class Exchange:
                 yield IDLE
                 continue
             kept = len(self.output.tokens)
-            if self.output.stopped or self.keep == 0:
+            if self.output.stopped or self.scoring:
                 continue  # tokens of the iteration that was running when the stop string was met
             text = self.output.add(ids)
             if self.output.stopped:
@@ -355,10 +355,7 @@ class Exchange:
                                  "top_logprobs": [{"token": name(i), "logprob": w, "bytes": list(name(i).encode())}
                                                   for i, w in tops]}
                                 for t, (v, tops) in zip(ids, record)]}
-        texts = [name(t) for t in ids]
-        offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]
-        return {"tokens": texts, "token_logprobs": [v for v, _ in record],
-                "top_logprobs": [{name(i): w for i, w in tops} for _, tops in record], "text_offset": offsets}
+        return completion_logprobs(self.service.tokenizer, ids, record)
 
     def echoed(self) -> tuple[str, dict[str, Any] | None]:
         """With echo: the prompt's text and, with logprobs, the prompt tokens' log-probabilities
@@ -368,11 +365,7 @@ class Exchange:
         row = self.ticket.row
         if self.body.logprobs is None or row is None or len(row.prompt_record) != len(self.prompt):
             return text, None
-        name = lambda token: token_text(self.service.tokenizer, token)  # noqa: E731
-        texts = [name(t) for t in self.prompt]
-        return text, {"tokens": texts, "token_logprobs": [r and r[0] for r in row.prompt_record],
-                      "top_logprobs": [r and {name(i): w for i, w in r[1]} for r in row.prompt_record],
-                      "text_offset": [sum(map(len, texts[:i])) for i in range(len(texts))]}
+        return text, completion_logprobs(self.service.tokenizer, self.prompt, row.prompt_record)
 
     def choice(self, text: str, ids: list[int], finish: str | None, delta: bool, start: int = 0,
                echo: bool = False) -> dict[str, Any]:
@@ -482,6 +475,16 @@ async def anext_or_none(pieces: AsyncIterator[tuple[str, list[int]]]) -> tuple[s
         return await pieces.__anext__()
     except StopAsyncIteration:
         return None
+
+
+def completion_logprobs(tokenizer: Any, ids: Sequence[int], records: Sequence[Any]) -> dict[str, Any]:
+    """A completion's logprobs in OpenAI's shape: each token's text, its log-probability and its
+    top ones by text (``records``: the engine's (log p, [(id, log p)]) per token, or None where
+    there is none: an echoed prompt's first token), and where each token's text begins."""
+    texts = [token_text(tokenizer, t) for t in ids]
+    return {"tokens": texts, "token_logprobs": [r and r[0] for r in records],
+            "top_logprobs": [r and {token_text(tokenizer, i): w for i, w in r[1]} for r in records],
+            "text_offset": [sum(map(len, texts[:i])) for i in range(len(texts))]}
 
 
 def join_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:

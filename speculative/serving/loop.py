@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from speculative.engine.engine import Engine, Row
+from speculative.engine.engine import Engine, Row, RowFailedError
 from speculative.engine.gamma import Iteration, LoadGamma, settle
 from speculative.sampling import Sampling
 from speculative.serving.threads import ThreadTuner
@@ -265,7 +265,8 @@ class EngineLoop:
                                          sampling=ticket.sampling, gamma=ticket.gamma, logprobs=ticket.logprobs,
                                          echo=ticket.echo, callback=lambda ids, drafted: self.tokens_out(ticket, ids))
         except Exception as error:  # its own: a ValueError for bad input, anything else fails it alone too
-            ticket.error = error
+            ticket.error = error if isinstance(error, ValueError) else RowFailedError(
+                f"{type(error).__name__}: {error}".splitlines()[0])
             self.end(ticket)
             return
         self.tickets[ticket.row] = ticket
