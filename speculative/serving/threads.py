@@ -72,7 +72,6 @@ class ThreadTuner:
         if most < 1:
             raise ValueError(f"most must be >= 1, got {most}")
         self.counts, self.apply, self.log = ladder(most), apply, log
-        self.probing_from = most
         self.threads = most
         self.window, self.first_gap, self.longest_gap = window, first_gap, longest_gap
         self.margin, self.abort, self.drift = margin, abort, drift
@@ -133,12 +132,12 @@ class ThreadTuner:
     def conclude(self) -> None:
         better = len(self.ratios) >= self.window and statistics.median(self.ratios) < self.margin
         if better:  # the probed count is the choice; its own times start afresh
-            self.probing_from, self.threads = self.threads, self.probing
+            self.log(f"threads: {self.probing} now (they measured {statistics.median(self.ratios):.2f} times the "
+                     f"time of {self.threads})")
+            self.threads = self.probing
             self.recent, self.usual = {}, {}
             self.gap = self.first_gap
             self.switches += 1
-            self.log(f"threads: {self.threads} now (they measured {statistics.median(self.ratios):.2f} times the "
-                     f"time of {self.probing_from})")
         else:
             self.apply(self.threads)
             self.gap = min(2 * self.gap, self.longest_gap)
