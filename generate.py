@@ -57,7 +57,6 @@ from speculative.verify import RULES
 from speculative.verify.tree import branching_parents
 from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
 from weights.load import is_head, plan_configs
-from weights.registry import marked_for_chat
 from weights.step_cache import ENV, default_dir
 
 DEFAULT_TARGET = "tiny-target"
@@ -88,7 +87,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add = parser.add_argument_group("prompt").add_argument
     add("--prompt", default=DEFAULT_PROMPT, help="the text to continue, - for stdin (default %(default)r)")
-    add("--chat", action="store_true", help="wrap the prompt in the Llama-2 chat template")
+    add("--chat", action="store_true", help="the prompt as a user's turn, in the target's own chat template")
     add("--system", default=None, help="system prompt for --chat (default: none)")
     add("--prompts-file", default=None, metavar="FILE", help="one prompt per line (- for stdin), decoded as a batch")
     add("--batch-size", type=int, default=None, metavar="N", help="rows per target call at most (default: all)")
@@ -176,10 +175,11 @@ def print_plan(args: argparse.Namespace) -> int:
 
 
 def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, world_size: int,
-         prompts: list[str] | None) -> tuple[Pair, list[list[int]], Setups | None]:
+         prompts: list[str] | None) -> tuple[Pair, list[list[int]], Setups | None, list[str]]:
     """Read, check and load the pair; everything that can be refused is refused before the
     weights are read. Returns the pair (weights.load), the encoded prompts (the lines of
-    --prompts-file, or [--prompt]) and the set-ups chosen (None for the default set-up)."""
+    --prompts-file, or [--prompt]), the set-ups chosen (None for the default set-up) and notes on
+    the checkpoints (fields not classified, the model's own sampling defaults)."""
     try:
         spec = read_pair(args.target, None if args.no_draft else args.draft)
     except PairMismatchError as err:
@@ -224,15 +224,27 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
                                    stack=not args.no_fuse, prepack=not args.no_prepack)
     except ValueError as err:  # a set-up that does not apply, or --compile force that cannot compile
         raise UsageError(f"{setup_flag(args)}: {err}") from None
-    return pair, encoded, setups
+    return pair, encoded, setups, spec.notes + [line for line in [model_defaults_note(args, spec.sampling_defaults)]
+                                                if line]
+
+
+def model_defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> str | None:
+    """One line naming the target's own sampling defaults (generation_config.json) where they differ
+    from this run's: generate.py keeps its own defaults, which a flag changes (serve.py uses the model's)."""
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+             "max_new_tokens": args.max_new_tokens}
+    differ = {key: value for key, value in defaults.items() if flags[key] != value}
+    if not differ:
+        return None
+    named = ", ".join(f"--{key.replace('_', '-')} {value:g}" for key, value in differ.items())
+    return f"{args.target}'s generation_config.json suggests {named}; this run keeps generate.py's defaults " \
+           "unless those flags are given"
 
 
 def run(args: argparse.Namespace, given: set[str]) -> int:
     validate(args, given)
     is_main = int(os.environ.get("RANK", "0")) == 0  # only rank 0 prints; the others compute silently
     notes = cmdline.unused_flags(args, given)
-    if args.chat and not args.plan:
-        notes += filter(None, [cmdline.chat_warning(args.target, marked_for_chat(args.target))])
     for note in notes if is_main else []:
         print(f"warning: {note}", file=sys.stderr)
     if args.temperature == 0:  # the warned-about flags are dropped, so that settings show what ran
@@ -263,13 +275,15 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     if "no_prepack" in given and is_main and (device.type != "cpu" or not packable(dtype)):
         print(f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
               "prepacked only on the CPU in float32 (and bfloat16 with native bf16)", file=sys.stderr)
-    pair, encoded, setups = load(args, device, dtype, world_size, texts)
+    pair, encoded, setups, load_notes = load(args, device, dtype, world_size, texts)
+    for line in load_notes if not args.json and is_main else []:
+        print(f"note: {line}", file=sys.stderr)
     # Every rank must draw the same random numbers: one seed, rank 0's. A sampled run without
     # --seed gets a fresh one too, chosen here so that the header can show it for repeating the run.
     seed = broadcast_seed(args.seed, device) if args.temperature > 0 else None  # greedy draws no random number
     speculative = pair.draft is not None
     compare = args.compare and speculative
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=pair.tokenizer.eos_id,
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=pair.stop_ids,
                     seed=seed)
     lines = setups.lines
     settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)

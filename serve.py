@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 import threading
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ from speculative.inputs import GAMMA_MAX
 from speculative.serving.loop import EngineLoop, Service
 from speculative.serving.threads import ThreadTuner, openmp_threads
 from speculative.verify import RULES
-from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
+from weights import NonFiniteWeightsError, Pair, PairSpec, StepCache, read_pair
 from weights.step_cache import ENV, default_dir
 
 CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
@@ -105,6 +106,9 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--gamma", type=int, default=DEFAULT_GAMMA, help="draft length with --speculation on; the largest otherwise "
                                              "(default %(default)s)")
     add("--verify", choices=list(RULES), default="token", help=f"{rules_help()} (default %(default)s)")
+    add("--generation-config", choices=("auto", "none"), default="auto",
+        help="auto: the target's generation_config.json gives the sampling defaults (temperature, top_k, top_p, "
+             "max tokens) of the fields a request leaves out; none: OpenAI's defaults (default %(default)s)")
     add("--access-log", action="store_true", help="log every request on stderr")
     return parser
 
@@ -140,10 +144,11 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("serve.py runs in one process: tensor parallelism (torchrun) is not supported")
 
 
-def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Pair, int, Setups]:
+def load(args: argparse.Namespace, device: torch.device,
+         dtype: torch.dtype) -> tuple[Pair, int, Setups, PairSpec]:
     """The pair as generate.py loads it (weights.read_pair, the same set-up and compile choices,
     compiled steps kept in the same cache), for batches of up to --max-batch rows over the whole
-    context. Returns it, the context and its set-up."""
+    context. Returns it, the context, its set-up and what read_pair read."""
     try:
         spec = read_pair(args.target, None if args.no_draft else args.draft)
     except PairMismatchError as err:
@@ -164,7 +169,7 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
                                    stack=not args.no_fuse, prepack=not args.no_prepack)
     except ValueError as err:  # a set-up that does not apply, or --compile force that cannot compile
         raise UsageError(f"--setup {args.setup}: {err}") from None
-    return pair, context, setups
+    return pair, context, setups, spec
 
 
 def start(args: argparse.Namespace, here: bool = False) -> Service:
@@ -176,10 +181,11 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     most = torch.get_num_threads()
-    pair, context, setups = load(args, device, dtype)
+    pair, context, setups, spec = load(args, device, dtype)
     for line in setups.lines:
         print(f"setup: {line}", file=sys.stderr)
-    for line in [*setups.notes, setups.hint] if setups.hint else setups.notes:
+    defaults = spec.sampling_defaults if args.generation_config == "auto" else {}
+    for line in [*spec.notes, *setups.notes, *[setups.hint] * bool(setups.hint), defaults_note(args, defaults)]:
         print(f"note: {line}", file=sys.stderr)
     speculative = pair.draft is not None
     engine = Engine(pair.target, pair.draft, gamma=args.gamma, verify=args.verify, max_rows=args.max_batch,
@@ -205,7 +211,19 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         loop.start()
     mode = args.speculation if speculative else "none"
     return Service(loop, pair.tokenizer, args.name or args.target, context, args.gamma if speculative else 0, mode,
-                   args.draft if speculative else None)
+                   args.draft if speculative else None, stop_ids=frozenset(pair.stop_ids), defaults=defaults)
+
+
+def defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> str:
+    """What a request that leaves the sampling fields out gets (said once at start-up)."""
+    if args.generation_config == "none":
+        return "sampling defaults: OpenAI's (temperature 1, no top-k or top-p), --generation-config none"
+    if not defaults:
+        return f"sampling defaults: OpenAI's (temperature 1, no top-k or top-p): {args.target} has no " \
+               "generation_config.json sampling fields"
+    named = ", ".join(f"{key} {value:g}" for key, value in defaults.items())
+    return f"sampling defaults from {args.target}'s generation_config.json for the fields a request leaves out: " \
+           f"{named} (--generation-config none: OpenAI's)"
 
 
 def run(args: argparse.Namespace) -> int:

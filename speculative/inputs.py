@@ -41,6 +41,18 @@ def check_prompt(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, max_
     return [int(t) for t in prompt]
 
 
+def check_stop_ids(eos_id: Any) -> frozenset[int]:
+    """The ids that end a row, from None, one id, or several (Llama-3.1-Instruct's config lists
+    three: the end of the text, of a tool call and of a turn): ValueError for anything but
+    non-negative ints."""
+    if eos_id is None:
+        return frozenset()
+    ids = [eos_id] if _is_int(eos_id) or not isinstance(eos_id, (Sequence, set, frozenset)) else list(eos_id)
+    if isinstance(eos_id, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"eos_id must be a token id >= 0, several of them, or None; got {eos_id!r}")
+    return frozenset(int(i) for i in ids)
+
+
 def check_max_new_tokens(max_new_tokens: Any) -> None:
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")

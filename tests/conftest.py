@@ -4,6 +4,9 @@
   single thread also makes float32 reductions deterministic from run to run.
 * The compiled-step cache (weights/step_cache.py) points at a temporary folder of the
   session's own, never the user's.
+* ``chat_target``: the shipped target under a name that marks it a Llama-2 chat model (it has no
+  template, so --chat and the server's chat endpoint use Llama-2's format, as they do for a
+  Llama-2 chat checkpoint without one; the shipped target itself is a base model and refuses them).
 * ``head_folder``: a feature head for the shipped target with random weights, saved as a
   checkpoint (the generate.py tests of tests/scripts/ use it).
 
@@ -45,3 +48,13 @@ def head_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))
     return save_feature_head(head, tmp_path_factory.mktemp("head") / "head", target, target_name="tiny-target")
+
+
+@pytest.fixture(scope="session")
+def chat_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped target's files (links) in a folder whose name marks it for chat (see above)."""
+    folder = tmp_path_factory.mktemp("chat") / "tiny-target-chat"
+    folder.mkdir()
+    for file in TARGET.iterdir():
+        (folder / file.name).symlink_to(file)
+    return folder

@@ -10,17 +10,18 @@ from weights.checkpoint import (
     load_model,
     load_tokenizer,
     read_config,
+    read_generation_config,
     save_model,
 )
 from weights.drafters import load_drafter
 from weights.load import Pair, PairSpec, load_pair, read_pair
 from weights.registry import UnknownCheckpointError, resolve
 from weights.step_cache import StepCache
-from weights.tokenizer import Tokenizer
+from weights.tokenizer import JsonTokenizer, SentencePieceTokenizer, Tokenizer
 
 # Old module paths, for one release (model/moved.py): the command line's helpers and the text functions moved.
 install({"weights.cli": "speculative.cli.options", "weights.text": "speculative.serving.text"})
 
-__all__ = ["CheckpointError", "NonFiniteWeightsError", "Pair", "PairSpec", "StepCache", "Tokenizer",
-           "UnknownCheckpointError", "load_drafter", "load_model", "load_pair", "load_tokenizer", "read_config",
-           "read_pair", "resolve", "save_model"]
+__all__ = ["CheckpointError", "JsonTokenizer", "NonFiniteWeightsError", "Pair", "PairSpec", "SentencePieceTokenizer",
+           "StepCache", "Tokenizer", "UnknownCheckpointError", "load_drafter", "load_model", "load_pair",
+           "load_tokenizer", "read_config", "read_generation_config", "read_pair", "resolve", "save_model"]

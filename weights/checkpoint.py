@@ -1,4 +1,5 @@
-"""Reading and writing Hugging Face-layout checkpoints (config.json + safetensors).
+"""Reading and writing Hugging Face-layout checkpoints (config.json + safetensors), and reading a
+GGUF file (weights/gguf.py) or a folder of ``pytorch_model.bin`` shards as if it were one.
 
 The model is built on the meta device (no memory), then each tensor is read from the
 memory-mapped safetensors file, converted to the wanted dtype and device, and assigned
@@ -21,8 +22,20 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model import ConfigError, Llama, ModelConfig
-from weights.registry import resolve
-from weights.tokenizer import Tokenizer
+from speculative.serving.text import LLAMA2_CHAT
+from weights.chat import ChatTemplateError, chat_template, template_source
+
+try:  # TEMPORARY until weights/gguf.py lands
+    from weights.gguf import GGUFError, GGUFFile, is_gguf
+except ImportError:
+    class GGUFError(ValueError):
+        pass
+    GGUFFile = None
+
+    def is_gguf(path):
+        return False
+from weights.registry import marked_for_chat, resolve
+from weights.tokenizer import JsonTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError
 
 
 class CheckpointError(ValueError):
@@ -40,8 +53,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def read_config(directory: str | os.PathLike) -> ModelConfig:
-    """Parse ``directory/config.json`` into a :class:`ModelConfig` (no weights read)."""
+    """Parse ``directory/config.json`` (or a GGUF file's metadata) into a :class:`ModelConfig` (no
+    weights read)."""
     directory = Path(directory)
+    if is_gguf(directory):
+        try:
+            return ModelConfig.from_hf(gguf_file(directory).hf_config())
+        except (ConfigError, GGUFError) as err:
+            raise CheckpointError(f"{directory}: {err}") from None
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     path = directory / "config.json"
@@ -60,32 +79,92 @@ def read_config(directory: str | os.PathLike) -> ModelConfig:
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
-    """Map every tensor name to the safetensors file that holds it."""
-    index = directory / "model.safetensors.index.json"
-    single = directory / "model.safetensors"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(f"{index} is not a valid index (expected a 'weight_map' object)") from None
-        files = {}
-        for name, shard in weight_map.items():
-            path = directory / shard
-            if not path.is_file():
-                raise CheckpointError(f"shard {shard} named in {index.name} is missing from {directory}")
-            files[name] = path
-        return files
-    if single.is_file():
-        return {name: single for name in _names_in(single)}
-    raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+    """Map every tensor name to the file that holds it: safetensors, else pytorch_model.bin (some
+    published folders, vicuna-7b-v1.5's among them, have only those)."""
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index, single = directory / index, directory / single
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{index} is not a valid index (expected a 'weight_map' object)") from None
+            files = {}
+            for name, shard in weight_map.items():
+                path = directory / shard
+                if not path.is_file():
+                    raise CheckpointError(f"shard {shard} named in {index.name} is missing from {directory}")
+                files[name] = path
+            return files
+        if single.is_file():
+            return {name: single for name in _names_in(single)}
+    raise CheckpointError(f"{directory} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
 def _names_in(path: Path) -> list[str]:
+    if path.suffix == ".bin":
+        return list(_pickled(path))
     try:
         with safe_open(path, framework="pt") as f:
             return list(f.keys())
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
+
+
+def _pickled(path: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin's tensors, memory-mapped. weights_only: a pickle from a download may hold
+    code, and this reads tensors and nothing else."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch.load raises many types for a damaged or foreign file
+        raise CheckpointError(f"{path} is not a readable PyTorch weights file "
+                              f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CheckpointError(f"{path} does not hold a dict of tensors")
+    return state
+
+
+class _Held:
+    """A tensor already in memory, read through the slicing interface of a safetensors slice."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+class _HeldFile:
+    """Tensors in memory (a pytorch_model.bin, a GGUF file's), opened as safe_open opens a file."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __enter__(self) -> _HeldFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tensors = {}
+
+    def get_slice(self, name: str) -> _Held:
+        return _Held(self.tensors[name])
+
+
+def _open(path: Path) -> Any:
+    if path.suffix == ".bin":
+        return _HeldFile(_pickled(path))
+    return safe_open(path, framework="pt", device="cpu")
+
+
+def gguf_file(path: Path) -> GGUFFile:
+    """A GGUF file opened (weights/gguf.py), its errors as CheckpointError."""
+    try:
+        return GGUFFile(path)
+    except GGUFError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def read_tensors(directory: Path, config: ModelConfig,
@@ -96,7 +175,15 @@ def read_tensors(directory: Path, config: ModelConfig,
     ``take(name, tensor_slice)`` reads one tensor from its memory-mapped safetensors slice (all of
     it, or the rows one tensor-parallel rank needs); broken files become CheckpointError.
     """
-    files = weight_files(directory)
+    held: dict[str, torch.Tensor] | None = None  # a GGUF file's tensors, dequantized once
+    if is_gguf(directory):
+        try:
+            held = gguf_file(directory).tensors()
+        except GGUFError as err:
+            raise CheckpointError(str(err)) from None
+        files = dict.fromkeys(held, directory)
+    else:
+        files = weight_files(directory)
     # Checkpoints written before transformers made it a non-persistent buffer (the Llama-2 *-hf
     # repos among them: their index's total_size counts 32 x 64 float32 of it for 7B) also hold
     # each layer's rotary inverse frequencies. Those follow from config.json, so they are skipped.
@@ -121,7 +208,7 @@ def read_tensors(directory: Path, config: ModelConfig,
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         try:
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with _HeldFile(held) if held is not None else _open(path) as f:
                 for name in names:
                     tensor_slice = f.get_slice(name)
                     shape = tuple(tensor_slice.get_shape())
@@ -131,7 +218,7 @@ def read_tensors(directory: Path, config: ModelConfig,
                     tensor = take(name, tensor_slice)
                     check_finite(path, name, tensor, tensor_slice)
                     yield name, tensor
-        except (SafetensorError, OSError) as err:
+        except (SafetensorError, OSError, GGUFError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
 
 
@@ -256,10 +343,96 @@ def _normal_permissions(path: Path) -> None:
     path.chmod(0o666 & ~umask)
 
 
-def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
-    """The SentencePiece tokenizer (``tokenizer.model``) stored with a checkpoint."""
-    directory = resolve(name_or_path)
-    path = directory / "tokenizer.model"
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a checkpoint's file ({} when the file is absent)."""
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: the checkpoint has no SentencePiece tokenizer.model")
-    return Tokenizer(path)
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer stored with a checkpoint: ``tokenizer.model`` (SentencePiece) where there is one,
+    else ``tokenizer.json``, or the one a GGUF file describes; with its chat format (``.chat``: the
+    checkpoint's own template, Llama-2's for a Llama-2 chat model without one, else None)."""
+    directory = resolve(name_or_path)
+    try:
+        if is_gguf(directory):
+            gguf = gguf_file(directory)
+            config = gguf.tokenizer_config()
+            tokenizer: Tokenizer = JsonTokenizer(gguf.tokenizer_json(), config, origin=f"{directory}'s tokenizer")
+            template = config.get("chat_template")
+            source = (template, f"{directory}'s tokenizer.chat_template") if isinstance(template, str) else None
+        else:
+            config = read_json(directory / "tokenizer_config.json")
+            if (directory / "tokenizer.model").is_file():
+                tokenizer = SentencePieceTokenizer(directory / "tokenizer.model", config)
+            elif (directory / "tokenizer.json").is_file():
+                path = directory / "tokenizer.json"
+                tokenizer = JsonTokenizer(path.read_text(encoding="utf-8"), config, origin=str(path))
+            else:
+                raise CheckpointError(f"{directory} has no tokenizer: neither a SentencePiece tokenizer.model nor a "
+                                      "tokenizer.json")
+            source = template_source(directory, config)
+        tokenizer.chat = chat_template(source[0], config, source[1]) if source else \
+            LLAMA2_CHAT if tokenizer.kind == "sentencepiece" and marked_for_chat(directory) else None
+    except (TokenizerError, ChatTemplateError, GGUFError, UnicodeDecodeError) as err:
+        raise CheckpointError(str(err).splitlines()[0]) from None
+    tokenizer.name = str(name_or_path)
+    return tokenizer
+
+
+def read_generation_config(name_or_path: str | os.PathLike) -> dict[str, Any]:
+    """generation_config.json ({} when there is none), or what a GGUF file says of the same."""
+    directory = resolve(name_or_path)
+    if is_gguf(directory):
+        try:
+            return gguf_file(directory).generation_config()
+        except GGUFError as err:
+            raise CheckpointError(str(err)) from None
+    return read_json(directory / "generation_config.json")
+
+
+def stop_ids(config: ModelConfig, generation: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Every id that ends a generation, in order, once each: config.json's eos_token_id (an int or a
+    list), generation_config.json's, and the tokenizer's own EOS. Llama-3.1-Instruct ends a turn
+    with <|eot_id|>, which only the lists name; stopping at the first id alone runs past the answer."""
+    ids: list[int] = list(getattr(config, "eos_ids", ()) or ([config.eos_id] if config.eos_id is not None else []))
+    listed = generation.get("eos_token_id")
+    for value in listed if isinstance(listed, list) else [listed]:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            ids.append(value)
+    if tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
+    return tuple(i for i in dict.fromkeys(ids) if i < config.vocab_size)
+
+
+def sampling_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings a generation_config.json gives, as this project names them
+    (temperature, top_k, top_p, max_new_tokens), only those it states. ``do_sample: false`` means
+    greedy, as transformers reads it, whatever temperature it also states; values that cannot be
+    right are left out rather than trusted."""
+    out: dict[str, Any] = {}
+    if generation.get("do_sample") is False:
+        out["temperature"] = 0.0
+    elif _number(generation.get("temperature")) is not None and generation["temperature"] >= 0:
+        out["temperature"] = float(generation["temperature"])
+    if _number(generation.get("top_p")) is not None and 0 < generation["top_p"] <= 1:
+        out["top_p"] = float(generation["top_p"])
+    for key, name in (("top_k", "top_k"), ("max_new_tokens", "max_new_tokens")):
+        value = generation.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            out[name] = value
+    if out.get("temperature") == 0.0:  # greedy: nothing else applies
+        out = {k: v for k, v in out.items() if k not in ("top_k", "top_p")}
+    return out
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None

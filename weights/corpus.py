@@ -30,7 +30,7 @@ def read_documents(path: str | os.PathLike) -> list[str]:
 
 
 def _cache_key(paths: list[Path], tokenizer: Tokenizer) -> str:
-    h = hashlib.sha256(tokenizer.fingerprint())
+    h = hashlib.sha256(tokenizer.serialized())
     for p in paths:
         st = p.stat()
         h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())

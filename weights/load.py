@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,14 @@ from model import Llama, ModelConfig
 from model.fast.fuse import prepare_for_decoding, prepared
 from speculative import PairMismatchError, check_pair
 from speculative.draft.registry import DRAFTERS, named
-from weights.checkpoint import load_model, load_tokenizer, read_config
+from weights.checkpoint import (
+    load_model,
+    load_tokenizer,
+    read_config,
+    read_generation_config,
+    sampling_defaults,
+    stop_ids,
+)
 from weights.drafters import folder_kind, load_drafter
 from weights.registry import SHIPPED, resolve
 from weights.sharded import load_model_tp, plan_config
@@ -99,6 +106,22 @@ class PairSpec:
     target_config: ModelConfig
     draft_config: ModelConfig | None  # a draft model's only
     tokenizer: Tokenizer  # the target's (a draft model's is the same: check_pair)
+    stop_ids: tuple[int, ...] = ()  # every id that ends a generation (weights.checkpoint.stop_ids)
+    generation: dict[str, Any] = field(default_factory=dict)  # the target's generation_config.json
+
+    @property
+    def notes(self) -> list[str]:
+        """One line for each config that holds fields nobody here has classified (model/config.py
+        takes them to leave the forward pass alone: docs/checkpoint_fields.md)."""
+        return [f"config.json of {name} has fields not classified here, taken to leave the forward pass unchanged: "
+                f"{', '.join(config.unclassified)} (docs/checkpoint_fields.md)"
+                for name, config in ((self.target, self.target_config), (self.draft, self.draft_config))
+                if config is not None and getattr(config, "unclassified", ())]
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The target's generation_config.json sampling defaults (weights.checkpoint.sampling_defaults)."""
+        return sampling_defaults(self.generation)
 
     @property
     def context(self) -> int:
@@ -136,7 +159,8 @@ class PairSpec:
             if prepare_models else []
         counts = [prepare_for_decoding(net, stack=stack, prepack=prepack) for net in networks]
         fused, prepacked = (sum(column) for column in zip(*counts)) if counts else (0, 0)
-        return Pair(target, drafter, self.tokenizer, self.kind, time.perf_counter() - start, fused, prepacked)
+        return Pair(target, drafter, self.tokenizer, self.kind, time.perf_counter() - start, fused, prepacked,
+                    self.stop_ids)
 
 
 @dataclass
@@ -154,6 +178,7 @@ class Pair:
     load_s: float = 0.0
     fused: int = 0
     prepacked: int = 0
+    stop_ids: tuple[int, ...] = ()  # every id that ends a generation (PairSpec.stop_ids)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.target, self.draft, self.tokenizer))
@@ -230,8 +255,9 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
                        load_tokenizer(draft_dir))
         except PairMismatchError as err:
             raise PairMismatchError(f"draft {draft} cannot speculate for target {target}: {err}") from None
+    generation = read_generation_config(target_dir)
     return PairSpec(str(target), None if draft is None else str(draft), kind, target_dir, draft_dir, target_config,
-                    draft_config, tokenizer)
+                    draft_config, tokenizer, stop_ids(target_config, generation, tokenizer), generation)
 
 
 def load_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None, device: str | torch.device = "cpu",

@@ -42,7 +42,7 @@ def search_dirs() -> list[Path]:
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:
-    """The checkpoint directory for a short name or a path; a clear error when it is not there."""
+    """The checkpoint directory (or GGUF file) for a short name or a path; a clear error when it is not there."""
     name = str(name_or_path)
     if name in SHIPPED:
         path = WEIGHTS_DIR / name
@@ -59,7 +59,7 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
             f"checkpoint '{name}' not found: download {repo} from Hugging Face (after accepting Meta's "
             f"license) and put it at {where}, or set {ENV_VAR} to the folder that holds {dirname}")
     path = Path(name).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):  # a GGUF file is a checkpoint too
         return path
     if os.sep in name or name.startswith("."):
         raise UnknownCheckpointError(f"checkpoint directory {name} does not exist")

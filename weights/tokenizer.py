@@ -1,26 +1,141 @@
-"""A thin wrapper over SentencePiece with the interface the rest of the project uses."""
+"""Tokenizers, of the two kinds that LLaMA checkpoints ship, behind one interface.
+
+* ``tokenizer.model``: a SentencePiece model (Llama-2, TinyLlama, CodeLlama, the shipped pair),
+  read by ``sentencepiece`` exactly as Meta's reference code reads it.
+* ``tokenizer.json``: a Hugging Face ``tokenizers`` file (every Llama-3.x, SmolLM2, most
+  checkpoints published since 2024: byte-level BPE), read by ``tokenizers``, the library that
+  defines the format. Meta's ``original/tokenizer.model`` of Llama-3 is tiktoken's format, not
+  SentencePiece's, so for those checkpoints this is the only file that can be read.
+
+Both give what the rest of the project uses: ``encode(text, bos=True)``, ``decode(ids)``,
+``bos_id``, ``eos_id``, ``vocab_size``, ``piece(id)``, and ``fingerprint()``, which is the same for
+two tokenizers exactly when every id means the same piece (what speculation needs of a draft and
+its target: Algorithm 1 compares p and q id by id), whichever kind each was read from.
+
+Special tokens written in text (``<|eot_id|>``, ``<s>``) follow transformers:
+:meth:`Tokenizer.encode_special` turns them into their ids, which is how a rendered chat template
+is encoded (``apply_chat_template(..., tokenize=True)``: the template writes its own BOS, none is
+added). ``encode`` of a SentencePiece tokenizer keeps SentencePiece's own behaviour, which is what
+the shipped pair was trained with; ``encode`` of a tokenizer.json adds what its post-processor adds
+(Llama-3's ``<|begin_of_text|>``) when ``bos`` is true, as transformers' ``tokenizer(text)`` does.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
 
-class Tokenizer:
-    """``encode(text, bos=True)`` -> ids, ``decode(ids)`` -> text; exact SentencePiece behaviour."""
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be read."""
 
-    def __init__(self, model_file: str | os.PathLike) -> None:
+
+class Tokenizer:
+    """What every tokenizer offers (see the module docstring). ``chat`` is the checkpoint's chat
+    format, set by weights.checkpoint.load_tokenizer: a weights.chat.ChatTemplate, the Llama-2 format
+    of a Llama-2 chat model without a template, or None (a base model). ``name`` names the
+    checkpoint in messages."""
+
+    kind = ""
+    bos_id: int | None
+    eos_id: int | None
+    vocab_size: int
+    chat: Any = None
+    name: str = "the model"
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        raise NotImplementedError
+
+    def encode_special(self, text: str) -> list[int]:
+        """The ids of ``text`` in which special tokens are written out (a rendered chat template),
+        with nothing added around it."""
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def piece(self, token_id: int) -> str:
+        raise NotImplementedError
+
+    def token_id(self, piece: str) -> int | None:
+        """The id of a piece or special token (None: not in the vocabulary)."""
+        raise NotImplementedError
+
+    @property
+    def special(self) -> dict[str, int]:
+        """The special tokens that encode_special finds in text, by their text."""
+        raise NotImplementedError
+
+    def serialized(self) -> bytes:
+        """The file's own bytes (two of them tokenize the same text alike iff these are equal)."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> bytes:
+        """A digest of what every id means: each piece in id order and the BOS and EOS ids. Equal
+        for a SentencePiece model and a tokenizer.json converted from it."""
+        digest = hashlib.sha256()
+        for i in range(self.vocab_size):
+            try:
+                piece = self.piece(i)
+            except IndexError:  # a tokenizer.json may leave ids unused
+                piece = ""
+            digest.update(piece.encode("utf-8", "surrogatepass") + b"\0")
+        digest.update(json.dumps([self.bos_id, self.eos_id]).encode())
+        return digest.digest()
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A ``tokenizer.model``; ``config``: the checkpoint's tokenizer_config.json, for its special
+    tokens and its ``legacy`` flag (how text right after a special token is encoded)."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_file: str | os.PathLike, config: dict[str, Any] | None = None) -> None:
         self.path = Path(model_file)
-        self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
-        self.bos_id: int = self.sp.bos_id()
-        self.eos_id: int = self.sp.eos_id()
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        except (OSError, RuntimeError) as err:
+            raise TokenizerError(f"{model_file} is not a SentencePiece model ({str(err).splitlines()[0]})") from None
+        self.bos_id: int | None = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_id: int | None = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
         self.vocab_size: int = self.sp.vocab_size()
+        config = config or {}
+        # transformers' Llama tokenizer with legacy=False encodes the text after a special token
+        # without SentencePiece's dummy-prefix space ("<s>[INST]" is "[", not "▁["); legacy (the
+        # default when the flag is absent) encodes each piece of text as if it began the text.
+        self.legacy = config.get("legacy", True) is not False
+        self._special = {self.sp.id_to_piece(i): i for i in range(self.vocab_size)
+                         if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        for token in _added_tokens(config):
+            if (token_id := self.token_id(token)) is not None:
+                self._special[token] = token_id
+        self._split = _splitter(self._special)
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = self.sp.encode(text)
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + \
+            ([self.eos_id] if eos and self.eos_id is not None else [])
+
+    def encode_special(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, part in enumerate(self._split.split(text) if self._special else [text]):
+            if i % 2:  # the splitter's group: a special token
+                ids.append(self._special[part])
+            elif part:
+                ids += self.sp.encode(part) if i == 0 or self.legacy else self._without_prefix(part)
+        return ids
+
+    def _without_prefix(self, text: str) -> list[int]:
+        """``text`` encoded without the dummy-prefix space: after a piece that cannot merge with
+        what follows (the unknown token's text), whose own ids are then dropped."""
+        unk = self.sp.id_to_piece(self.sp.unk_id())
+        return self.sp.encode(unk + text)[len(self.sp.encode(unk)):]
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))
@@ -28,6 +143,107 @@ class Tokenizer:
     def piece(self, token_id: int) -> str:
         return self.sp.id_to_piece(token_id)
 
-    def fingerprint(self) -> bytes:
-        """The serialized model; two tokenizers are the same iff these bytes are equal."""
+    def token_id(self, piece: str) -> int | None:
+        token_id = self.sp.piece_to_id(piece)
+        return None if token_id == self.sp.unk_id() and piece != self.sp.id_to_piece(token_id) else token_id
+
+    @property
+    def special(self) -> dict[str, int]:
+        return dict(self._special)
+
+    def serialized(self) -> bytes:
         return self.sp.serialized_model_proto()
+
+
+class JsonTokenizer(Tokenizer):
+    """A ``tokenizer.json`` (its text) and the checkpoint's tokenizer_config.json, read by the
+    ``tokenizers`` library."""
+
+    kind = "tokenizer.json"
+
+    def __init__(self, text: str, config: dict[str, Any] | None = None, origin: str = "tokenizer.json") -> None:
+        from tokenizers import Tokenizer as Backend  # imported here: a SentencePiece checkpoint never needs it
+
+        try:
+            self.backend = Backend.from_str(text)
+        except Exception as err:  # tokenizers raises its own Exception type for a file it cannot parse
+            raise TokenizerError(f"{origin} is not a tokenizer.json that the tokenizers library reads "
+                                 f"({str(err).splitlines()[0][:200]})") from None
+        self.text = text
+        config = config or {}
+        self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
+        self.bos_id: int | None = self._named(config, "bos_token", origin)
+        self.eos_id: int | None = self._named(config, "eos_token", origin)
+        # transformers tidies decoded text when the checkpoint asks ("a ." -> "a."): Llama-3 does
+        self.clean_up = bool(config.get("clean_up_tokenization_spaces", False))
+        self._special = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+
+    def _named(self, config: dict[str, Any], key: str, origin: str) -> int | None:
+        token = config.get(key)
+        if isinstance(token, dict):  # an AddedToken as tokenizer_config.json may write it
+            token = token.get("content")
+        if token is None:
+            return None
+        token_id = self.backend.token_to_id(str(token))
+        if token_id is None:
+            raise TokenizerError(f"{origin}: the {key} {token!r} of tokenizer_config.json is not in the vocabulary")
+        return token_id
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=bos).ids
+        return ids + ([self.eos_id] if eos and self.eos_id is not None else [])
+
+    def encode_special(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        # special tokens are markup (<|im_end|>, <|eot_id|>), not text: dropped as SentencePiece drops
+        # its control pieces, and as vLLM's output does
+        text = self.backend.decode(list(ids), skip_special_tokens=True)
+        return clean_up_spaces(text) if self.clean_up else text
+
+    def piece(self, token_id: int) -> str:
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise IndexError(f"token id {token_id} is out of range")
+        return piece
+
+    def token_id(self, piece: str) -> int | None:
+        return self.backend.token_to_id(piece)
+
+    @property
+    def special(self) -> dict[str, int]:
+        return dict(self._special)
+
+    def serialized(self) -> bytes:
+        return self.text.encode()
+
+
+# transformers' clean_up_tokenization: a space before punctuation and English contractions removed
+_CLEAN_UP = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")]
+
+
+def clean_up_spaces(text: str) -> str:
+    for before, after in _CLEAN_UP:
+        text = text.replace(before, after)
+    return text
+
+
+def _added_tokens(config: dict[str, Any]) -> list[str]:
+    """The special tokens a tokenizer_config.json names: bos/eos/unk/pad and added_tokens_decoder's."""
+    names = [config.get(key) for key in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    added = config.get("added_tokens_decoder")
+    names += [token for token in added.values()] if isinstance(added, dict) else []
+    out = []
+    for token in names:
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and token:
+            out.append(token)
+    return out
+
+
+def _splitter(special: dict[str, int]) -> re.Pattern[str]:
+    """A pattern that splits text around every special token, the longest first; the tokens are its group."""
+    alternatives = "|".join(re.escape(token) for token in sorted(special, key=len, reverse=True))
+    return re.compile(f"({alternatives})" if alternatives else "(?!)")

@@ -160,17 +160,6 @@ def rule_note(args: argparse.Namespace, given: set[str]) -> str | None:
     return None
 
 
-def chat_warning(name: str, marked: bool) -> str | None:
-    """A warning for --chat when nothing marks the target as trained for chat
-    (``marked``: weights.registry.marked_for_chat): a base model does not follow the template, it continues
-    the text after [/INST], often mid-sentence or by writing more of the prompt."""
-    if marked:
-        return None
-    return (f"--chat: the target {name} is not marked as a chat model (no 'chat' or 'instruct' in its name or "
-            "config, no chat_template): a base model does not follow the template, and its output may start "
-            "mid-sentence")
-
-
 # ----------------------------------------------------------------------------- prompts
 def read_prompt(text: str, world_size: int) -> str:
     """--prompt as given, or standard input for ``-`` (its trailing newlines dropped: ``echo`` adds one)."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,7 @@ from speculative.inputs import (
     check_pair,
     check_prompt,
     check_seed,
+    check_stop_ids,
     finite_rows,
     model_device,
     read_host,
@@ -92,7 +93,7 @@ class Row:
 
     prompt: list[int]
     max_new_tokens: int
-    eos_id: int | None
+    stop_ids: frozenset[int]  # emitting any of these ends the row (end of text, end of turn, ...)
     callback: Callback | None
     sampling: Sampling  # its own temperature, top-k and top-p
     generator: torch.Generator
@@ -174,7 +175,8 @@ class Engine:
         self.policy: Callable[[Engine], int] | None = None
 
     # ------------------------------------------------------------------------- rows in and out
-    def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *, eos_id: int | None = None,
+    def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
+            eos_id: int | Collection[int] | None = None,
             seed: int | None = None, callback: Callback | None = None, sampling: Sampling | None = None,
             gamma: int | None = None, logprobs: int | None = None, echo: bool = False) -> Row:
         """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
@@ -182,8 +184,8 @@ class Engine:
         per iteration (0..the engine's gamma; default: the engine's choice). ``callback(new_ids,
         from_draft)`` sees each of its iterations' tokens: accepted draft tokens (True), then
         the target's own (False). The row stops after max_new_tokens (never more), after
-        emitting eos_id (even in the middle of an accepted block: nothing after it is
-        emitted), or when it fills the context; its stats.stop_reason says which. A row whose
+        emitting eos_id, or any of them when it is several ids (even in the middle of an accepted
+        block: nothing after it is emitted), or when it fills the context; its stats.stop_reason says which. A row whose
         logits are not finite fails alone: ``row.error`` is a NonFiniteLogitsError, its
         stop_reason "error", and the other rows go on; so does a row whose callback raises
         (``row.error`` a RowFailedError). ``logprobs``: record each emitted token's
@@ -203,7 +205,7 @@ class Engine:
             raise ValueError(f"logprobs must be an integer >= 0 (the top ones to record) or None, got {logprobs!r}")
         if (logprobs is not None or echo) and self.tree is not None:
             raise ValueError("logprobs are recorded for chains only, not token trees")
-        row = Row(prompt, max_new_tokens, eos_id, callback, sampling or self.sampling,
+        row = Row(prompt, max_new_tokens, check_stop_ids(eos_id), callback, sampling or self.sampling,
                   make_generator(self.device, seed), stats, list(prompt), gamma=gamma, logprobs=logprobs, echo=echo)
         self.waiting.append(row)
         self.stats.prompts += 1
@@ -276,14 +278,15 @@ class Engine:
         row.done = True
         row.stats.new_tokens = row.produced
         row.stats.stop_reason = "error" if row.error else "cancelled" if row.cancelled else \
-            stop_reason(row.ids[len(row.prompt):], row.eos_id, row.max_new_tokens)
+            stop_reason(row.ids[len(row.prompt):], row.stop_ids, row.max_new_tokens)
+        row.stats.stop_token = row.ids[-1] if row.stats.stop_reason == "eos" else None
         self.clock.add(row.stats, "decode_time_s", row.joined, now)
         self.finished.append(row)
 
     def is_done(self, row: Row) -> bool:
         return (row.error is not None or row.cancelled or row.produced >= row.max_new_tokens
                 or row.length >= self.row_limit
-                or (row.eos_id is not None and row.produced > 0 and row.ids[-1] == row.eos_id))
+                or (row.produced > 0 and row.ids[-1] in row.stop_ids))
 
     @property
     def idle(self) -> bool:
@@ -423,7 +426,7 @@ class Engine:
         starts = [row.target_next for row in rows]
         if draft.tree is not None and rows[0].error is None:
             hidden = keep_path(self.target, steps[0].path, rows[0].length, starts[0], hidden)
-        emitted = [cut_at_eos(step.tokens, row.eos_id) for row, step in zip(rows, steps)]
+        emitted = [cut_at_eos(step.tokens, row.stop_ids) for row, step in zip(rows, steps)]
         if logits is not None and draft.tree is None and any(row.logprobs is not None for row in rows):
             record_logprobs(rows, emitted, [g + 1 for g in draft.lengths], logits)
         for row, tokens in zip(rows, emitted):
@@ -441,7 +444,7 @@ class Engine:
     # ------------------------------------------------------------------------- the target alone
     def deferred(self, rows: list[Row]) -> bool:
         """Nothing drafted and every row stops by its count alone: no need to see the tokens yet."""
-        return self.drafter is None and all(row.eos_id is None and row.callback is None and row.logprobs is None
+        return self.drafter is None and all(not row.stop_ids and row.callback is None and row.logprobs is None
                                             for row in rows)
 
     def defer(self, rows: list[Row], tokens: torch.Tensor, finite: torch.Tensor) -> None:
@@ -600,10 +603,11 @@ def advance(rows: list[Row], steps: list[Verification]) -> None:
         row.target_next = row.length - 1
 
 
-def cut_at_eos(tokens: list[int], eos_id: int | None) -> list[int]:
-    """Nothing after an emitted EOS, even in the middle of an accepted block."""
-    if eos_id is not None and eos_id in tokens:
-        return tokens[:tokens.index(eos_id) + 1]
+def cut_at_eos(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """Nothing after an emitted end-of-sequence id, even in the middle of an accepted block."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[:i + 1]
     return tokens
 
 

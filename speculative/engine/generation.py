@@ -4,7 +4,7 @@ speculative decoding and the target alone, for one prompt or a list of prompts."
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -16,8 +16,9 @@ from speculative.inputs import check_max_new_tokens
 
 def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                          gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0, top_k: int | None = None,
-                         top_p: float | None = None, eos_id: int | None = None, seed: int | None = None,
-                         callback: Callback | None = None, verify: str = "token", tree: Sequence[int] | None = None,
+                         top_p: float | None = None, eos_id: int | Collection[int] | None = None,
+                         seed: int | None = None, callback: Callback | None = None, verify: str = "token",
+                         tree: Sequence[int] | None = None,
                          tree_mode: str = "without_replacement") -> GenerationResult[SpeculativeStats]:
     """Sample from ``target`` after ``prompt_ids``, with ``draft`` proposing up to ``gamma``
     tokens per target call (an int >= 1, or "auto"). ``draft`` is a model of the target's
@@ -36,7 +37,7 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     "deterministic", the top-k; greedy decoding always takes the top-k). The tree's depth
     takes gamma's place (gamma must be left alone).
 
-    Stops after max_new_tokens (never more), after emitting eos_id (even in the middle of an
+    Stops after max_new_tokens (never more), after emitting eos_id, or any of several ids (even in the middle of an
     accepted block: nothing after it is emitted) or when prompt + output reaches the smaller
     max_seq_len of the two models (gamma shrinks near every limit); stats.stop_reason says
     which. ``callback(new_ids, from_draft)`` sees each iteration's tokens: accepted draft
@@ -56,12 +57,12 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
 
 def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                            eos_id: int | None = None, seed: int | None = None,
+                            eos_id: int | Collection[int] | None = None, seed: int | None = None,
                             callback: Callback | None = None) -> GenerationResult[AutoregressiveStats]:
     """The baseline: up to ``max_new_tokens`` tokens from ``model`` alone after ``prompt_ids``,
     one call per token, with the same warping and sampling as speculative decoding.
 
-    Stops after max_new_tokens, after emitting eos_id, or when prompt + output reaches the
+    Stops after max_new_tokens, after emitting eos_id (any of them, when several), or when prompt + output reaches the
     model's max_seq_len (stats.stop_reason says which). ``callback(new_ids, from_draft)`` is
     called with each token (from_draft is always [False]). Returns the new token ids and
     AutoregressiveStats. Raises NonFiniteLogitsError if the model's logits are not finite:
@@ -80,7 +81,7 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
 
 def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                                gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0, top_k: int | None = None,
-                               top_p: float | None = None, eos_id: int | None = None,
+                               top_p: float | None = None, eos_id: int | Collection[int] | None = None,
                                seed: int | Sequence[int] | None = None, verify: str = "token",
                                batch_size: int | None = None) -> BatchResult:
     """speculative_generate for every prompt of ``prompts`` (token-id lists, any lengths), at
@@ -98,7 +99,8 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
 
 def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                                  eos_id: int | None = None, seed: int | Sequence[int] | None = None,
+                                  eos_id: int | Collection[int] | None = None,
+                                  seed: int | Sequence[int] | None = None,
                                   batch_size: int | None = None) -> BatchResult:
     """autoregressive_generate for every prompt, one model call per token for all rows (each
     at its own position), at most ``batch_size`` rows at a time. Row i draws with seed + i,
@@ -108,7 +110,7 @@ def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], 
 
 
 def over_rows(target: Any, draft: Any, prompts: Any, max_new_tokens: int, seed: Any, batch_size: Any,
-              eos_id: int | None, kind: type, **settings: Any) -> BatchResult:
+              eos_id: int | Collection[int] | None, kind: type, **settings: Any) -> BatchResult:
     """Every prompt through one engine, as rows; results in the prompts' order."""
     wall_start = time.perf_counter()
     prompts = check_prompts(prompts)

@@ -23,10 +23,10 @@ import torch
 from speculative.engine.gamma import expected_tokens_per_iteration
 
 
-def stop_reason(new_tokens: list[int], eos_id: int | None, max_new_tokens: int) -> str:
-    """Why a generation call stopped: it emitted EOS, it reached max_new_tokens, or else the
-    sequence filled the context (max_seq_len)."""
-    if new_tokens and eos_id is not None and new_tokens[-1] == eos_id:
+def stop_reason(new_tokens: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> str:
+    """Why a generation call stopped: it emitted an end-of-sequence id, it reached max_new_tokens,
+    or else the sequence filled the context (max_seq_len)."""
+    if new_tokens and new_tokens[-1] in stop_ids:
         return "eos"
     return "max_new_tokens" if len(new_tokens) >= max_new_tokens else "max_seq_len"
 
@@ -102,6 +102,7 @@ class SpeculativeStats:
     first_iteration_tokens: int = 0
     wall_time_s: float = 0.0  # the whole call, cache allocation included
     stop_reason: str | None = None  # "eos", "max_new_tokens" or "max_seq_len"
+    stop_token: int | None = None  # the end-of-sequence id that ended it (a model may have several)
 
     def record(self, gamma: int, calls: int, accepted: int, overlaps: list[float], drafted: int | None = None) -> None:
         """Count one iteration that drafted `gamma` positions ahead (`drafted` tokens: more for
@@ -218,6 +219,7 @@ class AutoregressiveStats:
     wall_time_s: float = 0.0  # the whole call, cache allocation included
     first_call_s: float = 0.0  # the first forward, which reads the prompt and gives token 1
     stop_reason: str | None = None  # "eos", "max_new_tokens" or "max_seq_len"
+    stop_token: int | None = None  # the end-of-sequence id that ended it (a model may have several)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -235,7 +237,7 @@ class AutoregressiveStats:
         """The baseline's view of an engine row that drafted nothing."""
         return cls(target_calls=record.target_calls, new_tokens=record.new_tokens, target_time_s=record.decode_time_s,
                    wall_time_s=record.wall_time_s, first_call_s=record.first_iteration_s,
-                   stop_reason=record.stop_reason)
+                   stop_reason=record.stop_reason, stop_token=record.stop_token)
 
 
 @dataclass

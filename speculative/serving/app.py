@@ -242,11 +242,15 @@ class Exchange:
                 put(list(held))
             put(None)
 
-        temperature = 1.0 if body.temperature is None else body.temperature
-        top_p = None if body.top_p is None or body.top_p >= 1 else body.top_p
+        # a field the request leaves out takes the model's default (generation_config.json), else OpenAI's
+        defaults = service.defaults
+        temperature = defaults.get("temperature", 1.0) if body.temperature is None else body.temperature
+        top_p = defaults.get("top_p") if body.top_p is None else body.top_p
+        top_p = None if top_p is None or top_p >= 1 else top_p
+        top_k = defaults.get("top_k") if body.top_k is None else body.top_k
         self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat) or 1,  # 0: one, never shown
-                             Sampling(temperature, body.top_k, top_p), body.seed, body.speculative_gamma,
-                             service.tokenizer.eos_id, on_tokens=tokens, on_done=done, logprobs=logprobs_of(body, chat),
+                             Sampling(temperature, top_k, top_p), body.seed, body.speculative_gamma,
+                             service.stop_ids, on_tokens=tokens, on_done=done, logprobs=logprobs_of(body, chat),
                              echo=self.echo and body.logprobs is not None)
         self.watcher: asyncio.Task | None = None
 
@@ -542,7 +546,8 @@ def max_tokens_of(service: Service, body: Options, prompt_tokens: int, chat: boo
                        param="messages" if chat else "prompt")
     asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if asked is None:
-        return room if chat else min(COMPLETION_MAX_TOKENS, room)
+        default = service.defaults.get("max_new_tokens") or (None if chat else COMPLETION_MAX_TOKENS)
+        return room if default is None else min(default, room)
     if asked > room:
         raise ApiError(400, f"the prompt ({prompt_tokens} tokens) and max_tokens ({asked}) exceed {service.model}'s "
                        f"{service.context}-token context: max_tokens can be at most {room} here",

@@ -73,7 +73,7 @@ class Ticket:
     sampling: Sampling = GREEDY
     seed: int | None = None
     gamma: int | None = None  # pinned gamma, or None: the policy's
-    eos_id: int | None = None
+    eos_id: int | frozenset[int] | None = None  # the ids that end the request (Engine.add's eos_id)
     logprobs: int | None = None  # record the tokens' log-probabilities and this many top ones (None: not)
     echo: bool = False  # and the prompt's (Engine.add)
     on_tokens: Callable[[list[int]], None] = lambda ids: None
@@ -374,13 +374,22 @@ class Service:
     largest gamma a request may pin (0 without a drafter)."""
 
     loop: EngineLoop
-    tokenizer: Any  # weights.Tokenizer: encode, decode, eos_id
+    tokenizer: Any  # weights.Tokenizer: encode, decode, eos_id, chat
     model: str
     context: int
     gamma_max: int
     speculation: str
     draft: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    stop_ids: frozenset[int] | None = None  # the ids that end a request (None: the tokenizer's eos_id alone)
+    # the model's sampling defaults for the fields a request leaves out (temperature, top_k, top_p,
+    # max_new_tokens: weights.checkpoint.sampling_defaults); empty: OpenAI's
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.stop_ids is None:
+            eos = getattr(self.tokenizer, "eos_id", None)
+            self.stop_ids = frozenset() if eos is None else frozenset([eos])
 
     @cached_property
     def fingerprint(self) -> str:

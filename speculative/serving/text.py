@@ -1,11 +1,12 @@
 """Text in and out of a tokenizer (a weights.Tokenizer, or anything with its encode, decode and
-bos_id/eos_id): the Llama-2 chat template, the text that new
+bos_id/eos_id): a conversation's prompt in the model's own chat format, the text that new
 tokens add to a prompt, and incremental detokenisation for streaming.
 
 Decoding token by token would lose SentencePiece's word-boundary spaces and split
-multi-byte characters (byte-fallback pieces such as ``<0xC3>``). :class:`TextStream` decodes
-the whole growing sequence instead and hands out what is new; text ending in U+FFFD is an
-incomplete UTF-8 sequence and waits for the token that completes it.
+multi-byte characters (byte-fallback pieces such as ``<0xC3>``, or a byte-level BPE's tokens,
+which may end in the middle of a character). :class:`TextStream` decodes a window of the
+growing sequence instead and hands out what is new; text ending in U+FFFD is an incomplete
+UTF-8 sequence and waits for the token that completes it.
 """
 
 from __future__ import annotations
@@ -18,36 +19,55 @@ B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 
 
+class NoChatTemplateError(ValueError):
+    """A conversation for a model that has no chat format (a base model)."""
+
+
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
-    """The prompt's ids with BOS; with ``chat``, wrapped in the Llama-2 chat template
-    ``[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{prompt} [/INST]`` (the system part only when given)."""
+    """The prompt's ids with BOS; with ``chat``, one user turn (after ``system``, when given) in the
+    model's chat format (:func:`encode_dialog`)."""
     if chat:
-        if system:
-            prompt = B_SYS + system.strip() + E_SYS + prompt.strip()
-        return tokenizer.encode(f"{B_INST} {prompt.strip()} {E_INST}", bos=True)
+        return encode_dialog(tokenizer, ([("system", system)] if system else []) + [("user", prompt)])
     return tokenizer.encode(prompt, bos=True)
 
 
 def encode_dialog(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """A conversation's ids in the Llama-2 chat format (Meta's reference ``chat_completion``):
-    an optional ("system", text) first, then ("user", text) and ("assistant", text) turns in
-    turn, ending with the user's. Each answered turn is ``<s>[INST] {user} [/INST] {answer} </s>``;
-    the last is ``<s>[INST] {user} [/INST]``, with the system prompt inside the first [INST]. One
-    user turn (and a system prompt) gives :func:`encode_prompt`'s ids with ``chat``. ValueError
-    for any other order of roles."""
-    turns = list(messages)
-    system = turns.pop(0)[1] if turns and turns[0][0] == "system" else None
-    roles = [role for role, _ in turns]
-    if not turns or roles != ["user", "assistant"] * (len(turns) // 2) + ["user"]:
-        raise ValueError("messages must be an optional system message, then user and assistant messages in turn, "
-                         f"ending with a user message; got {', '.join(roles) or 'no user message'}")
-    texts = [text for _, text in turns]
-    if system:
-        texts[0] = B_SYS + system.strip() + E_SYS + texts[0].strip()
-    ids: list[int] = []
-    for user, answer in zip(texts[:-1:2], texts[1::2]):
-        ids += tokenizer.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", bos=True, eos=True)
-    return ids + tokenizer.encode(f"{B_INST} {texts[-1].strip()} {E_INST}", bos=True)
+    """A conversation's ids, (role, text) pairs, in the model's chat format: ``tokenizer.chat``,
+    set by weights.load_tokenizer (the checkpoint's own template, or :data:`LLAMA2_CHAT`).
+    NoChatTemplateError for a model without one; a template may refuse a conversation
+    (a ValueError too)."""
+    chat = getattr(tokenizer, "chat", None)
+    if chat is None:
+        name = getattr(tokenizer, "name", "the model")
+        raise NoChatTemplateError(f"{name} has no chat template (its tokenizer_config.json names none): it is a base "
+                                  "model, which continues text rather than answering turns; send it a plain prompt")
+    return chat.encode(tokenizer, messages)
+
+
+class Llama2Chat:
+    """Llama-2's chat format (Meta's reference ``chat_completion``), for a Llama-2 chat model whose
+    folder has no template: an optional ("system", text) first, then ("user", text) and
+    ("assistant", text) turns in turn, ending with the user's. Each answered turn is
+    ``<s>[INST] {user} [/INST] {answer} </s>``; the last is ``<s>[INST] {user} [/INST]``, with the
+    system prompt inside the first [INST]. ValueError for any other order of roles."""
+
+    def encode(self, tokenizer: Any, messages: Sequence[tuple[str, str]] | Sequence[dict[str, Any]]) -> list[int]:
+        turns = [(m["role"], m["content"]) if isinstance(m, dict) else tuple(m) for m in messages]
+        system = turns.pop(0)[1] if turns and turns[0][0] == "system" else None
+        roles = [role for role, _ in turns]
+        if not turns or roles != ["user", "assistant"] * (len(turns) // 2) + ["user"]:
+            raise ValueError("messages must be an optional system message, then user and assistant messages in "
+                             f"turn, ending with a user message; got {', '.join(roles) or 'no user message'}")
+        texts = [text for _, text in turns]
+        if system:
+            texts[0] = B_SYS + system.strip() + E_SYS + texts[0].strip()
+        ids: list[int] = []
+        for user, answer in zip(texts[:-1:2], texts[1::2]):
+            ids += tokenizer.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", bos=True, eos=True)
+        return ids + tokenizer.encode(f"{B_INST} {texts[-1].strip()} {E_INST}", bos=True)
+
+
+LLAMA2_CHAT = Llama2Chat()
 
 
 def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:

@@ -30,7 +30,6 @@ from model import ModelConfig
 from model.fast.prepack import prepack_supported
 from model.scale import memory as memory_lib
 from model.scale.memory import DEFAULT_RESERVE, LLAMA2_CONFIGS, NotEnoughMemoryError, cheapest_fit, plan
-from speculative.cli import options as cmdline
 from speculative.cli import output
 from speculative.cli.report import JSON_NOTES
 from tests.support.cli import (
@@ -49,7 +48,6 @@ from tests.support.cli import (
 )
 from tests.support.damage import overwrite_middle
 from weights import load_model, load_tokenizer, read_config
-from weights.registry import marked_for_chat
 
 NEAR_TIE = 1e-4  # docs/algorithm.md, numerics policy: float32 greedy may differ only at such near-ties
 
@@ -273,14 +271,16 @@ def test_stacked_projections_are_on_by_default_and_can_be_turned_off() -> None:
 
 
 @needs_pair
-def test_chat_template() -> None:
-    tokenizer = load_tokenizer(TARGET)
+def test_chat_template(chat_target: Path) -> None:
+    """A Llama-2 chat model without a template (conftest's chat_target): --chat and --system give Meta's format."""
+    tokenizer = load_tokenizer(chat_target)
     plain = generate.encode_prompt(tokenizer, "Tell me a story.", chat=True, system=None)
     assert plain == tokenizer.encode("[INST] Tell me a story. [/INST]", bos=True)
     with_system = generate.encode_prompt(tokenizer, "Tell me a story.", chat=True, system="Be brief.")
     assert with_system == tokenizer.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nTell me a story. [/INST]")
     assert with_system[0] == tokenizer.bos_id
-    doc = run_json(*PAIR, "--chat", "--system", "Be brief.", "--prompt", "Tell me a story.", "--max-new-tokens", "4")
+    doc = run_json("--target", str(chat_target), "--draft", str(DRAFT), "--chat", "--system", "Be brief.", "--prompt",
+                   "Tell me a story.", "--max-new-tokens", "4")
     assert doc["prompt_tokens"] == len(with_system)
 
 
@@ -606,26 +606,17 @@ def test_cheapest_fit_by_hand() -> None:
 
 
 @needs_pair
-def test_chat_on_a_base_model_warns(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_chat_on_a_base_model_is_refused_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The shipped target is a base model without a chat template: --chat exits 2 with one line. The
+    same files under a name that marks them for chat are a Llama-2 chat model without one: Llama-2's format."""
     args = ["--no-draft", "--chat", "--prompt", "Tell me a story.", "--max-new-tokens", "2"]
-    _, err = main_json(capsys, ["--target", str(TARGET), *args])
-    assert len(warnings_in(err)) == 1 and "is not marked as a chat model" in warnings_in(err)[0], err
+    assert generate.main(["--target", str(TARGET), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "has no chat template" in err, err
     marked = tmp_path / "tiny-chat"
     marked.symlink_to(TARGET, target_is_directory=True)
     _, err = main_json(capsys, ["--target", str(marked), *args])
     assert warnings_in(err) == []
-
-
-def test_chat_warning_reads_the_name_the_config_and_the_chat_template(tmp_path: Path) -> None:
-    folder = tmp_path / "base"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Llama-2-7b-hf"}))
-    assert "not marked as a chat model" in cmdline.chat_warning(str(folder), marked_for_chat(str(folder)))
-    (folder / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct"}))
-    assert cmdline.chat_warning(str(folder), marked_for_chat(str(folder))) is None
-    (folder / "config.json").write_text("{}")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    assert cmdline.chat_warning(str(folder), marked_for_chat(str(folder))) is None
 
 
 @needs_pair

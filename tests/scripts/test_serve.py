@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -108,9 +109,11 @@ def toy_server(target, draft, *, policy=None, max_rows: int = 4, max_waiting: in
 
 
 @pytest.fixture(scope="module")
-def shipped() -> Iterator[SimpleNamespace]:
-    """The shipped pair as ``serve.py --max-batch 4`` starts it: speculation by load, calibrated."""
-    args = serve.build_parser().parse_args(["--max-batch", "4", "--port", "0"])
+def shipped(chat_target: Path) -> Iterator[SimpleNamespace]:
+    """The shipped pair as ``serve.py --max-batch 4`` starts it: speculation by load, calibrated; its
+    target as a chat model of Llama-2's format (conftest's chat_target), served as tiny-target."""
+    args = serve.build_parser().parse_args(["--target", str(chat_target), "--name", "tiny-target", "--max-batch", "4",
+                                            "--port", "0"])
     serve.validate(args)
     service = serve.start(args)
     with listening(service) as url:
@@ -126,12 +129,12 @@ def run_generate(*argv: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(shipped: SimpleNamespace) -> dict:
+def references(shipped: SimpleNamespace, chat_target: Path) -> dict:
     """generate.py's tokens: greedy for each prompt, --chat greedy, and a sampled run with
     --gamma 2 --seed 7; the greedy ones are checked to be far from any near-tie (so that a batch's
     float32 rounding cannot flip them and equality is the test)."""
     refs = {p: run_generate("--prompt", p) for p in GREEDY_PROMPTS}
-    refs["chat"] = run_generate("--prompt", "Tell me a story", "--chat")
+    refs["chat"] = run_generate("--target", str(chat_target), "--prompt", "Tell me a story", "--chat")
     refs["pinned"] = run_generate("--prompt", GREEDY_PROMPTS[0], "--temperature", "1", "--seed", "7", "--gamma", "2")
     target, tokenizer = shipped.service.loop.engine.target, shipped.tokenizer
     with torch.inference_mode():

@@ -157,7 +157,8 @@ def test_invalid_config_json(tmp_path: Path) -> None:
 def test_no_weights_at_all(tmp_path: Path) -> None:
     _saved(tmp_path)
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="has no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(CheckpointError,
+                       match="has no model.safetensors, model.safetensors.index.json or pytorch_model.bin"):
         load_model(tmp_path)
 
 
@@ -346,3 +347,35 @@ def test_config_shape_errors() -> None:
         ModelConfig.from_hf(hf_config(num_key_value_heads=3))
     with pytest.raises(ConfigError, match="missing required fields: intermediate_size"):
         ModelConfig.from_hf({k: v for k, v in hf_config().items() if k != "intermediate_size"})
+
+
+def test_a_folder_of_pytorch_model_bin_loads_as_its_safetensors_would(tmp_path: Path) -> None:
+    """vicuna-7b-v1.5's main branch has only pytorch_model.bin shards: read with weights_only, the same
+    model; a pickle that holds more than tensors is refused in one line, not run."""
+    saved = tmp_path / "st"
+    reference = _saved(saved, max_shard_bytes=40_000)
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    (bins / "config.json").write_text((saved / "config.json").read_text())
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name, shard in index["weight_map"].items():
+        shards.setdefault(shard.replace("model-", "pytorch_model-").replace(".safetensors", ".bin"), {})[name] = \
+            reference.state_dict()[name.removeprefix("model.")]
+    for shard, tensors in shards.items():
+        torch.save({k: v.clone() for k, v in tensors.items()}, bins / shard)
+    (bins / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {name: shard for shard, tensors in shards.items() for name in tensors}}))
+    loaded = load_model(bins)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "config.json").write_text((saved / "config.json").read_text())
+    torch.save({"model." + k if not k.startswith("lm_head") else k: v for k, v in reference.state_dict().items()},
+               one / "pytorch_model.bin")
+    assert torch.equal(load_model(one).lm_head.weight, reference.lm_head.weight)
+    torch.save({"weights": reference.state_dict(), "hook": print}, one / "pytorch_model.bin")  # not only tensors
+    with pytest.raises(CheckpointError, match="pytorch_model.bin is not a readable PyTorch weights file") as error:
+        load_model(one)
+    assert "\n" not in str(error.value)

@@ -434,7 +434,7 @@ def test_serve_py_builds_the_steps_once_and_a_later_start_loads_them(built: dict
     def start(*extra: str) -> tuple[Any, Any]:
         args = serve.build_parser().parse_args([*argv, *extra])
         serve.validate(args)
-        pair, _, setups = serve.load(args, torch.device("cpu"), torch.float32)
+        pair, _, setups, _ = serve.load(args, torch.device("cpu"), torch.float32)
         return pair, setups
 
     _, first = start("--compile", "force")

@@ -17,7 +17,7 @@ import torch
 from speculative import Engine, Sampling, speculative_generate
 from speculative.engine.gamma import FixedGamma, Iteration, LoadGamma
 from speculative.serving.loop import EngineLoop, OverloadedError, Ticket, prometheus
-from speculative.serving.text import encode_dialog, encode_prompt
+from speculative.serving.text import LLAMA2_CHAT, encode_dialog, encode_prompt
 from tests.support.toy_models import noisy_copy, random_llama
 from weights import load_tokenizer
 
@@ -244,6 +244,7 @@ def test_a_dialog_in_the_llama2_chat_template() -> None:
     """One user turn (with a system prompt) is generate.py --chat's prompt; answered turns are
     closed by EOS and each turn opens with BOS; roles out of turn are refused in one line."""
     tokenizer = load_tokenizer("tiny-target")
+    tokenizer.chat = LLAMA2_CHAT  # what a Llama-2 chat model without a template gets
     assert encode_dialog(tokenizer, [("user", "Hi there")]) == encode_prompt(tokenizer, "Hi there", chat=True)
     assert encode_dialog(tokenizer, [("system", "Be brief."), ("user", " Hi ")]) == \
         encode_prompt(tokenizer, "Hi", chat=True, system="Be brief.")

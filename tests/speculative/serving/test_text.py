@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speculative.serving.text import StopStrings, TextStream, continuation_text, encode_prompt
+from speculative.serving.text import (
+    LLAMA2_CHAT,
+    NoChatTemplateError,
+    StopStrings,
+    TextStream,
+    continuation_text,
+    encode_prompt,
+)
 from weights import load_tokenizer
 from weights.registry import WEIGHTS_DIR
 
@@ -20,7 +27,13 @@ def tokenizer():
     return load_tokenizer("tiny-target")
 
 
-def test_the_chat_template_by_hand(tokenizer) -> None:
+def test_the_llama2_chat_format_by_hand(tokenizer, monkeypatch) -> None:
+    """The shipped target is a base model (no template): a chat is refused in one line. Given Llama-2's
+    format, as a Llama-2 chat model without a template is, the prompt is Meta's."""
+    with pytest.raises(NoChatTemplateError, match="tiny-target has no chat template") as error:
+        encode_prompt(tokenizer, "Hi.", chat=True)
+    assert "\n" not in str(error.value)
+    monkeypatch.setattr(tokenizer, "chat", LLAMA2_CHAT)
     assert encode_prompt(tokenizer, "Tell me a story.") == tokenizer.encode("Tell me a story.", bos=True)
     assert encode_prompt(tokenizer, " Hi. ", chat=True) == tokenizer.encode("[INST] Hi. [/INST]", bos=True)
     with_system = encode_prompt(tokenizer, "Hi.", chat=True, system=" Be brief. ")

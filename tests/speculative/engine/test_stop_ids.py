@@ -1,0 +1,60 @@
+"""Several end-of-sequence ids (Llama-3.1-Instruct's config lists three: the end of the text, of a
+tool call and of a turn; stopping at the first alone runs past the answer, a bug of many runtimes:
+vLLM #4180, llama.cpp #6772, llama-cpp-python #1360). A row stops at whichever it emits first, even
+in the middle of an accepted block, and its stats name the id that ended it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
+from speculative.engine.engine import Engine
+from tests.support.toy_models import NGramModel
+
+
+def chain_table(vocab: int) -> torch.Tensor:
+    """Bigram logits: after token i, token (i + 1) % vocab, all but surely (e^-30 for any other)."""
+    table = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for i in range(vocab):
+        table[i, (i + 1) % vocab] = 30.0
+    return table
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_any_stop_id_ends_the_row_inside_an_accepted_block(temperature: float) -> None:
+    target, draft = NGramModel(chain_table(8)), NGramModel(chain_table(8))  # 0 -> 1 -> 2 -> ... certainly
+    seen: list[list[int]] = []
+    out = speculative_generate(target, draft, [0], 20, gamma=6, temperature=temperature, eos_id=[6, 3, 5], seed=0,
+                               callback=lambda ids, flags: seen.append(ids))
+    assert out.tokens == [1, 2, 3]  # 3 is the first of the three to come, and 4.. were accepted after it
+    assert seen == [[1, 2, 3]]
+    assert (out.stats.stop_reason, out.stats.stop_token) == ("eos", 3)
+    alone = autoregressive_generate(target, [4], 20, temperature=temperature, eos_id=(3, 6), seed=0)
+    assert alone.tokens == [5, 6] and (alone.stats.stop_reason, alone.stats.stop_token) == ("eos", 6)
+
+
+def test_a_single_id_a_set_and_none() -> None:
+    target = NGramModel(chain_table(8))
+    assert speculative_generate(target, NGramModel(chain_table(8)), [0], 20, gamma=2, temperature=0,
+                                eos_id=frozenset({2})).tokens == [1, 2]
+    capped = speculative_generate(target, NGramModel(chain_table(8)), [0], 5, gamma=2, temperature=0, eos_id=None)
+    assert capped.tokens == [1, 2, 3, 4, 5]
+    assert (capped.stats.stop_reason, capped.stats.stop_token) == ("max_new_tokens", None)
+
+
+def test_rows_of_a_batch_stop_at_their_own_first_stop_id() -> None:
+    target = NGramModel(chain_table(8))
+    out = speculative_generate_batch(target, NGramModel(chain_table(8)), [[0], [3], [6]], 6, gamma=3, temperature=0,
+                                     batch_size=1,  # the toys hold one row at a time
+                                     eos_id=[2, 5])
+    assert [row.tokens for row in out.results] == [[1, 2], [4, 5], [7, 0, 1, 2]]
+    assert [row.stats.stop_token for row in out.results] == [2, 5, 2]
+
+
+@pytest.mark.parametrize("bad", [-1, "2", [1, "x"], [True], 2.5])
+def test_bad_stop_ids_are_refused_in_one_line(bad: object) -> None:
+    engine = Engine(NGramModel(chain_table(8)), None)
+    with pytest.raises(ValueError, match="eos_id must be a token id") as error:
+        engine.add([0], 4, eos_id=bad)
+    assert "\n" not in str(error.value)
