@@ -24,16 +24,7 @@ from safetensors.torch import save_file
 from model import ConfigError, Llama, ModelConfig
 from speculative.serving.text import LLAMA2_CHAT
 from weights.chat import ChatTemplateError, chat_template, template_source
-
-try:  # TEMPORARY until weights/gguf.py lands
-    from weights.gguf import GGUFError, GGUFFile, is_gguf
-except ImportError:
-    class GGUFError(ValueError):
-        pass
-    GGUFFile = None
-
-    def is_gguf(path):
-        return False
+from weights.gguf import GGUFError, GGUFFile, is_gguf
 from weights.registry import marked_for_chat, resolve
 from weights.tokenizer import JsonTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError
 

@@ -1,6 +1,10 @@
 """Convert checkpoints from other formats into the HF layout that :func:`weights.load_model` reads.
 
     python -m weights.convert llama2c --checkpoint stories260K.bin --tokenizer tok512.model --out DIR
+    python -m weights.convert gguf --gguf model.Q4_1.gguf --out DIR [--dtype float32|bfloat16|float16]
+
+``gguf`` reads a llama.cpp GGUF file of a Llama model (:mod:`weights.gguf` explains the format)
+and writes the folder with its tokenizer, tokenizer_config, generation_config and chat template.
 
 ``llama2c`` reads the original ("legacy", version 0) export of karpathy/llama2.c: a header
 of seven little-endian int32 (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size,
@@ -34,6 +38,7 @@ import torch
 
 from model import ConfigError, Llama, ModelConfig
 from weights.checkpoint import CheckpointError, build_model, save_model
+from weights.gguf import GGUFError, convert_gguf
 
 _HEADER = struct.Struct("<7i")
 _FLOAT_BYTES = 4
@@ -211,14 +216,21 @@ def convert_llama2c(checkpoint: str | Path, out: str | Path, tokenizer: str | Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit status (1 with a one-line ``error: ...`` on a bad input)."""
+    """The command line; returns the exit status (one ``error: ...`` line: 1 for a bad llama2.c input, 2 for a GGUF)."""
     parser = argparse.ArgumentParser(prog="python -m weights.convert", description=__doc__.split("\n\n")[0])
     formats = parser.add_subparsers(dest="format", required=True)
     l2c = formats.add_parser("llama2c", help="a llama2.c legacy (version 0) .bin export")
     l2c.add_argument("--checkpoint", required=True, type=Path, help="the llama2.c .bin file")
     l2c.add_argument("--tokenizer", required=True, type=Path, help="its SentencePiece tokenizer.model")
     l2c.add_argument("--out", required=True, type=Path, help="output folder (HF layout)")
+    gguf = formats.add_parser("gguf", help="a llama.cpp GGUF file of a Llama model (any quantization)")
+    gguf.add_argument("--gguf", required=True, type=Path, help="the .gguf file")
+    gguf.add_argument("--out", required=True, type=Path, help="output folder (HF layout)")
+    gguf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                      help="weights' dtype in the folder (default: the file's own; float32 when quantized)")
     args = parser.parse_args(argv)
+    if args.format == "gguf":
+        return _main_gguf(args)
     try:
         out = convert_llama2c(args.checkpoint, args.out, args.tokenizer)
     except CheckpointError as err:
@@ -226,6 +238,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {out}")
     return 0
+
+
+def _main_gguf(args: argparse.Namespace) -> int:
+    """A bad GGUF file exits 2, like a bad argument: one ``error: ...`` line, no traceback."""
+    try:
+        out = convert_gguf(args.gguf, args.out, args.dtype)
+    except GGUFError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    written = sorted(p.name for p in out.iterdir() if p.name in _GGUF_OUTPUTS)
+    print(f"wrote {out}: {', '.join(written)}")
+    return 0
+
+
+_GGUF_OUTPUTS = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "chat_template.jinja"}
 
 
 if __name__ == "__main__":

@@ -106,16 +106,17 @@ class SentencePieceTokenizer(Tokenizer):
         self.eos_id: int | None = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
         self.vocab_size: int = self.sp.vocab_size()
         config = config or {}
-        # transformers' Llama tokenizer with legacy=False encodes the text after a special token
-        # without SentencePiece's dummy-prefix space ("<s>[INST]" is "[", not "▁["); legacy (the
-        # default when the flag is absent) encodes each piece of text as if it began the text.
-        self.legacy = config.get("legacy", True) is not False
+        # transformers' Llama tokenizer encodes the text after a special token without SentencePiece's
+        # dummy-prefix space ("<s>[INST]" is "[", not "▁["), unless the config asks for legacy: true,
+        # which encodes each piece of text as if it began the text (transformers 5's reading of both)
+        self.legacy = config.get("legacy") is True
         self._special = {self.sp.id_to_piece(i): i for i in range(self.vocab_size)
                          if self.sp.is_control(i) or self.sp.is_unknown(i)}
         for token in _added_tokens(config):
             if (token_id := self.token_id(token)) is not None:
                 self._special[token] = token_id
         self._split = _splitter(self._special)
+        self._bare: spm.SentencePieceProcessor | None = None  # the model without the dummy prefix, when needed
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = self.sp.encode(text)
@@ -132,10 +133,10 @@ class SentencePieceTokenizer(Tokenizer):
         return ids
 
     def _without_prefix(self, text: str) -> list[int]:
-        """``text`` encoded without the dummy-prefix space: after a piece that cannot merge with
-        what follows (the unknown token's text), whose own ids are then dropped."""
-        unk = self.sp.id_to_piece(self.sp.unk_id())
-        return self.sp.encode(unk + text)[len(self.sp.encode(unk)):]
+        """``text`` encoded without the dummy-prefix space, by the same model with that option off."""
+        if self._bare is None:
+            self._bare = spm.SentencePieceProcessor(model_proto=without_dummy_prefix(self.sp.serialized_model_proto()))
+        return self._bare.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))
@@ -174,8 +175,6 @@ class JsonTokenizer(Tokenizer):
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
         self.bos_id: int | None = self._named(config, "bos_token", origin)
         self.eos_id: int | None = self._named(config, "eos_token", origin)
-        # transformers tidies decoded text when the checkpoint asks ("a ." -> "a."): Llama-3 does
-        self.clean_up = bool(config.get("clean_up_tokenization_spaces", False))
         self._special = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
 
     def _named(self, config: dict[str, Any], key: str, origin: str) -> int | None:
@@ -199,8 +198,9 @@ class JsonTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         # special tokens are markup (<|im_end|>, <|eot_id|>), not text: dropped as SentencePiece drops
         # its control pieces, and as vLLM's output does
-        text = self.backend.decode(list(ids), skip_special_tokens=True)
-        return clean_up_spaces(text) if self.clean_up else text
+        # (clean_up_tokenization_spaces, which Llama-3's config sets, is not applied: transformers 5 no longer
+        # does, and it would make decode(encode(text)) lose the text's own spaces)
+        return self.backend.decode(list(ids), skip_special_tokens=True)
 
     def piece(self, token_id: int) -> str:
         piece = self.backend.id_to_token(token_id)
@@ -219,15 +219,61 @@ class JsonTokenizer(Tokenizer):
         return self.text.encode()
 
 
-# transformers' clean_up_tokenization: a space before punctuation and English contractions removed
-_CLEAN_UP = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")]
+def without_dummy_prefix(proto: bytes) -> bytes:
+    """A serialized SentencePiece ModelProto with its normalizer's ``add_dummy_prefix`` set to false.
 
+    The option lives in the model file only (no encode argument turns it off), and the protobuf
+    library is not a dependency here, so the wire format is edited directly: the ModelProto's field 3
+    (NormalizerSpec, length-delimited) gets its own field 3 (add_dummy_prefix, a varint) as 0, any
+    earlier value dropped. Every other field is copied byte for byte."""
 
-def clean_up_spaces(text: str) -> str:
-    for before, after in _CLEAN_UP:
-        text = text.replace(before, after)
-    return text
+    def varint(data: bytes, i: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            byte = data[i]
+            value |= (byte & 0x7F) << shift
+            i, shift = i + 1, shift + 7
+            if byte < 0x80:
+                return value, i
+
+    def encode_varint(value: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+            value >>= 7
+            if not value:
+                return bytes(out)
+
+    def fields(data: bytes) -> list[tuple[int, int, bytes]]:
+        """(field number, wire type, the field's whole encoding) in order."""
+        out, i = [], 0
+        while i < len(data):
+            start = i
+            key, i = varint(data, i)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                _, i = varint(data, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 2:
+                length, i = varint(data, i)
+                i += length
+            elif wire == 5:
+                i += 4
+            else:
+                raise TokenizerError(f"a SentencePiece model with protobuf wire type {wire} cannot be read")
+            out.append((number, wire, data[start:i]))
+        return out
+
+    parts = []
+    for number, wire, raw in fields(proto):
+        if number == 3 and wire == 2:  # NormalizerSpec
+            key_end = varint(raw, 0)[1]
+            body_start = varint(raw, key_end)[1]
+            body = b"".join(r for n, _, r in fields(raw[body_start:]) if n != 3) + bytes([3 << 3, 0])
+            raw = raw[:key_end] + encode_varint(len(body)) + body
+        parts.append(raw)
+    return b"".join(parts)
 
 
 def _added_tokens(config: dict[str, Any]) -> list[str]:

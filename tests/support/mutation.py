@@ -94,7 +94,7 @@ CATALOGUE = [
     Bug("greedy off by one", "speculative/verify/token.py", "matches = [x == y for x, y in zip(xs, ys)]",
         "matches = [x == y for x, y in zip(xs, ys[1:])]",
         "x_i compared with the target's choice one position later"),
-    Bug("the server drops top_k", "speculative/serving/app.py", "Sampling(temperature, body.top_k, top_p), body.seed",
+    Bug("the server drops top_k", "speculative/serving/app.py", "Sampling(temperature, top_k, top_p), body.seed",
         "Sampling(temperature, None, top_p), body.seed",
         "a server that accepts a sampling field and does not apply it: not the law asked for"),
     Bug("unseeded requests seeded alike", "speculative/serving/app.py", "top_p), body.seed, body.speculative_gamma",

@@ -75,18 +75,21 @@ def test_generate_and_the_server_use_the_template(folder: Path) -> None:
 
 
 def test_a_llama2_chat_model_without_a_template_gets_llama2_s_format(tmp_path: Path) -> None:
-    """A SentencePiece checkpoint marked for chat (its name) with no template: Meta's format, the same
-    ids as Llama-2-chat's own template gives (the template's output is the oracle here)."""
+    """A SentencePiece checkpoint marked for chat (its name) with no template: Meta's reference format
+    (each turn encoded as text, so "[INST]" after BOS is "▁[", where the published template's ids have "["
+    after its written-out "<s>"); the same folder with the template renders it."""
     folder = template_folder("Llama-2-7b-chat-hf", tmp_path / "Llama-2-7b-chat-hf")
     templated = load_tokenizer(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     bare = load_tokenizer(folder)
-    assert bare.chat is LLAMA2_CHAT
-    for messages in (CONVERSATIONS["one user turn"], CONVERSATIONS["system and answered turns"]):
-        turns = [(m["role"], m["content"]) for m in messages]
-        assert encode_dialog(bare, turns) == encode_dialog(templated, turns)
+    assert bare.chat is LLAMA2_CHAT and templated.chat is not LLAMA2_CHAT
+    turns = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")]
+    assert encode_dialog(bare, turns) == bare.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! ",
+                                                     eos=True) + bare.encode("[INST] Bye [/INST]")
+    first = encode_dialog(templated, turns)
+    assert first[:2] == [1, bare.token_id("[")] and encode_dialog(bare, turns)[:2] == [1, bare.token_id("▁[")]
 
 
 def test_a_base_model_without_a_template_is_refused_in_one_line() -> None:
@@ -149,3 +152,16 @@ def test_a_broken_template_is_one_line_when_read_and_when_rendered(tmp_path: Pat
     with pytest.raises(CheckpointError, match="not a valid Jinja template") as error:
         load_tokenizer(folder)
     assert "\n" not in str(error.value)
+
+
+def test_llama2_chat_s_template_renders_the_text_recorded_for_it() -> None:
+    """The rendered text that text-generation-inference's test of chat templates records for
+    meta-llama/Llama-2-13b-chat-hf (tests/data/SOURCES.md) for these six messages."""
+    source = (TEMPLATES / "Llama-2-7b-chat-hf.jinja").read_text()
+    messages = [{"role": "system", "content": "You are a helpful assistant"}, {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "Who are you"},
+                {"role": "assistant", "content": "   I am an assistant   "},
+                {"role": "user", "content": "Another question"}]
+    assert template(source).render(messages) == (
+        "<s>[INST] <<SYS>>\nYou are a helpful assistant\n<</SYS>>\n\nHello [/INST] Hi there </s><s>[INST] Who are you "
+        "[/INST] I am an assistant </s><s>[INST] Another question [/INST]")

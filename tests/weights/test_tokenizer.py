@@ -150,3 +150,18 @@ def test_tok512() -> None:
     tok = SentencePieceTokenizer(TOK512)
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1, 2, 512)
     assert tok.encode("Once upon a time", bos=True) == [1, 403, 407, 261, 378]
+
+
+def test_the_model_without_its_dummy_prefix_encodes_text_as_it_follows_a_special_token(tok: Tokenizer) -> None:
+    """The wire-format edit of weights.tokenizer.without_dummy_prefix: the same pieces, no space in front
+    ("▁Hello" becomes "Hello"'s own pieces), and the model's other settings kept (byte fallback)."""
+    import sentencepiece as spm
+
+    from weights.tokenizer import without_dummy_prefix
+
+    bare = spm.SentencePieceProcessor(model_proto=without_dummy_prefix(LLAMA2_TOKENIZER.read_bytes()))
+    assert bare.vocab_size() == tok.vocab_size
+    assert [tok.piece(i) for i in tok.encode("Hello world", bos=False)] == ["▁Hello", "▁world"]
+    assert [bare.id_to_piece(i) for i in bare.encode("Hello world")] == ["Hello", "▁world"]
+    assert [bare.id_to_piece(i) for i in bare.encode("[INST]")][0] == "["
+    assert bare.decode(bare.encode("né 🙂")) == "né 🙂"
