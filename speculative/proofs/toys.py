@@ -185,7 +185,8 @@ def random_eagle3_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
     """A model.eagle3_head.Eagle3Head for the target with random weights, its draft vocabulary
     the target's less the ids in ``drop`` (a reduced vocabulary: q must be 0 on them)."""
     config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
-    kept = [i for i in range(config.vocab_size) if i not in set(drop)]
+    dropped = set(drop)
+    kept = [i for i in range(config.vocab_size) if i not in dropped]
     head = kind(config, default_layers(target.config.n_layers), draft_vocab=len(kept))
     head.set_vocabulary(torch.tensor(kept))
     gen = torch.Generator().manual_seed(seed)

@@ -142,3 +142,28 @@ def test_an_eagle3_head_in_either_layout_speculates_for_it_end_to_end(tmp_path: 
     doc = json.loads(out.stdout)
     assert doc["tokens"] == answer and doc["stats"]["stop_token"] == EOT
     assert doc["settings"]["draft"] == str(tmp_path / "head")
+
+
+def test_streamed_byte_level_text_never_holds_half_a_character(random_folder: Path) -> None:
+    """A byte-level BPE token may end inside a character (🙂 is four bytes over several tokens): the
+    stream hands out nothing until the character is whole, and the pieces add up to the text."""
+    import io
+
+    from speculative.cli import output
+    from speculative.serving.text import TextStream
+
+    tokenizer = load_tokenizer(random_folder)
+    prompt = tokenizer.encode("Once upon a time")
+    new = tokenizer.encode(" the café said 🙂🙂 and 東京 smiled.<|eot_id|>", bos=False)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in new)  # some tokens are parts of a character
+    stream = TextStream(tokenizer, prompt)
+    pieces = [stream.add(token) for token in new]
+    assert not any("\ufffd" in piece for piece in pieces) and "" in pieces
+    assert "".join(pieces) + stream.finish() == " the café said 🙂🙂 and 東京 smiled."
+    printed = io.StringIO()
+    streamer = output.Streamer(tokenizer, prompt, printed, color=False)
+    for token in new:
+        streamer([token], [False])
+        assert "\ufffd" not in printed.getvalue()
+    streamer.finish()
+    assert printed.getvalue().endswith(" the café said 🙂🙂 and 東京 smiled.\n")
