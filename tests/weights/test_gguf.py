@@ -726,3 +726,23 @@ def test_smollm2_q4_1(tmp_path):
     assert set(tensors) == {k for k in state if k != "lm_head.weight"}
     for name, tensor in tensors.items():
         assert torch.equal(tensor, state[name].float()), name
+
+
+def test_a_gguf_draft_speculates_for_a_gguf_target(tmp_path, gpt2_vocab):
+    """--target FILE.gguf --draft FILE.gguf: the pair check reads both tokenizers from their files, and
+    greedy speculation gives the target's own tokens."""
+    from tests.support.cli import cli
+
+    shape = {"hidden": 64, "layers": 2, "inter": 128, "heads": 4, "kv": 2, "head_dim": 16}
+    write_gguf(tmp_path / "target.gguf", shape=shape, tokenizer=gpt2_vocab, qtype="Q8_0", seed=0)
+    write_gguf(tmp_path / "draft.gguf", shape={**shape, "layers": 1}, tokenizer=gpt2_vocab, qtype="Q4_1", seed=1)
+    args = ["--target", str(tmp_path / "target.gguf"), "--prompt", "hello world", "--max-new-tokens", "12", "--json"]
+    alone = cli(*args, "--no-draft")
+    both = cli(*args, "--draft", str(tmp_path / "draft.gguf"), "--gamma", "3")
+    assert alone.returncode == 0 and both.returncode == 0, alone.stderr + both.stderr
+    alone, both = json.loads(alone.stdout), json.loads(both.stdout)
+    assert both["tokens"] == alone["tokens"] and both["stats"]["draft_calls"] > 0
+    other = dict(gpt2_vocab, tokens=list(reversed(gpt2_vocab["tokens"])))
+    write_gguf(tmp_path / "other.gguf", shape={**shape, "layers": 1}, tokenizer=other, seed=1)
+    refused = cli(*args, "--draft", str(tmp_path / "other.gguf"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "cannot speculate" in refused.stderr
