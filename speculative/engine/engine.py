@@ -42,10 +42,9 @@ them asks for: ``drafter.reads_features``), ``setup_cache``, ``move_cache``, ``c
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,6 +55,7 @@ from speculative.draft.model import as_drafter
 from speculative.draft.protocol import Draft, pad_rows
 from speculative.draft.trees import TREE_MODES, check_tree
 from speculative.engine.gamma import AutoGamma
+from speculative.engine.logprobs import Logprob, record_logprobs, record_prompts
 from speculative.engine.stats import BatchStats, Clock, GenerationResult, SpeculativeStats, stop_reason
 from speculative.inputs import (
     NonFiniteLogitsError,
@@ -79,7 +79,6 @@ from speculative.verify.verdict import Verdict, Verification, together
 
 Callback = Callable[[list[int], list[bool]], None]
 DEFAULT_GAMMA = 4
-Logprob = tuple[float, list[tuple[int, float]]]  # a token's log p and the top (id, log p), p the target's at T = 1
 
 
 class RowFailedError(RuntimeError):
@@ -139,7 +138,7 @@ class Engine:
     ``cache_len``: the KV caches' length; None sizes them at the first step for the rows
     added by then (a later row longer than that stops when the cache is full)."""
 
-    def __init__(self, target: Any, draft: Any = None, *, gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0,
+    def __init__(self, target: Any, draft: Any = None, *, gamma: int | str | None = None, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, verify: str = "token",
                  tree: Sequence[int] | None = None, tree_mode: str = "without_replacement", max_rows: int = 1,
                  cache_len: int | None = None) -> None:
@@ -150,6 +149,7 @@ class Engine:
         self.rule, self.tree, self.tree_mode = verify, None, tree_mode
         if tree is not None:
             self.tree, gamma = check_tree_request(tree, tree_mode, self.drafter, gamma, verify, max_rows)
+        gamma = DEFAULT_GAMMA if gamma is None else gamma  # None: not given
         self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
         self.auto = AutoGamma(gamma_max=self.gamma_max, parallel=getattr(self.drafter, "parallel", False)) \
             if gamma == "auto" and self.drafter is not None else None
@@ -318,25 +318,11 @@ class Engine:
             t1 = clock.mark()
             logits, hidden = self.score(rows, draft)  # line 4
             t2 = clock.mark()
-            finite = finite_rows(logits)  # read with the verdicts: a row whose logits are not finite fails alone
-            verdict = judge_rows(logits, draft, [row.sampling for row in rows], self.rule,
-                                 [row.generator for row in rows], finite)
-            if self.deferred(rows):  # lines 5-9: tokens kept on the device, read when the rows change
-                self.defer(rows, verdict.parts[0], finite)
-                steps = [Verification([], 0, [])] * len(rows)
-            else:
-                steps = self.read(rows, draft, verdict, finite)  # lines 5-9: the iteration's one host read
-                self.commit(rows, draft, steps, hidden, logits)  # line 10
+            steps = self.verify(rows, draft, logits)  # lines 5-9
+            if steps is not None:  # None: the target alone, its tokens left on the device (Engine.defer)
+                self.commit(rows, draft, steps, hidden)  # line 10
             t3 = clock.mark()
-            self.record(rows, draft, steps, (t0, t1, t2, t3))
-            depth = max(draft.depth(b) for b in range(len(rows)))
-            if self.auto is not None and depth > 0:  # t0..t2 are behind the read; the first also read prompts
-                timed = self.stats.iterations > 1
-                verified = [(j + 1, o) for step in steps for j, o in enumerate(step.overlap[:step.accepted + 1])]
-                self.auto.update([o for _, o in verified],
-                                 clock.seconds(t0, t1) / (draft.calls or depth) if timed else None,  # per call
-                                 clock.seconds(t1, t2) if timed else None,
-                                 positions=[j for j, _ in verified], width=depth + 1)
+            self.learn(rows, draft, steps or [Verification([], 0, [])] * len(rows), (t0, t1, t2, t3))
             return cancelled + self.retire(t3)
 
     def gamma_for(self, row: Row) -> int:
@@ -348,6 +334,24 @@ class Engine:
         g = row.gamma if row.gamma is not None else self.policy(self) if self.policy else \
             self.auto.gamma if self.auto else self.gamma_max
         return max(0, min(g, self.gamma_max, row.max_new_tokens - row.produced - 1, self.row_limit - row.length - 1))
+
+    def verify(self, rows: list[Row], draft: Draft, logits: torch.Tensor) -> list[Verification] | None:
+        """Lines 5-9: every row's verdict under its own rule, sampling and generator, read in one
+        copy; what each row emits stops at its first end id (nothing after it, even inside an
+        accepted block), and the log-probabilities of what it emits are recorded from these logits,
+        the target's own laws at those positions. None when the target alone runs rows that stop
+        by their count alone: the tokens stay on the device until the rows change (Engine.defer)."""
+        finite = finite_rows(logits)  # read with the verdicts: a row whose logits are not finite fails alone
+        verdict = judge_rows(logits, draft, [row.sampling for row in rows], self.rule,
+                             [row.generator for row in rows], finite)
+        if self.deferred(rows):
+            self.defer(rows, verdict.parts[0], finite)
+            return None
+        steps = [replace(step, tokens=cut_at_eos(step.tokens, row.stop_ids))
+                 for row, step in zip(rows, self.read(rows, draft, verdict, finite))]
+        if draft.tree is None and any(row.logprobs is not None for row in rows):
+            record_logprobs(rows, [step.tokens for step in steps], [g + 1 for g in draft.lengths], logits)
+        return steps
 
     def read(self, rows: list[Row], draft: Draft, verdict: Verdict, finite: torch.Tensor) -> list[Verification]:
         """The verdicts and every logit row's finite flag in ONE copy. A row with a non-finite
@@ -417,27 +421,24 @@ class Engine:
         index = torch.tensor([at_row, at_col], device=logits.device)
         return logits[index[0], index[1]], hidden
 
-    def commit(self, rows: list[Row], draft: Draft, steps: list[Verification], hidden: torch.Tensor | None,
-               logits: torch.Tensor | None = None) -> None:
-        """Line 10: row b emits x_1..x_n, t (nothing after an EOS) and rolls back: everything
-        before its newest token is in the target's cache (a tree's accepted path is first
-        moved into place); the drafter learns the new lengths and, if it reads them, the
-        target's features of the accepted paths."""
+    def commit(self, rows: list[Row], draft: Draft, steps: list[Verification], hidden: torch.Tensor | None) -> None:
+        """Line 10: row b emits x_1..x_n, t (verify cut it at an end id) and rolls back: everything
+        before its newest token is in the target's cache, whatever the other rows accepted (a
+        tree's accepted path is first moved into place); the drafter learns the new lengths and,
+        if it reads them, the target's features of the accepted paths."""
         starts = [row.target_next for row in rows]
         if draft.tree is not None and rows[0].error is None:
             hidden = keep_path(self.target, steps[0].path, rows[0].length, starts[0], hidden)
-        emitted = [cut_at_eos(step.tokens, row.stop_ids) for row, step in zip(rows, steps)]
-        if logits is not None and draft.tree is None and any(row.logprobs is not None for row in rows):
-            record_logprobs(rows, emitted, [g + 1 for g in draft.lengths], logits)
-        for row, tokens in zip(rows, emitted):
-            row.ids.extend(tokens)
-        advance(rows, steps)
+        for row, step in zip(rows, steps):
+            row.ids.extend(step.tokens)
+        for row in rows:
+            row.target_next = row.length - 1
         if self.drafter is not None:
             self.drafter.commit([row.length for row in rows], hidden, starts)
-        for row, step, tokens in zip(rows, steps, emitted):
-            if row.callback is not None and tokens:
+        for row, step in zip(rows, steps):
+            if row.callback is not None and step.tokens:
                 try:
-                    row.callback(tokens, [i < step.accepted for i in range(len(tokens))])
+                    row.callback(step.tokens, [i < step.accepted for i in range(len(step.tokens))])
                 except Exception as error:  # its own handler failed: it leaves at the end of this step
                     row.error = RowFailedError(f"{type(error).__name__}: {error}".splitlines()[0])
 
@@ -470,9 +471,23 @@ class Engine:
         self.pending, self.pending_finite = [], []
 
     # ------------------------------------------------------------------------- what happened
-    def record(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
+    def learn(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
         """One iteration into every row's record and the engine's own counts (marks: before
-        proposing, scoring and verifying, and after committing)."""
+        proposing, scoring and verifying, and after committing), and into gamma="auto"'s estimates
+        of alpha and of the step costs."""
+        self.record(rows, draft, steps, marks)
+        t0, t1, t2, _ = marks
+        depth = max(draft.depth(b) for b in range(len(rows)))
+        if self.auto is not None and depth > 0:  # t0..t2 are behind the read; the first also read prompts
+            timed, clock = self.stats.iterations > 1, self.clock
+            verified = [(j + 1, o) for step in steps for j, o in enumerate(step.overlap[:step.accepted + 1])]
+            self.auto.update([o for _, o in verified],
+                             clock.seconds(t0, t1) / (draft.calls or depth) if timed else None,  # per call
+                             clock.seconds(t1, t2) if timed else None,
+                             positions=[j for j, _ in verified], width=depth + 1)
+
+    def record(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
+        """The counts and times of one iteration, per row and for the engine."""
         t0, t1, t2, now = marks
         totals, clock = self.stats, self.clock
         totals.iterations += 1
@@ -489,60 +504,6 @@ class Engine:
             if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
                 clock.add(stats, "first_iteration_s", row.joined, now)
                 stats.first_iteration_tokens = row.produced
-
-
-def record_logprobs(rows: list[Row], emitted: list[list[int]], wanted: list[int], logits: torch.Tensor) -> None:
-    """Each asking row's emitted tokens' log-probabilities under the target's own distribution at
-    temperature 1, before any warping, and its top ones: the verification call's logits, row b's
-    g_b + 1 positions one after another, position j being the target's law of the j-th token it
-    emits (the accepted prefix before it is the sequence that position read). One host read."""
-    starts = [sum(wanted[:b]) for b in range(len(rows))]
-    asking = [b for b, row in enumerate(rows) if row.logprobs is not None and emitted[b] and row.error is None]
-    if not asking:
-        return
-    at = [starts[b] + j for b in asking for j in range(len(emitted[b]))]
-    records = token_logprobs(logits[torch.tensor(at, device=logits.device)], [t for b in asking for t in emitted[b]],
-                             [rows[b].logprobs for b in asking for _ in emitted[b]])
-    for b in asking:
-        rows[b].logprob_record.extend(records[:len(emitted[b])])
-        records = records[len(emitted[b]):]
-
-
-def record_prompts(rows: list[Row], starts: list[int], logits: torch.Tensor) -> None:
-    """The prompt's log-probabilities of each row that asks for them (echo) and is read from
-    its start in this call: column i of its logits is the target's law of its token i + 1
-    (every row's tokens begin at column 0, see Engine.score). The first token has none. A row
-    whose prompt logits are not finite fails alone."""
-    asking = [b for b, (row, start) in enumerate(zip(rows, starts)) if row.echo and start == 0 and len(row.prompt) > 1]
-    for b, row in enumerate(rows):
-        if row.echo and starts[b] == 0:
-            row.prompt_record = [None]
-    if not asking:
-        return
-    laws = torch.cat([logits[b, :len(rows[b].prompt) - 1] for b in asking])
-    records = token_logprobs(laws, [t for b in asking for t in rows[b].prompt[1:]],
-                             [rows[b].logprobs or 0 for b in asking for _ in rows[b].prompt[1:]])
-    for b in asking:
-        n = len(rows[b].prompt) - 1
-        if not all(math.isfinite(value) for value, _ in records[:n]):  # finite logits give a finite log p
-            rows[b].error = NonFiniteLogitsError()
-        rows[b].prompt_record += records[:n]
-        records = records[n:]
-
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[Logprob]:
-    """For each row of ``logits`` [N, V]: the log-probability of ``tokens[i]`` under its softmax
-    (temperature 1, no warping) and its ``tops[i]`` most likely (id, log p). One host read."""
-    logp = torch.log_softmax(logits if logits.dtype in (torch.float32, torch.float64) else logits.float(), dim=-1)
-    chosen = torch.tensor(tokens, device=logits.device)
-    k = min(max(tops), logp.shape[-1])
-    top = logp.topk(k, dim=-1) if k else None
-    host = read_host([logp.gather(1, chosen[:, None])[:, 0]] + ([top.values, top.indices] if top else []))
-    out = []
-    for i, n in enumerate(tops):
-        best = [] if top is None else [(int(t), v) for t, v in zip(host[2][i * k:i * k + n], host[1][i * k:i * k + n])]
-        out.append((host[0][i], best))
-    return out
 
 
 # ----------------------------------------------------------------------------- the seams' pieces
@@ -596,13 +557,6 @@ def greedy_shortcut(rule: str | Callable) -> bool:
     return not callable(rule) and registered(rule).greedy
 
 
-def advance(rows: list[Row], steps: list[Verification]) -> None:
-    """Line 10's rollback, per row: everything before the row's newest token is in the
-    target's cache, whatever the other rows accepted."""
-    for row in rows:
-        row.target_next = row.length - 1
-
-
 def cut_at_eos(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
     """Nothing after an emitted end-of-sequence id, even in the middle of an accepted block."""
     for i, token in enumerate(tokens):
@@ -653,10 +607,13 @@ def check_tree_request(tree: Sequence[int], tree_mode: str, drafter: Any, gamma:
         raise ValueError(f"tree_mode must be one of {', '.join(map(repr, TREE_MODES))}, got {tree_mode!r}")
     if drafter is None or not hasattr(drafter, "propose_tree"):
         raise ValueError(f"{type(drafter).__name__} cannot build token trees (a draft model or a feature head can)")
-    if gamma not in (DEFAULT_GAMMA, len(shape)):
+    if gamma is not None and gamma != len(shape):
         raise ValueError("gamma and tree both set: a tree's depth is its gamma; leave gamma alone")
+    if callable(verify):
+        raise ValueError("a verifier of your own judges a chain; a tree is verified by its own walk "
+                         "(speculative.verify.tree)")
     if verify != "token":
-        raise ValueError("block verification is for a chain; a tree is verified by its own walk")
+        raise ValueError(f"--verify {verify} judges a chain; a tree is verified by its own walk")
     if max_rows != 1:
         raise ValueError("token trees are drafted for one row at a time (speculative.engine): use max_rows=1")
     return shape, len(shape)

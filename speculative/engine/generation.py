@@ -9,19 +9,19 @@ from typing import Any
 
 import torch
 
-from speculative.engine.engine import DEFAULT_GAMMA, Callback, Engine
+from speculative.engine.engine import Callback, Engine
 from speculative.engine.stats import AutoregressiveStats, BatchResult, GenerationResult, SpeculativeStats
 from speculative.inputs import check_max_new_tokens
 
 
 def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                         gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0, top_k: int | None = None,
+                         gamma: int | str | None = None, temperature: float = 1.0, top_k: int | None = None,
                          top_p: float | None = None, eos_id: int | Collection[int] | None = None,
                          seed: int | None = None, callback: Callback | None = None, verify: str = "token",
                          tree: Sequence[int] | None = None,
                          tree_mode: str = "without_replacement") -> GenerationResult[SpeculativeStats]:
     """Sample from ``target`` after ``prompt_ids``, with ``draft`` proposing up to ``gamma``
-    tokens per target call (an int >= 1, or "auto"). ``draft`` is a model of the target's
+    tokens per target call (an int >= 1, or "auto"; None: DEFAULT_GAMMA). ``draft`` is a model of the target's
     vocabulary (wrapped in speculative.draft.ModelDrafter) or any drafter. The output has
     exactly the distribution of autoregressive_generate(target, ...) with the same
     settings; temperature 0 is greedy.
@@ -80,7 +80,7 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
 
 
 def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                               gamma: int | str = DEFAULT_GAMMA, temperature: float = 1.0, top_k: int | None = None,
+                               gamma: int | str | None = None, temperature: float = 1.0, top_k: int | None = None,
                                top_p: float | None = None, eos_id: int | Collection[int] | None = None,
                                seed: int | Sequence[int] | None = None, verify: str = "token",
                                batch_size: int | None = None) -> BatchResult:

@@ -349,7 +349,7 @@ class Exchange:
 
     def logprobs(self, start: int, ids: list[int]) -> dict[str, Any] | None:
         """OpenAI's logprobs of the kept tokens start.. (``ids``): the target's own log-probability
-        of each at temperature 1, before any warping, and its top ones (engine.record_logprobs)."""
+        of each at temperature 1, before any warping, and its top ones (speculative.engine.logprobs.record_logprobs)."""
         if self.ticket.logprobs is None or self.ticket.row is None:
             return None
         record = self.ticket.row.logprob_record[start:start + len(ids)]

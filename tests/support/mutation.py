@@ -83,8 +83,8 @@ CATALOGUE = [
         "q = None if draft.q is None else draft.q[b - 1, :g]",
         "a batch bug: row b judged with the q of row b - 1"),
     Bug("another row's cache position", "speculative/engine/engine.py",
-        "    for row in rows:\n        row.target_next = row.length - 1\n",
-        "    for b, row in enumerate(rows):\n        row.target_next = row.length - 1 - steps[b].accepted"
+        "        for row in rows:\n            row.target_next = row.length - 1\n",
+        "        for b, row in enumerate(rows):\n            row.target_next = row.length - 1 - steps[b].accepted"
         " + steps[(b + 1) % len(rows)].accepted\n",
         "a batch bug: a row's position advanced by another row's count"),
     Bug("the bonus drawn from p_gamma", "speculative/verify/token.py",

@@ -69,12 +69,15 @@ def position_of_other_row(mp: pytest.MonkeyPatch) -> None:
     is less than its own, the row only re-reads tokens, which is harmless; where it is more,
     the row skips its newest tokens.)"""
 
-    def advance(rows, steps):
+    real = batch.Engine.commit
+
+    def commit(self, rows, draft, steps, hidden):
+        real(self, rows, draft, steps, hidden)
         for b, row in enumerate(rows):
             other = steps[(b + 1) % len(steps)]
             row.target_next = row.length - 1 - steps[b].accepted + other.accepted
 
-    mp.setattr(batch, "advance", advance)
+    mp.setattr(batch.Engine, "commit", commit)
 
 
 def shared_uniforms(mp: pytest.MonkeyPatch) -> None:

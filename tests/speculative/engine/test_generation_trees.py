@@ -169,13 +169,20 @@ def test_trees_shrink_at_the_limits_and_the_stats_add_up(llama64: dict) -> None:
     ({"tree": (0, 2)}, "integers >= 1"),
     ({"tree": ()}, "at least one depth"),
     ({"tree": (2, 2), "tree_mode": "topk"}, "tree_mode must be one of"),
-    ({"tree": (2, 2), "verify": "block"}, "block verification is for a chain"),
+    ({"tree": (2, 2), "verify": "block"}, "--verify block judges a chain"),
+    ({"tree": (2, 2), "verify": lambda p, q, drafted, generator: None}, "a verifier of your own judges a chain"),
     ({"tree": (2, 2), "gamma": 7}, "leave gamma alone"),
+    ({"tree": (2, 2), "gamma": 4}, "leave gamma alone"),  # the default's value, given: still two settings
     ({"tree": (8, 8)}, "cannot fit"),
 ])
 def test_bad_tree_requests(llama64: dict, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         speculative_generate(llama64["target"], llama64["close"], [1], 5, **kwargs)
+
+
+def test_a_tree_with_its_own_depth_as_gamma_is_one_setting(llama64: dict) -> None:
+    out = speculative_generate(llama64["target"], llama64["close"], [1], 5, temperature=0, tree=(2, 2), gamma=2)
+    assert len(out.tokens) == 5
 
 
 def test_a_drafter_without_trees_is_refused(llama64: dict) -> None:
