@@ -34,13 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.fast.compile import decode_widths
 from model.fast.prepack import packable
 from model.fast.setup import SETUPS, Setups
-from model.scale.memory import DEVICES, check_memory, plan, plan_suggestion
+from model.scale.memory import DEVICES, plan, plan_suggestion
 from model.scale.tensor_parallel import broadcast_seed, init_distributed
 from speculative import (
-    PairMismatchError,
     autoregressive_generate,
     autoregressive_generate_batch,
     speculative_generate,
@@ -55,12 +53,10 @@ from speculative.inputs import GAMMA_MAX
 from speculative.serving.text import continuation_text, encode_prompt
 from speculative.verify import RULES
 from speculative.verify.tree import branching_parents
-from weights import NonFiniteWeightsError, Pair, StepCache, read_pair
-from weights.load import is_head, plan_configs
+from weights import NonFiniteWeightsError, Pair, StepCache
+from weights.load import DEFAULT_DRAFT, DEFAULT_TARGET, is_head, load_named_pair, plan_configs, read_named_pair
 from weights.step_cache import ENV, default_dir
 
-DEFAULT_TARGET = "tiny-target"
-DEFAULT_DRAFT = "tiny-draft"
 DEFAULT_PROMPT = "Once upon a time"
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -180,13 +176,7 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
     weights are read. Returns the pair (weights.load), the encoded prompts (the lines of
     --prompts-file, or [--prompt]), the set-ups chosen (None for the default set-up) and notes on
     the checkpoints (fields not classified, the model's own sampling defaults)."""
-    try:
-        spec = read_pair(args.target, None if args.no_draft else args.draft)
-    except PairMismatchError as err:
-        hint = ""
-        if args.draft == DEFAULT_DRAFT and args.target != DEFAULT_TARGET:
-            hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)"
-        raise PairMismatchError(f"{err}{hint}") from None
+    spec = read_named_pair(args)
     if args.setup != "default" and world_size > 1:
         raise UsageError(f"{setup_flag(args)} is for one process: tensor-parallel shards keep the default set-up (a "
                          f"compiled shard's all-reduces would run outside the graph); drop {setup_flag(args)} under "
@@ -211,19 +201,11 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
                          f"{context}-token context (the target scores them all in one call)")
     positions = min(context, max(map(len, encoded)) + args.max_new_tokens + (0 if spec.kind is None else ahead + 1))
     rows = min(args.batch_size or len(encoded), len(encoded)) if prompts else 1  # the KV caches' rows
-    planned = spec.planned_draft
-    check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), positions,
-                 dtype, device, tp_size=world_size, quantize=args.quantize, batch=rows)
-    pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, prepare_models=False)
     # The set-up of each model: the default (compiled steps from the cache, else stacked and prepacked at once),
     # or measured or forced (--setup, --compile) for the calls this run makes.
-    widths, tree = (decode_widths(args.gamma, GAMMA_MAX), args.tree) if spec.kind else ((1,), None)
-    store = None if args.no_fuse or args.no_prepack or world_size > 1 else StepCache(args.cache_dir)
-    try:
-        pair, setups = pair.set_up(args.setup, widths, positions + 1, batch=rows, tree=tree, store=store,
-                                   stack=not args.no_fuse, prepack=not args.no_prepack)
-    except ValueError as err:  # a set-up that does not apply, or --compile force that cannot compile
-        raise UsageError(f"{setup_flag(args)}: {err}") from None
+    pair, setups = load_named_pair(args, spec, device, dtype, positions=positions, rows=rows, gamma=args.gamma,
+                                   gamma_max=GAMMA_MAX, cache_len=positions + 1, tree=args.tree,
+                                   world_size=world_size, flag=setup_flag(args))
     return pair, encoded, setups, spec.notes + [line for line in [model_defaults_note(args, spec.sampling_defaults)]
                                                 if line]
 

@@ -36,20 +36,19 @@ from typing import Any
 
 import torch
 
-from generate import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, pick_device, pick_dtype
-from model.fast.compile import decode_widths
 from model.fast.setup import SETUPS, Setups
-from model.scale.memory import check_memory
-from speculative import Engine, PairMismatchError
+from speculative import Engine
 from speculative.cli import options as cmdline
-from speculative.cli.options import UsageError, rules_help
+from speculative.cli.options import DTYPES, UsageError, pick_device, pick_dtype, rules_help
 from speculative.engine import DEFAULT_GAMMA
-from speculative.engine.gamma import FixedGamma, LoadGamma
+from speculative.engine.gamma import FixedGamma
 from speculative.inputs import GAMMA_MAX
 from speculative.serving.loop import EngineLoop, Service
+from speculative.serving.policy import LoadGamma
 from speculative.serving.threads import ThreadTuner, openmp_threads
 from speculative.verify import RULES
-from weights import NonFiniteWeightsError, Pair, PairSpec, StepCache, read_pair
+from weights import NonFiniteWeightsError, Pair, PairSpec
+from weights.load import DEFAULT_DRAFT, DEFAULT_TARGET, load_named_pair, read_named_pair
 from weights.step_cache import ENV, default_dir
 
 CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
@@ -146,29 +145,16 @@ def validate(args: argparse.Namespace) -> None:
 
 def load(args: argparse.Namespace, device: torch.device,
          dtype: torch.dtype) -> tuple[Pair, int, Setups, PairSpec]:
-    """The pair as generate.py loads it (weights.read_pair, the same set-up and compile choices,
-    compiled steps kept in the same cache), for batches of up to --max-batch rows over the whole
-    context. Returns it, the context, its set-up and what read_pair read."""
-    try:
-        spec = read_pair(args.target, None if args.no_draft else args.draft)
-    except PairMismatchError as err:
-        hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)" \
-            if args.draft == DEFAULT_DRAFT and args.target != DEFAULT_TARGET else ""
-        raise PairMismatchError(f"{err}{hint}") from None
-    context, planned = spec.context, spec.planned_draft
-    check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), context,
-                 dtype, device, quantize=args.quantize, batch=args.max_batch)
-    pair = spec.load(device, dtype, quantize=args.quantize, prepare_models=False)
-    gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
-    widths = decode_widths(gamma, args.gamma) if spec.kind else (1,)
+    """The pair as generate.py loads it (weights.load.read_named_pair and load_named_pair: the same
+    set-up and compile choices, compiled steps kept in the same cache), for batches of up to
+    --max-batch rows over the whole context. Returns it, the context, its set-up and what read_pair read."""
+    spec = read_named_pair(args)
+    context = spec.context
     # The default: the compiled steps the cache holds for every batch size and width, else
     # stacked and prepacked at once; or measured or forced (--setup, --compile), once, here.
-    store = None if args.no_fuse or args.no_prepack else StepCache(args.cache_dir)
-    try:
-        pair, setups = pair.set_up(args.setup, widths, context, batch=args.max_batch, store=store,
-                                   stack=not args.no_fuse, prepack=not args.no_prepack)
-    except ValueError as err:  # a set-up that does not apply, or --compile force that cannot compile
-        raise UsageError(f"--setup {args.setup}: {err}") from None
+    gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
+    pair, setups = load_named_pair(args, spec, device, dtype, positions=context, rows=args.max_batch, gamma=gamma,
+                                   gamma_max=args.gamma, flag=f"--setup {args.setup}")
     return pair, context, setups, spec
 
 
@@ -245,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     listener.listen(2048)
     host, port = listener.getsockname()[:2]
     how = f"on, gamma {service.gamma_max}" if service.speculation == "on" else service.speculation
-    from speculative.serving.app import access_for, exposure_warning
+    from speculative.serving.access import access_for, exposure_warning
     from speculative.serving.connections import Limits, header_deadline, http_protocol
 
     access = access_for(args.host, args.api_key, args.allowed_hosts, args.cors_origin)

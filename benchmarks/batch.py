@@ -60,7 +60,7 @@ from benchmarks.harness import (
 )
 from model import call as cache_calls
 from speculative import autoregressive_generate_batch, speculative_generate, speculative_generate_batch
-from speculative.engine.gamma import expected_tokens_per_iteration
+from speculative.engine.cost import expected_tokens_per_iteration
 from weights import load_drafter, load_model, load_tokenizer
 
 NAMES = ["Lily", "Tom", "Ben", "Mia", "Sue", "Max", "Anna", "Sam"]

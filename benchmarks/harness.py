@@ -11,7 +11,7 @@ timed from the process's birth, pays nothing for it.
   :func:`turn_order`; warm processes, one per checkout, that answer one round at a time
   (:class:`WarmProcess`, :func:`answer_rounds`, :func:`take_turns`), run on another checkout's
   code by :func:`checkout_env`; and the figures of rounds, :func:`per_prompt`.
-* The machine: :func:`describe_machine` (CPU model and flags from /proc/cpuinfo or lscpu,
+* The machine: :func:`describe_machine` (CPU model and flags: model.host.describe_cpu,
   cores, torch threads and version, load average), :func:`machine_lines`, :func:`machine_line`.
 * A script's command line and its pages: :func:`script_parser`, :func:`command_line`,
   :func:`page_head`, :func:`markdown_table`, :func:`link`, :func:`replace_block`,
@@ -182,28 +182,6 @@ def take_turns(processes: dict[str, WarmProcess], rounds: int,
 SIMD_FLAGS = ("sse", "ssse3", "avx", "fma", "f16c", "amx", "vnni", "bf16", "fp16")
 
 
-def _lscpu() -> dict[str, str]:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines())}
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (Linux), else nothing."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return fields
-
-
 def load_average() -> tuple[float, float, float] | None:
     try:
         return os.getloadavg()
@@ -215,11 +193,11 @@ def describe_machine(threads: int | Sequence[int] | None = None) -> tuple[dict[s
     """The machine as a page's table shows it (name -> value), and the CPU's whole flag list."""
     import torch  # deferred: see the module docstring
 
-    cpu, ls = _cpuinfo(), _lscpu()
-    name = cpu.get("model name") or ls.get("Model name") or platform.processor() or platform.machine()
-    ident = ", ".join(f"{k} {cpu[k]}" for k in ("cpu family", "model", "stepping") if k in cpu)
-    flags = (cpu.get("flags") or ls.get("Flags") or "").split()
-    info = {"host": platform.node(), "CPU": name + (f" ({ident})" if ident else "")}
+    from model.host import describe_cpu  # deferred: the model package imports torch
+
+    cpu = describe_cpu(lscpu=True)
+    ls, flags = cpu.lscpu, cpu.flags
+    info = {"host": platform.node(), "CPU": cpu.name + (f" ({cpu.ident})" if cpu.ident else "")}
     if ls.get("Hypervisor vendor"):
         info["virtualisation"] = f"{ls['Hypervisor vendor']} guest ({ls.get('Virtualization type', '?')})"
     info["cores"] = str(os.cpu_count())

@@ -1,6 +1,5 @@
 """A hand-written LLaMA decoder with its own KV cache. Knows nothing of speculation."""
 
-from model import moved  # noqa: F401 -- old module paths, deprecated (model/moved.py)
 from model.config import ConfigError, ModelConfig
 from model.model import Llama
 

@@ -16,7 +16,6 @@ Read first: :mod:`speculative.reference` (Algorithm 1 alone, :func:`speculative_
 public API and nothing else.
 """
 
-from speculative import moved  # noqa: F401 -- old module paths, deprecated (speculative/moved.py)
 from speculative.draft import Draft, Drafter, FeatureDrafter, ModelDrafter, PromptLookupDrafter, as_drafter
 from speculative.engine import (
     AutoGamma,

@@ -168,7 +168,7 @@ def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_toke
     both tokenizers are given.
     """
     v_target = target.config.vocab_size
-    v_draft = draft.config.vocab_size if hasattr(draft, "config") else draft.vocab_size
+    v_draft = draft.config.vocab_size if hasattr(draft, "config") else getattr(draft, "vocab_size", None)
     if v_draft is not None and v_target != v_draft:
         raise PairMismatchError(
             f"the draft's vocabulary has {v_draft} tokens but the target's has {v_target}: "

@@ -36,8 +36,8 @@ torch.set_num_threads(1)
 
 # The compiled-step cache (weights/step_cache.py): a folder of the session's own, never the user's
 # (a default run uses what it finds there), inherited by the generate.py subprocesses.
-os.environ["SPECULATIVE_LLAMA_CACHE"] = tempfile.mkdtemp(prefix="speculative-llama-tests-")
-atexit.register(shutil.rmtree, os.environ["SPECULATIVE_LLAMA_CACHE"], ignore_errors=True)
+os.environ["SPECULATIVE_CACHE"] = tempfile.mkdtemp(prefix="speculative-llama-tests-")
+atexit.register(shutil.rmtree, os.environ["SPECULATIVE_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ by name (load.py, drafters.py), the compiled-step cache, training runs' folders 
 
 from __future__ import annotations
 
-from model.moved import install
 from weights.checkpoint import (
     CheckpointError,
     NonFiniteWeightsError,
@@ -18,9 +17,6 @@ from weights.load import Pair, PairSpec, load_pair, read_pair
 from weights.registry import UnknownCheckpointError, resolve
 from weights.step_cache import StepCache
 from weights.tokenizer import JsonTokenizer, SentencePieceTokenizer, Tokenizer
-
-# Old module paths, for one release (model/moved.py): the command line's helpers and the text functions moved.
-install({"weights.cli": "speculative.cli.options", "weights.text": "speculative.serving.text"})
 
 __all__ = ["CheckpointError", "JsonTokenizer", "NonFiniteWeightsError", "Pair", "PairSpec", "SentencePieceTokenizer",
            "StepCache", "Tokenizer", "UnknownCheckpointError", "load_drafter", "load_model", "load_pair",

@@ -1,10 +1,11 @@
 """Loading and saving drafters: the files of each drafter kind (speculative.draft.DRAFTERS).
 
 ``load_drafter(name, target)`` is what ``generate.py --draft NAME`` calls: a kind that needs
-no file by its name (``lookup``); otherwise the folder's kind (:func:`folder_kind`: a
-``model_type`` a kind registered, such as a feature head's ``llama-feature-head``, else a draft
-model), its files read by the loader of its ``files`` (:data:`LOADERS`), and the drafter built
-by the kind. A feature head is checked first against the target it was trained for (below).
+no file by its name (``lookup``, or ``MODULE:OBJECT``); otherwise the folder's kind
+(:func:`folder_kind`: the first registered kind that recognizes its config.json, else a draft
+model), its files read by the kind's ``loader`` and the drafter built by the kind. The loaders of
+the built-in kinds are here (``read_*``), named by their registrations. A feature head is checked
+first against the target it was trained for (below).
 
 A feature head's config.json holds the head's own LLaMA shape under "head", and under
 "target" the shape it was trained against (hidden size, vocabulary, layer count) and a
@@ -23,28 +24,24 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import ModelConfig
+from model import Llama, ModelConfig
 from model.feature_head import FeatureHead, fingerprint, same_fingerprint
-from speculative.draft.registry import DrafterKind, drafter_kind, named, of_folder
+from speculative.draft.eagle import HEAD_TYPE
+from speculative.draft.registry import DrafterKind, named, of_folder
 from weights.checkpoint import CheckpointError, _normal_permissions, check_finite, load_model
-from weights.eagle3 import SPECULATORS_TYPE, is_eagle3, load_eagle3_head
+from weights.eagle3 import load_eagle3_head
 from weights.registry import resolve
-
-HEAD_TYPE = drafter_kind("head").model_type
-PARALLEL_TYPE = drafter_kind("parallel").model_type  # a Llama checkpoint whose config names a pard_token
 
 
 def folder_kind(directory: Path) -> DrafterKind:
-    """The drafter kind of a folder: the one its config.json's model_type names (an EAGLE-3 head's
-    speculators config, or a parallel draft's ``pard_token``, stand for theirs), else a draft model."""
+    """The drafter kind of a folder: the first registered kind that recognizes its config.json
+    (speculative.draft.registry.of_folder), else a draft model."""
     path = directory / "config.json"
     try:
         config = json.loads(path.read_text()) if path.is_file() else {}
-        model_type = (config.get("speculators_model_type") or SPECULATORS_TYPE) if is_eagle3(config) \
-            else PARALLEL_TYPE if "pard_token" in config else config.get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError):
-        model_type = None
-    return of_folder(model_type)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = {}
+    return of_folder(config if isinstance(config, dict) else {})
 
 
 def save_feature_head(head: FeatureHead, directory: str | os.PathLike, target: Any,
@@ -116,12 +113,17 @@ def load_drafter(name_or_path: str | os.PathLike, target: Any, target_name: str 
     kind = folder_kind(directory)
     device = device if device is not None else target.embed_tokens.weight.device
     dtype = dtype if dtype is not None else target.embed_tokens.weight.dtype
-    return kind.build(LOADERS[kind.files](directory, target, target_name, device, dtype), target)
+    return kind.build(kind.load(directory, target, target_name, device, dtype), target)
 
 
-# What reads each kind's files (DrafterKind.files): (folder, target, its name, device, dtype) -> a network.
-LOADERS = {
-    "checkpoint": lambda directory, target, name, device, dtype: load_model(directory, device=device, dtype=dtype),
-    "feature-head": lambda directory, target, name, device, dtype: load_feature_head(directory, target, name),
-    "eagle3-head": lambda directory, target, name, device, dtype: load_eagle3_head(directory, target, name),
-}
+# The loaders of the built-in kinds (DrafterKind.loader): (folder, target, its name, device, dtype) -> a network.
+def read_draft_model(directory: Path, target: Any, target_name: str, device: Any, dtype: torch.dtype) -> Llama:
+    return load_model(directory, device=device, dtype=dtype)
+
+
+def read_feature_head(directory: Path, target: Any, target_name: str, device: Any, dtype: torch.dtype) -> FeatureHead:
+    return load_feature_head(directory, target, target_name)
+
+
+def read_eagle3_head(directory: Path, target: Any, target_name: str, device: Any, dtype: torch.dtype) -> Any:
+    return load_eagle3_head(directory, target, target_name)

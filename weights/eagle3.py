@@ -59,6 +59,16 @@ def is_eagle3(config: dict[str, Any]) -> bool:
             or any(a in OFFICIAL_ARCHITECTURES for a in config.get("architectures") or []))
 
 
+def is_peagle_head(config: dict[str, Any]) -> bool:
+    """Whether a config.json describes a P-EAGLE head (the speculators layout: the only one it has)."""
+    return config.get("speculators_model_type") == PEAGLE_TYPE
+
+
+def is_eagle3_head(config: dict[str, Any]) -> bool:
+    """Whether a config.json describes an EAGLE-3 head that drafts step by step, in either layout."""
+    return is_eagle3(config) and not is_peagle_head(config)
+
+
 def _shape(hf: dict[str, Any]) -> ModelConfig:
     """The block's LLaMA shape from a config's fields (the layer count is the head's one block)."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

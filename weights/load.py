@@ -30,8 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from model import Llama, ModelConfig
+from model.fast.compile import decode_widths
 from model.fast.fuse import prepare_for_decoding, prepared
+from model.scale.memory import check_memory
 from speculative import PairMismatchError, check_pair
+from speculative.draft.protocol import trait
 from speculative.draft.registry import DRAFTERS, named
 from weights.checkpoint import (
     load_model,
@@ -44,6 +47,7 @@ from weights.checkpoint import (
 from weights.drafters import folder_kind, load_drafter
 from weights.registry import SHIPPED, resolve
 from weights.sharded import load_model_tp, plan_config
+from weights.step_cache import StepCache
 from weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -85,13 +89,13 @@ def plan_configs(target: str | os.PathLike, draft: str | os.PathLike | None) -> 
 
 
 def is_checkpoint(kind: str | None) -> bool:
-    """Whether a drafter kind's files are a Llama checkpoint (a draft model, or a parallel draft)."""
-    return kind is not None and DRAFTERS[kind].files == "checkpoint"
+    """Whether a drafter kind is built from a Llama checkpoint (a draft model, or a parallel draft)."""
+    return kind is not None and DRAFTERS[kind].network == "checkpoint"
 
 
 def is_head(kind: str | None) -> bool:
-    """Whether a drafter kind is a head on the target's features (its files are a head's folder)."""
-    return kind is not None and DRAFTERS[kind].files not in (None, "checkpoint")
+    """Whether a drafter kind is built from a head on the target's features."""
+    return kind is not None and DRAFTERS[kind].network == "head"
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ class PairSpec:
         drafter = draft  # a draft model is returned as the model itself (the loops wrap it)
         if is_checkpoint(self.kind) and self.kind != "model":  # a parallel draft: its drafter around it
             drafter = DRAFTERS[self.kind].build(draft, target)
-        elif not is_checkpoint(self.kind) and self.kind is not None:  # a head is checked against its target
+        elif not is_checkpoint(self.kind) and self.kind is not None:  # a head is checked against its target; any
+            # other kind is built from what its loader reads, or from nothing
             drafter = load_drafter(self.draft_dir or self.draft, target, self.target)
         networks = [net for net in (target, draft, getattr(drafter, "head", None)) if net is not None] \
             if prepare_models else []
@@ -188,12 +193,12 @@ class Pair:
         """The draft model, when the drafter is one (or is built around one, a parallel draft)."""
         if self.kind == "model":
             return self.draft
-        return self.draft.model if is_checkpoint(self.kind) else None
+        return trait(self.draft, "model") if self.draft is not None else None
 
     @property
     def head(self) -> torch.nn.Module | None:
         """The feature head, when the drafter is one."""
-        return self.draft.head if is_head(self.kind) else None
+        return trait(self.draft, "head") if self.draft is not None else None
 
     def set_up(self, setup: str, widths: Sequence[int], positions: int, *, batch: int = 1,
                tree: Sequence[int] | None = None, store: Any = None, stack: bool = True,
@@ -242,7 +247,7 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
     share the target's vocabulary and tokenizer."""
     kind = draft_kind(draft)
     target_dir = resolve(target)
-    draft_dir = resolve(draft) if kind is not None and DRAFTERS[kind].files is not None else None
+    draft_dir = resolve(draft) if kind is not None and DRAFTERS[kind].needs_files else None
     target_config = read_config(target_dir)
     draft_config = read_config(draft_dir) if is_checkpoint(kind) else None
     tokenizer = load_tokenizer(target_dir)
@@ -267,3 +272,48 @@ def load_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     checks them and loaded as :meth:`PairSpec.load` loads them (``options`` are its keywords),
     ready for decoding. It unpacks as ``target, draft, tokenizer``."""
     return read_pair(target, draft).load(device, dtype, **options)
+
+
+# ----------------------------------------------------------------------------- the command line's pair
+# generate.py and serve.py load a pair the same way: read (refused before any weight is read), the
+# script's own checks, then the memory check, the weights and the set-up. Here once, for both.
+DEFAULT_TARGET = "tiny-target"  # the shipped pair: both scripts' --target and --draft by default
+DEFAULT_DRAFT = "tiny-draft"
+
+
+def read_named_pair(args: Any) -> PairSpec:
+    """:func:`read_pair` of a command line's ``--target`` and ``--draft`` (none with ``--no-draft``):
+    ``args`` is the scripts' namespace. A draft that cannot speculate for the target says, when it is
+    the default draft under another target, how to name one."""
+    try:
+        return read_pair(args.target, None if args.no_draft else args.draft)
+    except PairMismatchError as err:
+        hint = ""
+        if args.draft == DEFAULT_DRAFT and args.target != DEFAULT_TARGET:
+            hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)"
+        raise PairMismatchError(f"{err}{hint}") from None
+
+
+def load_named_pair(args: Any, spec: PairSpec, device: torch.device, dtype: torch.dtype, *, positions: int,
+                    rows: int, gamma: int | str, gamma_max: int, cache_len: int | None = None,
+                    tree: Sequence[int] | None = None, world_size: int = 1, flag: str) -> tuple[Pair, Setups]:
+    """The pair ``spec`` loaded as a command line asks (``args``: --quantize, --setup, --no-fuse,
+    --no-prepack, --cache-dir, and the names for messages): refused first when KV caches of
+    ``positions`` x ``rows`` do not fit (model.scale.memory.check_memory; this rank's share of
+    ``world_size``), then loaded and set up (:meth:`Pair.set_up`) for the widths that ``gamma``
+    calls (model.fast.compile.decode_widths, up to ``gamma_max``), ``rows`` rows, a ``tree`` and
+    ``cache_len`` positions (default ``positions``). The default set-up takes compiled steps from
+    the cache (none with --no-fuse, --no-prepack or tensor parallelism, whose shards are not
+    cached). A set-up that does not apply is one ValueError led by ``flag``, the flag that asked."""
+    planned = spec.planned_draft
+    check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), positions,
+                 dtype, device, tp_size=world_size, quantize=args.quantize, batch=rows)
+    pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, prepare_models=False)
+    widths = decode_widths(gamma, gamma_max) if spec.kind else (1,)
+    store = None if args.no_fuse or args.no_prepack or world_size > 1 else StepCache(args.cache_dir)
+    try:
+        return pair.set_up(args.setup, widths, positions if cache_len is None else cache_len, batch=rows,
+                           tree=tree if spec.kind else None, store=store, stack=not args.no_fuse,
+                           prepack=not args.no_prepack)
+    except ValueError as err:  # a set-up that does not apply, or --compile force that cannot compile
+        raise ValueError(f"{flag}: {err}") from None

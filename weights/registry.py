@@ -1,7 +1,7 @@
 """Short names for checkpoints: ``7b`` -> a Llama-2-7b-hf directory, ``tiny-target`` -> the shipped pair.
 
 Real Llama-2 checkpoints are looked up, in order, under the directory named by the
-environment variable ``SPECDEC_WEIGHTS`` and under this ``weights/`` folder. Anything
+environment variable ``SPECULATIVE_WEIGHTS`` and under this ``weights/`` folder. Anything
 that is not a short name is treated as a path to an HF-layout directory.
 """
 
@@ -11,8 +11,10 @@ import json
 import os
 from pathlib import Path
 
+from model.host import setting
+
 WEIGHTS_DIR = Path(__file__).resolve().parent
-ENV_VAR = "SPECDEC_WEIGHTS"
+ENV_VAR = "SPECULATIVE_WEIGHTS"  # read by model.host.setting: $SPECDEC_WEIGHTS too, for one release
 
 # short name -> (directory name, Hugging Face repository to download it from)
 LLAMA2 = {
@@ -35,8 +37,9 @@ class UnknownCheckpointError(ValueError):
 
 def search_dirs() -> list[Path]:
     dirs = []
-    if os.environ.get(ENV_VAR):
-        dirs.append(Path(os.environ[ENV_VAR]).expanduser())
+    folder = setting(ENV_VAR)
+    if folder:
+        dirs.append(Path(folder).expanduser())
     dirs.append(WEIGHTS_DIR)
     return dirs
 

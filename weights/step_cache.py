@@ -1,6 +1,6 @@
 """The cache directory of compiled steps: each entry built once per machine, found again by its key.
 
-    ~/.cache/speculative-llama/compiled/       # or $SPECULATIVE_LLAMA_CACHE, or --cache-dir
+    ~/.cache/speculative-llama/compiled/       # or $SPECULATIVE_CACHE, or --cache-dir
         3f9c.../manifest.json                  # the entry's key, its file's size and hash, when it was built
         3f9c.../step.pt2                       # the compiled step (model/fast/aot.py)
         3f9c....lock                           # held while a process builds that entry
@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENV = "SPECULATIVE_LLAMA_CACHE"
+from model.host import setting
+
+ENV = "SPECULATIVE_CACHE"  # read by model.host.setting: $SPECULATIVE_LLAMA_CACHE too, for one release
 PAYLOAD = "step.pt2"
 MANIFEST = "manifest.json"
 MEASURED = "measured.json"
@@ -43,10 +45,11 @@ class EntryError(Exception):
 
 
 def default_dir() -> Path:
-    """$SPECULATIVE_LLAMA_CACHE, else the platform's user cache: ~/.cache (or $XDG_CACHE_HOME) on
+    """$SPECULATIVE_CACHE, else the platform's user cache: ~/.cache (or $XDG_CACHE_HOME) on
     Linux, ~/Library/Caches on macOS, %LOCALAPPDATA% on Windows; then speculative-llama/compiled."""
-    if os.environ.get(ENV):
-        return Path(os.environ[ENV]).expanduser()
+    folder = setting(ENV)
+    if folder:
+        return Path(folder).expanduser()
     if sys.platform == "win32":
         base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
     elif sys.platform == "darwin":

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.model import KVCache
+from model.host import describe_cpu
+from model.model import KVCache, rope_tables
 
 # Inductor's options per model/fast/compile.py mode, for a package (the modes that a package can hold).
 PACKAGE_OPTIONS: dict[str, dict[str, Any]] = {
@@ -119,8 +120,6 @@ def build_package(model: nn.Module, rows: int, width: int, hidden: bool, mode: s
                   path: str | os.PathLike) -> None:
     """Export ``model.step`` at (rows, width), the cache's length and the call's window dynamic,
     and compile it into an AOTInductor package at ``path``."""
-    from model.model import rope_tables  # the model's own module: the table the step reads, at full context
-
     program = StepProgram(model, hidden)
     layer = model.layers[0].self_attn
     cache_shape = (rows, layer.local_kv_heads, max(EXAMPLE_SLOTS, width + 2), model.config.head_dim)
@@ -280,8 +279,6 @@ def shared_constants(model: nn.Module, runner: Any) -> dict[str, torch.Tensor]:
     """What a package built without its weights ("shared") is handed at load: the model's own
     tensors by name (no copy: the runner reads them where they are), and the rotary table of the
     whole context, the one constant that is not the model's."""
-    from model.model import rope_tables
-
     state = {f"model.{n}": t for n, t in [*model.named_parameters(), *model.named_buffers()] if ".cache." not in n}
     names = runner.get_constant_fqns()
     other = [n for n in names if n not in state]
@@ -351,29 +348,9 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
-    flags = hashlib.blake2b(cpu_flags().encode(), digest_size=8).hexdigest()
-    return f"{cpu_model()} {torch.backends.cpu.get_cpu_capability()} flags {flags}"
-
-
-def cpu_model() -> str:
-    for line in _cpuinfo().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> str:
-    for line in _cpuinfo().splitlines():
-        if line.startswith(("flags", "Features")):
-            return " ".join(sorted(line.split(":", 1)[1].split()))
-    return platform.machine()
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
+    cpu = describe_cpu()
+    flags = hashlib.blake2b((" ".join(sorted(cpu.flags)) or platform.machine()).encode(), digest_size=8).hexdigest()
+    return f"{cpu.name} {torch.backends.cpu.get_cpu_capability()} flags {flags}"
 
 
 def entry_key(model: nn.Module, rows: int, width: int, hidden: bool | tuple[int, ...], mode: str,

@@ -49,7 +49,7 @@ from model.call import CacheCall
 from model.fast import aot
 from model.fast.fuse import in_front
 from model.fast.prepack import PrepackedLinear
-from model.scale.tensor_parallel import ParallelAttention
+from model.host import setting
 
 _SHAPES = 0  # shapes compiled so far in this process, over all models
 
@@ -63,9 +63,9 @@ _SHAPES = 0  # shapes compiled so far in this process, over all models
 # Each mode: (torch.compile's mode, whether Inductor freezes the weights). Freezing is set on
 # Inductor's config while the shapes compile (compile_for_decoding compiles them all up
 # front): passed in torch.compile's options it is not seen, and the C++ template is not used.
-# $SPECULATIVE_LLAMA_COMPILE_MODE replaces "autotune" as the CPU default: "default" compiles in a
+# $SPECULATIVE_COMPILE_MODE replaces "autotune" as the CPU default: "default" compiles in a
 # fraction of the time (no GEMM is timed), for steps about as fast as eager ones.
-MODE_ENV = "SPECULATIVE_LLAMA_COMPILE_MODE"
+MODE_ENV = "SPECULATIVE_COMPILE_MODE"
 # "shared" (the CPU default for a model of SHARED_BYTES or more): packages without frozen weights,
 # handed the model's own tensors when they are loaded (model/fast/aot.py): one copy of the weights
 # for the eager model and every compiled shape, where "autotune" keeps a frozen copy per shape.
@@ -213,7 +213,7 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
 
     Prepacked layers (model/fast/prepack.py) stay oneDNN products inside the graph. Refused
     (CompileError): tensor-parallel shards (their collectives are not captured)."""
-    if any(isinstance(m, ParallelAttention) for m in model.modules()):
+    if all_reduces(model):
         raise CompileError("tensor-parallel models are not compiled: their all-reduces would run outside the graph")
     widths = tuple(sorted(set(int(w) for w in widths)))
     rows = tuple(sorted(set(int(r) for r in rows)))
@@ -262,7 +262,15 @@ def default_mode(model: nn.Module) -> str:
     if model.device.type == "cuda":
         return "reduce-overhead"
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    return os.environ.get(MODE_ENV) or ("shared" if size >= SHARED_BYTES else "autotune")
+    return setting(MODE_ENV) or ("shared" if size >= SHARED_BYTES else "autotune")
+
+
+def all_reduces(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` all-reduces its output over ranks (a tensor-parallel shard).
+    Such a layer says so itself (``all_reduces = True``, model/scale/tensor_parallel.py). It is
+    known by that mark, not by its class, so that the fast paths need not import the scale layer:
+    both are applied to the network from outside, and neither imports the other (docs/layout.md)."""
+    return any(getattr(m, "all_reduces", False) for m in model.modules())
 
 
 def compile_steps(model: nn.Module, shapes: Sequence[tuple[int, int]], slots: int, hidden: bool, mode: str) -> Any:

@@ -41,11 +41,9 @@ from torch import nn
 
 from model.call import CacheCall
 from model.fast.aot import device_name, model_fingerprint
-from model.fast.compile import CompileError, compile_for_decoding, default_mode, install
+from model.fast.compile import CompileError, all_reduces, compile_for_decoding, default_mode, install
 from model.fast.fuse import prepare_for_decoding
 from model.fast.prepack import prepack_supported
-from model.scale.quantize import Int8Linear
-from model.scale.tensor_parallel import ParallelAttention
 
 SETUPS = ("plain", "stacked", "prepacked", "compiled")
 # Copies of a model are built to time them only below this size; a larger one gets the
@@ -342,8 +340,8 @@ def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence
 def cacheable(model: nn.Module) -> bool:
     """Whether a model's compiled steps can come from the cache: a CPU model, not int8, not a
     tensor-parallel shard (one of SHARED_BYTES or more is kept with its weights shared)."""
-    return model.device.type == "cpu" and not any(
-        isinstance(m, (Int8Linear, ParallelAttention)) for m in model.modules())
+    int8 = any(t.dtype == torch.int8 for t in model.buffers())  # model/scale/quantize.py's weights, by their dtype
+    return model.device.type == "cpu" and not int8 and not all_reduces(model)
 
 
 def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, draft: nn.Module | None = None,

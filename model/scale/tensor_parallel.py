@@ -174,6 +174,10 @@ class ParallelAttention(Attention):
     ``o_proj`` holds this rank's input columns, so its output is a partial sum.
     """
 
+    # Read by the fast paths (model.fast.compile.all_reduces), which do not import this layer:
+    # an all-reduce is not captured in a compiled graph, nor kept in a package.
+    all_reduces = True
+
     def __init__(self, config: ModelConfig, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(config)
         self.group = group
@@ -186,6 +190,8 @@ class ParallelAttention(Attention):
 
 class ParallelMLP(MLP):
     """This rank's SwiGLU units; ``down_proj``'s partial sums are all-reduced over the group."""
+
+    all_reduces = True  # as ParallelAttention's
 
     def __init__(self, config: ModelConfig, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(config)

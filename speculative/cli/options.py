@@ -56,7 +56,7 @@ def rules_help() -> str:
 
 def drafters_help() -> str:
     """--draft's help: a checkpoint or feature head by name or folder, or a kind that needs no file."""
-    named = [k.name for k in DRAFTERS.values() if k.files is None]
+    named = [k.name for k in DRAFTERS.values() if not k.needs_files]
     return (f"a draft model, a parallel draft or a feature head (a name or a folder), or {' or '.join(named)}")
 
 

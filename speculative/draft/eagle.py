@@ -40,6 +40,7 @@ import torch
 
 from model import call as calls
 from speculative.draft.protocol import Draft, drafted, draw_rows, newest, pad_rows
+from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling
 from speculative.verify.tree import TokenTree
@@ -192,3 +193,16 @@ class FeatureDrafter:
             self.features[:len(rows)] = self.features.index_select(0, index)
         self.known = [self.known[r] for r in rows] + [0] * new
         self.next = [self.next[r] for r in rows] + [0] * new
+
+
+HEAD_TYPE = "llama-feature-head"  # the model_type of an EAGLE-1 head's config.json (weights.drafters writes it)
+register_drafter(DrafterKind(
+    "head", "a feature head: drafts from the target's own features (EAGLE), from its folder",
+    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:feature_drafter",
+    loader="weights.drafters:read_feature_head", recognizes=lambda config: config.get("model_type") == HEAD_TYPE,
+    network="head", memory="target-block"))
+register_drafter(DrafterKind(
+    "eagle3", "an EAGLE-3 head: fused features of three target layers, its own reduced vocabulary, from its folder",
+    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:eagle3_drafter",
+    loader="weights.drafters:read_eagle3_head", recognizes="weights.eagle3:is_eagle3_head", network="head",
+    memory="target-block"))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from speculative.draft.protocol import Draft, pad_rows
+from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.sampling import Sampling
 
 
@@ -86,3 +87,8 @@ class PromptLookupDrafter:
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
         self.rows = [self.rows[r] for r in rows] + [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(new)]
+
+
+register_drafter(DrafterKind(
+    "lookup", "prompt lookup: n-grams copied from the sequence, no model at all",
+    build=lambda network, target: PromptLookupDrafter(), toy="speculative.draft.lookup:PromptLookupDrafter"))

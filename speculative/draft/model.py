@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from model import call as calls
-from speculative.draft.protocol import Draft, Drafter, drafted, draw_rows, newest, pad_rows
+from speculative.draft.protocol import Draft, Drafter, drafted, draw_rows, is_drafter, newest, pad_rows
+from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling
 from speculative.verify.tree import TokenTree
@@ -93,7 +94,7 @@ class ModelDrafter:
 
 def as_drafter(draft: Any) -> Drafter:
     """A drafter as it is, or a plain model (anything with a ``config``) wrapped in ModelDrafter."""
-    if isinstance(draft, Drafter):
+    if is_drafter(draft):
         return draft
     if hasattr(draft, "config") and callable(draft):
         return ModelDrafter(draft)
@@ -101,3 +102,7 @@ def as_drafter(draft: Any) -> Drafter:
                     f"(start/propose/commit/keep_rows, see speculative.draft), got {type(draft).__name__}")
 
 
+register_drafter(DrafterKind(
+    "model", "a smaller model of the target's family (the paper's M_q), from a checkpoint",
+    build=lambda network, target: ModelDrafter(network), toy="speculative.proofs.checker:model_drafter",
+    loader="weights.drafters:read_draft_model", network="checkpoint", memory="own"))

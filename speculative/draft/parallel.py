@@ -38,6 +38,7 @@ from model import call as calls
 from speculative.draft.eagle import FeatureDrafter
 from speculative.draft.model import ModelDrafter
 from speculative.draft.protocol import Draft
+from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling, sample_rows, warp_rows
 from speculative.verify.tree import TokenTree
@@ -178,3 +179,16 @@ class ParallelFeatureDrafter(FeatureDrafter):
             return None
         logits = self._logits(self._call([ids], [len(branching)], device)[0])
         return tree_by_depth(logits, branching, mode, sampling, generator), 1
+
+
+register_drafter(DrafterKind(
+    "parallel", "a parallel draft model (PARD): gamma tokens from one call, mask tokens after the sequence",
+    build=lambda network, target: ParallelDrafter(network, network.config.extra["pard_token"],
+                                                  target.config.vocab_size),
+    toy="speculative.proofs.checker:parallel_drafter", loader="weights.drafters:read_draft_model",
+    recognizes=lambda config: "pard_token" in config, network="checkpoint", memory="own"))
+register_drafter(DrafterKind(
+    "peagle", "a P-EAGLE head: an EAGLE-3 head that drafts the whole chain in one call, from its folder",
+    build=lambda head, target: ParallelFeatureDrafter(head, target), toy="speculative.proofs.checker:peagle_drafter",
+    loader="weights.drafters:read_eagle3_head", recognizes="weights.eagle3:is_peagle_head", network="head",
+    memory="target-block"))

@@ -24,6 +24,14 @@ A drafter that can also grow token trees has ``propose_tree(ids, branching, mode
 generator, device) -> (TokenTree, calls) | None`` for row 0 (speculative.draft.trees); the
 model and feature drafters do, prompt lookup does not.
 
+Besides the four calls, the engine and the tools read a few attributes, all declared on
+:class:`Drafter` with the value that a drafter without them has (:data:`DEFAULTS`, read with
+:func:`trait`): what it reads of the target (``reads_features``), the ids and lengths it can
+handle (``vocab_size``, ``max_seq_len``), whether one call drafts the whole chain
+(``parallel``: gamma="auto" then weighs a call's cost once, not per token), and the networks it
+runs (``model``, a draft model; ``head``, a head on the target's features), which the set-ups
+of model/fast prepare and the benchmarks time. Nothing else of a drafter is read anywhere.
+
 A deterministic drafter (prompt lookup, or any drafter at temperature 0) reports q = None:
 its q is one-hot on each token it proposed. Algorithm 1 then accepts x with probability
 p(x), and the residual is p with x removed and renormalised; the engine builds the one-hot
@@ -67,11 +75,15 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Anything that proposes tokens for the engine (see the module docstring)."""
+    """Anything that proposes tokens for the engine (see the module docstring). The attributes
+    may be left out: :data:`DEFAULTS` holds what the engine then takes."""
 
     reads_features: bool | tuple[int, ...]  # commit() wants the target's features (True: final; a tuple: layers)
     vocab_size: int | None  # the ids it proposes lie below this (None: any id of the sequence)
     max_seq_len: int | None  # the longest sequence it can draft for (None: no limit of its own)
+    parallel: bool  # one call drafts the whole chain (PARD, P-EAGLE): its cost does not grow with gamma
+    model: Any  # the draft model it runs (a model.Llama), or None
+    head: Any  # the head on the target's features it runs, or None
 
     def start(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
@@ -82,6 +94,26 @@ class Drafter(Protocol):
                hidden_starts: list[int] | None = None) -> None: ...
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None: ...
+
+
+# What the engine takes for an attribute a drafter does not have (the Drafter protocol's attributes).
+DEFAULTS: dict[str, Any] = {"reads_features": False, "vocab_size": None, "max_seq_len": None, "parallel": False,
+                            "model": None, "head": None}
+
+
+def trait(drafter: Any, name: str) -> Any:
+    """A drafter's protocol attribute, or its default (:data:`DEFAULTS`)."""
+    return getattr(drafter, name, DEFAULTS[name])
+
+
+def is_drafter(obj: Any) -> bool:
+    """Whether ``obj`` has the four calls of a drafter (its attributes may be left to DEFAULTS)."""
+    return all(callable(getattr(obj, name, None)) for name in ("start", "propose", "commit", "keep_rows"))
+
+
+def grows_trees(drafter: Any) -> bool:
+    """Whether a drafter can grow token trees (it has ``propose_tree``)."""
+    return callable(getattr(drafter, "propose_tree", None))
 
 
 def draw_rows(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None],

@@ -1,24 +1,39 @@
-"""The drafter kinds by name: what ``--draft`` can mean, how each is built and counted, and
-the toy instance the proofs check (``python -m speculative.prove NAME``).
+"""The drafter kinds by name: what ``--draft`` can mean, and everything the project needs to know
+of a kind, in its one registration.
 
-A kind is registered once (the built-in ones at the end of this module; a new one by the
-module that defines its drafter, with :func:`register_drafter`). weights/ reads a kind's
-files (``files``: "checkpoint" for a Llama checkpoint, "feature-head" for a head's folder,
-None for a drafter that needs none, which ``--draft NAME`` then names directly) and hands
-what it loaded to ``build``; a folder's kind is the one whose ``model_type`` its config.json
-names, else "model".
+A kind is registered once, by the module that defines its drafter (:func:`register_drafter`; the
+built-in ones in model.py, parallel.py, eagle.py and lookup.py, which speculative/draft/__init__.py
+imports). The registration says:
+
+* ``build(network, target)``: the drafter, from what weights/ loaded (or None);
+* ``toy(target)``: one for the checker's small float64 target (``python -m speculative.prove NAME``);
+* ``loader``: what reads its files, ``loader(folder, target, target_name, device, dtype) -> network``,
+  or None for a drafter that needs none (``--draft NAME`` names it directly);
+* ``recognizes(config)``: whether a folder's config.json is one of its own (``--draft FOLDER``);
+* ``network``: what ``build`` receives, "checkpoint" (a Llama loaded as a target is: tensor
+  parallelism and int8 apply, its own config counts in the memory plan) or "head" (a network on
+  the target's features: one block of the target's shape in the plan), or None;
+* ``memory``: how the memory plan counts it ("none", "own" or "target-block").
+
+``loader``, ``recognizes`` and ``toy`` may be "MODULE:OBJECT" strings, read when first needed: a
+drafter in speculative/ names its file reader in weights/ without importing it (the layers of
+docs/layout.md), and a drafter of one's own may keep all three in its one file.
+
+Outside this package a kind comes from ``--draft MODULE:OBJECT`` (a DrafterKind, or a drafter class
+or factory of the target) or from an installed package's entry point in the group
+``speculative_llama.drafters`` (:func:`find`).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from speculative.draft.eagle import FeatureDrafter
-from speculative.draft.lookup import PromptLookupDrafter
-from speculative.draft.model import ModelDrafter
-from speculative.draft.parallel import ParallelDrafter, ParallelFeatureDrafter
+ENTRY_POINTS = "speculative_llama.drafters"
 
 
 @dataclass(frozen=True)
@@ -27,12 +42,25 @@ class DrafterKind:
     description: str  # one line, for --help and the docs
     build: Callable[[Any, Any], Any]  # build(loaded network or None, target) -> a drafter
     toy: str | Callable[[Any], Any]  # for the proofs: toy(small float64 target) -> a drafter, or "MODULE:OBJECT"
-    files: str | None = None  # what weights/ reads: "checkpoint", "feature-head", "eagle3-head", or None
-    model_type: str | None = None  # config.json's model_type that marks a folder of this kind
+    loader: str | Callable[..., Any] | None = None  # (folder, target, target_name, device, dtype) -> network
+    recognizes: str | Callable[[dict[str, Any]], bool] | None = None  # config.json -> one of this kind's folders
+    network: str | None = None  # what build receives: "checkpoint", "head" or None
     memory: str = "none"  # the memory plan: "none", "own" (its config) or "target-block" (one target block)
+
+    @property
+    def needs_files(self) -> bool:
+        return self.loader is not None
+
+    def load(self, *args: Any) -> Any:
+        """Its network from its folder (``loader``'s arguments)."""
+        return resolved(self.loader)(*args)
+
+    def owns(self, config: dict[str, Any]) -> bool:
+        return self.recognizes is not None and bool(resolved(self.recognizes)(config))
 
 
 DRAFTERS: dict[str, DrafterKind] = {}
+DEFAULT_KIND = "model"  # a folder no kind recognizes is a draft model's checkpoint
 
 
 def register_drafter(kind: DrafterKind) -> DrafterKind:
@@ -43,49 +71,92 @@ def register_drafter(kind: DrafterKind) -> DrafterKind:
     return kind
 
 
+def resolved(what: Any) -> Any:
+    """``what`` itself, or the object a "MODULE:OBJECT" string names."""
+    if not isinstance(what, str):
+        return what
+    module, _, name = what.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def drafter_kind(name: str) -> DrafterKind:
     """The kind registered as ``name``; ValueError naming the registered ones otherwise."""
-    if name not in DRAFTERS:
+    kind = find(name)
+    if kind is None:
         raise ValueError(f"drafter kind must be one of {', '.join(map(repr, DRAFTERS))}, got {name!r}")
-    return DRAFTERS[name]
+    return kind
+
+
+def find(name: str) -> DrafterKind | None:
+    """The kind ``name`` means: a registered one, one that an installed package's entry point of that
+    name registers (or is), or ``MODULE:OBJECT``; None if none."""
+    name = str(name)
+    if name in DRAFTERS:
+        return DRAFTERS[name]
+    if ":" in name and not name.startswith(("/", ".")):
+        return _from_object(name)
+    for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        if point.name == name:
+            _take(point)
+            return DRAFTERS.get(name)
+    return None
+
+
+def _take(point: importlib.metadata.EntryPoint) -> None:
+    """An entry point of a drafter package: loading it runs its module's registrations, and a
+    DrafterKind it names is registered too."""
+    obj = point.load()
+    if isinstance(obj, DrafterKind) and obj.name not in DRAFTERS:
+        register_drafter(obj)
+
+
+def load_entry_points() -> None:
+    """Every installed drafter package's kinds (entry points of the group ENTRY_POINTS), so that a
+    folder of theirs is recognized (of_folder)."""
+    for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        if point.name not in DRAFTERS:
+            _take(point)
+
+
+def _from_object(spec: str) -> DrafterKind:
+    """``--draft MODULE:OBJECT``: the module is imported (its registrations run) and the object is a
+    registered kind's name, a DrafterKind, or a drafter class or factory, called with the target when
+    it takes an argument. ValueError in one line when it cannot be had."""
+    module, _, attribute = spec.partition(":")
+    try:
+        obj = resolved(spec)
+    except ModuleNotFoundError as error:
+        raise ValueError(f"--draft {spec}: no module named {error.name!r}") from None
+    except AttributeError:
+        raise ValueError(f"--draft {spec}: {module} has no {attribute!r}") from None
+    if isinstance(obj, DrafterKind):
+        return DRAFTERS.get(obj.name) or register_drafter(obj)
+    if isinstance(obj, str) and obj in DRAFTERS:
+        return DRAFTERS[obj]
+    if not callable(obj):
+        raise ValueError(f"--draft {spec}: expected a DrafterKind, a drafter class or a factory of the target, "
+                         f"got {type(obj).__name__}")
+    takes_target = any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                       for p in inspect.signature(obj).parameters.values())
+    return register_drafter(DrafterKind(
+        spec, f"{spec}: a drafter of one's own", build=lambda network, target: obj(target) if takes_target else obj(),
+        toy=lambda target: obj(target) if takes_target else obj()))
 
 
 def named(name: str) -> DrafterKind | None:
     """The kind that ``--draft name`` means by itself (one that needs no file), or None."""
-    kind = DRAFTERS.get(str(name))
-    return kind if kind is not None and kind.files is None else None
+    kind = find(name)
+    return kind if kind is not None and not kind.needs_files else None
 
 
-def of_folder(model_type: str | None) -> DrafterKind:
-    """The kind of a folder whose config.json names ``model_type``: its registered kind, else "model"."""
+def of_folder(config: dict[str, Any]) -> DrafterKind:
+    """The kind of a folder whose config.json holds ``config``: the first registered kind that
+    recognizes it (installed drafter packages' kinds included), else a draft model's checkpoint."""
+    load_entry_points()
     for kind in DRAFTERS.values():
-        if kind.model_type is not None and kind.model_type == model_type:
+        if kind.owns(config):
             return kind
-    return DRAFTERS["model"]
-
-
-# ----------------------------------------------------------------------------- the built-in kinds
-register_drafter(DrafterKind(
-    "model", "a smaller model of the target's family (the paper's M_q), from a checkpoint",
-    build=lambda network, target: ModelDrafter(network), toy="speculative.proofs.checker:model_drafter",
-    files="checkpoint", memory="own"))
-register_drafter(DrafterKind(
-    "parallel", "a parallel draft model (PARD): gamma tokens from one call, mask tokens after the sequence",
-    build=lambda network, target: ParallelDrafter(network, network.config.extra["pard_token"],
-                                                  target.config.vocab_size),
-    toy="speculative.proofs.checker:parallel_drafter", files="checkpoint", model_type="pard", memory="own"))
-register_drafter(DrafterKind(
-    "head", "a feature head: drafts from the target's own features (EAGLE), from its folder",
-    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:feature_drafter",
-    files="feature-head", model_type="llama-feature-head", memory="target-block"))
-register_drafter(DrafterKind(
-    "eagle3", "an EAGLE-3 head: fused features of three target layers, its own reduced vocabulary, from its folder",
-    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:eagle3_drafter",
-    files="eagle3-head", model_type="eagle3", memory="target-block"))
-register_drafter(DrafterKind(
-    "peagle", "a P-EAGLE head: an EAGLE-3 head that drafts the whole chain in one call, from its folder",
-    build=lambda head, target: ParallelFeatureDrafter(head, target), toy="speculative.proofs.checker:peagle_drafter",
-    files="eagle3-head", model_type="peagle", memory="target-block"))
-register_drafter(DrafterKind(
-    "lookup", "prompt lookup: n-grams copied from the sequence, no model at all",
-    build=lambda network, target: PromptLookupDrafter(), toy="speculative.draft.lookup:PromptLookupDrafter"))
+    return DRAFTERS[DEFAULT_KIND]

@@ -1,12 +1,14 @@
 """The engine: speculative decoding of many rows at once, each joining and leaving on its own.
 
 Its entry point is :class:`Engine` (engine.py), whose ``step`` names the seams: propose,
-score, verify, commit. Beside it: the statistics of a run (stats.py), every way gamma is
-decided (gamma.py), and the four generation functions over the engine (generation.py).
+score, verify, commit. Beside it: the statistics of a run (stats.py), the cost model's
+formulas (cost.py), the engine's gamma policies (gamma.py; a server's, by the load, is
+speculative.serving.policy), and the four generation functions over the engine (generation.py).
 """
 
+from speculative.engine.cost import best_gamma, expected_speedup, expected_tokens_per_iteration
 from speculative.engine.engine import DEFAULT_GAMMA, Engine, Row
-from speculative.engine.gamma import AutoGamma, best_gamma, expected_speedup, expected_tokens_per_iteration
+from speculative.engine.gamma import AutoGamma
 from speculative.engine.generation import (
     autoregressive_generate,
     autoregressive_generate_batch,

@@ -30,9 +30,7 @@ numerics policy (docs/algorithm.md: a row's logits come from a matmul of another
 near-ties may fall the other way). gamma="auto" adapts one gamma for all rows from measured
 times, so under it rows see each other.
 
-Token trees are drafted for one row at a time: a batched tree would need every row's tree
-mask and path move in one call, and with one row they already beat a chain only where the
-target's call is cheap next to the draft's (docs/trees_and_blocks.md). An engine with a tree holds one row.
+A token tree is drafted for one row at a time (speculative.engine.trees says why).
 
 Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] ->
 logits [B, T, V]; with ``return_hidden`` also its features, the ones a drafter that reads
@@ -44,19 +42,20 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from model import call as calls
 from speculative.draft.model import as_drafter
-from speculative.draft.protocol import Draft, pad_rows
-from speculative.draft.trees import TREE_MODES, check_tree
+from speculative.draft.protocol import Draft, pad_rows, trait
 from speculative.engine.gamma import AutoGamma
-from speculative.engine.logprobs import Logprob, record_logprobs, record_prompts
-from speculative.engine.stats import BatchStats, Clock, GenerationResult, SpeculativeStats, stop_reason
+from speculative.engine.judging import judge_rows
+from speculative.engine.logprobs import record_logprobs, record_prompts
+from speculative.engine.rows import Callback, Row, RowFailedError, cut_at_eos
+from speculative.engine.stats import BatchStats, Clock, SpeculativeStats, record_iteration, stop_reason
+from speculative.engine.trees import check_tree_request, fit_tree, keep_path
 from speculative.inputs import (
     NonFiniteLogitsError,
     check_gamma,
@@ -68,59 +67,13 @@ from speculative.inputs import (
     finite_rows,
     model_device,
     read_host,
-    usable_logits,
 )
-from speculative.sampling import Sampling, make_generator, sample_rows, warp, warp_rows
-from speculative.verify import tree as trees
+from speculative.sampling import Sampling, make_generator
 from speculative.verify.registry import rule as registered
-from speculative.verify.token import verify_greedy
-from speculative.verify.tree import TokenTree, branching_parents
-from speculative.verify.verdict import Verdict, Verification, together
+from speculative.verify.tree import branching_parents
+from speculative.verify.verdict import Verdict, Verification
 
-Callback = Callable[[list[int], list[bool]], None]
 DEFAULT_GAMMA = 4
-
-
-class RowFailedError(RuntimeError):
-    """What a row's own part of an iteration raised (its callback: a server's handler of its
-    tokens): that row fails alone, the others go on."""
-
-
-@dataclass(eq=False)  # a row is itself: two rows are never equal
-class Row:
-    """One request while the engine holds it, and what it produced."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    stop_ids: frozenset[int]  # emitting any of these ends the row (end of text, end of turn, ...)
-    callback: Callback | None
-    sampling: Sampling  # its own temperature, top-k and top-p
-    generator: torch.Generator
-    stats: SpeculativeStats
-    ids: list[int]  # prompt + output, on the host
-    joined: Any = None  # the clock's mark when it entered the batch
-    target_next: int = 0  # the target's first cache slot not holding a token of the row
-    owed: int = 0  # tokens emitted but still on the device (the target alone, see Engine.flush)
-    gamma: int | None = None  # pinned: drafted per iteration whatever the engine's policy (0: none)
-    error: Exception | None = None  # it failed alone (its logits were not finite, its callback raised)
-    cancelled: bool = False  # stopped from outside (Engine.cancel)
-    done: bool = False
-    logprobs: int | None = None  # record each emitted token's log-probability and this many top ones (None: not)
-    # per emitted token: (its log p, [(id, log p) of the top ones]), p the target's own at temperature 1
-    logprob_record: list[Logprob] = field(default_factory=list)
-    echo: bool = False  # also record the prompt's tokens (from the call that reads the prompt)
-    prompt_record: list[Logprob | None] = field(default_factory=list)  # per prompt token; None for the first
-
-    @property
-    def length(self) -> int:
-        return len(self.ids) + self.owed
-
-    @property
-    def produced(self) -> int:
-        return self.length - len(self.prompt)
-
-    def result(self) -> GenerationResult[SpeculativeStats]:
-        return GenerationResult(tokens=self.ids[len(self.prompt):], stats=self.stats)
 
 
 class Engine:
@@ -151,10 +104,10 @@ class Engine:
             self.tree, gamma = check_tree_request(tree, tree_mode, self.drafter, gamma, verify, max_rows)
         gamma = DEFAULT_GAMMA if gamma is None else gamma  # None: not given
         self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
-        self.auto = AutoGamma(gamma_max=self.gamma_max, parallel=getattr(self.drafter, "parallel", False)) \
+        self.auto = AutoGamma(gamma_max=self.gamma_max, parallel=trait(self.drafter, "parallel")) \
             if gamma == "auto" and self.drafter is not None else None
         self.gamma_setting = "auto" if self.auto else self.gamma_max
-        own = self.drafter.max_seq_len if self.drafter is not None else None
+        own = trait(self.drafter, "max_seq_len") if self.drafter is not None else None
         self.limit = min(target.config.max_seq_len, own or target.config.max_seq_len)
         self.slack = self.gamma_max if self.tree is None else len(branching_parents(self.tree))  # slots past a row
         if self.tree is not None and self.slack + 1 >= self.limit:
@@ -388,7 +341,7 @@ class Engine:
         its draft, at its own cache position. Returns every row's logits for its g_b + 1
         positions L_b-1 .. L_b+g_b-1 (a tree: the root and every node), stacked as one
         [sum of (g_b + 1), V] tensor, and for a drafter that reads them the call's features."""
-        reads = self.drafter is not None and self.drafter.reads_features
+        reads = trait(self.drafter, "reads_features") if self.drafter is not None else False
         starts = [row.target_next for row in rows]
         wanted = [g + 1 for g in draft.lengths]
         if self.pending:  # the target alone, rows unchanged: each feeds its newest token, still on the device
@@ -407,7 +360,7 @@ class Engine:
             call = calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device)
         else:
             call = calls.ragged(starts, feed.shape[1], self.cache_len, self.device)
-        out = self.target(feed, call, return_hidden=self.drafter.reads_features) if reads else self.target(feed, call)
+        out = self.target(feed, call, return_hidden=reads) if reads else self.target(feed, call)
         logits, hidden = out if reads else (out, None)
         if any(row.echo and start == 0 for row, start in zip(rows, starts)):  # read from column 0 of each row
             record_prompts(rows, starts, logits)
@@ -475,7 +428,7 @@ class Engine:
         """One iteration into every row's record and the engine's own counts (marks: before
         proposing, scoring and verifying, and after committing), and into gamma="auto"'s estimates
         of alpha and of the step costs."""
-        self.record(rows, draft, steps, marks)
+        record_iteration(self.stats, self.clock, rows, draft, steps, marks)
         t0, t1, t2, _ = marks
         depth = max(draft.depth(b) for b in range(len(rows)))
         if self.auto is not None and depth > 0:  # t0..t2 are behind the read; the first also read prompts
@@ -486,137 +439,16 @@ class Engine:
                              clock.seconds(t1, t2) if timed else None,
                              positions=[j for j, _ in verified], width=depth + 1)
 
-    def record(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
-        """The counts and times of one iteration, per row and for the engine."""
-        t0, t1, t2, now = marks
-        totals, clock = self.stats, self.clock
-        totals.iterations += 1
-        totals.draft_calls += draft.calls
-        totals.rows_history.append(len(rows))
-        for name, start, end in (("draft_time_s", t0, t1), ("target_time_s", t1, t2), ("verify_time_s", t2, now)):
-            clock.add(totals, name, start, end)
-        for b, (row, step) in enumerate(zip(rows, steps)):
-            depth, stats = (0 if row.error else draft.depth(b)), row.stats  # a failed row verified nothing
-            stats.record(depth, draft.calls if depth else 0, step.accepted, step.overlap,
-                         drafted=draft.lengths[b] if depth else 0)
-            clock.add(stats, "draft_time_s", t0, t1)
-            clock.add(stats, "target_time_s", t1, t2)
-            if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
-                clock.add(stats, "first_iteration_s", row.joined, now)
-                stats.first_iteration_tokens = row.produced
-
-
-# ----------------------------------------------------------------------------- the seams' pieces
-def judge_rows(logits: torch.Tensor, draft: Draft, samplings: list[Sampling], rule: str | Callable,
-               generators: list[torch.Generator], finite: torch.Tensor) -> Verdict:
-    """Lines 5-9 for every row, each with its own p, q, sampling and generator; their verdicts are read
-    together. ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_rows (a
-    sampled row verifies usable logits until the read checks them). Where nothing was drafted
-    t comes from p_1 alone; at temperature 0 the argmaxes of all rows and their drafts are the
-    parts, whatever B is."""
-    greedy = all(s.greedy for s in samplings)
-    if draft.tree is None and not any(draft.lengths):
-        tokens = logits.argmax(-1) if greedy else sample_rows(
-            warp_rows(usable_logits(logits, finite), samplings), generators)
-        return Verdict([tokens], lambda host: [Verification([t], 0, []) for t in host])
-    if greedy and draft.tree is None and greedy_shortcut(rule):
-        return verify_greedy(logits.argmax(-1), draft.tokens, draft.lengths)
-    verdicts, ok = [], finite.split([g + 1 for g in draft.lengths])
-    for b, (p, generator) in enumerate(zip(logits.split([g + 1 for g in draft.lengths]), generators)):
-        g = draft.lengths[b]
-        q = None if draft.q is None else draft.q[b, :g]
-        verdicts.append(judge(p, draft.tokens[b, :g], q, draft.tree, samplings[b], rule, generator, ok[b]))
-    return together(verdicts)
-
-
-def judge(logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None, tree: TokenTree | None,
-          sampling: Sampling, rule: str | Callable, generator: torch.Generator,
-          finite: torch.Tensor | None = None) -> Verdict:
-    """Lines 5-9 for one row by the verifier that fits its draft: a tree's walk, the comparison
-    of argmaxes at temperature 0 (where the rule is registered so), or the chosen rule (a
-    registered name, or a verifier of their signature, which also judges at temperature 0) on warped p and q. A
-    deterministic drafter's q (None) is one-hot on its tokens. A sampled verification runs on
-    usable_logits until the read checks ``finite``, so that no sampling kernel meets a NaN."""
-    if finite is not None and not sampling.greedy:
-        logits = usable_logits(logits, finite)
-    if tree is not None:
-        if sampling.greedy:
-            return trees.verify_tree_greedy(logits.argmax(-1), tree)
-        return trees.verify_tree(warp(logits, sampling), tree, generator)
-    if sampling.greedy and greedy_shortcut(rule):  # one-hot p and q: the argmaxes compared
-        return verify_greedy(logits.argmax(-1), drafted)
-    p = warp(logits, sampling)  # g = 0: t from p_1 alone
-    q = q if q is not None else F.one_hot(drafted, p.shape[-1]).to(p.dtype)
-    verifier = rule if callable(rule) else registered(rule).verify
-    return verifier(p, q, drafted, generator)
-
-
-def greedy_shortcut(rule: str | Callable) -> bool:
-    """Whether a rule is replaced by the comparison of argmaxes at temperature 0: as registered
-    (speculative.verify.registry); a verifier passed as a function never is."""
-    return not callable(rule) and registered(rule).greedy
-
-
-def cut_at_eos(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
-    """Nothing after an emitted end-of-sequence id, even in the middle of an accepted block."""
-    for i, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[:i + 1]
-    return tokens
-
-
-def keep_path(target: Any, path: list[int], length: int, target_next: int,
-              hidden: torch.Tensor | None) -> torch.Tensor | None:
-    """After a tree's verification, move the accepted path's keys and values from the nodes'
-    slots (L + node) to consecutive slots L.. of the target's cache, and return the target's
-    features in sequence order (the call's chain part, then the path) for the drafter."""
-    if path and path != list(range(len(path))):
-        target.move_cache([0], [[length + node for node in path]], [list(range(length, length + len(path)))])
-    if hidden is None:
-        return None
-    prefix = length - target_next
-    order = list(range(prefix)) + [prefix + node for node in path]
-    return hidden[:, torch.tensor(order, device=hidden.device)]
-
-
-def fit_tree(tree: tuple[int, ...], depth: int, room: int) -> tuple[int, ...]:
-    """The first levels of ``tree``: at most ``depth`` of them, with fewer nodes than the
-    ``room`` cache slots left (the nodes sit in slots L..L+N-1)."""
-    levels = tree[:depth]
-    while levels and len(branching_parents(levels)) >= room:
-        levels = levels[:-1]
-    return levels
-
 
 def drafter_for(target: Any, draft: Any) -> Any:
     """``draft`` as a drafter (a model is wrapped in ModelDrafter), checked against ``target``
     (speculative.inputs), and never the target object itself: the two would share one KV cache."""
     drafter = as_drafter(draft)
     check_pair(target, drafter)
-    if draft is target or getattr(drafter, "model", None) is target:
+    if draft is target or trait(drafter, "model") is target:
         raise ValueError("draft and target are the same object and would share one KV cache; "
                          "pass a copy (copy.deepcopy(model)) as the draft")
     return drafter
-
-
-def check_tree_request(tree: Sequence[int], tree_mode: str, drafter: Any, gamma: Any, verify: str,
-                       max_rows: int) -> tuple[tuple[int, ...], int]:
-    """The tree as a tuple, and its depth in gamma's place; ValueError for what cannot combine."""
-    shape = check_tree(tree)
-    if tree_mode not in TREE_MODES:
-        raise ValueError(f"tree_mode must be one of {', '.join(map(repr, TREE_MODES))}, got {tree_mode!r}")
-    if drafter is None or not hasattr(drafter, "propose_tree"):
-        raise ValueError(f"{type(drafter).__name__} cannot build token trees (a draft model or a feature head can)")
-    if gamma is not None and gamma != len(shape):
-        raise ValueError("gamma and tree both set: a tree's depth is its gamma; leave gamma alone")
-    if callable(verify):
-        raise ValueError("a verifier of your own judges a chain; a tree is verified by its own walk "
-                         "(speculative.verify.tree)")
-    if verify != "token":
-        raise ValueError(f"--verify {verify} judges a chain; a tree is verified by its own walk")
-    if max_rows != 1:
-        raise ValueError("token trees are drafted for one row at a time (speculative.engine): use max_rows=1")
-    return shape, len(shape)
 
 
 __all__ = ["DEFAULT_GAMMA", "Engine", "NonFiniteLogitsError", "Row", "RowFailedError"]

@@ -20,7 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from speculative.engine.gamma import expected_tokens_per_iteration
+from speculative.engine.cost import expected_tokens_per_iteration
 
 
 def stop_reason(new_tokens: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> str:
@@ -331,3 +331,24 @@ class BatchResult:
 
     results: list[GenerationResult]
     stats: BatchStats
+
+
+def record_iteration(totals: BatchStats, clock: Clock, rows: list[Any], draft: Any, steps: list[Any],
+                     marks: tuple) -> None:
+    """The counts and times of one engine iteration, per row and for the engine (marks: before
+    proposing, scoring and verifying, and after committing)."""
+    t0, t1, t2, now = marks
+    totals.iterations += 1
+    totals.draft_calls += draft.calls
+    totals.rows_history.append(len(rows))
+    for name, start, end in (("draft_time_s", t0, t1), ("target_time_s", t1, t2), ("verify_time_s", t2, now)):
+        clock.add(totals, name, start, end)
+    for b, (row, step) in enumerate(zip(rows, steps)):
+        depth, stats = (0 if row.error else draft.depth(b)), row.stats  # a failed row verified nothing
+        stats.record(depth, draft.calls if depth else 0, step.accepted, step.overlap,
+                     drafted=draft.lengths[b] if depth else 0)
+        clock.add(stats, "draft_time_s", t0, t1)
+        clock.add(stats, "target_time_s", t1, t2)
+        if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
+            clock.add(stats, "first_iteration_s", row.joined, now)
+            stats.first_iteration_tokens = row.produced

@@ -60,7 +60,7 @@ import torch
 from speculative.draft.eagle import FeatureDrafter
 from speculative.draft.model import ModelDrafter
 from speculative.draft.parallel import ParallelDrafter, ParallelFeatureDrafter
-from speculative.draft.registry import DRAFTERS
+from speculative.draft.registry import DRAFTERS, find
 from speculative.engine.generation import speculative_generate, speculative_generate_batch
 from speculative.proofs.exact import Branching, Broken, Contract, NotApplicable, verifier_distribution
 from speculative.proofs.toys import (
@@ -337,7 +337,7 @@ def load(spec: str) -> tuple[Any, str]:
     is checked (speculative.draft.DRAFTERS); InputError otherwise."""
     if ":" not in spec and spec in RULES:
         return RULES[spec].verify, f"rule {spec}"
-    if ":" not in spec and spec in DRAFTERS:
+    if ":" not in spec and find(spec) is not None:  # registered, or an installed drafter package's
         toy = DRAFTERS[spec].toy
         return (load(toy)[0] if isinstance(toy, str) else toy), f"drafter {spec}"
     where, _, name = spec.rpartition(":")

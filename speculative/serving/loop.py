@@ -10,8 +10,8 @@ iterations, steps the engine while it holds rows, and reports every iteration's 
 each request's end through the ticket's callbacks. The waiting queue is bounded: a request
 beyond it is refused with :class:`OverloadedError`, which says when to come back.
 
-:class:`~speculative.engine.gamma.LoadGamma` (speculative.engine.gamma) decides the gamma of every
-iteration from the load.
+:class:`~speculative.serving.policy.LoadGamma` (speculative.serving.policy) decides the gamma of
+every iteration from the load.
 
 Exactness: every row samples from its own generator, so a request's tokens do not depend on
 the other requests; a row's gamma only changes which tokens a seed gives, never their
@@ -33,8 +33,8 @@ from functools import cached_property
 from typing import Any
 
 from speculative.engine.engine import Engine, Row, RowFailedError
-from speculative.engine.gamma import Iteration, LoadGamma, settle
 from speculative.sampling import Sampling
+from speculative.serving.policy import Iteration, LoadGamma, settle
 from speculative.serving.threads import ThreadTuner
 
 GREEDY = Sampling(temperature=0.0)

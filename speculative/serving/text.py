@@ -1,6 +1,7 @@
 """Text in and out of a tokenizer (a weights.Tokenizer, or anything with its encode, decode and
 bos_id/eos_id): a conversation's prompt in the model's own chat format, the text that new
-tokens add to a prompt, and incremental detokenisation for streaming.
+tokens add to a prompt, incremental detokenisation for streaming, and a request's text out with
+its stop strings (:class:`Output`).
 
 Decoding token by token would lose SentencePiece's word-boundary spaces and split
 multi-byte characters (byte-fallback pieces such as ``<0xC3>``, or a byte-level BPE's tokens,
@@ -160,3 +161,45 @@ class StopStrings:
     def held(self) -> int:
         """How much of the end of the text could begin a stop string."""
         return max(self.state, default=0)
+
+
+class Output:
+    """A request's text as its tokens come: incremental detokenisation (:class:`TextStream`)
+    and stop strings. Text that could be the start of a stop string is held back until the
+    next tokens show it is not; a stop string ends the output before it, at the token that
+    completed it (``tokens`` are the ones kept)."""
+
+    def __init__(self, tokenizer: Any, shown: Sequence[int], stops: Sequence[str]) -> None:
+        self.stream, self.stops = TextStream(tokenizer, shown), StopStrings(stops)
+        self.text, self.sent = "", 0
+        self.tokens: list[int] = []
+        self.stopped = False
+
+    def add(self, ids: Sequence[int]) -> str:
+        """The text ready to hand out after ``ids``."""
+        for token in ids:
+            if self.stopped:
+                break
+            self.tokens.append(int(token))
+            piece = self.stream.add(token)
+            found = self.stops.feed(piece, len(self.text)) if self.stops.stops else None
+            self.text += piece
+            if found is not None:
+                self.text, self.stopped = self.text[:found], True
+        return self.release(self.stopped)
+
+    def release(self, everything: bool) -> str:
+        end = len(self.text) if everything else len(self.text) - self.held()
+        piece = self.text[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return piece
+
+    def held(self) -> int:
+        """How much of the end of the text could begin a stop string."""
+        return self.stops.held
+
+    def finish(self) -> str:
+        """The rest: held-back text, and any incomplete character at the end."""
+        if not self.stopped:
+            self.text += self.stream.finish()
+        return self.release(True)

@@ -29,7 +29,7 @@ import generate
 from model import ModelConfig
 from model.fast.prepack import prepack_supported
 from model.scale import memory as memory_lib
-from model.scale.memory import DEFAULT_RESERVE, LLAMA2_CONFIGS, NotEnoughMemoryError, cheapest_fit, plan
+from model.scale.memory import DEFAULT_RESERVE, LLAMA2_CONFIGS, NotEnoughMemoryError, cheapest_fit, check_memory, plan
 from speculative.cli import output
 from speculative.cli.report import JSON_NOTES
 from tests.support.cli import (
@@ -111,7 +111,7 @@ def test_unknown_checkpoint_name(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.skipif((ROOT / "weights" / "Llama-2-70b-hf").is_dir(), reason="Llama-2-70b-hf is present here")
 def test_missing_llama_checkpoint_says_what_to_download(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECDEC_WEIGHTS", str(tmp_path))
+    monkeypatch.setenv("SPECULATIVE_WEIGHTS", str(tmp_path))
     main_error(capsys, ["--target", "70b"], "meta-llama/Llama-2-70b-hf", str(tmp_path / "Llama-2-70b-hf"))
 
 
@@ -119,7 +119,7 @@ def test_missing_llama_checkpoint_says_what_to_download(capsys: pytest.CaptureFi
 @pytest.mark.skipif((ROOT / "weights" / "Llama-2-7b-hf").is_dir(), reason="Llama-2-7b-hf is present here")
 def test_missing_draft_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECDEC_WEIGHTS", str(tmp_path))
+    monkeypatch.setenv("SPECULATIVE_WEIGHTS", str(tmp_path))
     main_error(capsys, ["--target", str(TARGET), "--draft", "7b"], "meta-llama/Llama-2-7b-hf", "download")
 
 
@@ -151,13 +151,13 @@ def test_memory_estimate_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory_lib, "available_bytes", lambda device: needed - 1)
     with pytest.raises(NotEnoughMemoryError, match=r"70b needs about 140\.4 GB in bfloat16 \(weights 138\.0 GB "
                                                   r"\+ KV cache 1\.3 GB for 4096 positions \+ 1\.1 GB runtime"):
-        generate.check_memory(("70b", config), None, 4096, torch.bfloat16, torch.device("cuda", 0))
+        check_memory(("70b", config), None, 4096, torch.bfloat16, torch.device("cuda", 0))
     monkeypatch.setattr(memory_lib, "available_bytes", lambda device: needed)
-    assert generate.check_memory(("70b", config), None, 4096, torch.bfloat16, torch.device("cuda", 0)).fits
+    assert check_memory(("70b", config), None, 4096, torch.bfloat16, torch.device("cuda", 0)).fits
     # On the CPU there is no CUDA reserve; a draft adds its weights and its own cache.
     monkeypatch.setattr(memory_lib, "available_bytes", lambda device: 2 * (weights + kv) - 1)
     with pytest.raises(NotEnoughMemoryError, match=r"70b \+ 70b need about 278\.6 GB"):
-        generate.check_memory(("70b", config), ("70b", config), 4096, torch.bfloat16, torch.device("cpu"))
+        check_memory(("70b", config), ("70b", config), 4096, torch.bfloat16, torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------- the shipped pair

@@ -35,9 +35,12 @@ import uvicorn
 import generate
 import serve
 from speculative import Engine
-from speculative.engine.gamma import FixedGamma, LoadGamma
-from speculative.serving.app import Access, Output, create_app
+from speculative.engine.gamma import FixedGamma
+from speculative.serving.access import Access
+from speculative.serving.app import create_app
 from speculative.serving.loop import EngineLoop, Service
+from speculative.serving.policy import LoadGamma
+from speculative.serving.text import Output
 from tests.support.paths import ROOT
 from tests.support.proofs import proof
 from tests.support.toy_models import (
@@ -491,7 +494,7 @@ def test_an_api_key_a_host_allow_list_and_cors_only_when_asked() -> None:
 
 
 def test_serve_py_s_access_defaults_and_its_warning(monkeypatch) -> None:
-    from speculative.serving.app import API_KEY_ENV, access_for, exposure_warning
+    from speculative.serving.access import API_KEY_ENV, access_for, exposure_warning
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     local = access_for("127.0.0.1", None, None, [])

@@ -19,11 +19,12 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.faulty_serve import ENGINE_FAULT, ROW_FAULT, STALL, STALL_S
+from tests.support.faulty_serve import ENGINE_FAULT, GATE, GATE_FILE, ROW_FAULT, STALL, STALL_S
 from tests.support.paths import ROOT
 
 MODEL = "tiny-target"
@@ -70,9 +71,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(*flags: str, port: int | None = None, faults: bool = True, wait: bool = True) -> Served:
-    """serve.py (with the faults' launcher) in its own process; with ``wait``, once it serves."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def launch(*flags: str, port: int | None = None, faults: bool = True, wait: bool = True,
+           gate: Path | None = None) -> Served:
+    """serve.py (with the faults' launcher) in its own process; with ``wait``, once it serves;
+    ``gate``: the file whose creation releases a request that holds the GATE marker."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **({GATE_FILE: str(gate)} if gate else {})}
     program = ["-m", "tests.support.faulty_serve"] if faults else ["serve.py"]
     process = subprocess.Popen([sys.executable, *program, "--port", str(port or 0), "--speculation", "off",
                                 "--threads", "1", *flags], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -205,13 +208,37 @@ def test_bad_input_is_a_4xx_and_stops_nothing(server: Served) -> None:
     server.answers_correctly()
 
 
-def test_a_burst_beyond_the_queue_gets_429s_with_retry_after_and_no_5xx(server: Served) -> None:
-    with ThreadPoolExecutor(6) as pool:  # one runs, three wait, two are refused
-        answers = list(pool.map(lambda _: server.post(max_tokens=40), range(6)))
-    codes = sorted(a.status_code for a in answers)
-    assert set(codes) == {200, 429} and codes.count(200) >= 3, codes
-    assert all(a.headers["retry-after"].isdigit() for a in answers if a.status_code == 429)
-    server.answers_correctly()
+def test_a_burst_beyond_the_queue_gets_429s_with_retry_after_and_no_5xx(tmp_path: Path) -> None:
+    """One row, three places to wait: while a request holds the row (held by the GATE until the test
+    lets it go, so that no deadline or speed decides anything), five more come; three wait, two are
+    refused at once with Retry-After; once the row is free, all four are answered."""
+    served = launch("--max-batch", "1", "--max-waiting", "3", "--queue-timeout", "0", "--request-timeout", "0",
+                    gate=tmp_path / "open")
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            held = pool.submit(served.post, [1, GATE, 261], max_tokens=40)
+            until(lambda: served.health().json()["running"] == 1)
+            burst = [pool.submit(served.post, max_tokens=40) for _ in range(5)]
+            until(lambda: sum(f.done() for f in burst) == 2 and served.health().json()["waiting"] == 3)
+            refused = [f.result() for f in burst if f.done()]
+            waiting = [f for f in burst if not f.done()]
+            (tmp_path / "open").touch()
+            answers = [f.result(timeout=120) for f in [held, *waiting]]
+        assert [a.status_code for a in refused] == [429, 429]
+        assert all(a.headers["retry-after"].isdigit() for a in refused)
+        assert [a.status_code for a in answers] == [200] * 4
+        served.answers_correctly()
+    finally:
+        served.stop()
+        served.process.stderr.close()
+
+
+def until(condition, limit: float = 60) -> None:
+    """Wait for an event the test can see (bounded: a minute at most)."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "the event never came"
+        time.sleep(0.01)
 
 
 def test_a_stream_abandoned_midway_frees_its_row(server: Served) -> None:
@@ -253,22 +280,28 @@ def test_slow_headers_and_slow_bodies_are_cut_off_so_idle_sockets_cannot_lock_ev
     server.answers_correctly()
 
 
-def test_a_slow_reader_holds_up_no_one(server: Served) -> None:
-    host, port = server.url.removeprefix("http://").split(":")
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        time.sleep(0.3)
-        server.answers_correctly()  # while the slow reader has read nothing
-        time.sleep(1.0)
-        received = b""
-        while b"data: [DONE]" not in received:
-            chunk = sock.recv(65536)
-            assert chunk, received[-200:]
-            received += chunk
-    assert received.startswith(b"HTTP/1.1 200")
-    server.answers_correctly()
+def test_a_slow_reader_holds_up_no_one(tmp_path: Path) -> None:
+    """A client that reads nothing of its stream holds its own row and no one else's: another request
+    is answered meanwhile. Two rows and no queue deadline, so that a slow machine only makes it slower."""
+    served = launch("--max-batch", "2", "--queue-timeout", "0", "--write-timeout", "30")
+    try:
+        host, port = served.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            until(lambda: served.health().json()["running"] == 1)
+            served.answers_correctly()  # while the slow reader has read nothing
+            received = b""
+            while b"data: [DONE]" not in received:
+                chunk = sock.recv(65536)
+                assert chunk, received[-200:]
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+        served.answers_correctly()
+    finally:
+        served.stop()
+        served.process.stderr.close()
 
 
 def test_an_exception_in_one_row_fails_that_request_alone(server: Served) -> None:

@@ -10,19 +10,25 @@ sets off by holding a marker token id in its prompt (given as token ids):
 * ENGINE_FAULT: the engine's step raises before it begins (a fault of no row: every request in
   flight gets 503, /health says so, and serve.py exits 1);
 * STALL: the engine's step hangs for STALL_S seconds, once per such request (a stuck engine:
-  /health turns 503, deadlines pass).
+  /health turns 503, deadlines pass);
+* GATE: the engine's step waits until the file named by $FAULTY_SERVE_GATE exists (at most a
+  minute): a test holds the engine busy for as long as it needs, whatever the machine's speed,
+  and releases it with an event of its own (the file).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 import serve
 from speculative.engine.engine import Engine
 from speculative.serving.loop import EngineLoop
 
-ROW_FAULT, ENGINE_FAULT, STALL = 2001, 2002, 2003  # token ids (the shipped pair has 2048)
+ROW_FAULT, ENGINE_FAULT, STALL, GATE = 2001, 2002, 2003, 2004  # token ids (the shipped pair has 2048)
+GATE_FILE = "FAULTY_SERVE_GATE"  # the environment variable naming the gate's file
 STALL_S = 2.5
 
 real_step, real_tokens_out = Engine.step, EngineLoop.tokens_out
@@ -37,6 +43,10 @@ def step(self: Engine) -> list:
         if STALL in row.prompt and id(row) not in stalled:
             stalled.add(id(row))
             time.sleep(STALL_S)
+    if any(GATE in row.prompt for row in self.rows) and os.environ.get(GATE_FILE):
+        gate, deadline = Path(os.environ[GATE_FILE]), time.monotonic() + 60
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     return real_step(self)
 
 

@@ -13,14 +13,14 @@ from tests.support.paths import ROOT
 PAGE = ROOT / "docs" / "layout.md"
 BLOCK = re.compile(r"(<!-- registry:begin[^>]*-->\n)(.*?)(<!-- registry:end -->)", re.S)
 MEMORY = {"none": "nothing", "own": "its own config", "target-block": "one block of the target's shape"}
-FILES = {None: "none (named by `--draft NAME`)", "checkpoint": "a Llama checkpoint",
-         "feature-head": "a feature head's folder"}
+FILES = {None: "none (named by `--draft NAME`)", "checkpoint": "a Llama checkpoint", "head": "a head's folder"}
 
 
 def tables() -> str:
     lines = ["| drafter kind | what it is | its files | in the memory plan |", "|---|---|---|---|"]
     for kind in DRAFTERS.values():
-        files, memory = FILES.get(kind.files, kind.files), MEMORY.get(kind.memory, kind.memory)
+        files = FILES[kind.network] if kind.needs_files or kind.network is None else kind.network
+        memory = MEMORY.get(kind.memory, kind.memory)
         lines.append(f"| `{kind.name}` | {kind.description} | {files} | {memory} |")
     lines += ["", "| rule (`--verify`) | what it is | at temperature 0 |", "|---|---|---|"]
     for rule in RULES.values():

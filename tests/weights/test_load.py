@@ -124,7 +124,7 @@ def test_with_models_builds_a_new_drafter_and_leaves_the_old_pair_alone() -> Non
 
 
 def test_plan_configs_know_the_published_shapes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("SPECDEC_WEIGHTS", str(tmp_path))  # nothing downloaded there
+    monkeypatch.setenv("SPECULATIVE_WEIGHTS", str(tmp_path))  # nothing downloaded there
     if (WEIGHTS_DIR / "Llama-2-70b-hf").is_dir() or (WEIGHTS_DIR / "Llama-2-7b-hf").is_dir():
         pytest.skip("Llama-2 checkpoints are present here")
     assert plan_configs("70b", "7b") == (LLAMA2_CONFIGS["70b"], LLAMA2_CONFIGS["7b"])

@@ -16,7 +16,7 @@ process with the tokens of a fresh compile, and safe to reuse.
   candidate with one line under --compile and is one error line under --compile force.
 
 One tiny checkpoint (one layer, 32 wide), one shape, in Inductor's default mode
-(SPECULATIVE_LLAMA_COMPILE_MODE=default: a package of autotuned kernels takes minutes to build
+(SPECULATIVE_COMPILE_MODE=default: a package of autotuned kernels takes minutes to build
 here; what these tests check does not depend on the kernels in it).
 """
 

@@ -316,7 +316,7 @@ def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.Captur
     not pay, and the greedy tokens of the eager run (numerics policy:
     the shipped pair has no near-tie in these 24 tokens). The steps go to a cache of this
     test's own: in the session's, later default runs of the shipped pair would load them."""
-    monkeypatch.setenv("SPECULATIVE_LLAMA_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path))
     base = PAIR + ["--max-new-tokens", "24", "--no-color", "--json", "--gamma", "1"]  # widths 1 and 2: less to tune
     eager, _ = main_ok(capsys, base)
     compiled, err = main_ok(capsys, base + ["--compile", "force"])
@@ -364,7 +364,7 @@ def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str],
     """--setup compiled with --prompts-file: the target compiled for batch sizes 1 and 2,
     the greedy tokens of every prompt those of the eager batch. The steps go to a cache of this
     test's own: in the session's, later default runs of the shipped target would load them."""
-    monkeypatch.setenv("SPECULATIVE_LLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "p.txt"
     prompts.write_text("Once upon a time\nThe dog ran\nA little girl\n")
     base = ["--target", str(PAIR[1]), "--no-draft", "--max-new-tokens", "8", "--json", "--prompts-file",

@@ -11,18 +11,22 @@ import torch
 
 import model.fast.setup as setup_lib
 from model import call as calls
+from model.fast.compile import CompileError, compile_for_decoding
 from model.fast.prepack import PrepackedLinear, prepack_supported
 from model.fast.setup import (
     SETUPS,
     SetupChoice,
     Setups,
     apply_setup,
+    cacheable,
     candidates,
     choose_setup,
     choose_setups,
     row_buckets,
     tree_sizes,
 )
+from model.scale.quantize import quantize_int8
+from model.scale.tensor_parallel import parallelize
 from speculative.verify.tree import branching_parents
 from tests.support.toy_models import random_head, random_llama
 
@@ -167,3 +171,15 @@ def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(monk
     compiled.clear()
     choose_setups(target, ("stacked",), (1, 2, 5), 40, head=head)
     assert compiled == []
+
+
+def test_int8_and_tensor_parallel_models_are_told_apart_without_their_classes() -> None:
+    """model/fast imports nothing of model/scale (pyproject.toml's contract): int8 weights are
+    known by their dtype and a tensor-parallel layer by its mark, here on models that model/scale
+    itself made. Neither is kept in the compiled-step cache, and a shard is not compiled."""
+    assert cacheable(small())
+    assert not cacheable(quantize_int8(small()))
+    shard = parallelize(small(), 2)  # this rank's layers, built and never called: no process group needed
+    assert not cacheable(shard)
+    with pytest.raises(CompileError, match="tensor-parallel models are not compiled"):
+        compile_for_decoding(shard, (1,))

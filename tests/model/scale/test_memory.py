@@ -139,12 +139,12 @@ def test_bad_inputs_are_clear_errors() -> None:
 def test_builtin_shapes_equal_the_published_config_json() -> None:
     published = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                  "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000,
-                 "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+                 "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}
     assert ModelConfig.from_hf(published) == LLAMA2_CONFIGS["70b"]
 
 
 def test_plan_config_falls_back_to_the_builtin_shapes(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("SPECDEC_WEIGHTS", str(tmp_path))  # nothing downloaded there
+    monkeypatch.setenv("SPECULATIVE_WEIGHTS", str(tmp_path))  # nothing downloaded there
     assert plan_config("70b-chat") == LLAMA2_CONFIGS["70b"]
     with pytest.raises(ValueError):
         plan_config("not-a-model")

@@ -42,6 +42,7 @@ from tests.support.toy_models import chi_square_pvalue, llama_next_logits, rando
 
 torch.set_num_threads(1)
 batch = importlib.import_module("speculative.engine.engine")
+judging = importlib.import_module("speculative.engine.judging")
 drafter_module = importlib.import_module("speculative.draft.protocol")
 loop = importlib.import_module("speculative.engine.engine")
 
@@ -52,7 +53,7 @@ P_VALUE = 1e-3
 # ----------------------------------------------------------------------------- mutants
 def other_rows_q(mp: pytest.MonkeyPatch) -> None:
     """Row b is judged with the q that came with the row judged just before it."""
-    real, previous = batch.judge, {}
+    real, previous = judging.judge, {}
 
     def judge(logits, drafted, q, tree, sampling, rule, generator, finite=None):
         other = previous.get("q")
@@ -61,7 +62,7 @@ def other_rows_q(mp: pytest.MonkeyPatch) -> None:
             q = other
         return real(logits, drafted, q, tree, sampling, rule, generator, finite)
 
-    mp.setattr(batch, "judge", judge)
+    mp.setattr(judging, "judge", judge)
 
 
 def position_of_other_row(mp: pytest.MonkeyPatch) -> None:
@@ -125,7 +126,7 @@ def enumerate_runs(run: Callable[[], list[list[int]]], chooser_box: dict) -> dic
 def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
     """Route the batched loop's randomness through box["now"]: drafted tokens (sample_rows in
     the drafter), lines 5-9 (the verifier, with the library's own ratio and residual) and the
-    engine's plain step where no row drafted (sample_rows in the engine)."""
+    engine's plain step where no row drafted (sample_rows in speculative.engine.judging)."""
 
     def sample_rows(probs: torch.Tensor, generators: list) -> torch.Tensor:
         picks = [box["now"].choose(row.tolist()) if gen is not None else int(row.argmax())
@@ -147,7 +148,7 @@ def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
         return verify.Verdict([], lambda: outcome)
 
     mp.setattr(drafter_module, "sample_rows", sample_rows)
-    mp.setattr(loop, "sample_rows", sample_rows)  # an iteration where no row drafted: t ~ p_1 per row
+    mp.setattr(judging, "sample_rows", sample_rows)  # an iteration where no row drafted: t ~ p_1 per row
     set_verify_step(mp, enumerated_verify)
 
 

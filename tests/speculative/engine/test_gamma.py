@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.engine.gamma import GAMMA_START, AutoGamma, best_gamma, expected_speedup, expected_tokens_per_iteration
+from speculative.engine.cost import best_gamma, expected_speedup, expected_tokens_per_iteration
+from speculative.engine.gamma import GAMMA_START, AutoGamma
 from speculative.inputs import GAMMA_MAX
 
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from speculative import Engine, Sampling, speculative_generate
-from speculative.engine.gamma import FixedGamma, Iteration, LoadGamma
+from speculative.engine.gamma import FixedGamma
 from speculative.serving.loop import EngineLoop, OverloadedError, Ticket, prometheus
+from speculative.serving.policy import Iteration, LoadGamma
 from speculative.serving.text import LLAMA2_CHAT, encode_dialog, encode_prompt
 from tests.support.toy_models import noisy_copy, random_llama
 from weights import load_tokenizer
