@@ -31,7 +31,8 @@ from starlette.exceptions import HTTPException
 
 from speculative.serving.access import Access, Guard
 from speculative.serving.connections import Bounds, Limits
-from speculative.serving.loop import Service, prometheus
+from speculative.serving.loop import Service
+from speculative.serving.metrics import prometheus
 from speculative.serving.protocol import ApiError, ChatRequest, CompletionRequest, error_response
 from speculative.serving.streaming import Exchange, answer
 from speculative.serving.text import encode_dialog

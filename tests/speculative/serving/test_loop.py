@@ -16,7 +16,8 @@ import torch
 
 from speculative import Engine, Sampling, speculative_generate
 from speculative.engine.gamma import FixedGamma
-from speculative.serving.loop import EngineLoop, OverloadedError, Ticket, prometheus
+from speculative.serving.loop import EngineLoop, OverloadedError, Ticket
+from speculative.serving.metrics import prometheus
 from speculative.serving.policy import Iteration, LoadGamma
 from speculative.serving.text import LLAMA2_CHAT, encode_dialog, encode_prompt
 from tests.support.toy_models import noisy_copy, random_llama
