@@ -15,47 +15,38 @@ command resumes from ``state.pt``; a folder that holds a run of another shape is
 Bad input (a missing file, another run's folder) ends with exit status 2 and one
 ``error: ...`` line on stderr.
 
-Run it with the project's environment: .venv/bin/python train.py ..., or after
-source .venv/bin/activate. The recipes that made the shipped pair are in
-weights/tiny-target/README.md, weights/tiny-draft-undistilled/README.md and
-weights/tiny-draft/README.md.
+Run it with the project's environment (.venv/bin/python). The shipped pair's recipes: weights/tiny-target,
+weights/tiny-draft-undistilled and weights/tiny-draft, each in its README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
+import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import sentencepiece as spm
 import torch
+from torch import nn
 
-from model import ConfigError, Llama, ModelConfig
+from model import ConfigError, Llama, ModelConfig, training
 from model.eagle3_head import Eagle3Head, PEagleHead, default_layers
-from model.feature_head import FeatureHead
-from model.training import evaluate, fit, init_weights, lr_at, next_token_loss, random_batch
-from speculative import FeatureDrafter
-from speculative.draft.distill import DIVERGENCES, distill_loss, eagle_losses, sample_sequences
-from speculative.draft.parallel import ParallelDrafter, ParallelFeatureDrafter
-from speculative.draft.parallel_training import parallel_losses, peagle_losses, with_mask_token
-from speculative.draft.ttt import draft_vocabulary, ttt_losses
+from model.feature_head import FeatureHead, fingerprint
+from model.training import decay_groups, fit, held_out, init_weights, lr_at, next_token_loss, random_batch
+from speculative.draft import distill
+from speculative.draft.parallel_training import parallel_losses, peagle_losses, with_mask_feature, with_mask_token
+from speculative.draft.ttt import start_vocabulary, ttt_losses
 from speculative.engine.generation import ACCEPTANCE_NOTES, measure_acceptance
-from weights import CheckpointError, Tokenizer, UnknownCheckpointError, load_model, load_tokenizer
-from weights.corpus import held_out_prompts, read_documents, story_openings, tokenize_corpus
-from weights.drafters import load_feature_head, save_feature_head
-from weights.eagle3 import load_eagle3_head, save_eagle3_head
+from weights import CheckpointError, UnknownCheckpointError, load_drafter, load_model, load_tokenizer
+from weights.corpus import held_out_prompts, story_openings, tokenize_corpus, train_tokenizer
+from weights.eagle3 import load_eagle3_head
 from weights.runs import RunFolder, RunFolderError
-
-# Held-out loss: log.jsonl's eval_loss, every --eval-every steps, averages LOG_EVAL_BATCHES
-# batches of EVAL_BATCH windows; summary.json's held_out_loss, once at the end, averages
-# FINAL_EVAL_BATCHES. The windows are drawn from one fixed seed, so the log's are the first
-# of the summary's, and both files name how many they average.
-EVAL_BATCH, LOG_EVAL_BATCHES, FINAL_EVAL_BATCHES = 8, 8, 32
+from weights.tokenizer import SentencePieceTokenizer
 
 # config.json names -> the pretrain flags that set them, for the error about another run's shape.
 SHAPE_FLAGS = {"hidden_size": "--dim", "num_hidden_layers": "--n-layers", "num_attention_heads": "--n-heads",
@@ -68,7 +59,371 @@ class TrainError(ValueError):
     """Bad input to train.py; reported as one ``error:`` line with exit status 2."""
 
 
-# ----------------------------------------------------------------------------- CLI
+# ----------------------------------------------------------------------------- the skeleton
+def train(args: argparse.Namespace) -> None:
+    """Every training command: the frozen target, the model trained, the run folder, the data, the
+    loop, the export and the measure. RECIPES[args.command] is what the command changes."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    r = RECIPES[args.command]()
+    r.a, r.target, r.tokenizer = args, None, None
+    if r.frozen_target:
+        r.target, r.tokenizer = load_model(args.target).eval().requires_grad_(False), load_tokenizer(args.target)
+    model = r.model = r.build()  # with every check of the arguments: nothing is written yet
+    run = r.run = RunFolder(args.out)
+    run.check(model, SHAPE_FLAGS)  # another run's folder is refused before anything is made in it
+    # The data generators: seeded here for a new run, as state.pt left them for a resumed one.
+    r.gen, r.rng = torch.Generator().manual_seed(args.seed), random.Random(args.seed)
+    r.data()
+    model.train()
+    params = decay_groups(model, args.weight_decay) if "weight_decay" in args else model.parameters()
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    step = run.load_state(model, optimizer, r.gen, SHAPE_FLAGS, r.rng)
+    if step:
+        print(f"resuming from {run.out / 'state.pt'} at step {step}")
+    r.start(step)
+    r.began = time.perf_counter()
+    step = fit(model, optimizer, r.gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
+               batch_loss=r.batch_loss, after=getattr(r, "after", None), save_every=args.save_every, rng=r.rng,
+               title=r.title.format(name=run.out.name, **vars(args)), desc=r.desc.format(**vars(args)),
+               progress=not args.no_progress)
+    if r.depth_plot:
+        run.plot_depths("alpha_by_depth", "alpha.png", r.depth_plot)
+    model.eval()
+    hf = run.export(model, r.vocabulary, getattr(torch, args.save_dtype), r.target, vars(args).get("target", ""))
+    summary = r.summary(step, hf)
+    run.write_json("summary.json", summary)
+    print(json.dumps(summary))
+    print(f"wrote {hf}")
+
+
+class Recipe:
+    """A training command, as what it changes in :func:`train`: ``build`` (the model trained, every
+    argument checked: nothing may be written yet), ``data`` (what the steps read, once the run folder
+    is known to fit), ``batch_loss`` (a step's loss, fields logged, tokens read), ``after`` (fields
+    logged after a step) and the summary. The defaults: a drafter trained against a frozen target."""
+
+    help = flags = ""  # its subcommand; its flags (OPTIONS), in order, before ACCEPTANCE (with a target) and COMMON
+    changes: dict[str, dict] = {}  # its own defaults and helps
+    steps, lr, frozen_target, description = 1500, 1e-3, True, None
+    title = desc = ""  # loss.png's title and the progress bar's label, formatted with the arguments
+    about = ""  # said once the state is loaded, formatted with the arguments and the recipe's own
+    depth_plot = ""  # alpha.png's title, where alpha_by_depth is logged
+    vocabulary = None  # the tokenizer.model of a checkpoint (None: a head, whose files name its target)
+    settings: tuple[str, ...] = ()  # summary.json's, from the recipe's own or the arguments
+    timed = False  # summary.json says how long this session trained
+
+    def data(self) -> None:  # story openings (prompts of one length: no padding), the held-out prompts
+        a = self.a
+        self.openings = story_openings(a.corpus, self.tokenizer, a.prompt_tokens)
+        self.eval_prompts = held_out_prompts(a.eval_corpus, self.tokenizer, a.eval_prompts, a.prompt_tokens, a.seed)
+
+    def start(self, step: int) -> None:
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        print(self.about.format_map({**vars(self.a), **vars(self)}))
+
+    def summary(self, step: int, hf: Path) -> dict:
+        """The held-out acceptance of the drafter as saved (rounded to --save-dtype), read back as
+        generate.py --draft reads it; the settings; the seconds."""
+        a, own = self.a, {**vars(self.a), **vars(self)}
+        drafter = load_drafter(hf, self.target, a.target)
+        after = measure_acceptance(self.target, drafter, self.eval_prompts, a.eval_new_tokens, a.gamma, a.seed)
+        seconds = {"train_seconds_this_session": time.perf_counter() - self.began} if self.timed else {}
+        return {"steps": step, "gamma": a.gamma, **{name: own[name] for name in self.settings}, **seconds,
+                "held_out": after}
+
+
+# ----------------------------------------------------------------------------- the recipes
+class Pretrain(Recipe):
+    help = "train a LLaMA of a given shape from scratch (next-token loss)"
+    flags = ("--corpus --eval-corpus --tokenizer --dim --n-layers --n-heads --n-kv-heads --hidden-dim --tie --seq-len "
+             "--max-seq-len --weight-decay --cache-dir --eval-every --bf16")
+    changes = {"--seq-len": {"default": 256, "help": "training context"},
+               "--eval-corpus": {"nargs": "*", "required": False, "default": [],
+                                 "help": "held-out text files for the eval loss (default: none, and no held-out loss)"},
+               "--bf16": {"help": "bf16 autocast for the forward, float32 weights (default: float32 throughout)"}}
+    steps, frozen_target, title, desc = 1000, False, "pretrain {name}", "pretrain"
+    about = "model: {parameters:,} parameters; corpus: {corpus_tokens:,} tokens{eval_tokens}"
+
+    def build(self) -> nn.Module:
+        a, tokenizer = self.a, SentencePieceTokenizer(self.a.tokenizer)
+        config = ModelConfig(vocab_size=tokenizer.vocab_size, dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads,
+                             n_kv_heads=a.n_kv_heads or a.n_heads, hidden_dim=a.hidden_dim, max_seq_len=a.max_seq_len,
+                             norm_eps=1e-5, tie_word_embeddings=a.tie, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+        self.tokenizer, self.vocabulary = tokenizer, a.tokenizer
+        init_weights(model := Llama(config), config.n_layers)
+        return model
+
+    def data(self) -> None:
+        a = self.a
+        self.train_data = tokenize_corpus(a.corpus, self.tokenizer, a.cache_dir)
+        self.eval_data = tokenize_corpus(a.eval_corpus, self.tokenizer, a.cache_dir) if a.eval_corpus else None
+        self.corpus_tokens = len(self.train_data)
+        self.eval_tokens = f"; held-out: {len(self.eval_data):,} tokens" if self.eval_data is not None else ""
+
+    def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
+        a = self.a
+        x, y = random_batch(self.train_data, a.batch_size, a.seq_len, self.gen)
+        return next_token_loss(self.model, x, y, a.bf16), {"lr": lr_at(step, a.lr, a.warmup, a.steps)}, x.numel()
+
+    def after(self, step: int) -> dict:
+        logged = self.eval_data is not None and (step % self.a.eval_every == 0 or step == self.a.steps)
+        return held_out(self.model, self.eval_data, self.a.seq_len) if logged else {}
+
+    def summary(self, step: int, hf: Path) -> dict:
+        final = held_out(self.model, self.eval_data, self.a.seq_len, final=True) if self.eval_data is not None else {}
+        return {"parameters": self.parameters, "steps": step, "final_train_loss": self.run.tail_loss(), **final}
+
+
+class Distill(Recipe):
+    help = "align a draft with its target on draft-generated (on-policy) text"
+    description = ("Distill a draft toward its target (DistillSpec, Zhou et al. 2023) on text the draft itself writes, "
+                   "then measure its acceptance on held-out prompts, before (before.json) and after (summary.json), "
+                   "greedy and at temperature 1:")
+    flags = "--draft --corpus --eval-corpus --divergence --target-mix --gen-tokens"
+    steps, lr, title, desc = 300, 3e-4, "distill {divergence}", "distill ({divergence})"
+
+    def build(self) -> nn.Module:
+        if (draft := load_model(self.a.draft)).config.vocab_size != self.target.config.vocab_size:
+            raise TrainError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                             f"({self.target.config.vocab_size})")
+        self.vocabulary = load_tokenizer(self.a.draft).path
+        return draft
+
+    def start(self, step: int) -> None:
+        if len(self.openings) < self.a.batch_size:  # nothing is written yet
+            raise TrainError(f"the corpus has fewer than {self.a.batch_size} stories of {self.a.prompt_tokens}+ tokens")
+        if step == 0:
+            self.run.write_json("before.json", before := self.measure())
+            print(f"before distillation: {before}")
+
+    def measure(self) -> dict:  # the draft as it is, in float32: before and after distillation alike
+        a = self.a
+        return measure_acceptance(self.target, self.model, self.eval_prompts, a.eval_new_tokens, a.gamma, a.seed)
+
+    def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
+        a = self.a  # on-policy: the draft writes (the target, --target-mix of the time)
+        tokens = distill.on_policy_batch(self.model, self.target, self.openings, self.rng, self.gen, a.batch_size,
+                                         a.gen_tokens, a.target_mix)
+        return distill.distill_loss(a.divergence, self.target, self.model, tokens, a.prompt_tokens), {}, tokens.numel()
+
+    def summary(self, step: int, hf: Path) -> dict:
+        return {"divergence": self.a.divergence, "steps": step, "before": self.run.read_json("before.json"),
+                "after": self.measure(), "notes": ACCEPTANCE_NOTES}
+
+
+class Eagle(Recipe):
+    help = "train an EAGLE-style feature head that drafts from the frozen target's own features"
+    flags = "--corpus --eval-corpus --seq-len --self-mix --noise --cls-weight --bf16 --cache-dir"
+    changes, title, desc = {"--seq-len": {"default": 256}}, "eagle head", "eagle"
+    about = "head: {parameters:,} parameters; corpus: {corpus_tokens:,} tokens"
+
+    def build(self) -> nn.Module:
+        # The head is one block of the target's own shape (EAGLE-1), with the target's context length.
+        init_weights(head := FeatureHead(ModelConfig(**{**vars(self.target.config), "n_layers": 1, "extra": {}})), 1)
+        return head
+
+    def data(self) -> None:
+        self.train_data = tokenize_corpus(self.a.corpus, self.tokenizer, self.a.cache_dir)
+        self.corpus_tokens = len(self.train_data)
+        super().data()
+
+    def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
+        a = self.a  # the target's own text (--self-mix of the time) or corpus windows
+        tokens, written = distill.eagle_batch(self.target, self.openings, self.train_data, self.rng, self.gen,
+                                              a.batch_size, a.seq_len, a.self_mix)
+        regression, classification = distill.eagle_losses(self.model, self.target, tokens, a.noise, self.gen, a.bf16)
+        extra = {"regression": regression.item(), "classification": classification.item(), "self_written": written}
+        return regression + a.cls_weight * classification, extra, tokens.numel()
+
+
+class Chain(Recipe):
+    """eagle3, parallel and peagle: a drafter of a chain, trained on the target's own continuations
+    (data.pt) or corpus windows, logging loss and alpha by draft position; parallel and peagle's
+    ``losses`` with conditional drop."""
+
+    lr, timed, depth_plot = 5e-4, True, "training alpha by draft position (one call, true tokens)"
+    settings = ("depths", "keep", "min_keep", "data", "mask_id")
+
+    def data(self) -> None:
+        super().data()
+        a, length = self.a, self.a.seq_len - self.a.prompt_tokens
+        if getattr(a, "data", "target") == "corpus":
+            self.corpus = tokenize_corpus(a.corpus, self.tokenizer, a.cache_dir)
+            return
+        # Another target's continuations are not this target's text: data.pt is made again for it.
+        made_from = {"target": fingerprint(self.target), "seq_len": a.seq_len, "prompt_tokens": a.prompt_tokens}
+        self.tokens = self.run.data(made_from, a.sequences, lambda: distill.target_continuations(
+            self.target, self.openings, a.sequences, length, a.seed), f"the target writes {a.sequences} continuations "
+            f"of {length} tokens")
+
+    def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
+        a = self.a
+        if getattr(a, "data", "target") == "target":
+            tokens = self.tokens[torch.tensor(self.rng.sample(range(len(self.tokens)), a.batch_size))]
+        else:
+            tokens = random_batch(self.corpus, a.batch_size, a.seq_len, self.gen)[0]
+        loss, per_step = self.objective(tokens)
+        return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
+
+    def objective(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        a = self.a
+        return self.losses(self.model, self.target, tokens, a.depths, keep=a.keep, min_keep=a.min_keep, gen=self.gen,
+                           bf16=a.bf16)
+
+    def check_depths(self, most: int) -> None:
+        if not 2 <= self.a.depths <= most or not 0 < self.a.min_keep <= self.a.keep <= 1:
+            raise TrainError(f"--depths must lie in 2..{most}, and 0 < --min-keep <= --keep <= 1")
+
+
+class Eagle3(Chain):
+    help = ("train an EAGLE-3 head: fused features of three target layers, training-time test, the target's own "
+            "continuations, a reduced vocabulary")
+    flags = ("--corpus --eval-corpus --data --sequences --seq-len --ttt-steps --ttt-decay --loss --draft-vocab "
+             "--layers --bf16 --cache-dir")
+    lr, title, desc = 1e-3, "eagle3 head", "eagle3"
+    depth_plot = "training alpha by draft depth (true tokens, own features)"
+    about = ("head: {parameters:,} parameters; target layers {layers}; draft vocabulary {draft_vocab} ids covering "
+             "{coverage:.1%} of the training tokens; data: {data}")
+    settings = ("draft_vocab", "coverage", "layers", "data", "loss", "ttt_steps")
+
+    def build(self) -> nn.Module:
+        a, n, vocab = self.a, self.target.config.n_layers, self.target.config.vocab_size
+        try:
+            layers = tuple(int(i) for i in a.layers.split(",")) if a.layers else default_layers(n)
+        except ValueError:
+            raise TrainError(f"--layers takes three layer ids as I,J,K, got {a.layers!r}") from None
+        if len(layers) != 3 or not all(0 <= i < n for i in layers):
+            raise TrainError(f"--layers takes three layer ids in 0..{n - 1}, got {a.layers}")
+        if not 1 <= a.ttt_steps < a.seq_len or not 0 <= a.draft_vocab <= vocab:
+            raise TrainError(f"--ttt-steps must lie in 1..{a.seq_len - 1} and --draft-vocab in 0..{vocab}")
+        self.layers, self.draft_vocab = list(layers), a.draft_vocab or vocab
+        config = ModelConfig(**{**vars(self.target.config), "n_layers": 1, "extra": {}})  # one block of its shape
+        init_weights(head := Eagle3Head(config, layers, draft_vocab=self.draft_vocab), 1)
+        return head
+
+    def data(self) -> None:  # and the head's vocabulary: the ids most frequent in it
+        super().data()
+        counted = self.tokens[:, self.a.prompt_tokens:] if self.a.data == "target" else torch.from_numpy(
+            self.corpus[:2_000_000].astype(np.int64))
+        self.coverage = start_vocabulary(self.model, self.target, counted)
+
+    def objective(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        a = self.a
+        return ttt_losses(self.model, self.target, tokens, a.ttt_steps, decay=a.ttt_decay,
+                          regression=a.loss == "regression", bf16=a.bf16)
+
+
+class Parallel(Chain):
+    help = ("adapt a draft model to parallel drafting (PARD): a mask token, gamma tokens from one call, trained with "
+            "conditional drop")
+    flags = "--draft --corpus --eval-corpus --data --sequences --seq-len --depths --keep --min-keep --bf16 --cache-dir"
+    changes = {"--draft": {"help": "draft checkpoint to adapt (or a parallel draft to go on with)"}}
+    title, desc, losses = "parallel draft", "parallel", staticmethod(parallel_losses)
+    about = "draft: {parameters:,} parameters, mask id {mask_id}; {depths} draft positions per call; data: {data}"
+
+    def build(self) -> nn.Module:
+        start_from, vocab = load_model(self.a.draft), self.target.config.vocab_size
+        parallel = "pard_token" in start_from.config.extra  # a parallel draft already: go on with it
+        if not parallel and start_from.config.vocab_size != vocab:
+            raise TrainError(f"the draft's vocabulary ({start_from.config.vocab_size}) differs from the target's "
+                             f"({vocab})")
+        draft = start_from if parallel else with_mask_token(start_from)
+        self.check_depths(self.a.seq_len - 1)
+        self.mask_id, self.vocabulary = draft.config.extra["pard_token"], self.tokenizer.path
+        return draft
+
+
+class PEagle(Chain):
+    help = ("adapt an EAGLE-3 head to parallel drafting (P-EAGLE): a mask feature and embedding, the whole chain "
+            "from one head call, trained with conditional drop")
+    flags = "--head --corpus --eval-corpus --sequences --seq-len --depths --keep --min-keep --mask-id --bf16"
+    steps, title, desc, losses = 600, "P-EAGLE head", "peagle", staticmethod(peagle_losses)
+    about = "head: {parameters:,} parameters; {depths} draft positions per call"
+    settings = ("depths", "keep", "min_keep", "mask_id")
+
+    def build(self) -> nn.Module:
+        a, target = self.a, self.target
+        start_from = load_eagle3_head(a.head, target, a.target)
+        if not 0 <= a.mask_id < target.config.vocab_size:
+            raise TrainError(f"--mask-id must be a target id in 0..{target.config.vocab_size - 1}")
+        self.check_depths(a.seq_len - 2)
+        try:  # the EAGLE-3 head's weights, a mask feature of zeros and the mean embedding as the mask's
+            head = start_from if isinstance(start_from, PEagleHead) else with_mask_feature(
+                start_from, a.mask_id, target.embed_tokens.weight.mean(0))
+        except ValueError as err:
+            raise TrainError(f"{a.head}: {err}") from None
+        self.mask_id = head.mask_token_id
+        return head.requires_grad_(True)
+
+
+RECIPES = {recipe.__name__.lower(): recipe for recipe in (Pretrain, Distill, Eagle, Eagle3, Parallel, PEagle)}
+
+
+# ----------------------------------------------------------------------------- the command line
+# Every flag once: (type, default, help[, choices]) or argparse's keywords. A recipe takes --target (if it has one),
+# its flags, ACCEPTANCE (with a target) and COMMON; "(default X)" ends each help that does not give its default.
+OPTIONS: dict[str, Any] = {
+    "--target": dict(required=True, help="target checkpoint (name or HF-layout folder)"),
+    "--draft": dict(required=True, help="draft checkpoint to start from"),
+    "--head": dict(required=True, help="the EAGLE-3 head to adapt (or a P-EAGLE head to go on with)"),
+    "--corpus": dict(nargs="+", required=True, help="training text files: their story openings are the prompts, "
+                     "their text the windows trained on (pretrain, eagle, --data corpus)"),
+    "--eval-corpus": dict(nargs="+", required=True, help="held-out files for the acceptance prompts"),
+    "--tokenizer": dict(required=True, help="tokenizer.model from `train.py tokenizer`"),
+    "--dim": (int, 288, "hidden size"), "--n-layers": (int, 6, "transformer blocks"),
+    "--n-heads": (int, 6, "query heads; they must divide --dim"),
+    "--n-kv-heads": (int, None, "KV heads, dividing --n-heads: fewer is grouped-query attention (default: --n-heads)"),
+    "--hidden-dim": (int, 768, "SwiGLU inner size"), "--seq-len": (int, 128, "tokens per training sequence"),
+    "--tie": dict(action="store_true", help="tie the output head to the embeddings (default: untied)"),
+    "--max-seq-len": (int, 1024, "max_position_embeddings written to config.json"),
+    "--weight-decay": (float, 0.1, "AdamW weight decay of the matrices; norms and biases get none"),
+    "--eval-every": (int, 50, f"log the held-out loss (eval_loss: {training.LOG_EVAL_BATCHES * training.EVAL_BATCH} "
+                              f"windows; summary.json's held_out_loss at the end uses "
+                              f"{training.FINAL_EVAL_BATCHES * training.EVAL_BATCH}) every N steps"),
+    "--divergence": (str, "tv", "token-level divergence D(p_target || q_draft): forward KL, reverse KL, JSD or total "
+                               "variation (1 - TV is the expected acceptance)", sorted(distill.DIVERGENCES)),
+    "--target-mix": (float, 0.0, "fraction of batches generated by the target instead of the draft (default 0)"),
+    "--self-mix": (float, 0.5, "fraction of batches the target writes itself, half greedy and half sampled at "
+                               "temperature 1; the rest are corpus windows"),
+    "--noise": (float, 0.2, "half-width of the uniform noise added to the input features"),
+    "--cls-weight": (float, 0.5, "weight of the cross-entropy against the target's distribution, beside regression"),
+    "--data": (str, "target", "train on the target's own continuations of story openings (written once to the run "
+                          "folder, data.pt, and reused) or on corpus windows", ["target", "corpus"]),
+    "--sequences": (int, 2048, "continuations the target writes, half greedy and half sampled at temperature 1 "
+                               "(default 2048; a run folder holding more reuses them)"),
+    "--ttt-steps": (int, 7, "drafting steps unrolled in training (training-time test; 1: none)"),
+    "--ttt-decay": (float, 0.8, "weight of step k's loss is decay^k"),
+    "--loss": (str, "soft-ce", "soft cross-entropy against the target's distribution, or EAGLE-1's smooth-L1 feature "
+                           "regression plus 0.5 x that cross-entropy", ["soft-ce", "regression"]),
+    "--draft-vocab": (int, 1024, "ids of the head's own output layer: the most frequent in the data (0: the target's "
+                                 "whole vocabulary)"),
+    "--layers": (str, None, "the three target layers whose inputs are fused, as I,J,K (default 2, N/2, N-3)"),
+    "--depths": (int, 8, "draft positions trained, 1 real + masks"),
+    "--keep": (float, 0.8, "conditional drop: depth d keeps keep^d of the anchors"),
+    "--min-keep": (float, 0.2, "... and at least this share"),
+    "--mask-id": (int, 0, "the target id whose embedding row the mask takes in the written file (default 0, <unk>)"),
+    "--bf16": dict(action="store_true", help="bf16 autocast for the frozen target's forward"),
+    "--cache-dir": (str, "runs/cache", "tokenised-corpus cache folder"),
+    "--gen-tokens": (int, 128, "tokens generated per sequence"),
+    "--prompt-tokens": (int, 8, "length of the story openings (the prompts)"),  # ACCEPTANCE from here
+    "--gamma": (int, 4, "gamma used to measure acceptance"),
+    "--eval-prompts": (int, 16, "held-out prompts for acceptance"),
+    "--eval-new-tokens": (int, 64, "tokens generated per held-out prompt"),
+    "--out": dict(required=True, help="run folder: state.pt, log.jsonl, loss.png, hf/"),  # COMMON from here
+    "--steps": (int, None, "optimizer steps"), "--lr": (float, None, "peak learning rate"),
+    "--warmup": (int, 20, "linear warmup steps"), "--batch-size": (int, 16, "sequences per step"),
+    "--seed": (int, 0, "seed for data order and init"), "--save-every": (int, 50, "write state.pt every N steps"),
+    "--save-dtype": (str, "float16", "dtype of the exported safetensors", ["float16", "bfloat16", "float32"]),
+    "--threads": (int, torch.get_num_threads(), f"torch CPU threads (default: torch's choice, "
+                                                f"{torch.get_num_threads()} here)"),
+    "--no-progress": dict(action="store_true", help="no progress bar (default: a tqdm bar)"),
+}
+ACCEPTANCE, COMMON = list(OPTIONS)[-14:-10], list(OPTIONS)[-10:]
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad command line is one ``error:`` line (status 2), without the usage dump."""
 
@@ -76,576 +431,32 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
-DISTILL_DESCRIPTION = """Distill a draft toward its target (DistillSpec, Zhou et al. 2023) on text the draft
-itself writes, then measure its acceptance on held-out prompts, before (before.json) and
-after (summary.json), greedy and at temperature 1:
-
-  alpha_greedy, alpha_t1            the paper's alpha: the probability that the target
-                                    accepts a drafted token, the mean of sum_x min(p, q)
-                                    over the verified draft positions (the cost model's alpha)
-  acceptance_greedy, acceptance_t1  accepted / drafted tokens: lower than alpha, because the
-                                    tokens drafted after a rejection are never verified
-  tau_greedy, tau_t1                new tokens per target call
-"""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-
     tok = sub.add_parser("tokenizer", help="train a SentencePiece BPE tokenizer on a text corpus")
     tok.add_argument("--corpus", nargs="+", required=True, help="text files (stories split on <|endoftext|>)")
     tok.add_argument("--vocab-size", type=int, default=2048, help="number of pieces (default 2048)")
     tok.add_argument("--out", required=True, help="folder to write tokenizer.model into")
-    tok.set_defaults(func=cmd_tokenizer)
-
-    def common(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
-        p.add_argument("--out", required=True, help="run folder: state.pt, log.jsonl, loss.png, hf/")
-        p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
-        p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
-        p.add_argument("--warmup", type=int, default=20, help="linear warmup steps (default 20)")
-        p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
-        p.add_argument("--seed", type=int, default=0, help="seed for data order and init (default 0)")
-        p.add_argument("--save-every", type=int, default=50, help="write state.pt every N steps (default 50)")
-        p.add_argument("--save-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
-                       help="dtype of the exported safetensors (default float16)")
-        p.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                       help=f"torch CPU threads (default: torch's choice, {torch.get_num_threads()} here)")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a tqdm bar)")
-
-    def acceptance_options(p: argparse.ArgumentParser, prompt_help: str) -> None:
-        """The prompts and the measurement of acceptance on held-out text (distill and eagle)."""
-        p.add_argument("--prompt-tokens", type=int, default=8, help=prompt_help)
-        p.add_argument("--gamma", type=int, default=4, help="gamma used to measure acceptance (default 4)")
-        p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for acceptance (default 16)")
-        p.add_argument("--eval-new-tokens", type=int, default=64,
-                       help="tokens generated per held-out prompt (default 64)")
-
-    pre = sub.add_parser("pretrain", help="train a LLaMA of a given shape from scratch (next-token loss)")
-    pre.add_argument("--corpus", nargs="+", required=True, help="training text files")
-    pre.add_argument("--eval-corpus", nargs="*", default=[],
-                     help="held-out text files for the eval loss (default: none, and no held-out loss)")
-    pre.add_argument("--tokenizer", required=True, help="tokenizer.model from `train.py tokenizer`")
-    pre.add_argument("--dim", type=int, default=288, help="hidden size (default 288)")
-    pre.add_argument("--n-layers", type=int, default=6, help="transformer blocks (default 6)")
-    pre.add_argument("--n-heads", type=int, default=6, help="query heads; they must divide --dim (default 6)")
-    pre.add_argument("--n-kv-heads", type=int, default=None,
-                     help="KV heads, dividing --n-heads: fewer is grouped-query attention (default: --n-heads)")
-    pre.add_argument("--hidden-dim", type=int, default=768, help="SwiGLU inner size (default 768)")
-    pre.add_argument("--tie", action="store_true", help="tie the output head to the embeddings (default: untied)")
-    pre.add_argument("--seq-len", type=int, default=256, help="training context (default 256)")
-    pre.add_argument("--max-seq-len", type=int, default=1024,
-                     help="max_position_embeddings written to config.json (default 1024)")
-    pre.add_argument("--weight-decay", type=float, default=0.1,
-                     help="AdamW weight decay of the matrices; norms and biases get none (default 0.1)")
-    pre.add_argument("--cache-dir", default="runs/cache", help="tokenised-corpus cache folder (default runs/cache)")
-    pre.add_argument("--eval-every", type=int, default=50,
-                     help=f"log the held-out loss (eval_loss: {LOG_EVAL_BATCHES * EVAL_BATCH} windows; "
-                          f"summary.json's held_out_loss at the end uses {FINAL_EVAL_BATCHES * EVAL_BATCH}) "
-                          "every N steps (default 50)")
-    pre.add_argument("--bf16", action="store_true",
-                     help="bf16 autocast for the forward, float32 weights (default: float32 throughout)")
-    common(pre, steps=1000, lr=1e-3)
-    pre.set_defaults(func=cmd_pretrain)
-
-    dis = sub.add_parser("distill", help="align a draft with its target on draft-generated (on-policy) text",
-                         description=DISTILL_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    dis.add_argument("--target", required=True, help="target checkpoint (name or HF-layout folder)")
-    dis.add_argument("--draft", required=True, help="draft checkpoint to start from")
-    dis.add_argument("--corpus", nargs="+", required=True, help="text files whose story openings are prompts")
-    dis.add_argument("--eval-corpus", nargs="+", required=True, help="held-out files for the acceptance prompts")
-    dis.add_argument("--divergence", choices=sorted(DIVERGENCES), default="tv",
-                     help="token-level divergence D(p_target || q_draft): forward KL, reverse KL, JSD or "
-                          "total variation (1 - TV is the expected acceptance) (default tv)")
-    dis.add_argument("--target-mix", type=float, default=0.0,
-                     help="fraction of batches generated by the target instead of the draft (default 0)")
-    dis.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per sequence (default 128)")
-    acceptance_options(dis, "prompt length taken from each story (default 8)")
-    common(dis, steps=300, lr=3e-4)
-    dis.set_defaults(func=cmd_distill)
-    eag = sub.add_parser("eagle", help="train an EAGLE-style feature head that drafts from the frozen target's "
-                                       "own features")
-    eag.add_argument("--target", required=True, help="target checkpoint (name or HF-layout folder)")
-    eag.add_argument("--corpus", nargs="+", required=True,
-                     help="training text files (windows of them, and story openings for target-written text)")
-    eag.add_argument("--eval-corpus", nargs="+", required=True, help="held-out files for the acceptance prompts")
-    eag.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default 256)")
-    eag.add_argument("--self-mix", type=float, default=0.5,
-                     help="fraction of batches the target writes itself, half greedy and half sampled at "
-                          "temperature 1; the rest are corpus windows (default 0.5)")
-    eag.add_argument("--noise", type=float, default=0.2,
-                     help="half-width of the uniform noise added to the input features (default 0.2)")
-    eag.add_argument("--cls-weight", type=float, default=0.5,
-                     help="weight of the cross-entropy against the target's distribution next to the feature "
-                          "regression (default 0.5)")
-    eag.add_argument("--bf16", action="store_true", help="bf16 autocast for the frozen target's forward")
-    eag.add_argument("--cache-dir", default="runs/cache", help="tokenised-corpus cache folder (default runs/cache)")
-    acceptance_options(eag, "length of the story openings the target continues (default 8)")
-    common(eag, steps=1500, lr=1e-3)
-    eag.set_defaults(func=cmd_eagle)
-
-    e3 = sub.add_parser("eagle3", help="train an EAGLE-3 head: fused features of three target layers, training-"
-                                       "time test, the target's own continuations, a reduced vocabulary")
-    e3.add_argument("--target", required=True, help="target checkpoint (name or HF-layout folder)")
-    e3.add_argument("--corpus", nargs="+", required=True,
-                    help="training text files: story openings for the target to continue (and windows, with "
-                         "--data corpus)")
-    e3.add_argument("--eval-corpus", nargs="+", required=True, help="held-out files for the acceptance prompts")
-    e3.add_argument("--data", choices=["target", "corpus"], default="target",
-                    help="what the head trains on: the target's own continuations of story openings, written "
-                         "once to the run folder (data.pt) and reused, or corpus windows (default target)")
-    e3.add_argument("--sequences", type=int, default=2048,
-                    help="continuations the target writes for --data target, half greedy and half sampled at "
-                         "temperature 1 (default 2048)")
-    e3.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
-    e3.add_argument("--ttt-steps", type=int, default=7,
-                    help="drafting steps unrolled in training (training-time test; 1: none) (default 7)")
-    e3.add_argument("--ttt-decay", type=float, default=0.8, help="weight of step k's loss is decay^k (default 0.8)")
-    e3.add_argument("--loss", choices=["soft-ce", "regression"], default="soft-ce",
-                    help="soft cross-entropy against the target's distribution, or EAGLE-1's smooth-L1 feature "
-                         "regression plus 0.5 x that cross-entropy (default soft-ce)")
-    e3.add_argument("--draft-vocab", type=int, default=1024,
-                    help="ids of the head's own output layer: the most frequent in the data (0: the target's whole "
-                         "vocabulary) (default 1024)")
-    e3.add_argument("--layers", default=None,
-                    help="the three target layers whose inputs are fused, as I,J,K (default 2, N/2, N-3)")
-    e3.add_argument("--bf16", action="store_true", help="bf16 autocast for the frozen target's forward")
-    e3.add_argument("--cache-dir", default="runs/cache", help="tokenised-corpus cache folder (default runs/cache)")
-    acceptance_options(e3, "length of the story openings the target continues (default 8)")
-    common(e3, steps=1500, lr=1e-3)
-    e3.set_defaults(func=cmd_eagle3)
-
-    par = sub.add_parser("parallel", help="adapt a draft model to parallel drafting (PARD): a mask token, gamma "
-                                          "tokens from one call, trained with conditional drop")
-    par.add_argument("--target", required=True, help="target checkpoint (name or HF-layout folder)")
-    par.add_argument("--draft", required=True, help="draft checkpoint to adapt (or a parallel draft to go on with)")
-    par.add_argument("--corpus", nargs="+", required=True,
-                     help="text files: story openings the target continues, or the text itself (--data corpus)")
-    par.add_argument("--eval-corpus", nargs="+", required=True, help="held-out files for the acceptance prompts")
-    par.add_argument("--data", choices=["target", "corpus"], default="target",
-                     help="train on the target's own continuations (written once to data.pt) or on corpus text "
-                          "(default target)")
-    par.add_argument("--sequences", type=int, default=2048,
-                     help="continuations the target writes (default 2048; a run folder holding more reuses them)")
-    par.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
-    par.add_argument("--depths", type=int, default=8, help="draft positions trained, 1 real + masks (default 8)")
-    par.add_argument("--keep", type=float, default=0.8,
-                     help="conditional drop: depth d keeps keep^d of the anchors (default 0.8)")
-    par.add_argument("--min-keep", type=float, default=0.2, help="... and at least this share (default 0.2)")
-    par.add_argument("--bf16", action="store_true", help="bf16 autocast for the frozen target's forward")
-    par.add_argument("--cache-dir", default="runs/cache", help="tokenised-corpus cache folder (default runs/cache)")
-    acceptance_options(par, "length of the story openings the target continues (default 8)")
-    common(par, steps=1500, lr=5e-4)
-    par.set_defaults(func=cmd_parallel)
-
-    pe = sub.add_parser("peagle", help="adapt an EAGLE-3 head to parallel drafting (P-EAGLE): a mask feature and "
-                                       "embedding, the whole chain from one head call, trained with conditional drop")
-    pe.add_argument("--target", required=True, help="target checkpoint (name or HF-layout folder)")
-    pe.add_argument("--head", required=True, help="the EAGLE-3 head to adapt (or a P-EAGLE head to go on with)")
-    pe.add_argument("--corpus", nargs="+", required=True, help="text files whose story openings the target continues")
-    pe.add_argument("--eval-corpus", nargs="+", required=True, help="held-out files for the acceptance prompts")
-    pe.add_argument("--sequences", type=int, default=2048,
-                    help="continuations the target writes (default 2048; a run folder holding more reuses them)")
-    pe.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
-    pe.add_argument("--depths", type=int, default=8, help="draft positions trained, 1 real + masks (default 8)")
-    pe.add_argument("--keep", type=float, default=0.8,
-                    help="conditional drop: depth d keeps keep^d of the anchors (default 0.8)")
-    pe.add_argument("--min-keep", type=float, default=0.2, help="... and at least this share (default 0.2)")
-    pe.add_argument("--mask-id", type=int, default=0,
-                    help="the target id whose embedding row the mask takes in the written file (default 0, <unk>)")
-    pe.add_argument("--bf16", action="store_true", help="bf16 autocast for the frozen target's forward")
-    acceptance_options(pe, "length of the story openings the target continues (default 8)")
-    common(pe, steps=600, lr=5e-4)
-    pe.set_defaults(func=cmd_peagle)
+    tok.set_defaults(func=lambda args: print("wrote {} ({} pieces, trained on {} documents)".format(
+        *train_tokenizer(args.corpus, args.vocab_size, args.out))))
+    notes = "\n".join(textwrap.fill(note, 88, initial_indent="  ", subsequent_indent="    ")
+                      for note in ACCEPTANCE_NOTES.values())
+    for name, recipe in RECIPES.items():
+        description = recipe.description and f"{textwrap.fill(recipe.description, 88)}\n\n{notes}"
+        p = sub.add_parser(name, help=recipe.help, description=description,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        changes = {"--steps": {"default": recipe.steps}, "--lr": {"default": recipe.lr}, **recipe.changes}
+        flags = ["--target", *recipe.flags.split(), *ACCEPTANCE] if recipe.frozen_target else recipe.flags.split()
+        for flag in flags + COMMON:
+            option = OPTIONS[flag] if isinstance(OPTIONS[flag], dict) else dict(
+                zip(("type", "default", "help", "choices"), OPTIONS[flag]))
+            option = {**option, **changes.get(flag, {})}
+            if not (option.get("required") or option.get("action") or "default" in option["help"]):
+                option["help"] += f" (default {option['default']})"
+            p.add_argument(flag, **option)
+        p.set_defaults(func=train)
     return parser
-
-
-# ----------------------------------------------------------------------------- what every command does
-def seed_everything(args: argparse.Namespace) -> None:
-    """--seed for every random number generator, and --threads."""
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-
-
-def frozen_target(args: argparse.Namespace) -> Llama:
-    """Seeds and threads, and the target with gradients off: the start of the two commands
-    that train something against a frozen target."""
-    seed_everything(args)
-    target = load_model(args.target).eval()
-    target.requires_grad_(False)
-    return target
-
-
-def adamw(params: object, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """The optimizer of distill and eagle: AdamW at --lr, no weight decay."""
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-
-
-def start_run(args: argparse.Namespace, model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer) -> tuple[RunFolder, torch.Generator, int]:
-    """The --out folder, the data generator, and the step to start from (state.pt's, if any)."""
-    run, gen = RunFolder(args.out), torch.Generator().manual_seed(args.seed)
-    step = run.load_state(model, optimizer, gen, SHAPE_FLAGS)
-    if step:
-        print(f"resuming from {run.out / 'state.pt'} at step {step}")
-    return run, gen, step
-
-
-def finish(run: RunFolder, summary: dict, hf: Path) -> None:
-    """summary.json, and the summary and the checkpoint's folder on stdout."""
-    run.write_json("summary.json", summary)
-    print(json.dumps(summary))
-    print(f"wrote {hf}")
-
-
-# ----------------------------------------------------------------------------- tokenizer
-def cmd_tokenizer(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    docs = [d for path in args.corpus for d in read_documents(path)]
-    # Llama-2-style settings: BPE, digits split, bytes for anything unseen, no normalisation.
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(docs), model_prefix=str(out / "tokenizer"), vocab_size=args.vocab_size,
-        model_type="bpe", character_coverage=1.0, byte_fallback=True, split_digits=True,
-        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 15,
-        num_threads=2, minloglevel=2, input_sentence_size=0)
-    tok = Tokenizer(out / "tokenizer.model")
-    print(f"wrote {out / 'tokenizer.model'} ({tok.vocab_size} pieces, trained on {len(docs)} documents)")
-
-
-# ----------------------------------------------------------------------------- pretrain
-def cmd_pretrain(args: argparse.Namespace) -> None:
-    seed_everything(args)
-    tokenizer = Tokenizer(args.tokenizer)
-    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
-    eval_data = tokenize_corpus(args.eval_corpus, tokenizer, args.cache_dir) if args.eval_corpus else None
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, dim=args.dim, n_layers=args.n_layers,
-                         n_heads=args.n_heads, n_kv_heads=args.n_kv_heads or args.n_heads,
-                         hidden_dim=args.hidden_dim, max_seq_len=args.max_seq_len, norm_eps=1e-5,
-                         tie_word_embeddings=args.tie, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
-    model = Llama(config)
-    init_weights(model, config.n_layers)
-    model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices decay; norms do not
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    run, gen, step = start_run(args, model, optimizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters; corpus: {len(train_data):,} tokens"
-          + (f"; held-out: {len(eval_data):,} tokens" if eval_data is not None else ""))
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        x, y = random_batch(train_data, args.batch_size, args.seq_len, gen)
-        return next_token_loss(model, x, y, args.bf16), {"lr": lr_at(step, args.lr, args.warmup, args.steps)}, x.numel()
-
-    def held_out(step: int) -> dict:
-        if eval_data is None or (step % args.eval_every and step != args.steps):
-            return {}
-        return {"eval_loss": evaluate(model, eval_data, args.seq_len, LOG_EVAL_BATCHES, EVAL_BATCH),
-                "eval_windows": LOG_EVAL_BATCHES * EVAL_BATCH}
-
-    step = fit(model, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, after=held_out, save_every=args.save_every, title=f"pretrain {run.out.name}",
-               desc="pretrain", progress=not args.no_progress,
-               show=lambda row: {"loss": f"{row['loss']:.3f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
-    model.eval()
-    hf = run.export(model, args.tokenizer, getattr(torch, args.save_dtype))
-    summary = {"parameters": n_params, "steps": step, "final_train_loss": run.tail_loss()}
-    if eval_data is not None:
-        summary["held_out_loss"] = evaluate(model, eval_data, args.seq_len, FINAL_EVAL_BATCHES, EVAL_BATCH)
-        summary["held_out_windows"] = FINAL_EVAL_BATCHES * EVAL_BATCH
-        summary["held_out_perplexity"] = math.exp(summary["held_out_loss"])
-        summary["note"] = (f"held_out_loss averages {summary['held_out_windows']} fixed held-out windows of "
-                           f"--seq-len tokens; log.jsonl's eval_loss averages the first "
-                           f"{LOG_EVAL_BATCHES * EVAL_BATCH} of them (eval_windows), so at the same step the two "
-                           "differ a little")
-    finish(run, summary, hf)
-
-
-# ----------------------------------------------------------------------------- distill
-def cmd_distill(args: argparse.Namespace) -> None:
-    target = frozen_target(args)
-    draft = load_model(args.draft)
-    tokenizer = load_tokenizer(args.target)
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise TrainError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                         f"({target.config.vocab_size})")
-    # Prompts are story openings of --prompt-tokens tokens, so that a batch needs no padding.
-    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
-    if len(openings) < args.batch_size:
-        raise TrainError(f"the corpus has fewer than {args.batch_size} stories of {args.prompt_tokens}+ tokens")
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    optimizer = adamw(draft.parameters(), args)
-    run, gen, step = start_run(args, draft, optimizer)
-    if step == 0:
-        before = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-        run.write_json("before.json", before)
-        print(f"before distillation: {before}")
-    rng = random.Random(args.seed + step)
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        prompts = rng.sample(openings, args.batch_size)
-        # On-policy data (DistillSpec): sequences the draft itself generates; with probability
-        # --target-mix the target writes them instead.
-        writer = target if rng.random() < args.target_mix else draft
-        draft.eval()
-        sequences = sample_sequences(writer, prompts, args.gen_tokens, gen)
-        draft.train()
-        return distill_loss(args.divergence, target, draft, sequences, args.prompt_tokens), {}, sequences.numel()
-
-    step = fit(draft, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, save_every=args.save_every, title=f"distill {args.divergence}",
-               desc=f"distill ({args.divergence})", progress=not args.no_progress)
-    draft.eval()
-    after = measure_acceptance(target, draft, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    hf = run.export(draft, load_tokenizer(args.draft).path, getattr(torch, args.save_dtype))
-    finish(run, {"divergence": args.divergence, "steps": step, "before": run.read_json("before.json"),
-                 "after": after, "notes": ACCEPTANCE_NOTES}, hf)
-
-
-# ----------------------------------------------------------------------------- eagle
-def cmd_eagle(args: argparse.Namespace) -> None:
-    target = frozen_target(args)
-    tokenizer = load_tokenizer(args.target)
-    train_data = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
-    # The head is one block of the target's own shape (EAGLE-1), with the target's context length.
-    head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))
-    init_weights(head, 1)
-    head.train()
-    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    optimizer = adamw(head.parameters(), args)
-    run, gen, step = start_run(args, head, optimizer)
-    rng = random.Random(args.seed + step)
-    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; corpus: {len(train_data):,} tokens")
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        # Text the target writes itself (greedy or sampled, as it will decode) or corpus text.
-        kind = rng.random()
-        if kind < args.self_mix:
-            prompts = rng.sample(openings, args.batch_size)
-            tokens = sample_sequences(target, prompts, args.seq_len - args.prompt_tokens, gen,
-                                      greedy=kind < args.self_mix / 2)
-        else:
-            tokens = random_batch(train_data, args.batch_size, args.seq_len, gen)[0]
-        regression, classification = eagle_losses(head, target, tokens, args.noise, gen, args.bf16)
-        extra = {"regression": regression.item(), "classification": classification.item(),
-                 "self_written": kind < args.self_mix}
-        return regression + args.cls_weight * classification, extra, tokens.numel()
-
-    step = fit(head, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, save_every=args.save_every, title="eagle head", desc="eagle",
-               progress=not args.no_progress,
-               show=lambda row: {"reg": f"{row['regression']:.4f}", "cls": f"{row['classification']:.3f}",
-                                 "tok_s": f"{row['tokens_per_s']:.0f}"})
-    head.eval()
-    hf = save_feature_head(head, run.out / "hf", target, dtype=getattr(torch, args.save_dtype),
-                           target_name=args.target)
-    # Measure what will ship: the head as saved (rounded to --save-dtype), read back.
-    drafter = FeatureDrafter(load_feature_head(hf, target, args.target), target)
-    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    finish(run, {"steps": step, "gamma": args.gamma, "held_out": after}, hf)
-
-
-# ----------------------------------------------------------------------------- eagle3
-def target_continuations(run: RunFolder, target: Llama, openings: list[list[int]], args: argparse.Namespace,
-                         gen: torch.Generator) -> torch.Tensor:
-    """data.pt of the run folder: --sequences continuations the frozen target writes after story
-    openings, half greedy and half sampled at temperature 1, written once and reused (a resumed
-    run, or another run pointed at the same folder, reads them back)."""
-    path = run.out / "data.pt"
-    if path.is_file():
-        data = torch.load(path, weights_only=True)
-        if data.shape[1] == args.seq_len and len(data) >= args.sequences:
-            return data[:args.sequences]
-    rng, chunks, chunk = random.Random(args.seed), [], 64
-    print(f"the target writes {args.sequences} continuations of {args.seq_len - args.prompt_tokens} tokens "
-          f"into {path} (once)")
-    with torch.inference_mode():
-        for start in range(0, args.sequences, chunk):
-            prompts = [rng.choice(openings) for _ in range(min(chunk, args.sequences - start))]
-            greedy = (start // chunk) % 2 == 0
-            chunks.append(sample_sequences(target, prompts, args.seq_len - args.prompt_tokens, gen, greedy=greedy))
-    data = torch.cat(chunks)
-    torch.save(data, path)
-    return data
-
-
-def cmd_eagle3(args: argparse.Namespace) -> None:
-    target = frozen_target(args)
-    tokenizer = load_tokenizer(args.target)
-    n = target.config.n_layers
-    try:
-        layers = tuple(int(i) for i in args.layers.split(",")) if args.layers else default_layers(n)
-    except ValueError:
-        raise TrainError(f"--layers takes three layer ids as I,J,K, got {args.layers!r}") from None
-    if len(layers) != 3 or not all(0 <= i < n for i in layers):
-        raise TrainError(f"--layers takes three layer ids in 0..{n - 1}, got {args.layers}")
-    if not 1 <= args.ttt_steps < args.seq_len or not 0 <= args.draft_vocab <= target.config.vocab_size:
-        raise TrainError(f"--ttt-steps must lie in 1..{args.seq_len - 1} and --draft-vocab in 0.."
-                         f"{target.config.vocab_size}")
-    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    run = RunFolder(args.out)
-    data_gen = torch.Generator().manual_seed(args.seed + 1)
-    if args.data == "target":
-        data = target_continuations(run, target, openings, args, data_gen)
-        counted = data[:, args.prompt_tokens:]
-    else:
-        corpus = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
-        counted = torch.from_numpy(corpus[:2_000_000].astype(np.int64))
-    vocab = args.draft_vocab or target.config.vocab_size
-    kept, coverage = draft_vocabulary(counted, target.config.vocab_size, vocab)
-    # The head: one block of the target's shape, its output layer started from the target's rows.
-    head = Eagle3Head(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}), layers, draft_vocab=vocab)
-    init_weights(head, 1)
-    with torch.no_grad():
-        head.set_vocabulary(kept)
-        head.lm_head.weight.copy_(target.lm_head.weight[kept])
-        head.norm.weight.copy_(target.norm.weight)
-    head.train()
-    optimizer = adamw([p for p in head.parameters() if p.requires_grad], args)
-    run, gen, step = start_run(args, head, optimizer)
-    rng = random.Random(args.seed + step)
-    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; target layers {list(layers)}; draft "
-          f"vocabulary {vocab} ids covering {coverage:.1%} of the training tokens; data: {args.data}")
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        if args.data == "target":
-            tokens = data[torch.tensor(rng.sample(range(len(data)), args.batch_size))]
-        else:
-            tokens = random_batch(corpus, args.batch_size, args.seq_len, gen)[0]
-        loss, per_step = ttt_losses(head, target, tokens, args.ttt_steps, decay=args.ttt_decay,
-                                    regression=args.loss == "regression", bf16=args.bf16)
-        return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
-
-    start = time.perf_counter()
-    step = fit(head, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, save_every=args.save_every, title="eagle3 head", desc="eagle3",
-               progress=not args.no_progress,
-               show=lambda row: {"loss": f"{row['loss']:.3f}", "a1": f"{row['alpha_by_depth'][0]:.2f}",
-                                 "a_last": f"{row['alpha_by_depth'][-1]:.2f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
-    run.plot_depths("alpha_by_depth", "alpha.png", "training alpha by draft depth (true tokens, own features)")
-    head.eval()
-    hf = save_eagle3_head(head, run.out / "hf", target, target_name=args.target, dtype=getattr(torch, args.save_dtype))
-    # Measure what will ship: the head as saved (rounded to --save-dtype), read back.
-    drafter = FeatureDrafter(load_eagle3_head(hf, target, args.target), target)
-    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    finish(run, {"steps": step, "gamma": args.gamma, "draft_vocab": vocab, "coverage": coverage,
-                 "layers": list(layers), "data": args.data, "loss": args.loss, "ttt_steps": args.ttt_steps,
-                 "train_seconds_this_session": time.perf_counter() - start, "held_out": after}, hf)
-
-
-# ----------------------------------------------------------------------------- parallel
-def cmd_parallel(args: argparse.Namespace) -> None:
-    target = frozen_target(args)
-    tokenizer = load_tokenizer(args.target)
-    start_from = load_model(args.draft)
-    vocab = target.config.vocab_size
-    if "pard_token" in start_from.config.extra:  # a parallel draft already: go on with it
-        draft = start_from
-    elif start_from.config.vocab_size == vocab:
-        draft = with_mask_token(start_from)
-    else:
-        raise TrainError(f"the draft's vocabulary ({start_from.config.vocab_size}) differs from the target's ({vocab})")
-    if not 2 <= args.depths < args.seq_len or not 0 < args.min_keep <= args.keep <= 1:
-        raise TrainError(f"--depths must lie in 2..{args.seq_len - 1}, and 0 < --min-keep <= --keep <= 1")
-    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    run = RunFolder(args.out)
-    if args.data == "target":
-        data = target_continuations(run, target, openings, args, torch.Generator().manual_seed(args.seed + 1))
-    else:
-        corpus = tokenize_corpus(args.corpus, tokenizer, args.cache_dir)
-    draft.train()
-    optimizer = adamw(draft.parameters(), args)
-    run, gen, step = start_run(args, draft, optimizer)
-    rng = random.Random(args.seed + step)
-    mask = draft.config.extra["pard_token"]
-    print(f"draft: {sum(p.numel() for p in draft.parameters()):,} parameters, mask id {mask}; {args.depths} draft "
-          f"positions per call; data: {args.data}")
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        if args.data == "target":
-            tokens = data[torch.tensor(rng.sample(range(len(data)), args.batch_size))]
-        else:
-            tokens = random_batch(corpus, args.batch_size, args.seq_len, gen)[0]
-        loss, per_step = parallel_losses(draft, target, tokens, args.depths, keep=args.keep, min_keep=args.min_keep,
-                                         gen=gen, bf16=args.bf16)
-        return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
-
-    start = time.perf_counter()
-    step = fit(draft, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, save_every=args.save_every, title="parallel draft", desc="parallel",
-               progress=not args.no_progress,
-               show=lambda row: {"loss": f"{row['loss']:.3f}", "a1": f"{row['alpha_by_depth'][0]:.2f}",
-                                 "a4": f"{row['alpha_by_depth'][min(3, len(row['alpha_by_depth']) - 1)]:.2f}",
-                                 "tok_s": f"{row['tokens_per_s']:.0f}"})
-    run.plot_depths("alpha_by_depth", "alpha.png", "training alpha by draft position (one call, true tokens)")
-    draft.eval()
-    hf = run.export(draft, load_tokenizer(args.target).path, getattr(torch, args.save_dtype))
-    # Measure what will ship: the draft as saved (rounded to --save-dtype), read back.
-    shipped = load_model(hf)
-    drafter = ParallelDrafter(shipped, shipped.config.extra["pard_token"], vocab)
-    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    finish(run, {"steps": step, "gamma": args.gamma, "depths": args.depths, "keep": args.keep,
-                 "min_keep": args.min_keep, "data": args.data, "mask_id": mask,
-                 "train_seconds_this_session": time.perf_counter() - start, "held_out": after}, hf)
-
-
-# ----------------------------------------------------------------------------- peagle
-def cmd_peagle(args: argparse.Namespace) -> None:
-    target = frozen_target(args)
-    tokenizer = load_tokenizer(args.target)
-    start_from = load_eagle3_head(args.head, target, args.target)
-    if not 0 <= args.mask_id < target.config.vocab_size:
-        raise TrainError(f"--mask-id must be a target id in 0..{target.config.vocab_size - 1}")
-    if not 2 <= args.depths < args.seq_len - 1 or not 0 < args.min_keep <= args.keep <= 1:
-        raise TrainError(f"--depths must lie in 2..{args.seq_len - 2}, and 0 < --min-keep <= --keep <= 1")
-    if isinstance(start_from, PEagleHead):
-        head = start_from
-    else:  # the EAGLE-3 head's weights, a mask feature of zeros and the mean embedding as the mask's
-        head = PEagleHead(start_from.config, start_from.target_layers, start_from.draft_vocab,
-                          start_from.layers[0].norm_before_residual, args.mask_id)
-        missing = head.load_state_dict(start_from.state_dict(), strict=False).missing_keys
-        assert sorted(missing) == ["mask_embedding", "mask_hidden"], missing
-        with torch.no_grad():
-            head.mask_embedding.copy_(target.embed_tokens.weight.mean(0))
-    head.requires_grad_(True)
-    openings = story_openings(args.corpus, tokenizer, args.prompt_tokens)
-    eval_prompts = held_out_prompts(args.eval_corpus, tokenizer, args.eval_prompts, args.prompt_tokens, args.seed)
-    run = RunFolder(args.out)
-    data = target_continuations(run, target, openings, args, torch.Generator().manual_seed(args.seed + 1))
-    head.train()
-    optimizer = adamw([p for p in head.parameters() if p.requires_grad], args)
-    run, gen, step = start_run(args, head, optimizer)
-    rng = random.Random(args.seed + step)
-    print(f"head: {sum(p.numel() for p in head.parameters()):,} parameters; {args.depths} draft positions per call")
-
-    def batch_loss(step: int) -> tuple[torch.Tensor, dict, int]:
-        tokens = data[torch.tensor(rng.sample(range(len(data)), args.batch_size))]
-        loss, per_step = peagle_losses(head, target, tokens, args.depths, keep=args.keep, min_keep=args.min_keep,
-                                       gen=gen, bf16=args.bf16)
-        return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
-
-    start = time.perf_counter()
-    step = fit(head, optimizer, gen, run, start=step, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               batch_loss=batch_loss, save_every=args.save_every, title="P-EAGLE head", desc="peagle",
-               progress=not args.no_progress,
-               show=lambda row: {"loss": f"{row['loss']:.3f}", "a1": f"{row['alpha_by_depth'][0]:.2f}",
-                                 "a4": f"{row['alpha_by_depth'][min(3, len(row['alpha_by_depth']) - 1)]:.2f}"})
-    run.plot_depths("alpha_by_depth", "alpha.png", "training alpha by draft position (one call, true tokens)")
-    head.eval()
-    hf = save_eagle3_head(head, run.out / "hf", target, target_name=args.target, dtype=getattr(torch, args.save_dtype))
-    drafter = ParallelFeatureDrafter(load_eagle3_head(hf, target, args.target), target)
-    after = measure_acceptance(target, drafter, eval_prompts, args.eval_new_tokens, args.gamma, args.seed)
-    finish(run, {"steps": step, "gamma": args.gamma, "depths": args.depths, "keep": args.keep,
-                 "min_keep": args.min_keep, "mask_id": head.mask_token_id,
-                 "train_seconds_this_session": time.perf_counter() - start, "held_out": after}, hf)
 
 
 def main(argv: list[str] | None = None) -> None:

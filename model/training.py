@@ -1,5 +1,5 @@
 """Training a LLaMA-shaped network: the initialisation, the learning-rate schedule, random
-windows of a token stream, the held-out loss, and :func:`fit`, the optimisation loop that
+windows of a token stream, the held-out loss (and a run's held-out figures), and :func:`fit`, the optimisation loop that
 every ``train.py`` command shares (pretraining, distilling a draft, training a feature head).
 
 :func:`fit` knows nothing of what is trained: a ``batch_loss`` callable gives each step's
@@ -10,6 +10,7 @@ resumable state and the loss plot. Progress bars need tqdm (the ``train`` extra)
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,19 +68,58 @@ def evaluate(model: nn.Module, data: np.ndarray, seq_len: int, batches: int = 8,
     return sum(losses) / len(losses)
 
 
+# Held-out loss: log.jsonl's eval_loss, every --eval-every steps, averages LOG_EVAL_BATCHES
+# batches of EVAL_BATCH windows; summary.json's held_out_loss, once at the end, averages
+# FINAL_EVAL_BATCHES. The windows are drawn from one fixed seed, so the log's are the first
+# of the summary's, and both files name how many they average.
+EVAL_BATCH, LOG_EVAL_BATCHES, FINAL_EVAL_BATCHES = 8, 8, 32
+
+
+def held_out(model: nn.Module, data: np.ndarray, seq_len: int, final: bool = False) -> dict[str, Any]:
+    """The held-out figures of a run: a log row's (eval_loss over LOG_EVAL_BATCHES batches, and
+    how many windows that is), or ``final``: the summary's, over FINAL_EVAL_BATCHES, with its
+    perplexity and a note on how the two relate."""
+    if not final:
+        return {"eval_loss": evaluate(model, data, seq_len, LOG_EVAL_BATCHES, EVAL_BATCH),
+                "eval_windows": LOG_EVAL_BATCHES * EVAL_BATCH}
+    loss, windows = evaluate(model, data, seq_len, FINAL_EVAL_BATCHES, EVAL_BATCH), FINAL_EVAL_BATCHES * EVAL_BATCH
+    return {"held_out_loss": loss, "held_out_windows": windows, "held_out_perplexity": math.exp(loss),
+            "note": f"held_out_loss averages {windows} fixed held-out windows of --seq-len tokens; log.jsonl's "
+                    f"eval_loss averages the first {LOG_EVAL_BATCHES * EVAL_BATCH} of them (eval_windows), so at the "
+                    "same step the two differ a little"}
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's parameter groups: the matrices decay by ``weight_decay``; the norms and biases do not."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def progress_fields(row: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's fields of a logged row: the loss (EAGLE's two, where logged), the alpha
+    of the first and last draft position (where logged by depth), tokens/s."""
+    shown = ({"reg": f"{row['regression']:.4f}", "cls": f"{row['classification']:.3f}"} if "regression" in row
+             else {"loss": f"{row['loss']:.3f}"})
+    if "alpha_by_depth" in row:
+        shown.update(a1=f"{row['alpha_by_depth'][0]:.2f}", a_last=f"{row['alpha_by_depth'][-1]:.2f}")
+    return {**shown, "tok_s": f"{row['tokens_per_s']:.0f}"}
+
+
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, gen: torch.Generator, run: Any, *, start: int,
         steps: int, lr: float, warmup: int, batch_loss: Callable[[int], tuple[torch.Tensor, dict[str, Any], int]],
         save_every: int, title: str, desc: str, progress: bool = True,
         after: Callable[[int], dict[str, Any]] | None = None,
-        show: Callable[[dict[str, Any]], dict[str, str]] | None = None) -> int:
+        show: Callable[[dict[str, Any]], dict[str, str]] | None = None, rng: random.Random | None = None) -> int:
     """Optimise ``model`` from step ``start`` to ``steps``; returns the last step.
 
     Each step sets the learning rate (:func:`lr_at`), calls ``batch_loss(step)`` for (loss,
     extra log fields, tokens read), steps AdamW with gradients clipped to norm 1, and logs
     ``{"step", "loss", **extra, "tokens_per_s", **after(step)}`` to ``run`` (``after``: e.g. a
     held-out loss at some steps). Every ``save_every`` steps and at the end, ``run`` saves the
-    resumable state (model, optimizer, ``gen``) and plots the losses under ``title``. ``desc``
-    and ``show`` (a row's fields for the bar) label the progress bar."""
+    resumable state (model, optimizer, and the generators ``batch_loss`` draws from: ``gen`` and
+    ``rng``, so that a resumed run draws the batches an uninterrupted one would) and plots the
+    losses under ``title``. ``desc`` and ``show`` (a row's fields for the bar, :func:`progress_fields`
+    unless given) label the progress bar."""
     from tqdm import tqdm  # the train extra: imported by training only
 
     bar = tqdm(total=steps, initial=start, desc=desc, dynamic_ncols=True, disable=not progress)
@@ -97,10 +137,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, gen: torch.Generator
         row = {"step": step, "loss": loss.item(), **extra, "tokens_per_s": tokens / (time.perf_counter() - begin)}
         row.update(after(step) if after is not None else {})
         run.log(row)
-        bar.set_postfix(show(row) if show else {"loss": f"{row['loss']:.4f}", "tok_s": f"{row['tokens_per_s']:.0f}"})
+        bar.set_postfix((show or progress_fields)(row))
         bar.update(1)
         if step % save_every == 0 or step == steps:
-            run.save_state(step, model, optimizer, gen)
+            run.save_state(step, model, optimizer, gen, rng)
             run.plot(title)
     bar.close()
     return step

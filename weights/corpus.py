@@ -1,4 +1,5 @@
-"""Text corpora for training: split into documents, tokenised once, cached as a numpy memmap.
+"""Text corpora for training: split into documents, tokenised once, cached as a numpy memmap;
+and a SentencePiece tokenizer trained on them (``train.py tokenizer``).
 
 The cache file is keyed by the corpus files' paths, sizes and modification times and by
 the tokenizer's bytes, so a second run with the same inputs starts at once.
@@ -12,8 +13,9 @@ import random
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 
-from weights.tokenizer import Tokenizer
+from weights.tokenizer import SentencePieceTokenizer, Tokenizer
 
 STORY_SEPARATOR = "<|endoftext|>"
 
@@ -27,6 +29,22 @@ def read_documents(path: str | os.PathLike) -> list[str]:
     text = path.read_text(encoding="utf-8", errors="replace")
     pieces = text.split(STORY_SEPARATOR) if STORY_SEPARATOR in text else text.split("\n\n")
     return [" ".join(p.split()) for p in pieces if p.strip()]
+
+
+def train_tokenizer(paths: list[str | os.PathLike], vocab_size: int, out: str | os.PathLike) -> tuple[Path, int, int]:
+    """A SentencePiece BPE tokenizer of ``vocab_size`` pieces trained on the documents of
+    ``paths``: the tokenizer.model written into ``out``, its pieces and the number of documents."""
+    docs = [doc for path in paths for doc in read_documents(path)]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Llama-2-style settings: BPE, digits split, bytes for anything unseen, no normalisation.
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(docs), model_prefix=str(out / "tokenizer"), vocab_size=vocab_size,
+        model_type="bpe", character_coverage=1.0, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 15,
+        num_threads=2, minloglevel=2, input_sentence_size=0)
+    return out / "tokenizer.model", SentencePieceTokenizer(out / "tokenizer.model").vocab_size, len(docs)
 
 
 def _cache_key(paths: list[Path], tokenizer: Tokenizer) -> str:

@@ -1,26 +1,34 @@
 """A training run's folder: what ``train.py`` writes and resumes from.
 
-    out/state.pt      the resumable state: step, weights, optimizer, data generator, RNG, config
+    out/state.pt      the resumable state: step, weights, optimizer, the data generators, RNG, config
     out/log.jsonl     one JSON object per step (loss, tokens/s, held-out figures)
     out/loss.png      the losses plotted (needs matplotlib, the ``train`` extra)
+    out/data.pt       training data made once and reused (the target's continuations), with what
+                      it was made from
     out/hf/           the HF-layout checkpoint exported at the end
 
 A folder that holds a run of another shape is refused with :class:`RunFolderError`, naming
-the differences, instead of failing deep inside ``load_state_dict``.
+the differences, instead of failing deep inside ``load_state_dict``; :meth:`RunFolder.check`
+does it before anything is written, and the folder itself is only created by the first write.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from model.eagle3_head import Eagle3Head
 from weights.checkpoint import save_model
+from weights.drafters import save_feature_head
+from weights.eagle3 import save_eagle3_head
 
 
 class RunFolderError(ValueError):
@@ -28,15 +36,20 @@ class RunFolderError(ValueError):
 
 
 class RunFolder:
-    """The folder ``out`` (created if needed) of one training run."""
+    """The folder ``out`` of one training run, created by the first file written into it: a run
+    refused before then (another run's folder, bad input) leaves nothing behind."""
 
     def __init__(self, out: str | os.PathLike) -> None:
         self.out = Path(out)
+        self._state: dict[str, Any] | None = None  # state.pt as check read it, for load_state
+
+    def _made(self) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)
+        return self.out
 
     def log(self, row: dict[str, Any]) -> None:
         """Append one row to log.jsonl."""
-        with open(self.out / "log.jsonl", "a") as f:
+        with open(self._made() / "log.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def rows(self) -> list[dict[str, Any]]:
@@ -52,46 +65,87 @@ class RunFolder:
 
     def write_json(self, name: str, doc: Any) -> None:
         """``doc`` as indented JSON in the file ``name`` of the folder (summary.json, before.json)."""
-        (self.out / name).write_text(json.dumps(doc, indent=2) + "\n")
+        (self._made() / name).write_text(json.dumps(doc, indent=2) + "\n")
 
     def read_json(self, name: str) -> Any:
         """What :meth:`write_json` wrote."""
         return json.loads((self.out / name).read_text())
 
     def save_state(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                   gen: torch.Generator) -> None:
-        """state.pt, written whole or not at all (through a temporary file)."""
-        tmp = self.out / "state.pt.tmp"
+                   gen: torch.Generator, rng: random.Random | None = None) -> None:
+        """state.pt, written whole or not at all (through a temporary file). ``gen`` and ``rng``
+        are the run's data generators: saved, so that a resumed run draws the batches an
+        uninterrupted one would have drawn."""
+        tmp = self._made() / "state.pt.tmp"
         torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "generator": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                    "config": model.config.to_hf()}, tmp)
+                    "generator": gen.get_state(), "rng": rng.getstate() if rng is not None else None,
+                    "torch_rng": torch.get_rng_state(), "config": model.config.to_hf()}, tmp)
         tmp.replace(self.out / "state.pt")
+        self._state = None
 
-    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, gen: torch.Generator,
-                   names: dict[str, str] | None = None) -> int:
-        """Resume from state.pt: the step it reached (0 without one), with the model, optimizer,
-        ``gen`` and torch's RNG restored. A state of another shape raises RunFolderError naming
-        up to four differences; ``names`` maps config.json keys to what the caller calls them
-        (e.g. a command-line flag)."""
+    def check(self, model: nn.Module, names: dict[str, str] | None = None) -> None:
+        """Raise RunFolderError if state.pt holds a run that ``model`` cannot resume: another
+        config (naming up to four differences; ``names`` maps config.json keys to what the caller
+        calls them, e.g. a command-line flag) or other weights' names and shapes. Reads only:
+        a run calls it before it writes anything (data.pt, the log)."""
         path = self.out / "state.pt"
         if not path.is_file():
-            return 0
-        state = torch.load(path, weights_only=False)
-        saved, wanted = state.get("config"), model.config.to_hf()
+            return
+        if self._state is None:
+            self._state = torch.load(path, weights_only=False)
+        saved, wanted = self._state.get("config"), model.config.to_hf()
         if saved is not None and saved != wanted:
             diffs = [f"{(names or {}).get(key, key)} {saved.get(key)} there, {wanted.get(key)} now"
                      for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key)]
             raise RunFolderError(f"{self.out} holds a run of another shape ({', '.join(diffs[:4])}): rerun with the "
                                  f"settings it was started with, choose another --out, or delete {path} to start over")
-        try:
-            model.load_state_dict(state["model"])
-        except RuntimeError as err:  # e.g. a state.pt of an older version without its config
-            raise RunFolderError(f"{path} does not fit this model ({str(err).splitlines()[0]}); choose another "
-                                 f"--out, or delete {path} to start over") from None
+        # The config does not say everything (a head's draft vocabulary; a state.pt of an older
+        # version has no config): the weights' names and shapes, as load_state_dict would see them.
+        there = {key: tuple(value.shape) for key, value in self._state["model"].items()}
+        here = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+        if there != here:
+            diff = next(f"{key}: {there.get(key, 'absent')} there, {here.get(key, 'absent')} now"
+                        for key in sorted(set(there) | set(here)) if there.get(key) != here.get(key))
+            raise RunFolderError(f"{path} does not fit this model ({diff}); choose another --out, or delete "
+                                 f"{path} to start over")
+
+    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, gen: torch.Generator,
+                   names: dict[str, str] | None = None, rng: random.Random | None = None) -> int:
+        """Resume from state.pt: the step it reached (0 without one), with the model, optimizer,
+        ``gen``, ``rng`` and torch's RNG restored. A state the model cannot take raises
+        RunFolderError (:meth:`check`). ``rng`` is left as it is when state.pt has none (an older
+        version's)."""
+        path = self.out / "state.pt"
+        if not path.is_file():
+            return 0
+        self.check(model, names)
+        state, self._state = self._state, None
+        model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
+        if rng is not None and state.get("rng") is not None:
+            rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
         return int(state["step"])
+
+    def data(self, made_from: dict[str, Any], rows: int, make: Callable[[], torch.Tensor], what: str) -> torch.Tensor:
+        """data.pt: training data made once by ``make()`` (saying ``what`` it makes), and its first
+        ``rows`` rows. A resumed run, or another run pointed at the folder, reads it back when it
+        was made from the same ``made_from`` (e.g. the target's fingerprint and the lengths: the
+        same data of another target would be the wrong data) and holds at least ``rows`` rows;
+        otherwise it is made again and replaced."""
+        path = self.out / "data.pt"
+        if path.is_file():
+            saved = torch.load(path, weights_only=True)
+            # An older version saved the bare tensor, without what it was made from: made again.
+            if isinstance(saved, dict) and saved.get("made_from") == made_from and len(saved["tokens"]) >= rows:
+                return saved["tokens"][:rows]
+        print(f"{what} into {path} (once)")
+        tokens = make()
+        tmp = self._made() / "data.pt.tmp"
+        torch.save({"tokens": tokens, "made_from": made_from}, tmp)
+        tmp.replace(path)  # written whole or not at all, as state.pt
+        return tokens[:rows]
 
     def plot(self, title: str) -> None:
         """loss.png: the training loss per step and the held-out loss where it was logged."""
@@ -114,7 +168,7 @@ class RunFolder:
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(self.out / "loss.png", dpi=100)
+        fig.savefig(self._made() / "loss.png", dpi=100)
         plt.close(fig)
 
     def plot_depths(self, key: str, name: str, title: str) -> None:
@@ -137,11 +191,19 @@ class RunFolder:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(self.out / name, dpi=100)
+        fig.savefig(self._made() / name, dpi=100)
         plt.close(fig)
 
-    def export(self, model: nn.Module, tokenizer_path: str | os.PathLike, dtype: torch.dtype) -> Path:
-        """hf/: the model as an HF-layout checkpoint in ``dtype``, with its tokenizer.model."""
-        hf = save_model(model, self.out / "hf", dtype=dtype)
+    def export(self, model: nn.Module, tokenizer_path: str | os.PathLike | None, dtype: torch.dtype,
+               target: nn.Module | None = None, target_name: str = "the target") -> Path:
+        """hf/: the model as an HF-layout checkpoint in ``dtype``, with its tokenizer.model; or, with
+        no ``tokenizer_path``, a feature head (EAGLE) or an EAGLE-3 head (P-EAGLE's too) in its own
+        files, which record the ``target`` it was trained for (named ``target_name``)."""
+        hf = self._made() / "hf"
+        if tokenizer_path is None and isinstance(model, Eagle3Head):
+            return save_eagle3_head(model, hf, target, target_name=target_name, dtype=dtype)
+        if tokenizer_path is None:
+            return save_feature_head(model, hf, target, dtype=dtype, target_name=target_name)
+        save_model(model, hf, dtype=dtype)
         shutil.copyfile(tokenizer_path, hf / "tokenizer.model")
         return hf

@@ -1,7 +1,8 @@
 """Training drafters toward their target: the token-level divergences of DistillSpec (Zhou et
 al. 2023) on the draft's own (on-policy) sequences, EAGLE's losses for a feature head (Li et
-al. 2024), and the acceptance both are trained for, measured. ``train.py distill`` and
-``train.py eagle`` run them (docs/distillation.md).
+al. 2024), with the data each trains on (:func:`on_policy_batch`, :func:`eagle_batch`).
+``train.py distill`` and ``train.py eagle`` run them (docs/distillation.md); ``train.py
+eagle3``, ``parallel`` and ``peagle`` train on :func:`target_continuations`.
 
 The divergences take logits [..., vocab] of the target (p, no gradient) and the draft (q)
 and return the mean over positions. Total variation is the one that speculative sampling
@@ -10,12 +11,14 @@ cares about directly: a draft token is accepted with probability sum_x min(p, q)
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from model import call as calls
+from model.training import random_batch
 
 
 def forward_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -83,6 +86,46 @@ def sample_sequences(model: Any, prompts: list[list[int]], length: int, gen: tor
         logits = model(nxt, calls.chain(pos, 1, nxt.device, rows=len(prompts)))[:, -1]
         pos += 1
     return torch.cat(out, dim=1)
+
+
+def target_continuations(target: Any, openings: list[list[int]], count: int, length: int,
+                         seed: int) -> torch.Tensor:
+    """``count`` sequences [count, P + length]: story openings (drawn with ``seed``) and the
+    ``length`` tokens the target writes after each, in chunks of 64 sequences, greedy and
+    sampled at temperature 1 in turn (as it will decode). What EAGLE-3, PARD and P-EAGLE heads
+    train on: the target's own text, not the corpus's."""
+    rng, gen, chunk, chunks = random.Random(seed), torch.Generator().manual_seed(seed + 1), 64, []
+    with torch.inference_mode():
+        for start in range(0, count, chunk):
+            prompts = [rng.choice(openings) for _ in range(min(chunk, count - start))]
+            chunks.append(sample_sequences(target, prompts, length, gen, greedy=(start // chunk) % 2 == 0))
+    return torch.cat(chunks)
+
+
+def on_policy_batch(draft: Any, target: Any, openings: list[list[int]], rng: random.Random, gen: torch.Generator,
+                    batch: int, length: int, target_mix: float) -> torch.Tensor:
+    """DistillSpec's on-policy data: ``batch`` story openings drawn with ``rng`` and ``length``
+    tokens the draft itself writes after each (sampled with ``gen``); with probability
+    ``target_mix`` the target writes them instead. The draft is left in training mode."""
+    prompts = rng.sample(openings, batch)
+    writer = target if rng.random() < target_mix else draft
+    draft.eval()
+    sequences = sample_sequences(writer, prompts, length, gen)
+    draft.train()
+    return sequences
+
+
+def eagle_batch(target: Any, openings: list[list[int]], corpus: Any, rng: random.Random, gen: torch.Generator,
+                batch: int, seq_len: int, self_mix: float) -> tuple[torch.Tensor, bool]:
+    """EAGLE's data, ``batch`` sequences of ``seq_len`` tokens: with probability ``self_mix`` text the
+    target writes itself after story openings (half of it greedy, half sampled at temperature 1:
+    as it will decode), else windows of the token stream ``corpus``. Returns them, and whether
+    the target wrote them."""
+    kind = rng.random()
+    if kind < self_mix:
+        prompts = rng.sample(openings, batch)
+        return sample_sequences(target, prompts, seq_len - len(prompts[0]), gen, greedy=kind < self_mix / 2), True
+    return random_batch(corpus, batch, seq_len, gen)[0], False
 
 
 def eagle_losses(head: Any, target: Any, tokens: torch.Tensor, noise: float, gen: torch.Generator,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from model import Llama, ModelConfig
+from model.eagle3_head import Eagle3Head, PEagleHead
 from model.model import rope_cos_sin, rope_inverse_frequencies
 
 
@@ -42,6 +43,23 @@ def with_mask_token(draft: Llama) -> Llama:
             source = torch.cat([source, source.mean(0, keepdim=True)])
         param.copy_(source)
     return model
+
+
+@torch.no_grad()
+def with_mask_feature(head: Eagle3Head, mask_id: int, mask_embedding: torch.Tensor) -> PEagleHead:
+    """A P-EAGLE head (model.eagle3_head.PEagleHead) with the weights of the EAGLE-3 head ``head``,
+    a mask feature of zeros and ``mask_embedding`` (the mean of the target's embeddings, say) as
+    the embedding of ``mask_id``: the head a P-EAGLE adaptation starts from. ValueError when the
+    weights do not carry over one for one (every weight of ``head``, and only the mask's new)."""
+    peagle = PEagleHead(head.config, head.target_layers, head.draft_vocab, head.layers[0].norm_before_residual,
+                        mask_id)
+    keys = peagle.load_state_dict(head.state_dict(), strict=False)
+    lacking = sorted(set(keys.missing_keys) - {"mask_embedding", "mask_hidden"})
+    if lacking or keys.unexpected_keys:
+        raise ValueError(f"the head's weights do not fit a P-EAGLE head: it lacks {lacking or 'nothing'} and has "
+                         f"{sorted(keys.unexpected_keys) or 'nothing'} besides")
+    peagle.mask_embedding.copy_(mask_embedding)
+    return peagle
 
 
 def cod_layout(length: int, depths: int, keep: float, min_keep: float,

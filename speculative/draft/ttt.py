@@ -38,6 +38,18 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> tuple[
     return kept, float(counts[kept].sum() / counts.sum())
 
 
+@torch.no_grad()
+def start_vocabulary(head: Any, target: Any, tokens: torch.Tensor) -> float:
+    """Give a new head its draft vocabulary, the ``head.draft_vocab`` ids most frequent in
+    ``tokens`` (:func:`draft_vocabulary`), their output rows and the final norm taken from the
+    target's; returns the share of ``tokens`` they cover."""
+    kept, coverage = draft_vocabulary(tokens, target.config.vocab_size, head.draft_vocab)
+    head.set_vocabulary(kept)
+    head.lm_head.weight.copy_(target.lm_head.weight[kept])
+    head.norm.weight.copy_(target.norm.weight)
+    return coverage
+
+
 def _attend_chain(q: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
     """Attention of step k's queries q [B, H, n, D] over the true inputs (past[0], causal: column
     t sees columns <= t) and the chain at its own column (past[1..k]: one key per step)."""

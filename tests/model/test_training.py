@@ -7,12 +7,22 @@ tests/speculative/draft/test_distill.py.)"""
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
 import torch
 
-from model.training import evaluate, fit, init_weights, lr_at, next_token_loss, random_batch
+from model.training import (
+    decay_groups,
+    evaluate,
+    fit,
+    init_weights,
+    lr_at,
+    next_token_loss,
+    progress_fields,
+    random_batch,
+)
 from tests.support.toy_models import random_llama
 
 torch.set_num_threads(1)
@@ -72,13 +82,14 @@ class Folder:
     """A run folder in memory: what fit writes, and when."""
 
     def __init__(self) -> None:
-        self.rows, self.saved, self.plots = [], [], []
+        self.rows, self.saved, self.plots, self.rngs = [], [], [], []
 
     def log(self, row: dict) -> None:
         self.rows.append(row)
 
-    def save_state(self, step: int, model, optimizer, gen) -> None:
+    def save_state(self, step: int, model, optimizer, gen, rng) -> None:
         self.saved.append(step)
+        self.rngs.append(rng)
 
     def plot(self, title: str) -> None:
         self.plots.append(title)
@@ -95,15 +106,33 @@ def test_fit_lowers_the_loss_logs_every_step_and_saves_on_schedule() -> None:
         x, y = random_batch(data, 4, 12, gen)
         return next_token_loss(model, x, y), {"seen": step}, x.numel()
 
+    rng = random.Random(0)
     last = fit(model, optimizer, gen, run, start=3, steps=40, lr=1e-2, warmup=5, batch_loss=batch_loss,
                after=lambda step: {"even": True} if step % 2 == 0 else {}, save_every=10, title="t", desc="d",
-               progress=False)
+               progress=False, rng=rng)
     assert last == 40 and [row["step"] for row in run.rows] == list(range(4, 41))
     assert list(run.rows[0]) == ["step", "loss", "seen", "tokens_per_s", "even"]  # step 4: even
     assert list(run.rows[1]) == ["step", "loss", "seen", "tokens_per_s"]
     assert [row["seen"] for row in run.rows] == list(range(3, 40))  # batch_loss sees the step before it is taken
     assert run.saved == [10, 20, 30, 40] and run.plots == ["t"] * 4
+    assert all(saved is rng for saved in run.rngs)  # the batch order's generator is saved with the state
     assert optimizer.param_groups[0]["lr"] == lr_at(39, 1e-2, 5, 40)
     assert sum(r["loss"] for r in run.rows[-5:]) / 5 < run.rows[0]["loss"] - 0.5
     assert fit(model, optimizer, gen, run, start=40, steps=40, lr=1e-2, warmup=5, batch_loss=batch_loss,
                save_every=10, title="t", desc="d", progress=False) == 40  # nothing left to do
+
+
+def test_only_the_matrices_decay() -> None:
+    model = random_llama(vocab=8, dim=16)
+    decay, no_decay = decay_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_the_progress_bar_shows_what_the_row_logs() -> None:
+    assert progress_fields({"loss": 2.0, "tokens_per_s": 99.6}) == {"loss": "2.000", "tok_s": "100"}
+    assert progress_fields({"loss": 1.0, "regression": 0.5, "classification": 0.25, "tokens_per_s": 1.0}) == {
+        "reg": "0.5000", "cls": "0.250", "tok_s": "1"}
+    assert progress_fields({"loss": 1.0, "alpha_by_depth": [0.9, 0.5, 0.25], "tokens_per_s": 1.0}) == {
+        "loss": "1.000", "a1": "0.90", "a_last": "0.25", "tok_s": "1"}

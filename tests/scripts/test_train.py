@@ -1,5 +1,7 @@
 """train.py on tiny slices: pretraining lowers the loss, runs resume, checkpoints load in
-transformers, and distillation raises the draft's measured acceptance."""
+transformers, and distillation raises the draft's measured acceptance; a resumed run draws the
+batches an uninterrupted one draws, another run's folder is refused before anything is written,
+the target's continuations are its own, and bad input is one line, not an assert."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ import pytest
 import torch
 
 import train
+from model import training
 from speculative import FeatureDrafter
 from tests.support.paths import SHARED_DATA
+from tests.support.toy_models import random_eagle3_head, random_llama
 from weights import CheckpointError, load_drafter, load_model, load_tokenizer
 from weights.drafters import load_feature_head
+from weights.runs import RunFolder
 
 SHARED = SHARED_DATA
 STORIES = SHARED / "tinystories" / "tinystories_v1_train_head_2MiB.txt"
@@ -124,8 +129,8 @@ def test_exported_files_and_loss_names(corpus: dict[str, Path], tmp_path: Path) 
     assert all(mode == 0o644 for mode in modes.values()), modes
     summary = json.loads((out / "summary.json").read_text())
     evals = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "eval_loss" in line]
-    assert summary["held_out_windows"] == train.FINAL_EVAL_BATCHES * train.EVAL_BATCH == 256
-    assert evals and all(row["eval_windows"] == train.LOG_EVAL_BATCHES * train.EVAL_BATCH == 64 for row in evals)
+    assert summary["held_out_windows"] == training.FINAL_EVAL_BATCHES * training.EVAL_BATCH == 256
+    assert evals and all(row["eval_windows"] == training.LOG_EVAL_BATCHES * training.EVAL_BATCH == 64 for row in evals)
     assert "eval_loss" in summary["note"] and "held_out_loss" in summary["note"]
     # The log's windows are the first of the summary's: the two differ, but not by much.
     assert abs(summary["held_out_loss"] - evals[-1]["eval_loss"]) < 0.5
@@ -300,3 +305,105 @@ def test_an_eagle3_head_adapts_to_parallel_drafting(corpus: dict[str, Path], tmp
     from speculative.draft.parallel import ParallelFeatureDrafter
     drafter = load_drafter(tmp_path / "pe" / "hf", load_model(target_dir))
     assert isinstance(drafter, ParallelFeatureDrafter) and drafter.parallel
+
+
+# ----------------------------------------------------------------------------- the skeleton's defects, fixed
+QUICK = ("--sequences", "16", "--seq-len", "24", "--batch-size", "8", "--eval-prompts", "2", "--eval-new-tokens", "8")
+
+
+@pytest.fixture(scope="module")
+def targets(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two small targets of one shape (4 layers, for EAGLE-3's three) and different weights."""
+    root = tmp_path_factory.mktemp("targets")
+    return tuple(pretrain(corpus, root / name, steps=2, dim=32, layers=4, seed=seed) / "hf"
+                 for name, seed in (("a", 0), ("b", 5)))
+
+
+def continuations(out: Path) -> torch.Tensor:
+    saved = torch.load(out / "data.pt", weights_only=False)
+    return saved["tokens"] if isinstance(saved, dict) else saved  # an older version saved the bare tensor
+
+
+@needs_shared
+def test_another_run_s_folder_is_refused_before_anything_is_written(
+        corpus: dict[str, Path], targets: tuple[Path, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder that holds a run of another shape is refused before the target writes its
+    continuations into it (data.pt: minutes at full size), or anything else."""
+    out = tmp_path / "e3"
+    other = random_llama(vocab=8, dim=16)
+    RunFolder(out).save_state(3, other, torch.optim.AdamW(other.parameters()), torch.Generator())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        eagle3(targets[0], corpus, out, 2, *QUICK)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "holds a run of another shape" in lines[0], lines
+    assert sorted(path.name for path in out.iterdir()) == ["state.pt"]
+
+
+@needs_shared
+def test_the_continuations_are_the_target_s_own(corpus: dict[str, Path], targets: tuple[Path, Path],
+                                                 tmp_path: Path) -> None:
+    """data.pt is reused for the target that wrote it only: pointed at a folder made for target a,
+    a run for target b (same shape, same lengths and count) trains on b's continuations, as a
+    run in a new folder would."""
+    a, b = targets
+    eagle3(a, corpus, tmp_path / "for_a", 1, *QUICK)
+    eagle3(b, corpus, tmp_path / "for_b", 1, *QUICK)
+    assert not torch.equal(continuations(tmp_path / "for_a"), continuations(tmp_path / "for_b"))
+    eagle3(b, corpus, tmp_path / "for_a", 2, *QUICK)  # resumes the head, now for b
+    assert torch.equal(continuations(tmp_path / "for_a"), continuations(tmp_path / "for_b"))
+
+
+class KilledError(Exception):
+    """Stands for a run killed right after it wrote state.pt."""
+
+
+@needs_shared
+def test_a_resumed_run_draws_the_batches_of_an_uninterrupted_one(
+        corpus: dict[str, Path], targets: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped after state.pt at step 2 and rerun, a run goes on as if it had never stopped: the
+    same batches at every step (each step's losses and alphas by depth are the batch's), and the
+    same head at the end."""
+    eagle3(targets[0], corpus, tmp_path / "whole", 4, *QUICK, "--save-every", "2")
+    save = RunFolder.save_state
+
+    def save_then_stop(self: RunFolder, step: int, *args: object, **kwargs: object) -> None:
+        save(self, step, *args, **kwargs)
+        if step == 2:
+            raise KilledError
+
+    monkeypatch.setattr(RunFolder, "save_state", save_then_stop)
+    with pytest.raises(KilledError):
+        eagle3(targets[0], corpus, tmp_path / "stopped", 4, *QUICK, "--save-every", "2")
+    monkeypatch.undo()
+    eagle3(targets[0], corpus, tmp_path / "stopped", 4, *QUICK, "--save-every", "2")
+    whole, resumed = ([json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+                      for run in ("whole", "stopped"))
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+    drawn = [[(row["loss"], row["loss_by_depth"], row["alpha_by_depth"]) for row in rows] for rows in (whole, resumed)]
+    assert drawn[0] == drawn[1]
+    assert (tmp_path / "whole" / "hf" / "model.safetensors").read_bytes() == \
+        (tmp_path / "stopped" / "hf" / "model.safetensors").read_bytes()
+
+
+@needs_shared
+def test_a_head_that_does_not_carry_over_to_p_eagle_is_one_clear_error(
+        corpus: dict[str, Path], targets: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EAGLE-3 head whose weights do not carry over to a P-EAGLE head one for one is bad input:
+    one line and status 2 (an assert used to guard it: a traceback, and nothing at all under
+    python -O), before anything is written."""
+    head = random_eagle3_head(load_model(targets[0]))
+    del head.fc  # its weights lack fc.weight
+    monkeypatch.setattr(train, "load_eagle3_head", lambda *args: head)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["peagle", "--target", str(targets[0]), "--head", "a-head", "--corpus", str(corpus["train"]),
+                    "--eval-corpus", str(corpus["valid"]), "--out", str(tmp_path / "pe"), "--no-progress",
+                    "--threads", "1", *QUICK])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: a-head: ") and "fc.weight" in lines[0], lines
+    assert not (tmp_path / "pe").exists()

@@ -1,8 +1,10 @@
-"""The run folder of train.py (weights/runs.py): it resumes what it saved, names the differences
-when it holds a run of another shape, and logs, plots and exports."""
+"""The run folder of train.py (weights/runs.py): it resumes what it saved (the batch order
+too), names the differences when it holds a run of another shape before anything is written,
+keeps data.pt for what it was made from, and logs, plots and exports."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,54 @@ def test_a_run_folder_log_plot_and_export(tmp_path: Path) -> None:
     hf = run.export(model, tokenizer, torch.float32)
     assert (hf / "tokenizer.model").read_bytes() == b"not a real tokenizer"
     assert torch.equal(load_model(hf).layers[0].mlp.up_proj.weight, model.layers[0].mlp.up_proj.weight)
+
+
+def test_a_run_folder_is_checked_before_it_is_made(tmp_path: Path) -> None:
+    """check reads only: a new folder is not even created until the first write, and a state
+    whose weights differ from the model's (a config does not say everything: a head's draft
+    vocabulary) is refused as one error, naming the first difference."""
+    model = random_llama(vocab=8, dim=16)
+    RunFolder(tmp_path / "new").check(model)
+    assert not (tmp_path / "new").exists()
+    run = RunFolder(tmp_path / "run")
+    run.save_state(1, model, torch.optim.AdamW(model.parameters()), torch.Generator())
+    grown = random_llama(vocab=8, dim=16)
+    grown.extra_weight = torch.nn.Parameter(torch.zeros(3))  # same config, one more weight
+    with pytest.raises(RunFolderError, match=r"does not fit this model \(extra_weight: absent there, \(3,\) now\)"):
+        RunFolder(tmp_path / "run").check(grown)
+    with pytest.raises(RunFolderError, match="does not fit"):
+        RunFolder(tmp_path / "run").load_state(grown, torch.optim.AdamW(grown.parameters()), torch.Generator())
+
+
+def test_a_resumed_run_gets_its_batch_order_back(tmp_path: Path) -> None:
+    """The random.Random a run draws its batches from is saved with the state and restored: the
+    draws after resuming are those an uninterrupted run makes."""
+    model = random_llama(vocab=8, dim=16)
+    rng = random.Random(0)
+    rng.random()
+    RunFolder(tmp_path).save_state(1, model, torch.optim.AdamW(model.parameters()), torch.Generator(), rng)
+    uninterrupted = [rng.random() for _ in range(3)]
+    resumed = random.Random(0)
+    RunFolder(tmp_path).load_state(model, torch.optim.AdamW(model.parameters()), torch.Generator(), rng=resumed)
+    assert [resumed.random() for _ in range(3)] == uninterrupted
+
+
+def test_data_is_made_once_for_what_it_was_made_from(tmp_path: Path) -> None:
+    """data.pt is read back for the same made_from when it holds enough rows, and made again (and
+    replaced) for another made_from (another target), for more rows, or from an older version's
+    bare tensor, which does not say what it was made from."""
+    run, made = RunFolder(tmp_path / "run"), []
+
+    def data(target: float, rows: int, made_rows: int, value: int) -> torch.Tensor:
+        def make() -> torch.Tensor:
+            made.append(value)
+            return torch.full((made_rows, 4), value)
+        return run.data({"target": [target]}, rows, make, "four columns")
+
+    assert torch.equal(data(1.0, 3, 5, 1), torch.full((3, 4), 1))
+    assert torch.equal(data(1.0, 5, 5, 2), torch.full((5, 4), 1))  # read back
+    assert torch.equal(data(2.0, 5, 5, 3), torch.full((5, 4), 3))  # another target: made again
+    assert torch.equal(data(2.0, 6, 6, 4), torch.full((6, 4), 4))  # too few rows: made again
+    torch.save(torch.zeros(6, 4, dtype=torch.long), tmp_path / "run" / "data.pt")
+    assert torch.equal(data(2.0, 6, 6, 5), torch.full((6, 4), 5))
+    assert made == [1, 3, 4, 5] and not (tmp_path / "run" / "data.pt.tmp").exists()
