@@ -40,22 +40,22 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import harness
 from benchmarks.harness import (
     DOCS,
+    NAN,
     RESULTS,
     command_line,
     describe_machine,
     link,
     machine_lines,
-    median_seconds,
+    median,
     network,
     page_head,
     prepare_networks,
     pyplot,
     save_figure,
     script_parser,
-    timed,
+    time_call,
     write_page,
 )
 from model import call as cache_calls
@@ -74,11 +74,6 @@ def prompts_text(count: int) -> list[str]:
     return [distinct[i % len(distinct)] for i in range(count)]
 
 
-def median(values: list[float]) -> float:
-    """Not a number when empty: a figure that is missing from a table's arithmetic shows as nan."""
-    return harness.median(values, float("nan"))
-
-
 # ----------------------------------------------------------------------------- timed calls
 @torch.inference_mode()
 def call_time(model, rows: int, width: int, context: int, calls: int) -> float:
@@ -89,8 +84,8 @@ def call_time(model, rows: int, width: int, context: int, calls: int) -> float:
     model(tokens, cache_calls.chain(0, context + rows, tokens.device, rows=rows))  # fill the cache
     starts = [context + b % 2 for b in range(rows)] if rows > 1 else [context]
     feed = torch.randint(0, model.config.vocab_size, (rows, width))
-    return median_seconds(lambda: model(feed, cache_calls.ragged(starts, width, model.cache_len, feed.device)),
-                          calls, warmup=3)
+    return time_call(lambda: model(feed, cache_calls.ragged(starts, width, model.cache_len, feed.device)), calls,
+                     warmup=3).median
 
 
 @torch.inference_mode()
@@ -109,7 +104,7 @@ def draft_call_time(drafter, target, rows: int, context: int, calls: int) -> flo
         def step():
             call = cache_calls.ragged(starts, 1, net.cache_len, "cpu")
             return target.lm_head(net(feats, target.embed_tokens(tokens), call))
-        return median_seconds(step, calls, warmup=3)
+        return time_call(step, calls, warmup=3).median
     return call_time(net, rows, 1, context, calls)
 
 
@@ -133,7 +128,7 @@ def row_rate(results) -> float:
         seconds = getattr(r.stats, "decode_time_s", 0.0) or getattr(r.stats, "target_time_s", 0.0)
         if seconds:
             rates.append(len(r.tokens) / seconds)
-    return median(rates)
+    return median(rates, NAN)
 
 
 def measure(args, target, drafters: dict, prompts) -> dict:
@@ -163,12 +158,12 @@ def measure(args, target, drafters: dict, prompts) -> dict:
                     cell["mean_batch"].append(stats.mean_batch or 0.0)
                     cell["draft_step"].append(stats.draft_time_s / max(stats.draft_calls, 1))
                     cell["call"].append(stats.target_time_s / max(stats.iterations, 1))
-            target_tps = median(cells["target"])
+            target_tps = median(cells["target"], NAN)
             row = {"temperature": temperature, "batch": size, "target_tps": target_tps,
-                   "target_step": median(cells["step"]), "target_row_tps": median(cells["target_row"]),
+                   "target_step": median(cells["step"], NAN), "target_row_tps": median(cells["target_row"], NAN),
                    "drafters": {}}
             for name in drafters:
-                gammas = {g: {k: median(v) for k, v in spec[name, g].items()} for g in args.gammas}
+                gammas = {g: {k: median(v, NAN) for k, v in spec[name, g].items()} for g in args.gammas}
                 for cell in gammas.values():
                     cell["speedup"] = cell["tps"] / target_tps
                 best = max(gammas, key=lambda g: gammas[g]["tps"])
@@ -221,14 +216,14 @@ def single_path(args, target, drafter, prompts) -> dict:
     single, batched = [], []
     for _ in range(args.repeats):
         for i, prompt in enumerate(prompts[:8]):
-            seconds, a = timed(speculative_generate, target, drafter, prompt, args.max_new_tokens, gamma=4,
-                               temperature=0, seed=i)
-            single.append(len(a.tokens) / seconds)
-            seconds, b = timed(speculative_generate_batch, target, drafter, [prompt], args.max_new_tokens, gamma=4,
-                               temperature=0, seed=i)
-            batched.append(len(b.results[0].tokens) / seconds)
-    return {"single_tps": median(single), "batch1_tps": median(batched),
-            "ratio": median(batched) / median(single)}
+            a = time_call(lambda prompt=prompt, i=i: speculative_generate(
+                target, drafter, prompt, args.max_new_tokens, gamma=4, temperature=0, seed=i))
+            single.append(len(a.result.tokens) / a.median)
+            b = time_call(lambda prompt=prompt, i=i: speculative_generate_batch(
+                target, drafter, [prompt], args.max_new_tokens, gamma=4, temperature=0, seed=i))
+            batched.append(len(b.result.results[0].tokens) / b.median)
+    return {"single_tps": median(single, NAN), "batch1_tps": median(batched, NAN),
+            "ratio": median(batched, NAN) / median(single, NAN)}
 
 
 # ----------------------------------------------------------------------------- report
@@ -297,7 +292,8 @@ def render(args, info, flags, results, costs, single, command) -> str:
             beyond = f"none up to {rows[-1]['batch']}"
             lines += ["", f"Crossover (smallest batch where no γ pays): measured **{measured_x or beyond}**, "
                       f"predicted by the cost model **{predicted_x or beyond}**; the prediction's error on the "
-                      f"speedup over every batch size and γ: largest {max(errors):.0%}, median {median(errors):.0%}.",
+                      f"speedup over every batch size and γ: largest {max(errors):.0%}, median "
+                      f"{median(errors, NAN):.0%}.",
                       "", "<details><summary>every γ</summary>", "",
                       "| batch | " + " | ".join(f"γ {g}" for g in args.gammas) + " |",
                       "|---|" + "---|" * len(args.gammas)]
@@ -369,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_networks(target, drafters.values(), stack=True, prepack=True)
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(text) for text in prompts_text(max(args.batch_sizes) * args.prompts_per_row)]
-    context = round(median([len(p) for p in prompts])) + args.max_new_tokens // 2
+    context = round(median([len(p) for p in prompts], NAN)) + args.max_new_tokens // 2
     single = None if args.no_single else single_path(args, target, drafters[args.drafters[0]], prompts)
     if single:
         print(f"batch 1 / single: {single['ratio']:.3f}", file=sys.stderr)

@@ -1,6 +1,11 @@
 """Decode speed of two checkouts of this project, measured in one run, in turns: the figure every
 change to the decoding path reports ("measure before and after in one run").
 
+Kept for the question every refactor still has to answer: is the speed unchanged? Issue 45
+asks each of its changes for "speed unchanged, before and after, in turns", and this is the
+tool that measures it (docs/results/benchmarks_convention.md and layout_before_after.md are
+such records); it is not tied to any one past refactor.
+
     git worktree add /tmp/before <commit>
     python -m benchmarks.before_after /tmp/before . --out /tmp/before_after.md
     python -m benchmarks.before_after /tmp/before . --eager-only --repeats 1     # minutes, not tens

@@ -49,10 +49,9 @@ from benchmarks.harness import (
     describe_machine,
     keep_blocks,
     link,
-    median_seconds,
     prepare_networks,
     script_parser,
-    timed,
+    time_call,
     write_page,
 )
 from speculative import autoregressive_generate, check_pair, speculative_generate
@@ -79,12 +78,13 @@ class Models:
 def run_ours(method: Method, models: Models, prompt: list[int], new_tokens: int, temperature: float,
              seed: int) -> tuple[float, list[int], Any]:
     if method.key == "target":
-        seconds, result = timed(autoregressive_generate, models.target, prompt, new_tokens, temperature=temperature,
-                                seed=seed)
+        timing = time_call(lambda: autoregressive_generate(models.target, prompt, new_tokens, temperature=temperature,
+                                                           seed=seed))
     else:
-        seconds, result = timed(speculative_generate, models.target, models.drafters[method.drafter], prompt,
-                                new_tokens, gamma=method.gamma, temperature=temperature, seed=seed)
-    return seconds, result.tokens, result.stats
+        timing = time_call(lambda: speculative_generate(models.target, models.drafters[method.drafter], prompt,
+                                                        new_tokens, gamma=method.gamma, temperature=temperature,
+                                                        seed=seed))
+    return timing.median, timing.result.tokens, timing.result.stats
 
 
 def run_hf(method: Method, models: Models, prompt: list[int], new_tokens: int, temperature: float,
@@ -109,13 +109,10 @@ def run_hf(method: Method, models: Models, prompt: list[int], new_tokens: int, t
 
     def generate() -> torch.Tensor:
         with torch.inference_mode():
-            out = hf_target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
-        return out
+            return hf_target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
 
-    seconds, out = timed(generate)
-    return seconds, out[0, len(prompt):].tolist(), None
+    timing = time_call(generate, device=hf_target.device)
+    return timing.median, timing.result[0, len(prompt):].tolist(), None
 
 
 def call(method: Method, models: Models, prompt: list[int], new_tokens: int, temperature: float,
@@ -170,7 +167,7 @@ def check_finite_micros(rows: int, vocab: int, dtype: torch.dtype, device: str, 
     logits = torch.randn(rows, vocab, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
                          device=device)  # the models return float32 logits (float64 for a float64 model)
     with torch.inference_mode():
-        return median_seconds(lambda: check_finite(logits), calls) * 1e6
+        return time_call(lambda: check_finite(logits), calls).median * 1e6
 
 
 def decoding_note(args: argparse.Namespace) -> str:

@@ -21,17 +21,18 @@ import sys
 
 import torch
 
-from benchmarks import harness
 from benchmarks.benchmark_prompts import STORY_OPENINGS
 from benchmarks.harness import (
     COMPILED_BLOCK,
     DOCS,
+    NAN,
     RESULTS,
     command_line,
     copy_bandwidth,
     describe_machine,
     link,
     machine_lines,
+    median,
     page_head,
     script_parser,
     update_block,
@@ -42,11 +43,6 @@ from model.fast.fuse import fuse_projections, prepare_for_decoding
 from model.fast.setup import step_ms
 from speculative import PromptLookupDrafter, autoregressive_generate, speculative_generate
 from weights import load_drafter, load_model, load_tokenizer
-
-
-def median(values: list[float]) -> float:
-    """Not a number when empty (a drafter without c): the table shows nan, the run goes on."""
-    return harness.median(values, float("nan"))
 
 
 def setups(args: argparse.Namespace) -> dict[str, dict]:
@@ -87,16 +83,16 @@ def runs(models: dict, prompts: list[list[int]], args: argparse.Namespace, tempe
     out: dict[str, dict] = {}
     alone = [autoregressive_generate(models["target"], p, args.max_new_tokens, temperature=temperature, seed=i)
              .stats.tokens_per_second for i, p in enumerate(prompts)]
-    out["target alone"] = {"tps": median(alone)}
+    out["target alone"] = {"tps": median(alone, NAN)}
     drafters = {"tiny-draft": (models["target"], models["tiny-draft"]),
                 "tiny-eagle": (models["target_h"], models["tiny-eagle"]),
                 "lookup": (models["target"], PromptLookupDrafter())}
     for name, (target, drafter) in drafters.items():
         stats = [speculative_generate(target, drafter, p, args.max_new_tokens, gamma=args.gamma,
                                       temperature=temperature, seed=i).stats for i, p in enumerate(prompts)]
-        out[name] = {"tps": median([s.tokens_per_second for s in stats]),
-                     "c": median([s.cost_ratio for s in stats if s.cost_ratio is not None]),
-                     "alpha": median([s.acceptance_rate or 0.0 for s in stats])}
+        out[name] = {"tps": median([s.tokens_per_second for s in stats], NAN),
+                     "c": median([s.cost_ratio for s in stats if s.cost_ratio is not None], NAN),
+                     "alpha": median([s.acceptance_rate or 0.0 for s in stats], NAN)}
     return out
 
 

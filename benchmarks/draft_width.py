@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import command_line, machine_line, markdown_table, median_seconds, script_parser, turn_order
+from benchmarks.harness import command_line, machine_line, markdown_table, script_parser, time_call, turn_order
 from model import Llama, ModelConfig
 from model import call as calls
 from model.fast.fuse import prepare_for_decoding
@@ -47,7 +47,7 @@ def network(name: str, target: Llama) -> Llama:
 def call_seconds(model: Llama, width: int, calls_n: int) -> float:
     tokens = torch.zeros(1, width, dtype=torch.long)
     call = calls.chain(64, width, "cpu")
-    return median_seconds(lambda: model(tokens, call), calls_n, warmup=3)
+    return time_call(lambda: model(tokens, call), calls_n, warmup=3).median
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,20 @@ all accepted), greedy; alpha, the paper's: the mean of sum_x min(p, q) over the 
 positions, greedy and at temperature 1; tokens per target call; c, the drafting time per position drafted
 ahead over the time of a target call (the cost model's c); tokens/s and the speed-up.
 
+Why this is a script beside benchmark.py and not one of its flags: the two answer different
+questions. benchmark.py asks how fast speculative decoding is against the target alone and
+against transformers' generate, over gamma 1..8 and auto, thread counts and two prompt sets
+(story openings, retell), and whether the cost model predicts it; it runs one fixed set-up
+(stacked and prepacked, never compiled) and times every call end to end. This script asks
+which drafter, or which training change of one (``--labels``: the EAGLE-3 ablation of
+docs/drafters.md), accepts more, draft position by draft position, on text no drafter was
+trained on, and what that buys in the set-up a user gets (generate.py's default, compiled
+where measured faster). Its prompts are those train.py measures acceptance on
+(weights.corpus.held_out_prompts), so that its alpha compares with a training run's; its
+figures are the loop's own statistics (alpha by position, drafting time per iteration), which
+benchmark.py does not report. Folded in, benchmark.py would carry a second prompt source, a
+second set-up and a second table, none of which its own question needs.
+
 Do not run it while anything else loads the machine.
 """
 
@@ -28,12 +42,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 import torch
 
-from benchmarks.harness import command_line, machine_line, markdown_table, script_parser, turn_order
+from benchmarks.harness import command_line, machine_line, markdown_table, median, script_parser, turn_order
 from model.fast.compile import decode_widths
 from speculative import autoregressive_generate, speculative_generate
 from speculative.inputs import GAMMA_MAX

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import ROOT, describe_machine, script_parser
+from benchmarks.harness import ROOT, describe_machine, script_parser, time_call
 from model import Llama, ModelConfig
 from model.call import chain
 from model.scale.memory import DEVICES, LLAMA2_CONFIGS
@@ -58,7 +58,7 @@ def sync(device: str = "cuda") -> None:
 def run_pytest(timeout: float) -> dict[str, Any]:
     """``pytest -m cuda`` in a subprocess, so that a crash there cannot take this script down."""
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "tests"]
-    start = time.perf_counter()
+    start = time.perf_counter()  # how long the tests took, for the report: not a measurement
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -69,7 +69,9 @@ def run_pytest(timeout: float) -> dict[str, Any]:
 
 
 def measure_bandwidth(gib: float = 2.0, repeats: int = 10) -> dict[str, Any]:
-    """Bytes read + written per second by ``dst.copy_(src)`` of a ``gib`` GiB buffer."""
+    """Bytes read + written per second by ``dst.copy_(src)`` of a ``gib`` GiB buffer. Timed on the
+    device by CUDA events, not by the harness's wall clock (harness.time_call): a copy, not a
+    model call, and what the GPU itself took, without the launches' host time."""
     n = int(gib * 2**30)
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
@@ -98,23 +100,21 @@ def nominal_bandwidth() -> float | None:
 
 
 def decode_tokens_per_second(model: Llama, prompt_len: int = 32, steps: int = 64, warmup: int = 8) -> float:
-    """Greedy one-token steps with the KV cache, timed after a warm-up."""
+    """Greedy one-token steps with the KV cache, timed together after a warm-up."""
     vocab, device = model.config.vocab_size, model.device
     model.setup_cache(1, prompt_len + warmup + steps + 1)
     tokens = torch.randint(0, vocab, (1, prompt_len), device=device)
     with torch.inference_mode():
         nxt = model(tokens, chain(0, prompt_len, device))[:, -1:].argmax(-1)
         pos = prompt_len
-        for _ in range(warmup):
+
+        def step() -> None:
+            nonlocal nxt, pos
             nxt = model(nxt, chain(pos, 1, device))[:, -1:].argmax(-1)
             pos += 1
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            nxt = model(nxt, chain(pos, 1, device))[:, -1:].argmax(-1)
-            pos += 1
-        sync(device)
-    return steps / (time.perf_counter() - start)
+
+        seconds = time_call(step, steps, warmup=warmup, together=True, device=device).median
+    return 1 / seconds
 
 
 def bytes_read_per_token(model: Llama) -> int:
@@ -281,7 +281,7 @@ def section(report: dict[str, Any], name: str, fn: Callable[[], Any], timeout_s:
     """Run one check, record its result or its error, never raise. A check still running
     after ``timeout_s`` is interrupted (SIGALRM, between Python operations) and recorded as
     timed out, so the script cannot hang on one section."""
-    start = time.perf_counter()
+    start = time.perf_counter()  # how long the section took, for the report: not a measurement
 
     def expire(signum: int, frame: Any) -> None:
         raise SectionTimeoutError(f"{name} ran past its {timeout_s:.0f}s timeout")
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     props = torch.cuda.get_device_properties(0)
     report.update(gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_bytes=props.total_memory,
                   cuda=torch.version.cuda)
-    start = time.perf_counter()
+    start = time.perf_counter()  # the whole run's duration, for the report
     if not args.skip_pytest:
         section(report, "pytest_cuda", lambda: run_pytest(args.pytest_timeout))
     bandwidth = section(report, "bandwidth", measure_bandwidth)

@@ -5,8 +5,13 @@ module as ``benchmarks.harness``. It imports nothing heavy itself (torch only in
 functions that need it), so that a parent process that only starts others, or a start-up
 timed from the process's birth, pays nothing for it.
 
-* Timing: :func:`median`, :func:`timed`, :func:`median_seconds`, :func:`mean_seconds`,
-  :func:`copy_bandwidth`, :class:`Progress`.
+* Timing: one timer of a call, :func:`time_call` (what it measured: :class:`Timing`), and one
+  :func:`median`; :func:`copy_bandwidth` (a large copy, timed by it), :class:`Progress`. No
+  script times a call of its own: those that read a clock for something else (a process's
+  start-up, a server's stream, a section's duration) say so where they read it. One step of a
+  set-up (compiled.py, startup.py, llama_cpp.py, step_profile.py) is timed by
+  model.fast.setup.step_ms instead, the timer with which generate.py chooses its set-up, so
+  that a page's step time is the one that choice saw.
 * Turns: set-ups that take turns, so that a machine whose speed drifts slows them all alike:
   :func:`turn_order`; warm processes, one per checkout, that answer one round at a time
   (:class:`WarmProcess`, :func:`answer_rounds`, :func:`take_turns`), run on another checkout's
@@ -47,32 +52,71 @@ RESULTS = DOCS / "results"  # every page and image a script here generates
 
 # ----------------------------------------------------------------------------- timing
 def median(values: Iterable[float], default: Any = None) -> Any:
-    """The median, or ``default`` when there is nothing to take it of."""
+    """The median, or ``default`` when there is nothing to take it of (a script whose tables show
+    a missing figure as nan passes ``NAN``). The only median of benchmarks/."""
     values = list(values)
     return statistics.median(values) if values else default
 
 
-def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, Any]:
-    """Seconds of one call of ``fn`` by the wall clock, and what it returned."""
-    start = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return time.perf_counter() - start, result
+NAN = float("nan")
 
 
-def median_seconds(fn: Callable[[], Any], calls: int, warmup: int = 0) -> float:
-    """Median seconds of ``calls`` calls of ``fn`` timed one by one, after ``warmup`` untimed ones.
-    The median: a call that another process interrupted does not move it."""
+@dataclass(frozen=True)
+class Timing:
+    """What :func:`time_call` measured: seconds of each timed call (one figure, seconds per call,
+    when the calls were timed together), and what the last call returned."""
+
+    seconds: list[float]
+    result: Any
+
+    @property
+    def median(self) -> float:
+        """The median of the calls: a call that another process interrupted does not move it."""
+        return median(self.seconds)
+
+
+def time_call(fn: Callable[[], Any], repeats: int = 1, *, warmup: int = 0, together: bool = False,
+              device: Any = None) -> Timing:
+    """The one timer of benchmarks/: ``repeats`` calls of ``fn`` by the wall clock
+    (time.perf_counter), after ``warmup`` untimed ones.
+
+    Each call is timed alone, or (``together``) all of them between two readings of the clock,
+    for calls too short to time one by one: then one figure, their seconds per call. ``device``
+    (a CUDA device, or anything torch.device takes): the clock is read only after the device
+    has finished what was queued, before the first timed call and after each timed one (after
+    the last, with ``together``), as a launch that returns before its kernels run would
+    otherwise be timed short. A CPU device, or None, waits for nothing."""
+    wait = _waiter(device)
+    result = None
     for _ in range(warmup):
-        fn()
-    return statistics.median(timed(fn)[0] for _ in range(calls))
+        result = fn()
+    wait()
+    if together:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            result = fn()
+        wait()
+        return Timing([(time.perf_counter() - start) / repeats], result)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        wait()
+        seconds.append(time.perf_counter() - start)
+    return Timing(seconds, result)
 
 
-def mean_seconds(fn: Callable[[], Any], calls: int) -> float:
-    """Seconds per call over ``calls`` calls timed together: for calls too short to time alone."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
+def _waiter(device: Any) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work: torch.cuda.synchronize on a CUDA
+    device, nothing otherwise (decided once, outside the timed calls)."""
+    if device is None:
+        return lambda: None
+    import torch  # deferred: see the module docstring
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return lambda: None
+    return lambda: torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -82,7 +126,7 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
     src = torch.ones(int(gib * 2 ** 30) // 4)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), repeats, warmup=1)
+    return 2 * src.numel() * 4 / time_call(lambda: dst.copy_(src), repeats, warmup=1).median
 
 
 class Progress:
@@ -113,7 +157,7 @@ def turn_order(names: Sequence[Any], turn: int) -> list[Any]:
 def per_prompt(rounds: Sequence[Sequence[float]], pick: Callable[[Iterable[float]], float] = max) -> float:
     """The median over prompts of ``pick`` over the rounds of each prompt's figure. With ``max``
     (tokens/s): the fastest round per prompt, as a busy machine only ever slows a run down."""
-    return statistics.median(pick(figures[i] for figures in rounds) for i in range(len(rounds[0])))
+    return median(pick(figures[i] for figures in rounds) for i in range(len(rounds[0])))
 
 
 @contextmanager

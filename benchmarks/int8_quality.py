@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import machine_line, script_parser, timed
+from benchmarks.harness import machine_line, script_parser, time_call
 from model import Llama, ModelConfig
 from model.scale.quantize import quantize_int8
 from speculative import autoregressive_generate, speculative_generate
@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    seconds, report = timed(measure, args)
-    report.update(seconds=round(seconds, 1), machine=machine_line(args.threads))
+    timing = time_call(lambda: measure(args))
+    report = timing.result
+    report.update(seconds=round(timing.median, 1), machine=machine_line(args.threads))
     print(json.dumps(report, indent=2))
     return 0
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from benchmarks.harness import (
     ROOT,
     command_line,
     machine_line,
+    median,
     script_parser,
     turn_order,
     update_block,
@@ -169,12 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                 run = ours if who == "ours" else theirs
                 seen[cell][i].append(run(prompt, i, temperature, draft, setup, args))
             print(f"round {turn + 1}: {name}, {'speculative' if draft else 'target alone'}, T={temperature:g}: "
-                  f"{statistics.median(max(r) for r in seen[cell]):.0f} tokens/s", file=sys.stderr, flush=True)
+                  f"{median(max(r) for r in seen[cell]):.0f} tokens/s", file=sys.stderr, flush=True)
     steps = {name: our_steps(setup, args.threads) if who == "ours" else bench_steps(setup, args)
              for name, who, setup in rows}
 
     def speed(cell: Any) -> float:
-        return statistics.median(max(r) for r in seen[cell])
+        return median(max(r) for r in seen[cell])
 
     def spread(cell: Any) -> str:
         best = sorted(max(r) for r in seen[cell])

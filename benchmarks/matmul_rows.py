@@ -21,13 +21,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import machine_line, median_seconds, script_parser
+from benchmarks.harness import machine_line, script_parser, time_call
 from model.fast.prepack import PrepackedLinear, prepack_supported
 
 
 def median_us(layer, x: torch.Tensor, calls: int) -> float:
     """Median microseconds of layer(x), after a warm-up of a twentieth as many calls (3 at least)."""
-    return median_seconds(lambda: layer(x), calls, warmup=max(3, calls // 20)) * 1e6
+    return time_call(lambda: layer(x), calls, warmup=max(3, calls // 20)).median * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,7 @@ from benchmarks.harness import (
     pyplot,
     save_figure,
     script_parser,
-    timed,
+    time_call,
     turn_order,
 )
 
@@ -143,6 +143,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: ar
     body = {"model": "tiny-target", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream": True, "return_token_ids": True, "seed": 0}
     chunks: list[tuple[float, int]] = []
+    # The client's clock at each chunk's arrival, not a call's duration (harness.time_call times those)
     start = time.perf_counter()
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=args.timeout) as response:
         if response.status_code != 200:
@@ -172,7 +173,7 @@ async def level(url: str, concurrency: int, requests: int, args: argparse.Namesp
 
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(limits=limits) as client:
-        start = time.perf_counter()
+        start = time.perf_counter()  # the level's wall time, every client at once (awaited: not a call)
         await asyncio.wait_for(asyncio.gather(*(client_loop(i, client) for i in range(concurrency))),
                                timeout=args.level_timeout)
         wall = time.perf_counter() - start
@@ -293,10 +294,11 @@ def overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
             call = warm_call(args, prompt, speculative=mode == "on")
             with httpx.Client() as client:
                 for _ in range(args.repeats + 1):  # the first of each warms up
-                    seconds, answer = timed(client.post, f"{server.url}/v1/completions", json=body,
-                                            timeout=args.timeout)
+                    timing = time_call(lambda url=f"{server.url}/v1/completions": client.post(
+                        url, json=body, timeout=args.timeout))
+                    answer = timing.result
                     answer.raise_for_status()
-                    served.append(seconds)
+                    served.append(timing.median)
                     warm.append(call())
                     warm_thread.append(call(thread=True))
             tokens = answer.json()["usage"]["completion_tokens"]
@@ -420,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         print(markdown(json.loads(Path(args.from_json).read_text())), end="")
         return 0
-    started = time.time()
+    started = time.time()  # the run's duration, for the record
     load = load_average()
     results = run_modes(args) if args.modes or args.server else []
     costs = [] if args.no_overhead else overhead(args)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ from benchmarks.harness import (
     describe_machine,
     link,
     load_average,
+    median,
     script_parser,
     turn_order,
     update_block,
@@ -102,6 +102,7 @@ def start_child(args: argparse.Namespace) -> None:
     pair, setups, _ = set_up(args, args.dtype, args.child, args.store)
     with torch.inference_mode():
         speculative_generate(pair.target, pair.draft, pair.tokenizer.encode("Once upon a time"), 1, temperature=0)
+    # The epoch clock, which the parent reads too: a process's start-up is timed across two processes
     print(json.dumps({"ready": time.time(), "setup": setups.lines}))
 
 
@@ -157,7 +158,7 @@ def spawn(args: argparse.Namespace, child: str, dtype: str, store: str, inductor
                *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
                    "target", "draft", "threads", "gamma", "max_new_tokens", "prompts", "rounds"))]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor, "OMP_NUM_THREADS": str(args.threads)}
-    start = time.time()
+    start = time.time()  # the epoch clock: the child reads it at its first token (start_child)
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=None if child == "speed" else subprocess.PIPE,
                           text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
@@ -171,7 +172,7 @@ def agreement(tokens: list[int], reference: list[int]) -> float:
 
 
 def tables(args: argparse.Namespace, starts: dict[tuple[str, str], float], speed: dict) -> list[str]:
-    med = statistics.median
+    med = median
     lines = ["| dtype | set-up | start-up, first process | start-up, later process | target alone, greedy | "
              "target alone, T=1 | speculative, greedy | speculative, T=1 | α / c (speculative, greedy) | "
              "greedy agreement with float32 |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]

@@ -15,12 +15,11 @@ so nothing here changes where this process imports from.
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.harness import ROOT, checkout_env, script_parser
+from benchmarks.harness import ROOT, checkout_env, median, script_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         compile_for_decoding(target, (1,), cache_len=256)
     with torch.inference_mode():
-        ms = statistics.median(step_ms(target, (1,), False, calls=51) for _ in range(5))
+        ms = median(step_ms(target, (1,), False, calls=51) for _ in range(5))
         tokens, call = torch.ones(1, 1, dtype=torch.long), CacheCall.of(torch.tensor([[40]]))
         for _ in range(5):
             target(tokens, call)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import machine_line, markdown_table, mean_seconds, median, script_parser, turn_order
+from benchmarks.harness import machine_line, markdown_table, median, script_parser, time_call, turn_order
 from model.call import CacheCall
 from model.fast.fuse import prepare_for_decoding
 from weights import load_model
@@ -35,8 +35,8 @@ def ms_per_call(model: torch.nn.Module, rows: int, calls: int) -> float:
     """Milliseconds per call over ``calls`` calls, each at the next position (64 apart at most)."""
     tokens = torch.full((1, rows), 5)
     step = iter(range(calls))
-    return mean_seconds(lambda: model(tokens, CacheCall.of(torch.arange(rows).unsqueeze(0) + START + next(step) % 64)),
-                        calls) * 1e3
+    return time_call(lambda: model(tokens, CacheCall.of(torch.arange(rows).unsqueeze(0) + START + next(step) % 64)),
+                     calls, together=True).median * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

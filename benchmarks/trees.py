@@ -68,14 +68,13 @@ from benchmarks.harness import (
     pyplot,
     save_figure,
     script_parser,
-    timed,
+    time_call,
     write_page,
 )
 from model import call as cache_calls
 from model.call import CacheCall
 from speculative import autoregressive_generate, speculative_generate
 from speculative.draft.trees import TREE_MODES, check_tree
-from speculative.engine.stats import clock
 from speculative.inputs import model_device
 from speculative.verify.tree import TokenTree, branching_parents
 from weights import load_model, load_tokenizer
@@ -138,15 +137,17 @@ def run(config: Config, target: Any, drafters: dict[str, Any], prompt: list[int]
         temperature: float, seed: int, tree_mode: str) -> tuple[float, list[int], Any]:
     """One call, timed end to end as benchmark.py times its own (cache allocation and the prompt included)."""
     if config.key == "target":
-        seconds, result = timed(autoregressive_generate, target, prompt, new_tokens, temperature=temperature,
-                                seed=seed)
+        timing = time_call(lambda: autoregressive_generate(target, prompt, new_tokens, temperature=temperature,
+                                                           seed=seed))
     elif config.tree:
-        seconds, result = timed(speculative_generate, target, drafters[config.drafter], prompt, new_tokens,
-                                temperature=temperature, seed=seed, tree=config.tree, tree_mode=tree_mode)
+        timing = time_call(lambda: speculative_generate(target, drafters[config.drafter], prompt, new_tokens,
+                                                        temperature=temperature, seed=seed, tree=config.tree,
+                                                        tree_mode=tree_mode))
     else:
-        seconds, result = timed(speculative_generate, target, drafters[config.drafter], prompt, new_tokens,
-                                temperature=temperature, seed=seed, gamma=config.gamma, verify=config.verify)
-    return seconds, result.tokens, result.stats
+        timing = time_call(lambda: speculative_generate(target, drafters[config.drafter], prompt, new_tokens,
+                                                        temperature=temperature, seed=seed, gamma=config.gamma,
+                                                        verify=config.verify))
+    return timing.median, timing.result.tokens, timing.result.stats
 
 
 # ----------------------------------------------------------------------------- one target call against N nodes
@@ -177,9 +178,8 @@ def time_calls(target: Any, prefix: list[int], nodes: list[int], calls: int, cos
             target(feed, call)
         for _ in range(calls):
             for n, (feed, call) in feeds.items():
-                begin = clock(device)
-                target(feed, call)
-                costs.setdefault(n, []).append(clock(device) - begin)
+                costs.setdefault(n, []).append(
+                    time_call(lambda feed=feed, call=call: target(feed, call), device=device).median)
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -24,13 +24,12 @@ is kept.
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import machine_line, script_parser
+from benchmarks.harness import machine_line, script_parser, time_call
 
 
 def static_package(model: Any, width: int, slots: int, path: Path) -> None:
@@ -67,14 +66,7 @@ def time_package(model: Any, runner: Any, width: int, slots: int, window: int, c
     where = (torch.arange(width) + window - width).unsqueeze(0).contiguous()
     visible = (torch.arange(window) <= where.unsqueeze(-1)).contiguous()
     args = [torch.ones(1, width, dtype=torch.long), where, where.clone(), visible, *aot.cache_tensors(model)]
-    for _ in range(10):
-        runner.boxed_run(list(args))
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        runner.boxed_run(list(args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time_call(lambda: runner.boxed_run(list(args)), calls, warmup=10).median
 
 
 def shipped_target(rounds: int, calls: int) -> None:
@@ -93,16 +85,14 @@ def shipped_target(rounds: int, calls: int) -> None:
         for width in (1, 5):
             for name, slots in (("static 64", 65), (f"static {context}", context + 1)):
                 path = Path(folder) / f"{name.replace(' ', '')}-{width}.pt2"
-                start = time.perf_counter()
-                static_package(model, width, slots, path)
-                print(f"built {name}, {width} tokens, in {time.perf_counter() - start:.0f}s", flush=True)
+                built = time_call(partial(static_package, model, width, slots, path)).median
+                print(f"built {name}, {width} tokens, in {built:.0f}s", flush=True)
                 runners[name, width] = aot.load_package(path)
                 cases.append((name, width, slots, slots))
             path = Path(folder) / f"dynamic-{width}.pt2"
-            start = time.perf_counter()
             model.setup_cache(1, 64)
-            aot.build_package(model, 1, width, False, "autotune", path)
-            print(f"built dynamic, {width} tokens, in {time.perf_counter() - start:.0f}s", flush=True)
+            built = time_call(partial(aot.build_package, model, 1, width, False, "autotune", path)).median
+            print(f"built dynamic, {width} tokens, in {built:.0f}s", flush=True)
             runners["dynamic", width] = aot.load_package(path)
             cases += [("dynamic", width, context + 1, window) for window in (16, 64, 128, 256, context)]
         seen: dict[Any, list[float]] = {case: [] for case in cases}
@@ -142,17 +132,8 @@ def seven_b_layer(rounds: int, calls: int) -> None:
         F.scaled_dot_product_attention(q, cache[0][:, :, :window], cache[1][:, :, :window])
 
     def best(fn: Any) -> float:
-        medians = []
-        for _ in range(rounds):
-            for _ in range(3):
-                fn()
-            times = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            medians.append(statistics.median(times))
-        return min(medians)
+        """The lowest of ``rounds`` medians of ``calls`` calls, each after 3 untimed calls."""
+        return min(time_call(fn, calls, warmup=3).median for _ in range(rounds))
 
     with torch.inference_mode():
         base = best(products)
