@@ -24,6 +24,7 @@ from speculative import (
     speculative_generate,
     speculative_generate_batch,
 )
+from speculative.engine.gamma import AutoGamma
 from speculative.engine.stats import Clock
 from speculative.inputs import read_host
 from tests.support.toy_models import noisy_copy, random_llama
@@ -234,7 +235,18 @@ def test_timing_never_waits_for_the_device(pair: tuple, run: str, monkeypatch: p
     sum the durations that end after the last read), and no duration read before the device
     passed both its marks (the fake event raises then, as CUDA does). The host reads are the
     counts above, unchanged."""
+    real = AutoGamma.update
+
+    def fixed_times(self, overlaps, draft_step_s, target_call_s, **kwargs):
+        timed = draft_step_s is not None and target_call_s is not None
+        real(self, overlaps, 1e-3 if timed else None, 1e-2 if timed else None, **kwargs)
+
+    # gamma="auto" chooses from the times it measures: fixed times, so that both runs choose the same
+    # gammas (and make the same reads) however fast the machine is at the moment; each count undoes
+    # every patch when it returns, so the times are fixed again for the second
+    monkeypatch.setattr(AutoGamma, "update", fixed_times)
     out, reads, syncs = count_waits(lambda: TIMED[run](*pair), monkeypatch)
+    monkeypatch.setattr(AutoGamma, "update", fixed_times)
     _, plain_reads = count_reads(lambda: TIMED[run](*pair), monkeypatch)
     assert syncs == 1 and reads == plain_reads
     stats = out.stats
