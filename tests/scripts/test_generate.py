@@ -738,3 +738,18 @@ def test_no_prepack_where_nothing_is_prepacked_warns(capsys: pytest.CaptureFixtu
                                 "on the CPU in float32 (and bfloat16 with native bf16)"]
     _, err = main_json(capsys, [*args, "--dtype", "float32"])
     assert warnings_in(err) == []
+
+
+@needs_pair
+def test_a_config_field_nobody_classified_is_one_note_and_the_run_goes_on(tmp_path: Path) -> None:
+    folder = tmp_path / "tiny-target-plus"
+    folder.mkdir()
+    for file in TARGET.iterdir():
+        if file.name != "config.json":
+            (folder / file.name).symlink_to(file)
+    config = json.loads((TARGET / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "a_field_from_the_future": 7}))
+    out = cli("--target", str(folder), "--no-draft", "--max-new-tokens", "4", "--no-color")
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stderr.splitlines() if "a_field_from_the_future" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: config.json of ") and "not classified" in notes[0]
