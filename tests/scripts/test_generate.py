@@ -723,7 +723,7 @@ def test_readme_examples_use_the_virtual_environment() -> None:
     quick = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     assert [line for line in quick.splitlines() if line.strip()] == [
         'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[test]" && .venv/bin/python generate.py',
-        ".venv/bin/python -m pytest -q",
+        ".venv/bin/python -m pytest -q -n 2",
     ]
     assert "## Train your own pair" in readme
     for card in ("weights/tiny-target/README.md", "weights/tiny-draft/README.md"):
