@@ -23,19 +23,15 @@ model.move_cache compacts the rest) and a waiting one takes its place. A row can
 stopped from outside (:meth:`Engine.cancel`, a server's client that left): it leaves at the
 start of the next step, before that step computes anything for it.
 
-Each row has its own sampling settings (temperature, top-k, top-p: ``Engine.add``'s
-``sampling``) and seeds: row b draws everything from its own torch.Generator, in the order a
-batch of one would, so a row's tokens do not depend on the other rows or the batch size, up to the
-numerics policy (docs/algorithm.md: a row's logits come from a matmul of another shape, and
-near-ties may fall the other way). gamma="auto" adapts one gamma for all rows from measured
-times, so under it rows see each other.
+Each row has its own sampling settings (``Engine.add``'s ``sampling``) and seed: row b draws
+everything from its own torch.Generator, in the order a batch of one would, so its tokens do not
+depend on the other rows, up to the numerics policy (docs/algorithm.md: near-ties of a matmul of
+another shape). gamma="auto" adapts one gamma for all rows, so under it rows see each other. A
+token tree is drafted for one row at a time (speculative.engine.trees says why).
 
-A token tree is drafted for one row at a time (speculative.engine.trees says why).
-
-Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] ->
-logits [B, T, V]; with ``return_hidden`` also its features, the ones a drafter that reads
-them asks for: ``drafter.reads_features``), ``setup_cache``, ``move_cache``, ``cache_len`` and ``config.vocab_size`` /
-``config.max_seq_len``.
+Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] -> logits
+[B, T, V]; with ``return_hidden`` also the features a drafter asks for, ``reads_features``),
+``setup_cache``, ``move_cache``, ``cache_len`` and ``config.vocab_size`` / ``config.max_seq_len``.
 """
 
 from __future__ import annotations
