@@ -285,19 +285,20 @@ class Engine:
         return max(0, min(g, self.gamma_max, row.max_new_tokens - row.produced - 1, self.row_limit - row.length - 1))
 
     def verify(self, rows: list[Row], draft: Draft, logits: torch.Tensor) -> list[Verification] | None:
-        """Lines 5-9: every row's verdict under its own rule, sampling and generator, read in one
-        copy; what each row emits stops at its first end id (nothing after it, even inside an
-        accepted block), and the log-probabilities of what it emits are recorded from these logits,
-        the target's own laws at those positions. None when the target alone runs rows that stop
-        by their count alone: the tokens stay on the device until the rows change (Engine.defer)."""
+        """Lines 5-9: every row's verdict (its own rule, sampling and generator), read in one copy,
+        cut at the row's first end id (even inside an accepted block), and the log-probabilities of
+        what it emits recorded from these logits, the target's own laws. None when the target alone
+        runs rows that stop by their count: the tokens stay on the device (Engine.defer)."""
         finite = finite_rows(logits)  # read with the verdicts: a row whose logits are not finite fails alone
         verdict = judge_rows(logits, draft, [row.sampling for row in rows], self.rule,
                              [row.generator for row in rows], finite)
         if self.deferred(rows):
             self.defer(rows, verdict.parts[0], finite)
             return None
-        steps = [replace(step, tokens=cut_at_eos(step.tokens, row.stop_ids))
-                 for row, step in zip(rows, self.read(rows, draft, verdict, finite))]
+        steps = self.read(rows, draft, verdict, finite)
+        for b, (row, step) in enumerate(zip(rows, steps)):
+            if row.stop_ids and not row.stop_ids.isdisjoint(step.tokens):  # a new object only where one is cut
+                steps[b] = replace(step, tokens=cut_at_eos(step.tokens, row.stop_ids))
         if draft.tree is None and any(row.logprobs is not None for row in rows):
             record_logprobs(rows, [step.tokens for step in steps], [g + 1 for g in draft.lengths], logits)
         return steps
@@ -421,9 +422,8 @@ class Engine:
 
     # ------------------------------------------------------------------------- what happened
     def learn(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
-        """One iteration into every row's record and the engine's own counts (marks: before
-        proposing, scoring and verifying, and after committing), and into gamma="auto"'s estimates
-        of alpha and of the step costs."""
+        """One iteration into the rows' and the engine's records (stats.record_iteration: marks before
+        proposing, scoring, verifying and after committing) and gamma="auto"'s alpha and costs."""
         record_iteration(self.stats, self.clock, rows, draft, steps, marks)
         t0, t1, t2, _ = marks
         depth = max(draft.depth(b) for b in range(len(rows)))
