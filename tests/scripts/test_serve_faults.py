@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.faulty_serve import ENGINE_FAULT, GATE, GATE_FILE, ROW_FAULT, STALL, STALL_S
+from tests.support.faulty_serve import ENGINE_FAULT, GATE, GATE_FILE, LOAD_GATE_FILE, ROW_FAULT, STALL, STALL_S
 from tests.support.paths import ROOT
 
 MODEL = "tiny-target"
@@ -72,10 +72,11 @@ def free_port() -> int:
 
 
 def launch(*flags: str, port: int | None = None, faults: bool = True, wait: bool = True,
-           gate: Path | None = None) -> Served:
+           gate: Path | None = None, load_gate: Path | None = None) -> Served:
     """serve.py (with the faults' launcher) in its own process; with ``wait``, once it serves;
     ``gate``: the file whose creation releases a request that holds the GATE marker."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **({GATE_FILE: str(gate)} if gate else {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **({GATE_FILE: str(gate)} if gate else {}),
+           **({LOAD_GATE_FILE: str(load_gate)} if load_gate else {})}
     program = ["-m", "tests.support.faulty_serve"] if faults else ["serve.py"]
     process = subprocess.Popen([sys.executable, *program, "--port", str(port or 0), "--speculation", "off",
                                 "--threads", "1", *flags], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -111,22 +112,20 @@ def server() -> Iterator[Served]:
 
 
 # ----------------------------------------------------------------------------- start and stop
-def test_nothing_listens_until_the_models_are_loaded() -> None:
-    """The socket listened before the models loaded, so an early client hung; now it is refused
-    until serve.py says it serves, then answered."""
+def test_nothing_listens_until_the_models_are_loaded(tmp_path: Path) -> None:
+    """The socket listened before the models loaded, so an early client hung; now a client is refused
+    while serve.py loads (held there by a gate the test opens: no race with the machine's speed), then
+    answered once it says it serves."""
     port = free_port()
-    served = launch(port=port, faults=False, wait=False)
+    served = launch(port=port, wait=False, load_gate=tmp_path / "loaded")
     try:
-        refused = 0
-        deadline = time.monotonic() + 120
-        while not served.url and time.monotonic() < deadline and served.process.poll() is None:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                assert served.url or served.process.poll() is not None, "a connection was accepted while loading"
-            except ConnectionRefusedError:
-                refused += 1
-            time.sleep(0.02)
-        assert refused > 0 and served.url
+        until(lambda: "gate: loading waits" in served.log or served.process.poll() is not None)
+        assert served.process.poll() is None, served.log
+        for _ in range(20):  # the port is bound, the models not loaded: nothing may accept
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        (tmp_path / "loaded").touch()
+        until(lambda: bool(served.url) or served.process.poll() is not None, limit=120)
         served.answers_correctly()
     finally:
         served.stop()

@@ -11,6 +11,9 @@ sets off by holding a marker token id in its prompt (given as token ids):
   flight gets 503, /health says so, and serve.py exits 1);
 * STALL: the engine's step hangs for STALL_S seconds, once per such request (a stuck engine:
   /health turns 503, deadlines pass);
+* $FAULTY_SERVE_LOAD_GATE: loading the models (serve.start) waits, after one line "gate: loading
+  waits" on stderr, until that file exists (at most a minute): a test sees serve.py held in the
+  middle of loading for as long as it needs;
 * GATE: the engine's step waits until the file named by $FAULTY_SERVE_GATE exists (at most a
   minute): a test holds the engine busy for as long as it needs, whatever the machine's speed,
   and releases it with an event of its own (the file).
@@ -29,6 +32,7 @@ from speculative.serving.loop import EngineLoop
 
 ROW_FAULT, ENGINE_FAULT, STALL, GATE = 2001, 2002, 2003, 2004  # token ids (the shipped pair has 2048)
 GATE_FILE = "FAULTY_SERVE_GATE"  # the environment variable naming the gate's file
+LOAD_GATE_FILE = "FAULTY_SERVE_LOAD_GATE"  # the one naming the file that lets loading go on
 STALL_S = 2.5
 
 real_step, real_tokens_out = Engine.step, EngineLoop.tokens_out
@@ -56,8 +60,21 @@ def tokens_out(self: EngineLoop, ticket, ids: list[int]) -> None:
     real_tokens_out(self, ticket, ids)
 
 
+real_start = serve.start
+
+
+def start(args, here: bool = False):
+    if os.environ.get(LOAD_GATE_FILE):
+        print("gate: loading waits", file=sys.stderr, flush=True)
+        gate, deadline = Path(os.environ[LOAD_GATE_FILE]), time.monotonic() + 60
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return real_start(args, here)
+
+
 Engine.step = step
 EngineLoop.tokens_out = tokens_out
+serve.start = start
 
 if __name__ == "__main__":
     sys.exit(serve.main(sys.argv[1:]))
