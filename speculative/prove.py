@@ -2,7 +2,8 @@
 
 import sys
 
-from speculative.proofs.checker import check, feature_drafter, main, model_drafter, toy_draft, toy_head
+from speculative.proofs.cases import feature_drafter, model_drafter, toy_draft, toy_head
+from speculative.proofs.checker import check, main
 
 __all__ = ["check", "feature_drafter", "main", "model_drafter", "toy_draft", "toy_head"]
 

@@ -198,11 +198,11 @@ class FeatureDrafter:
 HEAD_TYPE = "llama-feature-head"  # the model_type of an EAGLE-1 head's config.json (weights.drafters writes it)
 register_drafter(DrafterKind(
     "head", "a feature head: drafts from the target's own features (EAGLE), from its folder",
-    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:feature_drafter",
+    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.cases:feature_drafter",
     loader="weights.drafters:read_feature_head", recognizes=lambda config: config.get("model_type") == HEAD_TYPE,
     network="head", memory="target-block"))
 register_drafter(DrafterKind(
     "eagle3", "an EAGLE-3 head: fused features of three target layers, its own reduced vocabulary, from its folder",
-    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.checker:eagle3_drafter",
+    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.cases:eagle3_drafter",
     loader="weights.drafters:read_eagle3_head", recognizes="weights.eagle3:is_eagle3_head", network="head",
     memory="target-block"))

@@ -104,5 +104,5 @@ def as_drafter(draft: Any) -> Drafter:
 
 register_drafter(DrafterKind(
     "model", "a smaller model of the target's family (the paper's M_q), from a checkpoint",
-    build=lambda network, target: ModelDrafter(network), toy="speculative.proofs.checker:model_drafter",
+    build=lambda network, target: ModelDrafter(network), toy="speculative.proofs.cases:model_drafter",
     loader="weights.drafters:read_draft_model", network="checkpoint", memory="own"))

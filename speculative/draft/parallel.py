@@ -185,10 +185,10 @@ register_drafter(DrafterKind(
     "parallel", "a parallel draft model (PARD): gamma tokens from one call, mask tokens after the sequence",
     build=lambda network, target: ParallelDrafter(network, network.config.extra["pard_token"],
                                                   target.config.vocab_size),
-    toy="speculative.proofs.checker:parallel_drafter", loader="weights.drafters:read_draft_model",
+    toy="speculative.proofs.cases:parallel_drafter", loader="weights.drafters:read_draft_model",
     recognizes=lambda config: "pard_token" in config, network="checkpoint", memory="own"))
 register_drafter(DrafterKind(
     "peagle", "a P-EAGLE head: an EAGLE-3 head that drafts the whole chain in one call, from its folder",
-    build=lambda head, target: ParallelFeatureDrafter(head, target), toy="speculative.proofs.checker:peagle_drafter",
+    build=lambda head, target: ParallelFeatureDrafter(head, target), toy="speculative.proofs.cases:peagle_drafter",
     loader="weights.drafters:read_eagle3_head", recognizes="weights.eagle3:is_peagle_head", network="head",
     memory="target-block"))

@@ -4,17 +4,10 @@ A chain drafts one token per position; a tree drafts several candidates per posi
 target scores every node of the tree in one call (tree attention, each node at its depth),
 and verification walks the tree from the root, keeping at most one child per node:
 
-* :class:`TokenTree` -- the drafted nodes, their parents, how each node's children were
-  drawn (``mode``) and the draft distributions they were drawn from (``q``).
-* :func:`child_distribution`, :func:`child_acceptance`, :func:`reject_child`, :func:`passes`
-  -- the rule for one child: the law it was drawn from, its acceptance probability, what a
-  rejection leaves for the next sibling, the comparison with the uniform draw.
-* :func:`node_rules` -- that rule run over all children of M nodes at once: each child's
-  acceptance probability given that its earlier siblings were rejected, and the
-  distribution of the target's own token when all of them were rejected. The exact
-  enumeration tests call this same function, and inject their mutants into the ones above.
-* :func:`tree_rules` -- :func:`node_rules` for every node of a tree, rows placed.
-* :func:`verify_tree` -- the walk with random draws; :func:`verify_tree_greedy` -- temperature 0.
+:class:`TokenTree` holds the drafted nodes; :func:`node_rules` runs the rule for one node's
+children (:func:`child_acceptance`, :func:`reject_child`, :func:`child_distribution`,
+:func:`passes`, where the exact enumeration tests inject their mutants) over many nodes at once;
+:func:`verify_tree` walks with random draws, :func:`verify_tree_greedy` at temperature 0.
 
 The walk. At the current node (the root first), with residual target distribution p_cur =
 p[row] and draft distribution q_cur = q[row], try the children c_1, c_2, .. in order:

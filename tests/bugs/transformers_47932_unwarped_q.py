@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from speculative.draft.protocol import Draft
-from speculative.proofs.checker import toy_draft
+from speculative.proofs.cases import toy_draft
 from speculative.sampling import Sampling, sample, warp
 
 

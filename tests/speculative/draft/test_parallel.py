@@ -25,7 +25,8 @@ from speculative.draft.parallel_training import (
     peagle_losses,
 )
 from speculative.engine.gamma import AutoGamma
-from speculative.proofs.checker import check, parallel_drafter, peagle_drafter
+from speculative.proofs.cases import parallel_drafter, peagle_drafter
+from speculative.proofs.checker import check
 from speculative.proofs.toys import parallel_copy, random_peagle_head
 from speculative.sampling import Sampling
 from tests.support.proofs import proof

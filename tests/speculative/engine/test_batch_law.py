@@ -4,7 +4,7 @@ variants.
 
 * Exact enumeration: the real ``speculative_generate_batch`` runs with two rows of
   different prompt lengths, but every random choice (a drafted token, an accept/reject, a
-  residual or bonus token) is taken by a Chooser (speculative.proofs.exact) that replays a script; a
+  residual or bonus token) is taken by a Chooser (speculative.proofs.branching) that replays a script; a
   depth-first search over scripts visits every branch once, with its exact probability
   (float64). The joint law of the two rows' first tokens must be the product of the
   target's own laws, to 1e-10. The acceptance test and the residual are the library's
@@ -33,8 +33,8 @@ import torch
 
 import speculative.verify.token as verify
 from speculative import speculative_generate_batch
-from speculative.proofs.exact import Chooser
-from speculative.proofs.exact import enumerate_runs as enumerate_law
+from speculative.proofs.branching import Chooser
+from speculative.proofs.branching import enumerate_runs as enumerate_law
 from speculative.sampling import Sampling
 from tests.support.proofs import proof
 from tests.support.statistical import set_verify_step
@@ -110,7 +110,7 @@ BUGS = {"other-rows-q": other_rows_q, "position-of-other-row": position_of_other
 
 # ----------------------------------------------------------------------------- enumeration
 def enumerate_runs(run: Callable[[], list[list[int]]], chooser_box: dict) -> dict[tuple, float]:
-    """The exact law of ``run()``'s outcome, summed over every script (speculative.proofs.exact's depth-first
+    """The exact law of ``run()``'s outcome, summed over every script (speculative.proofs.branching's depth-first
     search); ``chooser_box["now"]`` is the run's Chooser. A broken variant may also crash: an outcome too."""
 
     def scripted(chooser: Chooser) -> tuple:

@@ -2,7 +2,7 @@
 public-bug example of tests/bugs/ on the property that should catch it (and passes the look-alike
 that is not a bug), says "not applicable" instead of passing code whose randomness it cannot
 follow, and answers bad input with exit status 2 and one line. Its enumeration
-(speculative.proofs.exact) is checked against laws worked out by hand."""
+(speculative.proofs.branching, speculative.proofs.exact) is checked against laws worked out by hand."""
 
 from __future__ import annotations
 
@@ -15,16 +15,11 @@ import pytest
 import torch
 
 from speculative.draft.lookup import PromptLookupDrafter
-from speculative.proofs.checker import (
-    check,
-    eagle3_drafter,
-    feature_drafter,
-    load,
-    main,
-    model_drafter,
-    parallel_drafter,
-)
-from speculative.proofs.exact import Branching, verifier_outcomes
+from speculative.proofs.branching import Branching
+from speculative.proofs.cases import eagle3_drafter, feature_drafter, model_drafter, parallel_drafter
+from speculative.proofs.checker import check, main
+from speculative.proofs.exact import verifier_outcomes
+from speculative.proofs.subject import load
 from speculative.verify.block import verify_block
 from speculative.verify.token import verify_step
 from tests.support.paths import ROOT

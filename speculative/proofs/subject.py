@@ -1,0 +1,150 @@
+"""What the checker checks: the object named on its command line, as a verifier or a way to
+make a drafter for a toy target, and the one-line errors for anything else (:class:`InputError`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculative.draft.registry import DRAFTERS, find
+from speculative.proofs.branching import Broken, Contract, NotApplicable
+from speculative.verify.registry import RULES
+
+DRAFTER_METHODS = ("start", "propose", "commit", "keep_rows")
+
+
+class InputError(Exception):
+    """The object cannot be checked; the message is the one line the command prints."""
+
+
+@dataclass
+class Subject:
+    """The object under check: a verifier, or a way to get a drafter for a toy target."""
+
+    label: str
+    kind: str  # "verifier" or "drafter"
+    verifier: Callable | None = None
+    make: Callable[[torch.nn.Module], Any] | None = None
+
+    def drafter(self, target: torch.nn.Module) -> Any:
+        try:
+            drafter = self.make(target)
+        except Exception as error:
+            raise InputError(f"making the drafter {self.label} raised {type(error).__name__}: {error}") from None
+        if isinstance(drafter, type) or not all(callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS):
+            raise InputError(f"{self.label} made {kind_of(drafter)}, not a drafter "
+                             f"(an object with {', '.join(DRAFTER_METHODS)})")
+        if getattr(drafter, "model", None) is target:
+            raise InputError(f"{self.label} called with the toy target drafts with the target itself; pass a "
+                             "function that builds a draft for it, e.g. speculative.prove:model_drafter")
+        return drafter
+
+
+def can_call(function: Callable, count: int) -> bool | None:
+    try:
+        inspect.signature(function).bind(*range(count))
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins)
+        return None
+    return True
+
+
+def subject(obj: Any, label: str) -> Subject:
+    """What ``obj`` is: a drafter, a drafter factory or a verifier; InputError for anything else."""
+    if not isinstance(obj, type) and all(callable(getattr(obj, m, None)) for m in DRAFTER_METHODS):
+        return Subject(label, "drafter", make=lambda target: obj)
+    if callable(obj):
+        if can_call(obj, 4) and not can_call(obj, 1):
+            return Subject(label, "verifier", verifier=obj)
+        if can_call(obj, 0):
+            return Subject(label, "drafter", make=lambda target: obj())
+        if can_call(obj, 1):
+            return Subject(label, "drafter", make=obj)
+    raise InputError(f"{label} ({kind_of(obj)}) is neither a verifier (rule(p, q, drafted, generator) -> Verdict) "
+                     "nor a drafter (an object with start/propose/commit/keep_rows, or a function or class that "
+                     "makes one from nothing or from the target)")
+
+
+def kind_of(obj: Any) -> str:
+    """'an int', 'a class of 2 arguments', ... for the message about the wrong kind of object."""
+    if callable(obj):
+        try:
+            count = sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                        for p in inspect.signature(obj).parameters.values())
+        except ValueError:
+            return "a callable of unknown arguments"
+        return f"a {'class' if isinstance(obj, type) else 'callable'} of {count} argument{'s' * (count != 1)}"
+    name = type(obj).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def load(spec: str) -> tuple[Any, str]:
+    """The object named by MODULE:OBJECT (a dotted module or a .py file), or by a registered
+    name: a verification rule (speculative.verify.RULES) or a drafter kind, whose toy instance
+    is checked (speculative.draft.DRAFTERS); InputError otherwise."""
+    if ":" not in spec and spec in RULES:
+        return RULES[spec].verify, f"rule {spec}"
+    if ":" not in spec and find(spec) is not None:  # registered, or an installed drafter package's
+        toy = DRAFTERS[spec].toy
+        return (load(toy)[0] if isinstance(toy, str) else toy), f"drafter {spec}"
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise InputError(f"expected MODULE:OBJECT (a dotted module name or a .py file, then a name in it), or a "
+                         f"registered rule ({', '.join(RULES)}) or drafter ({', '.join(DRAFTERS)}), got {spec!r}")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise InputError(f"no file {where}")
+        module_name = f"_prove_{path.stem}"
+        if str(path.resolve().parent) not in sys.path:  # its own imports of files beside it, as `python file.py`
+            sys.path.append(str(path.resolve().parent))
+        loader = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[module_name] = module  # so that its functions find their module (dataclasses, the patches)
+        try:
+            loader.loader.exec_module(module)
+        except Exception as error:
+            del sys.modules[module_name]
+            raise InputError(f"importing {where} raised {type(error).__name__}: {error}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as error:
+            if error.name and (where == error.name or where.startswith(error.name + ".")):
+                raise InputError(f"no module named {where!r}") from None
+            raise InputError(f"importing {where} raised ModuleNotFoundError: {error}") from None
+        except Exception as error:
+            raise InputError(f"importing {where} raised {type(error).__name__}: {error}") from None
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise InputError(f"{where} has no {name!r}")
+        obj = getattr(obj, part)
+    return obj, spec
+
+
+@contextmanager
+def blaming(what: str, case: Any) -> Iterator[None]:
+    """An exception of the code under check, turned into InputError (one line, with the case)."""
+    try:
+        yield
+    except Broken as error:
+        error.where = str(case)
+        raise
+    except (InputError, NotApplicable):
+        raise
+    except Contract as error:
+        raise InputError(f"{what} {error} ({case})") from None
+    except Exception as error:
+        raise InputError(f"{what} raised {type(error).__name__}: {error} ({case})") from None
