@@ -47,7 +47,6 @@ from benchmarks.harness import (
     Progress,
     command_line,
     describe_machine,
-    keep_blocks,
     link,
     prepare_networks,
     script_parser,
@@ -308,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                           "Drafters side by side. Bars: speedup over the target alone at each drafter's best fixed γ "
                           "(solid) and at γ = auto (hatched), per prompt set and decoding."))
     text, goal_lines = render(rep, methods, results)
-    write_page(out, keep_blocks(out.read_text() if out.is_file() else None, text))
+    write_page(out, text)
     print("\n".join(goal_lines))
     print(f"wrote {out}" + "".join(f" and {p}" for p in (args.plot, args.drafter_plot) if p and drafters))
     return 0

@@ -349,10 +349,9 @@ def other_pages(page: str | Path) -> str:
             f"{to('benchmarks_trees.md')} (`python -m benchmarks.trees`); batched speculation against the batched "
             f"target alone, batch 1..32, with the crossover, in {to('benchmarks_batch.md')} and "
             f"{to('benchmarks_batch_continuous.md')} (`python -m benchmarks.batch`); eager against compiled steps in "
-            f"{to('benchmarks_compiled.md')} (`python -m benchmarks.compiled`). Two sections at the end of this "
-            "page come from other commands, each named in its section: eager against compiled "
-            "(`python -m benchmarks.compiled`) and fast by default (`python -m benchmarks.startup`); this command "
-            "keeps them when it rewrites the page.")
+            f"{to('benchmarks_compiled.md')} (`python -m benchmarks.compiled`); start-up in "
+            f"{to('benchmarks_startup.md')} (`python -m benchmarks.startup`); llama.cpp in "
+            f"{to('benchmarks_llama_cpp.md')} (`python -m benchmarks.llama_cpp`). Each page is one run on one machine.")
 
 
 def render(rep: Report, methods: dict[str, list[Method]], results: Results) -> tuple[str, list[str]]:

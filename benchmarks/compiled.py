@@ -9,8 +9,8 @@ timed apart (one step of the target at widths 1 and gamma + 1, one step of each 
 network) and in whole runs: the target alone, and speculative decoding with tiny-draft,
 tiny-eagle (compiled: the head and its target, compiled with hidden states) and prompt
 lookup, greedy and at T = 1, gamma fixed. "compiled" here is the compiled step whatever it
-measured (`--compile force`); `--compile` would keep the faster one per model. A summary
-table goes into docs/results/benchmarks.md (--summary), between its markers.
+measured (`--compile force`); `--compile` would keep the faster one per model. The page ends
+with a summary table and the compile times.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 
 from benchmarks.benchmark_prompts import STORY_OPENINGS
 from benchmarks.harness import (
-    COMPILED_BLOCK,
     DOCS,
     NAN,
     RESULTS,
@@ -35,7 +34,6 @@ from benchmarks.harness import (
     median,
     page_head,
     script_parser,
-    update_block,
     write_page,
 )
 from model.fast.compile import compile_for_decoding, decode_widths
@@ -105,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "benchmarks_compiled.md"))
-    parser.add_argument("--summary", default=str(RESULTS / "benchmarks.md"),
-                        help="the page whose eager-vs-compiled block gets the summary table ('' for none)")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(text) for text in STORY_OPENINGS[:args.prompts]] * args.repeats
@@ -170,18 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} {results['compiled'][n]['tps'] / results['eager'][n]['tps']:.2f}x" for n in results["eager"]),
                 file=sys.stderr, flush=True)
         lines.append("")
+    compile_times = ", ".join(f"{t} thread(s) {s:.0f} s" for t, s in zip(args.threads, compile_seconds))
+    lines += ["## Summary", "", "Eager: stacked + prepacked (the default set-up); compiled: model/fast/compile.py's "
+              "default. Compile time of target, draft, the head's target and the head: " f"{compile_times}.", ""]
+    lines += summary
     write_page(args.out, "\n".join(lines))
     print(f"wrote {args.out}")
-    if args.summary:
-        compile_times = ", ".join(f"{t} thread(s) {s:.0f} s" for t, s in zip(args.threads, compile_seconds))
-        whole = link(args.summary, args.out)
-        update_block(args.summary, ["## Eager against compiled", "",
-                                    f"From `{command}` ({info.get('CPU', 'this CPU')}; the whole page, with the "
-                                    f"bandwidth bound: [{whole.rsplit('/', 1)[-1]}]({whole})). Eager: stacked + "
-                                    "prepacked (the default set-up); compiled: model/fast/compile.py's default. "
-                                    "Compile time of target, draft, the head's target and the head: "
-                                    f"{compile_times}.", ""] + summary + [""], COMPILED_BLOCK)
-        print(f"updated {args.summary}")
     return 0
 
 

@@ -20,7 +20,7 @@ timed from the process's birth, pays nothing for it.
   cores, torch threads and version, load average), :func:`machine_lines`, :func:`machine_line`.
 * A script's command line and its pages: :func:`script_parser`, :func:`command_line`,
   :func:`page_head`, :func:`markdown_table`, :func:`link`, :func:`replace_block`,
-  :func:`keep_blocks`, :func:`update_block`, :func:`write_page`, :func:`pyplot`,
+  :func:`write_page`, :func:`pyplot`,
   :func:`save_figure`; the pages and images generated live in :data:`RESULTS` (docs/results).
 * Set-ups: :func:`network`, :func:`prepare_networks` (the decoding set-up of generate.py).
 """
@@ -281,7 +281,7 @@ def machine_line(threads: int | None = None) -> str:
     info, _ = describe_machine(threads)
     load = info.get("load average", "?").split(" (")[0]
     return (f"{info['CPU']}, {info['cores']} cores, {info['torch threads']} torch threads, torch {info['torch']}, "
-            f"load average {load}")
+            f"load average {load}, {info['date']}")
 
 
 # ----------------------------------------------------------------------------- pages
@@ -313,48 +313,6 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: 
 def link(page: str | Path, target: str | Path) -> str:
     """``target`` as a relative link from ``page`` (both paths, wherever the page is written)."""
     return Path(os.path.relpath(Path(target).resolve(), Path(page).resolve().parent)).as_posix()
-
-
-@dataclass(frozen=True)
-class Block:
-    """A block that one script writes into a page another script generates: between two markers."""
-
-    start: str
-    end: str
-
-
-# Written into results/benchmarks.md by compiled.py, startup.py and llama_cpp.py; benchmark.py keeps them when it
-# rewrites the page (keep_blocks).
-COMPILED_BLOCK = Block("<!-- eager-vs-compiled: written by python -m benchmarks.compiled -->",
-                       "<!-- /eager-vs-compiled -->")
-FAST_BLOCK = Block("<!-- fast-by-default: written by python -m benchmarks.startup -->", "<!-- /fast-by-default -->")
-LLAMA_CPP_BLOCK = Block("<!-- against-llama-cpp: written by python -m benchmarks.llama_cpp -->",
-                        "<!-- /against-llama-cpp -->")
-BLOCKS = (COMPILED_BLOCK, FAST_BLOCK, LLAMA_CPP_BLOCK)
-
-
-def replace_block(text: str, block: str, marker: Block) -> str:
-    """``text`` with the block between ``marker``'s lines replaced by ``block`` (appended if it has none)."""
-    if marker.start in text and marker.end in text:
-        head, rest = text.split(marker.start, 1)
-        return head + block + rest.split(marker.end, 1)[1]
-    return text.rstrip("\n") + "\n\n" + block + "\n"
-
-
-def keep_blocks(old: str | None, new: str) -> str:
-    """The new page with the old page's marked blocks, those it had."""
-    for marker in BLOCKS:
-        if old is not None and marker.start in old and marker.end in old:
-            kept = marker.start + old.split(marker.start, 1)[1].split(marker.end, 1)[0] + marker.end
-            new = replace_block(new, kept, marker)
-    return new
-
-
-def update_block(page: str | Path, lines: list[str], marker: Block) -> None:
-    """Write ``lines`` into ``page`` between ``marker``'s lines (the page is made if missing)."""
-    page = Path(page)
-    block = "\n".join([marker.start, *lines, marker.end])
-    write_page(page, replace_block(page.read_text() if page.is_file() else "", block, marker))
 
 
 def write_page(path: str | Path, text: str) -> None:

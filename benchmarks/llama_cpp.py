@@ -50,16 +50,18 @@ from typing import Any
 
 from benchmarks.benchmark_prompts import STORY_OPENINGS
 from benchmarks.harness import (
-    LLAMA_CPP_BLOCK,
     RESULTS,
     ROOT,
     command_line,
     machine_line,
     median,
+    page_head,
     script_parser,
     turn_order,
-    update_block,
+    write_page,
 )
+
+TITLE = "Against llama.cpp"
 
 GAMMA = 4
 
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "benchmarks.md"), help="page to update ('' for none)")
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks_llama_cpp.md"), help="page to write ('' for none)")
     args = parser.parse_args(argv)
     from weights.step_cache import default_dir
 
@@ -180,10 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         best = sorted(max(r) for r in seen[cell])
         return f"{best[0]:.0f}–{best[-1]:.0f}"
 
-    lines = ["## Against llama.cpp", "",
-             f"From `{command_line('llama_cpp', argv)}` (llama.cpp built from llama-cpp-python 0.3.36's sources, "
-             "the pair converted by its convert_hf_to_gguf.py; how: the script's docstring) on "
-             f"{machine_line(args.threads)}.", "",
+    command = command_line("llama_cpp", argv)
+    lines = ["llama.cpp built from llama-cpp-python 0.3.36's sources, the pair converted by its "
+             f"convert_hf_to_gguf.py (how: the script's docstring); run on {machine_line(args.threads)}.", "",
              f"{len(prompts)} story openings, {args.max_new_tokens} new tokens, gamma {GAMMA}, {args.threads} threads, "
              f"{args.rounds} rounds in turns; tokens/s: per prompt the fastest round, median over the prompts "
              "(the range over the prompts after it).", "",
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{speed(default_t1) / best_t1:.2f}x ({speed(default_t1):.0f} against {best_t1:.0f})."]
     print("\n".join(lines))
     if args.out:
-        update_block(args.out, lines, LLAMA_CPP_BLOCK)
+        write_page(args.out, "\n".join(page_head(TITLE, command) + lines))
     return 0
 
 

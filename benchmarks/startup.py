@@ -44,7 +44,6 @@ from pathlib import Path
 # Only what the standard library has, here and in the harness: a start-up child's imports count in its time
 from benchmarks.harness import (
     DOCS,
-    FAST_BLOCK,
     RESULTS,
     ROOT,
     command_line,
@@ -53,10 +52,13 @@ from benchmarks.harness import (
     link,
     load_average,
     median,
+    page_head,
     script_parser,
     turn_order,
-    update_block,
+    write_page,
 )
+
+TITLE = "Fast by default: start-up and decode speed"
 
 STARTS = (("eager", "eager"), ("compiled", "compiled, first process"), ("compiled-again", "compiled, later process"),
           ("cached-build", "cached compiled, first process (builds)"), ("cached", "cached compiled, later process"))
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8, help="turns of every set-up; the fastest counts per prompt")
-    parser.add_argument("--out", default=str(RESULTS / "benchmarks.md"), help="page to update ('' for none)")
+    parser.add_argument("--out", default=str(RESULTS / "benchmarks_startup.md"), help="page to write ('' for none)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
@@ -252,9 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         _, speed = spawn(args, "speed", args.dtypes[0], "", str(Path(work) / f"inductor-{args.dtypes[0]}"))
     load_after = load_average() or (0.0,)
     info, _ = describe_machine(args.threads)
-    compiled_md = link(args.out or RESULTS / "benchmarks.md", DOCS / "compiled.md")
-    lines = ["## Fast by default: start-up and decode speed", "",
-             f"From `{command}` on {info.get('CPU', 'this CPU')}, {args.threads} threads, torch {info.get('torch')}, "
+    compiled_md = link(args.out or RESULTS / "benchmarks_startup.md", DOCS / "compiled.md")
+    lines = [f"On {info.get('CPU', 'this CPU')}, {args.threads} threads, torch {info.get('torch')}, "
              f"{info.get('date')}; load average {load_before[0]:.1f} before the run and {load_after[0]:.1f} after it "
              f"({os.cpu_count()} cores; the run's own threads count in it). {args.prompts} story openings, "
              f"{args.max_new_tokens} new tokens, γ {args.gamma}; the design is in [compiled.md]({compiled_md}). "
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += tables(args, starts, speed) + [""]
     print("\n".join(lines))
     if args.out:
-        update_block(args.out, lines, FAST_BLOCK)
+        write_page(args.out, "\n".join(page_head(TITLE, command) + lines))
         print(f"updated {args.out}", file=sys.stderr)
     return 0
 

@@ -417,12 +417,13 @@ def machine(device: Any) -> str:
 
 def compile_hint(store: Any, target: nn.Module) -> str:
     """What a one-time --compile would gain and cost: the measurements recorded on this machine
-    (Setups.record), or, when there are none, the figures of docs/results/benchmarks.md."""
+    (Setups.record), or, when there are none, where one machine's are written down. The message
+    quotes no other machine's figure: only this machine's own records."""
     seen = store.measured(machine(target.device)) or {}
     if not seen:
-        return ("compiled steps for this run were not measured on this machine: `--compile` builds them once (minutes; "
-                "on a 2-core Zen 5 about 2 min for the shipped pair, whose steps then take about half the time: "
-                "docs/results/benchmarks.md), and later runs load them in a few seconds where they measured faster")
+        return ("compiled steps for this run were not measured on this machine: `--compile` builds them once (minutes "
+                "on a small CPU; one machine's build and step times: docs/results/benchmarks_compiled.md), and later "
+                "runs load them in a few seconds where they measured faster")
     last = max(seen.values(), key=lambda m: m.get("date", ""))
     return (f"compiled steps for this run were not measured: `--compile` builds them once (on {last['date']} it took "
             f"{last['build_s']:.0f}s here for a {last['model']}, whose step went "

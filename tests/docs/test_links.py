@@ -65,3 +65,80 @@ def test_cited_paths_exist(path: Path) -> None:
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(path: Path) -> None:
     assert broken_links(path.read_text(), path.parent) == [], f"{path.relative_to(ROOT)} has broken links"
+
+
+# ----------------------------------------------------------------------------- one machine per page
+# A figure is only comparable with figures measured on the same machine. A page names the machine its
+# figures come from (a results page in its machine table, a docs page in words); these are the ways a page
+# names one, each mapped to one machine. An AMD part is named by its family and model as lscpu gives them.
+MACHINE = re.compile(r"\bZen ?(\d)|cpu family (\d+), model (\d+)|\b(Xeon)")
+ZEN = {("25", "1"): "3", ("25", "17"): "4", ("26", "2"): "5"}  # (family, model) -> Zen generation
+
+
+def machines(text: str) -> set[str]:
+    """The machines a page names: 'Zen 4', 'Zen 5', 'family F model M' (another AMD part), 'Xeon'."""
+    found = set()
+    for zen, family, model, xeon in MACHINE.findall(text):
+        if xeon:
+            found.add("Xeon")
+        elif zen:
+            found.add(f"Zen {zen}")
+        else:
+            found.add(f"Zen {ZEN[family, model]}" if (family, model) in ZEN else f"family {family} model {model}")
+    return found
+
+
+def cited_pages(text: str, folder: Path, root: Path = ROOT) -> set[Path]:
+    """The pages under docs/ that ``text`` links to (relative links) or names (docs/....md)."""
+    pages = {(folder / target.split("#", 1)[0]).resolve() for target in LINK.findall(text)
+             if not re.match(r"[a-z]+:", target) and not target.startswith("#") and target.split("#", 1)[0]}
+    pages |= {(root / path).resolve() for path in CITED.findall(text)}
+    return {p for p in pages if p.suffix == ".md" and p.is_file() and (root / "docs") in p.parents}
+
+
+def mixed_machines(page: Path, root: Path = ROOT) -> list[str]:
+    """What makes ``page`` cite another machine's figures: it names two machines, or it names one and cites
+    (links or names) a docs page that names another."""
+    text = page.read_text()
+    here = machines(text)
+    if len(here) > 1:
+        return [f"names {len(here)} machines: {', '.join(sorted(here))}"]
+    if not here:
+        return []
+    (name,) = here
+    return [f"cites {p.relative_to(root)} ({', '.join(sorted(machines(p.read_text())))}) from a page of {name}"
+            for p in sorted(cited_pages(text, page.parent, root))
+            if machines(p.read_text()) and machines(p.read_text()) != here]
+
+
+def test_the_machine_check_finds_a_page_that_mixes_machines(tmp_path: Path) -> None:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    zen4 = tmp_path / "docs" / "results" / "zen4.md"
+    zen4.write_text("| CPU | AMD EPYC (cpu family 25, model 17, stepping 1) |")
+    (tmp_path / "docs" / "results" / "zen5.md").write_text("On a 2-core Zen 5: 438 tokens/s.")
+    (tmp_path / "docs" / "plain.md").write_text("No figures here.")
+    mixed = tmp_path / "docs" / "mixed.md"
+    mixed.write_text("On this Zen 4 ... and on the Zen 5 (cpu family 26, model 2) ...")
+    citing = tmp_path / "docs" / "citing.md"
+    citing.write_text("Measured on a Zen 5: [zen4](results/zen4.md), [plain](plain.md), docs/results/zen5.md.")
+    same = tmp_path / "docs" / "same.md"
+    same.write_text("On a Zen 4 (see [the run](results/zen4.md#setup)).")
+    assert machines(zen4.read_text()) == {"Zen 4"} and machines("cpu family 26, model 9") == {"family 26 model 9"}
+    assert mixed_machines(mixed, tmp_path) == ["names 2 machines: Zen 4, Zen 5"]
+    assert mixed_machines(citing, tmp_path) == ["cites docs/results/zen4.md (Zen 4) from a page of Zen 5"]
+    assert mixed_machines(same, tmp_path) == [] and mixed_machines(tmp_path / "docs" / "plain.md", tmp_path) == []
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+                                  *sorted((ROOT / "weights").glob("*/README.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_page_is_one_machines_run(path: Path) -> None:
+    assert mixed_machines(path) == [], f"{path.relative_to(ROOT)} mixes machines"
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "docs" / "results").glob("*.md") if p.name != "README.md"),
+                         ids=lambda p: p.name)
+def test_every_results_page_names_its_machine_and_date(path: Path) -> None:
+    text = path.read_text()
+    assert len(machines(text)) == 1, f"{path.name} names no machine, or several"
+    assert re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{path.name} gives no date for its run"
