@@ -1,5 +1,5 @@
-"""Train the shipped tiny pair: a SentencePiece tokenizer, LLaMA models from scratch, and
-a draft distilled toward its target (DistillSpec, Zhou et al. 2023).
+"""Train a tokenizer and LLaMA models from scratch, and drafters for a frozen target: a draft distilled toward it
+(DistillSpec, Zhou et al. 2023), feature heads (EAGLE, EAGLE-3) and parallel drafters (PARD, P-EAGLE).
 
     python train.py tokenizer --corpus A.txt B.txt --vocab-size 2048 --out runs/tok
     python train.py pretrain  --corpus A.txt B.txt --tokenizer runs/tok/tokenizer.model --out runs/target ...
@@ -9,14 +9,9 @@ a draft distilled toward its target (DistillSpec, Zhou et al. 2023).
     python train.py parallel  --target tiny-target --draft tiny-draft --corpus A.txt --eval-corpus B.txt ...
     python train.py peagle    --target tiny-target --head tiny-eagle3 --corpus A.txt --eval-corpus B.txt ...
 
-Every run writes into its --out folder: ``state.pt`` (resumable), ``log.jsonl``,
-``loss.png`` and, at the end, an HF-layout checkpoint in ``hf/``. Rerunning the same
-command resumes from ``state.pt``; a folder that holds a run of another shape is refused.
-Bad input (a missing file, another run's folder) ends with exit status 2 and one
-``error: ...`` line on stderr.
-
-Run it with the project's environment (.venv/bin/python). The shipped pair's recipes: weights/tiny-target,
-weights/tiny-draft-undistilled and weights/tiny-draft, each in its README.md.
+A run writes state.pt (resumable), log.jsonl, loss.png and at the end an HF-layout checkpoint, hf/, in its --out
+folder; the same command resumes it, and a folder holding a run of another shape is refused. Bad input ends with
+status 2 and one ``error: ...`` line. The shipped models' recipes are in their README.md (weights/).
 """
 
 from __future__ import annotations
@@ -25,25 +20,27 @@ import argparse
 import json
 import random
 import sys
-import textwrap
 import time
 from pathlib import Path
+from textwrap import fill
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from model import ConfigError, Llama, ModelConfig, training
+from model import ConfigError, Llama, ModelConfig
 from model.eagle3_head import Eagle3Head, PEagleHead, default_layers
 from model.feature_head import FeatureHead, fingerprint
 from model.training import decay_groups, fit, held_out, init_weights, lr_at, next_token_loss, random_batch
+from speculative.cli.options import ArgumentParser, UsageError, add_flags
 from speculative.draft import distill
 from speculative.draft.parallel_training import parallel_losses, peagle_losses, with_mask_feature, with_mask_token
 from speculative.draft.ttt import start_vocabulary, ttt_losses
-from speculative.engine.generation import ACCEPTANCE_NOTES, measure_acceptance
+from speculative.engine.generation import ACCEPTANCE_NOTES, conversations, measure_acceptance
 from weights import CheckpointError, UnknownCheckpointError, load_drafter, load_model, load_tokenizer
-from weights.corpus import held_out_prompts, story_openings, tokenize_corpus, train_tokenizer
+from weights.checkpoint import read_generation_config, stop_ids
+from weights.corpus import CorpusError, chat_prompts, held_out_prompts, story_openings, tokenize_corpus, train_tokenizer
 from weights.eagle3 import load_eagle3_head
 from weights.runs import RunFolder, RunFolderError
 from weights.tokenizer import SentencePieceTokenizer
@@ -53,10 +50,6 @@ SHAPE_FLAGS = {"hidden_size": "--dim", "num_hidden_layers": "--n-layers", "num_a
                "num_key_value_heads": "--n-kv-heads", "intermediate_size": "--hidden-dim",
                "max_position_embeddings": "--max-seq-len", "tie_word_embeddings": "--tie",
                "vocab_size": "vocab_size (the tokenizer's)"}
-
-
-class TrainError(ValueError):
-    """Bad input to train.py; reported as one ``error:`` line with exit status 2."""
 
 
 # ----------------------------------------------------------------------------- the skeleton
@@ -95,28 +88,28 @@ def train(args: argparse.Namespace) -> None:
     hf = run.export(model, r.vocabulary, getattr(torch, args.save_dtype), r.target, vars(args).get("target", ""))
     summary = r.summary(step, hf)
     run.write_json("summary.json", summary)
-    print(json.dumps(summary))
-    print(f"wrote {hf}")
+    print(json.dumps(summary), f"wrote {hf}", sep="\n")
 
 
 class Recipe:
-    """A training command, as what it changes in :func:`train`: ``build`` (the model trained, every
-    argument checked: nothing may be written yet), ``data`` (what the steps read, once the run folder
-    is known to fit), ``batch_loss`` (a step's loss, fields logged, tokens read), ``after`` (fields
-    logged after a step) and the summary. The defaults: a drafter trained against a frozen target."""
+    """A training command as what it changes in :func:`train`: ``build`` (the model, every argument checked: nothing
+    is written yet), ``data`` (read by the steps, once the run folder fits), ``batch_loss`` (a step's loss, fields
+    logged, tokens read), ``after`` (fields logged after a step), the summary. By default a drafter."""
 
     help = flags = ""  # its subcommand; its flags (OPTIONS), in order, before ACCEPTANCE (with a target) and COMMON
     changes: dict[str, dict] = {}  # its own defaults and helps
     steps, lr, frozen_target, description = 1500, 1e-3, True, None
-    title = desc = ""  # loss.png's title and the progress bar's label, formatted with the arguments
-    about = ""  # said once the state is loaded, formatted with the arguments and the recipe's own
-    depth_plot = ""  # alpha.png's title, where alpha_by_depth is logged
-    vocabulary = None  # the tokenizer.model of a checkpoint (None: a head, whose files name its target)
+    # loss.png's title and the progress bar's label (with the arguments), what is said once the state is loaded
+    title = desc = about = depth_plot = ""  # (with the recipe's own too), alpha.png's title (alpha_by_depth logged)
+    vocabulary, timed = None, False  # a checkpoint's tokenizer.model (None: a head); log this session's seconds
     settings: tuple[str, ...] = ()  # summary.json's, from the recipe's own or the arguments
-    timed = False  # summary.json says how long this session trained
 
     def data(self) -> None:  # story openings (prompts of one length: no padding), the held-out prompts
         a = self.a
+        if getattr(a, "data", None) == "chat":  # requests in the target's chat template, about held-out documents
+            room = self.target.config.max_seq_len - a.eval_new_tokens - 8  # and a few drafted past the last
+            self.eval_prompts = chat_prompts(a.eval_corpus, self.tokenizer, a.eval_prompts, a.seed, room)
+            return
         self.openings = story_openings(a.corpus, self.tokenizer, a.prompt_tokens)
         self.eval_prompts = held_out_prompts(a.eval_corpus, self.tokenizer, a.eval_prompts, a.prompt_tokens, a.seed)
 
@@ -179,22 +172,21 @@ class Pretrain(Recipe):
 
 class Distill(Recipe):
     help = "align a draft with its target on draft-generated (on-policy) text"
-    description = ("Distill a draft toward its target (DistillSpec, Zhou et al. 2023) on text the draft itself writes, "
-                   "then measure its acceptance on held-out prompts, before (before.json) and after (summary.json), "
-                   "greedy and at temperature 1:")
+    description = ("Distill a draft toward its target (DistillSpec, Zhou et al. 2023) on text the draft writes, then "
+                   "measure its held-out acceptance before (before.json) and after (summary.json), greedy and at T=1:")
     flags = "--draft --corpus --eval-corpus --divergence --target-mix --gen-tokens"
     steps, lr, title, desc = 300, 3e-4, "distill {divergence}", "distill ({divergence})"
 
     def build(self) -> nn.Module:
         if (draft := load_model(self.a.draft)).config.vocab_size != self.target.config.vocab_size:
-            raise TrainError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+            raise UsageError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
                              f"({self.target.config.vocab_size})")
         self.vocabulary = load_tokenizer(self.a.draft).path
         return draft
 
     def start(self, step: int) -> None:
         if len(self.openings) < self.a.batch_size:  # nothing is written yet
-            raise TrainError(f"the corpus has fewer than {self.a.batch_size} stories of {self.a.prompt_tokens}+ tokens")
+            raise UsageError(f"the corpus has fewer than {self.a.batch_size} stories of {self.a.prompt_tokens}+ tokens")
         if step == 0:
             self.run.write_json("before.json", before := self.measure())
             print(f"before distillation: {before}")
@@ -220,8 +212,7 @@ class Eagle(Recipe):
     changes, title, desc = {"--seq-len": {"default": 256}}, "eagle head", "eagle"
     about = "head: {parameters:,} parameters; corpus: {corpus_tokens:,} tokens"
 
-    def build(self) -> nn.Module:
-        # The head is one block of the target's own shape (EAGLE-1), with the target's context length.
+    def build(self) -> nn.Module:  # one block of the target's own shape (EAGLE-1), with its context length
         init_weights(head := FeatureHead(ModelConfig(**{**vars(self.target.config), "n_layers": 1, "extra": {}})), 1)
         return head
 
@@ -249,15 +240,25 @@ class Chain(Recipe):
 
     def data(self) -> None:
         super().data()
-        a, length = self.a, self.a.seq_len - self.a.prompt_tokens
-        if getattr(a, "data", "target") == "corpus":
+        a, length, kind = self.a, self.a.seq_len - self.a.prompt_tokens, getattr(self.a, "data", "target")
+        if kind == "corpus":
             self.corpus = tokenize_corpus(a.corpus, self.tokenizer, a.cache_dir)
             return
-        # Another target's continuations are not this target's text: data.pt is made again for it.
+        # Another target's text is not this target's: data.pt is made again for it.
         made_from = {"target": fingerprint(self.target), "seq_len": a.seq_len, "prompt_tokens": a.prompt_tokens}
+        if kind == "chat":  # one stream of requests and the target's answers, read in windows as a corpus is
+            self.corpus = self.run.data({**made_from, "requests": a.sequences, "seed": a.seed}, 1, lambda: self.chat(
+                length), f"the target answers {a.sequences} requests (up to {length} tokens)")[0].numpy()
+            return
         self.tokens = self.run.data(made_from, a.sequences, lambda: distill.target_continuations(
             self.target, self.openings, a.sequences, length, a.seed), f"the target writes {a.sequences} continuations "
             f"of {length} tokens")
+
+    def chat(self, length: int) -> torch.Tensor:  # requests about the corpus and the target's answers
+        a, t = self.a, self.target
+        prompts = chat_prompts(a.corpus, self.tokenizer, a.sequences, a.seed + 1, t.config.max_seq_len - length)
+        return conversations(t, prompts, length, stop_ids(t.config, read_generation_config(a.target), self.tokenizer),
+                             a.seed, progress=lambda done, total: print(f"  {done}/{total}", flush=True))[None]
 
     def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
         a = self.a
@@ -275,7 +276,7 @@ class Chain(Recipe):
 
     def check_depths(self, most: int) -> None:
         if not 2 <= self.a.depths <= most or not 0 < self.a.min_keep <= self.a.keep <= 1:
-            raise TrainError(f"--depths must lie in 2..{most}, and 0 < --min-keep <= --keep <= 1")
+            raise UsageError(f"--depths must lie in 2..{most}, and 0 < --min-keep <= --keep <= 1")
 
 
 class Eagle3(Chain):
@@ -294,11 +295,11 @@ class Eagle3(Chain):
         try:
             layers = tuple(int(i) for i in a.layers.split(",")) if a.layers else default_layers(n)
         except ValueError:
-            raise TrainError(f"--layers takes three layer ids as I,J,K, got {a.layers!r}") from None
+            raise UsageError(f"--layers takes three layer ids as I,J,K, got {a.layers!r}") from None
         if len(layers) != 3 or not all(0 <= i < n for i in layers):
-            raise TrainError(f"--layers takes three layer ids in 0..{n - 1}, got {a.layers}")
+            raise UsageError(f"--layers takes three layer ids in 0..{n - 1}, got {a.layers}")
         if not 1 <= a.ttt_steps < a.seq_len or not 0 <= a.draft_vocab <= vocab:
-            raise TrainError(f"--ttt-steps must lie in 1..{a.seq_len - 1} and --draft-vocab in 0..{vocab}")
+            raise UsageError(f"--ttt-steps must lie in 1..{a.seq_len - 1} and --draft-vocab in 0..{vocab}")
         self.layers, self.draft_vocab = list(layers), a.draft_vocab or vocab
         config = ModelConfig(**{**vars(self.target.config), "n_layers": 1, "extra": {}})  # one block of its shape
         init_weights(head := Eagle3Head(config, layers, draft_vocab=self.draft_vocab), 1)
@@ -328,7 +329,7 @@ class Parallel(Chain):
         start_from, vocab = load_model(self.a.draft), self.target.config.vocab_size
         parallel = "pard_token" in start_from.config.extra  # a parallel draft already: go on with it
         if not parallel and start_from.config.vocab_size != vocab:
-            raise TrainError(f"the draft's vocabulary ({start_from.config.vocab_size}) differs from the target's "
+            raise UsageError(f"the draft's vocabulary ({start_from.config.vocab_size}) differs from the target's "
                              f"({vocab})")
         draft = start_from if parallel else with_mask_token(start_from)
         self.check_depths(self.a.seq_len - 1)
@@ -348,13 +349,13 @@ class PEagle(Chain):
         a, target = self.a, self.target
         start_from = load_eagle3_head(a.head, target, a.target)
         if not 0 <= a.mask_id < target.config.vocab_size:
-            raise TrainError(f"--mask-id must be a target id in 0..{target.config.vocab_size - 1}")
+            raise UsageError(f"--mask-id must be a target id in 0..{target.config.vocab_size - 1}")
         self.check_depths(a.seq_len - 2)
         try:  # the EAGLE-3 head's weights, a mask feature of zeros and the mean embedding as the mask's
             head = start_from if isinstance(start_from, PEagleHead) else with_mask_feature(
                 start_from, a.mask_id, target.embed_tokens.weight.mean(0))
         except ValueError as err:
-            raise TrainError(f"{a.head}: {err}") from None
+            raise UsageError(f"{a.head}: {err}") from None
         self.mask_id = head.mask_token_id
         return head.requires_grad_(True)
 
@@ -363,14 +364,13 @@ RECIPES = {recipe.__name__.lower(): recipe for recipe in (Pretrain, Distill, Eag
 
 
 # ----------------------------------------------------------------------------- the command line
-# Every flag once: (type, default, help[, choices]) or argparse's keywords. A recipe takes --target (if it has one),
-# its flags, ACCEPTANCE (with a target) and COMMON; "(default X)" ends each help that does not give its default.
+# Every flag once (speculative.cli.options.add_flags): a recipe takes --target (if it has one), its flags,
+# ACCEPTANCE (with a target) and COMMON.
 OPTIONS: dict[str, Any] = {
     "--target": dict(required=True, help="target checkpoint (name or HF-layout folder)"),
     "--draft": dict(required=True, help="draft checkpoint to start from"),
     "--head": dict(required=True, help="the EAGLE-3 head to adapt (or a P-EAGLE head to go on with)"),
-    "--corpus": dict(nargs="+", required=True, help="training text files: their story openings are the prompts, "
-                     "their text the windows trained on (pretrain, eagle, --data corpus)"),
+    "--corpus": dict(nargs="+", required=True, help="training text: its story openings, requests about it, windows"),
     "--eval-corpus": dict(nargs="+", required=True, help="held-out files for the acceptance prompts"),
     "--tokenizer": dict(required=True, help="tokenizer.model from `train.py tokenizer`"),
     "--dim": (int, 288, "hidden size"), "--n-layers": (int, 6, "transformer blocks"),
@@ -380,26 +380,19 @@ OPTIONS: dict[str, Any] = {
     "--tie": dict(action="store_true", help="tie the output head to the embeddings (default: untied)"),
     "--max-seq-len": (int, 1024, "max_position_embeddings written to config.json"),
     "--weight-decay": (float, 0.1, "AdamW weight decay of the matrices; norms and biases get none"),
-    "--eval-every": (int, 50, f"log the held-out loss (eval_loss: {training.LOG_EVAL_BATCHES * training.EVAL_BATCH} "
-                              f"windows; summary.json's held_out_loss at the end uses "
-                              f"{training.FINAL_EVAL_BATCHES * training.EVAL_BATCH}) every N steps"),
-    "--divergence": (str, "tv", "token-level divergence D(p_target || q_draft): forward KL, reverse KL, JSD or total "
-                               "variation (1 - TV is the expected acceptance)", sorted(distill.DIVERGENCES)),
+    "--eval-every": (int, 50, "log the held-out loss (eval_loss; summary.json's held_out_loss: more) every N steps"),
+    "--divergence": (str, "tv", "D(p_target || q_draft) per token (1 - TV: acceptance)", sorted(distill.DIVERGENCES)),
     "--target-mix": (float, 0.0, "fraction of batches generated by the target instead of the draft (default 0)"),
-    "--self-mix": (float, 0.5, "fraction of batches the target writes itself, half greedy and half sampled at "
-                               "temperature 1; the rest are corpus windows"),
+    "--self-mix": (float, 0.5, "share of batches the target writes (half greedy, half at T=1); else corpus windows"),
     "--noise": (float, 0.2, "half-width of the uniform noise added to the input features"),
     "--cls-weight": (float, 0.5, "weight of the cross-entropy against the target's distribution, beside regression"),
-    "--data": (str, "target", "train on the target's own continuations of story openings (written once to the run "
-                          "folder, data.pt, and reused) or on corpus windows", ["target", "corpus"]),
-    "--sequences": (int, 2048, "continuations the target writes, half greedy and half sampled at temperature 1 "
-                               "(default 2048; a run folder holding more reuses them)"),
+    "--data": (str, "target", "the target's continuations of story openings or answers to requests about the corpus "
+                          "(made once: data.pt), or corpus windows", ["target", "chat", "corpus"]),
+    "--sequences": (int, 2048, "continuations the target writes, half greedy, half at T=1 (data.pt's are reused)"),
     "--ttt-steps": (int, 7, "drafting steps unrolled in training (training-time test; 1: none)"),
     "--ttt-decay": (float, 0.8, "weight of step k's loss is decay^k"),
-    "--loss": (str, "soft-ce", "soft cross-entropy against the target's distribution, or EAGLE-1's smooth-L1 feature "
-                           "regression plus 0.5 x that cross-entropy", ["soft-ce", "regression"]),
-    "--draft-vocab": (int, 1024, "ids of the head's own output layer: the most frequent in the data (0: the target's "
-                                 "whole vocabulary)"),
+    "--loss": (str, "soft-ce", "soft cross-entropy, or EAGLE-1's regression + 0.5 x it", ["soft-ce", "regression"]),
+    "--draft-vocab": (int, 1024, "ids in the head's output layer: the data's most frequent (0: the target's all)"),
     "--layers": (str, None, "the three target layers whose inputs are fused, as I,J,K (default 2, N/2, N-3)"),
     "--depths": (int, 8, "draft positions trained, 1 real + masks"),
     "--keep": (float, 0.8, "conditional drop: depth d keeps keep^d of the anchors"),
@@ -409,26 +402,17 @@ OPTIONS: dict[str, Any] = {
     "--cache-dir": (str, "runs/cache", "tokenised-corpus cache folder"),
     "--gen-tokens": (int, 128, "tokens generated per sequence"),
     "--prompt-tokens": (int, 8, "length of the story openings (the prompts)"),  # ACCEPTANCE from here
-    "--gamma": (int, 4, "gamma used to measure acceptance"),
-    "--eval-prompts": (int, 16, "held-out prompts for acceptance"),
+    "--gamma": (int, 4, "gamma of the acceptance runs"), "--eval-prompts": (int, 16, "held-out prompts for them"),
     "--eval-new-tokens": (int, 64, "tokens generated per held-out prompt"),
     "--out": dict(required=True, help="run folder: state.pt, log.jsonl, loss.png, hf/"),  # COMMON from here
     "--steps": (int, None, "optimizer steps"), "--lr": (float, None, "peak learning rate"),
     "--warmup": (int, 20, "linear warmup steps"), "--batch-size": (int, 16, "sequences per step"),
     "--seed": (int, 0, "seed for data order and init"), "--save-every": (int, 50, "write state.pt every N steps"),
     "--save-dtype": (str, "float16", "dtype of the exported safetensors", ["float16", "bfloat16", "float32"]),
-    "--threads": (int, torch.get_num_threads(), f"torch CPU threads (default: torch's choice, "
-                                                f"{torch.get_num_threads()} here)"),
+    "--threads": (int, torch.get_num_threads(), "torch CPU threads (default: torch's choice here)"),
     "--no-progress": dict(action="store_true", help="no progress bar (default: a tqdm bar)"),
 }
 ACCEPTANCE, COMMON = list(OPTIONS)[-14:-10], list(OPTIONS)[-10:]
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one ``error:`` line (status 2), without the usage dump."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -440,30 +424,24 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--out", required=True, help="folder to write tokenizer.model into")
     tok.set_defaults(func=lambda args: print("wrote {} ({} pieces, trained on {} documents)".format(
         *train_tokenizer(args.corpus, args.vocab_size, args.out))))
-    notes = "\n".join(textwrap.fill(note, 88, initial_indent="  ", subsequent_indent="    ")
-                      for note in ACCEPTANCE_NOTES.values())
+    notes = "\n".join(fill(n, 88, initial_indent="  ", subsequent_indent="    ") for n in ACCEPTANCE_NOTES.values())
     for name, recipe in RECIPES.items():
-        description = recipe.description and f"{textwrap.fill(recipe.description, 88)}\n\n{notes}"
+        description = recipe.description and f"{fill(recipe.description, 88)}\n\n{notes}"
         p = sub.add_parser(name, help=recipe.help, description=description,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         changes = {"--steps": {"default": recipe.steps}, "--lr": {"default": recipe.lr}, **recipe.changes}
         flags = ["--target", *recipe.flags.split(), *ACCEPTANCE] if recipe.frozen_target else recipe.flags.split()
-        for flag in flags + COMMON:
-            option = OPTIONS[flag] if isinstance(OPTIONS[flag], dict) else dict(
-                zip(("type", "default", "help", "choices"), OPTIONS[flag]))
-            option = {**option, **changes.get(flag, {})}
-            if not (option.get("required") or option.get("action") or "default" in option["help"]):
-                option["help"] += f" (default {option['default']})"
-            p.add_argument(flag, **option)
+        add_flags(p, OPTIONS, flags + COMMON, changes)
         p.set_defaults(func=train)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         args.func(args)
-    except (TrainError, RunFolderError, CheckpointError, UnknownCheckpointError, ConfigError, FileNotFoundError) as err:
+    except (UsageError, RunFolderError, CheckpointError, UnknownCheckpointError, ConfigError, CorpusError,
+            FileNotFoundError) as err:
         print(f"error: {err}".splitlines()[0], file=sys.stderr)
         raise SystemExit(2) from None
 

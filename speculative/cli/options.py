@@ -9,6 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,20 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+
+def add_flags(parser: argparse.ArgumentParser, table: dict[str, Any], flags: list[str],
+              changes: dict[str, dict] | None = None) -> None:
+    """Add ``flags`` to ``parser`` from a table that names every flag once: ``(type, default, help[,
+    choices])`` or argparse's keywords, with ``changes`` (a flag's own default or help) laid over
+    them. A help that does not give its default gets " (default X)"."""
+    for flag in flags:
+        option = table[flag] if isinstance(table[flag], dict) else dict(
+            zip(("type", "default", "help", "choices"), table[flag]))
+        option = {**option, **(changes or {}).get(flag, {})}
+        if not (option.get("required") or option.get("action") or "default" in option["help"]):
+            option["help"] += f" (default {option['default']})"
+        parser.add_argument(flag, **option)
 
 
 def gamma_arg(text: str) -> int | str:

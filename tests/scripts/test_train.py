@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from speculative import FeatureDrafter
 from tests.support.paths import SHARED_DATA
 from tests.support.toy_models import random_eagle3_head, random_llama
 from weights import CheckpointError, load_drafter, load_model, load_tokenizer
+from weights.corpus import chat_requests
 from weights.drafters import load_feature_head
 from weights.runs import RunFolder
 
@@ -407,3 +409,33 @@ def test_a_head_that_does_not_carry_over_to_p_eagle_is_one_clear_error(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: a-head: ") and "fc.weight" in lines[0], lines
     assert not (tmp_path / "pe").exists()
+
+
+@needs_shared
+def test_a_chat_model_s_drafter_trains_on_its_answers_to_requests(corpus: dict[str, Path], targets: tuple[Path, Path],
+                                                                  tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """--data chat: data.pt is one stream of requests about the corpus, each in the target's chat
+    template, and the target's answer after it (the first greedy, to a stop id or the length);
+    the held-out prompts are chat requests too. A base model is refused in one line."""
+    chat_target = tmp_path / "chat-target"
+    shutil.copytree(targets[0], chat_target)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (chat_target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    eagle3(chat_target, corpus, tmp_path / "e3", 2, *QUICK, "--data", "chat", "--sequences", "4")
+    stream = continuations(tmp_path / "e3")[0].tolist()
+    tokenizer, model = load_tokenizer(chat_target), load_model(chat_target)
+    (request, *_) = chat_requests([corpus["train"]], 4, seed=1)  # the run's seed + 1
+    prompt = tokenizer.encode(f"user: {request}\nassistant:", bos=False)  # the template writes no BOS
+    assert stream[:len(prompt)] == prompt
+    answer = []  # the target's greedy answer, by a plain forward with no cache: up to 24 - 8 tokens
+    with torch.no_grad():
+        while len(answer) < 16 and (not answer or answer[-1] != tokenizer.eos_id):
+            answer.append(int(model(torch.tensor([prompt + answer]))[0, -1].argmax()))
+    assert stream[len(prompt):len(prompt) + len(answer)] == answer
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        eagle3(targets[0], corpus, tmp_path / "base", 1, *QUICK, "--data", "chat")
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "has no chat template" in lines[0], lines

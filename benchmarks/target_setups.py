@@ -1,0 +1,82 @@
+"""What one call of a target costs by its width, under each way the target can run: the cost side
+of speculation on a step bound by reading the weights (a real model on a CPU), where a call of
+several tokens can cost little more than one.
+
+    python -m benchmarks.target_setups --target SMOLLM2_FOLDER_OR_GGUF
+    python -m benchmarks.target_setups --target tiny-target --widths 1 5 --rounds 3   # a smoke run
+
+Set-ups: the weights as loaded (``plain``), q/k/v and gate/up stacked into one product each
+(``stacked``, model/fast/fuse.py), stacked and reordered once for oneDNN (``prepacked``,
+model/fast/prepack.py), each in float32 and in bfloat16 (another target unless the checkpoint is
+stored in it: docs/compiled.md, "16 bits on a CPU"; prepacked only where oneDNN computes the dtype
+natively). A call of w tokens after 100 cached ones; each figure is the median of enough calls
+for about 0.2 s, the lowest over ``--rounds`` rounds taken in turns (the VM's speed drifts), in
+milliseconds and in one-token calls of the same set-up. Prints a markdown table and the
+machine; run it with nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from benchmarks.harness import machine_line, markdown_table, script_parser, time_call, turn_order
+from model.call import CacheCall
+from model.fast.fuse import prepare_for_decoding
+from model.fast.prepack import prepack_supported
+from weights import load_model
+
+START = 100  # cache position of the timed calls: a prompt's worth of context before them
+SETUPS = {"plain": (False, False), "stacked": (True, False), "prepacked": (True, True)}
+
+
+def ms_per_call(model: torch.nn.Module, width: int, calls: int) -> float:
+    """Milliseconds per call of ``width`` tokens, over ``calls`` calls at positions 64 apart at most."""
+    tokens = torch.full((1, width), 5)
+    step = iter(range(calls))
+    return time_call(lambda: model(tokens, CacheCall.of(torch.arange(width).unsqueeze(0) + START + next(step) % 64)),
+                     calls, together=True).median * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = script_parser("target_setups", __doc__)
+    parser.add_argument("--target", default="tiny-target", help="registry name, folder or GGUF (default tiny-target)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24],
+                        help="tokens per call (default 1 2 4 6 8 12 16 24)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds taken in turns (default 5)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.threads < 1 or any(not 1 <= w <= 64 for w in args.widths):
+        sys.exit("error: --rounds and --threads must be >= 1, --widths in 1..64")
+    torch.set_num_threads(args.threads)
+    models = {}
+    for dtype in args.dtypes:
+        for name, (stack, prepack) in SETUPS.items():
+            if prepack and not prepack_supported(getattr(torch, dtype)):
+                continue
+            model = load_model(args.target, dtype=getattr(torch, dtype)).eval()
+            prepare_for_decoding(model, stack=stack, prepack=prepack)
+            model.setup_cache(1, START + 64 + max(args.widths))
+            models[f"{name}, {dtype}"] = model
+    widths = sorted(set(args.widths) | {1})
+    best: dict[tuple[str, int], float] = {}
+    with torch.inference_mode():
+        calls = {key: max(3, int(0.2 / (ms_per_call(model, 1, 2) / 1e3))) for key, model in models.items()}
+        for turn in range(args.rounds):
+            for key in turn_order(list(models), turn):
+                for width in widths:
+                    ms = ms_per_call(models[key], width, calls[key])
+                    best[key, width] = min(ms, best.get((key, width), ms))
+            print(f"round {turn + 1} of {args.rounds}", file=sys.stderr, flush=True)
+    print(f"{args.target}: {machine_line(args.threads)}; milliseconds per call, the lowest of {args.rounds} rounds' "
+          f"medians (in one-token calls of the same set-up)\n")
+    rows = [[key] + [f"{best[key, w]:.2f} ({best[key, w] / best[key, 1]:.2f})" for w in widths] for key in models]
+    print("\n".join(markdown_table(["set-up"] + [f"w = {w}" for w in widths], rows, "l" + "r" * len(widths))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
