@@ -70,7 +70,8 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--no-draft", action="store_true", help="the target alone, one token per call: the baseline")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 (float16) on a GPU, float32 on cpu")
-    add("--quantize", choices=["int8"], default=None, help="int8 block weights (default: none)")
+    add("--quantize", choices=["int8", "int4"], default=None,
+        help="int8 block weights, or int4 in groups of 32 (a CPU, float32): another target (default: none)")
     add("--plan", action="store_true", help="print the memory per GPU and exit: 0 when it fits, 1 when not")
     add("--plan-device", default=None, help=f"--plan's GPU: {', '.join(DEVICES)} or auto (default: auto, or h200)")
     add("--tp", type=int, default=None, help="--plan's tensor-parallel size (default: WORLD_SIZE or 1)")
@@ -137,7 +138,7 @@ def validate(args: argparse.Namespace, given: set[str]) -> None:
     if args.compile:  # --compile is the measurement with the compiled set-up among the candidates
         args.setup = "compiled" if args.compile == "force" else "measure-all"
     if args.setup != "default" and args.quantize:
-        raise UsageError(f"{setup_flag(args)} does not apply to int8 layers, which have one set-up; drop one of "
+        raise UsageError(f"{setup_flag(args)} does not apply to quantized layers, which have one set-up; drop one of "
                          f"{setup_flag(args)} and --quantize")
     if args.setup != "default" and (args.no_fuse or args.no_prepack):
         raise UsageError(f"--no-fuse and --no-prepack change the default set-up; with {setup_flag(args)} name the "
@@ -254,6 +255,9 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     else:
         device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
+    if args.quantize == "int4" and (device.type != "cpu" or dtype != torch.float32):
+        raise UsageError(f"--quantize int4 runs on a CPU in float32 (torch's packed int4 kernel), not {device.type} in "
+                         f"{str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype")
     if "no_prepack" in given and is_main and (device.type != "cpu" or not packable(dtype)):
         print(f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
               "prepacked only on the CPU in float32 (and bfloat16 with native bf16)", file=sys.stderr)

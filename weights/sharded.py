@@ -1,4 +1,4 @@
-"""Loading one rank's share of a checkpoint (tensor parallelism), optionally as int8.
+"""Loading one rank's share of a checkpoint (tensor parallelism), optionally as int8 or int4.
 
 :func:`load_model_tp` is :func:`weights.checkpoint.load_model` for a process in a
 tensor-parallel group: it builds the model on the meta device, swaps the blocks for
@@ -10,7 +10,8 @@ tensor it does not keep.
 
 With ``quantize="int8"`` each block's linear weight is quantized as soon as it has been
 read, one matrix at a time on the target device, so the full-precision model never
-exists: that is what lets 70B (69 GB of int8) load on one 80 GB GPU.
+exists: that is what lets 70B (69 GB of int8) load on one 80 GB GPU. ``quantize="int4"`` does the
+same with groupwise int4 (model.scale.quantize.Int4Linear, a CPU in float32).
 
 Without a process group (or with one rank) it loads the whole model, so the same
 function serves ``generate.py --quantize int8`` on one GPU.
@@ -27,12 +28,12 @@ from torch import nn
 
 from model import Llama, ModelConfig
 from model.scale.memory import LLAMA2_CONFIGS
-from model.scale.quantize import Int8Linear, quantize_weight
+from model.scale.quantize import Int4Linear, Int8Linear, quantize_weight
 from model.scale.tensor_parallel import check_divisible, parallelize, shard_index, sync_logits
 from weights.checkpoint import SUPPORTED_DTYPES, CheckpointError, read_config, read_tensors
 from weights.registry import UnknownCheckpointError, resolve
 
-QUANTIZE_MODES = (None, "int8")
+QUANTIZE_MODES = (None, "int8", "int4")
 
 
 def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
@@ -50,7 +51,7 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     if dtype not in SUPPORTED_DTYPES:
         raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64")
     if quantize not in QUANTIZE_MODES:
-        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+        raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
     device = torch.device(device)
     if shard and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -86,17 +87,19 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
 
 
 def _place(model: Llama, name: str, tensor: torch.Tensor, quantize: str | None) -> None:
-    """Put ``tensor`` where parameter ``name`` lives; block linears become Int8Linear with int8."""
+    """Put ``tensor`` where parameter ``name`` lives; block linears become Int8Linear with int8, and
+    Int4Linear with int4 where their inputs split into groups of 32."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
     current = getattr(module, attr)
     if tuple(current.shape) != tuple(tensor.shape):
         raise CheckpointError(f"{name}: this rank's slice has shape {list(tensor.shape)}, the sharded model "
                               f"expects {list(current.shape)}")
-    if quantize == "int8" and isinstance(module, nn.Linear) and name.startswith("layers."):
+    if quantize and isinstance(module, nn.Linear) and name.startswith("layers.") and \
+            (quantize == "int8" or tensor.shape[1] % 32 == 0):
         parent_name, _, child = module_name.rpartition(".")
-        q, scale = quantize_weight(tensor)
-        setattr(model.get_submodule(parent_name), child, Int8Linear(q, scale))
+        layer = Int8Linear(*quantize_weight(tensor)) if quantize == "int8" else Int4Linear.from_float(tensor, 32)
+        setattr(model.get_submodule(parent_name), child, layer)
         return
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 

@@ -99,11 +99,14 @@ def sharded_shapes(config: ModelConfig, tp: int) -> list[tuple[int, int]]:
 
 
 def linear_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype, quantize: str | None) -> int:
-    """Bytes of linear weights: dtype bytes each, or 1 byte each + one dtype scale per output row."""
+    """Bytes of linear weights: dtype bytes each; with int8 1 byte each + one dtype scale per output
+    row; with int4 half a byte each + a float32 scale and zero per group of 32."""
     if quantize is None:
         return sum(o * i for o, i in shapes) * dtype_bytes(dtype)
+    if quantize == "int4":
+        return sum(o * i // 2 + o * (i // 32) * 8 for o, i in shapes)
     if quantize != "int8":
-        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+        raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
     return sum(o * i + o * dtype_bytes(dtype) for o, i in shapes)
 
 
@@ -234,7 +237,7 @@ def plan(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: to
     per_pos = kv_bytes_per_position(config_target, dtype, tp_size, batch)
     per_pos_draft = kv_bytes_per_position(config_draft, dtype, 1, batch) if config_draft is not None else 0
     workspace = reserve
-    if quantize:  # Int8Linear's forward casts the weight to the activation dtype: one matrix at a time
+    if quantize == "int8":  # Int8Linear's forward off a CPU casts the weight to the activation dtype: one at a time
         shapes = sharded_shapes(config_target, tp_size)
         if config_draft is not None:
             shapes += block_linear_shapes(config_draft)

@@ -73,6 +73,8 @@ class Int8Linear(nn.Module):
         return cls(*quantize_weight(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's CPU int8 kernel (_weight_int8pack_mm) does without the float copy, but on a CPU both lose to
+        # float32 (python -m benchmarks.matmul_rows --dtypes float32 int8 int4; docs/compiled.md).
         return F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -112,3 +114,72 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = False) -> nn.Module:
     if include_lm_head and isinstance(head, nn.Linear) and not tied:
         model.lm_head = Int8Linear.from_float(head.weight.detach())
     return model
+
+
+# ----------------------------------------------------------------------------- int4, groupwise (a CPU)
+def quantize_int4_weight(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes 0..15 as int32 [out, in], scales and zeros [out, in / group_size]) of a float matrix,
+    asymmetric per group of ``group_size`` inputs, as gpt-fast's int4 mode: a group's smallest and
+    largest weight span the 16 codes, and code c stands for (c - 8) * scale + zero. Every weight is
+    within scale / 2 of what its code stands for."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"{in_features} inputs do not split into groups of {group_size}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-8)  # a constant group: any code stands for its value
+    codes = ((groups - low) / scale).round().clamp(0, 15)
+    return codes.reshape(out_features, in_features).to(torch.int32), scale[..., 0], (low + 8 * scale)[..., 0]
+
+
+def dequantize_int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The float32 matrix an int4 layer multiplies by: (code - 8) * scale + zero, group by group."""
+    group_size = codes.shape[1] // scale.shape[1]
+    return ((codes.float() - 8) * scale.repeat_interleave(group_size, 1) + zero.repeat_interleave(group_size, 1))
+
+
+class Int4Linear(nn.Module):
+    """A bias-free linear layer with 4-bit weights, groupwise scales and zeros, for a CPU: torch's
+    packed int4 kernel (``_weight_int4pack_mm_for_cpu``) reads an eighth of float32's bytes. A
+    float32 input only (the kernel's bfloat16 path rounds its sums too coarsely to serve as a
+    target's). ``weight`` holds the packed codes; ``shape`` is [out, in] as nn.Linear's."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.group_size = self.in_features // scale.shape[1]
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2))
+        self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], -1).float().contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = 32) -> Int4Linear:
+        return cls(*quantize_int4_weight(weight, group_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            raise TypeError(f"Int4Linear computes float32 on a CPU, got {x.dtype} on {x.device.type}")
+        flat = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).contiguous(), self.weight,
+                                                          self.group_size, self.scales_and_zeros)
+        return flat.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4, groups of {self.group_size}"
+
+
+def quantize_int4(model: nn.Module, group_size: int = 32) -> nn.Module:
+    """Replace every ``nn.Linear`` of the transformer blocks whose inputs split into groups of
+    ``group_size`` with an :class:`Int4Linear`, in place (a CPU, float32). As :func:`quantize_int8`,
+    the embeddings, norms and output head keep their dtype. A quantized model is another target:
+    offered and measured, never a default."""
+    def swap(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % group_size == 0:
+                if child.bias is not None:
+                    raise ValueError(f"{name} has a bias; LLaMA's linear layers have none")
+                setattr(parent, name, Int4Linear.from_float(child.weight.detach(), group_size))
+            elif not isinstance(child, nn.Linear):
+                swap(child)
+
+    swap(model.layers)
+    return model
+

@@ -138,7 +138,7 @@ def header_line(args: argparse.Namespace, pair: Any, device: torch.device, dtype
                 seed: int | None) -> str:
     """The run's first line on stderr: the pair, where it runs, and the whole decoding setup."""
     speculative = pair.draft is not None
-    dtype_name = str(dtype).removeprefix("torch.") + (" with int8 weights" if args.quantize else "")
+    dtype_name = str(dtype).removeprefix("torch.") + (f" with {args.quantize} weights" if args.quantize else "")
     tuning = [f"{pair.fused} projection groups stacked"] if pair.fused else []
     tuning += [f"{pair.prepacked} layers oneDNN-prepacked"] if pair.prepacked else []
     if tuning:

@@ -1,4 +1,4 @@
-"""generate.py with tensor parallelism, int8 weights and memory planning.
+"""generate.py with tensor parallelism, int8 and int4 weights and memory planning.
 
 * Under ``torchrun --nproc-per-node 2`` (gloo, on the CPU) the target is sharded over two
   ranks, the draft replicated, and rank 0 alone prints: greedy float64 tokens equal the
@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from model.scale.quantize import quantize_int4
 from tests.support.paths import DRAFT, ROOT, TARGET
+from weights import load_model, load_tokenizer
 
 needs_pair = pytest.mark.skipif(
     not (TARGET / "config.json").is_file() or not (DRAFT / "config.json").is_file(),
@@ -86,6 +89,30 @@ def test_int8_speculative_equals_the_int8_target_alone() -> None:
     assert with_draft["stats"]["draft_calls"] > 0
     assert len(with_draft["tokens"]) == 24
     assert with_draft["tokens"] == alone["tokens"]
+
+
+@needs_pair
+def test_int4_runs_the_int4_target_and_speculation_reproduces_it() -> None:
+    """--quantize int4 (a CPU, float32) is another target: generate.py's greedy tokens are those of
+    the shipped target with its block weights quantized by model.scale.quantize, decoded here by a
+    plain forward with no cache; speculation reproduces them."""
+    args = ["--quantize", "int4", "--json", "--temperature", "0", "--max-new-tokens", "16", "--device", "cpu",
+            "--prompt", "Once upon a time"]
+    with_draft, alone = run_json(*args), run_json(*args, "--no-draft")
+    assert with_draft["settings"]["quantize"] == "int4" and with_draft["stats"]["draft_calls"] > 0
+    assert with_draft["tokens"] == alone["tokens"]
+    model = quantize_int4(load_model(TARGET, dtype=torch.float32).eval())
+    seq = load_tokenizer(TARGET).encode("Once upon a time", bos=True)
+    prompt = len(seq)
+    assert alone["prompt_tokens"] == prompt
+    with torch.inference_mode():
+        for _ in range(16):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert alone["tokens"] == seq[prompt:]
+    proc = cli(*args, "--dtype", "bfloat16")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --quantize int4 runs on a CPU in float32 (torch's packed int4 kernel), not cpu in bfloat16: add "
+        "--device cpu, or drop --dtype"]
 
 
 # ----------------------------------------------------------------------------- --plan

@@ -180,3 +180,10 @@ def test_plan_suggestion_words_the_cheapest_fit() -> None:
     huge = replace(LLAMA2_CONFIGS["13b"], n_layers=1000, n_heads=5, n_kv_heads=5)  # 240 GB int8, heads split by none
     assert plan_suggestion(huge, None, torch.bfloat16, 1, None, "a100-40gb") == (
         "no single change of --dtype, --quantize, --tp or --plan-device fits it: use a smaller pair")
+
+
+def test_int4_bytes_are_half_a_byte_a_weight_and_a_scale_and_zero_per_group() -> None:
+    # 4096 x 4096: 8 MiB of codes, and 4096 rows x 128 groups x (4-byte scale + 4-byte zero) = 4 MiB
+    assert memory_lib.linear_bytes([(4096, 4096)], torch.float32, "int4") == 12582912  # 8388608 + 4194304
+    with pytest.raises(ValueError, match="'int8' or 'int4'"):
+        memory_lib.linear_bytes([(8, 8)], torch.float32, "int2")

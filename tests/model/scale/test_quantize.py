@@ -1,4 +1,5 @@
-"""Weight-only int8: exact per-layer error bound, whole-model closeness, memory, and speculation."""
+"""Weight-only int8 and int4: exact per-layer error bounds, the CPU kernels against the dequantised
+products, whole-model closeness, memory, and speculation."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from model import Llama, ModelConfig
 from model.call import chain
 from model.scale.quantize import (
     QMAX,
+    Int4Linear,
     Int8Linear,
+    dequantize_int4_weight,
     dequantize_weight,
     max_abs_error_bound,
+    quantize_int4,
+    quantize_int4_weight,
     quantize_int8,
     quantize_weight,
 )
@@ -147,3 +152,47 @@ def test_functional_form_matches_dequantised_matmul() -> None:
     w, x = torch.randn(40, 24, dtype=torch.float64), torch.randn(6, 24, dtype=torch.float64)
     q, s = quantize_weight(w)
     assert torch.allclose(Int8Linear(q, s)(x), F.linear(x, dequantize_weight(q, s)), atol=1e-12)
+
+
+def test_int4_codes_stand_for_each_weight_within_half_a_step() -> None:
+    torch.manual_seed(10)
+    w = torch.randn(24, 64) * torch.linspace(0.1, 3, 64)  # groups of very different spans
+    codes, scale, zero = quantize_int4_weight(w, 32)
+    assert codes.dtype == torch.int32 and int(codes.min()) == 0 and int(codes.max()) == 15
+    assert scale.shape == zero.shape == (24, 2)
+    step = scale.repeat_interleave(32, 1)
+    assert ((dequantize_int4_weight(codes, scale, zero) - w).abs() <= step / 2 * (1 + 1e-5)).all()
+    # each group's smallest and largest weight are codes 0 and 15 exactly
+    groups = w.reshape(24, 2, 32)
+    assert torch.allclose(zero - 8 * scale, groups.amin(-1), atol=1e-6)
+    assert torch.allclose(zero + 7 * scale, groups.amax(-1), atol=1e-5)
+    with pytest.raises(ValueError, match="groups of 32"):
+        quantize_int4_weight(torch.randn(4, 40), 32)
+
+
+def test_int4_linear_is_its_dequantised_matmul() -> None:
+    """torch's packed int4 kernel computes x @ dequantised^T: one group's codes, scales and zeros
+    each in their place (a layer whose groups were swapped, or whose zero were left out, is far off)."""
+    torch.manual_seed(11)
+    w, x = torch.randn(96, 128), torch.randn(3, 7, 128)
+    codes, scale, zero = quantize_int4_weight(w, 32)
+    layer = Int4Linear(codes, scale, zero)
+    reference = x.double() @ dequantize_int4_weight(codes, scale, zero).double().t()
+    got = layer(x)
+    assert got.shape == (3, 7, 96)
+    assert (got.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+    swapped = x.double() @ dequantize_int4_weight(codes, scale.flip(1), zero.flip(1)).double().t()
+    assert (swapped - reference).abs().max() > 0.05 * reference.abs().max()  # what the check would catch
+    with pytest.raises(TypeError, match="float32 on a CPU"):
+        layer(x.bfloat16())
+
+
+def test_speculative_greedy_equals_target_greedy_under_int4() -> None:
+    """A pair with int4 blocks is another target; speculation reproduces that target's greedy output."""
+    target = quantize_int4(random_model(CONFIG, 5))
+    draft = quantize_int4(random_model(DRAFT, 6))
+    assert sum(isinstance(m, Int4Linear) for m in target.modules()) == 2 * 7
+    with torch.inference_mode():
+        alone = autoregressive_generate(target, PROMPT, 32, temperature=0.0).tokens
+        spec = speculative_generate(target, draft, PROMPT, 32, gamma=4, temperature=0.0).tokens
+    assert spec == alone
