@@ -247,18 +247,16 @@ class Chain(Recipe):
         # Another target's text is not this target's: data.pt is made again for it.
         made_from = {"target": fingerprint(self.target), "seq_len": a.seq_len, "prompt_tokens": a.prompt_tokens}
         if kind == "chat":  # one stream of requests and the target's answers, read in windows as a corpus is
-            self.corpus = self.run.data({**made_from, "requests": a.sequences, "seed": a.seed}, 1, lambda: self.chat(
-                length), f"the target answers {a.sequences} requests (up to {length} tokens)")[0].numpy()
+            t, tokenizer = self.target, self.tokenizer
+            prompts = chat_prompts(a.corpus, tokenizer, a.sequences, a.seed + 1, t.config.max_seq_len - length)
+            stops = stop_ids(t.config, read_generation_config(a.target), tokenizer)
+            self.corpus = self.run.grown({**made_from, "seed": a.seed}, a.sequences, lambda i, j: conversations(
+                t, prompts[i:j], length, stops, a.seed, first=i), f"the target answers requests ({length} tokens at "
+                "most)").numpy()
             return
         self.tokens = self.run.data(made_from, a.sequences, lambda: distill.target_continuations(
             self.target, self.openings, a.sequences, length, a.seed), f"the target writes {a.sequences} continuations "
             f"of {length} tokens")
-
-    def chat(self, length: int) -> torch.Tensor:  # requests about the corpus and the target's answers
-        a, t = self.a, self.target
-        prompts = chat_prompts(a.corpus, self.tokenizer, a.sequences, a.seed + 1, t.config.max_seq_len - length)
-        return conversations(t, prompts, length, stop_ids(t.config, read_generation_config(a.target), self.tokenizer),
-                             a.seed, progress=lambda done, total: print(f"  {done}/{total}", flush=True))[None]
 
     def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
         a = self.a

@@ -3,8 +3,8 @@
     out/state.pt      the resumable state: step, weights, optimizer, the data generators, RNG, config
     out/log.jsonl     one JSON object per step (loss, tokens/s, held-out figures)
     out/loss.png      the losses plotted (needs matplotlib, the ``train`` extra)
-    out/data.pt       training data made once and reused (the target's continuations), with what
-                      it was made from
+    out/data.pt       training data made once and reused (the target's continuations), or grown in
+                      pieces (its answers to chat requests), with what it was made from
     out/hf/           the HF-layout checkpoint exported at the end
 
 A folder that holds a run of another shape is refused with :class:`RunFolderError`, naming
@@ -146,6 +146,31 @@ class RunFolder:
         torch.save({"tokens": tokens, "made_from": made_from}, tmp)
         tmp.replace(path)  # written whole or not at all, as state.pt
         return tokens[:rows]
+
+    def grown(self, made_from: dict[str, Any], count: int, make: Callable[[int, int], list[list[int]]], what: str,
+              every: int = 64) -> torch.Tensor:
+        """data.pt grown in pieces: the tokens of the first ``count`` items that ``make(start, end)``
+        makes in order (items start..end-1, each a list of tokens), as one stream, saved after every
+        ``every`` items. A run stopped while it writes goes on from the last piece saved, and a later
+        run that asks for more items adds to them, as long as ``make`` gives the same items for the
+        same positions; data made from another ``made_from`` is made again."""
+        path, tokens, ends = self.out / "data.pt", torch.empty(0, dtype=torch.long), []
+        if path.is_file():
+            saved = torch.load(path, weights_only=True)
+            if isinstance(saved, dict) and saved.get("made_from") == made_from and "ends" in saved:
+                tokens, ends = saved["tokens"], list(saved["ends"])
+        if len(ends) < count:
+            print(f"{what} into {path} ({len(ends)} of {count} there)", flush=True)
+        while len(ends) < count:
+            items = make(len(ends), min(len(ends) + every, count))
+            tokens = torch.cat([tokens, torch.tensor([t for item in items for t in item], dtype=torch.long)])
+            for item in items:
+                ends.append((ends[-1] if ends else 0) + len(item))
+            tmp = self._made() / "data.pt.tmp"
+            torch.save({"tokens": tokens, "ends": ends, "made_from": made_from}, tmp)
+            tmp.replace(path)
+            print(f"  {len(ends)} of {count}", flush=True)
+        return tokens[:ends[count - 1]] if count else tokens[:0]
 
     def plot(self, title: str) -> None:
         """loss.png: the training loss per step and the held-out loss where it was logged."""

@@ -212,17 +212,18 @@ def measure_acceptance(target: Any, draft: Any, prompts: list[list[int]], new_to
 # ----------------------------------------------------------------------------- what the target writes
 @torch.no_grad()
 def conversations(target: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: Collection[int], seed: int,
-                  rows: int = 32, progress: Any = None) -> torch.Tensor:
-    """One token stream [N]: each prompt, then the target's answer to it (to its first stop id, kept,
-    or ``max_new_tokens``), ``rows`` prompts at a time through the batched engine, greedy and at
+                  first: int = 0, rows: int = 32) -> list[list[int]]:
+    """Each prompt followed by the target's answer to it (to its first stop id, kept, or
+    ``max_new_tokens``), ``rows`` prompts at a time through the batched engine, greedy and at
     temperature 1 in turn, as it will decode. What a chat model's drafter trains on (train.py
-    --data chat). ``progress(done, total)`` is told after each batch."""
-    stream: list[int] = []
+    --data chat). ``first``: the position of ``prompts[0]`` in a longer list made in pieces (a
+    multiple of ``rows``): each prompt gets the answer it would get in the whole list."""
+    if first % rows:
+        raise ValueError(f"first must be a multiple of rows ({rows}), got {first}")
+    out: list[list[int]] = []
     for start in range(0, len(prompts), rows):
-        chunk = prompts[start:start + rows]
-        out = autoregressive_generate_batch(target, chunk, max_new_tokens, eos_id=stop_ids,
-                                            temperature=0.0 if (start // rows) % 2 == 0 else 1.0, seed=seed + start)
-        stream += [t for prompt, result in zip(chunk, out.results) for t in [*prompt, *result.tokens]]
-        if progress is not None:
-            progress(start + len(chunk), len(prompts))
-    return torch.tensor(stream, dtype=torch.long)
+        chunk, at = prompts[start:start + rows], first + start
+        result = autoregressive_generate_batch(target, chunk, max_new_tokens, eos_id=stop_ids,
+                                               temperature=0.0 if (at // rows) % 2 == 0 else 1.0, seed=seed + at)
+        out += [[*prompt, *row.tokens] for prompt, row in zip(chunk, result.results)]
+    return out

@@ -423,7 +423,7 @@ def test_a_chat_model_s_drafter_trains_on_its_answers_to_requests(corpus: dict[s
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     (chat_target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     eagle3(chat_target, corpus, tmp_path / "e3", 2, *QUICK, "--data", "chat", "--sequences", "4")
-    stream = continuations(tmp_path / "e3")[0].tolist()
+    stream = continuations(tmp_path / "e3").tolist()
     tokenizer, model = load_tokenizer(chat_target), load_model(chat_target)
     (request, *_) = chat_requests([corpus["train"]], 4, seed=1)  # the run's seed + 1
     prompt = tokenizer.encode(f"user: {request}\nassistant:", bos=False)  # the template writes no BOS

@@ -114,3 +114,35 @@ def test_data_is_made_once_for_what_it_was_made_from(tmp_path: Path) -> None:
     torch.save(torch.zeros(6, 4, dtype=torch.long), tmp_path / "run" / "data.pt")
     assert torch.equal(data(2.0, 6, 6, 5), torch.full((6, 4), 5))
     assert made == [1, 3, 4, 5] and not (tmp_path / "run" / "data.pt.tmp").exists()
+
+
+def test_grown_data_goes_on_where_it_stopped_and_grows_on_demand(tmp_path: Path) -> None:
+    """data.pt grown in pieces: a run stopped after a piece goes on from it, a later run asking for
+    more adds only the new items, one asking for fewer reads a prefix, and another made_from
+    starts over."""
+    run, asked = RunFolder(tmp_path / "run"), []
+
+    def make(start: int, end: int) -> list[list[int]]:
+        asked.append((start, end))
+        return [[i] * (i % 3 + 1) for i in range(start, end)]  # item i: i, repeated 1 to 3 times
+
+    def stream(count: int) -> list[int]:
+        return [i for i in range(count) for _ in range(i % 3 + 1)]
+
+    class StoppedError(Exception):
+        pass
+
+    def stop_after_two(start: int, end: int) -> list[list[int]]:
+        if start >= 4:
+            raise StoppedError
+        return make(start, end)
+
+    with pytest.raises(StoppedError):
+        run.grown({"target": 1}, 10, stop_after_two, "items", every=2)
+    assert asked == [(0, 2), (2, 4)]
+    assert run.grown({"target": 1}, 10, make, "items", every=2).tolist() == stream(10)
+    assert asked[2:] == [(4, 6), (6, 8), (8, 10)]  # went on from item 4
+    assert run.grown({"target": 1}, 13, make, "items", every=4).tolist() == stream(13)
+    assert asked[5:] == [(10, 13)]
+    assert run.grown({"target": 1}, 5, make, "items").tolist() == stream(5) and len(asked) == 6
+    assert run.grown({"target": 2}, 3, make, "items").tolist() == stream(3) and asked[6:] == [(0, 3)]

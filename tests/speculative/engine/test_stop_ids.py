@@ -10,7 +10,8 @@ import torch
 
 from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
 from speculative.engine.engine import Engine
-from tests.support.toy_models import NGramModel
+from speculative.engine.generation import conversations
+from tests.support.toy_models import NGramModel, random_llama
 
 
 def chain_table(vocab: int) -> torch.Tensor:
@@ -58,3 +59,24 @@ def test_bad_stop_ids_are_refused_in_one_line(bad: object) -> None:
     with pytest.raises(ValueError, match="eos_id must be a token id") as error:
         engine.add([0], 4, eos_id=bad)
     assert "\n" not in str(error.value)
+
+
+def test_conversations_answer_to_the_stop_id_and_in_pieces_as_whole() -> None:
+    """engine.generation.conversations: each prompt, then the target's answer up to and with a stop id;
+    the first batch greedy, the next at temperature 1; made in pieces (first=...) it gives the
+    whole list's answers."""
+    target = random_llama(vocab=9, dim=16, seed=3, std=1.0, dtype=torch.float64)
+    prompts = [[i % 9, (i * 5) % 9] for i in range(8)]
+    whole = conversations(target, prompts, 6, stop_ids=(0,), seed=7, rows=4)
+    assert [item[:2] for item in whole] == prompts
+    for item in whole:
+        answer = item[2:]
+        assert 1 <= len(answer) <= 6 and (answer[-1] == 0 or len(answer) == 6) and 0 not in answer[:-1]
+    greedy = [autoregressive_generate(target, p, 6, temperature=0, eos_id=0).tokens for p in prompts[:4]]
+    assert [item[2:] for item in whole[:4]] == greedy
+    sampled = [autoregressive_generate(target, p, 6, temperature=1.0, eos_id=0, seed=7 + 4 + i).tokens
+               for i, p in enumerate(prompts[4:])]
+    assert [item[2:] for item in whole[4:]] == sampled
+    assert conversations(target, prompts[4:], 6, (0,), 7, first=4, rows=4) == whole[4:]
+    with pytest.raises(ValueError, match="multiple of rows"):
+        conversations(target, prompts, 6, (0,), 7, first=2, rows=4)
