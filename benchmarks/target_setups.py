@@ -2,7 +2,7 @@
 of speculation on a step bound by reading the weights (a real model on a CPU), where a call of
 several tokens can cost little more than one.
 
-    python -m benchmarks.target_setups --target SMOLLM2_FOLDER_OR_GGUF
+    python -m benchmarks.target_setups --target SMOLLM2_FOLDER_OR_GGUF --out docs/results/smollm2_setups.md
     python -m benchmarks.target_setups --target tiny-target --widths 1 5 --rounds 3   # a smoke run
 
 Set-ups: the weights as loaded (``plain``), q/k/v and gate/up stacked into one product each
@@ -12,7 +12,7 @@ stored in it: docs/compiled.md, "16 bits on a CPU"; prepacked only where oneDNN 
 natively). A call of w tokens after 100 cached ones; each figure is the median of enough calls
 for about 0.2 s, the lowest over ``--rounds`` rounds taken in turns (the VM's speed drifts), in
 milliseconds and in one-token calls of the same set-up. Prints a markdown table and the
-machine; run it with nothing else on the machine.
+machine, and writes them as a page with --out; run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -22,7 +22,16 @@ import sys
 
 import torch
 
-from benchmarks.harness import machine_line, markdown_table, script_parser, time_call, turn_order
+from benchmarks.harness import (
+    command_line,
+    machine_line,
+    markdown_table,
+    page_head,
+    script_parser,
+    time_call,
+    turn_order,
+    write_page,
+)
 from model.call import CacheCall
 from model.fast.fuse import prepare_for_decoding
 from model.fast.prepack import prepack_supported
@@ -48,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5, help="rounds taken in turns (default 5)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    parser.add_argument("--out", default="", help="write the table as a page here (default: print only)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.threads < 1 or any(not 1 <= w <= 64 for w in args.widths):
         sys.exit("error: --rounds and --threads must be >= 1, --widths in 1..64")
@@ -71,10 +81,15 @@ def main(argv: list[str] | None = None) -> int:
                     ms = ms_per_call(models[key], width, calls[key])
                     best[key, width] = min(ms, best.get((key, width), ms))
             print(f"round {turn + 1} of {args.rounds}", file=sys.stderr, flush=True)
-    print(f"{args.target}: {machine_line(args.threads)}; milliseconds per call, the lowest of {args.rounds} rounds' "
-          f"medians (in one-token calls of the same set-up)\n")
+    lines = [f"Target `{args.target}`; {machine_line(args.threads)}. Milliseconds per call of w tokens after "
+             f"{START} cached, the lowest of {args.rounds} rounds' medians (in one-token calls of the same set-up, "
+             "after it):", ""]
     rows = [[key] + [f"{best[key, w]:.2f} ({best[key, w] / best[key, 1]:.2f})" for w in widths] for key in models]
-    print("\n".join(markdown_table(["set-up"] + [f"w = {w}" for w in widths], rows, "l" + "r" * len(widths))))
+    lines += markdown_table(["set-up"] + [f"w = {w}" for w in widths], rows, "l" + "r" * len(widths))
+    print("\n".join(lines))
+    if args.out:
+        write_page(args.out, "\n".join(page_head("A target's call by its width, under each set-up",
+                                                 command_line("target_setups", argv)) + lines))
     return 0
 
 
