@@ -2,7 +2,7 @@
 of speculation on a step bound by reading the weights (a real model on a CPU), where a call of
 several tokens can cost little more than one.
 
-    python -m benchmarks.target_setups --target SMOLLM2_FOLDER_OR_GGUF --out docs/results/smollm2_setups.md
+    python -m benchmarks.target_setups --target SMOLLM2_FOLDER_OR_GGUF --out docs/results/target_setups.md
     python -m benchmarks.target_setups --target tiny-target --widths 1 5 --rounds 3   # a smoke run
 
 Set-ups: the weights as loaded (``plain``), q/k/v and gate/up stacked into one product each
