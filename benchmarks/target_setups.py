@@ -28,25 +28,15 @@ from benchmarks.harness import (
     markdown_table,
     page_head,
     script_parser,
-    time_call,
     turn_order,
     write_page,
 )
-from model.call import CacheCall
+from benchmarks.step_times import START, ms_per_call
 from model.fast.fuse import prepare_for_decoding
 from model.fast.prepack import prepack_supported
 from weights import load_model
 
-START = 100  # cache position of the timed calls: a prompt's worth of context before them
 SETUPS = {"plain": (False, False), "stacked": (True, False), "prepacked": (True, True)}
-
-
-def ms_per_call(model: torch.nn.Module, width: int, calls: int) -> float:
-    """Milliseconds per call of ``width`` tokens, over ``calls`` calls at positions 64 apart at most."""
-    tokens = torch.full((1, width), 5)
-    step = iter(range(calls))
-    return time_call(lambda: model(tokens, CacheCall.of(torch.arange(width).unsqueeze(0) + START + next(step) % 64)),
-                     calls, together=True).median * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
