@@ -138,8 +138,8 @@ def validate(args: argparse.Namespace, given: set[str]) -> None:
     if args.compile:  # --compile is the measurement with the compiled set-up among the candidates
         args.setup = "compiled" if args.compile == "force" else "measure-all"
     if args.setup != "default" and args.quantize:
-        raise UsageError(f"{setup_flag(args)} does not apply to quantized layers, which have one set-up; drop one of "
-                         f"{setup_flag(args)} and --quantize")
+        raise UsageError(f"{setup_flag(args)} does not apply to {args.quantize} layers, which have one set-up; drop "
+                         f"one of {setup_flag(args)} and --quantize")
     if args.setup != "default" and (args.no_fuse or args.no_prepack):
         raise UsageError(f"--no-fuse and --no-prepack change the default set-up; with {setup_flag(args)} name the "
                          "set-up you want instead (plain, stacked, prepacked, compiled)")
