@@ -7,21 +7,18 @@ engine, and speculation is decided by the load.
     python serve.py --speculation off                 # the target alone, batched
     python serve.py --port 0 --max-batch 8            # any free port (printed), at most 8 rows per call
 
-(In a clone set up by the README's quick start with the serve extra: .venv/bin/python serve.py.)
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed with "stream": true), GET /v1/models, /health
+and /metrics (Prometheus text). Every answer carries usage and the request's speculation figures (drafted,
+accepted, alpha, tau). docs/serving.md is the reference.
 
-Endpoints: POST /v1/completions and /v1/chat/completions (streamed with "stream": true),
-GET /v1/models, /health and /metrics (Prometheus text). Every answer carries usage and the
-request's speculation figures (drafted, accepted, alpha, tau). docs/serving.md is the reference.
+--speculation load (the default) picks gamma, 0 included, before every iteration from the cost model at the
+current batch size, with the live alpha and step costs measured at start-up and while serving; "on" always
+drafts --gamma tokens, "off" never drafts. A request can pin its own gamma ("speculative_gamma"): a seeded
+request with a pinned gamma gets generate.py's tokens for that gamma and seed whatever the load.
 
---speculation load (the default) picks gamma, 0 included, before every iteration from the
-cost model at the current batch size, with the live alpha and step costs measured at start-up
-and while serving; "on" always drafts --gamma tokens, "off" never drafts. A request can pin
-its own gamma ("speculative_gamma"): a seeded request with a pinned gamma gets generate.py's
-tokens for that gamma and seed whatever the load.
-
-It listens on 127.0.0.1 unless --host says otherwise, with no key unless --api-key is given.
-Exit status: 0 after Ctrl-C or a SIGTERM whose requests all finished within --grace, 1 when
-the engine failed, 2 for bad input (one ``error: ...`` line), 3 when SIGTERM's grace cut requests.
+It listens on 127.0.0.1 unless --host says otherwise, with no key unless --api-key is given. Exit status: 0
+after Ctrl-C or a SIGTERM whose requests all finished within --grace, 1 when the engine failed, 2 for bad
+input (one ``error: ...`` line), 3 when SIGTERM's grace cut requests.
 """
 
 from __future__ import annotations
@@ -150,8 +147,7 @@ def load(args: argparse.Namespace, device: torch.device,
     --max-batch rows over the whole context. Returns it, the context, its set-up and what read_pair read."""
     spec = read_named_pair(args)
     context = spec.context
-    # The default: the compiled steps the cache holds for every batch size and width, else
-    # stacked and prepacked at once; or measured or forced (--setup, --compile), once, here.
+    # The set-up: cached compiled steps for every batch size and width, else stacked and prepacked; or --setup's.
     gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
     pair, setups = load_named_pair(args, spec, device, dtype, positions=context, rows=args.max_batch, gamma=gamma,
                                    gamma_max=args.gamma, flag=f"--setup {args.setup}")
