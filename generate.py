@@ -54,7 +54,15 @@ from speculative.serving.text import continuation_text, encode_prompt
 from speculative.verify import RULES
 from speculative.verify.tree import branching_parents
 from weights import NonFiniteWeightsError, Pair, StepCache
-from weights.load import DEFAULT_DRAFT, DEFAULT_TARGET, is_head, load_named_pair, plan_configs, read_named_pair
+from weights.load import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    is_head,
+    load_named_pair,
+    named_draft,
+    plan_configs,
+    read_named_pair,
+)
 from weights.step_cache import ENV, default_dir
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -65,8 +73,8 @@ def build_parser() -> cmdline.ArgumentParser:
     parser = cmdline.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument_group("models").add_argument
     add("--target", default=DEFAULT_TARGET, help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)")
-    add("--draft", default=DEFAULT_DRAFT, help=f"{drafters_help()} (default %(default)s: the fastest exact "
-                                               "drafter measured on held-out prompts, see docs/drafters.md)")
+    add("--draft", default=None, help=f"{drafters_help()} (default: the target's shipped drafter, {DEFAULT_DRAFT} for "
+                                      f"{DEFAULT_TARGET}: the fastest exact one measured, docs/drafters.md)")
     add("--no-draft", action="store_true", help="the target alone, one token per call: the baseline")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 (float16) on a GPU, float32 on cpu")
@@ -158,7 +166,7 @@ def setup_flag(args: argparse.Namespace) -> str:
 def print_plan(args: argparse.Namespace) -> int:
     """--plan: the per-GPU memory of this pair from configs only (model/scale/memory.py), and the
     cheapest change that fits when it does not (exit status 1)."""
-    target, draft = plan_configs(args.target, None if args.no_draft else args.draft)
+    target, draft = plan_configs(args.target, named_draft(args))
     tp = args.tp or int(os.environ.get("WORLD_SIZE", "1"))
     device = args.plan_device or ("auto" if torch.cuda.is_available() else "h200")
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16

@@ -55,7 +55,7 @@ def build_parser() -> cmdline.ArgumentParser:
     parser = cmdline.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument_group("models").add_argument
     add("--target", default=DEFAULT_TARGET, help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)")
-    add("--draft", default=DEFAULT_DRAFT, help="a draft model, a feature head or lookup (default %(default)s)")
+    add("--draft", default=None, help=f"a draft model, a head or lookup (default: the target's own, {DEFAULT_DRAFT})")
     add("--no-draft", action="store_true", help="the target alone: no speculation at all")
     add("--name", default=None, help="the model name clients ask for (default: --target)")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")

@@ -396,7 +396,7 @@ OPTIONS: dict[str, Any] = {
     "--keep": (float, 0.8, "conditional drop: depth d keeps keep^d of the anchors"),
     "--min-keep": (float, 0.2, "... and at least this share"),
     "--mask-id": (int, 0, "the target id whose embedding row the mask takes in the written file (default 0, <unk>)"),
-    "--bf16": dict(action="store_true", help="bf16 autocast for the frozen target's forward"),
+    "--bf16": dict(action="store_true", help="bf16 autocast for the frozen target's forward (and an EAGLE-3 head's)"),
     "--cache-dir": (str, "runs/cache", "tokenised-corpus cache folder"),
     "--gen-tokens": (int, 128, "tokens generated per sequence"),
     "--prompt-tokens": (int, 8, "length of the story openings (the prompts)"),  # ACCEPTANCE from here

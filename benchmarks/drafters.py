@@ -4,16 +4,19 @@ target call, the drafter's cost, and tokens/s against the target alone, in one r
     python -m benchmarks.drafters --drafters tiny-draft tiny-eagle tiny-eagle3 --gamma 5
     python -m benchmarks.drafters --drafters tiny-eagle runs/e3/1-fused/hf ... --labels EAGLE-1 "+ fused" ... \\
         --out docs/results/drafters_eagle3.md       # the ablation table of docs/drafters.md
+    python -m benchmarks.drafters --target SmolLM2-135M-Instruct.Q4_1.gguf --chat --drafters lookup \
+        smollm2-eagle3 --gamma auto 5 --prompts 4 --rounds 2  # docs/results/drafters_smollm2.md
 
-The prompts are the first ``--prompt-tokens`` tokens of held-out TinyStories validation
-stories (never trained on; weights.corpus.held_out_prompts, as train.py measures
-acceptance). Every drafter and the target alone decode the same prompts, greedy and at
-temperature 1 (prompt i with seed i), end of sequence ignored, in the set-up generate.py
-takes by default (model.fast.setup.default_setups: compiled steps where an earlier
-``--compile`` measured them faster on this machine, else stacked and prepacked at once;
-``--no-cache``: never compiled). Rounds take turns so that a change in machine load hits
-every method alike; tokens/s is the median over rounds of each round's total, and the
-speed-up is over the target alone in the same round.
+The prompts are the first ``--prompt-tokens`` tokens of held-out TinyStories validation stories
+(never trained on; weights.corpus.held_out_prompts, as train.py measures acceptance), or with
+``--chat`` requests about those stories in the target's chat template
+(weights.corpus.chat_prompts, as ``train.py --data chat`` measures it). Every drafter and the
+target alone decode the same prompts, greedy and at temperature 1 (prompt i with seed i), end of
+sequence ignored, in the set-up generate.py takes by default (model.fast.setup.default_setups:
+compiled steps where an earlier ``--compile`` measured them faster on this machine, else stacked
+and prepacked at once; ``--no-cache``: never compiled). Rounds take turns so that a change in
+machine load hits every method alike; tokens/s is the median over rounds of each round's total,
+and the speed-up is over the target alone in the same round.
 
 Columns: alpha at draft position i is accepted / verified at position i (the earlier ones
 all accepted), greedy; alpha, the paper's: the mean of sum_x min(p, q) over the verified
@@ -49,15 +52,16 @@ import torch
 from benchmarks.harness import command_line, machine_line, markdown_table, median, script_parser, turn_order
 from model.fast.compile import decode_widths
 from speculative import autoregressive_generate, speculative_generate
+from speculative.cli.options import gamma_arg
 from speculative.inputs import GAMMA_MAX
 from weights import StepCache, load_tokenizer, read_pair
-from weights.corpus import held_out_prompts
+from weights.corpus import chat_prompts, held_out_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
 
 
-def load(target: str, draft: str | None, gamma: int, positions: int, cache: bool) -> tuple[Any, Any]:
+def load(target: str, draft: str | None, gamma: int | str, positions: int, cache: bool) -> tuple[Any, Any]:
     """The target and drafter in generate.py's default set-up for these calls."""
     spec = read_pair(target, draft)
     pair = spec.load(prepare_models=False)
@@ -66,11 +70,12 @@ def load(target: str, draft: str | None, gamma: int, positions: int, cache: bool
     return pair.target, pair.draft
 
 
-def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int, gamma: int,
+def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int, gamma: int | str,
             temperature: float) -> dict[str, Any]:
     """Every prompt once; the totals of its stats."""
+    most = GAMMA_MAX if gamma == "auto" else gamma
     total: dict[str, Any] = {"new": 0, "calls": 0, "wall": 0.0, "draft_s": 0.0, "target_s": 0.0, "ahead": 0,
-                             "overlap": 0.0, "verified": 0, "accepted": [0] * gamma, "tried": [0] * gamma}
+                             "overlap": 0.0, "verified": 0, "accepted": [0] * most, "tried": [0] * most}
     for i, prompt in enumerate(prompts):
         if drafter is None:
             out = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=i)
@@ -87,7 +92,7 @@ def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int
             total["ahead"] += sum(s.gamma_history)
             total["overlap"] += s.overlap_sum
             total["verified"] += s.verified_positions
-            for j in range(min(gamma, len(s.tried_per_position))):
+            for j in range(min(most, len(s.tried_per_position))):
                 total["accepted"][j] += s.accepted_per_position[j]
                 total["tried"][j] += s.tried_per_position[j]
     return total
@@ -98,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="tiny-target")
     parser.add_argument("--drafters", nargs="+", required=True, help="drafter names or folders")
     parser.add_argument("--labels", nargs="*", default=None, help="a label per drafter (default: the names)")
-    parser.add_argument("--gamma", type=int, nargs="+", default=[5],
-                        help="tokens drafted per target call; several: every drafter at each (default 5)")
+    parser.add_argument("--gamma", type=gamma_arg, nargs="+", default=[5],
+                        help="tokens drafted per target call, or auto; several: every drafter at each (default 5)")
+    parser.add_argument("--chat", action="store_true", help="chat requests about held-out stories in the target's "
+                        "template (weights.corpus.chat_prompts), not story openings")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
     parser.add_argument("--prompt-tokens", type=int, default=8, help="tokens per prompt (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generation (default 128)")
@@ -113,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--labels takes one label per drafter")
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.target)
-    prompts = held_out_prompts([str(VALID)], tokenizer, args.prompts, args.prompt_tokens, 0)
-    positions = args.prompt_tokens + args.max_new_tokens + max(args.gamma) + 2
+    ahead = max(GAMMA_MAX if g == "auto" else g for g in args.gamma)
+    if args.chat:  # train.py --data chat's held-out prompts (its --eval-corpus, seed 0)
+        room = read_pair(args.target).target_config.max_seq_len - args.max_new_tokens - ahead - 2
+        prompts = chat_prompts([str(VALID)], tokenizer, args.prompts, 0, room)
+    else:
+        prompts = held_out_prompts([str(VALID)], tokenizer, args.prompts, args.prompt_tokens, 0)
+    positions = max(map(len, prompts)) + args.max_new_tokens + ahead + 2
     methods = {"target alone": (*load(args.target, None, 1, positions, not args.no_cache), 1)}
     for label, name in zip(labels, args.drafters):
         for gamma in args.gamma:
@@ -140,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             speeds = [run["new"] / run["wall"] for run in runs]
             base = [run["new"] / run["wall"] for run in results["target alone", temperature]]
             first = runs[0]
-            alphas = [a / t if t else float("nan") for a, t in zip(first["accepted"], first["tried"])]
+            alphas = [a / t for a, t in zip(first["accepted"], first["tried"]) if t]  # the positions drafted
             tau = first["new"] / first["calls"] if first["calls"] else 1.0
             c = (first["draft_s"] / first["ahead"]) / (first["target_s"] / first["calls"]) if first["ahead"] else 0.0
             per_iteration = first["draft_s"] / first["target_s"] if first["target_s"] else 0.0
@@ -160,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     header = ["drafter", "α by position 1..γ (greedy)", "α greedy / T=1", "tokens/call greedy", "tokens/call T=1",
               "c (draft step / target call)", "drafting / iteration (target calls)", "tok/s greedy",
               "speed-up greedy", "tok/s T=1", "speed-up T=1"]
+    lengths = sorted(map(len, prompts))
+    kind = f"chat requests of {lengths[0]}-{lengths[-1]} tokens" if args.chat else \
+        f"prompts of {args.prompt_tokens} tokens"
     lines = [f"Command: `{command_line('drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
-             "", f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens "
+             "", f"{len(prompts)} held-out {kind}, {args.max_new_tokens} new tokens "
              f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, {args.rounds} rounds in turns; set-up: "
              f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}.", "",
              *markdown_table(header, rows, "l" + "r" * (len(header) - 1))]

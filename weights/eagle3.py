@@ -132,6 +132,12 @@ def _tensors(directory: Path, layout: str) -> dict[str, torch.Tensor]:
     return renamed
 
 
+def target_shape(config: Any) -> dict[str, int]:
+    """What our heads record of their target's config: a target of this shape takes the shipped head trained for
+    one by default (weights.load.default_draft; its fingerprint then tells whether it is that model)."""
+    return {"hidden_size": config.dim, "num_hidden_layers": config.n_layers, "vocab_size": config.vocab_size}
+
+
 def load_eagle3_head(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target") -> Eagle3Head:
     """An Eagle3Head from its folder (either layout), checked against ``target``, in the target's
     dtype and on its device."""
@@ -237,7 +243,7 @@ def save_eagle3_head(head: Eagle3Head, directory: str | os.PathLike, target: Any
             "transformer_layer_config": layer, "draft_vocab_size": head.draft_vocab,
             "norm_before_residual": head.layers[0].norm_before_residual, "target_hidden_size": target.config.dim,
             "eagle_aux_hidden_state_layer_ids": list(head.target_layers), "torch_dtype": dtype_name,
-            "target_fingerprint": fingerprint(target)}
+            "target_fingerprint": fingerprint(target), "target_shape": target_shape(target.config)}
         if parallel:
             save = dtype or head.dtype
             table = (head.embed_tokens if head.embed_tokens is not None else target.embed_tokens).weight.detach()

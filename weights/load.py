@@ -19,6 +19,7 @@ feature head as a speculative.FeatureDrafter around the target it was checked ag
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,7 @@ from speculative import PairMismatchError, check_pair
 from speculative.draft.protocol import trait
 from speculative.draft.registry import DRAFTERS, named
 from weights.checkpoint import (
+    CheckpointError,
     load_model,
     load_tokenizer,
     read_config,
@@ -45,7 +47,8 @@ from weights.checkpoint import (
     stop_ids,
 )
 from weights.drafters import folder_kind, load_drafter
-from weights.registry import SHIPPED, resolve
+from weights.eagle3 import target_shape
+from weights.registry import FOR_OTHER_TARGETS, SHIPPED, WEIGHTS_DIR, UnknownCheckpointError, resolve
 from weights.sharded import load_model_tp, plan_config
 from weights.step_cache import StepCache
 from weights.tokenizer import Tokenizer
@@ -281,15 +284,44 @@ DEFAULT_TARGET = "tiny-target"  # the shipped pair: both scripts' --target and -
 DEFAULT_DRAFT = "tiny-draft"
 
 
+def default_draft(target: str | os.PathLike) -> str:
+    """``--draft`` when none is named: for a target of the shape a shipped drafter of FOR_OTHER_TARGETS was
+    trained for (hidden size, vocabulary, layers: a head's fingerprint check then tells whether it is that
+    very model), that drafter; else the shipped pair's draft (refused, with a hint, under another target)."""
+    try:
+        config = read_config(resolve(target))
+    except (UnknownCheckpointError, CheckpointError):
+        return DEFAULT_DRAFT  # the pair's own reading says what is wrong with the target
+    for name in FOR_OTHER_TARGETS:
+        folder = WEIGHTS_DIR / name
+        try:
+            trained_for = json.loads((folder / "config.json").read_text())["target_shape"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if trained_for == target_shape(config):
+            return name
+    return DEFAULT_DRAFT
+
+
+def named_draft(args: Any) -> str | None:
+    """The scripts' draft: None with --no-draft, else --draft, or :func:`default_draft` of --target."""
+    if args.no_draft:
+        return None
+    if args.draft is None:
+        args.draft, args.draft_defaulted = default_draft(args.target), True
+    return args.draft
+
+
 def read_named_pair(args: Any) -> PairSpec:
     """:func:`read_pair` of a command line's ``--target`` and ``--draft`` (none with ``--no-draft``):
     ``args`` is the scripts' namespace. A draft that cannot speculate for the target says, when it is
     the default draft under another target, how to name one."""
+    named_draft(args)
     try:
         return read_pair(args.target, None if args.no_draft else args.draft)
     except PairMismatchError as err:
         hint = ""
-        if args.draft == DEFAULT_DRAFT and args.target != DEFAULT_TARGET:
+        if getattr(args, "draft_defaulted", False):
             hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)"
         raise PairMismatchError(f"{err}{hint}") from None
 
@@ -308,7 +340,13 @@ def load_named_pair(args: Any, spec: PairSpec, device: torch.device, dtype: torc
     planned = spec.planned_draft
     check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), positions,
                  dtype, device, tp_size=world_size, quantize=args.quantize, batch=rows)
-    pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, prepare_models=False)
+    try:
+        pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, prepare_models=False)
+    except CheckpointError as err:  # a default head whose target has the shape but not the weights it was made for
+        if not getattr(args, "draft_defaulted", False):
+            raise
+        raise CheckpointError(f"{err} (--draft defaulted to {args.draft}, trained for a model of this shape; name "
+                              "another --draft, or --no-draft)") from None
     widths = decode_widths(gamma, gamma_max) if spec.kind else (1,)
     store = None if args.no_fuse or args.no_prepack or world_size > 1 else StepCache(args.cache_dir)
     try:

@@ -25,9 +25,11 @@ LLAMA2 = {
     "13b-chat": ("Llama-2-13b-chat-hf", "meta-llama/Llama-2-13b-chat-hf"),
     "70b-chat": ("Llama-2-70b-chat-hf", "meta-llama/Llama-2-70b-chat-hf"),
 }
-# The tiny pair trained by train.py and committed in this folder, and the feature head for its target.
+# The tiny pair trained by train.py and committed in this folder, the feature heads for its target, and the
+# drafter trained here for a real model that is not (SmolLM2-135M-Instruct: its README says where to get it).
 SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled", "tiny-draft-parallel")
-SHIPPED_HEADS = ("tiny-eagle", "tiny-eagle3")
+SHIPPED_HEADS = ("tiny-eagle", "tiny-eagle3", "smollm2-eagle3")
+FOR_OTHER_TARGETS = ("smollm2-eagle3",)  # each the default --draft of a target of its target's shape
 SHIPPED = SHIPPED_MODELS + SHIPPED_HEADS
 
 

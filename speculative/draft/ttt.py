@@ -88,29 +88,31 @@ def ttt_losses(head: Any, target: Any, tokens: torch.Tensor, steps: int, *, deca
     attn = layer.self_attn
     groups = attn.q_proj.out_features // attn.k_proj.out_features  # query heads per KV head
     cos_all, sin_all = rope_tables(head.config, length + steps, head.device, head.dtype)
-    hidden = head.project(fused[:, :-1].to(head.dtype))  # column t: the target's f_t, t = 0..T-2
-    past: list[tuple[torch.Tensor, torch.Tensor]] = []
-    total, per_step = hidden.new_zeros(()), {"loss": [], "alpha": []}
-    for k in range(min(steps, length - 1)):
-        n = length - 1 - k  # columns t whose target t + k + 1 exists
-        both, residual = layer.inputs(embeddings[:, k + 1:k + 1 + n], hidden[:, :n])
-        cos, sin = cos_all[k:k + n], sin_all[k:k + n]  # column t is position t + k
-        q = attn.q_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
-        key = attn.k_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
-        value = attn.v_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
-        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
-        past.append((key, value))
-        attended = _attend_chain(q, past, groups).transpose(1, 2).reshape(batch, n, -1)
-        out = layer.finish(residual, attn.o_proj(attended))
-        log_q = F.log_softmax(head.draft_logits(out).float(), dim=-1)
-        wanted = p_kept[:, k + 1:k + 1 + n]
-        ce = -(wanted * log_q).sum(-1).mean()
-        loss = 0.5 * ce if regression else ce
-        if regression:
-            loss = loss + F.smooth_l1_loss(head.norm(out), final[:, k + 1:k + 1 + n])
-        total = total + decay ** k * loss
-        with torch.no_grad():
-            per_step["loss"].append(loss.item())
-            per_step["alpha"].append(torch.minimum(p_draft[:, k + 1:k + 1 + n], log_q.exp()).sum(-1).mean().item())
-        hidden = out
+    # bf16: the head computes in bfloat16 too (its weights and gradients stay float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        hidden = head.project(fused[:, :-1].to(head.dtype))  # column t: the target's f_t, t = 0..T-2
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        total, per_step = hidden.new_zeros(()), {"loss": [], "alpha": []}
+        for k in range(min(steps, length - 1)):
+            n = length - 1 - k  # columns t whose target t + k + 1 exists
+            both, residual = layer.inputs(embeddings[:, k + 1:k + 1 + n], hidden[:, :n])
+            cos, sin = cos_all[k:k + n], sin_all[k:k + n]  # column t is position t + k
+            q = attn.q_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
+            key = attn.k_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
+            value = attn.v_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
+            q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+            past.append((key, value))
+            attended = _attend_chain(q, past, groups).transpose(1, 2).reshape(batch, n, -1)
+            out = layer.finish(residual, attn.o_proj(attended))
+            log_q = F.log_softmax(head.draft_logits(out).float(), dim=-1)
+            wanted = p_kept[:, k + 1:k + 1 + n]
+            ce = -(wanted * log_q).sum(-1).mean()
+            loss = 0.5 * ce if regression else ce
+            if regression:
+                loss = loss + F.smooth_l1_loss(head.norm(out), final[:, k + 1:k + 1 + n])
+            total = total + decay ** k * loss
+            with torch.no_grad():
+                per_step["loss"].append(loss.item())
+                per_step["alpha"].append(torch.minimum(p_draft[:, k + 1:k + 1 + n], log_q.exp()).sum(-1).mean().item())
+            hidden = out
     return total, per_step

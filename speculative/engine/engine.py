@@ -13,25 +13,23 @@ plugged in at four named seams. One iteration (:meth:`Engine.step`):
    a call overwrites the slots it is given before anything reads them, so the target's next
    call for the row starts at its newest token. No row waits for another's acceptance.
 
-The target alone is the same engine with nothing drafted (``draft=None``): every iteration
-samples t from p_1. Rows that stop only by their count then keep their tokens on the device
-and are read when the rows change, so the baseline makes no host read per token.
+The target alone is the same engine with nothing drafted (``draft=None``): every iteration samples t from p_1.
+Rows that stop only by their count keep their tokens on the device and are read when the rows change, so the
+baseline makes no host read per token.
 
-Rows join and leave between iterations (:meth:`Engine.add`, :meth:`Engine.step`,
-:attr:`Engine.finished`): a finished row leaves at once (the KV caches drop it,
-model.move_cache compacts the rest) and a waiting one takes its place. A row can also be
-stopped from outside (:meth:`Engine.cancel`, a server's client that left): it leaves at the
-start of the next step, before that step computes anything for it.
+Rows join and leave between iterations (:meth:`Engine.add`, :meth:`Engine.step`, :attr:`Engine.finished`): a
+finished row leaves at once (the KV caches drop it, model.move_cache compacts the rest) and a waiting one
+takes its place. A row can also be stopped from outside (:meth:`Engine.cancel`, a server's client that left):
+it leaves at the start of the next step, before that step computes anything for it.
 
-Each row has its own sampling settings (``Engine.add``'s ``sampling``) and seed: row b draws
-everything from its own torch.Generator, in the order a batch of one would, so its tokens do not
-depend on the other rows, up to the numerics policy (docs/algorithm.md: near-ties of a matmul of
-another shape). gamma="auto" adapts one gamma for all rows, so under it rows see each other. A
-token tree is drafted for one row at a time (speculative.engine.trees says why).
+Each row has its own sampling settings (``Engine.add``'s ``sampling``) and seed: row b draws everything from its
+own torch.Generator, in the order a batch of one would, so its tokens do not depend on the other rows, up to the
+numerics policy (docs/algorithm.md: near-ties of a matmul of another shape). gamma="auto" adapts one gamma for all
+rows (under it rows see each other). A token tree is drafted for one row at a time (speculative.engine.trees).
 
-Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] -> logits
-[B, T, V]; with ``return_hidden`` also the features a drafter asks for, ``reads_features``),
-``setup_cache``, ``move_cache``, ``cache_len`` and ``config.vocab_size`` / ``config.max_seq_len``.
+Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] -> logits [B, T, V];
+with ``return_hidden`` also the features a drafter asks for, ``reads_features``), ``setup_cache``,
+``move_cache``, ``cache_len`` and ``config.vocab_size`` / ``config.max_seq_len``.
 """
 
 from __future__ import annotations
@@ -281,7 +279,7 @@ class Engine:
         if self.drafter is None:
             return 0
         g = row.gamma if row.gamma is not None else self.policy(self) if self.policy else \
-            self.auto.gamma if self.auto else self.gamma_max
+            self.auto.choose(self.stats.iterations) if self.auto else self.gamma_max
         return max(0, min(g, self.gamma_max, row.max_new_tokens - row.produced - 1, self.row_limit - row.length - 1))
 
     def verify(self, rows: list[Row], draft: Draft, logits: torch.Tensor) -> list[Verification] | None:
@@ -422,13 +420,15 @@ class Engine:
 
     # ------------------------------------------------------------------------- what happened
     def learn(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
-        """One iteration into the rows' and the engine's records (stats.record_iteration: marks before
-        proposing, scoring, verifying and after committing) and gamma="auto"'s alpha and costs."""
+        """One iteration into the records (stats.record_iteration: marks before proposing, scoring,
+        verifying, after committing) and gamma="auto"'s alpha and costs."""
         record_iteration(self.stats, self.clock, rows, draft, steps, marks)
-        t0, t1, t2, _ = marks
-        depth = max(draft.depth(b) for b in range(len(rows)))
-        if self.auto is not None and depth > 0:  # t0..t2 are behind the read; the first also read prompts
-            timed, clock = self.stats.iterations > 1, self.clock
+        (t0, t1, t2, _), depth, clock = marks, max(draft.depth(b) for b in range(len(rows))), self.clock
+        if self.auto is not None:  # whole iterations, timed start to start (t0..t2 are behind the read)
+            self.auto.observe(self.stats.iterations - 1, depth, sum(len(s.tokens) for s in steps) or len(rows), t0,
+                              clock)
+        if self.auto is not None and depth > 0:  # the first iteration also read prompts: not timed
+            timed = self.stats.iterations > 1
             verified = [(j + 1, o) for step in steps for j, o in enumerate(step.overlap[:step.accepted + 1])]
             self.auto.update([o for _, o in verified],
                              clock.seconds(t0, t1) / (draft.calls or depth) if timed else None,  # per call

@@ -18,6 +18,17 @@ gamma jump to 16. The two pseudo-observations keep an estimate from few position
 1/2 and vanish in the fading counts as evidence comes in (docs/algorithm.md gives the
 effect on the shipped pair).
 
+Speculation can lose where the theorem's assumptions fail: a target whose call grows with its
+width, an iteration whose own work is not small beside a target step (a compiled small target).
+So gamma="auto" also measures what the paper's model leaves out, the whole iteration: the
+seconds and tokens of speculating iterations and the seconds of plain ones (gamma 0, one target
+step), as moving averages of clean iterations (not the prompt's, not the one after plain steps,
+where the drafter catches up). It turns speculation off whenever plain steps emit more tokens
+per second than speculating did, and tries speculating again after 16 iterations off, then 32,
+64, ... while it keeps losing (back to 16 once it pays); while on, one iteration in 32 is a
+plain step, so that the plain cost stays measured (the first at iteration 2). Nothing is set by
+hand: the crossover is where this run's own measurements put it.
+
 Changing gamma from one iteration to the next does not affect the output distribution:
 each emitted token has the target's distribution given everything before it, whatever
 gamma the history led to.
@@ -29,6 +40,7 @@ engine when called, and FixedGamma does not look at it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from speculative.engine.cost import best_gamma
 from speculative.inputs import GAMMA_MAX
@@ -61,6 +73,16 @@ class AutoGamma:
     parallel: bool = False
     by_position: dict[int, list[float]] | None = None  # parallel: position -> [S_i, N_i]
     by_width: dict[int, float] | None = None  # parallel: target call width -> its moving average
+    # whole iterations, measured (the module docstring): speculating [seconds, tokens], plain seconds
+    speculating: list[float] | None = None
+    plain_s: float | None = None
+    off: bool = False  # plain steps emit more tokens per second than speculating: gamma 0
+    probe_every: int = 32  # while on: one plain iteration in this many
+    retry_after: int = 16  # while off: iterations before speculating again (doubles while it loses)
+    next_retry: int = 0
+    last: tuple[int, int] = (-1, 0)  # (iteration, gamma) chosen: the engine asks once per row
+    previous_gamma: int = 0  # the gamma of the iteration observed last
+    pending: tuple | None = None  # (iteration, gamma, tokens, start mark): timed when the next one starts
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -88,6 +110,49 @@ class AutoGamma:
         if self.alpha is not None and self.draft_step_s is not None and self.target_call_s:
             self.gamma = self.best_parallel() if self.parallel else \
                 best_gamma(self.alpha, self.draft_step_s / self.target_call_s, self.gamma_max)
+
+    def choose(self, iteration: int) -> int:
+        """The gamma for engine iteration ``iteration`` (0: the prompt's): the cost model's, or 0
+        while off, or a probe (the module docstring)."""
+        if self.last[0] != iteration:
+            self.last = (iteration, self._choose(iteration))
+        return self.last[1]
+
+    def _choose(self, i: int) -> int:
+        if self.off:
+            return self.gamma if i >= self.next_retry else 0
+        timing_one = self.pending is not None and self.pending[1] == 0  # a plain step, timed when this one starts
+        if self.speculating is not None and (self.plain_s is None and not timing_one or i % self.probe_every == 0):
+            return 0
+        return self.gamma
+
+    def observe(self, iteration: int, gamma: int, tokens: int, start: Any, clock: Any) -> None:
+        """Engine iteration ``iteration`` (its ``gamma``, the tokens all rows emitted, its
+        ``clock`` mark at its ``start``). The one before it, now timed from its start to this one's,
+        goes into the speculating or the plain average when clean; then on or off."""
+        pending, self.pending = self.pending, (iteration, gamma, tokens, start)
+        if pending is not None and pending[0] == iteration - 1:
+            self._observe(pending[0], pending[1], clock.seconds(pending[3], start), pending[2])
+
+    def _observe(self, iteration: int, gamma: int, seconds: float, tokens: int) -> None:
+        clean = iteration > 0 and not (gamma > 0 and self.previous_gamma == 0)
+        self.previous_gamma = gamma
+        if not clean or seconds <= 0:
+            return
+        if gamma == 0:
+            self.plain_s = self._average(self.plain_s, seconds / max(tokens, 1))
+        elif self.off or self.speculating is None:  # fresh after a pause: what it costs now, not before
+            self.speculating = [seconds, float(tokens)]
+        else:
+            self.speculating = [self.decay * o + (1 - self.decay) * n for o, n in
+                                zip(self.speculating, (seconds, tokens))]
+        if self.plain_s is None or self.speculating is None:
+            return
+        losing = self.speculating[1] / self.speculating[0] < 1 / self.plain_s
+        if losing and (not self.off or gamma > 0):  # turned off, or a retry that lost again
+            self.retry_after = self.retry_after * 2 if self.off else 16
+            self.next_retry = iteration + self.retry_after
+        self.off = losing
 
     def alpha_at(self, position: int) -> float:
         """Position i's alpha, (S_i + 1) / (N_i + 2); positions never verified take the last known one's."""

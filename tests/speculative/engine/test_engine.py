@@ -291,3 +291,16 @@ def test_a_row_whose_callback_raises_fails_alone() -> None:
     assert isinstance(bad.error, RowFailedError) and "its handler failed" in str(bad.error)
     assert bad.stats.stop_reason == "error" and bad.produced < 12
     assert good.error is None and good.ids[2:] == reference_greedy(target, [4, 5], 12)
+
+
+def test_auto_gamma_off_and_on_again_is_still_the_target_s_greedy_output(pair: dict) -> None:
+    """gamma="auto" turned off (gamma 0: plain steps) and back on within one run, the drafter catching up
+    on what the plain steps emitted: the tokens are still the target's greedy ones, and the iterations
+    off drafted nothing."""
+    engine = Engine(pair["target"], pair["draft"], gamma="auto", temperature=0.0, max_rows=1, cache_len=64)
+    engine.auto.off, engine.auto.next_retry = True, 5  # plain steps from the start, speculating from iteration 5
+    row = engine.add(PROMPTS[1], 24)
+    engine.run()
+    history = row.stats.gamma_history
+    assert history[:4] == [0, 0, 0, 0] and any(history[4:])
+    assert row.result().tokens == reference_greedy(pair["target"], PROMPTS[1], 24)

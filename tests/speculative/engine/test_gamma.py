@@ -83,3 +83,66 @@ def test_auto_gamma_does_not_jump_on_the_first_accepted_tokens() -> None:
         auto.update([1.0] * 4, draft_step_s=0.0005, target_call_s=0.005)
     assert auto.alpha > 0.95
     assert auto.gamma > 8
+
+
+# ----------------------------------------------------------------------------- speculation turned off where it loses
+class Clock:
+    """Marks are seconds on a clock the test moves."""
+
+    @staticmethod
+    def seconds(start: float, end: float) -> float:
+        return end - start
+
+
+def run(auto: AutoGamma, iterations: int, first: int, now: float, spec: tuple[float, int],
+        plain_s: float) -> tuple[list[int], float]:
+    """Drive ``auto`` as the engine does for ``iterations`` iterations from index ``first``: each
+    chosen gamma takes its seconds (speculating: spec = (seconds, tokens); plain: plain_s for one
+    token). Returns the gammas chosen and the clock."""
+    chosen = []
+    for i in range(first, first + iterations):
+        gamma = auto.choose(i)
+        chosen.append(gamma)
+        tokens = spec[1] if gamma else 1
+        auto.observe(i, gamma, tokens, now, Clock)
+        now += spec[0] if gamma else plain_s
+    return chosen, now
+
+
+def test_auto_turns_speculation_off_where_plain_steps_are_faster_and_retries_less_often() -> None:
+    auto = AutoGamma()
+    # speculating: 10 ms for 1.5 tokens (150 tokens/s); plain: 5 ms a token (200 tokens/s)
+    chosen, now = run(auto, 40, 0, 0.0, (0.010, 1.5), 0.005)
+    assert chosen[:3] == [4, 4, 4] and chosen[3] == 0  # the first plain step is a probe at iteration 3
+    assert auto.off
+    first_retry = next(i for i in range(5, 40) if chosen[i])
+    # iteration 4 was chosen before the probe was timed (at iteration 4's start)
+    assert chosen[5:first_retry] == [0] * (first_retry - 5) and first_retry == 3 + 16  # 16 after the probe
+    later, now = run(auto, 120, 40, now, (0.010, 1.5), 0.005)
+    retries = [i + 40 for i, g in enumerate(later) if g and (i == 0 or not later[i - 1])]
+    gaps = [b - a for a, b in zip([first_retry, *retries], retries)]
+    assert gaps and all(b > a for a, b in zip(gaps, gaps[1:])) and gaps[0] > 16  # it backs off while it loses
+    assert sum(later) / 4 < 12  # few speculating iterations while off
+
+
+def test_auto_stays_on_where_speculation_pays_and_comes_back_when_it_starts_paying() -> None:
+    auto = AutoGamma()
+    chosen, now = run(auto, 100, 0, 0.0, (0.010, 4), 0.005)  # 400 tokens/s against 200
+    assert not auto.off
+    assert [i for i, g in enumerate(chosen) if g == 0] == [3, 32, 64, 96]  # a plain probe in 32
+    broke = AutoGamma()
+    chosen, now = run(broke, 30, 0, 0.0, (0.010, 1), 0.005)  # loses: off
+    assert broke.off
+    chosen, now = run(broke, 150, 30, now, (0.010, 4), 0.005)  # now it pays: on at the next retry
+    assert not broke.off and chosen[-10:].count(0) <= 1
+
+
+def test_a_broken_on_off_rule_is_caught() -> None:
+    """Power: the rule with its comparison reversed keeps speculating where it loses."""
+    class Reversed(AutoGamma):
+        def _observe(self, iteration: int, gamma: int, seconds: float, tokens: int) -> None:
+            super()._observe(iteration, gamma, seconds, tokens)
+            if self.plain_s is not None and self.speculating is not None:
+                self.off = not self.off
+    chosen, _ = run(Reversed(), 40, 0, 0.0, (0.010, 1.5), 0.005)
+    assert sum(g > 0 for g in chosen[5:]) > 20  # the first test's rule would speculate in at most a few of these

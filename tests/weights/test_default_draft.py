@@ -1,0 +1,64 @@
+"""--draft when none is named (weights.load.default_draft): the shipped pair's draft for the shipped target,
+the shipped head trained for a model of the target's shape where there is one, and a clear error, naming the
+default, where the target has that shape but other weights (its fingerprint)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import weights.load
+import weights.registry
+from model import ModelConfig
+from model.eagle3_head import Eagle3Head, default_layers
+from weights import CheckpointError, load_model, save_model
+from weights.eagle3 import save_eagle3_head
+from weights.load import DEFAULT_DRAFT, default_draft, load_named_pair, read_named_pair
+from weights.registry import WEIGHTS_DIR
+
+
+@pytest.fixture
+def shipped_for_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A weights/ folder whose one head for other targets was made for tiny-target."""
+    target = load_model("tiny-target")
+    config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
+    head = Eagle3Head(config, default_layers(target.config.n_layers), draft_vocab=64)
+    head.set_vocabulary(torch.arange(64))
+    save_eagle3_head(head, tmp_path / "weights" / "head", target, target_name="tiny-target")
+    monkeypatch.setattr(weights.load, "WEIGHTS_DIR", tmp_path / "weights")
+    monkeypatch.setattr(weights.load, "FOR_OTHER_TARGETS", ("head",))
+    monkeypatch.setattr(weights.registry, "WEIGHTS_DIR", tmp_path / "weights")  # where names are found
+    monkeypatch.setattr(weights.registry, "SHIPPED", ("head",))
+    return tmp_path
+
+
+def args_for(target: str | Path) -> SimpleNamespace:
+    return SimpleNamespace(target=str(target), draft=None, no_draft=False, quantize=None, setup="default",
+                           no_fuse=False, no_prepack=False, cache_dir=None)
+
+
+def test_a_target_of_the_head_s_shape_gets_the_head_and_others_the_pair_s_draft(shipped_for_tiny: Path) -> None:
+    assert default_draft(WEIGHTS_DIR / "tiny-target") == "head"
+    assert default_draft(WEIGHTS_DIR / "tiny-draft") == DEFAULT_DRAFT  # another shape
+    assert default_draft(shipped_for_tiny / "missing") == DEFAULT_DRAFT  # the pair's reading says what is wrong
+
+
+def test_the_default_head_for_another_model_of_its_shape_is_refused_naming_the_default(
+        shipped_for_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = copy.deepcopy(load_model(WEIGHTS_DIR / "tiny-target"))
+    with torch.no_grad():
+        other.norm.weight.mul_(1.5)  # the same shape, other weights
+    folder = save_model(other, shipped_for_tiny / "other")
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        if (WEIGHTS_DIR / "tiny-target" / name).exists():
+            shutil.copy(WEIGHTS_DIR / "tiny-target" / name, folder / name)
+    args = args_for(folder)
+    with pytest.raises(CheckpointError, match="fingerprint mismatch.*--draft defaulted to head"):
+        spec = read_named_pair(args)
+        load_named_pair(args, spec, torch.device("cpu"), torch.float32, positions=32, rows=1, gamma=4, gamma_max=4,
+                        flag="--setup")
