@@ -2,6 +2,8 @@
 
     python -m benchmarks.llama_cpp --bin LLAMA_CPP/build/bin --gguf GGUF_DIR
     python -m benchmarks.llama_cpp --bin ... --gguf ... --rounds 3 --out ''      # print only
+    python -m benchmarks.llama_cpp --bin ... --gguf . --target SmolLM2-135M-Instruct.Q4_1.gguf \
+        --steps-only f32=smollm2-f32.gguf Q4_1=SmolLM2-135M-Instruct.Q4_1.gguf --out docs/results/llama_cpp_smollm2.md
 
 Optional and for developers only (never in CI): llama.cpp is not a dependency. Build it from
 llama-cpp-python's sdist (CPU only, a few minutes on 2 cores)::
@@ -108,9 +110,10 @@ def theirs(prompt: str, seed: int, temperature: float, draft: bool, dtype: str, 
     return float(found[-1])
 
 
-def bench_steps(dtype: str, args: Any) -> tuple[float, float]:
+def bench_steps(dtype: str, args: Any, gguf: Path | None = None) -> tuple[float, float]:
     """llama-bench: ms of one token (tg) and of a 5-token batch (pp5), in one process."""
-    cmd = [str(args.bin / "llama-bench"), "-m", str(args.gguf / f"tiny-target-{dtype}.gguf"), "-t", str(args.threads),
+    gguf = gguf or args.gguf / f"tiny-target-{dtype}.gguf"
+    cmd = [str(args.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads),
            "-p", "5", "-n", "128", "-r", "10", "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     rows = json.loads(proc.stdout)
@@ -118,7 +121,7 @@ def bench_steps(dtype: str, args: Any) -> tuple[float, float]:
     return 1e3 / speed[0, 128], 5e3 / speed[5, 0]
 
 
-def our_steps(setup: tuple[str, str], threads: int) -> tuple[float, float]:
+def our_steps(setup: tuple[str, str], threads: int, target: str = "tiny-target") -> tuple[float, float]:
     """ms of one target call of 1 and of 5 tokens, in the set-up a default run in ``dtype`` gets from ``cache``."""
     cache, dtype = setup
     code = f"""
@@ -127,7 +130,7 @@ torch.set_num_threads({threads})
 from model.fast.setup import step_ms
 from weights import StepCache, read_pair
 from model.fast.compile import decode_widths
-spec = read_pair("tiny-target", "tiny-draft")
+spec = read_pair({target!r}, "lookup")
 pair = spec.load(dtype=getattr(torch, {dtype!r}), prepare_models=False)
 pair, _ = pair.set_up("default", decode_widths({GAMMA}, {GAMMA}), 512, store=StepCache({cache!r}))
 pair.target.setup_cache(1, 256)
@@ -151,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "benchmarks_llama_cpp.md"), help="page to write ('' for none)")
+    parser.add_argument("--steps-only", nargs="+", metavar="LABEL=GGUF", default=None,
+                        help="only one step and a 5-token call: llama-bench on each file, ours on --target")
+    parser.add_argument("--target", default="tiny-target", help="ours, with --steps-only (a folder or a GGUF)")
     args = parser.parse_args(argv)
+    if args.steps_only:
+        return steps_only(args, argv)
     from weights.step_cache import default_dir
 
     cache = args.cache_dir or str(default_dir())
@@ -205,6 +213,30 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.out:
         write_page(args.out, "\n".join(page_head(TITLE, command) + lines))
+    return 0
+
+
+def steps_only(args: Any, argv: list[str] | None) -> int:
+    """--steps-only: a real model's one-token step and 5-token call, ours (eager float32, its default set-up
+    without compiled steps) beside llama.cpp's on each GGUF file, in turns, the fastest of --rounds."""
+    empty = tempfile.mkdtemp(prefix="llama-cpp-bench-empty-cache-")
+    files = [item.split("=", 1) for item in args.steps_only]
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for turn in range(args.rounds):
+        for label, path in turn_order([("this project, eager f32", None), *files], turn):
+            rows.setdefault(label, []).append(our_steps((empty, "float32"), args.threads, args.target) if path is None
+                                              else bench_steps("", args, Path(path)))
+    lines = [f"llama.cpp built from llama-cpp-python 0.3.36's sources; ours on `{Path(args.target).name}`; run on "
+             f"{machine_line(args.threads)}.", "", f"{args.threads} threads, {args.rounds} rounds in turns, the "
+             "fastest of each (llama-bench: tg128 and pp5, 10 repetitions each; ours: model.fast.setup.step_ms, best "
+             "of 5).",
+             "", "| | one step | tokens/s of one step | 5-token call |", "|---|---:|---:|---:|"]
+    for label, seen in rows.items():
+        one, five = min(s[0] for s in seen), min(s[1] for s in seen)
+        lines.append(f"| {label} | {one:.2f} ms | {1e3 / one:.1f} | {five:.2f} ms ({five / one:.2f} steps) |")
+    print("\n".join(lines))
+    if args.out:
+        write_page(args.out, "\n".join(page_head(TITLE, command_line("llama_cpp", argv)) + lines))
     return 0
 
 

@@ -92,9 +92,17 @@ def compare_stats(stats: dict[str, Any], baseline: Any, tokens: list[int], tempe
     same = None if temperature > 0 else base_tokens == tokens  # sampled runs draw differently, by design
     first = None if same is None or same else next(
         (i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), min(len(tokens), len(base_tokens)))
+    # The cost model with the calls as measured: a verification of g + 1 tokens costs what it cost here, not
+    # one step (on a CPU it grows with g), and a step is the target alone's; the loop's own work is left out.
+    b = baseline.stats
+    step = (b.target_time_s - b.first_call_s) / (b.target_calls - 1) if b.target_calls > 1 else None
+    calls, spent = stats.get("target_calls") or 0, (stats.get("draft_time_s") or 0) + (stats.get("target_time_s") or 0)
+    tau = stats.get("predicted_tokens_per_target_call")
+    by_width = tau * step / (spent / calls) if tau and step and calls and spent else None
     return {"speculative_tokens_per_second": fast, "baseline_tokens_per_second": slow,
             "measured_speedup": fast / slow if fast and slow else None,
-            "predicted_speedup": stats.get("predicted_speedup"), "same_tokens": same, "first_difference": first,
+            "predicted_speedup": stats.get("predicted_speedup"), "predicted_speedup_measured_calls": by_width,
+            "same_tokens": same, "first_difference": first,
             "baseline": stats_dict(baseline.stats, False), "baseline_tokens": base_tokens}
 
 
@@ -109,7 +117,8 @@ def compare_line(compare: dict[str, Any]) -> str:
     return (f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
             f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s: measured speedup "
             f"{_num(compare['measured_speedup'], '.2f')}x, predicted {_num(compare['predicted_speedup'], '.2f')}x by "
-            f"the cost model{tokens}")
+            f"the cost model, {_num(compare.get('predicted_speedup_measured_calls'), '.2f')}x with the calls as "
+            f"measured (a verification's own cost){tokens}")
 
 
 def batch_summary_lines(result: BatchResult, speculative: bool) -> list[str]:
