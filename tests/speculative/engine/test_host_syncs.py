@@ -241,13 +241,22 @@ def test_timing_never_waits_for_the_device(pair: tuple, run: str, monkeypatch: p
         timed = draft_step_s is not None and target_call_s is not None
         real(self, overlaps, 1e-3 if timed else None, 1e-2 if timed else None, **kwargs)
 
-    # gamma="auto" chooses from the times it measures: fixed times, so that both runs choose the same
-    # gammas (and make the same reads) however fast the machine is at the moment; each count undoes
-    # every patch when it returns, so the times are fixed again for the second
-    monkeypatch.setattr(AutoGamma, "update", fixed_times)
-    out, reads, syncs = count_waits(lambda: TIMED[run](*pair), monkeypatch)
-    monkeypatch.setattr(AutoGamma, "update", fixed_times)
-    _, plain_reads = count_reads(lambda: TIMED[run](*pair), monkeypatch)
+    real_observe = AutoGamma._observe
+
+    def fixed_iterations(self, iteration, gamma, seconds, tokens):  # every whole iteration 10 ms
+        real_observe(self, iteration, gamma, 1e-2, tokens)
+
+    # gamma="auto" chooses from the times it measures (its calls' and its whole iterations'): fixed
+    # times, so that both runs choose the same gammas (and make the same reads) however fast the
+    # machine is at the moment; each count undoes every patch when it returns, so the times are fixed
+    # again for the second
+    for count in (count_waits, count_reads):
+        monkeypatch.setattr(AutoGamma, "update", fixed_times)
+        monkeypatch.setattr(AutoGamma, "_observe", fixed_iterations)
+        if count is count_waits:
+            out, reads, syncs = count(lambda: TIMED[run](*pair), monkeypatch)
+        else:
+            _, plain_reads = count(lambda: TIMED[run](*pair), monkeypatch)
     assert syncs == 1 and reads == plain_reads
     stats = out.stats
     assert stats.decode_time_s > 0 if hasattr(stats, "decode_time_s") else stats.target_time_s > 0
