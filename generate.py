@@ -234,6 +234,7 @@ def model_defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> s
 
 def run(args: argparse.Namespace, given: set[str]) -> int:
     validate(args, given)
+    args.gamma_given = "gamma" in given  # a default drafter may come with its own (weights.load.read_named_pair)
     is_main = int(os.environ.get("RANK", "0")) == 0  # only rank 0 prints; the others compute silently
     notes = cmdline.unused_flags(args, given)
     for note in notes if is_main else []:

@@ -61,10 +61,11 @@ ROOT = Path(__file__).resolve().parents[1]
 VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
 
 
-def load(target: str, draft: str | None, gamma: int | str, positions: int, cache: bool) -> tuple[Any, Any]:
+def load(target: str, draft: str | None, gamma: int | str, positions: int, cache: bool,
+         dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """The target and drafter in generate.py's default set-up for these calls."""
     spec = read_pair(target, draft)
-    pair = spec.load(prepare_models=False)
+    pair = spec.load(dtype=dtype, prepare_models=False)
     widths = decode_widths(gamma, GAMMA_MAX) if draft else (1,)
     pair, _ = pair.set_up("default", widths, positions, store=StepCache() if cache else None)
     return pair.target, pair.draft
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generation (default 128)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds in turns (default 3)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both models' (default "
+                        "float32; bfloat16 is another target, asked for by name)")
     parser.add_argument("--no-cache", action="store_true", help="never the compiled steps: stacked and prepacked")
     parser.add_argument("--out", default=None, help="write the table (markdown) here too")
     args = parser.parse_args(argv)
@@ -127,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompts = held_out_prompts([str(VALID)], tokenizer, args.prompts, args.prompt_tokens, 0)
     positions = max(map(len, prompts)) + args.max_new_tokens + ahead + 2
-    methods = {"target alone": (*load(args.target, None, 1, positions, not args.no_cache), 1)}
+    dtype = getattr(torch, args.dtype)
+    methods = {"target alone": (*load(args.target, None, 1, positions, not args.no_cache, dtype), 1)}
     for label, name in zip(labels, args.drafters):
         for gamma in args.gamma:
             key = label if len(args.gamma) == 1 else f"{label}, γ = {gamma}"
-            methods[key] = (*load(args.target, name, gamma, positions, not args.no_cache), gamma)
+            methods[key] = (*load(args.target, name, gamma, positions, not args.no_cache, dtype), gamma)
     results: dict[tuple[str, float], list[dict[str, Any]]] = {}
     with torch.inference_mode():
         for target, drafter, gamma in methods.values():  # warm-up: one prompt each
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Command: `{command_line('drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
              "", f"{len(prompts)} held-out {kind}, {args.max_new_tokens} new tokens "
              f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, {args.rounds} rounds in turns; set-up: "
-             f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}.", "",
+             f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}, "
+             f"{args.dtype}.", "",
              *markdown_table(header, rows, "l" + "r" * (len(header) - 1))]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -220,7 +220,7 @@ def steps_only(args: Any, argv: list[str] | None) -> int:
     """--steps-only: a real model's one-token step and 5-token call, ours (eager float32, its default set-up
     without compiled steps) beside llama.cpp's on each GGUF file, in turns, the fastest of --rounds."""
     empty = tempfile.mkdtemp(prefix="llama-cpp-bench-empty-cache-")
-    files = [item.split("=", 1) for item in args.steps_only]
+    files = [(f"llama.cpp {label}", path) for label, path in (item.split("=", 1) for item in args.steps_only)]
     rows: dict[str, list[tuple[float, float]]] = {}
     for turn in range(args.rounds):
         for label, path in turn_order([("this project, eager f32", None), *files], turn):

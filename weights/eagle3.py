@@ -138,6 +138,16 @@ def target_shape(config: Any) -> dict[str, int]:
     return {"hidden_size": config.dim, "num_hidden_layers": config.n_layers, "vocab_size": config.vocab_size}
 
 
+def proposal_length(directory: Path) -> int | None:
+    """The draft length a speculators head's config proposes (``proposal_methods``' ``speculative_tokens``, what
+    vLLM takes as its number of speculative tokens), or None."""
+    try:
+        methods = json.loads((directory / "config.json").read_text())["speculators_config"]["proposal_methods"]
+        return int(methods[0]["speculative_tokens"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def load_eagle3_head(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target") -> Eagle3Head:
     """An Eagle3Head from its folder (either layout), checked against ``target``, in the target's
     dtype and on its device."""

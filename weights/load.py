@@ -47,7 +47,7 @@ from weights.checkpoint import (
     stop_ids,
 )
 from weights.drafters import folder_kind, load_drafter
-from weights.eagle3 import target_shape
+from weights.eagle3 import proposal_length, target_shape
 from weights.registry import FOR_OTHER_TARGETS, SHIPPED, WEIGHTS_DIR, UnknownCheckpointError, resolve
 from weights.sharded import load_model_tp, plan_config
 from weights.step_cache import StepCache
@@ -317,6 +317,8 @@ def read_named_pair(args: Any) -> PairSpec:
     ``args`` is the scripts' namespace. A draft that cannot speculate for the target says, when it is
     the default draft under another target, how to name one."""
     named_draft(args)
+    if getattr(args, "draft_defaulted", False) and not getattr(args, "gamma_given", True):
+        args.gamma = proposal_length(resolve(args.draft)) or args.gamma  # the default head's own, measured
     try:
         return read_pair(args.target, None if args.no_draft else args.draft)
     except PairMismatchError as err:

@@ -5,6 +5,7 @@ default, where the target has that shape but other weights (its fingerprint)."""
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,9 +38,10 @@ def shipped_for_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def args_for(target: str | Path) -> SimpleNamespace:
-    return SimpleNamespace(target=str(target), draft=None, no_draft=False, quantize=None, setup="default",
-                           no_fuse=False, no_prepack=False, cache_dir=None)
+def args_for(target: str | Path, **given: object) -> SimpleNamespace:
+    return SimpleNamespace(**{"target": str(target), "draft": None, "no_draft": False, "quantize": None,
+                              "setup": "default", "no_fuse": False, "no_prepack": False, "cache_dir": None,
+                              "gamma": 4, "gamma_given": False, **given})
 
 
 def test_a_target_of_the_head_s_shape_gets_the_head_and_others_the_pair_s_draft(shipped_for_tiny: Path) -> None:
@@ -62,3 +64,20 @@ def test_the_default_head_for_another_model_of_its_shape_is_refused_naming_the_d
         spec = read_named_pair(args)
         load_named_pair(args, spec, torch.device("cpu"), torch.float32, positions=32, rows=1, gamma=4, gamma_max=4,
                         flag="--setup")
+
+
+def test_the_default_head_brings_its_own_draft_length_unless_one_is_given(shipped_for_tiny: Path) -> None:
+    """speculators' proposal_methods[0].speculative_tokens (what vLLM drafts by default) is --gamma's default
+    for the default head; a --gamma given, or a head named, keeps --gamma."""
+    config = shipped_for_tiny / "weights" / "head" / "config.json"
+    data = json.loads(config.read_text())
+    data["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 3
+    config.write_text(json.dumps(data))
+    args = args_for(WEIGHTS_DIR / "tiny-target")
+    assert read_named_pair(args).draft == "head" and args.gamma == 3
+    given = args_for(WEIGHTS_DIR / "tiny-target", gamma=6, gamma_given=True)
+    read_named_pair(given)
+    assert given.gamma == 6
+    named = args_for(WEIGHTS_DIR / "tiny-target", draft="lookup")
+    read_named_pair(named)
+    assert named.gamma == 4

@@ -12,6 +12,7 @@ import torch
 from speculative import FeatureDrafter, autoregressive_generate
 from tests.support.checkpoints import needs_smollm2, smollm2_gguf
 from weights import load_drafter, load_model, load_tokenizer, read_config
+from weights.eagle3 import proposal_length
 from weights.load import default_draft
 from weights.registry import FOR_OTHER_TARGETS, SHIPPED, SHIPPED_HEADS, SHIPPED_MODELS, WEIGHTS_DIR
 
@@ -56,6 +57,7 @@ def test_the_smollm2_head_loads_for_its_target_and_is_its_default_draft() -> Non
     what --draft means under that target when none is named; the shipped target keeps its draft."""
     check_head_card("smollm2-eagle3", load_model(smollm2_gguf()), "SmolLM2-135M-Instruct")
     assert default_draft(smollm2_gguf()) == "smollm2-eagle3"
+    assert proposal_length(WEIGHTS_DIR / "smollm2-eagle3") == 3  # the draft length measured fastest (its card)
     assert default_draft("tiny-target") == "tiny-draft"
 
 
