@@ -114,11 +114,12 @@ def compare_line(compare: dict[str, Any]) -> str:
     tokens = "" if same is None else ("; the same greedy tokens" if same else
                                       f"; the greedy tokens part at token {first} (see the numerics policy in "
                                       "docs/algorithm.md)")
+    by_width = compare.get("predicted_speedup_measured_calls")
+    measured = "" if by_width is None else f", {by_width:.2f}x with the calls as measured (a verification's own cost)"
     return (f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
             f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s: measured speedup "
             f"{_num(compare['measured_speedup'], '.2f')}x, predicted {_num(compare['predicted_speedup'], '.2f')}x by "
-            f"the cost model, {_num(compare.get('predicted_speedup_measured_calls'), '.2f')}x with the calls as "
-            f"measured (a verification's own cost){tokens}")
+            f"the cost model{measured}{tokens}")
 
 
 def batch_summary_lines(result: BatchResult, speculative: bool) -> list[str]:

@@ -89,6 +89,10 @@ def test_compare_measures_the_speedup_and_where_greedy_tokens_part() -> None:
     assert sampled["same_tokens"] is None and sampled["first_difference"] is None
     assert compare_line(same) == ("compare: speculative 300.0 tokens/s, target alone 120.0 tokens/s: measured speedup "
                                   "2.50x, predicted 2.50x by the cost model; the same greedy tokens")
+    timed = {**same, "predicted_speedup_measured_calls": 2.25}  # where both runs timed their calls
+    assert compare_line(timed) == ("compare: speculative 300.0 tokens/s, target alone 120.0 tokens/s: measured "
+                                   "speedup 2.50x, predicted 2.50x by the cost model, 2.25x with the calls as measured "
+                                   "(a verification's own cost); the same greedy tokens")
     assert "part at token 2" in compare_line(parted) and "greedy" not in compare_line(sampled)
 
 
