@@ -10,6 +10,7 @@ the tensor): a damaged file or a diverged training run is refused, never decoded
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -151,11 +152,22 @@ def _open(path: Path) -> Any:
 
 
 def gguf_file(path: Path) -> GGUFFile:
-    """A GGUF file opened (weights/gguf.py), its errors as CheckpointError."""
+    """A GGUF file opened (weights/gguf.py), its errors as CheckpointError. Opening parses the whole
+    header and tensor table (seconds for a real model's file), and one run reads a file's config, its
+    tokenizer, its generation config and its weights: the file opened last is kept while it is
+    unchanged on disk (the same path, modification time and size)."""
     try:
-        return GGUFFile(path)
+        if not path.is_file():
+            return GGUFFile(path)  # its error, as it words it
+        stat = path.stat()
+        return _opened_gguf(path, stat.st_mtime_ns, stat.st_size)
     except GGUFError as err:
         raise CheckpointError(str(err)) from None
+
+
+@functools.lru_cache(maxsize=2)  # a target and a draft
+def _opened_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 def read_tensors(directory: Path, config: ModelConfig,
