@@ -110,9 +110,8 @@ def theirs(prompt: str, seed: int, temperature: float, draft: bool, dtype: str, 
     return float(found[-1])
 
 
-def bench_steps(dtype: str, args: Any, gguf: Path | None = None) -> tuple[float, float]:
-    """llama-bench: ms of one token (tg) and of a 5-token batch (pp5), in one process."""
-    gguf = gguf or args.gguf / f"tiny-target-{dtype}.gguf"
+def bench_steps(gguf: Path, args: Any) -> tuple[float, float]:
+    """llama-bench on ``gguf``: ms of one token (tg) and of a 5-token batch (pp5), in one process."""
     cmd = [str(args.bin / "llama-bench"), "-m", str(gguf), "-t", str(args.threads),
            "-p", "5", "-n", "128", "-r", "10", "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -180,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                 seen[cell][i].append(run(prompt, i, temperature, draft, setup, args))
             print(f"round {turn + 1}: {name}, {'speculative' if draft else 'target alone'}, T={temperature:g}: "
                   f"{median(max(r) for r in seen[cell]):.0f} tokens/s", file=sys.stderr, flush=True)
-    steps = {name: our_steps(setup, args.threads) if who == "ours" else bench_steps(setup, args)
-             for name, who, setup in rows}
+    steps = {name: our_steps(setup, args.threads) if who == "ours" else
+             bench_steps(args.gguf / f"tiny-target-{setup}.gguf", args) for name, who, setup in rows}
 
     def speed(cell: Any) -> float:
         return median(max(r) for r in seen[cell])
@@ -225,7 +224,7 @@ def steps_only(args: Any, argv: list[str] | None) -> int:
     for turn in range(args.rounds):
         for label, path in turn_order([("this project, eager f32", None), *files], turn):
             rows.setdefault(label, []).append(our_steps((empty, "float32"), args.threads, args.target) if path is None
-                                              else bench_steps("", args, Path(path)))
+                                              else bench_steps(Path(path), args))
     lines = [f"llama.cpp built from llama-cpp-python 0.3.36's sources; ours on `{Path(args.target).name}`; run on "
              f"{machine_line(args.threads)}.", "", f"{args.threads} threads, {args.rounds} rounds in turns, the "
              "fastest of each (llama-bench: tg128 and pp5, 10 repetitions each; ours: model.fast.setup.step_ms, best "

@@ -26,7 +26,7 @@ step), as moving averages of clean iterations (not the prompt's, not the one aft
 where the drafter catches up). It turns speculation off whenever plain steps emit more tokens
 per second than speculating did, and tries speculating again after 16 iterations off, then 32,
 64, ... while it keeps losing (back to 16 once it pays); while on, one iteration in 32 is a
-plain step, so that the plain cost stays measured (the first at iteration 2). Nothing is set by
+plain step, so that the plain cost stays measured (the first at iteration 3). Nothing is set by
 hand: the crossover is where this run's own measurements put it.
 
 Changing gamma from one iteration to the next does not affect the output distribution:
