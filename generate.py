@@ -46,7 +46,7 @@ from speculative import (
 )
 from speculative.cli import options as cmdline
 from speculative.cli import output, report
-from speculative.cli.options import DTYPES, UsageError, drafters_help, pick_device, pick_dtype, rules_help
+from speculative.cli.options import DTYPE_HELP, DTYPES, UsageError, drafters_help, pick_device, pick_dtype, rules_help
 from speculative.draft.trees import TREE_MODES
 from speculative.engine import DEFAULT_GAMMA
 from speculative.inputs import GAMMA_MAX
@@ -62,6 +62,7 @@ from weights.load import (
     named_draft,
     plan_configs,
     read_named_pair,
+    stored_dtype,
 )
 from weights.step_cache import ENV, default_dir
 
@@ -77,7 +78,7 @@ def build_parser() -> cmdline.ArgumentParser:
                                       f"{DEFAULT_TARGET}: the fastest exact one measured, docs/drafters.md)")
     add("--no-draft", action="store_true", help="the target alone, one token per call: the baseline")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    add("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 (float16) on a GPU, float32 on cpu")
+    add("--dtype", default=None, choices=sorted(DTYPES), help=DTYPE_HELP)
     add("--quantize", choices=["int8", "int4"], default=None,
         help="int8 block weights, or int4 in groups of 32 (a CPU, float32): another target (default: none)")
     add("--plan", action="store_true", help="print the memory per GPU and exit: 0 when it fits, 1 when not")
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         device, is_main = info.device, info.is_main
     else:
         device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    dtype = pick_dtype(args.dtype, device, None if args.quantize else stored_dtype(args.target))
     if args.quantize == "int4" and (device.type != "cpu" or dtype != torch.float32):
         raise UsageError(f"--quantize int4 runs on a CPU in float32 (torch's packed int4 kernel), not {device.type} in "
                          f"{str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype")

@@ -36,7 +36,7 @@ import torch
 from model.fast.setup import SETUPS, Setups
 from speculative import Engine
 from speculative.cli import options as cmdline
-from speculative.cli.options import DTYPES, UsageError, pick_device, pick_dtype, rules_help
+from speculative.cli.options import DTYPE_HELP, DTYPES, UsageError, pick_device, pick_dtype, rules_help
 from speculative.engine import DEFAULT_GAMMA
 from speculative.engine.gamma import FixedGamma
 from speculative.inputs import GAMMA_MAX
@@ -45,7 +45,7 @@ from speculative.serving.policy import LoadGamma
 from speculative.serving.threads import ThreadTuner, openmp_threads
 from speculative.verify import RULES
 from weights import NonFiniteWeightsError, Pair, PairSpec
-from weights.load import DEFAULT_DRAFT, DEFAULT_TARGET, load_named_pair, read_named_pair
+from weights.load import DEFAULT_DRAFT, DEFAULT_TARGET, load_named_pair, read_named_pair, stored_dtype
 from weights.step_cache import ENV, default_dir
 
 CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
@@ -59,7 +59,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--no-draft", action="store_true", help="the target alone: no speculation at all")
     add("--name", default=None, help="the model name clients ask for (default: --target)")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    add("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 (float16) on a GPU, float32 on cpu")
+    add("--dtype", default=None, choices=sorted(DTYPES), help=DTYPE_HELP)
     add("--quantize", choices=["int8"], default=None, help="int8 block weights (default: none)")
     add("--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU")
     add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
@@ -159,7 +159,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     start the engine's thread (or, ``here``, leave its loop to the calling thread), and return
     what the API serves."""
     device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    dtype = pick_dtype(args.dtype, device, None if args.quantize else stored_dtype(args.target))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     most = torch.get_num_threads()

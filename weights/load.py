@@ -303,6 +303,15 @@ def default_draft(target: str | os.PathLike) -> str:
     return DEFAULT_DRAFT
 
 
+def stored_dtype(target: str | os.PathLike) -> str | None:
+    """The target's own dtype as its config names it (torch_dtype; a GGUF's: float32 once dequantized), or
+    None where it names none or cannot be read (the pair's own reading then says what is wrong)."""
+    try:
+        return read_config(resolve(target)).extra.get("torch_dtype")
+    except (UnknownCheckpointError, CheckpointError):
+        return None
+
+
 def named_draft(args: Any) -> str | None:
     """The scripts' draft: None with --no-draft, else --draft, or :func:`default_draft` of --target."""
     if args.no_draft:

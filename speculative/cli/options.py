@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from model.host import describe_cpu
 from speculative.draft import DRAFTERS
 from speculative.verify import RULES
 
@@ -101,10 +102,19 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
-def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+DTYPE_HELP = ("default: bfloat16 (float16) on a GPU; on a CPU the checkpoint's own bfloat16 where the CPU computes "
+              "it natively (AVX512-BF16, AMX), else float32")
+
+
+def pick_dtype(name: str | None, device: torch.device, stored: str | None = None) -> torch.dtype:
+    """``--dtype`` or, when not given, the fastest dtype that keeps the checkpoint's numerics: bfloat16
+    (else float16) on a GPU; on a CPU the checkpoint's own bfloat16 (``stored``, its torch_dtype) where
+    the CPU computes bfloat16 natively (docs/results/drafters_smollm2_bf16.md), else float32."""
     bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8  # native: Ampere and newer
     if name is None:
-        return (torch.bfloat16 if bf16 else torch.float16) if device.type in ("cuda", "mps") else torch.float32
+        if device.type in ("cuda", "mps"):
+            return torch.bfloat16 if bf16 else torch.float16
+        return torch.bfloat16 if stored == "bfloat16" and describe_cpu().native_bf16 else torch.float32
     dtype = DTYPES[name]  # argparse choices already rejected unknown names
     if device.type == "cuda" and dtype == torch.bfloat16 and not bf16:
         raise UsageError(f"--dtype bfloat16 needs a GPU with compute capability 8.0 or newer; "

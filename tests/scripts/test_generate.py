@@ -759,3 +759,31 @@ def test_a_config_field_nobody_classified_is_one_note_and_the_run_goes_on(tmp_pa
     assert out.returncode == 0, out.stderr
     notes = [line for line in out.stderr.splitlines() if "a_field_from_the_future" in line]
     assert len(notes) == 1 and notes[0].startswith("note: config.json of ") and "not classified" in notes[0]
+
+
+@pytest.mark.parametrize("flags", [("avx512f", "avx512_bf16"), ("avx512f", "avx512bw")])
+def test_a_bfloat16_checkpoint_runs_in_bfloat16_where_the_cpu_computes_it(
+        flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """No --dtype: a checkpoint stored in bfloat16 runs in bfloat16 on a CPU with native bfloat16, in float32 on
+    one without; a float16 checkpoint (the shipped pair) and --dtype given are left as they were."""
+    from model.host import CPU
+    from speculative.cli import options
+
+    monkeypatch.setattr(options, "describe_cpu", lambda: CPU("a cpu", flags))
+    folder = tmp_path / "bf16-target"
+    shutil.copytree(TARGET, folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["torch_dtype"] == "float16"  # the shipped target: stays float32 on a CPU either way
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    native = "avx512_bf16" in flags
+
+    def dtype_of(*args: str) -> str:
+        capsys.readouterr()
+        assert generate.main([*args, "--no-draft", "--max-new-tokens", "2", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["settings"]["dtype"]
+
+    assert dtype_of("--target", str(folder)) == ("bfloat16" if native else "float32")
+    assert dtype_of("--target", str(TARGET)) == "float32"
+    assert dtype_of("--target", str(folder), "--dtype", "float32") == "float32"
+    assert dtype_of("--target", str(folder), "--quantize", "int8") == "float32"  # quantized: as before
