@@ -92,13 +92,18 @@ def compare_stats(stats: dict[str, Any], baseline: Any, tokens: list[int], tempe
     same = None if temperature > 0 else base_tokens == tokens  # sampled runs draw differently, by design
     first = None if same is None or same else next(
         (i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), min(len(tokens), len(base_tokens)))
-    # The cost model with the calls as measured: a verification of g + 1 tokens costs what it cost here, not
-    # one step (on a CPU it grows with g), and a step is the target alone's; the loop's own work is left out.
+    # The cost model with the calls as measured: an iteration costs its drafter and verification calls as they
+    # cost here (a verification of g + 1 tokens is not one step on a CPU), the prompt's pass left out as decode
+    # speed leaves it out, plus the loop's own work (sampling, host reads) as the target alone pays it per token.
     b = baseline.stats
     step = (b.target_time_s - b.first_call_s) / (b.target_calls - 1) if b.target_calls > 1 else None
-    calls, spent = stats.get("target_calls") or 0, (stats.get("draft_time_s") or 0) + (stats.get("target_time_s") or 0)
+    calls = stats.get("target_calls") or 0
+    spent = (stats.get("draft_time_s") or 0) + (stats.get("target_time_s") or 0) - (stats.get("first_calls_s") or 0)
     tau = stats.get("predicted_tokens_per_target_call")
-    by_width = tau * step / (spent / calls) if tau and step and calls and spent else None
+    by_width = None
+    if tau and step and slow and calls > 1 and spent > 0:
+        token = 1 / slow  # the target alone's token: its step and its loop's own work
+        by_width = tau * token / (spent / (calls - 1) + max(0.0, token - step))
     return {"speculative_tokens_per_second": fast, "baseline_tokens_per_second": slow,
             "measured_speedup": fast / slow if fast and slow else None,
             "predicted_speedup": stats.get("predicted_speedup"), "predicted_speedup_measured_calls": by_width,

@@ -100,6 +100,7 @@ class SpeculativeStats:
     # The first iteration also reads the prompt; decode speed leaves it out.
     first_iteration_s: float = 0.0
     first_iteration_tokens: int = 0
+    first_calls_s: float = 0.0  # the first iteration's drafter and target calls, the prompt's pass among them
     wall_time_s: float = 0.0  # the whole call, cache allocation included
     stop_reason: str | None = None  # "eos", "max_new_tokens" or "max_seq_len"
     stop_token: int | None = None  # the end-of-sequence id that ended it (a model may have several)
@@ -351,4 +352,5 @@ def record_iteration(totals: BatchStats, clock: Clock, rows: list[Any], draft: A
         clock.add(stats, "target_time_s", t1, t2)
         if stats.target_calls == 1:  # this iteration also read the prompt: timed apart
             clock.add(stats, "first_iteration_s", row.joined, now)
+            clock.add(stats, "first_calls_s", t0, t2)
             stats.first_iteration_tokens = row.produced

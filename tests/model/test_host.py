@@ -110,8 +110,9 @@ def test_the_cache_keys_entries_by_the_one_description() -> None:
     assert describe_cpu().lscpu == {}  # lscpu is a subprocess: run only when asked (the benchmarks' pages)
 
 
-@pytest.mark.parametrize(("flags", "native"), [("fpu avx2 avx512f avx512_bf16", True), ("fpu avx512f amx_bf16", True),
-                                               ("fp asimd bf16", True), ("fpu avx2 avx512f avx512bw", False), ("", False)])
+@pytest.mark.parametrize(("flags", "native"), [
+    ("fpu avx2 avx512f avx512_bf16", True), ("fpu avx512f amx_bf16", True), ("fp asimd bf16", True),
+    ("fpu avx2 avx512f avx512bw", False), ("", False)])
 def test_native_bfloat16_is_read_from_the_flags(flags: str, native: bool) -> None:
     """AVX512-BF16, AMX-BF16 (x86) and ARM's BF16 compute bfloat16; AVX-512 without them only emulates it."""
     from model.host import CPU

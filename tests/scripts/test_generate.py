@@ -627,12 +627,14 @@ def test_compare_measures_the_speedup_next_to_the_prediction(capsys: pytest.Capt
         compare["speculative_tokens_per_second"] / compare["baseline_tokens_per_second"])
     assert compare["predicted_speedup"] == doc["stats"]["predicted_speedup"] > 0
     assert compare["baseline"]["draft_calls"] == 0 and compare["baseline"]["target_calls"] == 16
-    # with the calls as measured: tau over an iteration's draft and verification time, in the target alone's steps
+    # with the calls as measured: tau tokens for an iteration's draft and verification time after the prompt's
+    # pass, plus the loop's own work per token as the target alone pays it, against the target alone's token
     base, spec = compare["baseline"], doc["stats"]
-    step = (base["target_time_s"] - base["first_call_s"]) / 15
-    per_call = (spec["draft_time_s"] + spec["target_time_s"]) / spec["target_calls"]
+    step, token = (base["target_time_s"] - base["first_call_s"]) / 15, 1 / compare["baseline_tokens_per_second"]
+    assert 0 < spec["first_calls_s"] < spec["first_iteration_s"]
+    per_call = (spec["draft_time_s"] + spec["target_time_s"] - spec["first_calls_s"]) / (spec["target_calls"] - 1)
     assert compare["predicted_speedup_measured_calls"] == pytest.approx(
-        spec["predicted_tokens_per_target_call"] * step / per_call)
+        spec["predicted_tokens_per_target_call"] * token / (per_call + max(0, token - step)))
     if not compare["same_tokens"]:
         assert_equal_up_to_a_near_tie(doc["tokens"], compare["baseline_tokens"], "--compare's two greedy runs")
     assert doc["settings"]["compare"] is True

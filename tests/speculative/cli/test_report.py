@@ -7,6 +7,7 @@ import json
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from speculative import AutoregressiveStats, SpeculativeStats
@@ -132,3 +133,16 @@ def test_jsonable_is_plain_json() -> None:
 
 def test_the_json_notes_name_both_acceptance_numbers() -> None:
     assert "alpha" in JSON_NOTES["acceptance_rate"] and "never verified" in JSON_NOTES["empirical_acceptance"]
+
+
+def test_the_measured_calls_prediction_leaves_out_the_prompt_and_counts_the_loops_own_work() -> None:
+    """A prompt's pass of 0.5 s (target alone) and 0.7 s (speculative, its draft too), steps of 0.1 s, 8 tokens/s
+    alone (0.025 s of the loop's own work a token), 5 later iterations of 0.05 s drafting and 0.15 s verifying,
+    2 tokens expected each: 2 x 0.125 / (0.2 + 0.025) = 10/9. Counting the prompt's pass in the iterations would
+    say 2 x 0.125 / (2.4 / 6 + 0.025) = 0.59, and leaving out the loop's work 2 x 0.1 / 0.2 = 1.0."""
+    alone = baseline(list(range(11)), 8.0)
+    alone.stats.target_time_s, alone.stats.first_call_s = 1.5, 0.5
+    stats = {**speculative_stats(tokens_per_second=9.0, predicted_speedup=2.0), "target_calls": 6,
+             "draft_time_s": 0.1 + 5 * 0.05, "target_time_s": 0.6 + 5 * 0.15, "first_calls_s": 0.7,
+             "predicted_tokens_per_target_call": 2.0}
+    assert compare_stats(stats, alone, [], temperature=1)["predicted_speedup_measured_calls"] == pytest.approx(10 / 9)
