@@ -107,6 +107,8 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
     add("--top-p", type=float, default=None, help="nucleus sampling, 0 < p <= 1 (default: all)")
     add("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="stop after this many (default %(default)s)")
+    add("--ignore-eos", action="store_true", help="decode all --max-new-tokens: no end-of-sequence id stops the run "
+        "(for timing, as llama.cpp's --ignore-eos; the text goes on past the end of the answer)")
     add("--seed", type=int, default=None, help="seed for sampling (default: a fresh one, shown)")
     add("--compare", action="store_true", help="run again with the target alone: the measured speedup")
     add = parser.add_argument_group("output").add_argument
@@ -279,8 +281,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     seed = broadcast_seed(args.seed, device) if args.temperature > 0 else None  # greedy draws no random number
     speculative = pair.draft is not None
     compare = args.compare and speculative
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=pair.stop_ids,
-                    seed=seed)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    eos_id=() if args.ignore_eos else pair.stop_ids, seed=seed)
     lines = setups.lines
     settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
     if not args.json and is_main:

@@ -127,7 +127,7 @@ def pick_dtype(name: str | None, device: torch.device, stored: str | None = None
 # ----------------------------------------------------------------------------- flags a run cannot use
 # What --plan does not read: it plans from the configs, the dtype, --quantize and --tp alone.
 RUN_ONLY = ("prompt", "prompts_file", "batch_size", "chat", "system", "gamma", "verify", "tree", "tree_mode",
-            "temperature", "top_k", "top_p", "max_new_tokens", "seed",
+            "temperature", "top_k", "top_p", "max_new_tokens", "ignore_eos", "seed",
             "compare", "threads", "device", "no_prepack", "no_fuse", "setup", "compile", "no_color")
 
 

@@ -175,7 +175,7 @@ def run_settings(args: argparse.Namespace, pair: Any, setups: list[str], device:
             "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
             "verify": args.verify if speculative else None, "tree": args.tree if speculative else None,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "max_new_tokens": args.max_new_tokens, "seed": seed, "chat": args.chat,
+            "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "seed": seed, "chat": args.chat,
             "quantize": args.quantize, "tensor_parallel": world_size,
             "prepacked_layers": pair.prepacked, "fused_groups": pair.fused, "setup": setups or args.setup,
             "threads": torch.get_num_threads(), "compare": compare}

@@ -789,3 +789,24 @@ def test_a_bfloat16_checkpoint_runs_in_bfloat16_where_the_cpu_computes_it(
     assert dtype_of("--target", str(TARGET)) == "float32"
     assert dtype_of("--target", str(folder), "--dtype", "float32") == "float32"
     assert dtype_of("--target", str(folder), "--quantize", "int8") == "float32"  # quantized: as before
+
+
+@needs_pair
+def test_ignore_eos_decodes_every_token_past_an_end_of_sequence_id(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The target's own third greedy token made its end-of-sequence id (generation_config.json): the run stops
+    there, and with --ignore-eos goes on to --max-new-tokens with the same tokens as before the change."""
+    run = [*PAIR, "--prompt", "Once upon a time", "--max-new-tokens", "12"]
+    free, _ = main_json(capsys, run)
+    assert free["stats"]["stop_reason"] == "max_new_tokens"
+    third = free["tokens"][2]
+    folder = tmp_path / "eos-target"
+    shutil.copytree(TARGET, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [third]}))
+    run[1] = str(folder)
+    stopped, _ = main_json(capsys, run)
+    first = free["tokens"].index(third)
+    assert stopped["stats"]["stop_reason"] == "eos" and stopped["tokens"] == free["tokens"][:first + 1]
+    ignored, _ = main_json(capsys, [*run, "--ignore-eos"])
+    assert ignored["stats"]["stop_reason"] == "max_new_tokens" and ignored["tokens"] == free["tokens"]
+    assert ignored["settings"]["ignore_eos"] is True and stopped["settings"]["ignore_eos"] is False
