@@ -33,6 +33,19 @@ What runs, per story opening (the first ``--prompts`` of benchmarks/benchmark_pr
   kept: ``--spec-draft-p-min 0``), f32 and f16; decode tokens/s as they report them
   (eval time over eval runs; "decoded ... speed").
 
+With ``--chat``, a real model instead of the shipped pair: ``--target`` (ours: a folder or GGUF, with its
+default drafter or ``--draft``) in each of ``--dtypes``, against llama.cpp on each ``--pairs`` file with
+the same EAGLE-3 head converted to GGUF (``--draft-gguf``; llama.cpp's converter takes it with
+``--target-model-dir``), ``--spec-type draft-eagle3``; the prompts are held-out chat requests
+(weights.corpus.chat_requests about TinyStories validation stories, seed 0, as benchmarks.drafters
+--chat takes them), in the target's chat template, ``--ignore-eos`` on both sides::
+
+    python convert_hf_to_gguf.py weights/smollm2-eagle3 --target-model-dir SMOLLM2_FOLDER --outtype f32 \
+        --outfile GGUF_DIR/smollm2-eagle3-f32.gguf
+    python -m benchmarks.llama_cpp --bin ... --chat --target SmolLM2-135M-Instruct.Q4_1.gguf \
+        --pairs f32=GGUF_DIR/smollm2-f32.gguf Q4_1=SmolLM2-135M-Instruct.Q4_1.gguf \
+        --draft-gguf GGUF_DIR/smollm2-eagle3-f32.gguf --out docs/results/llama_cpp_smollm2_decode.md
+
 Every configuration is a process of its own; the rounds take turns in rotated order so that
 the VM's drift falls on all alike; per prompt the fastest round, then the median over the
 prompts. Then one step of each: ``llama-bench`` tg (one token) and pp5 (a 5-token batch, what
@@ -64,6 +77,7 @@ from benchmarks.harness import (
 )
 
 TITLE = "Against llama.cpp"
+VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"  # --chat's requests
 
 GAMMA = 4
 
@@ -81,6 +95,33 @@ def ours(prompt: str, seed: int, temperature: float, draft: bool, setup: tuple[s
     return float(json.loads(proc.stdout)["stats"]["tokens_per_second"])
 
 
+def ours_chat(request: str, seed: int, temperature: float, draft: bool, dtype: str, args: Any) -> float:
+    """generate.py on a real target: one chat request, every token decoded (--ignore-eos), eager (an empty cache)."""
+    cmd = [sys.executable, str(ROOT / "generate.py"), "--target", args.target, "--dtype", dtype, "--chat",
+           "--prompt", request, "--max-new-tokens", str(args.max_new_tokens), "--ignore-eos", "--temperature",
+           str(temperature), "--seed", str(seed), "--threads", str(args.threads), "--json", "--gamma", str(args.gamma),
+           "--cache-dir", args.empty_cache]
+    cmd += ["--no-draft"] if not draft else ["--draft", args.draft] if args.draft else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"generate.py failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return float(json.loads(proc.stdout)["stats"]["tokens_per_second"])
+
+
+def theirs_chat(text: str, seed: int, temperature: float, draft: bool, target: str, args: Any) -> float:
+    """llama.cpp on ``target`` (a GGUF), the request rendered in the chat template as ``text`` (its special tokens
+    parsed as such); speculative with the EAGLE-3 head of --draft-gguf."""
+    common = ["-p", text, "-n", str(args.max_new_tokens), "-t", str(args.threads), "-c", "2048", "--ignore-eos",
+              *sampling(temperature, seed)]
+    if draft:
+        cmd = [str(args.bin / "llama-speculative-simple"), "-m", target, "-md", str(args.draft_gguf),
+               "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.gamma), "--spec-draft-n-min", "0",
+               "--spec-draft-p-min", "0", "-td", str(args.threads), *common]
+    else:
+        cmd = [str(args.bin / "llama-completion"), "-m", target, "-no-cnv", "--no-display-prompt", *common]
+    return run_llama(cmd, draft)
+
+
 def sampling(temperature: float, seed: int) -> list[str]:
     if temperature == 0:
         return ["--temp", "0"]
@@ -95,9 +136,16 @@ def theirs(prompt: str, seed: int, temperature: float, draft: bool, dtype: str, 
         cmd = [str(args.bin / "llama-speculative-simple"), "-m", target, "-md", draft_file,
                "--spec-type", "draft-simple", "--spec-draft-n-max", str(GAMMA), "--spec-draft-n-min", "0",
                "--spec-draft-p-min", "0", "-td", str(args.threads), *common]
-        pattern = r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s"
     else:
         cmd = [str(args.bin / "llama-completion"), "-m", target, "-no-cnv", "--no-display-prompt", *common]
+    return run_llama(cmd, draft)
+
+
+def run_llama(cmd: list[str], draft: bool) -> float:
+    """Decode tokens/s as llama-speculative-simple (``draft``) or llama-completion reports it."""
+    if draft:
+        pattern = r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s"
+    else:
         pattern = r"eval time =\s+[\d.]+ ms /\s+\d+ runs\s+\(\s*[\d.]+ ms per token,\s+([\d.]+) tokens per second\)"
     for _ in range(3):  # now and then the log's last lines are lost at exit (its writer is a thread of its own)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
@@ -146,19 +194,36 @@ print(json.dumps(best))
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser("llama_cpp", __doc__)
     parser.add_argument("--bin", type=Path, required=True, help="llama.cpp's build/bin")
-    parser.add_argument("--gguf", type=Path, required=True, help="the folder of tiny-{target,draft}-{f32,f16}.gguf")
+    parser.add_argument("--gguf", type=Path, default=None, help="the folder of tiny-{target,draft}-{f32,f16}.gguf "
+                        "(the shipped pair's run)")
     parser.add_argument("--cache-dir", default=None, help="our compiled-step cache (default: the user's)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "benchmarks_llama_cpp.md"), help="page to write ('' for none)")
+    parser.add_argument("--out", default=None, help="page to write ('' for none; default: the shipped pair's "
+                        "benchmarks_llama_cpp.md, with --chat llama_cpp_chat.md)")
     parser.add_argument("--steps-only", nargs="+", metavar="LABEL=GGUF", default=None,
                         help="only one step and a 5-token call: llama-bench on each file, ours on --target")
     parser.add_argument("--target", default="tiny-target", help="ours, with --steps-only (a folder or a GGUF)")
+    parser.add_argument("--chat", action="store_true", help="a real model (--target) on held-out chat requests, "
+                        "against llama.cpp on each --pairs file with --draft-gguf")
+    parser.add_argument("--pairs", nargs="+", metavar="LABEL=GGUF", default=[], help="with --chat: llama.cpp's targets")
+    parser.add_argument("--draft-gguf", type=Path, default=None, help="with --chat: the EAGLE-3 head in GGUF")
+    parser.add_argument("--draft", default=None, help="with --chat: ours (default: the target's default drafter)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="with --chat: ours")
+    parser.add_argument("--gamma", type=int, default=3, help="with --chat: the draft length of both (default 3)")
     args = parser.parse_args(argv)
     if args.steps_only:
         return steps_only(args, argv)
+    if args.chat:
+        if not args.pairs or args.draft_gguf is None:
+            parser.error("--chat needs --pairs and --draft-gguf")
+        args.out = str(RESULTS / "llama_cpp_chat.md") if args.out is None else args.out
+        return chat_decode(args, argv)
+    if args.gguf is None:
+        parser.error("the shipped pair's run needs --gguf (or give --steps-only or --chat)")
+    args.out = str(RESULTS / "benchmarks_llama_cpp.md") if args.out is None else args.out
     from weights.step_cache import default_dir
 
     cache = args.cache_dir or str(default_dir())
@@ -212,6 +277,62 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.out:
         write_page(args.out, "\n".join(page_head(TITLE, command) + lines))
+    return 0
+
+
+def chat_requests_for(target: str, count: int) -> list[tuple[str, str]]:
+    """The first ``count`` held-out chat requests (benchmarks.drafters --chat's: weights.corpus.chat_prompts of the
+    TinyStories validation head, seed 0), each with its text in ``target``'s chat template."""
+    from weights import load_tokenizer
+    from weights.corpus import chat_requests
+
+    tokenizer = load_tokenizer(target)
+    return [(r, tokenizer.chat.render([{"role": "user", "content": r}])) for r in chat_requests([VALID], count, 0)]
+
+
+def chat_decode(args: Any, argv: list[str] | None) -> int:
+    """--chat: ours in each dtype and llama.cpp on each file, target alone and with the same EAGLE-3 head, greedy and
+    at T = 1, in turns; per configuration the median over the prompts of each prompt's fastest round."""
+    args.empty_cache = tempfile.mkdtemp(prefix="llama-cpp-bench-empty-cache-")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    prompts = chat_requests_for(args.target, args.prompts)
+    rows = [(f"this project, {d} (eager)", "ours", d) for d in args.dtypes] + \
+        [(f"llama.cpp {label}", "theirs", path) for label, path in (p.split("=", 1) for p in args.pairs)]
+    cells = [(row, draft, t) for row in rows for draft in (False, True) for t in (0.0, 1.0)]
+    seen: dict[Any, list[list[float]]] = {cell: [[] for _ in prompts] for cell in cells}
+    for turn in range(args.rounds):
+        for cell in turn_order(cells, turn):
+            (name, who, setup), draft, temperature = cell
+            for i, (request, text) in enumerate(prompts):
+                seen[cell][i].append(ours_chat(request, i, temperature, draft, setup, args) if who == "ours" else
+                                     theirs_chat(text, i, temperature, draft, setup, args))
+            print(f"round {turn + 1}: {name}, {'speculative' if draft else 'target alone'}, T={temperature:g}: "
+                  f"{median(max(r) for r in seen[cell]):.1f} tokens/s", file=sys.stderr, flush=True)
+
+    def speed(cell: Any) -> float:
+        return median(max(r) for r in seen[cell])
+
+    lines = [f"llama.cpp built from llama-cpp-python 0.3.36's sources; ours on `{Path(args.target).name}` with "
+             f"{args.draft or 'its default drafter'}, llama.cpp with `{args.draft_gguf.name}` (the same head, "
+             f"converted by its convert_hf_to_gguf.py); run on {machine_line(args.threads)}.", "",
+             f"{len(prompts)} held-out chat requests, {args.max_new_tokens} new tokens (end of sequence ignored), "
+             f"gamma {args.gamma}, {args.threads} threads, {args.rounds} rounds in turns; tokens/s: per prompt the "
+             "fastest round, median over the prompts; speed-up over the same row's target alone.", "",
+             "| | target alone, greedy | target alone, T=1 | speculative, greedy | speculative, T=1 |",
+             "|---|---:|---:|---:|---:|"]
+    for row in rows:
+        alone = {t: speed((row, False, t)) for t in (0.0, 1.0)}
+        cols = [f"{alone[t]:.1f}" for t in (0.0, 1.0)] + \
+            [f"{speed((row, True, t)):.1f} ({speed((row, True, t)) / alone[t]:.2f}x)" for t in (0.0, 1.0)]
+        lines.append(f"| {row[0]} | {' | '.join(cols)} |")
+    for t in (0.0, 1.0):
+        theirs_best = max(speed(c) for c in cells if c[0][1] == "theirs" and c[2] == t)
+        ours_best = max(speed(c) for c in cells if c[0][1] == "ours" and c[2] == t)
+        lines += ["", f"T={t:g}: our fastest configuration against llama.cpp's fastest: {ours_best / theirs_best:.2f}x "
+                  f"({ours_best:.1f} against {theirs_best:.1f} tokens/s)."]
+    print("\n".join(lines))
+    if args.out:
+        write_page(args.out, "\n".join(page_head(TITLE, command_line("llama_cpp", argv)) + lines))
     return 0
 
 
