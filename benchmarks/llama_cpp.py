@@ -325,11 +325,17 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
         cols = [f"{alone[t]:.1f}" for t in (0.0, 1.0)] + \
             [f"{speed((row, True, t)):.1f} ({speed((row, True, t)) / alone[t]:.2f}x)" for t in (0.0, 1.0)]
         lines.append(f"| {row[0]} | {' | '.join(cols)} |")
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # ours' dtypes as llama.cpp's labels name them
     for t in (0.0, 1.0):
-        theirs_best = max(speed(c) for c in cells if c[0][1] == "theirs" and c[2] == t)
-        ours_best = max(speed(c) for c in cells if c[0][1] == "ours" and c[2] == t)
-        lines += ["", f"T={t:g}: our fastest configuration against llama.cpp's fastest: {ours_best / theirs_best:.2f}x "
-                  f"({ours_best:.1f} against {theirs_best:.1f} tokens/s)."]
+        def best(who: str, label: str | None = None, t: float = t) -> float:
+            return max(speed(c) for c in cells if c[0][1] == who and c[2] == t and label in (None, c[0][0]))
+
+        same = [f"{d} {best('ours', f'this project, {d} (eager)') / best('theirs', f'llama.cpp {short[d]}'):.2f}x"
+                for d in args.dtypes if f"llama.cpp {short.get(d)}" in (r[0] for r in rows)]
+        lines += ["", f"T={t:g}: our fastest configuration against llama.cpp's fastest: "
+                  f"{best('ours') / best('theirs'):.2f}x ({best('ours'):.1f} against {best('theirs'):.1f} tokens/s)"
+                  + (f"; at the same precision (each side's faster of target alone and speculative): {', '.join(same)}"
+                     if same else "") + "."]
     print("\n".join(lines))
     if args.out:
         write_page(args.out, "\n".join(page_head(TITLE, command_line("llama_cpp", argv)) + lines))
