@@ -60,6 +60,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,11 @@ def ours(prompt: str, seed: int, temperature: float, draft: bool, setup: tuple[s
            "--threads", str(args.threads), "--json", "--gamma", str(GAMMA), "--cache-dir", cache]
     if not draft:
         cmd.append("--no-draft")
+    return generate_speed(cmd)
+
+
+def generate_speed(cmd: list[str]) -> float:
+    """Decode tokens/s as generate.py --json reports it (the prompt's pass excluded)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     if proc.returncode:
         raise SystemExit(f"generate.py failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -102,24 +108,14 @@ def ours_chat(request: str, seed: int, temperature: float, draft: bool, dtype: s
            str(temperature), "--seed", str(seed), "--threads", str(args.threads), "--json", "--gamma", str(args.gamma),
            "--cache-dir", args.empty_cache]
     cmd += ["--no-draft"] if not draft else ["--draft", args.draft] if args.draft else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    if proc.returncode:
-        raise SystemExit(f"generate.py failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return float(json.loads(proc.stdout)["stats"]["tokens_per_second"])
+    return generate_speed(cmd)
 
 
 def theirs_chat(text: str, seed: int, temperature: float, draft: bool, target: str, args: Any) -> float:
     """llama.cpp on ``target`` (a GGUF), the request rendered in the chat template as ``text`` (its special tokens
     parsed as such); speculative with the EAGLE-3 head of --draft-gguf."""
-    common = ["-p", text, "-n", str(args.max_new_tokens), "-t", str(args.threads), "-c", "2048", "--ignore-eos",
-              *sampling(temperature, seed)]
-    if draft:
-        cmd = [str(args.bin / "llama-speculative-simple"), "-m", target, "-md", str(args.draft_gguf),
-               "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.gamma), "--spec-draft-n-min", "0",
-               "--spec-draft-p-min", "0", "-td", str(args.threads), *common]
-    else:
-        cmd = [str(args.bin / "llama-completion"), "-m", target, "-no-cnv", "--no-display-prompt", *common]
-    return run_llama(cmd, draft)
+    return llama_decode(args, target, str(args.draft_gguf) if draft else None, "draft-eagle3", args.gamma, text, 2048,
+                        ["--ignore-eos", *sampling(temperature, seed)])
 
 
 def sampling(temperature: float, seed: int) -> list[str]:
@@ -129,23 +125,24 @@ def sampling(temperature: float, seed: int) -> list[str]:
 
 
 def theirs(prompt: str, seed: int, temperature: float, draft: bool, dtype: str, args: Any) -> float:
-    common = ["-p", prompt, "-n", str(args.max_new_tokens), "-t", str(args.threads), "-c", "512",
-              *sampling(temperature, seed)]
     target, draft_file = (str(args.gguf / f"tiny-{name}-{dtype}.gguf") for name in ("target", "draft"))
-    if draft:
+    return llama_decode(args, target, draft_file if draft else None, "draft-simple", GAMMA, prompt, 512,
+                        sampling(temperature, seed))
+
+
+def llama_decode(args: Any, target: str, draft_file: str | None, spec_type: str, gamma: int, prompt: str,
+                 context: int, options: list[str]) -> float:
+    """Decode tokens/s as llama.cpp reports them: llama-completion on ``target`` alone, or with ``draft_file``
+    llama-speculative-simple (``spec_type``, ``gamma`` drafted, every draft kept); ``options``: the sampling
+    flags."""
+    common = ["-p", prompt, "-n", str(args.max_new_tokens), "-t", str(args.threads), "-c", str(context), *options]
+    if draft_file is not None:
         cmd = [str(args.bin / "llama-speculative-simple"), "-m", target, "-md", draft_file,
-               "--spec-type", "draft-simple", "--spec-draft-n-max", str(GAMMA), "--spec-draft-n-min", "0",
+               "--spec-type", spec_type, "--spec-draft-n-max", str(gamma), "--spec-draft-n-min", "0",
                "--spec-draft-p-min", "0", "-td", str(args.threads), *common]
-    else:
-        cmd = [str(args.bin / "llama-completion"), "-m", target, "-no-cnv", "--no-display-prompt", *common]
-    return run_llama(cmd, draft)
-
-
-def run_llama(cmd: list[str], draft: bool) -> float:
-    """Decode tokens/s as llama-speculative-simple (``draft``) or llama-completion reports it."""
-    if draft:
         pattern = r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s"
     else:
+        cmd = [str(args.bin / "llama-completion"), "-m", target, "-no-cnv", "--no-display-prompt", *common]
         pattern = r"eval time =\s+[\d.]+ ms /\s+\d+ runs\s+\(\s*[\d.]+ ms per token,\s+([\d.]+) tokens per second\)"
     for _ in range(3):  # now and then the log's last lines are lost at exit (its writer is a thread of its own)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
@@ -235,15 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             ("llama.cpp f32", "theirs", "f32"), ("llama.cpp f16", "theirs", "f16")]
     cells = [(row, draft, temperature) for row in rows for draft in (False, True) for temperature in (0.0, 1.0)]
     prompts = STORY_OPENINGS[:args.prompts]
-    seen: dict[Any, list[list[float]]] = {cell: [[] for _ in prompts] for cell in cells}
-    for turn in range(args.rounds):
-        for cell in turn_order(cells, turn):
-            (name, who, setup), draft, temperature = cell
-            for i, prompt in enumerate(prompts):
-                run = ours if who == "ours" else theirs
-                seen[cell][i].append(run(prompt, i, temperature, draft, setup, args))
-            print(f"round {turn + 1}: {name}, {'speculative' if draft else 'target alone'}, T={temperature:g}: "
-                  f"{median(max(r) for r in seen[cell]):.0f} tokens/s", file=sys.stderr, flush=True)
+    seen = in_turns(cells, len(prompts), args.rounds, lambda cell, i: (ours if cell[0][1] == "ours" else theirs)(
+        prompts[i], i, cell[2], cell[1], cell[0][2], args))
     steps = {name: our_steps(setup, args.threads) if who == "ours" else
              bench_steps(args.gguf / f"tiny-target-{setup}.gguf", args) for name, who, setup in rows}
 
@@ -280,6 +270,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def in_turns(cells: list[Any], prompts: int, rounds: int, measure: Callable[[Any, int], float]) -> dict[Any, list]:
+    """``measure(cell, i)`` (tokens/s) of every cell ((name, who, setup), speculative, temperature) on every prompt
+    i, ``rounds`` times, the cells in turns; per cell and prompt, each round's figure."""
+    seen: dict[Any, list[list[float]]] = {cell: [[] for _ in range(prompts)] for cell in cells}
+    for turn in range(rounds):
+        for cell in turn_order(cells, turn):
+            for i in range(prompts):
+                seen[cell][i].append(measure(cell, i))
+            (name, _, _), draft, temperature = cell
+            print(f"round {turn + 1}: {name}, {'speculative' if draft else 'target alone'}, T={temperature:g}: "
+                  f"{median(max(r) for r in seen[cell]):.1f} tokens/s", file=sys.stderr, flush=True)
+    return seen
+
+
 def chat_requests_for(target: str, count: int) -> list[tuple[str, str]]:
     """The first ``count`` held-out chat requests (benchmarks.drafters --chat's: weights.corpus.chat_prompts of the
     TinyStories validation head, seed 0), each with its text in ``target``'s chat template."""
@@ -299,15 +303,9 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
     rows = [(f"this project, {d} (eager)", "ours", d) for d in args.dtypes] + \
         [(f"llama.cpp {label}", "theirs", path) for label, path in (p.split("=", 1) for p in args.pairs)]
     cells = [(row, draft, t) for row in rows for draft in (False, True) for t in (0.0, 1.0)]
-    seen: dict[Any, list[list[float]]] = {cell: [[] for _ in prompts] for cell in cells}
-    for turn in range(args.rounds):
-        for cell in turn_order(cells, turn):
-            (name, who, setup), draft, temperature = cell
-            for i, (request, text) in enumerate(prompts):
-                seen[cell][i].append(ours_chat(request, i, temperature, draft, setup, args) if who == "ours" else
-                                     theirs_chat(text, i, temperature, draft, setup, args))
-            print(f"round {turn + 1}: {name}, {'speculative' if draft else 'target alone'}, T={temperature:g}: "
-                  f"{median(max(r) for r in seen[cell]):.1f} tokens/s", file=sys.stderr, flush=True)
+    seen = in_turns(cells, len(prompts), args.rounds, lambda cell, i: ours_chat(
+        prompts[i][0], i, cell[2], cell[1], cell[0][2], args) if cell[0][1] == "ours" else theirs_chat(
+        prompts[i][1], i, cell[2], cell[1], cell[0][2], args))
 
     def speed(cell: Any) -> float:
         return median(max(r) for r in seen[cell])

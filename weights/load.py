@@ -288,10 +288,9 @@ def default_draft(target: str | os.PathLike) -> str:
     """``--draft`` when none is named: for a target of the shape a shipped drafter of FOR_OTHER_TARGETS was
     trained for (hidden size, vocabulary, layers: a head's fingerprint check then tells whether it is that
     very model), that drafter; else the shipped pair's draft (refused, with a hint, under another target)."""
-    try:
-        config = read_config(resolve(target))
-    except (UnknownCheckpointError, CheckpointError):
-        return DEFAULT_DRAFT  # the pair's own reading says what is wrong with the target
+    config = _target_config(target)
+    if config is None:
+        return DEFAULT_DRAFT
     for name in FOR_OTHER_TARGETS:
         folder = WEIGHTS_DIR / name
         try:
@@ -306,8 +305,15 @@ def default_draft(target: str | os.PathLike) -> str:
 def stored_dtype(target: str | os.PathLike) -> str | None:
     """The target's own dtype as its config names it (torch_dtype; a GGUF's: float32 once dequantized), or
     None where it names none or cannot be read (the pair's own reading then says what is wrong)."""
+    config = _target_config(target)
+    return None if config is None else config.extra.get("torch_dtype")
+
+
+def _target_config(target: str | os.PathLike) -> ModelConfig | None:
+    """--target's config, read before the pair is, or None where it cannot be read: the pair's own reading then
+    says what is wrong with the target."""
     try:
-        return read_config(resolve(target)).extra.get("torch_dtype")
+        return read_config(resolve(target))
     except (UnknownCheckpointError, CheckpointError):
         return None
 
