@@ -303,10 +303,11 @@ def default_draft(target: str | os.PathLike) -> str:
 
 
 def stored_dtype(target: str | os.PathLike) -> str | None:
-    """The target's own dtype as its config names it (torch_dtype; a GGUF's: float32 once dequantized), or
-    None where it names none or cannot be read (the pair's own reading then says what is wrong)."""
+    """The target's own dtype as its config names it (torch_dtype, or transformers 5's dtype; a GGUF's: float32
+    once dequantized), or None where it names none or cannot be read (the pair's own reading then says what is
+    wrong)."""
     config = _target_config(target)
-    return None if config is None else config.extra.get("torch_dtype")
+    return None if config is None else config.extra.get("torch_dtype") or config.extra.get("dtype")
 
 
 def _target_config(target: str | os.PathLike) -> ModelConfig | None:

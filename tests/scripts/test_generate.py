@@ -786,6 +786,11 @@ def test_a_bfloat16_checkpoint_runs_in_bfloat16_where_the_cpu_computes_it(
         return json.loads(capsys.readouterr().out)["settings"]["dtype"]
 
     assert dtype_of("--target", str(folder)) == ("bfloat16" if native else "float32")
+    renamed = tmp_path / "bf16-target-transformers-5"  # which names it dtype
+    shutil.copytree(TARGET, renamed)
+    (renamed / "config.json").write_text(json.dumps({**{k: v for k, v in config.items() if k != "torch_dtype"},
+                                                     "dtype": "bfloat16"}))
+    assert dtype_of("--target", str(renamed)) == ("bfloat16" if native else "float32")
     assert dtype_of("--target", str(TARGET)) == "float32"
     assert dtype_of("--target", str(folder), "--dtype", "float32") == "float32"
     assert dtype_of("--target", str(folder), "--quantize", "int8") == "float32"  # quantized: as before
