@@ -33,7 +33,7 @@ from model import ConfigError, Llama, ModelConfig
 from model.eagle3_head import Eagle3Head, PEagleHead, default_layers
 from model.feature_head import FeatureHead, fingerprint
 from model.training import decay_groups, fit, held_out, init_weights, lr_at, next_token_loss, random_batch
-from speculative.cli.options import ArgumentParser, UsageError, add_flags
+from speculative.cli.options import ArgumentParser, UsageError, add_flags, pick_device
 from speculative.draft import distill
 from speculative.draft.parallel_training import parallel_losses, peagle_losses, with_mask_feature, with_mask_token
 from speculative.draft.ttt import start_vocabulary, ttt_losses
@@ -62,19 +62,20 @@ def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     r = RECIPES[args.command]()
     r.a, r.target, r.tokenizer = args, None, None
+    r.device = device = pick_device(vars(args).get("device", "cpu"))  # the data stays here; batches go there
     if r.frozen_target:
-        r.target, r.tokenizer = load_model(args.target).eval().requires_grad_(False), load_tokenizer(args.target)
+        r.target, r.tokenizer = load_model(args.target, device), load_tokenizer(args.target)
+        r.target.eval().requires_grad_(False)
     model = r.model = r.build()  # with every check of the arguments: nothing is written yet
     run = r.run = RunFolder(args.out)
     run.check(model, SHAPE_FLAGS)  # another run's folder is refused before anything is made in it
     # The data generators: seeded here for a new run, as state.pt left them for a resumed one.
     r.gen, r.rng = torch.Generator().manual_seed(args.seed), random.Random(args.seed)
     r.data()
-    model.train()
+    model.to(device).train()
     params = decay_groups(model, args.weight_decay) if "weight_decay" in args else model.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    step = run.load_state(model, optimizer, r.gen, SHAPE_FLAGS, r.rng)
-    if step:
+    if step := run.load_state(model, optimizer, r.gen, SHAPE_FLAGS, r.rng):
         print(f"resuming from {run.out / 'state.pt'} at step {step}")
     r.start(step)
     r.began = time.perf_counter()
@@ -250,9 +251,10 @@ class Chain(Recipe):
             t, tokenizer = self.target, self.tokenizer
             prompts = chat_prompts(a.corpus, tokenizer, a.sequences, a.seed + 1, t.config.max_seq_len - length)
             stops = stop_ids(t.config, read_generation_config(a.target), tokenizer)
-            self.corpus = self.run.grown({**made_from, "seed": a.seed}, a.sequences, lambda i, j: conversations(
-                t, prompts[i:j], length, stops, a.seed, first=i), f"the target answers requests ({length} tokens at "
-                "most)").numpy()
+            rows = 32 if self.device.type == "cpu" else 512  # answered at once: a GPU answers more in one step
+            self.corpus = self.run.grown({**made_from, "seed": a.seed, "rows": rows}, a.sequences, lambda i, j: (
+                conversations(t, prompts[i:j], length, stops, a.seed, first=i, rows=rows)), f"the target answers "
+                f"requests ({length} tokens at most)", every=2 * rows).numpy()
             return
         self.tokens = self.run.data(made_from, a.sequences, lambda: distill.target_continuations(
             self.target, self.openings, a.sequences, length, a.seed), f"the target writes {a.sequences} continuations "
@@ -264,7 +266,7 @@ class Chain(Recipe):
             tokens = self.tokens[torch.tensor(self.rng.sample(range(len(self.tokens)), a.batch_size))]
         else:
             tokens = random_batch(self.corpus, a.batch_size, a.seq_len, self.gen)[0]
-        loss, per_step = self.objective(tokens)
+        loss, per_step = self.objective(tokens.to(self.device))
         return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
 
     def objective(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -281,7 +283,7 @@ class Eagle3(Chain):
     help = ("train an EAGLE-3 head: fused features of three target layers, training-time test, the target's own "
             "continuations, a reduced vocabulary")
     flags = ("--corpus --eval-corpus --data --sequences --seq-len --ttt-steps --ttt-decay --loss --draft-vocab "
-             "--layers --bf16 --cache-dir")
+             "--layers --bf16 --device --cache-dir")
     lr, title, desc = 1e-3, "eagle3 head", "eagle3"
     depth_plot = "training alpha by draft depth (true tokens, own features)"
     about = ("head: {parameters:,} parameters; target layers {layers}; draft vocabulary {draft_vocab} ids covering "
@@ -318,7 +320,8 @@ class Eagle3(Chain):
 class Parallel(Chain):
     help = ("adapt a draft model to parallel drafting (PARD): a mask token, gamma tokens from one call, trained with "
             "conditional drop")
-    flags = "--draft --corpus --eval-corpus --data --sequences --seq-len --depths --keep --min-keep --bf16 --cache-dir"
+    flags = ("--draft --corpus --eval-corpus --data --sequences --seq-len --depths --keep --min-keep --bf16 --device "
+             "--cache-dir")
     changes = {"--draft": {"help": "draft checkpoint to adapt (or a parallel draft to go on with)"}}
     title, desc, losses = "parallel draft", "parallel", staticmethod(parallel_losses)
     about = "draft: {parameters:,} parameters, mask id {mask_id}; {depths} draft positions per call; data: {data}"
@@ -338,7 +341,7 @@ class Parallel(Chain):
 class PEagle(Chain):
     help = ("adapt an EAGLE-3 head to parallel drafting (P-EAGLE): a mask feature and embedding, the whole chain "
             "from one head call, trained with conditional drop")
-    flags = "--head --corpus --eval-corpus --sequences --seq-len --depths --keep --min-keep --mask-id --bf16"
+    flags = "--head --corpus --eval-corpus --sequences --seq-len --depths --keep --min-keep --mask-id --bf16 --device"
     steps, title, desc, losses = 600, "P-EAGLE head", "peagle", staticmethod(peagle_losses)
     about = "head: {parameters:,} parameters; {depths} draft positions per call"
     settings = ("depths", "keep", "min_keep", "mask_id")
@@ -393,12 +396,11 @@ OPTIONS: dict[str, Any] = {
     "--draft-vocab": (int, 1024, "ids in the head's output layer: the data's most frequent (0: the target's all)"),
     "--layers": (str, None, "the three target layers whose inputs are fused, as I,J,K (default 2, N/2, N-3)"),
     "--depths": (int, 8, "draft positions trained, 1 real + masks"),
-    "--keep": (float, 0.8, "conditional drop: depth d keeps keep^d of the anchors"),
-    "--min-keep": (float, 0.2, "... and at least this share"),
+    "--keep": (float, 0.8, "conditional drop: depth d keeps keep^d of anchors"), "--min-keep": (float, 0.2, "at least"),
     "--mask-id": (int, 0, "the target id whose embedding row the mask takes in the written file (default 0, <unk>)"),
     "--bf16": dict(action="store_true", help="bf16 autocast for the frozen target's forward (and an EAGLE-3 head's)"),
-    "--cache-dir": (str, "runs/cache", "tokenised-corpus cache folder"),
-    "--gen-tokens": (int, 128, "tokens generated per sequence"),
+    "--device": (str, "cpu", "where the target and the drafter compute (cuda: a GPU); the data stays in memory here"),
+    "--cache-dir": (str, "runs/cache", "tokenised corpora"), "--gen-tokens": (int, 128, "tokens written per sequence"),
     "--prompt-tokens": (int, 8, "length of the story openings (the prompts)"),  # ACCEPTANCE from here
     "--gamma": (int, 4, "gamma of the acceptance runs"), "--eval-prompts": (int, 16, "held-out prompts for them"),
     "--eval-new-tokens": (int, 64, "tokens generated per held-out prompt"),

@@ -50,9 +50,9 @@ def random_batch(data: np.ndarray, batch: int, seq_len: int, gen: torch.Generato
 
 def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """Mean cross-entropy of ``model(x)`` against ``y``; ``bf16``: the forward under bfloat16
-    autocast on the CPU (float32 master weights, about twice the throughput where the CPU
-    has bfloat16 instructions)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    autocast (float32 master weights, about twice the throughput where the CPU has bfloat16
+    instructions)."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(x)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 

@@ -92,7 +92,7 @@ class RunFolder:
         if not path.is_file():
             return
         if self._state is None:
-            self._state = torch.load(path, weights_only=False)
+            self._state = torch.load(path, map_location="cpu", weights_only=False)  # a GPU's run goes on anywhere
         saved, wanted = self._state.get("config"), model.config.to_hf()
         if saved is not None and saved != wanted:
             diffs = [f"{(names or {}).get(key, key)} {saved.get(key)} there, {wanted.get(key)} now"

@@ -140,7 +140,7 @@ def eagle_losses(head: Any, target: Any, tokens: torch.Tensor, noise: float, gen
     in for the errors of the head's own predictions, which it reads back while drafting.
     ``bf16``: the target's forward under bfloat16 autocast.
     """
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.no_grad(), torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         _, feats = target(tokens, return_hidden=True)
     feats = feats.float()
     with torch.no_grad():

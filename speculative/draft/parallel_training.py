@@ -130,12 +130,13 @@ def parallel_losses(draft: Llama, target: Any, tokens: torch.Tensor, depths: int
     mask_id = draft.config.extra["pard_token"]
     anchors, depth = cod_layout(length, depths, keep, min_keep, gen or torch.Generator().manual_seed(0))
     positions, visible = layout_mask(length, anchors, depth)
-    inputs = torch.cat([tokens, torch.full((batch, len(anchors)), mask_id, dtype=tokens.dtype)], dim=1)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    masks = torch.full((batch, len(anchors)), mask_id, dtype=tokens.dtype, device=tokens.device)
+    inputs = torch.cat([tokens, masks], dim=1)
+    with torch.no_grad(), torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         p = F.softmax(target(tokens).float(), dim=-1)  # p[t]: the target's law of x_{t+1}
     logits = masked_forward(draft, inputs, positions, visible)[..., :vocab]
     if mask_id < vocab:
-        logits = logits.masked_fill(torch.arange(vocab) == mask_id, float("-inf"))
+        logits = logits.masked_fill(torch.arange(vocab, device=logits.device) == mask_id, float("-inf"))
     log_q = F.log_softmax(logits, dim=-1)
     # node -> the position whose target law it learns: real t -> t (t <= T-2), mask (t, d) -> t + d
     wanted = torch.cat([torch.arange(length - 1), anchors + depth])
@@ -169,7 +170,7 @@ def peagle_losses(head: Any, target: Any, tokens: torch.Tensor, depths: int, *, 
     and its anchor's masks up to d, and predicts x_{t+d+2}. The soft cross-entropy is against
     the target's law of that token restricted to the draft vocabulary (as speculative.draft.ttt's)."""
     batch, length = tokens.shape
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.no_grad(), torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits, fused = target(tokens, return_hidden=head.target_layers)
     with torch.no_grad():
         p_draft = F.softmax(logits.float(), dim=-1)[..., head.target_ids()]

@@ -75,7 +75,7 @@ def ttt_losses(head: Any, target: Any, tokens: torch.Tensor, steps: int, *, deca
     reading true tokens). ``regression``: add EAGLE-1's smooth-L1 of norm(output) on the
     target's next final feature, and weigh the cross-entropy 0.5 (its two losses)."""
     batch, length = tokens.shape
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.no_grad(), torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits, fused = target(tokens, return_hidden=head.target_layers)
         final = target(tokens, return_hidden=True)[1].to(head.dtype) if regression else None
     with torch.no_grad():
@@ -89,7 +89,7 @@ def ttt_losses(head: Any, target: Any, tokens: torch.Tensor, steps: int, *, deca
     groups = attn.q_proj.out_features // attn.k_proj.out_features  # query heads per KV head
     cos_all, sin_all = rope_tables(head.config, length + steps, head.device, head.dtype)
     # bf16: the head computes in bfloat16 too (its weights and gradients stay float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         hidden = head.project(fused[:, :-1].to(head.dtype))  # column t: the target's f_t, t = 0..T-2
         past: list[tuple[torch.Tensor, torch.Tensor]] = []
         total, per_step = hidden.new_zeros(()), {"loss": [], "alpha": []}

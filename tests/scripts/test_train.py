@@ -439,3 +439,40 @@ def test_a_chat_model_s_drafter_trains_on_its_answers_to_requests(corpus: dict[s
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "has no chat template" in lines[0], lines
+
+
+@needs_shared
+@pytest.mark.parametrize("device", ["gpu", "cuda:99"])
+def test_a_device_that_is_not_there_is_one_clear_error(corpus: dict[str, Path], targets: tuple[Path, Path],
+                                                       tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       device: str) -> None:
+    """--device names where the target and the drafter compute: a name torch does not know, or a
+    GPU this machine does not have, is one line and status 2, before anything is written."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        eagle3(targets[0], corpus, tmp_path / "e3", 1, *QUICK, "--device", device)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and device in lines[0], lines
+    assert not (tmp_path / "e3").exists()
+
+
+@needs_shared
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_chat_model_s_head_trains_on_a_gpu_and_its_run_goes_on_on_the_cpu(
+        corpus: dict[str, Path], targets: tuple[Path, Path], tmp_path: Path) -> None:
+    """train.py eagle3 --device cuda: the target answers the requests on the GPU (data.pt), the head
+    trains there, and the head it writes drafts for the target on the CPU; the same run folder
+    goes on on the CPU (state.pt written on the GPU is read there)."""
+    chat_target = tmp_path / "chat-target"
+    shutil.copytree(targets[0], chat_target)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (chat_target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    on_gpu = eagle3(chat_target, corpus, tmp_path / "e3", 4, *QUICK, "--data", "chat", "--device", "cuda")
+    assert on_gpu["steps"] == 4 and 0 <= on_gpu["held_out"]["alpha_greedy"] <= 1
+    assert torch.load(tmp_path / "e3" / "data.pt", weights_only=True)["made_from"]["rows"] == 512
+    drafter = load_drafter(tmp_path / "e3" / "hf", load_model(chat_target))
+    assert drafter is not None
+    on_cpu = eagle3(chat_target, corpus, tmp_path / "e3", 6, *QUICK, "--data", "chat", "--device", "cpu")
+    assert on_cpu["steps"] == 6
