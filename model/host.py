@@ -98,6 +98,21 @@ def _lscpu() -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines())}
 
 
+@functools.cache  # the machine's caches do not change while it runs
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's largest cache (the highest level of the first core's, from sysfs) in
+    bytes; None where the system does not say (off Linux)."""
+    sizes: dict[int, int] = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            value = int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1]] if size[-1] in "KMG" else int(size)
+        except (OSError, ValueError, IndexError, KeyError):
+            continue
+        sizes[level] = max(sizes.get(level, 0), value)
+    return sizes[max(sizes)] if sizes else None
+
+
 def describe_cpu(lscpu: bool = False) -> CPU:
     """This machine's CPU from /proc/cpuinfo, and from lscpu too with ``lscpu`` (a subprocess: its
     caches and hypervisor, and the name and flags where /proc/cpuinfo has none). Off Linux, the

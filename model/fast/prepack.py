@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.host import last_level_cache_bytes
+
 # Below this many weights a layer stays an nn.Linear (see the module docstring).
 MIN_ELEMENTS = 1 << 17
 
@@ -132,19 +134,27 @@ def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
     Does nothing (returns 0) on other devices or dtypes, where PyTorch's kernels do not
     repack per call, or when this build lacks the oneDNN operators. Subclasses of
     ``nn.Linear`` (tensor parallelism's all-reducing layer), layers with a bias and layers
-    whose weight is tied to another module's are left alone. Call it after loading, for inference only.
+    whose weight is tied to another module's, unless it is larger than the CPU's last-level cache,
+    are left alone. Call it after loading, for inference only.
     """
-    # A weight held by more than one module (an output head tied to the embeddings) stays
-    # as it is: the packed copy would sit beside the original, doubling its memory (1 GB
-    # more for a Llama-3.2-1B head in float32), and the extra copy to stream through the
-    # caches made the shipped draft's step slower, not faster.
+    # A weight held by more than one module (an output head tied to the embeddings) keeps its
+    # original beside the packed copy, which the embeddings read. That costs memory (113 MB
+    # for SmolLM2-135M's head in float32, 1 GB for Llama-3.2-1B's), and, for a head that fits
+    # in the CPU's last-level cache, time: the extra copy made the shipped draft's step
+    # slower. A larger head streams from memory either way (the embeddings read one row of
+    # the original per token), so there only the packed copy is read, by the faster product.
     holders = Counter(id(weight) for module in model.modules() for weight in module.parameters(recurse=False))
+    cache = last_level_cache_bytes()
+
+    def alone_or_large(weight: torch.Tensor) -> bool:
+        return holders[id(weight)] == 1 or (cache is not None and weight.numel() * weight.element_size() > cache)
+
     candidates = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if (type(child) is nn.Linear and child.bias is None and child.weight.numel() >= min_elements
                     and child.weight.device.type == "cpu" and packable(child.weight.dtype)
-                    and holders[id(child.weight)] == 1):
+                    and alone_or_large(child.weight)):
                 candidates.append((parent, name, child))
     dtypes = {child.weight.dtype for _, _, child in candidates}
     candidates = [c for c in candidates if c[2].weight.dtype in {d for d in dtypes if prepack_supported(d)}]

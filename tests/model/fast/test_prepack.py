@@ -16,6 +16,7 @@ from torch import nn
 
 from model import Llama, ModelConfig
 from model.call import chain
+from model.fast import prepack
 from model.fast.prepack import MIN_ELEMENTS, PrepackedLinear, packable, prepack_linears, prepack_supported
 from speculative import autoregressive_generate, speculative_generate
 from tests.support.hf import randomize_
@@ -95,14 +96,25 @@ def test_only_plain_large_float32_cpu_layers_are_swapped() -> None:
 
 
 @needs_onednn
-def test_a_tied_output_head_is_not_packed() -> None:
-    """A packed copy of a head tied to the embeddings would double that matrix's memory."""
+@pytest.mark.parametrize("cache", [None, 1 << 30, 384 * 512 * 4 - 1])
+def test_a_tied_output_head_is_packed_only_where_it_outgrows_the_cpu_cache(
+        cache: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed copy of a head tied to the embeddings sits beside the original the embeddings
+    read: more memory, and for a head that fits in the last-level cache a slower step. Only a
+    head larger than that cache (here 384 x 512 float32 weights against a cache one byte
+    smaller) is packed; where the cache is unknown it is not. The embeddings keep the original."""
+    monkeypatch.setattr(prepack, "last_level_cache_bytes", lambda: cache)
     tied = random_model(dataclasses.replace(CONFIG, tie_word_embeddings=True))
     untied = random_model()
     assert tied.lm_head.weight is tied.embed_tokens.weight
+    weight = tied.embed_tokens.weight
+    x = torch.randn(3, CONFIG.dim, generator=torch.Generator().manual_seed(1))
     assert prepack_linears(untied) == 2 * 5 + 1 and isinstance(untied.lm_head, PrepackedLinear)
-    assert prepack_linears(tied) == 2 * 5 and type(tied.lm_head) is nn.Linear
-    assert tied.lm_head.weight is tied.embed_tokens.weight
+    large = cache is not None and cache < weight.numel() * 4
+    assert prepack_linears(tied) == 2 * 5 + large
+    assert isinstance(tied.lm_head, PrepackedLinear if large else nn.Linear)
+    assert tied.embed_tokens.weight is weight
+    torch.testing.assert_close(tied.lm_head(x), x @ weight.T, rtol=1e-4, atol=1e-4)
 
 
 @needs_onednn
