@@ -115,6 +115,7 @@ class Server:
             self.log.append(line.rstrip())
             if line.startswith("serving "):
                 self.url = line.split(" on ")[1].split()[0]
+                self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]  # its name
                 return
         self.stop()
         raise SystemExit(f"error: serve.py --speculation {mode} did not start: {' | '.join(self.log[-3:])}")
@@ -138,9 +139,10 @@ class Server:
                 self.process.wait(10)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: argparse.Namespace) -> dict[str, Any]:
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: argparse.Namespace,
+                      model: str = "tiny-target") -> dict[str, Any]:
     """One streamed greedy completion: its arrival times and token counts per chunk."""
-    body = {"model": "tiny-target", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream": True, "return_token_ids": True, "seed": 0}
     chunks: list[tuple[float, int]] = []
     # The client's clock at each chunk's arrival, not a call's duration (harness.time_call times those)
@@ -161,7 +163,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: ar
             "tokens": sum(n for _, n in chunks)}
 
 
-async def level(url: str, concurrency: int, requests: int, args: argparse.Namespace) -> dict[str, Any]:
+async def level(url: str, concurrency: int, requests: int, args: argparse.Namespace,
+                model: str = "tiny-target") -> dict[str, Any]:
     """``requests`` requests from ``concurrency`` closed-loop clients; the level's figures."""
     shares = [requests // concurrency + (i < requests % concurrency) for i in range(concurrency)]
     results: list[dict[str, Any]] = []
@@ -169,7 +172,7 @@ async def level(url: str, concurrency: int, requests: int, args: argparse.Namesp
     async def client_loop(index: int, client: httpx.AsyncClient) -> None:
         for k in range(shares[index]):
             prompt = STORY_OPENINGS[(index * 7 + k) % len(STORY_OPENINGS)]
-            results.append(await one_request(client, url, prompt, args))
+            results.append(await one_request(client, url, prompt, args, model))
 
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(limits=limits) as client:
@@ -190,7 +193,7 @@ async def level(url: str, concurrency: int, requests: int, args: argparse.Namesp
 def measured_level(server: Server, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     """One level against one server, with the share of its iterations that speculated (/metrics)."""
     before = server.metrics()
-    figures = asyncio.run(level(server.url, concurrency, max(args.requests, 2 * concurrency), args))
+    figures = asyncio.run(level(server.url, concurrency, max(args.requests, 2 * concurrency), args, server.model))
     after = server.metrics()
     iterations = after["speculative_iterations_total"] - before["speculative_iterations_total"]
     speculating = after["speculative_speculating_iterations_total"] - before["speculative_speculating_iterations_total"]
@@ -208,7 +211,7 @@ def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
     neighbour = None
     try:
         for server in servers.values():  # warm-up: first calls, the allocator, the policy's first updates
-            asyncio.run(level(server.url, 1, 2, args))
+            asyncio.run(level(server.url, 1, 2, args, server.model))
         if args.neighbour:  # after start-up: the servers calibrated alone, and meet it while serving
             neighbour = Neighbour()
         runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in servers}
