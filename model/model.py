@@ -134,13 +134,15 @@ class KVCache(nn.Module):
             self.v[:batch].scatter_(2, index, v)
         return self.k[:batch, :, :window], self.v[:batch, :, :window]
 
-    def move(self, rows: Sequence[int] | torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | None) -> None:
-        """Row b takes old row rows[b]: whole (src None; rows a LongTensor), or its entries at slots src[b] at slots
-        dst[b] ([n, m]), gathered first (sources may overlap destinations); keys are moved, not
-        re-rotated. A row at a time: a tree's path is one row, and two indices cost twice one."""
+    def move(self, rows: Sequence[int] | torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | None,
+             upto: int | None = None) -> None:
+        """Row b takes old row rows[b]: whole (src None; rows a LongTensor; only its first ``upto`` slots
+        if given), or its entries at slots src[b] at slots dst[b] ([n, m]), gathered first (sources
+        may overlap destinations); keys are moved, not re-rotated. A row at a time: a tree's path is
+        one row, and two indices cost twice one."""
         for cache in (self.k, self.v):
             if src is None:
-                cache[:len(rows)] = cache.index_select(0, rows)
+                cache[:len(rows), :, :upto] = cache[:, :, :upto].index_select(0, rows)
             else:
                 for b, row in enumerate(rows):
                     cache[b].index_copy_(1, dst[b], cache[row].index_select(1, src[b]))
@@ -242,16 +244,20 @@ class CachedStack(nn.Module):
         self.cache_len, self.cache_batch = max_seq_len, max_batch_size
 
     def move_cache(self, rows: Sequence[int], src: Sequence[Sequence[int]] | None = None,
-                   dst: Sequence[Sequence[int]] | None = None) -> None:
+                   dst: Sequence[Sequence[int]] | None = None, upto: int | None = None) -> None:
         """In every layer, row b takes old row rows[b]'s entries at slots src[b], at its slots dst[b]
-        (a tree's path); without them, the whole old row (a batch's rows). Host lists, checked there."""
+        (a tree's path); without them, the whole old row (a batch's rows), or its first ``upto``
+        slots where the caller knows no row holds more: a server's context is long and its rows
+        short, and copying every slot of every row stalled the batch. Host lists, checked there."""
         if self._rope is None:
             raise RuntimeError("move_cache(...) needs setup_cache(...) first")
+        if upto is not None and (src is not None or not 0 < upto <= self.cache_len):
+            raise ValueError(f"upto moves whole rows' first 1..{self.cache_len} slots, got {upto}")
         rows, src, dst = checked_move(rows, src, dst, self.cache_batch, self.cache_len, self.device)
         if src is None:  # whole rows: one index for every layer, not one per layer and buffer
             rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         for layer in self.layers:
-            layer.self_attn.cache.move(rows, src, dst)
+            layer.self_attn.cache.move(rows, src, dst, upto)
 
     def cached(self, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
         """Check ``call`` against the cache on the host, then run it (:meth:`run`)."""

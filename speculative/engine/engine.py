@@ -215,8 +215,8 @@ class Engine:
             self.finish(row, now)
         kept = [b for b, row in enumerate(self.rows) if not row.done]
         self.rows = [self.rows[b] for b in kept]
-        if kept != list(range(len(kept))):
-            self.target.move_cache(kept)
+        if kept != list(range(len(kept))):  # the slots the kept rows hold, not the whole context
+            self.target.move_cache(kept, upto=min(self.cache_len, max(row.length for row in self.rows) + 1))
         if self.drafter is not None:
             self.drafter.keep_rows(kept)
         return done

@@ -90,6 +90,30 @@ def test_per_row_positions_give_each_row_its_own_forward(llama64: dict, seed: in
 
 
 @torch.no_grad()
+def test_rows_that_move_up_move_only_the_slots_they_hold(llama64: dict) -> None:
+    """move_cache(rows, upto=n), what the engine does when a row leaves: the kept rows move only
+    their first n slots (the longest kept row's), so a long context is not copied whole; each then
+    continues as its own forward, and the slots from n on are left as they were."""
+    model = llama64["target"]
+    rows = random_prompts(3, 7)
+    model.setup_cache(3, 48)
+    width = max(map(len, rows))
+    ragged(model, torch.tensor([r + [0] * (width - len(r)) for r in rows]), [0, 0, 0])
+    longest = max(len(rows[2]), len(rows[1]))
+    cache = model.layers[0].self_attn.cache
+    beyond = cache.k[:2, :, longest:].clone()
+    model.move_cache([2, 1], upto=longest)
+    assert torch.equal(cache.k[:2, :, longest:], beyond)
+    out = ragged(model, torch.tensor([[5], [6]]), [len(rows[2]), len(rows[1])])
+    for b, old in enumerate([2, 1]):
+        alone = model(torch.tensor([rows[old] + [[5], [6]][b]]))[0, -1]
+        assert torch.allclose(out[b, -1], alone, atol=1e-12, rtol=0)
+    for bad in (0, 49):
+        with pytest.raises(ValueError, match="upto moves whole rows"):
+            model.move_cache([0, 1], upto=bad)
+
+
+@torch.no_grad()
 def test_padding_past_the_end_of_the_cache_is_dropped(llama64: dict) -> None:
     model = llama64["target"]
     model.setup_cache(2, 8)

@@ -77,9 +77,9 @@ def test_tree(pair: tuple, temperature: float, mode: str, monkeypatch: pytest.Mo
     moved = []
     real = type(pair[0]).move_cache
 
-    def move_cache(self, rows, src=None, dst=None):
+    def move_cache(self, rows, src=None, dst=None, upto=None):
         moved.append((rows, src, dst))
-        return real(self, rows, src, dst)
+        return real(self, rows, src, dst, upto)
 
     monkeypatch.setattr(type(pair[0]), "move_cache", move_cache)
     out, reads = count_reads(lambda: speculative_generate(*pair, [1, 2, 3], 40, temperature=temperature, seed=0,
