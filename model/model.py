@@ -15,7 +15,8 @@ positions apart, as token trees need (docs/kv_cache.md):
   the slots s < ``window`` of its row where ``visible[b, i, s]``. Nothing else is read or
   written: rolling back is writing at an earlier slot, and a stale entry is harmless as
   long as nothing sees it. ``return_hidden=True`` also returns the final norm's output.
-* ``model.move_cache(rows, src, dst)``: the one way to keep or move entries.
+* ``model.move_cache(rows, src, dst, upto)``: the one way to keep or move entries (whole rows:
+  their first ``upto`` slots, where the caller knows no row holds more).
 
 What a call is for (a chain, ragged rows, a tree) is the caller's business: the builders
 are in model/call.py. A compiled model (model/fast/compile.py) runs the same ``step``, applied from outside."""

@@ -187,10 +187,11 @@ class FeatureDrafter:
         self.next = [min(n, length - 1) for n, length in zip(self.next, lengths)]
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
-        if rows != list(range(len(rows))):
-            self.head.move_cache(rows)
+        if rows != list(range(len(rows))):  # only what the kept rows hold (next, known), not the whole context
+            self.head.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
             index = torch.tensor(rows, dtype=torch.long, device=self.features.device)
-            self.features[:len(rows)] = self.features.index_select(0, index)
+            known = max(self.known[r] for r in rows)
+            self.features[:len(rows), :known] = self.features[:, :known].index_select(0, index)
         self.known = [self.known[r] for r in rows] + [0] * new
         self.next = [self.next[r] for r in rows] + [0] * new
 

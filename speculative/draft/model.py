@@ -87,8 +87,8 @@ class ModelDrafter:
         self.next = [min(nxt, length - 1) for nxt, length in zip(self.next, lengths)]
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
-        if rows != list(range(len(rows))):
-            self.model.move_cache(rows)
+        if rows != list(range(len(rows))):  # the slots holding true inputs (next), not the whole context
+            self.model.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
         self.next = [self.next[r] for r in rows] + [0] * new
 
 

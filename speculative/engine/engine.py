@@ -29,7 +29,7 @@ rows (under it rows see each other). A token tree is drafted for one row at a ti
 
 Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] -> logits [B, T, V];
 with ``return_hidden`` also the features a drafter asks for, ``reads_features``), ``setup_cache``,
-``move_cache``, ``cache_len`` and ``config.vocab_size`` / ``config.max_seq_len``.
+``move_cache`` (whole rows with ``upto``), ``cache_len`` and ``config.vocab_size`` / ``config.max_seq_len``.
 """
 
 from __future__ import annotations
