@@ -251,7 +251,7 @@ class Chain(Recipe):
             t, tokenizer = self.target, self.tokenizer
             prompts = chat_prompts(a.corpus, tokenizer, a.sequences, a.seed + 1, t.config.max_seq_len - length)
             stops = stop_ids(t.config, read_generation_config(a.target), tokenizer)
-            rows = 32 if self.device.type == "cpu" else 512  # answered at once: a GPU answers more in one step
+            rows = self.run.made_with("rows", 32 if self.device.type == "cpu" else 512)  # answered at once
             self.corpus = self.run.grown({**made_from, "seed": a.seed, "rows": rows}, a.sequences, lambda i, j: (
                 conversations(t, prompts[i:j], length, stops, a.seed, first=i, rows=rows)), f"the target answers "
                 f"requests ({length} tokens at most)", every=2 * rows).numpy()
@@ -341,10 +341,10 @@ class Parallel(Chain):
 class PEagle(Chain):
     help = ("adapt an EAGLE-3 head to parallel drafting (P-EAGLE): a mask feature and embedding, the whole chain "
             "from one head call, trained with conditional drop")
-    flags = "--head --corpus --eval-corpus --sequences --seq-len --depths --keep --min-keep --mask-id --bf16 --device"
+    flags = ("--head --corpus --eval-corpus --data --sequences --seq-len --depths --keep --min-keep --mask-id --bf16 "
+             "--device")
     steps, title, desc, losses = 600, "P-EAGLE head", "peagle", staticmethod(peagle_losses)
-    about = "head: {parameters:,} parameters; {depths} draft positions per call"
-    settings = ("depths", "keep", "min_keep", "mask_id")
+    about = "head: {parameters:,} parameters; {depths} draft positions per call; data: {data}"
 
     def build(self) -> nn.Module:
         a, target = self.a, self.target

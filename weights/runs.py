@@ -147,6 +147,14 @@ class RunFolder:
         tmp.replace(path)  # written whole or not at all, as state.pt
         return tokens[:rows]
 
+    def made_with(self, name: str, default: Any) -> Any:
+        """The field ``name`` of what data.pt was made with, else ``default``: a setting that changes
+        how the data is made but not what it is (the rows a GPU answered at once) follows the data
+        already there, so a run goes on with it on another device instead of making it again."""
+        path = self.out / "data.pt"
+        saved = torch.load(path, weights_only=True) if path.is_file() else None
+        return saved["made_from"].get(name, default) if isinstance(saved, dict) and "made_from" in saved else default
+
     def grown(self, made_from: dict[str, Any], count: int, make: Callable[[int, int], list[list[int]]], what: str,
               every: int = 64) -> torch.Tensor:
         """data.pt grown in pieces: the tokens of the first ``count`` items that ``make(start, end)``

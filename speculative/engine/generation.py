@@ -216,14 +216,16 @@ def conversations(target: Any, prompts: list[list[int]], max_new_tokens: int, st
     """Each prompt followed by the target's answer to it (to its first stop id, kept, or
     ``max_new_tokens``), ``rows`` prompts at a time through the batched engine, greedy and at
     temperature 1 in turn, as it will decode. What a chat model's drafter trains on (train.py
-    --data chat). ``first``: the position of ``prompts[0]`` in a longer list made in pieces (a
-    multiple of ``rows``): each prompt gets the answer it would get in the whole list."""
-    if first % rows:
-        raise ValueError(f"first must be a multiple of rows ({rows}), got {first}")
+    --data chat). ``first``: the position of ``prompts[0]`` in a longer list made in pieces: the
+    groups of ``rows`` fall where they fall in the whole list, and item i samples with ``seed`` + i,
+    so each prompt gets the answer it would get there, wherever a piece starts."""
     out: list[list[int]] = []
-    for start in range(0, len(prompts), rows):
-        chunk, at = prompts[start:start + rows], first + start
+    at, end = first, first + len(prompts)
+    while at < end:
+        upto = min((at // rows + 1) * rows, end)  # to the end of item at's group in the whole list
+        chunk = prompts[at - first:upto - first]
         result = autoregressive_generate_batch(target, chunk, max_new_tokens, eos_id=stop_ids,
                                                temperature=0.0 if (at // rows) % 2 == 0 else 1.0, seed=seed + at)
         out += [[*prompt, *row.tokens] for prompt, row in zip(chunk, result.results)]
+        at = upto
     return out

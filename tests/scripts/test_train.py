@@ -442,6 +442,37 @@ def test_a_chat_model_s_drafter_trains_on_its_answers_to_requests(corpus: dict[s
 
 
 @needs_shared
+def test_answers_another_device_wrote_are_read_here_and_a_p_eagle_head_trains_on_them(
+        corpus: dict[str, Path], targets: tuple[Path, Path], tmp_path: Path) -> None:
+    """data.pt written as a GPU writes it (512 requests answered at once) is the data of a run on
+    the CPU: read as it is, and grown with the rows it was made with, not made again with the
+    CPU's 32. peagle takes --data chat as eagle3 does."""
+    chat_target = tmp_path / "chat-target"
+    shutil.copytree(targets[0], chat_target)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (chat_target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    eagle3(chat_target, corpus, tmp_path / "e3", 2, *QUICK, "--data", "chat", "--sequences", "4")
+    saved = torch.load(tmp_path / "e3" / "data.pt", weights_only=True)
+    assert saved["made_from"]["rows"] == 32
+    # The same requests as a GPU's run records them; its answers marked so that a remade stream would show.
+    tokens = saved["tokens"].clone()
+    tokens[saved["ends"][0] - 1] = 7
+    (tmp_path / "pe").mkdir()
+    gpu_made = {**saved["made_from"], "rows": 512}
+    torch.save({**saved, "tokens": tokens, "made_from": gpu_made}, tmp_path / "pe" / "data.pt")
+    args = ["peagle", "--target", str(chat_target), "--head", str(tmp_path / "e3" / "hf"), "--corpus",
+            str(corpus["train"]), "--eval-corpus", str(corpus["valid"]), "--out", str(tmp_path / "pe"), "--lr", "3e-3",
+            "--warmup", "1", "--depths", "3", "--save-dtype", "float32", "--no-progress", "--threads", "1", *QUICK,
+            "--data", "chat", "--sequences", "6", "--steps", "2"]
+    train.main(args)
+    grown = torch.load(tmp_path / "pe" / "data.pt", weights_only=True)
+    assert grown["made_from"]["rows"] == 512 and len(grown["ends"]) == 6
+    assert torch.equal(grown["tokens"][:saved["ends"][3]], tokens)  # the first four as they were, the marked one too
+    summary = json.loads((tmp_path / "pe" / "summary.json").read_text())
+    assert summary["data"] == "chat" and summary["steps"] == 2
+
+
+@needs_shared
 @pytest.mark.parametrize("device", ["gpu", "cuda:99"])
 def test_a_device_that_is_not_there_is_one_clear_error(corpus: dict[str, Path], targets: tuple[Path, Path],
                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -63,8 +63,8 @@ def test_bad_stop_ids_are_refused_in_one_line(bad: object) -> None:
 
 def test_conversations_answer_to_the_stop_id_and_in_pieces_as_whole() -> None:
     """engine.generation.conversations: each prompt, then the target's answer up to and with a stop id;
-    the first batch greedy, the next at temperature 1; made in pieces (first=...) it gives the
-    whole list's answers."""
+    the first batch greedy, the next at temperature 1; made in pieces (first=...), wherever they
+    start, it gives the whole list's answers."""
     target = random_llama(vocab=9, dim=16, seed=3, std=1.0, dtype=torch.float64)
     prompts = [[i % 9, (i * 5) % 9] for i in range(8)]
     whole = conversations(target, prompts, 6, stop_ids=(0,), seed=7, rows=4)
@@ -78,5 +78,6 @@ def test_conversations_answer_to_the_stop_id_and_in_pieces_as_whole() -> None:
                for i, p in enumerate(prompts[4:])]
     assert [item[2:] for item in whole[4:]] == sampled
     assert conversations(target, prompts[4:], 6, (0,), 7, first=4, rows=4) == whole[4:]
-    with pytest.raises(ValueError, match="multiple of rows"):
-        conversations(target, prompts, 6, (0,), 7, first=2, rows=4)
+    # Pieces that cut a group (an earlier run asked for 2, or 6): the groups stay the whole list's.
+    assert conversations(target, prompts[2:6], 6, (0,), 7, first=2, rows=4) == whole[2:6]
+    assert conversations(target, prompts[6:], 6, (0,), 7, first=6, rows=4) == whole[6:]
