@@ -49,6 +49,7 @@ from speculative.cli import output, report
 from speculative.cli.options import DTYPE_HELP, DTYPES, UsageError, drafters_help, pick_device, pick_dtype, rules_help
 from speculative.draft.trees import TREE_MODES
 from speculative.engine import DEFAULT_GAMMA
+from speculative.engine.trees import AutoTree
 from speculative.inputs import GAMMA_MAX
 from speculative.serving.text import continuation_text, encode_prompt
 from speculative.verify import RULES
@@ -207,16 +208,17 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
             names = " and ".join([args.target] + ([args.draft] if spec.kind == "model" else []))
             raise UsageError(f"{where} is {len(prompt_ids)} tokens, which leaves no room in the {context}-token "
                              f"context of {names}")
-    ahead = len(branching_parents(args.tree)) if args.tree else GAMMA_MAX if args.gamma == "auto" else args.gamma
+    shape = AutoTree().covering() if args.tree == "auto" else args.tree  # auto: room for its largest
+    ahead = len(branching_parents(shape)) if shape else GAMMA_MAX if args.gamma == "auto" else args.gamma
     if args.tree and ahead + 1 >= context:
-        raise UsageError(f"--tree {','.join(map(str, args.tree))} has {ahead} nodes, which cannot fit in the "
+        raise UsageError(f"--tree {','.join(map(str, shape))} has {ahead} nodes, which cannot fit in the "
                          f"{context}-token context (the target scores them all in one call)")
     positions = min(context, max(map(len, encoded)) + args.max_new_tokens + (0 if spec.kind is None else ahead + 1))
     rows = min(args.batch_size or len(encoded), len(encoded)) if prompts else 1  # the KV caches' rows
     # The set-up of each model: the default (compiled steps from the cache, else stacked and prepacked at once),
     # or measured or forced (--setup, --compile) for the calls this run makes.
     pair, setups = load_named_pair(args, spec, device, dtype, positions=positions, rows=rows, gamma=args.gamma,
-                                   gamma_max=GAMMA_MAX, cache_len=positions + 1, tree=args.tree,
+                                   gamma_max=GAMMA_MAX, cache_len=positions + 1, tree=shape,
                                    world_size=world_size, flag=setup_flag(args))
     return pair, encoded, setups, spec.notes + [line for line in [model_defaults_note(args, spec.sampling_defaults)]
                                                 if line]
@@ -309,7 +311,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     with torch.inference_mode():
         if speculative:
             result = speculative_generate(pair.target, pair.draft, prompt_ids, args.max_new_tokens,
-                                          gamma=len(args.tree) if args.tree else args.gamma, callback=step_clock,
+                                          gamma=None if args.tree else args.gamma, callback=step_clock,
                                           verify=args.verify, tree=args.tree, tree_mode=args.tree_mode, **sampling)
         else:
             result = autoregressive_generate(pair.target, prompt_ids, args.max_new_tokens, callback=step_clock,

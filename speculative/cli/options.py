@@ -53,15 +53,17 @@ def gamma_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
-def tree_arg(text: str) -> tuple[int, ...]:
-    """--tree: the branching per depth, integers >= 1 joined by commas."""
+def tree_arg(text: str) -> tuple[int, ...] | str:
+    """--tree: the branching per depth, integers >= 1 joined by commas, or auto."""
+    if text == "auto":
+        return text
     try:
         shape = tuple(int(part) for part in text.split(","))
     except ValueError:
         shape = ()
     if not shape or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"must be the branching per depth as integers >= 1 joined by commas, e.g. "
-                                         f"3,2,1,1; got {text!r}")
+                                         f"3,2,1,1, or auto; got {text!r}")
     return shape
 
 

@@ -161,6 +161,8 @@ def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool
                 f"seed {seed}" + (f" ({'; '.join(notes)})" if notes else ""))
     if not speculative:
         return text
+    if args.tree == "auto":
+        return text + f", tree auto (each iteration's shape by this run's timings, children {args.tree_mode})"
     if args.tree:
         shape = ",".join(map(str, args.tree))
         return text + f", tree {shape} ({len(branching_parents(args.tree))} nodes, children {args.tree_mode})"

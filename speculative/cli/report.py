@@ -80,6 +80,9 @@ def summary_lines(stats: dict[str, Any], speculative: bool, compare: bool = Fals
                      f"(1-alpha^(g+1))/(1-alpha) over the g drafted in each iteration; predicted speedup "
                      f"(1-alpha^(g+1))/((1-alpha)(k*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x"
                      + ("" if compare else " (--compare measures it)"))
+    if shapes := stats.get("tree_shapes"):  # --tree auto: what it chose
+        lines.append("tree auto: iterations by shape (none: a plain target step): " + ", ".join(
+            f"{shape} {n}" for shape, n in sorted(shapes.items(), key=lambda item: -item[1])))
     return lines
 
 

@@ -49,7 +49,7 @@ from speculative.engine.judging import judge_rows
 from speculative.engine.logprobs import record_logprobs, record_prompts
 from speculative.engine.rows import Callback, Row, RowFailedError, cut_at_eos
 from speculative.engine.stats import BatchStats, Clock, SpeculativeStats, record_iteration, stop_reason
-from speculative.engine.trees import check_tree_request, fit_tree, keep_path
+from speculative.engine.trees import AutoTree, check_tree_request, fit_tree, keep_path
 from speculative.inputs import (
     NonFiniteLogitsError,
     check_gamma,
@@ -81,21 +81,23 @@ class Engine:
     Verdict``, which then judges every chain, at temperature 0 too (on one-hot p and q):
     what ``python -m speculative.prove`` runs through the engine. ``tree``: draft
     a token tree of this branching per depth instead of a chain (one row; its depth takes
-    gamma's place), drawn by ``tree_mode``. ``max_rows``: rows in one call at most.
+    gamma's place), drawn by ``tree_mode``; "auto": the shape by measurement, iteration by iteration
+    (speculative.engine.trees.AutoTree). ``max_rows``: rows in one call at most.
     ``cache_len``: the KV caches' length; None sizes them at the first step for the rows
     added by then (a later row longer than that stops when the cache is full)."""
 
     def __init__(self, target: Any, draft: Any = None, *, gamma: int | str | None = None, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, verify: str = "token",
-                 tree: Sequence[int] | None = None, tree_mode: str = "without_replacement", max_rows: int = 1,
+                 tree: Sequence[int] | str | None = None, tree_mode: str = "without_replacement", max_rows: int = 1,
                  cache_len: int | None = None) -> None:
         self.target, self.drafter = target, None if draft is None else drafter_for(target, draft)
         self.sampling = Sampling(temperature, top_k, top_p)
         if not callable(verify):
             registered(verify)  # ValueError for a name that is not registered
-        self.rule, self.tree, self.tree_mode = verify, None, tree_mode
+        self.rule, self.tree, self.tree_mode, self.tree_auto = verify, None, tree_mode, None
         if tree is not None:
             self.tree, gamma = check_tree_request(tree, tree_mode, self.drafter, gamma, verify, max_rows)
+            self.tree_auto = AutoTree() if isinstance(tree, str) else None  # "auto": the shape by measurement
         gamma = DEFAULT_GAMMA if gamma is None else gamma  # None: not given
         self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
         self.auto = AutoGamma(gamma_max=self.gamma_max, parallel=trait(self.drafter, "parallel")) \
@@ -323,7 +325,8 @@ class Engine:
             return self.drafter.propose([row.ids for row in rows], gammas, [row.sampling for row in rows],
                                         [row.generator for row in rows], self.device)
         row = rows[0]
-        levels = fit_tree(self.tree, gammas[0], self.cache_len - row.length)
+        shape = self.tree_auto.choose(self.stats.iterations, row.stats.tree_shapes) if self.tree_auto else self.tree
+        levels = fit_tree(shape, gammas[0], self.cache_len - row.length)
         grown = self.drafter.propose_tree(row.ids, levels, self.tree_mode, row.sampling, row.generator,
                                           self.device) if levels else None
         if grown is None:  # the drafter has nothing to go on yet
@@ -351,10 +354,8 @@ class Engine:
                 if at:
                     index = torch.tensor(at, device=self.device).T
                     feed[index[0], index[1]] = draft.tokens[index[0], index[2]]
-        if draft.tree is not None:  # each node at its depth, seeing its ancestors
-            call = calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device)
-        else:
-            call = calls.ragged(starts, feed.shape[1], self.cache_len, self.device)
+        call = calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device) if draft.tree \
+            is not None else calls.ragged(starts, feed.shape[1], self.cache_len, self.device)  # a tree: nodes at depth
         out = self.target(feed, call, return_hidden=reads) if reads else self.target(feed, call)
         logits, hidden = out if reads else (out, None)
         if any(row.echo and start == 0 for row, start in zip(rows, starts)):  # read from column 0 of each row
@@ -421,12 +422,11 @@ class Engine:
     # ------------------------------------------------------------------------- what happened
     def learn(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
         """One iteration into the records (stats.record_iteration: marks before proposing, scoring,
-        verifying, after committing) and gamma="auto"'s alpha and costs."""
+        verifying, after committing), gamma="auto"'s alpha and costs, and tree="auto"'s times."""
         record_iteration(self.stats, self.clock, rows, draft, steps, marks)
         (t0, t1, t2, _), depth, clock = marks, max(draft.depth(b) for b in range(len(rows))), self.clock
-        if self.auto is not None:  # whole iterations, timed start to start (t0..t2 are behind the read)
-            self.auto.observe(self.stats.iterations - 1, depth, sum(len(s.tokens) for s in steps) or len(rows), t0,
-                              clock)
+        for auto in filter(None, (self.auto, self.tree_auto)):  # whole iterations, start to start (t0..t2: pre-read)
+            auto.observe(self.stats.iterations - 1, depth, sum(len(s.tokens) for s in steps) or len(rows), t0, clock)
         if self.auto is not None and depth > 0:  # the first iteration also read prompts: not timed
             timed = self.stats.iterations > 1
             verified = [(j + 1, o) for step in steps for j, o in enumerate(step.overlap[:step.accepted + 1])]

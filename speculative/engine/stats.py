@@ -93,6 +93,7 @@ class SpeculativeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
     gamma_history: list[int] = field(default_factory=list)  # positions drafted ahead per iteration (tree: depth)
+    tree_shapes: dict[tuple[int, ...], int] = field(default_factory=dict)  # tree="auto": iterations per shape
     overlap_sum: float = 0.0  # sum over verified positions of sum_x min(p, q)
     draft_time_s: float = 0.0  # wall time drafting (draft forwards, warping, sampling)
     target_time_s: float = 0.0  # wall time in target forwards (verification is loop work)
@@ -207,6 +208,7 @@ class SpeculativeStats:
                      "predicted_speedup", "tokens_per_second"):
             out[name] = getattr(self, name)
         out["gamma_histogram"] = {str(g): n for g, n in self.gamma_histogram.items()}
+        out["tree_shapes"] = {",".join(map(str, s)) or "none": n for s, n in self.tree_shapes.items()}
         return out
 
 

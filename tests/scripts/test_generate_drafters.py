@@ -49,12 +49,14 @@ def alone_float64() -> list[int]:
     ["--verify", "block"],
     ["--tree", "3,2,1,1"],
     ["--tree", "2,2", "--tree-mode", "iid"],
+    ["--tree", "auto"],
 ])
 def test_greedy_output_is_the_target_alone(capsys: pytest.CaptureFixture[str], alone_float64: list[int],
                                            argv: list[str]) -> None:
     doc, _ = run(capsys, "--dtype", "float64", *argv)
     assert doc["tokens"] == alone_float64
     assert doc["stats"]["tokens_per_target_call"] >= 1
+    assert bool(doc["stats"]["tree_shapes"]) == (argv == ["--tree", "auto"])  # what auto chose, by shape
 
 
 @needs_pair
@@ -87,6 +89,8 @@ def test_sampled_runs_with_every_rule_complete_and_repeat(capsys: pytest.Capture
     (["--tree", "0,2"], ["--tree", "integers >= 1"]),
     (["--tree", ""], ["--tree"]),
     (["--draft", "lookup", "--tree", "2,2"], ["--tree", "lookup"]),
+    (["--draft", "lookup", "--tree", "auto"], ["--tree", "lookup"]),
+    (["--tree", "best"], ["--tree", "or auto"]),
     (["--tree", "8,8,8"], ["584 nodes", "context"]),
     (["--tree", "2,2", "--verify", "block"], ["block verification", "chain"]),
     (["--verify", "blocks"], ["--verify", "invalid choice"]),

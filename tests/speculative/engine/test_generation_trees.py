@@ -9,16 +9,20 @@ path moved into place with move_cache).
   unrenormalised q; g: the bonus token at a leaf drawn from the parent's p).
 * Greedy: the output is the target's own greedy output, token for token (float64).
 * Bookkeeping: a tree that shrinks near max_new_tokens and the context's end, and the stats.
+* tree="auto": the shape chosen by whole iterations' timings (a fake clock), the law kept across
+  a change of shape (chi-square, with a mutant it rejects), greedy output unchanged.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from speculative import FeatureDrafter, PromptLookupDrafter, speculative_generate
+from speculative.engine.trees import AUTO_SHAPES, AutoTree
 from speculative.sampling import Sampling
 from tests.support.proofs import proof
 from tests.support.statistical import P_VALUE, sample_counts, window_distribution
@@ -33,6 +37,7 @@ from tests.support.toy_models import (
 )
 
 tree_module = importlib.import_module("speculative.verify.tree")
+engine_module = importlib.import_module("speculative.engine.engine")
 real_reject = tree_module.reject_child
 real_tree_rules = tree_module.tree_rules
 
@@ -188,3 +193,110 @@ def test_a_tree_with_its_own_depth_as_gamma_is_one_setting(llama64: dict) -> Non
 def test_a_drafter_without_trees_is_refused(llama64: dict) -> None:
     with pytest.raises(ValueError, match="cannot build token trees"):
         speculative_generate(llama64["target"], PromptLookupDrafter(), [1], 5, tree=(2, 1))
+
+
+# ----------------------------------------------------------------------------- tree="auto"
+class Clock:
+    """Marks are seconds on a clock the test moves."""
+
+    @staticmethod
+    def seconds(start: float, end: float) -> float:
+        return end - start
+
+
+def drive(auto: AutoTree, iterations: int, cost: dict, first: int = 0, now: float = 0.0,
+          limited: Callable[[int], bool] = lambda i: False) -> tuple[list[tuple[int, ...]], float]:
+    """Run the engine's side of ``auto`` for ``iterations``: iteration i uses the shape chosen,
+    takes cost[shape] = (seconds, tokens) (a plain step after a drafted one is clean; the one after
+    a plain step costs twice, as a drafter catching up), or drafts nothing where ``limited(i)``."""
+    chosen, previous = [], None
+    for i in range(first, first + iterations):
+        shape = auto.choose(i)
+        depth = 0 if limited(i) else len(shape)
+        seconds, tokens = cost[shape] if depth or not shape else cost[()]
+        seconds *= 2 if depth and previous == 0 else 1
+        auto.observe(i, depth, tokens, now, Clock)
+        chosen.append(shape)
+        now, previous = now + seconds, depth
+    return chosen, now
+
+
+def test_auto_tries_every_shape_then_keeps_the_fastest_and_probes_the_others() -> None:
+    """A fake clock: every shape is tried until it has a clean iteration (the prompt's, the one
+    after a plain step and one cut to nothing do not count), then the most tokens per second
+    wins, and one iteration in 8 goes to the shape measured longest ago."""
+    shapes = ((1, 1), (2, 1), ())
+    cost = {(1, 1): (1.0, 2), (2, 1): (1.0, 3), (): (1.0, 1)}
+    auto = AutoTree(shapes=shapes)
+    chosen, now = drive(auto, 6, cost)
+    # 0: the prompt's (not counted) -> (1, 1) again; then (2, 1); then plain; after it (2, 1)'s
+    # iteration is not clean (a catch-up) but (2, 1) was measured already: the fastest is used.
+    assert chosen[:4] == [(1, 1), (1, 1), (2, 1), ()]
+    assert chosen[4:] == [(2, 1), (2, 1)] and set(auto.rates) == set(shapes)
+    chosen, now = drive(auto, 18, cost, first=6, now=now)
+    probes = [i for i, shape in enumerate(chosen, start=6) if shape != (2, 1)]
+    assert probes == [8, 16] and chosen[8 - 6] == (1, 1) and chosen[16 - 6] == ()  # the longest unseen first
+    # The plain step gets faster than (2, 1): after a probe shows it, it is the one kept.
+    cost = {**cost, (): (0.2, 1)}
+    chosen, _ = drive(auto, 40, cost, first=24, now=now)
+    assert chosen[-8:].count(()) >= 7
+    # Cut to nothing by the row's limits: a drafted shape that drafted nothing is not timed as itself.
+    auto = AutoTree(shapes=shapes)
+    drive(auto, 5, cost, limited=lambda i: i in (1, 2))
+    assert auto.rates.get((1, 1)) is None or auto.seen[(1, 1)] not in (1, 2)
+
+
+def test_auto_covers_every_candidate() -> None:
+    """The cache slots kept free for "auto" hold the largest of its trees, at every depth."""
+    covering = AutoTree().covering()
+    assert covering == (3, 2, 1, 1)
+    from speculative.verify.tree import branching_parents
+    assert all(len(branching_parents(s)) <= len(branching_parents(covering)) for s in AUTO_SHAPES if s)
+
+
+@proof("tree=\"auto\" follows the target's law while its shape changes from one iteration to the next",
+       'chi-square, p > 1e-3, 1000 seeded runs', rejects=('residual not updated (xLLM #2175)',))
+@pytest.mark.parametrize("mutant", [None, "residual-not-updated"], ids=["correct", "residual-not-updated"])
+def test_auto_tree_tokens_have_the_target_distribution(pair: dict, mutant: str | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens 3-4 jointly at temperature 1, the first iterations' shapes a chain of one, twice (the
+    prompt's iteration is not timed), then (2, 1, 1): what auto tries first does not depend on the
+    clock, so the window spans a change of shape in most runs."""
+    if mutant is not None:
+        MUTANTS[mutant](monkeypatch)
+    monkeypatch.setattr(engine_module, "AutoTree", lambda: AutoTree(shapes=((1,), (2, 1, 1), ())))
+    target, sampling, shapes = pair["target"], Sampling(temperature=1.0), []
+
+    def generate(seed: int) -> list[int]:
+        out = speculative_generate(target, pair["draft"], [1, 4], 6, temperature=1.0, seed=seed, tree="auto")
+        shapes.append(tuple(out.stats.tree_shapes))
+        return out.tokens
+
+    counts = sample_counts(generate, RUNS, 2, 2)
+
+    def next_probs(ctx: tuple[int, ...]) -> list[float]:
+        return ref_warp(pair["logits"](ctx).tolist(), sampling.temperature)
+
+    p_value = chi_square_pvalue(counts, window_distribution(next_probs, [1, 4], 2, 2))
+    assert sum((2, 1, 1) in s for s in shapes) > RUNS // 2  # most runs changed shape
+    if mutant is not None:
+        assert p_value < P_VALUE, f"the test did not catch {mutant} (p = {p_value:.3g})"
+    else:
+        assert p_value > P_VALUE, f"tree auto rejected (p = {p_value:.3g})"
+
+
+@pytest.mark.parametrize("kind", ["close", "feature"])
+def test_greedy_auto_gives_the_target_greedy_output_and_says_what_it_chose(llama64: dict, kind: str) -> None:
+    target = llama64["target"]
+    draft = llama64["close"] if kind == "close" else FeatureDrafter(llama64["head"], target)
+    out = speculative_generate(target, draft, [3, 1, 4, 1, 5], 40, temperature=0, tree="auto")
+    assert out.tokens == reference_greedy(target, [3, 1, 4, 1, 5], 40)
+    assert len(out.stats.tree_shapes) >= 4 and set(out.stats.tree_shapes) <= set(AUTO_SHAPES)
+    assert sum(out.stats.tree_shapes.values()) <= out.stats.target_calls
+    assert out.stats.to_dict()["tree_shapes"]  # JSON-friendly keys
+    assert all(isinstance(k, str) for k in out.stats.to_dict()["tree_shapes"])
+
+
+def test_a_tree_name_that_is_not_auto_is_refused(llama64: dict) -> None:
+    with pytest.raises(ValueError, match='or "auto"'):
+        speculative_generate(llama64["target"], llama64["close"], [1], 5, tree="best")
