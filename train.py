@@ -32,7 +32,7 @@ from torch import nn
 from model import ConfigError, Llama, ModelConfig
 from model.eagle3_head import Eagle3Head, PEagleHead, default_layers
 from model.feature_head import FeatureHead, fingerprint
-from model.training import decay_groups, fit, held_out, init_weights, lr_at, next_token_loss, random_batch
+from model.training import decay_groups, fit, fresh_draft, held_out, init_weights, lr_at, next_token_loss, random_batch
 from speculative.cli.options import ArgumentParser, UsageError, add_flags, pick_device
 from speculative.draft import distill
 from speculative.draft.parallel_training import parallel_losses, peagle_losses, with_mask_feature, with_mask_token
@@ -102,7 +102,7 @@ class Recipe:
     steps, lr, frozen_target, description = 1500, 1e-3, True, None
     # loss.png's title and the progress bar's label (with the arguments), what is said once the state is loaded
     title = desc = about = depth_plot = ""  # (with the recipe's own too), alpha.png's title (alpha_by_depth logged)
-    vocabulary, timed = None, False  # a checkpoint's tokenizer.model (None: a head); log this session's seconds
+    vocabulary, timed = None, False  # a checkpoint's tokenizer (None: a head); log this session's seconds
     settings: tuple[str, ...] = ()  # summary.json's, from the recipe's own or the arguments
 
     def data(self) -> None:  # story openings (prompts of one length: no padding), the held-out prompts
@@ -171,70 +171,10 @@ class Pretrain(Recipe):
         return {"parameters": self.parameters, "steps": step, "final_train_loss": self.run.tail_loss(), **final}
 
 
-class Distill(Recipe):
-    help = "align a draft with its target on draft-generated (on-policy) text"
-    description = ("Distill a draft toward its target (DistillSpec, Zhou et al. 2023) on text the draft writes, then "
-                   "measure its held-out acceptance before (before.json) and after (summary.json), greedy and at T=1:")
-    flags = "--draft --corpus --eval-corpus --divergence --target-mix --gen-tokens"
-    steps, lr, title, desc = 300, 3e-4, "distill {divergence}", "distill ({divergence})"
-
-    def build(self) -> nn.Module:
-        if (draft := load_model(self.a.draft)).config.vocab_size != self.target.config.vocab_size:
-            raise UsageError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                             f"({self.target.config.vocab_size})")
-        self.vocabulary = load_tokenizer(self.a.draft).path
-        return draft
-
-    def start(self, step: int) -> None:
-        if len(self.openings) < self.a.batch_size:  # nothing is written yet
-            raise UsageError(f"the corpus has fewer than {self.a.batch_size} stories of {self.a.prompt_tokens}+ tokens")
-        if step == 0:
-            self.run.write_json("before.json", before := self.measure())
-            print(f"before distillation: {before}")
-
-    def measure(self) -> dict:  # the draft as it is, in float32: before and after distillation alike
-        a = self.a
-        return measure_acceptance(self.target, self.model, self.eval_prompts, a.eval_new_tokens, a.gamma, a.seed)
-
-    def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
-        a = self.a  # on-policy: the draft writes (the target, --target-mix of the time)
-        tokens = distill.on_policy_batch(self.model, self.target, self.openings, self.rng, self.gen, a.batch_size,
-                                         a.gen_tokens, a.target_mix)
-        return distill.distill_loss(a.divergence, self.target, self.model, tokens, a.prompt_tokens), {}, tokens.numel()
-
-    def summary(self, step: int, hf: Path) -> dict:
-        return {"divergence": self.a.divergence, "steps": step, "before": self.run.read_json("before.json"),
-                "after": self.measure(), "notes": ACCEPTANCE_NOTES}
-
-
-class Eagle(Recipe):
-    help = "train an EAGLE-style feature head that drafts from the frozen target's own features"
-    flags = "--corpus --eval-corpus --seq-len --self-mix --noise --cls-weight --bf16 --cache-dir"
-    changes, title, desc = {"--seq-len": {"default": 256}}, "eagle head", "eagle"
-    about = "head: {parameters:,} parameters; corpus: {corpus_tokens:,} tokens"
-
-    def build(self) -> nn.Module:  # one block of the target's own shape (EAGLE-1), with its context length
-        init_weights(head := FeatureHead(ModelConfig(**{**vars(self.target.config), "n_layers": 1, "extra": {}})), 1)
-        return head
-
-    def data(self) -> None:
-        self.train_data = tokenize_corpus(self.a.corpus, self.tokenizer, self.a.cache_dir)
-        self.corpus_tokens = len(self.train_data)
-        super().data()
-
-    def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
-        a = self.a  # the target's own text (--self-mix of the time) or corpus windows
-        tokens, written = distill.eagle_batch(self.target, self.openings, self.train_data, self.rng, self.gen,
-                                              a.batch_size, a.seq_len, a.self_mix)
-        regression, classification = distill.eagle_losses(self.model, self.target, tokens, a.noise, self.gen, a.bf16)
-        extra = {"regression": regression.item(), "classification": classification.item(), "self_written": written}
-        return regression + a.cls_weight * classification, extra, tokens.numel()
-
-
 class Chain(Recipe):
-    """eagle3, parallel and peagle: a drafter of a chain, trained on the target's own continuations
-    (data.pt) or corpus windows, logging loss and alpha by draft position; parallel and peagle's
-    ``losses`` with conditional drop."""
+    """eagle3, parallel, peagle (and distill --data chat): a drafter trained on the target's own continuations
+    (data.pt) or corpus windows, logging loss and alpha by draft position; parallel and peagle's ``losses``
+    with conditional drop."""
 
     lr, timed, depth_plot = 5e-4, True, "training alpha by draft position (one call, true tokens)"
     settings = ("depths", "keep", "min_keep", "data", "mask_id")
@@ -277,6 +217,83 @@ class Chain(Recipe):
     def check_depths(self, most: int) -> None:
         if not 2 <= self.a.depths <= most or not 0 < self.a.min_keep <= self.a.keep <= 1:
             raise UsageError(f"--depths must lie in 2..{most}, and 0 < --min-keep <= --keep <= 1")
+
+
+class Distill(Chain):
+    help = "align a draft with its target on text the draft writes (on-policy) or on the target's answers"
+    description = ("Distill a draft (or without --draft a fresh one, model.training.fresh_draft) toward its target "
+                   "(DistillSpec, Zhou et al. 2023) on text the draft writes, or (--data chat) on the target's answers "
+                   "to requests; measure its held-out acceptance before (before.json) and after (summary.json):")
+    flags = ("--draft --dim --n-layers --n-heads --n-kv-heads --hidden-dim --corpus --eval-corpus --data --sequences "
+             "--seq-len --divergence --target-mix --gen-tokens --bf16 --cache-dir")
+    changes = {"--draft": {"required": False, "default": None, "help": "draft checkpoint to start from (default: "
+                           "a fresh draft of --dim, --n-layers, --n-heads, --n-kv-heads, --hidden-dim)"},
+               "--data": {"default": "draft", "choices": ["draft", "chat"], "help": "the draft's own continuations "
+                          "of story openings, or the target's answers to requests about the corpus (data.pt)"}}
+    steps, lr, title, desc, timed, depth_plot = 300, 3e-4, "distill {divergence}", "distill ({divergence})", False, ""
+
+    def build(self) -> nn.Module:
+        a, target = self.a, self.target
+        try:
+            draft = load_model(a.draft) if a.draft else fresh_draft(target, a.dim, a.n_layers, a.n_heads,
+                                                                    a.n_kv_heads or a.n_heads, a.hidden_dim)
+        except ValueError as err:  # a shape that is no LLaMA's (ConfigError) or wider than the target
+            raise UsageError(str(err)) from None
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise UsageError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                             f"({target.config.vocab_size})")
+        self.vocabulary = load_tokenizer(a.draft) if a.draft else self.tokenizer
+        return draft
+
+    def data(self) -> None:  # the target's answers (Chain's), or story openings for the draft to continue
+        super().data() if self.a.data == "chat" else Recipe.data(self)
+
+    def start(self, step: int) -> None:
+        if self.a.data == "draft" and len(self.openings) < self.a.batch_size:  # nothing is written yet
+            raise UsageError(f"the corpus has fewer than {self.a.batch_size} stories of {self.a.prompt_tokens}+ tokens")
+        if step == 0:
+            self.run.write_json("before.json", before := self.measure())
+            print(f"before distillation: {before}")
+
+    def measure(self) -> dict:  # the draft as it is, in float32: before and after distillation alike
+        a = self.a
+        return measure_acceptance(self.target, self.model, self.eval_prompts, a.eval_new_tokens, a.gamma, a.seed)
+
+    def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
+        a = self.a  # on-policy: the draft writes (the target, --target-mix of the time); or windows of the answers
+        tokens = random_batch(self.corpus, a.batch_size, a.seq_len, self.gen)[0] if a.data == "chat" else \
+            distill.on_policy_batch(self.model, self.target, self.openings, self.rng, self.gen, a.batch_size,
+                                    a.gen_tokens, a.target_mix)
+        start = 1 if a.data == "chat" else a.prompt_tokens
+        return distill.distill_loss(a.divergence, self.target, self.model, tokens, start, a.bf16), {}, tokens.numel()
+
+    def summary(self, step: int, hf: Path) -> dict:
+        return {"divergence": self.a.divergence, "steps": step, "before": self.run.read_json("before.json"),
+                "after": self.measure(), "notes": ACCEPTANCE_NOTES}
+
+
+class Eagle(Recipe):
+    help = "train an EAGLE-style feature head that drafts from the frozen target's own features"
+    flags = "--corpus --eval-corpus --seq-len --self-mix --noise --cls-weight --bf16 --cache-dir"
+    changes, title, desc = {"--seq-len": {"default": 256}}, "eagle head", "eagle"
+    about = "head: {parameters:,} parameters; corpus: {corpus_tokens:,} tokens"
+
+    def build(self) -> nn.Module:  # one block of the target's own shape (EAGLE-1), with its context length
+        init_weights(head := FeatureHead(ModelConfig(**{**vars(self.target.config), "n_layers": 1, "extra": {}})), 1)
+        return head
+
+    def data(self) -> None:
+        self.train_data = tokenize_corpus(self.a.corpus, self.tokenizer, self.a.cache_dir)
+        self.corpus_tokens = len(self.train_data)
+        super().data()
+
+    def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
+        a = self.a  # the target's own text (--self-mix of the time) or corpus windows
+        tokens, written = distill.eagle_batch(self.target, self.openings, self.train_data, self.rng, self.gen,
+                                              a.batch_size, a.seq_len, a.self_mix)
+        regression, classification = distill.eagle_losses(self.model, self.target, tokens, a.noise, self.gen, a.bf16)
+        extra = {"regression": regression.item(), "classification": classification.item(), "self_written": written}
+        return regression + a.cls_weight * classification, extra, tokens.numel()
 
 
 class Eagle3(Chain):
@@ -334,7 +351,7 @@ class Parallel(Chain):
                              f"({vocab})")
         draft = start_from if parallel else with_mask_token(start_from)
         self.check_depths(self.a.seq_len - 1)
-        self.mask_id, self.vocabulary = draft.config.extra["pard_token"], self.tokenizer.path
+        self.mask_id, self.vocabulary = draft.config.extra["pard_token"], self.tokenizer
         return draft
 
 

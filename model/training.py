@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.config import ModelConfig
+from model.model import Llama
+
 
 def init_weights(model: nn.Module, n_layers: int) -> None:
     """GPT-2-style initialisation: matrices N(0, 0.02), the residual outputs (o_proj, down_proj)
@@ -30,6 +33,25 @@ def init_weights(model: nn.Module, n_layers: int) -> None:
             torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers) if residual else 0.02)
         elif name.rsplit(".", 1)[-1] == "bias":
             torch.nn.init.zeros_(p)
+
+
+def fresh_draft(target: nn.Module, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden_dim: int) -> Llama:
+    """A small LLaMA of ``target``'s vocabulary, context and special ids, to be distilled toward it.
+    Its tied embedding starts as the target's projected on their ``dim`` principal directions: the
+    geometry the target gives its ids, which a draft trained on a few million tokens could not
+    learn for 49,152 of them; everything else starts as :func:`init_weights` starts it."""
+    config = ModelConfig(**{**vars(target.config), "dim": dim, "n_layers": n_layers, "n_heads": n_heads,
+                            "n_kv_heads": n_kv_heads, "hidden_dim": hidden_dim, "head_dim": None,
+                            "tie_word_embeddings": True, "extra": {}, "unclassified": ()})
+    if dim > target.config.dim:
+        raise ValueError(f"a draft wider than its target ({dim} > {target.config.dim}) has no projection to start from")
+    init_weights(draft := Llama(config), n_layers)
+    with torch.no_grad():
+        table = target.embed_tokens.weight.float()
+        sample = torch.randperm(len(table), generator=torch.Generator().manual_seed(0))[:16384]  # the same directions
+        _, _, directions = torch.linalg.svd(table[sample] - table.mean(0), full_matrices=False)
+        draft.embed_tokens.weight.copy_(table @ directions[:dim].T)
+    return draft
 
 
 def lr_at(step: int, peak: float, warmup: int, steps: int) -> float:

@@ -29,6 +29,7 @@ from model.eagle3_head import Eagle3Head
 from weights.checkpoint import save_model
 from weights.drafters import save_feature_head
 from weights.eagle3 import save_eagle3_head
+from weights.tokenizer import JsonTokenizer, Tokenizer
 
 
 class RunFolderError(ValueError):
@@ -227,16 +228,24 @@ class RunFolder:
         fig.savefig(self._made() / name, dpi=100)
         plt.close(fig)
 
-    def export(self, model: nn.Module, tokenizer_path: str | os.PathLike | None, dtype: torch.dtype,
+    def export(self, model: nn.Module, tokenizer: str | os.PathLike | Tokenizer | None, dtype: torch.dtype,
                target: nn.Module | None = None, target_name: str = "the target") -> Path:
-        """hf/: the model as an HF-layout checkpoint in ``dtype``, with its tokenizer.model; or, with
-        no ``tokenizer_path``, a feature head (EAGLE) or an EAGLE-3 head (P-EAGLE's too) in its own
-        files, which record the ``target`` it was trained for (named ``target_name``)."""
+        """hf/: the model as an HF-layout checkpoint in ``dtype``, with its tokenizer (a tokenizer.model
+        file, or a loaded tokenizer: a SentencePiece one's file, a tokenizer.json's text with the ids of
+        its BOS and EOS in tokenizer_config.json); or, with no ``tokenizer``, a feature head (EAGLE) or
+        an EAGLE-3 head (P-EAGLE's too) in its own files, which record the ``target`` it was trained for
+        (named ``target_name``)."""
         hf = self._made() / "hf"
-        if tokenizer_path is None and isinstance(model, Eagle3Head):
+        if tokenizer is None and isinstance(model, Eagle3Head):
             return save_eagle3_head(model, hf, target, target_name=target_name, dtype=dtype)
-        if tokenizer_path is None:
+        if tokenizer is None:
             return save_feature_head(model, hf, target, dtype=dtype, target_name=target_name)
         save_model(model, hf, dtype=dtype)
-        shutil.copyfile(tokenizer_path, hf / "tokenizer.model")
+        if isinstance(tokenizer, JsonTokenizer):
+            (hf / "tokenizer.json").write_text(tokenizer.text, encoding="utf-8")
+            ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
+            names = {key: tokenizer.backend.id_to_token(i) for key, i in ids.items() if i is not None}
+            (hf / "tokenizer_config.json").write_text(json.dumps(names, indent=2))
+        else:
+            shutil.copyfile(getattr(tokenizer, "path", tokenizer), hf / "tokenizer.model")
         return hf

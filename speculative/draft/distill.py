@@ -57,11 +57,12 @@ def divergence(name: str, p_logits: torch.Tensor, q_logits: torch.Tensor) -> tor
     return DIVERGENCES[name](p_logits, q_logits)
 
 
-def distill_loss(name: str, target: Any, draft: Any, sequences: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
+def distill_loss(name: str, target: Any, draft: Any, sequences: torch.Tensor, prompt_tokens: int,
+                 bf16: bool = False) -> torch.Tensor:
     """The divergence ``name`` between the target's and the draft's next-token distributions
     over the generated part of ``sequences`` [B, T] (after their ``prompt_tokens``-token prompts);
-    the target's side has no gradient."""
-    with torch.no_grad():
+    the target's side has no gradient (``bf16``: its forward under bfloat16 autocast)."""
+    with torch.no_grad(), torch.autocast(sequences.device.type, dtype=torch.bfloat16, enabled=bf16):
         target_logits = target(sequences)[:, prompt_tokens - 1:-1]
     return divergence(name, target_logits, draft(sequences)[:, prompt_tokens - 1:-1])
 

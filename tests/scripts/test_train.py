@@ -321,6 +321,15 @@ def targets(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
                  for name, seed in (("a", 0), ("b", 5)))
 
 
+def chat_model(target: Path, tmp_path: Path) -> Path:
+    """A copy of ``target`` with a chat template of its own."""
+    chat_target = tmp_path / "chat-target"
+    shutil.copytree(target, chat_target)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (chat_target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return chat_target
+
+
 def continuations(out: Path) -> torch.Tensor:
     saved = torch.load(out / "data.pt", weights_only=False)
     return saved["tokens"] if isinstance(saved, dict) else saved  # an older version saved the bare tensor
@@ -418,10 +427,7 @@ def test_a_chat_model_s_drafter_trains_on_its_answers_to_requests(corpus: dict[s
     """--data chat: data.pt is one stream of requests about the corpus, each in the target's chat
     template, and the target's answer after it (the first greedy, to a stop id or the length);
     the held-out prompts are chat requests too. A base model is refused in one line."""
-    chat_target = tmp_path / "chat-target"
-    shutil.copytree(targets[0], chat_target)
-    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    (chat_target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chat_target = chat_model(targets[0], tmp_path)
     eagle3(chat_target, corpus, tmp_path / "e3", 2, *QUICK, "--data", "chat", "--sequences", "4")
     stream = continuations(tmp_path / "e3").tolist()
     tokenizer, model = load_tokenizer(chat_target), load_model(chat_target)
@@ -447,10 +453,7 @@ def test_answers_another_device_wrote_are_read_here_and_a_p_eagle_head_trains_on
     """data.pt written as a GPU writes it (512 requests answered at once) is the data of a run on
     the CPU: read as it is, and grown with the rows it was made with, not made again with the
     CPU's 32. peagle takes --data chat as eagle3 does."""
-    chat_target = tmp_path / "chat-target"
-    shutil.copytree(targets[0], chat_target)
-    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    (chat_target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chat_target = chat_model(targets[0], tmp_path)
     eagle3(chat_target, corpus, tmp_path / "e3", 2, *QUICK, "--data", "chat", "--sequences", "4")
     saved = torch.load(tmp_path / "e3" / "data.pt", weights_only=True)
     assert saved["made_from"]["rows"] == 32
@@ -470,6 +473,58 @@ def test_answers_another_device_wrote_are_read_here_and_a_p_eagle_head_trains_on
     assert torch.equal(grown["tokens"][:saved["ends"][3]], tokens)  # the first four as they were, the marked one too
     summary = json.loads((tmp_path / "pe" / "summary.json").read_text())
     assert summary["data"] == "chat" and summary["steps"] == 2
+
+
+@needs_shared
+def test_a_fresh_draft_is_distilled_on_a_chat_model_s_answers(
+        corpus: dict[str, Path], targets: tuple[Path, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """distill without --draft: a fresh draft of the shape given and of the target's vocabulary,
+    trained on windows of the target's answers (data.pt, as eagle3 --data chat makes it) against the
+    target's distributions; the loss falls, it is written with the target's tokenizer and drafts for
+    it. A shape wider than the target is one line."""
+    chat_target = chat_model(targets[0], tmp_path)
+    args = ["distill", "--target", str(chat_target), "--dim", "16", "--n-layers", "1", "--n-heads", "2",
+            "--hidden-dim", "32", "--data", "chat", "--divergence", "fkl", "--corpus", str(corpus["train"]),
+            "--eval-corpus", str(corpus["valid"]), "--lr", "1e-2", "--warmup", "1", "--save-dtype", "float32",
+            "--no-progress", "--threads", "1", *QUICK, "--sequences", "8"]
+    train.main([*args, "--steps", "12", "--out", str(tmp_path / "d")])
+    rows = [json.loads(line) for line in (tmp_path / "d" / "log.jsonl").read_text().splitlines()]
+    assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3])
+    saved = torch.load(tmp_path / "d" / "data.pt", weights_only=True)
+    assert len(saved["ends"]) == 8 and saved["made_from"]["rows"] == 32
+    draft = load_model(tmp_path / "d" / "hf")
+    assert (draft.config.dim, draft.config.n_layers, draft.config.vocab_size) == (16, 1, 512)
+    assert load_tokenizer(tmp_path / "d" / "hf").encode("Once upon a time") == \
+        load_tokenizer(chat_target).encode("Once upon a time")
+    summary = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert 0 <= summary["after"]["alpha_greedy"] <= 1 and "alpha_greedy" in summary["before"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*args, "--dim", "64", "--n-heads", "2", "--steps", "1", "--out", str(tmp_path / "wide")])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "wider than its target" in lines[0], lines
+
+
+def test_a_fresh_draft_starts_from_the_target_s_embedding_geometry() -> None:
+    """model.training.fresh_draft: at the target's own width the projection is a rotation of the
+    table about its mean, so the distances between ids are the target's; narrower, the draft keeps
+    the directions along which the target's ids differ most (more of the spread than a random
+    projection of the same width keeps)."""
+    target = random_llama(vocab=64, dim=32, seed=0)
+    with torch.no_grad():  # ids that differ mostly along a few directions, as trained embeddings do
+        target.embed_tokens.weight.mul_(torch.linspace(3.0, 0.1, 32))
+    table = target.embed_tokens.weight.detach()
+    same = training.fresh_draft(target, 32, 1, 4, 2, 64).embed_tokens.weight.detach()
+    exact = "donot_use_mm_for_euclid_dist"
+    assert torch.allclose(torch.cdist(same, same, compute_mode=exact), torch.cdist(table, table, compute_mode=exact),
+                          atol=1e-4)
+    narrow = training.fresh_draft(target, 8, 1, 2, 1, 16)
+    assert narrow.config.vocab_size == 64 and narrow.config.tie_word_embeddings
+    kept = narrow.embed_tokens.weight.detach().var(0).sum()
+    random = (table @ torch.linalg.qr(torch.randn(32, 8, generator=torch.Generator().manual_seed(1)))[0]).var(0).sum()
+    assert kept > 1.5 * random
 
 
 @needs_shared
@@ -496,10 +551,7 @@ def test_a_chat_model_s_head_trains_on_a_gpu_and_its_run_goes_on_on_the_cpu(
     """train.py eagle3 --device cuda: the target answers the requests on the GPU (data.pt), the head
     trains there, and the head it writes drafts for the target on the CPU; the same run folder
     goes on on the CPU (state.pt written on the GPU is read there)."""
-    chat_target = tmp_path / "chat-target"
-    shutil.copytree(targets[0], chat_target)
-    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    (chat_target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chat_target = chat_model(targets[0], tmp_path)
     on_gpu = eagle3(chat_target, corpus, tmp_path / "e3", 4, *QUICK, "--data", "chat", "--device", "cuda")
     assert on_gpu["steps"] == 4 and 0 <= on_gpu["held_out"]["alpha_greedy"] <= 1
     assert torch.load(tmp_path / "e3" / "data.pt", weights_only=True)["made_from"]["rows"] == 512

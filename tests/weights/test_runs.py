@@ -146,3 +146,22 @@ def test_grown_data_goes_on_where_it_stopped_and_grows_on_demand(tmp_path: Path)
     assert asked[5:] == [(10, 13)]
     assert run.grown({"target": 1}, 5, make, "items").tolist() == stream(5) and len(asked) == 6
     assert run.grown({"target": 2}, 3, make, "items").tolist() == stream(3) and asked[6:] == [(0, 3)]
+
+
+def test_export_writes_a_tokenizer_json_model_s_tokenizer_beside_it(tmp_path: Path) -> None:
+    """A draft of a model whose tokenizer is a tokenizer.json (Llama-3's): hf/ holds that text and
+    the BOS and EOS tokens in tokenizer_config.json, and reads back as the same tokenizer; a
+    SentencePiece tokenizer.model is copied as before."""
+    from tests.support.checkpoints import llama31_tokenizer_json
+    from weights import load_tokenizer
+    from weights.tokenizer import JsonTokenizer
+
+    text = llama31_tokenizer_json()
+    tokenizer = JsonTokenizer(text, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+    hf = RunFolder(tmp_path / "run").export(random_llama(vocab=128256, dim=8, n_layers=1, n_heads=2), tokenizer,
+                                            torch.float32)
+    back = load_tokenizer(hf)
+    assert (hf / "tokenizer.json").read_text(encoding="utf-8") == text
+    assert (back.bos_id, back.eos_id) == (128000, 128001)
+    assert back.encode("Speculative decoding, exactly.") == tokenizer.encode("Speculative decoding, exactly.")
+    assert not (hf / "tokenizer.model").exists()
