@@ -33,7 +33,9 @@ What runs, per story opening (the first ``--prompts`` of benchmarks/benchmark_pr
   kept: ``--spec-draft-p-min 0``), f32 and f16; decode tokens/s as they report them
   (eval time over eval runs; "decoded ... speed").
 
-With ``--chat``, a real model instead of the shipped pair: ``--target`` (ours: a folder or GGUF, with its
+With ``--chat``, a real model instead of the shipped pair (and with ``--transformers HF_FOLDER
+--transformers-draft DRAFT_FOLDER`` transformers' assisted generation beside them: a draft model, since it takes
+no EAGLE-3 head): ``--target`` (ours: a folder or GGUF, with its
 default drafter or ``--draft``) in each of ``--dtypes``, against llama.cpp on each ``--pairs`` file with
 the same EAGLE-3 head converted to GGUF (``--draft-gguf``; llama.cpp's converter takes it with
 ``--target-model-dir``), ``--spec-type draft-eagle3``; the prompts are held-out chat requests
@@ -61,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +119,47 @@ def theirs_chat(text: str, seed: int, temperature: float, draft: bool, target: s
     parsed as such); speculative with the EAGLE-3 head of --draft-gguf."""
     return llama_decode(args, target, str(args.draft_gguf) if draft else None, "draft-eagle3", args.gamma, text, 2048,
                         ["--ignore-eos", *sampling(temperature, seed)])
+
+
+# transformers' assisted generation (Leviathan et al.'s speculative sampling when it samples), timed from the
+# first new token to the last as the others report decoding: a streamer sees each chunk of tokens as it comes.
+TRANSFORMERS = """
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+torch.set_num_threads({threads})
+target = AutoModelForCausalLM.from_pretrained({target!r}, dtype=torch.float32).eval()
+draft = AutoModelForCausalLM.from_pretrained({draft!r}, dtype=torch.float32).eval() if {draft!r} else None
+ids = AutoTokenizer.from_pretrained({target!r})({text!r}, add_special_tokens=False, return_tensors="pt").input_ids
+if draft is not None:  # gamma drafted every time, as llama.cpp's --spec-draft-p-min 0
+    draft.generation_config.num_assistant_tokens = {gamma}
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+class Clock:
+    marks = []
+    def put(self, value):
+        self.marks.append((time.perf_counter(), value.numel()))
+    def end(self):
+        pass
+sample = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if {temperature} else dict(do_sample=False)
+torch.manual_seed({seed})
+with torch.inference_mode():
+    target.generate(ids, max_new_tokens={new}, min_new_tokens={new}, assistant_model=draft, streamer=Clock(),
+                    **sample)
+(first, _), *rest = Clock.marks[1:]  # [0] is the prompt; from the first new token on
+print(json.dumps(sum(n for _, n in rest) / (rest[-1][0] - first)))
+"""
+
+
+def transformers_chat(text: str, seed: int, temperature: float, draft: bool, args: Any) -> float:
+    """transformers on --transformers (an HF folder of the same model), alone or assisted by
+    --transformers-draft (a draft model of its vocabulary: it cannot run an EAGLE-3 head); decode tokens/s."""
+    code = TRANSFORMERS.format(threads=args.threads, target=str(args.transformers), draft=str(
+        args.transformers_draft) if draft else "", text=text, gamma=args.gamma, temperature=temperature, seed=seed,
+        new=args.max_new_tokens)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"transformers failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 def sampling(temperature: float, seed: int) -> list[str]:
@@ -209,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-gguf", type=Path, default=None, help="with --chat: the EAGLE-3 head in GGUF")
     parser.add_argument("--draft", default=None, help="with --chat: ours (default: the target's default drafter)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="with --chat: ours")
-    parser.add_argument("--gamma", type=int, default=3, help="with --chat: the draft length of both (default 3)")
+    parser.add_argument("--gamma", type=int, default=3, help="with --chat: the draft length of all (default 3)")
+    parser.add_argument("--transformers", type=Path, default=None, help="with --chat: also transformers on this HF "
+                        "folder of the target (float32), alone and assisted by --transformers-draft")
+    parser.add_argument("--transformers-draft", type=Path, default=None, help="with --transformers: a draft model "
+                        "folder of the target's vocabulary (assisted generation takes no EAGLE-3 head)")
     args = parser.parse_args(argv)
     if args.steps_only:
         return steps_only(args, argv)
@@ -301,18 +349,30 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     prompts = chat_requests_for(args.target, args.prompts)
     rows = [(f"this project, {d} (eager)", "ours", d) for d in args.dtypes] + \
-        [(f"llama.cpp {label}", "theirs", path) for label, path in (p.split("=", 1) for p in args.pairs)]
-    cells = [(row, draft, t) for row in rows for draft in (False, True) for t in (0.0, 1.0)]
-    seen = in_turns(cells, len(prompts), args.rounds, lambda cell, i: ours_chat(
-        prompts[i][0], i, cell[2], cell[1], cell[0][2], args) if cell[0][1] == "ours" else theirs_chat(
-        prompts[i][1], i, cell[2], cell[1], cell[0][2], args))
+        [(f"llama.cpp {label}", "theirs", path) for label, path in (p.split("=", 1) for p in args.pairs)] + \
+        ([("transformers f32", "transformers", None)] if args.transformers else [])
+    cells = [(row, draft, t) for row in rows for draft in (False, True) for t in (0.0, 1.0)
+             if draft is False or row[1] != "transformers" or args.transformers_draft]
+
+    def measure(cell: Any, i: int) -> float:
+        (_, who, setup), draft, t = cell
+        if who == "transformers":
+            return transformers_chat(prompts[i][1], i, t, draft, args)
+        return (ours_chat if who == "ours" else theirs_chat)(prompts[i][0 if who == "ours" else 1], i, t, draft,
+                                                            setup, args)
+
+    seen = in_turns(cells, len(prompts), args.rounds, measure)
 
     def speed(cell: Any) -> float:
         return median(max(r) for r in seen[cell])
 
+    peer = "" if args.transformers is None else (
+        f"; transformers {version('transformers')} on `{args.transformers.name}` (float32, eager), with assisted "
+        f"generation from `{args.transformers_draft.name if args.transformers_draft else '-'}` (gamma fixed, every "
+        "draft kept: confidence threshold 0)")
     lines = [f"llama.cpp built from llama-cpp-python 0.3.36's sources; ours on `{Path(args.target).name}` with "
              f"{args.draft or 'its default drafter'}, llama.cpp with `{args.draft_gguf.name}` (the same head, "
-             f"converted by its convert_hf_to_gguf.py); run on {machine_line(args.threads)}.", "",
+             f"converted by its convert_hf_to_gguf.py){peer}; run on {machine_line(args.threads)}.", "",
              f"{len(prompts)} held-out chat requests, {args.max_new_tokens} new tokens (end of sequence ignored), "
              f"gamma {args.gamma}, {args.threads} threads, {args.rounds} rounds in turns; tokens/s: per prompt the "
              "fastest round, median over the prompts; speed-up over the same row's target alone.", "",
@@ -321,7 +381,8 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
     for row in rows:
         alone = {t: speed((row, False, t)) for t in (0.0, 1.0)}
         cols = [f"{alone[t]:.1f}" for t in (0.0, 1.0)] + \
-            [f"{speed((row, True, t)):.1f} ({speed((row, True, t)) / alone[t]:.2f}x)" for t in (0.0, 1.0)]
+            [f"{speed((row, True, t)):.1f} ({speed((row, True, t)) / alone[t]:.2f}x)" if (row, True, t) in seen
+             else "–" for t in (0.0, 1.0)]
         lines.append(f"| {row[0]} | {' | '.join(cols)} |")
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # ours' dtypes as llama.cpp's labels name them
     for t in (0.0, 1.0):

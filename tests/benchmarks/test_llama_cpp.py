@@ -3,6 +3,12 @@ target's chat template is, tokenized, benchmarks.drafters --chat's prompt (weigh
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.harness import ROOT
 from benchmarks.llama_cpp import VALID, chat_requests_for
 from tests.support.checkpoints import needs_smollm2, smollm2_gguf
 from weights import load_tokenizer
@@ -17,3 +23,17 @@ def test_the_rendered_requests_are_the_drafters_benchmark_prompts() -> None:
     assert [tokenizer.encode_special(text) for _, text in rendered] == chat_prompts([str(VALID)], tokenizer, 3, 0)
     request, text = rendered[0]
     assert request in text and text.endswith("<|im_start|>assistant\n")  # ready for the assistant's answer
+
+
+def test_transformers_assisted_generation_is_timed_from_the_first_new_token(tmp_path: Path) -> None:
+    """--transformers: the target alone greedy and assisted by a draft model at temperature 1, each a
+    process of its own that reports decode tokens/s (a failure there is one line, not a number)."""
+    pytest.importorskip("transformers", reason="transformers (the peer) is in the [test] extras")
+    from benchmarks.llama_cpp import transformers_chat
+
+    args = SimpleNamespace(threads=1, transformers=ROOT / "weights" / "tiny-target",
+                           transformers_draft=ROOT / "weights" / "tiny-draft", gamma=3, max_new_tokens=12)
+    speeds = [transformers_chat("Once upon a time", 0, t, draft, args) for draft, t in ((False, 0.0), (True, 1.0))]
+    assert all(0 < s < 1e6 for s in speeds)
+    with pytest.raises(SystemExit, match="transformers failed"):
+        transformers_chat("Once", 0, 0.0, True, SimpleNamespace(**{**vars(args), "transformers_draft": tmp_path}))
