@@ -55,19 +55,22 @@ class AutoTree:
     call per depth over more nodes and the target's call reads them all; which wins depends on the
     drafter, the target and the sampling (docs/trees_and_blocks.md), so no model of them is trusted
     here: each candidate shape (``AUTO_SHAPES``; () is a plain target step) is timed as whole
-    iterations, start to start, as tokens emitted per second (moving averages). Every shape is
-    tried first, until it has a clean iteration (not the prompt's, not one right after a plain
-    step, where a drafter catches up, not one cut to nothing by the row's limits; an iteration is
-    timed when the next one starts, and a shape waiting for its time counts as tried); then the
-    fastest is used, and one iteration in ``probe_every`` goes to the shape measured longest
-    ago, so a shape whose worth changes with the text is seen again (a probe replaces a shape's
-    old figures rather than averaging with them). The shape decides only
-    how many tokens are drafted and how: every iteration is exact, whatever led to its shape."""
+    iterations, start to start, as the tokens its last ``window`` clean iterations emitted over
+    their seconds (a ratio of sums: one iteration's tokens vary from 1 to the depth + 1, most of
+    all when sampling, and one unlucky iteration must not outweigh a plain step's steady one).
+    Every shape is tried first, until it has a clean iteration (not the prompt's, not one right
+    after a plain step, where a drafter catches up, not one cut to nothing by the row's limits;
+    an iteration is timed when the next one starts, and a shape waiting for its time counts as
+    tried); then the fastest is used, and one iteration in ``probe_every`` goes to the shape
+    measured longest ago, so that every figure keeps being renewed (after a plain step a shape is
+    drafted twice running, the first catching up, so that a plain step that leads does not keep
+    the others from ever being measured). The shape decides only how
+    many tokens are drafted and how: every iteration is exact, whatever led to its shape."""
 
     shapes: tuple[tuple[int, ...], ...] = AUTO_SHAPES
-    decay: float = 0.8  # weight of the past in a shape's [seconds, tokens]
+    window: int = 6  # clean iterations per shape in its figure
     probe_every: int = 8
-    rates: dict[tuple[int, ...], list[float]] = field(default_factory=dict)  # shape -> [seconds, tokens]
+    rates: dict[tuple[int, ...], list[tuple[float, int]]] = field(default_factory=dict)  # shape -> (seconds, tokens)
     seen: dict[tuple[int, ...], int] = field(default_factory=dict)  # shape -> iteration last measured
     last: tuple[int, tuple[int, ...] | None] = (-1, None)  # (iteration, shape) chosen
     pending: tuple | None = None  # (iteration, shape, tokens, start mark, clean): timed when the next starts
@@ -84,12 +87,15 @@ class AutoTree:
         if self.last[0] != iteration:
             timing = self.pending[1] if self.pending and self.pending[4] else None  # timed when this one starts
             untried = [s for s in self.shapes if s not in self.rates and s != timing]
-            if untried or not self.rates:  # (no rates: one shape only, waiting for its time)
+            again = self.pending and self.pending[0] == iteration - 1 and self.pending[1] and not self.pending[4]
+            if again and self.pending[0] > 0:  # a draft just after a plain step caught up: its time is next
+                self.last = (iteration, self.pending[1])
+            elif untried or not self.rates:  # (no rates: one shape only, waiting for its time)
                 self.last = (iteration, untried[0] if untried else timing)
             elif iteration % self.probe_every == 0:  # the shape measured longest ago
                 self.last = (iteration, min(self.rates, key=self.seen.__getitem__))
             else:  # the most tokens per second
-                self.last = (iteration, max(self.rates, key=lambda s: self.rates[s][1] / self.rates[s][0]))
+                self.last = (iteration, max(self.rates, key=self.rate))
             if counts is not None:
                 counts[self.last[1]] = counts.get(self.last[1], 0) + 1
         return self.last[1]
@@ -105,10 +111,12 @@ class AutoTree:
             return
         i, shape, tokens, begun, _ = pending
         if (seconds := clock.seconds(begun, start)) > 0:
-            old = self.rates.get(shape) if i - self.seen.get(shape, i) <= self.probe_every else None  # stale: anew
-            self.rates[shape] = [seconds, tokens] if old is None else [
-                self.decay * o + (1 - self.decay) * n for o, n in zip(old, (seconds, tokens))]
+            self.rates[shape] = [*self.rates.get(shape, []), (seconds, tokens)][-self.window:]
             self.seen[shape] = i
+
+    def rate(self, shape: tuple[int, ...]) -> float:
+        """Tokens per second of ``shape``'s last clean iterations."""
+        return sum(n for _, n in self.rates[shape]) / sum(t for t, _ in self.rates[shape])
 
 
 def check_tree_request(tree: Sequence[int] | str, tree_mode: str, drafter: Any, gamma: Any, verify: str,

@@ -207,13 +207,15 @@ class Clock:
 def drive(auto: AutoTree, iterations: int, cost: dict, first: int = 0, now: float = 0.0,
           limited: Callable[[int], bool] = lambda i: False) -> tuple[list[tuple[int, ...]], float]:
     """Run the engine's side of ``auto`` for ``iterations``: iteration i uses the shape chosen,
-    takes cost[shape] = (seconds, tokens) (a plain step after a drafted one is clean; the one after
-    a plain step costs twice, as a drafter catching up), or drafts nothing where ``limited(i)``."""
+    takes cost[shape] = (seconds, tokens), or cost[shape](i) (a plain step after a drafted one is
+    clean; the one after a plain step costs twice, as a drafter catching up), or drafts nothing
+    where ``limited(i)``."""
     chosen, previous = [], None
     for i in range(first, first + iterations):
         shape = auto.choose(i)
         depth = 0 if limited(i) else len(shape)
-        seconds, tokens = cost[shape] if depth or not shape else cost[()]
+        spent = cost[shape] if depth or not shape else cost[()]
+        seconds, tokens = spent(i) if callable(spent) else spent
         seconds *= 2 if depth and previous == 0 else 1
         auto.observe(i, depth, tokens, now, Clock)
         chosen.append(shape)
@@ -224,7 +226,9 @@ def drive(auto: AutoTree, iterations: int, cost: dict, first: int = 0, now: floa
 def test_auto_tries_every_shape_then_keeps_the_fastest_and_probes_the_others() -> None:
     """A fake clock: every shape is tried until it has a clean iteration (the prompt's, the one
     after a plain step and one cut to nothing do not count), then the most tokens per second
-    wins, and one iteration in 8 goes to the shape measured longest ago."""
+    wins, and one iteration in 8 goes to the shape measured longest ago. A shape is judged on its
+    last 6 clean iterations together: one unlucky iteration does not hand the run to a plain step,
+    and a shape that got faster takes over once its figure shows it."""
     shapes = ((1, 1), (2, 1), ())
     cost = {(1, 1): (1.0, 2), (2, 1): (1.0, 3), (): (1.0, 1)}
     auto = AutoTree(shapes=shapes)
@@ -236,10 +240,23 @@ def test_auto_tries_every_shape_then_keeps_the_fastest_and_probes_the_others() -
     chosen, now = drive(auto, 18, cost, first=6, now=now)
     probes = [i for i, shape in enumerate(chosen, start=6) if shape != (2, 1)]
     assert probes == [8, 16] and chosen[8 - 6] == (1, 1) and chosen[16 - 6] == ()  # the longest unseen first
-    # The plain step gets faster than (2, 1): after a probe shows it, it is the one kept.
-    cost = {**cost, (): (0.2, 1)}
-    chosen, _ = drive(auto, 40, cost, first=24, now=now)
-    assert chosen[-8:].count(()) >= 7
+    # The plain step gets faster than (2, 1): once its probes show it, it is the one kept.
+    chosen, _ = drive(auto, 120, {**cost, (): (0.2, 1)}, first=24, now=now)
+    assert chosen[-8:].count(()) >= 6  # a probe now takes two iterations: catching up, then timed
+    # The plain step leads, then (2, 1) gets faster: a probe after a plain step catches up first and is
+    # timed on its second iteration, so (2, 1) is seen again and takes over.
+    auto = AutoTree(shapes=shapes)
+    slow = {(1, 1): (1.0, 1), (2, 1): (1.0, 1), (): (0.5, 1)}
+    chosen, now = drive(auto, 30, slow)
+    assert chosen[-8:].count(()) >= 6
+    chosen, _ = drive(auto, 150, {**slow, (2, 1): (0.5, 3)}, first=30, now=now)
+    assert chosen[-8:].count((2, 1)) >= 6
+    # Sampled: (2, 1)'s iterations emit 1 or 3 tokens (2 a second on average), the plain step 1.6, (1, 1) 1.3: a
+    # single iteration of 1 token would put (2, 1) below it, the last 6 together do not.
+    auto = AutoTree(shapes=shapes)
+    noisy = {(1, 1): (1.5, 2), (2, 1): lambda i: (1.0, 1 if i % 4 in (0, 1) else 3), (): (0.625, 1)}
+    chosen, _ = drive(auto, 200, noisy)
+    assert chosen[-100:].count((2, 1)) >= 80
     # Cut to nothing by the row's limits: a drafted shape that drafted nothing is not timed as itself.
     auto = AutoTree(shapes=shapes)
     drive(auto, 5, cost, limited=lambda i: i in (1, 2))
