@@ -368,11 +368,12 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
 
     peer = "" if args.transformers is None else (
         f"; transformers {version('transformers')} on `{args.transformers.name}` (float32, eager), with assisted "
-        f"generation from `{args.transformers_draft.name if args.transformers_draft else '-'}` (gamma fixed, every "
+        f"generation from `{args.transformers_draft or '-'}` (gamma fixed, every "
         "draft kept: confidence threshold 0)")
     lines = [f"llama.cpp built from llama-cpp-python 0.3.36's sources; ours on `{Path(args.target).name}` with "
-             f"{args.draft or 'its default drafter'}, llama.cpp with `{args.draft_gguf.name}` (the same head, "
-             f"converted by its convert_hf_to_gguf.py){peer}; run on {machine_line(args.threads)}.", "",
+             f"{args.draft or 'its default drafter'}, llama.cpp with `{args.draft_gguf.name}` ("
+             f"{'the EAGLE-3 head' if args.draft else 'the same head'}, converted by its convert_hf_to_gguf.py){peer}; "
+             f"run on {machine_line(args.threads)}.", "",
              f"{len(prompts)} held-out chat requests, {args.max_new_tokens} new tokens (end of sequence ignored), "
              f"gamma {args.gamma}, {args.threads} threads, {args.rounds} rounds in turns; tokens/s: per prompt the "
              "fastest round, median over the prompts; speed-up over the same row's target alone.", "",
