@@ -37,9 +37,8 @@ from speculative.cli.options import ArgumentParser, UsageError, add_flags, pick_
 from speculative.draft import distill
 from speculative.draft.parallel_training import parallel_losses, peagle_losses, with_mask_feature, with_mask_token
 from speculative.draft.ttt import start_vocabulary, ttt_losses
-from speculative.engine.generation import ACCEPTANCE_NOTES, conversations, measure_acceptance
+from speculative.engine.generation import ACCEPTANCE_NOTES, measure_acceptance
 from weights import CheckpointError, UnknownCheckpointError, load_drafter, load_model, load_tokenizer
-from weights.checkpoint import read_generation_config, stop_ids
 from weights.corpus import CorpusError, chat_prompts, held_out_prompts, story_openings, tokenize_corpus, train_tokenizer
 from weights.eagle3 import load_eagle3_head
 from weights.runs import RunFolder, RunFolderError
@@ -172,9 +171,8 @@ class Pretrain(Recipe):
 
 
 class Chain(Recipe):
-    """eagle3, parallel, peagle (and distill --data chat): a drafter trained on the target's own continuations
-    (data.pt) or corpus windows, logging loss and alpha by draft position; parallel and peagle's ``losses``
-    with conditional drop."""
+    """eagle3, parallel, peagle (distill's data too): a drafter trained on the target's own text (data.pt) or corpus
+    windows, logging loss and alpha by draft position; parallel and peagle's ``losses`` with conditional drop."""
 
     lr, timed, depth_plot = 5e-4, True, "training alpha by draft position (one call, true tokens)"
     settings = ("depths", "keep", "min_keep", "data", "mask_id")
@@ -182,30 +180,23 @@ class Chain(Recipe):
     def data(self) -> None:
         super().data()
         a, length, kind = self.a, self.a.seq_len - self.a.prompt_tokens, getattr(self.a, "data", "target")
-        if kind == "corpus":
-            self.corpus = tokenize_corpus(a.corpus, self.tokenizer, a.cache_dir)
+        if kind in ("corpus", "draft"):  # corpus windows; or none: distill's draft writes its own text
+            self.corpus = tokenize_corpus(a.corpus, self.tokenizer, a.cache_dir) if kind == "corpus" else None
             return
         # Another target's text is not this target's: data.pt is made again for it.
         made_from = {"target": fingerprint(self.target), "seq_len": a.seq_len, "prompt_tokens": a.prompt_tokens}
         if kind == "chat":  # one stream of requests and the target's answers, read in windows as a corpus is
-            t, tokenizer = self.target, self.tokenizer
-            prompts = chat_prompts(a.corpus, tokenizer, a.sequences, a.seed + 1, t.config.max_seq_len - length)
-            stops = stop_ids(t.config, read_generation_config(a.target), tokenizer)
-            rows = self.run.made_with("rows", 32 if self.device.type == "cpu" else 512)  # answered at once
-            self.corpus = self.run.grown({**made_from, "seed": a.seed, "rows": rows}, a.sequences, lambda i, j: (
-                conversations(t, prompts[i:j], length, stops, a.seed, first=i, rows=rows)), f"the target answers "
-                f"requests ({length} tokens at most)", every=2 * rows).numpy()
+            self.corpus = self.run.answers(self.target, self.tokenizer, a.target, a.corpus, a.sequences, length, a.seed,
+                                           made_from, self.device).numpy()
             return
         self.tokens = self.run.data(made_from, a.sequences, lambda: distill.target_continuations(
             self.target, self.openings, a.sequences, length, a.seed), f"the target writes {a.sequences} continuations "
             f"of {length} tokens")
 
     def batch_loss(self, step: int) -> tuple[torch.Tensor, dict, int]:
-        a = self.a
-        if getattr(a, "data", "target") == "target":
-            tokens = self.tokens[torch.tensor(self.rng.sample(range(len(self.tokens)), a.batch_size))]
-        else:
-            tokens = random_batch(self.corpus, a.batch_size, a.seq_len, self.gen)[0]
+        a = self.a  # rows of the target's continuations, or windows of a stream (the corpus, the answers)
+        tokens = self.tokens[torch.tensor(self.rng.sample(range(len(self.tokens)), a.batch_size))] if getattr(
+            a, "data", "target") == "target" else random_batch(self.corpus, a.batch_size, a.seq_len, self.gen)[0]
         loss, per_step = self.objective(tokens.to(self.device))
         return loss, {"loss_by_depth": per_step["loss"], "alpha_by_depth": per_step["alpha"]}, tokens.numel()
 
@@ -221,32 +212,24 @@ class Chain(Recipe):
 
 class Distill(Chain):
     help = "align a draft with its target on text the draft writes (on-policy) or on the target's answers"
-    description = ("Distill a draft (or without --draft a fresh one, model.training.fresh_draft) toward its target "
-                   "(DistillSpec, Zhou et al. 2023) on text the draft writes, or (--data chat) on the target's answers "
-                   "to requests; measure its held-out acceptance before (before.json) and after (summary.json):")
+    description = ("Distill a draft (without --draft a fresh one) toward its target (DistillSpec, Zhou et al. 2023) on "
+                   "text it writes, or the target's answers; held-out acceptance before (before.json) and after:")
     flags = ("--draft --dim --n-layers --n-heads --n-kv-heads --hidden-dim --corpus --eval-corpus --data --sequences "
              "--seq-len --divergence --target-mix --gen-tokens --bf16 --cache-dir")
-    changes = {"--draft": {"required": False, "default": None, "help": "draft checkpoint to start from (default: "
-                           "a fresh draft of --dim, --n-layers, --n-heads, --n-kv-heads, --hidden-dim)"},
-               "--data": {"default": "draft", "choices": ["draft", "chat"], "help": "the draft's own continuations "
-                          "of story openings, or the target's answers to requests about the corpus (data.pt)"}}
+    changes = {"--draft": {"required": False, "default": None, "help": "draft to start from (default: a fresh one of "
+                           "--dim ... --hidden-dim)"}, "--data": {"default": "draft", "choices": ["draft", "chat"],
+               "help": "the draft's continuations of story openings, or the target's answers to requests (data.pt)"}}
     steps, lr, title, desc, timed, depth_plot = 300, 3e-4, "distill {divergence}", "distill ({divergence})", False, ""
 
     def build(self) -> nn.Module:
         a, target = self.a, self.target
-        try:
-            draft = load_model(a.draft) if a.draft else fresh_draft(target, a.dim, a.n_layers, a.n_heads,
-                                                                    a.n_kv_heads or a.n_heads, a.hidden_dim)
-        except ValueError as err:  # a shape that is no LLaMA's (ConfigError) or wider than the target
-            raise UsageError(str(err)) from None
+        draft = load_model(a.draft) if a.draft else fresh_draft(target, a.dim, a.n_layers, a.n_heads,
+                                                                a.n_kv_heads or a.n_heads, a.hidden_dim)
         if draft.config.vocab_size != target.config.vocab_size:
             raise UsageError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
                              f"({target.config.vocab_size})")
         self.vocabulary = load_tokenizer(a.draft) if a.draft else self.tokenizer
         return draft
-
-    def data(self) -> None:  # the target's answers (Chain's), or story openings for the draft to continue
-        super().data() if self.a.data == "chat" else Recipe.data(self)
 
     def start(self, step: int) -> None:
         if self.a.data == "draft" and len(self.openings) < self.a.batch_size:  # nothing is written yet
@@ -382,8 +365,7 @@ RECIPES = {recipe.__name__.lower(): recipe for recipe in (Pretrain, Distill, Eag
 
 
 # ----------------------------------------------------------------------------- the command line
-# Every flag once (speculative.cli.options.add_flags): a recipe takes --target (if it has one), its flags,
-# ACCEPTANCE (with a target) and COMMON.
+# Every flag once (cli.options.add_flags): a recipe takes --target (if it has one), its flags, ACCEPTANCE, COMMON.
 OPTIONS: dict[str, Any] = {
     "--target": dict(required=True, help="target checkpoint (name or HF-layout folder)"),
     "--draft": dict(required=True, help="draft checkpoint to start from"),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from model.model import Llama
 
 
@@ -44,7 +44,8 @@ def fresh_draft(target: nn.Module, dim: int, n_layers: int, n_heads: int, n_kv_h
                             "n_kv_heads": n_kv_heads, "hidden_dim": hidden_dim, "head_dim": None,
                             "tie_word_embeddings": True, "extra": {}, "unclassified": ()})
     if dim > target.config.dim:
-        raise ValueError(f"a draft wider than its target ({dim} > {target.config.dim}) has no projection to start from")
+        raise ConfigError(f"a draft wider than its target ({dim} > {target.config.dim}) has no projection to start "
+                          "from")
     init_weights(draft := Llama(config), n_layers)
     with torch.no_grad():
         table = target.embed_tokens.weight.float()

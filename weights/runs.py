@@ -18,7 +18,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from model.eagle3_head import Eagle3Head
-from weights.checkpoint import save_model
+from weights.checkpoint import read_generation_config, save_model, stop_ids
+from weights.corpus import chat_prompts
 from weights.drafters import save_feature_head
 from weights.eagle3 import save_eagle3_head
 from weights.tokenizer import JsonTokenizer, Tokenizer
@@ -147,6 +148,21 @@ class RunFolder:
         torch.save({"tokens": tokens, "made_from": made_from}, tmp)
         tmp.replace(path)  # written whole or not at all, as state.pt
         return tokens[:rows]
+
+    def answers(self, target: nn.Module, tokenizer: Tokenizer, target_name: str, corpus: Sequence[str], count: int,
+                length: int, seed: int, made_from: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """data.pt as one stream (:meth:`grown`): ``count`` chat requests about ``corpus`` in the target's
+        template (weights.corpus.chat_prompts, ``seed`` + 1), each followed by the target's answer, to a
+        stop id or ``length`` tokens (speculative.engine.generation.conversations). The rows answered at
+        once (32 on a CPU, 512 on a GPU) follow the data already there (:meth:`made_with`)."""
+        from speculative.engine.generation import conversations  # the engine, only where answers are made
+
+        prompts = chat_prompts(corpus, tokenizer, count, seed + 1, target.config.max_seq_len - length)
+        stops = stop_ids(target.config, read_generation_config(target_name), tokenizer)
+        rows = self.made_with("rows", 32 if device.type == "cpu" else 512)
+        return self.grown({**made_from, "seed": seed, "rows": rows}, count, lambda i, j: conversations(
+            target, prompts[i:j], length, stops, seed, first=i, rows=rows),
+            f"the target answers requests ({length} tokens at most)", every=2 * rows)
 
     def made_with(self, name: str, default: Any) -> Any:
         """The field ``name`` of what data.pt was made with, else ``default``: a setting that changes
