@@ -46,7 +46,15 @@ from speculative import (
 )
 from speculative.cli import options as cmdline
 from speculative.cli import output, report
-from speculative.cli.options import DTYPE_HELP, DTYPES, UsageError, drafters_help, pick_device, pick_dtype, rules_help
+from speculative.cli.options import (
+    DTYPES,
+    UsageError,
+    add_dtype_flags,
+    drafters_help,
+    pick_device,
+    pick_dtype,
+    rules_help,
+)
 from speculative.draft.trees import TREE_MODES
 from speculative.engine import DEFAULT_GAMMA
 from speculative.engine.trees import AutoTree
@@ -79,7 +87,7 @@ def build_parser() -> cmdline.ArgumentParser:
                                       f"{DEFAULT_TARGET}: the fastest exact one measured, docs/drafters.md)")
     add("--no-draft", action="store_true", help="the target alone, one token per call: the baseline")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    add("--dtype", default=None, choices=sorted(DTYPES), help=DTYPE_HELP)
+    add_dtype_flags(add)
     add("--quantize", choices=["int8", "int4"], default=None,
         help="int8 block weights, or int4 in groups of 32 (a CPU, float32): another target (default: none)")
     add("--plan", action="store_true", help="print the memory per GPU and exit: 0 when it fits, 1 when not")
@@ -219,7 +227,8 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, wor
     # or measured or forced (--setup, --compile) for the calls this run makes.
     pair, setups = load_named_pair(args, spec, device, dtype, positions=positions, rows=rows, gamma=args.gamma,
                                    gamma_max=GAMMA_MAX, cache_len=positions + 1, tree=shape,
-                                   world_size=world_size, flag=setup_flag(args))
+                                   world_size=world_size, flag=setup_flag(args),
+                                   draft_dtype=pick_dtype(args.draft_dtype, device) if args.draft_dtype else None)
     return pair, encoded, setups, spec.notes + [line for line in [model_defaults_note(args, spec.sampling_defaults)]
                                                 if line]
 

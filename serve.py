@@ -36,7 +36,7 @@ import torch
 from model.fast.setup import SETUPS, Setups
 from speculative import Engine
 from speculative.cli import options as cmdline
-from speculative.cli.options import DTYPE_HELP, DTYPES, UsageError, pick_device, pick_dtype, rules_help
+from speculative.cli.options import UsageError, add_dtype_flags, pick_device, pick_dtype, rules_help
 from speculative.engine import DEFAULT_GAMMA
 from speculative.engine.gamma import FixedGamma
 from speculative.inputs import GAMMA_MAX
@@ -59,7 +59,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--no-draft", action="store_true", help="the target alone: no speculation at all")
     add("--name", default=None, help="the model name clients ask for (default: --target)")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    add("--dtype", default=None, choices=sorted(DTYPES), help=DTYPE_HELP)
+    add_dtype_flags(add)
     add("--quantize", choices=["int8"], default=None, help="int8 block weights (default: none)")
     add("--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU")
     add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
@@ -140,8 +140,7 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("serve.py runs in one process: tensor parallelism (torchrun) is not supported")
 
 
-def load(args: argparse.Namespace, device: torch.device,
-         dtype: torch.dtype) -> tuple[Pair, int, Setups, PairSpec]:
+def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Pair, int, Setups, PairSpec]:
     """The pair as generate.py loads it (weights.load.read_named_pair and load_named_pair: the same
     set-up and compile choices, compiled steps kept in the same cache), for batches of up to
     --max-batch rows over the whole context. Returns it, the context, its set-up and what read_pair read."""
@@ -150,7 +149,8 @@ def load(args: argparse.Namespace, device: torch.device,
     # The set-up: cached compiled steps for every batch size and width, else stacked and prepacked; or --setup's.
     gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
     pair, setups = load_named_pair(args, spec, device, dtype, positions=context, rows=args.max_batch, gamma=gamma,
-                                   gamma_max=args.gamma, flag=f"--setup {args.setup}")
+                                   gamma_max=args.gamma, flag=f"--setup {args.setup}",
+                                   draft_dtype=pick_dtype(args.draft_dtype, device) if args.draft_dtype else None)
     return pair, context, setups, spec
 
 

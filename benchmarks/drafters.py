@@ -63,9 +63,10 @@ VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_
 
 def load(target: str, draft: str | None, gamma: int | str, positions: int, cache: bool,
          dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """The target and drafter in generate.py's default set-up for these calls."""
+    """The target and drafter in generate.py's default set-up for these calls (the drafter in its own
+    dtype beside the target's: weights.load.PairSpec.draft_dtype)."""
     spec = read_pair(target, draft)
-    pair = spec.load(dtype=dtype, prepare_models=False)
+    pair = spec.load(dtype=dtype, prepare_models=False, draft_dtype=spec.draft_dtype("cpu", dtype))
     widths = decode_widths(gamma, GAMMA_MAX) if draft else (1,)
     pair, _ = pair.set_up("default", widths, positions, store=StepCache() if cache else None)
     return pair.target, pair.draft

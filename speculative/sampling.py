@@ -91,6 +91,12 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
+def full_width(logits: torch.Tensor) -> torch.Tensor:
+    """A 16-bit drafter's logits in float32 (float64 as they are): q then carries no rounding of
+    its own into the verifier's sums, whatever dtype the drafter runs in."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
 def warp_rows(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
     """warp for every row of logits [B, V], row b with its own settings samplings[b] (rows of a
     batch are requests with their own temperature, top-k and top-p): one warp when they agree."""

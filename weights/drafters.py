@@ -63,9 +63,10 @@ def save_feature_head(head: FeatureHead, directory: str | os.PathLike, target: A
     return directory
 
 
-def load_feature_head(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target") -> FeatureHead:
-    """A FeatureHead from its folder, in the target's dtype and on its device; CheckpointError if
-    the files are broken or the head was trained for another target."""
+def load_feature_head(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target",
+                      dtype: torch.dtype | None = None) -> FeatureHead:
+    """A FeatureHead from its folder, in ``dtype`` (default the target's) and on the target's device;
+    CheckpointError if the files are broken or the head was trained for another target."""
     directory = resolve(name_or_path)
     try:
         config = json.loads((directory / "config.json").read_text())
@@ -98,7 +99,7 @@ def load_feature_head(name_or_path: str | os.PathLike, target: Any, target_name:
     for name, tensor in state.items():  # the checkpoint loader's check (NonFiniteWeightsError names both)
         check_finite(path, name, tensor, tensor)
     embedding = target.embed_tokens.weight  # never prepacked or quantized: the target's device and dtype
-    state = {name: t.to(device=embedding.device, dtype=embedding.dtype) for name, t in state.items()}
+    state = {name: t.to(device=embedding.device, dtype=dtype or embedding.dtype) for name, t in state.items()}
     head.load_state_dict(state, assign=True, strict=True)
     return head.eval()
 
@@ -122,8 +123,8 @@ def read_draft_model(directory: Path, target: Any, target_name: str, device: Any
 
 
 def read_feature_head(directory: Path, target: Any, target_name: str, device: Any, dtype: torch.dtype) -> FeatureHead:
-    return load_feature_head(directory, target, target_name)
+    return load_feature_head(directory, target, target_name, dtype)
 
 
 def read_eagle3_head(directory: Path, target: Any, target_name: str, device: Any, dtype: torch.dtype) -> Any:
-    return load_eagle3_head(directory, target, target_name)
+    return load_eagle3_head(directory, target, target_name, dtype)

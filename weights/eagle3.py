@@ -148,9 +148,10 @@ def proposal_length(directory: Path) -> int | None:
         return None
 
 
-def load_eagle3_head(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target") -> Eagle3Head:
-    """An Eagle3Head from its folder (either layout), checked against ``target``, in the target's
-    dtype and on its device."""
+def load_eagle3_head(name_or_path: str | os.PathLike, target: Any, target_name: str = "the target",
+                     dtype: torch.dtype | None = None) -> Eagle3Head:
+    """An Eagle3Head from its folder (either layout), checked against ``target``, in ``dtype``
+    (default the target's) and on the target's device."""
     directory = resolve(name_or_path)
     info = read_config(directory)
     shape, head_name = info["shape"], str(name_or_path)
@@ -183,18 +184,19 @@ def load_eagle3_head(name_or_path: str | os.PathLike, target: Any, target_name: 
         diff = sorted(set(got) ^ set(expected)) or [n for n in got if got[n] != expected[n]]
         raise CheckpointError(f"{directory}: tensors {diff[:4]} do not match its config.json")
     embedding = target.embed_tokens.weight
+    dtype = dtype or embedding.dtype
     ids = (torch.arange(info["draft_vocab"]) + state["d2t"].long()).tolist()
     if ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= shape.vocab_size:
         raise CheckpointError(f"{directory}: d2t does not map the draft ids to distinct target ids in order")
     for name, tensor in state.items():
         if tensor.is_floating_point():
             check_finite(directory, name, tensor, tensor)
-            state[name] = tensor.to(device=embedding.device, dtype=embedding.dtype)
+            state[name] = tensor.to(device=embedding.device, dtype=dtype)
         else:
             state[name] = tensor.to(device=embedding.device, dtype=torch.long if name == "d2t" else torch.bool)
     head.load_state_dict(state, assign=True, strict=True)
     if own_table is not None:
-        head.embed_tokens = nn.Embedding.from_pretrained(own_table.to(device=embedding.device, dtype=embedding.dtype))
+        head.embed_tokens = nn.Embedding.from_pretrained(own_table.to(device=embedding.device, dtype=dtype))
     return head.eval()
 
 

@@ -33,6 +33,7 @@ import torch
 from model import Llama, ModelConfig
 from model.fast.compile import decode_widths
 from model.fast.fuse import prepare_for_decoding, prepared
+from model.host import describe_cpu
 from model.scale.memory import check_memory
 from speculative import PairMismatchError, check_pair
 from speculative.draft.protocol import trait
@@ -141,12 +142,28 @@ class PairSpec:
         memory = DRAFTERS[self.kind].memory if self.kind is not None else "none"
         return head_config(self.target_config) if memory == "target-block" else self.draft_config
 
+    def draft_dtype(self, device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
+        """The drafter's dtype beside a target in ``dtype``, when none is asked for: its checkpoint's
+        own bfloat16 on a CPU that computes bfloat16 natively, else the target's. A drafter's numerics
+        never reach the output (the verifier makes it the target's distribution whatever is
+        proposed), so a step bound by reading its weights takes the fewer bytes wherever the CPU
+        computes them at full speed (docs/drafters.md, "The drafter's own dtype")."""
+        if self.draft_dir is None or torch.device(device).type != "cpu" or not describe_cpu().native_bf16:
+            return dtype
+        try:
+            config = json.loads((self.draft_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            return dtype
+        own = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+        return torch.bfloat16 if own == "bfloat16" else dtype
+
     def load(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *,
              quantize: str | None = None, tensor_parallel: bool = False, stack: bool = True, prepack: bool = True,
-             prepare_models: bool = True) -> Pair:
-        """Load the pair on ``device`` in ``dtype``. ``tensor_parallel`` loads this rank's shard
-        of the target (weights.sharded.load_model_tp; the draft whole on every rank) and
-        ``quantize="int8"`` int8 blocks. ``stack`` and ``prepack`` are model/fast/fuse.py's
+             prepare_models: bool = True, draft_dtype: torch.dtype | None = None) -> Pair:
+        """Load the pair on ``device``, the target in ``dtype`` and the drafter in ``draft_dtype``
+        (default ``dtype``). ``tensor_parallel`` loads this rank's shard of the target
+        (weights.sharded.load_model_tp; the draft whole on every rank) and ``quantize="int8"`` int8
+        blocks, both models in ``dtype``. ``stack`` and ``prepack`` are model/fast/fuse.py's
         prepare_for_decoding; ``prepare_models=False`` leaves every network as loaded, for
         :meth:`Pair.set_up` (model.fast.setup.choose_setups or default_setups)."""
         start = time.perf_counter()
@@ -154,15 +171,17 @@ class PairSpec:
             target = load_model_tp(self.target_dir, device, dtype, quantize=quantize)
             draft = load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False) \
                 if is_checkpoint(self.kind) else None
+            draft_dtype = dtype
         else:
+            draft_dtype = draft_dtype or dtype
             target = load_model(self.target_dir, device=device, dtype=dtype)
-            draft = load_model(self.draft_dir, device=device, dtype=dtype) if is_checkpoint(self.kind) else None
+            draft = load_model(self.draft_dir, device=device, dtype=draft_dtype) if is_checkpoint(self.kind) else None
         drafter = draft  # a draft model is returned as the model itself (the loops wrap it)
         if is_checkpoint(self.kind) and self.kind != "model":  # a parallel draft: its drafter around it
             drafter = DRAFTERS[self.kind].build(draft, target)
         elif not is_checkpoint(self.kind) and self.kind is not None:  # a head is checked against its target; any
             # other kind is built from what its loader reads, or from nothing
-            drafter = load_drafter(self.draft_dir or self.draft, target, self.target)
+            drafter = load_drafter(self.draft_dir or self.draft, target, self.target, dtype=draft_dtype)
         networks = [net for net in (target, draft, getattr(drafter, "head", None)) if net is not None] \
             if prepare_models else []
         counts = [prepare_for_decoding(net, stack=stack, prepack=prepack) for net in networks]
@@ -202,6 +221,12 @@ class Pair:
     def head(self) -> torch.nn.Module | None:
         """The feature head, when the drafter is one."""
         return trait(self.draft, "head") if self.draft is not None else None
+
+    @property
+    def draft_dtype(self) -> torch.dtype | None:
+        """The dtype the drafter's network runs in (None for a drafter without one: lookup)."""
+        network = self.draft_model if self.draft_model is not None else self.head
+        return None if network is None else network.dtype
 
     def set_up(self, setup: str, widths: Sequence[int], positions: int, *, batch: int = 1,
                tree: Sequence[int] | None = None, store: Any = None, stack: bool = True,
@@ -346,7 +371,8 @@ def read_named_pair(args: Any) -> PairSpec:
 
 def load_named_pair(args: Any, spec: PairSpec, device: torch.device, dtype: torch.dtype, *, positions: int,
                     rows: int, gamma: int | str, gamma_max: int, cache_len: int | None = None,
-                    tree: Sequence[int] | None = None, world_size: int = 1, flag: str) -> tuple[Pair, Setups]:
+                    tree: Sequence[int] | None = None, world_size: int = 1, flag: str,
+                    draft_dtype: torch.dtype | None = None) -> tuple[Pair, Setups]:
     """The pair ``spec`` loaded as a command line asks (``args``: --quantize, --setup, --no-fuse,
     --no-prepack, --cache-dir, and the names for messages): refused first when KV caches of
     ``positions`` x ``rows`` do not fit (model.scale.memory.check_memory; this rank's share of
@@ -354,12 +380,14 @@ def load_named_pair(args: Any, spec: PairSpec, device: torch.device, dtype: torc
     calls (model.fast.compile.decode_widths, up to ``gamma_max``), ``rows`` rows, a ``tree`` and
     ``cache_len`` positions (default ``positions``). The default set-up takes compiled steps from
     the cache (none with --no-fuse, --no-prepack or tensor parallelism, whose shards are not
-    cached). A set-up that does not apply is one ValueError led by ``flag``, the flag that asked."""
+    cached). The drafter runs in ``draft_dtype`` (--draft-dtype), else in :meth:`PairSpec.draft_dtype`.
+    A set-up that does not apply is one ValueError led by ``flag``, the flag that asked."""
     planned = spec.planned_draft
     check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), positions,
                  dtype, device, tp_size=world_size, quantize=args.quantize, batch=rows)
     try:
-        pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, prepare_models=False)
+        pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, prepare_models=False,
+                         draft_dtype=draft_dtype or spec.draft_dtype(device, dtype))
     except CheckpointError as err:  # a default head whose target has the shape but not the weights it was made for
         if not getattr(args, "draft_defaulted", False):
             raise

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,16 @@ def pick_device(name: str | None) -> torch.device:
 
 DTYPE_HELP = ("default: bfloat16 (float16) on a GPU; on a CPU the checkpoint's own bfloat16 where the CPU computes "
               "it natively (AVX512-BF16, AMX), else float32")
+
+
+DRAFT_DTYPE_HELP = ("the drafter's (default: its checkpoint's own bfloat16 on a CPU that computes it natively, else "
+                    "the target's; the output is the target's whatever the drafter's numerics)")
+
+
+def add_dtype_flags(add: Callable[..., Any]) -> None:
+    """--dtype and --draft-dtype, as generate.py and serve.py take them."""
+    add("--dtype", default=None, choices=sorted(DTYPES), help=DTYPE_HELP)
+    add("--draft-dtype", default=None, choices=sorted(DTYPES), help=DRAFT_DTYPE_HELP)
 
 
 def pick_dtype(name: str | None, device: torch.device, stored: str | None = None) -> torch.dtype:

@@ -78,10 +78,11 @@ class FeatureDrafter:
         self.known, self.next = [], []
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings: the target's, or as a head that has its own says (P-EAGLE's)."""
+        """Token embeddings: the target's, or as a head that has its own says (P-EAGLE's), in the
+        head's dtype (a head may run in another than its target: weights.load.PairSpec.draft_dtype)."""
         if hasattr(self.head, "embed"):
-            return self.head.embed(ids, self.target.embed_tokens)
-        return self.target.embed_tokens(ids)
+            return self.head.embed(ids, self.target.embed_tokens).to(self.head.dtype)
+        return self.target.embed_tokens(ids).to(self.head.dtype)
 
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary for predicted features. A reduced draft
@@ -89,7 +90,7 @@ class FeatureDrafter:
         then gives those ids probability 0, so q is zero outside the draft vocabulary and the
         token drawn and its q are one distribution (the verifier needs nothing more)."""
         if not hasattr(self.head, "draft_logits"):
-            logits = self.target.lm_head(feature)
+            logits = self.target.lm_head(feature.to(self.target.dtype))
         elif self.ids is None:
             logits = self.head.draft_logits(feature)
         else:
@@ -173,7 +174,7 @@ class FeatureDrafter:
         length - 1), in one copy."""
         if hidden is None or hidden_starts is None:
             raise ValueError("FeatureDrafter.commit needs the target's hidden states")
-        hidden = self.head.project(hidden)  # EAGLE-3: fc of the fused features, once per position
+        hidden = self.head.project(hidden.to(self.head.dtype))  # EAGLE-3: fc of the fused features, once per position
         if len(lengths) == 1:
             start = hidden_starts[0]
             self.features[0, start:lengths[0] - 1] = hidden[0, :lengths[0] - 1 - start]

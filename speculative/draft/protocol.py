@@ -51,7 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from speculative.sampling import Sampling, sample_rows, warp_rows
+from speculative.sampling import Sampling, full_width, sample_rows, warp_rows
 from speculative.verify.tree import TokenTree
 
 
@@ -128,7 +128,7 @@ def draw_rows(logits: torch.Tensor, samplings: list[Sampling], generators: list[
     as the operators it runs, and warping and sampling would add a dozen."""
     if all(s.greedy for s in samplings):
         return logits.argmax(-1)
-    q = warp_rows(logits, samplings)
+    q = warp_rows(full_width(logits), samplings)
     probs.append(q)
     return sample_rows(q, generators)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from speculative.sampling import Sampling, sample, warp
+from speculative.sampling import Sampling, full_width, sample, warp
 from speculative.verify.tree import TokenTree, branching_parents
 
 TREE_MODES = ("without_replacement", "iid", "deterministic")
@@ -87,7 +87,7 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, branching: Sequence[int
     for depth, k in enumerate(branching, start=1):
         if depth > 1:
             logits = expand(tokens, parents, depths, level)
-        children, q, alive = draw_children(logits, k, mode, sampling, generator)
+        children, q, alive = draw_children(full_width(logits), k, mode, sampling, generator)
         if q is not None:
             q_rows.append(q)
             q_index.extend(node + 1 for node in level)
