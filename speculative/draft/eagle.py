@@ -101,12 +101,21 @@ class FeatureDrafter:
 
     def _draw(self, predicted: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None],
               probs: list[torch.Tensor]) -> torch.Tensor:
-        """Line 3 for every row (protocol.draw_rows). Greedy with a reduced vocabulary: the argmax
-        of the head's own logits, mapped, which is the argmax of the placed ones (the map keeps
-        the order of ids, so ties fall on the same token) without building them."""
-        if self.ids is not None and all(s.greedy for s in samplings):
-            return self.ids[self.head.draft_logits(predicted).argmax(-1)]
-        return draw_rows(self._logits(predicted), samplings, generators, probs)
+        """Line 3 for every row (protocol.draw_rows). With a reduced vocabulary the head's own
+        logits are warped and drawn from, and only q is placed at the target ids: every warp
+        (temperature, top-k, top-p) gives the ids outside it probability 0 anyway, and the map
+        keeps the order of ids, so ties, top-p's order and the inverse-CDF draw (whose running
+        sum only repeats itself over zeros) pick the same token as over the placed logits, without
+        a softmax and a running sum over the whole vocabulary per drafted token."""
+        if self.ids is None:
+            return draw_rows(self._logits(predicted), samplings, generators, probs)
+        small: list[torch.Tensor] = []
+        tokens = self.ids[draw_rows(self.head.draft_logits(predicted), samplings, generators, small)]
+        if small:
+            q = small[0].new_zeros((*small[0].shape[:-1], self.vocab_size))
+            q[..., self.ids] = small[0]
+            probs.append(q)
+        return tokens
 
     def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
                 generators: list[torch.Generator], device: torch.device) -> Draft:
