@@ -51,6 +51,7 @@ SECTIONS = {
         "tests/speculative/draft/test_eagle.py",
         "tests/speculative/draft/test_eagle3.py",
         "tests/speculative/draft/test_parallel.py",
+        "tests/speculative/draft/test_draft_dtype.py",
     ],
     "Batches and the engine": [
         "tests/speculative/engine/test_batch_law.py",
