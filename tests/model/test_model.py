@@ -153,6 +153,27 @@ def test_rollback_overwrites_stale_cache_entries() -> None:
     assert _max_diff(stale, expected[:, 10:13]) > 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_write_their_own_slots_and_nothing_else(dtype: torch.dtype) -> None:
+    """KVCache.write with rows at their own slots (a ragged batch, in every dtype: a 16-bit batch
+    write once went through a scatter_ that copied the whole cache): each row's vectors land at
+    its slots, and every other slot keeps what it held."""
+    from model.model import KVCache
+
+    cache = KVCache(3, 2, 16, 4, dtype, torch.device("cpu"))
+    before_k, before_v = torch.randn(3, 2, 16, 4).to(dtype), torch.randn(3, 2, 16, 4).to(dtype)
+    cache.k.copy_(before_k)
+    cache.v.copy_(before_v)
+    slots = torch.tensor([[5, 6], [0, 1], [14, 15]]).view(3, 1, 2, 1)
+    k, v = torch.randn(3, 2, 2, 4).to(dtype), torch.randn(3, 2, 2, 4).to(dtype)
+    cache.write(slots, 16, k, v)
+    want_k, want_v = before_k.clone(), before_v.clone()
+    for b, row in enumerate(([5, 6], [0, 1], [14, 15])):
+        for i, slot in enumerate(row):
+            want_k[b, :, slot], want_v[b, :, slot] = k[b, :, i], v[b, :, i]
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
+
+
 def _outside(top: int) -> str:
     return rf"slots or positions up to {top} fall outside the KV cache \(max_seq_len 16\)"
 
