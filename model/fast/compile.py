@@ -132,7 +132,10 @@ class CompiledSteps:
         the compiled step is specialised to strides, and to which of its arguments are one tensor."""
         batch, seq = inputs[0].shape[:2]
         shape = self.shape_for(batch, seq)
-        if shape is None or return_hidden != self.hidden:
+        # A plain call takes steps compiled with the features too and drops them (a feature head's
+        # target runs alone at its compiled speed, as --compare's baseline does); a call asking for
+        # other features than those compiled runs eagerly.
+        if shape is None or (return_hidden and return_hidden != self.hidden):
             return None
         (rows, width), slots = shape, model.layers[0].self_attn.cache.k.shape[2]
         # The window: the call's own for packages (their window is dynamic; at least 2 slots, a size
@@ -152,10 +155,10 @@ class CompiledSteps:
         visible[batch:, :, 0] = True  # padding sees slot 0 (any slot would do: its output is cut off)
         visible[:, seq:, 0] = True
         extra = () if self.dynamic else (slots,)
-        out = self.fn(*padded, where, positions, visible, *extra, return_hidden)
-        if return_hidden:
-            return out[0][:batch, :seq], out[1][:batch, :seq]
-        return out[:batch, :seq]
+        out = self.fn(*padded, where, positions, visible, *extra, self.hidden)
+        if not self.hidden:
+            return out[:batch, :seq]
+        return (out[0][:batch, :seq], out[1][:batch, :seq]) if return_hidden else out[0][:batch, :seq]
 
 
 class Compiled:

@@ -466,3 +466,24 @@ def test_packages_that_return_three_layers_inputs_load_again(tmp_path: Path) -> 
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
     assert got[1].shape == (1, 3, 96)
+
+
+def test_a_plain_call_runs_through_steps_compiled_with_features(tmp_path: Path) -> None:
+    """A feature head's target is compiled to return features too; a plain call (the target alone,
+    as --compare's baseline runs it) goes through the same compiled step and drops them, rather
+    than running eagerly on weights left unpacked, and gives the eager call's logits."""
+    model = random_llama(vocab=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64, seed=4)
+    eager = copy.deepcopy(model)
+    layers = (2, 2, 1)
+    compile_for_decoding(model, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=True)
+    calls_made = []
+    real = model.compiled.fn
+    model.compiled.fn = lambda *args: calls_made.append(args[-1]) or real(*args)
+    tokens = torch.tensor([[5, 9, 2]])
+    with torch.no_grad():
+        for m in (model, eager):
+            m.setup_cache(1, 32)
+        got, want = (m(tokens, calls.chain(0, 3, "cpu")) for m in (model, eager))
+    assert calls_made == [layers]  # through the compiled step, asked for the features it was built with
+    assert got.shape == want.shape == (1, 3, 64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
