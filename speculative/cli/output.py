@@ -139,9 +139,8 @@ def header_line(args: argparse.Namespace, pair: Any, device: torch.device, dtype
     """The run's first line on stderr: the pair, where it runs, and the whole decoding setup."""
     speculative = pair.draft is not None
     dtype_name = str(dtype).removeprefix("torch.") + (f" with {args.quantize} weights" if args.quantize else "")
-    draft_dtype = getattr(pair, "draft_dtype", None)
-    if draft_dtype not in (None, dtype):
-        dtype_name += f", the drafter in {str(draft_dtype).removeprefix('torch.')}"
+    if pair.draft_dtype not in (None, dtype):
+        dtype_name += f", the drafter in {str(pair.draft_dtype).removeprefix('torch.')}"
     tuning = [f"{pair.fused} projection groups stacked"] if pair.fused else []
     tuning += [f"{pair.prepacked} layers oneDNN-prepacked"] if pair.prepacked else []
     if tuning:
@@ -178,8 +177,7 @@ def run_settings(args: argparse.Namespace, pair: Any, setups: list[str], device:
     speculative = pair.draft is not None
     return {"target": args.target, "draft": None if args.no_draft else args.draft, "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
-            "draft_dtype": str(getattr(pair, "draft_dtype", None) or dtype).removeprefix("torch.") if speculative
-            else None,
+            "draft_dtype": str(pair.draft_dtype or dtype).removeprefix("torch.") if speculative else None,
             "verify": args.verify if speculative else None, "tree": args.tree if speculative else None,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "seed": seed, "chat": args.chat,

@@ -8,7 +8,6 @@ the target's features and embeddings reach a head in the head's dtype.
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -43,7 +42,7 @@ CASES = [("correct", "head"), ("correct", "model"), ("inverted-ratio", "head")]
 def small() -> dict:
     target = random_llama(vocab=8, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0)
     return {"target": target, "logits": llama_next_logits(target),
-            "head": copy.deepcopy(random_eagle3_head(target, drop=(1, 6))).to(torch.bfloat16),
+            "head": random_eagle3_head(target, drop=(1, 6)).to(torch.bfloat16),
             "model": random_llama(vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=7,
                                   dtype=torch.bfloat16)}
 
