@@ -42,7 +42,7 @@ from model import call as calls
 from speculative.draft.protocol import Draft, drafted, draw_rows, newest, pad_rows
 from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
-from speculative.sampling import Sampling
+from speculative.sampling import Sampling, full_width
 from speculative.verify.tree import TokenTree
 
 
@@ -97,7 +97,7 @@ class FeatureDrafter:
             small = self.head.draft_logits(feature)
             logits = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
             logits[..., self.ids] = small
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return full_width(logits)
 
     def _draw(self, predicted: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None],
               probs: list[torch.Tensor]) -> torch.Tensor:
