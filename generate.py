@@ -108,6 +108,8 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--batch-size", type=int, default=None, metavar="N", help="rows per target call at most (default: all)")
     add = parser.add_argument_group("decoding").add_argument
     add("--gamma", type=cmdline.gamma_arg, default=DEFAULT_GAMMA, help="draft length, or auto (default %(default)s)")
+    add("--guard", action=argparse.BooleanOptionalAction, default=None, help="plain target steps wherever this "
+        "run measures that speculating loses (default: on when greedy; sampled, the output would hang on the clock)")
     add("--verify", choices=list(RULES), default="token", help=f"{rules_help()} (default %(default)s)")
     add("--tree", type=cmdline.tree_arg, default=None, help="a token tree's branching per depth, e.g. 3,2,1,1")
     add("--tree-mode", choices=list(TREE_MODES), default="without_replacement",
@@ -255,6 +257,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         print(f"warning: {note}", file=sys.stderr)
     if args.temperature == 0:  # the warned-about flags are dropped, so that settings show what ran
         args.top_k = args.top_p = args.seed = None
+    args.guard = args.temperature == 0 and args.tree != "auto" if args.guard is None else args.guard
     if args.plan:
         return print_plan(args)
     if args.compile_cache:
@@ -321,7 +324,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         if speculative:
             result = speculative_generate(pair.target, pair.draft, prompt_ids, args.max_new_tokens,
                                           gamma=None if args.tree else args.gamma, callback=step_clock,
-                                          verify=args.verify, tree=args.tree, tree_mode=args.tree_mode, **sampling)
+                                          verify=args.verify, tree=args.tree, tree_mode=args.tree_mode,
+                                          guard=args.guard, **sampling)
         else:
             result = autoregressive_generate(pair.target, prompt_ids, args.max_new_tokens, callback=step_clock,
                                              **sampling)
@@ -374,7 +378,7 @@ def run_batch(args: argparse.Namespace, pair: Pair, texts: list[str], encoded: l
     # NonFiniteLogitsError (a ValueError) ends the run in main(): one error line, nothing on stdout.
     if speculative:
         result = speculative_generate_batch(pair.target, pair.draft, encoded, args.max_new_tokens, gamma=args.gamma,
-                                            verify=args.verify, **sampling)
+                                            verify=args.verify, guard=args.guard, **sampling)
     else:
         result = autoregressive_generate_batch(pair.target, encoded, args.max_new_tokens, **sampling)
     docs = []

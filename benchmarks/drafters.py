@@ -73,8 +73,9 @@ def load(target: str, draft: str | None, gamma: int | str, positions: int, cache
 
 
 def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int, gamma: int | str,
-            temperature: float) -> dict[str, Any]:
-    """Every prompt once; the totals of its stats."""
+            temperature: float, guard: str = "greedy") -> dict[str, Any]:
+    """Every prompt once; the totals of its stats. ``guard``: "on", "off", or "greedy" (generate.py's
+    default: on when greedy)."""
     most = GAMMA_MAX if gamma == "auto" else gamma
     total: dict[str, Any] = {"new": 0, "calls": 0, "wall": 0.0, "draft_s": 0.0, "target_s": 0.0, "ahead": 0,
                              "overlap": 0.0, "verified": 0, "accepted": [0] * most, "tried": [0] * most}
@@ -83,7 +84,7 @@ def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int
             out = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=i)
         else:
             out = speculative_generate(target, drafter, prompt, new_tokens, gamma=gamma, temperature=temperature,
-                                       seed=i)
+                                       seed=i, guard=guard == "on" or guard == "greedy" and temperature == 0)
         s = out.stats
         total["new"] += s.new_tokens
         total["wall"] += s.wall_time_s
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", nargs="*", default=None, help="a label per drafter (default: the names)")
     parser.add_argument("--gamma", type=gamma_arg, nargs="+", default=[5],
                         help="tokens drafted per target call, or auto; several: every drafter at each (default 5)")
+    parser.add_argument("--guard", nargs="+", choices=["greedy", "on", "off"], default=["greedy"],
+                        help="plain steps where speculating loses (Engine's guard): on, off, or greedy, generate.py's "
+                        "default (on when greedy); several: every drafter with each")
     parser.add_argument("--chat", action="store_true", help="chat requests about held-out stories in the target's "
                         "template (weights.corpus.chat_prompts), not story openings")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
@@ -132,21 +136,24 @@ def main(argv: list[str] | None = None) -> int:
         prompts = held_out_prompts([str(VALID)], tokenizer, args.prompts, args.prompt_tokens, 0)
     positions = max(map(len, prompts)) + args.max_new_tokens + ahead + 2
     dtype = getattr(torch, args.dtype)
-    methods = {"target alone": (*load(args.target, None, 1, positions, not args.no_cache, dtype), 1)}
+    methods = {"target alone": (*load(args.target, None, 1, positions, not args.no_cache, dtype), 1, "off")}
     for label, name in zip(labels, args.drafters):
         for gamma in args.gamma:
-            key = label if len(args.gamma) == 1 else f"{label}, γ = {gamma}"
-            methods[key] = (*load(args.target, name, gamma, positions, not args.no_cache, dtype), gamma)
+            loaded = load(args.target, name, gamma, positions, not args.no_cache, dtype)
+            for guard in args.guard:
+                key = label + (f", γ = {gamma}" if len(args.gamma) > 1 else "") + \
+                    (f", guard {guard}" if len(args.guard) > 1 else "")
+                methods[key] = (*loaded, gamma, guard)
     results: dict[tuple[str, float], list[dict[str, Any]]] = {}
     with torch.inference_mode():
-        for target, drafter, gamma in methods.values():  # warm-up: one prompt each
-            run_all(target, drafter, prompts[:1], 16, gamma, 0.0)
+        for target, drafter, gamma, guard in methods.values():  # warm-up: one prompt each
+            run_all(target, drafter, prompts[:1], 16, gamma, 0.0, guard)
         for r in range(args.rounds):
             for name in turn_order(list(methods), r):
-                target, drafter, gamma = methods[name]
+                target, drafter, gamma, guard = methods[name]
                 for temperature in (0.0, 1.0):
                     results.setdefault((name, temperature), []).append(
-                        run_all(target, drafter, prompts, args.max_new_tokens, gamma, temperature))
+                        run_all(target, drafter, prompts, args.max_new_tokens, gamma, temperature, guard))
             print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     rows, figures = [], {}
     for name in methods:
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts of {args.prompt_tokens} tokens"
     lines = [f"Command: `{command_line('drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
              "", f"{len(prompts)} held-out {kind}, {args.max_new_tokens} new tokens "
-             f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, {args.rounds} rounds in turns; set-up: "
+             f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, guard {', '.join(args.guard)} (greedy: on "
+             f"when greedy, generate.py's default), {args.rounds} rounds in turns; set-up: "
              f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}, "
              f"{args.dtype}.", "",
              *markdown_table(header, rows, "l" + "r" * (len(header) - 1))]

@@ -138,7 +138,7 @@ def pick_dtype(name: str | None, device: torch.device, stored: str | None = None
 
 # ----------------------------------------------------------------------------- flags a run cannot use
 # What --plan does not read: it plans from the configs, the dtype, --quantize and --tp alone.
-RUN_ONLY = ("prompt", "prompts_file", "batch_size", "chat", "system", "gamma", "verify", "tree", "tree_mode",
+RUN_ONLY = ("prompt", "prompts_file", "batch_size", "chat", "system", "gamma", "guard", "verify", "tree", "tree_mode",
             "temperature", "top_k", "top_p", "max_new_tokens", "ignore_eos", "seed",
             "compare", "threads", "device", "no_prepack", "no_fuse", "setup", "compile", "no_color")
 
@@ -171,12 +171,14 @@ def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
         if args.temperature == 0:
             unused(["top_k", "top_p", "seed"], "at temperature 0: greedy decoding takes the most likely token")
         if args.no_draft:
-            unused(["draft", "gamma", "compare", "verify", "tree", "tree_mode"],
+            unused(["draft", "gamma", "guard", "compare", "verify", "tree", "tree_mode"],
                    "with --no-draft: the target decodes alone")
         elif args.tree is not None:
             unused(["gamma"], "with --tree: the tree's depth is its gamma")
         else:
             unused(["tree_mode"], "without --tree")
+        if not args.no_draft and "auto" in (args.gamma, args.tree):
+            unused(["guard"], "with --gamma auto or --tree auto, which turn speculation off where it loses themselves")
         if not args.chat:
             unused(["system"], "without --chat")
         if args.prompts_file is None:

@@ -22,10 +22,10 @@ finished row leaves at once (the KV caches drop it, model.move_cache compacts th
 takes its place. A row can also be stopped from outside (:meth:`Engine.cancel`, a server's client that left):
 it leaves at the start of the next step, before that step computes anything for it.
 
-Each row has its own sampling settings (``Engine.add``'s ``sampling``) and seed: row b draws everything from its
-own torch.Generator, in the order a batch of one would, so its tokens do not depend on the other rows, up to the
-numerics policy (docs/algorithm.md: near-ties of a matmul of another shape). gamma="auto" adapts one gamma for all
-rows (under it rows see each other). A token tree is drafted for one row at a time (speculative.engine.trees).
+Each row has its own sampling settings (``Engine.add``'s ``sampling``) and seed: row b draws everything from its own
+torch.Generator, in the order a batch of one would, so its tokens do not depend on the other rows, up to the numerics
+policy (docs/algorithm.md: near-ties of a matmul of another shape). gamma="auto" and ``guard`` time all rows at once:
+under them a sampled row's tokens depend on the others and on the clock. Trees: one row at a time.
 
 Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] -> logits [B, T, V];
 with ``return_hidden`` also the features a drafter asks for, ``reads_features``), ``setup_cache``,
@@ -44,7 +44,7 @@ import torch
 from model import call as calls
 from speculative.draft.model import as_drafter
 from speculative.draft.protocol import Draft, pad_rows, trait
-from speculative.engine.gamma import AutoGamma
+from speculative.engine.gamma import AutoGamma, Switch
 from speculative.engine.judging import judge_rows
 from speculative.engine.logprobs import record_logprobs, record_prompts
 from speculative.engine.rows import Callback, Row, RowFailedError, cut_at_eos
@@ -82,14 +82,15 @@ class Engine:
     what ``python -m speculative.prove`` runs through the engine. ``tree``: draft
     a token tree of this branching per depth instead of a chain (one row; its depth takes
     gamma's place), drawn by ``tree_mode``; "auto": the shape by measurement, iteration by iteration
-    (speculative.engine.trees.AutoTree). ``max_rows``: rows in one call at most.
-    ``cache_len``: the KV caches' length; None sizes them at the first step for the rows
-    added by then (a later row longer than that stops when the cache is full)."""
+    (speculative.engine.trees.AutoTree). ``guard``: a fixed gamma or a named tree is turned off (plain target
+    steps) wherever this run measures that it loses (speculative.engine.gamma.Switch; gamma="auto" always is).
+    ``max_rows``: rows in one call at most. ``cache_len``: the KV caches' length; None sizes them at the
+    first step for the rows added by then (a later row longer than that stops when the cache is full)."""
 
     def __init__(self, target: Any, draft: Any = None, *, gamma: int | str | None = None, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, verify: str = "token",
                  tree: Sequence[int] | str | None = None, tree_mode: str = "without_replacement", max_rows: int = 1,
-                 cache_len: int | None = None) -> None:
+                 cache_len: int | None = None, guard: bool = False) -> None:
         self.target, self.drafter = target, None if draft is None else drafter_for(target, draft)
         self.sampling = Sampling(temperature, top_k, top_p)
         if not callable(verify):
@@ -100,9 +101,10 @@ class Engine:
             self.tree_auto = AutoTree() if isinstance(tree, str) else None  # "auto": the shape by measurement
         gamma = DEFAULT_GAMMA if gamma is None else gamma  # None: not given
         self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
-        self.auto = AutoGamma(gamma_max=self.gamma_max, parallel=trait(self.drafter, "parallel")) \
-            if gamma == "auto" and self.drafter is not None else None
-        self.gamma_setting = "auto" if self.auto else self.gamma_max
+        guarded = Switch(gamma=self.gamma_max) if guard and not self.tree_auto else None  # (AutoTree has its own)
+        self.auto = None if self.drafter is None else AutoGamma(gamma_max=self.gamma_max, parallel=trait(
+            self.drafter, "parallel")) if gamma == "auto" else guarded
+        self.gamma_setting = "auto" if isinstance(self.auto, AutoGamma) else self.gamma_max
         own = trait(self.drafter, "max_seq_len") if self.drafter is not None else None
         self.limit = min(target.config.max_seq_len, own or target.config.max_seq_len)
         self.slack = self.gamma_max if self.tree is None else len(branching_parents(self.tree))  # slots past a row
@@ -120,8 +122,7 @@ class Engine:
         self.clock: Clock | None = None
         self.pending: list[torch.Tensor] = []  # the target alone: tokens of the rows not read yet
         self.pending_finite: list[torch.Tensor] = []
-        # the engine's gamma for an iteration (a server's choice by load); None: gamma or "auto"
-        self.policy: Callable[[Engine], int] | None = None
+        self.policy: Callable[[Engine], int] | None = None  # gamma per iteration from outside (a server's)
 
     # ------------------------------------------------------------------------- rows in and out
     def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
@@ -234,8 +235,7 @@ class Engine:
 
     def is_done(self, row: Row) -> bool:
         return (row.error is not None or row.cancelled or row.produced >= row.max_new_tokens
-                or row.length >= self.row_limit
-                or (row.produced > 0 and row.ids[-1] in row.stop_ids))
+                or row.length >= self.row_limit or (row.produced > 0 and row.ids[-1] in row.stop_ids))
 
     @property
     def idle(self) -> bool:
@@ -427,7 +427,7 @@ class Engine:
         (t0, t1, t2, _), depth, clock = marks, max(draft.depth(b) for b in range(len(rows))), self.clock
         for auto in filter(None, (self.auto, self.tree_auto)):  # whole iterations, start to start (t0..t2: pre-read)
             auto.observe(self.stats.iterations - 1, depth, sum(len(s.tokens) for s in steps) or len(rows), t0, clock)
-        if self.auto is not None and depth > 0:  # the first iteration also read prompts: not timed
+        if isinstance(self.auto, AutoGamma) and depth > 0:  # the first iteration also read prompts: not timed
             timed = self.stats.iterations > 1
             verified = [(j + 1, o) for step in steps for j, o in enumerate(step.overlap[:step.accepted + 1])]
             self.auto.update([o for _, o in verified],

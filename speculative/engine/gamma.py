@@ -20,14 +20,23 @@ effect on the shipped pair).
 
 Speculation can lose where the theorem's assumptions fail: a target whose call grows with its
 width, an iteration whose own work is not small beside a target step (a compiled small target).
-So gamma="auto" also measures what the paper's model leaves out, the whole iteration: the
-seconds and tokens of speculating iterations and the seconds of plain ones (gamma 0, one target
-step), as moving averages of clean iterations (not the prompt's, not the one after plain steps,
-where the drafter catches up). It turns speculation off whenever plain steps emit more tokens
-per second than speculating did, and tries speculating again after 16 iterations off, then 32,
-64, ... while it keeps losing (back to 16 once it pays); while on, one iteration in 32 is a
-plain step, so that the plain cost stays measured (the first at iteration 3). Nothing is set by
-hand: the crossover is where this run's own measurements put it.
+So gamma="auto" also measures what the paper's model leaves out, the whole iteration, and turns
+speculation off where it loses (:class:`Switch`, which AutoGamma extends). A fixed gamma or a
+named tree gets the same switch alone with ``guard=True`` (the Engine's argument; generate.py's
+default when greedy): the drafted length stays as asked, or 0 while plain steps are faster.
+
+:class:`Switch` times the seconds and tokens of speculating iterations and the seconds of plain
+ones (gamma 0, one target step), as moving averages of clean iterations (not the prompt's, not
+the one after plain steps, where the drafter catches up). Iterations 0 and 1 speculate; 2 is a
+plain step, and so is 3 while 2 waits for its time (an iteration is timed when the next one
+starts); from then on speculation is off whenever plain steps emit more tokens per second than
+speculating did. While on, one iteration in 32 is a plain step, so that the plain cost stays
+measured. While off it speculates again for two iterations (the drafter catching up, then one
+clean one) after 16 iterations off, then 32, 64, ... while it keeps losing (back to 16 once it
+pays), and never sooner than keeps what the retries lose within 1% of the time spent off: a
+drafter that costs three target steps more per iteration than it saves is retried after 600.
+So a set-up where speculation loses pays for two speculating iterations (0 and 1) and rare
+retries. Nothing is set by hand: the crossover is where this run's own measurements put it.
 
 Changing gamma from one iteration to the next does not affect the output distribution:
 each emitted token has the target's distribution given everything before it, whatever
@@ -39,6 +48,7 @@ engine when called, and FixedGamma does not look at it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,36 +59,19 @@ GAMMA_START = 4  # before anything is measured
 
 
 @dataclass
-class AutoGamma:
-    """Chooses gamma before each iteration from running estimates of alpha and c.
+class Switch:
+    """Speculation on or off by whole iterations, as this run measures them (the module docstring):
+    ``choose`` answers ``gamma`` or 0, ``observe`` feeds each iteration's tokens and start."""
 
-    With ``parallel`` (a drafter whose one call drafts the whole chain, speculative.draft.parallel)
-    the drafting costs one call whatever gamma, so the cost model above would always answer
-    gamma_max. Two things it assumes away then decide: a parallel draft's acceptance falls with
-    the position (position i does not see the tokens drafted before it), and the target's call
-    grows with its width g + 1. So it keeps alpha per position (alpha_i, faded as alpha is) and
-    the target's call time per width, and picks the gamma with the most expected tokens,
-    1 + sum_{j<=g} alpha_1 ... alpha_j, per unit of time, c_call + T(g + 1) (a width not measured
-    yet is read off the line through the nearest measured ones; once tried, it is measured)."""
-
-    decay: float = 0.9  # weight of the past in the moving averages of the call times
-    fade: float = 0.95  # per position, of the past acceptance counts
-    gamma_max: int = GAMMA_MAX
-    gamma: int = GAMMA_START  # the gamma to use next
-    alpha: float | None = None
-    draft_step_s: float | None = None  # one drafter call (token by token: one step)
-    target_call_s: float | None = None
-    accepted_mass: float = 0.0  # S: faded sum of acceptance probabilities
-    positions: float = 0.0  # N: faded count of verified positions
-    parallel: bool = False
-    by_position: dict[int, list[float]] | None = None  # parallel: position -> [S_i, N_i]
-    by_width: dict[int, float] | None = None  # parallel: target call width -> its moving average
-    # whole iterations, measured (the module docstring): speculating [seconds, tokens], plain seconds
+    gamma: int = GAMMA_START  # drafted when on
+    decay: float = 0.9  # weight of the past in the moving averages
+    # whole iterations, measured: speculating [seconds, tokens], plain seconds
     speculating: list[float] | None = None
     plain_s: float | None = None
     off: bool = False  # plain steps emit more tokens per second than speculating: gamma 0
     probe_every: int = 32  # while on: one plain iteration in this many
     retry_after: int = 16  # while off: iterations before speculating again (doubles while it loses)
+    budget: float = 0.01  # while off: the share of the time the retries may lose, at most
     next_retry: int = 0
     last: tuple[int, int] = (-1, 0)  # (iteration, gamma) chosen: the engine asks once per row
     previous_gamma: int = 0  # the gamma of the iteration observed last
@@ -87,42 +80,19 @@ class AutoGamma:
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def update(self, overlaps: list[float], draft_step_s: float | None, target_call_s: float | None,
-               positions: list[int] | None = None, width: int | None = None) -> None:
-        """Feed one iteration's measurements: the acceptance probabilities of its verified
-        positions (``positions``: their draft positions 1.., for a parallel drafter), and (None
-        to skip) the mean time of its drafter calls and of its target call (``width``: its tokens)."""
-        for i, beta in enumerate(overlaps):
-            self.accepted_mass = self.fade * self.accepted_mass + beta
-            self.positions = self.fade * self.positions + 1
-            if self.parallel and positions is not None:
-                self.by_position = {} if self.by_position is None else self.by_position
-                cell = self.by_position.get(positions[i], [0.0, 0.0])
-                self.by_position[positions[i]] = [self.fade * cell[0] + beta, self.fade * cell[1] + 1]
-        if overlaps:
-            self.alpha = (self.accepted_mass + 1) / (self.positions + 2)
-        if draft_step_s is not None and target_call_s is not None:
-            self.draft_step_s = self._average(self.draft_step_s, draft_step_s)
-            self.target_call_s = self._average(self.target_call_s, target_call_s)
-            if self.parallel and width is not None:
-                self.by_width = self.by_width or {}
-                self.by_width[width] = self._average(self.by_width.get(width), target_call_s)
-        if self.alpha is not None and self.draft_step_s is not None and self.target_call_s:
-            self.gamma = self.best_parallel() if self.parallel else \
-                best_gamma(self.alpha, self.draft_step_s / self.target_call_s, self.gamma_max)
-
     def choose(self, iteration: int) -> int:
-        """The gamma for engine iteration ``iteration`` (0: the prompt's): the cost model's, or 0
-        while off, or a probe (the module docstring)."""
+        """The gamma for engine iteration ``iteration`` (0: the prompt's): ``gamma``, or 0 while
+        off or for a probe (the module docstring)."""
         if self.last[0] != iteration:
             self.last = (iteration, self._choose(iteration))
         return self.last[1]
 
     def _choose(self, i: int) -> int:
-        if self.off:
-            return self.gamma if i >= self.next_retry else 0
-        timing_one = self.pending is not None and self.pending[1] == 0  # a plain step, timed when this one starts
-        if self.speculating is not None and (self.plain_s is None and not timing_one or i % self.probe_every == 0):
+        if self.off:  # a retry: two iterations (the drafter catching up, then a clean one), plain until it is timed
+            if i - self.next_retry > 3:  # the retry was cut to nothing (a row's limits): again
+                self.next_retry = i
+            return self.gamma if 0 <= i - self.next_retry < 2 else 0
+        if i >= 2 and self.plain_s is None or i > 0 and i % self.probe_every == 0:
             return 0
         return self.gamma
 
@@ -148,11 +118,62 @@ class AutoGamma:
                                 zip(self.speculating, (seconds, tokens))]
         if self.plain_s is None or self.speculating is None:
             return
-        losing = self.speculating[1] / self.speculating[0] < 1 / self.plain_s
+        seconds, tokens = self.speculating
+        losing = tokens / seconds < 1 / self.plain_s
         if losing and (not self.off or gamma > 0):  # turned off, or a retry that lost again
             self.retry_after = self.retry_after * 2 if self.off else 16
-            self.next_retry = iteration + self.retry_after
+            lost = 2 * (seconds - tokens * self.plain_s)  # what a retry's two iterations lose
+            self.next_retry = iteration + max(self.retry_after, math.ceil(lost / (self.budget * self.plain_s) - 1e-9))
         self.off = losing
+
+
+@dataclass
+class AutoGamma(Switch):
+    """Chooses gamma before each iteration from running estimates of alpha and c.
+
+    With ``parallel`` (a drafter whose one call drafts the whole chain, speculative.draft.parallel)
+    the drafting costs one call whatever gamma, so the cost model above would always answer
+    gamma_max. Two things it assumes away then decide: a parallel draft's acceptance falls with
+    the position (position i does not see the tokens drafted before it), and the target's call
+    grows with its width g + 1. So it keeps alpha per position (alpha_i, faded as alpha is) and
+    the target's call time per width, and picks the gamma with the most expected tokens,
+    1 + sum_{j<=g} alpha_1 ... alpha_j, per unit of time, c_call + T(g + 1) (a width not measured
+    yet is read off the line through the nearest measured ones; once tried, it is measured)."""
+
+    fade: float = 0.95  # per position, of the past acceptance counts
+    gamma_max: int = GAMMA_MAX
+    alpha: float | None = None
+    draft_step_s: float | None = None  # one drafter call (token by token: one step)
+    target_call_s: float | None = None
+    accepted_mass: float = 0.0  # S: faded sum of acceptance probabilities
+    positions: float = 0.0  # N: faded count of verified positions
+    parallel: bool = False
+    by_position: dict[int, list[float]] | None = None  # parallel: position -> [S_i, N_i]
+    by_width: dict[int, float] | None = None  # parallel: target call width -> its moving average
+
+    def update(self, overlaps: list[float], draft_step_s: float | None, target_call_s: float | None,
+               positions: list[int] | None = None, width: int | None = None) -> None:
+        """Feed one iteration's measurements: the acceptance probabilities of its verified
+        positions (``positions``: their draft positions 1.., for a parallel drafter), and (None
+        to skip) the mean time of its drafter calls and of its target call (``width``: its tokens)."""
+        for i, beta in enumerate(overlaps):
+            self.accepted_mass = self.fade * self.accepted_mass + beta
+            self.positions = self.fade * self.positions + 1
+            if self.parallel and positions is not None:
+                self.by_position = {} if self.by_position is None else self.by_position
+                cell = self.by_position.get(positions[i], [0.0, 0.0])
+                self.by_position[positions[i]] = [self.fade * cell[0] + beta, self.fade * cell[1] + 1]
+        if overlaps:
+            self.alpha = (self.accepted_mass + 1) / (self.positions + 2)
+        if draft_step_s is not None and target_call_s is not None:
+            self.draft_step_s = self._average(self.draft_step_s, draft_step_s)
+            self.target_call_s = self._average(self.target_call_s, target_call_s)
+            if self.parallel and width is not None:
+                self.by_width = self.by_width or {}
+                self.by_width[width] = self._average(self.by_width.get(width), target_call_s)
+        if self.alpha is not None and self.draft_step_s is not None and self.target_call_s:
+            self.gamma = self.best_parallel() if self.parallel else \
+                best_gamma(self.alpha, self.draft_step_s / self.target_call_s, self.gamma_max)
 
     def alpha_at(self, position: int) -> float:
         """Position i's alpha, (S_i + 1) / (N_i + 2); positions never verified take the last known one's."""

@@ -18,8 +18,8 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
                          gamma: int | str | None = None, temperature: float = 1.0, top_k: int | None = None,
                          top_p: float | None = None, eos_id: int | Collection[int] | None = None,
                          seed: int | None = None, callback: Callback | None = None, verify: str = "token",
-                         tree: Sequence[int] | None = None,
-                         tree_mode: str = "without_replacement") -> GenerationResult[SpeculativeStats]:
+                         tree: Sequence[int] | None = None, tree_mode: str = "without_replacement",
+                         guard: bool = False) -> GenerationResult[SpeculativeStats]:
     """Sample from ``target`` after ``prompt_ids``, with ``draft`` proposing up to ``gamma``
     tokens per target call (an int >= 1, or "auto"; None: DEFAULT_GAMMA). ``draft`` is a model of the target's
     vocabulary (wrapped in speculative.draft.ModelDrafter) or any drafter. The output has
@@ -37,6 +37,10 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     "deterministic", the top-k; greedy decoding always takes the top-k). The tree's depth
     takes gamma's place (gamma must be left alone).
 
+    ``guard``: plain target steps wherever this run's own timings say that speculating loses
+    (speculative.engine.gamma.Switch; gamma="auto" always does so). The output's law is the same;
+    a sampled output then depends on the clock as well as the seed.
+
     Stops after max_new_tokens (never more), after emitting eos_id, or any of several ids (even in the middle of an
     accepted block: nothing after it is emitted) or when prompt + output reaches the smaller
     max_seq_len of the two models (gamma shrinks near every limit); stats.stop_reason says
@@ -46,7 +50,7 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     """
     wall_start = time.perf_counter()
     engine = Engine(target, draft, gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p, verify=verify,
-                    tree=tree, tree_mode=tree_mode)
+                    tree=tree, tree_mode=tree_mode, guard=guard)
     row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=callback)
     engine.run()
     if row.error is not None:
@@ -83,7 +87,7 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
                                gamma: int | str | None = None, temperature: float = 1.0, top_k: int | None = None,
                                top_p: float | None = None, eos_id: int | Collection[int] | None = None,
                                seed: int | Sequence[int] | None = None, verify: str = "token",
-                               batch_size: int | None = None) -> BatchResult:
+                               batch_size: int | None = None, guard: bool = False) -> BatchResult:
     """speculative_generate for every prompt of ``prompts`` (token-id lists, any lengths), at
     most ``batch_size`` rows at a time (default: all), one target call per iteration for all
     rows, every row accepting its own number of tokens (ragged acceptance, as in vLLM,
@@ -92,9 +96,10 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
 
     Each row's output has exactly the target's distribution, and row i's tokens are those of
     speculative_generate(target, draft, prompts[i], seed=seed + i, ...) (seed[i] for a list)
-    up to the numerics policy (speculative.engine). Token trees are not batched."""
+    up to the numerics policy (speculative.engine). Token trees are not batched. ``guard``: as
+    speculative_generate's, for the whole batch."""
     return over_rows(target, draft, prompts, max_new_tokens, seed, batch_size, eos_id, SpeculativeStats,
-                     gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p, verify=verify)
+                     gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p, verify=verify, guard=guard)
 
 
 def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,

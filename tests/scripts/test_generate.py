@@ -491,10 +491,38 @@ def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "0.8", "--top-k", "50",
                               "--top-p", "0.9", "--seed", "11", "--gamma", "3"])
     assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3, token-wise verification"), err[0]
+    guarded = ", guarded (plain steps where speculating loses)"
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--verify", "block"])
-    assert err[0].endswith("greedy (temperature 0), gamma 4, block-wise verification"), err[0]
+    assert err[0].endswith("greedy (temperature 0), gamma 4, block-wise verification" + guarded), err[0]
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--tree", "3,2,1,1"])
-    assert err[0].endswith("greedy (temperature 0), tree 3,2,1,1 (21 nodes, children without_replacement)"), err[0]
+    assert err[0].endswith("greedy (temperature 0), tree 3,2,1,1 (21 nodes, children without_replacement)"
+                           + guarded), err[0]
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--no-guard"])
+    assert err[0].endswith("greedy (temperature 0), gamma 4, token-wise verification"), err[0]
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "1", "--seed", "1", "--guard"])
+    assert err[0].endswith("seed 1, gamma 4, token-wise verification" + guarded), err[0]
+
+
+@needs_pair
+@pytest.mark.parametrize(("flags", "guard"), [
+    ([], True),  # greedy: on, the output is the same either way
+    (["--temperature", "1", "--seed", "2"], False),  # sampled: off, so that the seed repeats the run
+    (["--temperature", "1", "--seed", "2", "--guard"], True),
+    (["--no-guard"], False),
+    (["--gamma", "auto"], True),  # AutoGamma turns itself off where it loses
+    (["--no-draft"], False),
+])
+def test_the_guard_is_on_when_greedy_and_asked_for_when_sampled(flags: list[str], guard: bool) -> None:
+    doc = run_json(*PAIR, "--max-new-tokens", "4", *flags)
+    assert doc["settings"]["guard"] is guard
+
+
+@needs_pair
+def test_guard_flags_that_do_nothing_are_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--gamma", "auto", "--no-guard"])
+    assert "warning: --guard has no effect with --gamma auto or --tree auto" in "\n".join(err)
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--no-draft", "--guard"])
+    assert "--guard" in "\n".join(line for line in err if line.startswith("warning:"))
 
 
 @needs_pair

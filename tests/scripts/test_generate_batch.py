@@ -94,7 +94,8 @@ def test_text_output_prints_each_completion_in_order_then_the_summary(capsys: py
     expected = "".join(f"--- prompt {i} (line {i + 1}) ---\n{line}{row['text']}\n"
                        for i, (line, row) in enumerate(zip(LINES, greedy_batch["prompts"])))
     assert out == expected
-    assert err[0].endswith("greedy (temperature 0), gamma 4, token-wise verification"), err[0]
+    assert err[0].endswith("greedy (temperature 0), gamma 4, token-wise verification, guarded (plain steps where "
+                           "speculating loses)"), err[0]
     assert err[1] == f"3 prompts from {three}, decoded as a batch of at most 3 rows per target call"
     assert err[2].startswith("batch: 3 prompts, batch size 3 (mean ") and f"{3 * int(NEW)} new tokens" in err[2]
     assert "stopped: 3 max_new_tokens" in err[2] and err[3].startswith("alpha="), err

@@ -25,6 +25,7 @@ from speculative import (
     speculative_generate,
 )
 from speculative.engine.engine import RowFailedError
+from speculative.engine.gamma import AutoGamma, Switch
 from tests.support.proofs import proof
 from tests.support.toy_models import noisy_copy, random_llama, reference_greedy
 
@@ -304,3 +305,32 @@ def test_auto_gamma_off_and_on_again_is_still_the_target_s_greedy_output(pair: d
     history = row.stats.gamma_history
     assert history[:4] == [0, 0, 0, 0] and any(history[4:])
     assert row.result().tokens == reference_greedy(pair["target"], PROMPTS[1], 24)
+
+
+@pytest.mark.parametrize("tree", [None, (2, 1)])
+def test_a_guarded_gamma_or_tree_off_and_on_again_is_still_the_target_s_greedy_output(pair: dict, tree) -> None:
+    """guard=True: a fixed gamma (or a named tree, its depth) turned off and back on by its switch: the
+    iterations draft the asked length or nothing, and the tokens are the target's greedy ones."""
+    engine = Engine(pair["target"], pair["draft"], gamma=None if tree else 3, tree=tree, temperature=0.0,
+                    max_rows=1, cache_len=64, guard=True)
+    depth = 3 if tree is None else 2
+    engine.auto.off, engine.auto.next_retry = True, 5  # plain steps from the start, a retry at iterations 5 and 6
+    row = engine.add(PROMPTS[1], 24)
+    engine.run()
+    history = row.stats.gamma_history
+    assert history[:5] == [0] * 5 and history[5:7] == [depth, depth] and history[7] == 0
+    assert set(history) <= {0, depth} or max(history[-3:]) < depth  # (the last iterations shrink to the count)
+    assert row.result().tokens == reference_greedy(pair["target"], PROMPTS[1], 24)
+
+
+def test_the_guard_is_asked_for_and_not_doubled() -> None:
+    """Without guard a fixed gamma has no switch; gamma="auto" always has one (AutoGamma), and a tree="auto"
+    has its own plain candidate (AutoTree), so guard adds nothing to either."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    draft = noisy_copy(target, std=0.3, seed=1)
+    assert Engine(target, draft, gamma=3).auto is None
+    assert type(Engine(target, draft, gamma=3, guard=True).auto) is Switch
+    assert Engine(target, draft, gamma=3, guard=True).auto.gamma == 3
+    assert type(Engine(target, draft, gamma="auto", guard=True).auto) is AutoGamma
+    assert Engine(target, draft, tree="auto", guard=True).auto is None
+    assert Engine(target, None, guard=True).auto is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from speculative.engine.cost import best_gamma, expected_speedup, expected_tokens_per_iteration
-from speculative.engine.gamma import GAMMA_START, AutoGamma
+from speculative.engine.gamma import GAMMA_START, AutoGamma, Switch
 from speculative.inputs import GAMMA_MAX
 
 
@@ -94,7 +94,7 @@ class Clock:
         return end - start
 
 
-def run(auto: AutoGamma, iterations: int, first: int, now: float, spec: tuple[float, int],
+def run(auto: Switch, iterations: int, first: int, now: float, spec: tuple[float, float],
         plain_s: float) -> tuple[list[int], float]:
     """Drive ``auto`` as the engine does for ``iterations`` iterations from index ``first``: each
     chosen gamma takes its seconds (speculating: spec = (seconds, tokens); plain: plain_s for one
@@ -109,37 +109,70 @@ def run(auto: AutoGamma, iterations: int, first: int, now: float, spec: tuple[fl
     return chosen, now
 
 
-def test_auto_turns_speculation_off_where_plain_steps_are_faster_and_retries_less_often() -> None:
-    auto = AutoGamma()
-    # speculating: 10 ms for 1.5 tokens (150 tokens/s); plain: 5 ms a token (200 tokens/s)
-    chosen, now = run(auto, 40, 0, 0.0, (0.010, 1.5), 0.005)
-    assert chosen[:3] == [4, 4, 4] and chosen[3] == 0  # the first plain step is a probe at iteration 3
-    assert auto.off
-    first_retry = next(i for i in range(5, 40) if chosen[i])
-    # iteration 4 was chosen before the probe was timed (at iteration 4's start)
-    assert chosen[5:first_retry] == [0] * (first_retry - 5) and first_retry == 3 + 16  # 16 after the probe
-    later, now = run(auto, 120, 40, now, (0.010, 1.5), 0.005)
-    retries = [i + 40 for i, g in enumerate(later) if g and (i == 0 or not later[i - 1])]
-    gaps = [b - a for a, b in zip([first_retry, *retries], retries)]
-    assert gaps and all(b > a for a, b in zip(gaps, gaps[1:])) and gaps[0] > 16  # it backs off while it loses
-    assert sum(later) / 4 < 12  # few speculating iterations while off
+def retries(chosen: list[int]) -> list[int]:
+    """The iterations where speculation starts again after plain steps (iteration 0 excluded)."""
+    return [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
 
 
-def test_auto_stays_on_where_speculation_pays_and_comes_back_when_it_starts_paying() -> None:
-    auto = AutoGamma()
+@pytest.mark.parametrize("kind", [Switch, AutoGamma])
+def test_speculation_is_turned_off_where_plain_steps_are_faster(kind: type) -> None:
+    auto = kind()
+    # speculating: 10 ms for 1.8 tokens (180 tokens/s); plain: 5 ms a token (200 tokens/s)
+    chosen, now = run(auto, 120, 0, 0.0, (0.010, 1.8), 0.005)
+    # iterations 0 and 1 speculate, 2 is the plain probe and 3 waits for its time (timed when 3 starts,
+    # known when 3 ends); from 4 on, off
+    assert chosen[:4] == [4, 4, 0, 0] and auto.off
+    # a retry loses 2 x (10 - 1.8 x 5) ms = 2 ms; within 1% of 5 ms a plain step: one per 40 plain steps,
+    # counted from the probe (iteration 2); then two speculating iterations, plain until the second is timed
+    first = retries(chosen)[0]
+    assert first == 2 + 40 and chosen[4:first] == [0] * (first - 4)
+    assert chosen[first:first + 4] == [4, 4, 0, 0]
+    # it lost again: counted from its second iteration, the gap is now the doubled 32 or the budget's 40
+    assert retries(chosen)[1] == first + 1 + 40
+    later, _ = run(auto, 400, 120, now, (0.010, 1.8), 0.005)
+    gaps = [b - a for a, b in zip(retries(later), retries(later)[1:])]
+    assert gaps and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > 100  # it backs off while it loses
+    assert sum(g > 0 for g in later) <= 2 * (len(gaps) + 1)  # two speculating iterations a retry
+
+
+def test_a_drafter_that_loses_much_is_retried_seldom_and_costs_little() -> None:
+    """The docstring's case: each speculating iteration costs three plain steps more than its tokens
+    (20 ms for one token, against 5 ms a token): retried only after 2 x 15 ms / (1% of 5 ms) = 600."""
+    auto = Switch(gamma=5)
+    chosen, now = run(auto, 700, 0, 0.0, (0.020, 1), 0.005)
+    assert retries(chosen) == [2 + 600]
+    speculating = sum(g > 0 for g in chosen)
+    assert speculating == 4
+    # 700 tokens at a plain step's 5 ms would take 3.5 s: the run is within 2% of it
+    assert now == pytest.approx(speculating * 0.020 + (700 - speculating) * 0.005) and now < 1.02 * 3.5
+
+
+@pytest.mark.parametrize("kind", [Switch, AutoGamma])
+def test_speculation_stays_on_where_it_pays_and_comes_back_when_it_starts_paying(kind: type) -> None:
+    auto = kind()
     chosen, now = run(auto, 100, 0, 0.0, (0.010, 4), 0.005)  # 400 tokens/s against 200
     assert not auto.off
-    assert [i for i, g in enumerate(chosen) if g == 0] == [3, 32, 64, 96]  # a plain probe in 32
-    broke = AutoGamma()
-    chosen, now = run(broke, 30, 0, 0.0, (0.010, 1), 0.005)  # loses: off
+    assert [i for i, g in enumerate(chosen) if g == 0] == [2, 3, 32, 64, 96]  # a plain probe in 32
+    broke = kind()
+    chosen, now = run(broke, 30, 0, 0.0, (0.010, 1.8), 0.005)  # loses: off
     assert broke.off
-    chosen, now = run(broke, 150, 30, now, (0.010, 4), 0.005)  # now it pays: on at the next retry
-    assert not broke.off and chosen[-10:].count(0) <= 1
+    chosen, now = run(broke, 150, 30, now, (0.010, 4), 0.005)  # now it pays: on at the next retry (42)
+    assert not broke.off and chosen[-10:].count(0) <= 1 and chosen[42 - 30] == 4
+
+
+def test_the_switch_keeps_its_gamma_and_auto_moves_its_own() -> None:
+    """guard=True's switch drafts the gamma it was given or nothing; AutoGamma's cost model moves its gamma."""
+    fixed, auto = Switch(gamma=3), AutoGamma()
+    chosen, _ = run(fixed, 50, 0, 0.0, (0.010, 4), 0.005)
+    assert set(chosen) == {0, 3}
+    for _ in range(100):
+        auto.update([1.0] * 4, draft_step_s=0.0005, target_call_s=0.005)
+    assert auto.gamma > 8
 
 
 def test_a_broken_on_off_rule_is_caught() -> None:
     """Power: the rule with its comparison reversed keeps speculating where it loses."""
-    class Reversed(AutoGamma):
+    class Reversed(Switch):
         def _observe(self, iteration: int, gamma: int, seconds: float, tokens: int) -> None:
             super()._observe(iteration, gamma, seconds, tokens)
             if self.plain_s is not None and self.speculating is not None:
