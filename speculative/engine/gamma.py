@@ -49,7 +49,7 @@ engine when called, and FixedGamma does not look at it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from speculative.engine.cost import best_gamma
@@ -76,6 +76,9 @@ class Switch:
     last: tuple[int, int] = (-1, 0)  # (iteration, gamma) chosen: the engine asks once per row
     previous_gamma: int = 0  # the gamma of the iteration observed last
     pending: tuple | None = None  # (iteration, gamma, tokens, start mark): timed when the next one starts
+    fade: float = 0.95  # weight of the past per new speculating iteration's tokens (AutoGamma: per position's alpha)
+    emitted: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # faded count, sum, sum of squares
+    rows: int = 1  # the tokens of a plain iteration
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -92,7 +95,7 @@ class Switch:
             if i - self.next_retry > 3:  # the retry was cut to nothing (a row's limits): again
                 self.next_retry = i
             return self.gamma if 0 <= i - self.next_retry < 2 else 0
-        if i >= 2 and self.plain_s is None or i > 0 and i % self.probe_every == 0:
+        if i == 2 or self.plain_s is None and i > 3 or i > 0 and i % self.probe_every == 0:
             return 0
         return self.gamma
 
@@ -107,6 +110,11 @@ class Switch:
     def _observe(self, iteration: int, gamma: int, seconds: float, tokens: int) -> None:
         clean = iteration > 0 and not (gamma > 0 and self.previous_gamma == 0)
         self.previous_gamma = gamma
+        if gamma > 0:  # every speculating iteration's tokens count, clean or not: they vary, the seconds less so
+            w, total, squares = self.emitted
+            self.emitted = [self.fade * w + 1, self.fade * total + tokens, self.fade * squares + tokens * tokens]
+        else:
+            self.rows = tokens  # a plain iteration emits one token a row
         if not clean or seconds <= 0:
             return
         if gamma == 0:
@@ -118,11 +126,16 @@ class Switch:
                                 zip(self.speculating, (seconds, tokens))]
         if self.plain_s is None or self.speculating is None:
             return
-        seconds, tokens = self.speculating
-        losing = tokens / seconds < 1 / self.plain_s
-        if losing and (not self.off or gamma > 0):  # turned off, or a retry that lost again
+        # A loss counts only where the tokens' spread cannot explain it: with their mean raised by one standard
+        # error (the spread taken with one pseudo-observation of half the range: gamma tokens a row), speculating
+        # still emits fewer tokens per second than plain steps.
+        seconds, (w, total, squares) = self.speculating[0], self.emitted
+        mean = total / w
+        spread = (max(squares - total * mean, 0.0) + (self.gamma * self.rows / 2) ** 2) / (w + 1)
+        lost = 2 * (seconds - (mean + math.sqrt(spread / w)) * self.plain_s)  # what a retry's two iterations lose
+        losing = lost > 0
+        if losing and (not self.off or gamma > 0 and iteration >= self.next_retry):  # off now, or a retry lost again
             self.retry_after = self.retry_after * 2 if self.off else 16
-            lost = 2 * (seconds - tokens * self.plain_s)  # what a retry's two iterations lose
             self.next_retry = iteration + max(self.retry_after, math.ceil(lost / (self.budget * self.plain_s) - 1e-9))
         self.off = losing
 
@@ -140,7 +153,6 @@ class AutoGamma(Switch):
     1 + sum_{j<=g} alpha_1 ... alpha_j, per unit of time, c_call + T(g + 1) (a width not measured
     yet is read off the line through the nearest measured ones; once tried, it is measured)."""
 
-    fade: float = 0.95  # per position, of the past acceptance counts
     gamma_max: int = GAMMA_MAX
     alpha: float | None = None
     draft_step_s: float | None = None  # one drafter call (token by token: one step)
