@@ -25,18 +25,22 @@ speculation off where it loses (:class:`Switch`, which AutoGamma extends). A fix
 named tree gets the same switch alone with ``guard=True`` (the Engine's argument; generate.py's
 default when greedy): the drafted length stays as asked, or 0 while plain steps are faster.
 
-:class:`Switch` times the seconds and tokens of speculating iterations and the seconds of plain
-ones (gamma 0, one target step), as moving averages of clean iterations (not the prompt's, not
-the one after plain steps, where the drafter catches up). Iterations 0 and 1 speculate; 2 is a
-plain step, and so is 3 while 2 waits for its time (an iteration is timed when the next one
-starts); from then on speculation is off whenever plain steps emit more tokens per second than
-speculating did. While on, one iteration in 32 is a plain step, so that the plain cost stays
-measured. While off it speculates again for two iterations (the drafter catching up, then one
-clean one) after 16 iterations off, then 32, 64, ... while it keeps losing (back to 16 once it
-pays), and never sooner than keeps what the retries lose within 1% of the time spent off: a
-drafter that costs three target steps more per iteration than it saves is retried after 600.
-So a set-up where speculation loses pays for two speculating iterations (0 and 1) and rare
-retries. Nothing is set by hand: the crossover is where this run's own measurements put it.
+:class:`Switch` times whole iterations, start to start: the seconds of clean speculating ones (not
+the prompt's, not the one after plain steps, where the drafter catches up) and of plain ones (gamma
+0, one target step), and counts the tokens of every speculating iteration. Iterations 0 and 1
+speculate, 2 is a plain step (the probe), 3 speculates; from iteration 4 on (2's time is known when
+3 ends) speculation is off wherever it loses for sure enough: where, with its tokens' mean raised
+by one standard error (their spread taken with one pseudo-observation of half the range, gamma
+tokens a row, so that two unlucky iterations are not a verdict) and its seconds the fastest of the
+last three clean ones (so that one iteration slowed by a neighbour is not either), it still emits
+fewer tokens per second than plain steps. While on, one iteration in 32 is a plain step, so that
+the plain cost stays measured. While off it speculates again for two iterations (the drafter
+catching up, then one clean one) after 16 iterations off, then 32, 64, ... while it keeps losing
+(back to 16 once it pays), and never sooner than keeps what the retries lose within 1% of the time
+spent off: a drafter that costs three target steps more per iteration than it saves waits some
+400 iterations. So a set-up where speculation loses for sure pays for three speculating
+iterations and rare retries. Nothing is set by hand: the crossover is where this run's own
+measurements put it.
 
 Changing gamma from one iteration to the next does not affect the output distribution:
 each emitted token has the target's distribution given everything before it, whatever
@@ -65,7 +69,7 @@ class Switch:
 
     gamma: int = GAMMA_START  # drafted when on
     decay: float = 0.9  # weight of the past in the moving averages
-    # whole iterations, measured: speculating [seconds, tokens], plain seconds
+    # whole iterations, measured: the last three clean speculating ones' seconds, and plain seconds per token
     speculating: list[float] | None = None
     plain_s: float | None = None
     off: bool = False  # plain steps emit more tokens per second than speculating: gamma 0
@@ -120,16 +124,17 @@ class Switch:
         if gamma == 0:
             self.plain_s = self._average(self.plain_s, seconds / max(tokens, 1))
         elif self.off or self.speculating is None:  # fresh after a pause: what it costs now, not before
-            self.speculating = [seconds, float(tokens)]
+            self.speculating = [seconds]
         else:
-            self.speculating = [self.decay * o + (1 - self.decay) * n for o, n in
-                                zip(self.speculating, (seconds, tokens))]
+            self.speculating = [*self.speculating, seconds][-3:]
         if self.plain_s is None or self.speculating is None:
             return
         # A loss counts only where the tokens' spread cannot explain it: with their mean raised by one standard
         # error (the spread taken with one pseudo-observation of half the range: gamma tokens a row), speculating
         # still emits fewer tokens per second than plain steps.
-        seconds, (w, total, squares) = self.speculating[0], self.emitted
+        # The seconds: the fastest of the last three, so that one iteration slowed by something else on the
+        # machine (a neighbour's burst) does not turn off speculation that pays.
+        seconds, (w, total, squares) = min(self.speculating), self.emitted
         mean = total / w
         spread = (max(squares - total * mean, 0.0) + (self.gamma * self.rows / 2) ** 2) / (w + 1)
         lost = 2 * (seconds - (mean + math.sqrt(spread / w)) * self.plain_s)  # what a retry's two iterations lose
