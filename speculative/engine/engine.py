@@ -14,8 +14,8 @@ plugged in at four named seams. One iteration (:meth:`Engine.step`):
    call for the row starts at its newest token. No row waits for another's acceptance.
 
 The target alone is the same engine with nothing drafted (``draft=None``): every iteration samples t from p_1.
-Rows that stop only by their count keep their tokens on the device and are read when the rows change, so the
-baseline makes no host read per token.
+Where nothing is drafted (the target alone, a drafter switched off) and the rows stop only by their count, the
+tokens stay on the device until the rows change or a drafter drafts again: no host read per token.
 
 Rows join and leave between iterations (:meth:`Engine.add`, :meth:`Engine.step`, :attr:`Engine.finished`): a
 finished row leaves at once (the KV caches drop it, model.move_cache compacts the rest) and a waiting one
@@ -105,8 +105,7 @@ class Engine:
         self.auto = None if self.drafter is None else AutoGamma(gamma_max=self.gamma_max, parallel=trait(
             self.drafter, "parallel")) if gamma == "auto" else guarded
         self.gamma_setting = "auto" if isinstance(self.auto, AutoGamma) else self.gamma_max
-        own = trait(self.drafter, "max_seq_len") if self.drafter is not None else None
-        self.limit = min(target.config.max_seq_len, own or target.config.max_seq_len)
+        self.limit = min(target.config.max_seq_len, trait(self.drafter, "max_seq_len") or target.config.max_seq_len)
         self.slack = self.gamma_max if self.tree is None else len(branching_parents(self.tree))  # slots past a row
         if self.tree is not None and self.slack + 1 >= self.limit:
             raise ValueError(f"the tree {self.tree} has {self.slack} nodes, which cannot fit in the "
@@ -120,7 +119,7 @@ class Engine:
         self.finished: list[Row] = []  # rows that are done, in the order they finished
         self.stats = BatchStats(prompts=0, batch_size=max_rows)
         self.clock: Clock | None = None
-        self.pending: list[torch.Tensor] = []  # the target alone: tokens of the rows not read yet
+        self.pending: list[torch.Tensor] = []  # plain steps' tokens not read yet (Engine.defer)
         self.pending_finite: list[torch.Tensor] = []
         self.policy: Callable[[Engine], int] | None = None  # gamma per iteration from outside (a server's)
 
@@ -267,9 +266,8 @@ class Engine:
             t1 = clock.mark()
             logits, hidden = self.score(rows, draft)  # line 4
             t2 = clock.mark()
-            steps = self.verify(rows, draft, logits)  # lines 5-9
-            if steps is not None:  # None: the target alone, its tokens left on the device (Engine.defer)
-                self.commit(rows, draft, steps, hidden)  # line 10
+            steps = self.verify(rows, draft, logits)  # lines 5-9 (None: nothing drafted, tokens left on the device)
+            self.commit(rows, draft, steps, hidden)  # line 10
             t3 = clock.mark()
             self.learn(rows, draft, steps or [Verification([], 0, [])] * len(rows), (t0, t1, t2, t3))
             return cancelled + self.retire(t3)
@@ -287,12 +285,12 @@ class Engine:
     def verify(self, rows: list[Row], draft: Draft, logits: torch.Tensor) -> list[Verification] | None:
         """Lines 5-9: every row's verdict (its own rule, sampling and generator), read in one copy,
         cut at the row's first end id (even inside an accepted block), and the log-probabilities of
-        what it emits recorded from these logits, the target's own laws. None when the target alone
-        runs rows that stop by their count: the tokens stay on the device (Engine.defer)."""
+        what it emits recorded from these logits, the target's own laws. None when nothing was drafted and
+        the rows stop by their count: the tokens stay on the device (Engine.defer)."""
         finite = finite_rows(logits)  # read with the verdicts: a row whose logits are not finite fails alone
         verdict = judge_rows(logits, draft, [row.sampling for row in rows], self.rule,
                              [row.generator for row in rows], finite)
-        if self.deferred(rows):
+        if self.deferred(rows, draft):
             self.defer(rows, verdict.parts[0], finite)
             return None
         steps = self.read(rows, draft, verdict, finite)
@@ -321,6 +319,7 @@ class Engine:
         nothing = Draft(torch.empty(len(rows), 0, dtype=torch.long, device=self.device), [0] * len(rows))
         if self.drafter is None or max(gammas) == 0:
             return nothing
+        self.flush()  # the tokens of plain steps not read yet (Engine.defer): a drafter reads the sequence
         if self.tree is None:
             return self.drafter.propose([row.ids for row in rows], gammas, [row.sampling for row in rows],
                                         [row.generator for row in rows], self.device)
@@ -342,7 +341,7 @@ class Engine:
         reads = trait(self.drafter, "reads_features") if self.drafter is not None else False
         starts = [row.target_next for row in rows]
         wanted = [g + 1 for g in draft.lengths]
-        if self.pending:  # the target alone, rows unchanged: each feeds its newest token, still on the device
+        if self.pending:  # plain steps, rows unchanged: each feeds its newest token, still on the device
             feed = self.pending[-1].view(-1, 1)
         else:
             unread = [row.ids[start:] for row, start in zip(rows, starts)]
@@ -370,12 +369,13 @@ class Engine:
         index = torch.tensor([at_row, at_col], device=logits.device)
         return logits[index[0], index[1]], hidden
 
-    def commit(self, rows: list[Row], draft: Draft, steps: list[Verification], hidden: torch.Tensor | None) -> None:
-        """Line 10: row b emits x_1..x_n, t (verify cut it at an end id) and rolls back: everything
-        before its newest token is in the target's cache, whatever the other rows accepted (a
-        tree's accepted path is first moved into place); the drafter learns the new lengths and,
-        if it reads them, the target's features of the accepted paths."""
-        starts = [row.target_next for row in rows]
+    def commit(self, rows: list[Row], draft: Draft, steps: list[Verification] | None,
+               hidden: torch.Tensor | None) -> None:
+        """Line 10: row b emits x_1..x_n, t (cut at an end id by verify; ``steps`` None: one token each, on the
+        device) and rolls back: everything before its newest token is in the target's cache, whatever the other
+        rows accepted (a tree's accepted path is first moved into place); the drafter learns the new lengths
+        and, if it reads them, the target's features of the accepted paths."""
+        starts, steps = [row.target_next for row in rows], steps or []
         if draft.tree is not None and rows[0].error is None:
             hidden = keep_path(self.target, steps[0].path, rows[0].length, starts[0], hidden)
         for row, step in zip(rows, steps):
@@ -391,18 +391,18 @@ class Engine:
                 except Exception as error:  # its own handler failed: it leaves at the end of this step
                     row.error = RowFailedError(f"{type(error).__name__}: {error}".splitlines()[0])
 
-    # ------------------------------------------------------------------------- the target alone
-    def deferred(self, rows: list[Row]) -> bool:
-        """Nothing drafted and every row stops by its count alone: no need to see the tokens yet."""
-        return self.drafter is None and all(not row.stop_ids and row.callback is None and row.logprobs is None
-                                            for row in rows)
+    # ------------------------------------------------------------------------- plain steps: the target alone, or off
+    def deferred(self, rows: list[Row], draft: Draft) -> bool:
+        """Nothing drafted (the target alone; a drafter switched off on a CPU, where the switch's clock needs
+        no host read to time an iteration) and every row stops by its count alone: no need to see the tokens yet."""
+        return draft.tokens.shape[1] == 0 and (self.drafter is None or not self.clock.events) and all(
+            not row.stop_ids and row.callback is None and row.logprobs is None for row in rows)
 
     def defer(self, rows: list[Row], tokens: torch.Tensor, finite: torch.Tensor) -> None:
         self.pending.append(tokens)
         self.pending_finite.append(finite)
         for row in rows:
             row.owed += 1
-            row.target_next = row.length - 1
 
     def flush(self) -> None:
         """Read the deferred tokens of the rows in ONE copy, with every call's finite flags; a

@@ -74,7 +74,7 @@ def position_of_other_row(mp: pytest.MonkeyPatch) -> None:
 
     def commit(self, rows, draft, steps, hidden):
         real(self, rows, draft, steps, hidden)
-        for b, row in enumerate(rows):
+        for b, row in enumerate(rows if steps is not None else []):  # None: plain steps left on the device
             other = steps[(b + 1) % len(steps)]
             row.target_next = row.length - 1 - steps[b].accepted + other.accepted
 

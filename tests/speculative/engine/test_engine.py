@@ -24,6 +24,7 @@ from speculative import (
     autoregressive_generate,
     speculative_generate,
 )
+from speculative.engine import engine as engine_module
 from speculative.engine.engine import RowFailedError
 from speculative.engine.gamma import AutoGamma, Switch
 from tests.support.proofs import proof
@@ -321,6 +322,34 @@ def test_a_guarded_gamma_or_tree_off_and_on_again_is_still_the_target_s_greedy_o
     assert history[:5] == [0] * 5 and history[5:7] == [depth, depth] and history[7] == 0
     assert set(history) <= {0, depth} or max(history[-3:]) < depth  # (the last iterations shrink to the count)
     assert row.result().tokens == reference_greedy(pair["target"], PROMPTS[1], 24)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", ["model", "feature"])
+def test_plain_steps_of_a_drafter_switched_off_stay_on_the_device(pair: dict, kind: str, temperature: float,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a guarded drafter is off, rows that stop by their count keep their tokens on the device, as the
+    target alone does (no host read per token); the drafter reads them when it drafts again. The tokens,
+    what was drafted and what was accepted are those of the same run whose callback reads every token."""
+    reads = []
+    real = engine_module.read_host
+    monkeypatch.setattr(engine_module, "read_host", lambda parts: reads.append(1) or real(parts))
+
+    def run(callback) -> tuple[list[int], list[int], int, int]:
+        engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, temperature=temperature, max_rows=1,
+                        cache_len=64, guard=True)
+        # the switch's answers, without its clock: plain for six iterations, then drafting again
+        engine.auto.choose, engine.auto.observe = (lambda i: 0 if i < 6 else 3), (lambda *args: None)
+        reads.clear()
+        row = engine.add(PROMPTS[2], 20, seed=4, callback=callback)
+        engine.run()
+        return row.result().tokens, row.stats.gamma_history, row.stats.accepted_draft_tokens, len(reads)
+
+    quiet, seen = run(None), run(lambda ids, from_draft: None)
+    assert quiet[:3] == seen[:3] and quiet[1][:6] == [0] * 6 and quiet[1][6] == 3
+    assert quiet[3] < seen[3] - 4  # the first six plain steps made no read of their own
+    if temperature == 0:
+        assert quiet[0] == reference_greedy(pair["target"], PROMPTS[2], 20)
 
 
 def test_the_guard_is_asked_for_and_not_doubled() -> None:
