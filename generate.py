@@ -257,7 +257,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         print(f"warning: {note}", file=sys.stderr)
     if args.temperature == 0:  # the warned-about flags are dropped, so that settings show what ran
         args.top_k = args.top_p = args.seed = None
-    args.guard = args.temperature == 0 and args.tree != "auto" if args.guard is None else args.guard
+    args.guard = cmdline.guarded(args.guard, args.temperature)
     if args.plan:
         return print_plan(args)
     if args.compile_cache:

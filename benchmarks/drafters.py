@@ -52,12 +52,13 @@ import torch
 from benchmarks.harness import command_line, machine_line, markdown_table, median, script_parser, turn_order
 from model.fast.compile import decode_widths
 from speculative import autoregressive_generate, speculative_generate
-from speculative.cli.options import gamma_arg
+from speculative.cli.options import gamma_arg, guarded
 from speculative.inputs import GAMMA_MAX
 from weights import StepCache, load_tokenizer, read_pair
 from weights.corpus import chat_prompts, held_out_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
+GUARDS = {"on": True, "off": False, "greedy": None}  # --guard: None is generate.py's default
 VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
 
 
@@ -84,7 +85,7 @@ def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int
             out = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=i)
         else:
             out = speculative_generate(target, drafter, prompt, new_tokens, gamma=gamma, temperature=temperature,
-                                       seed=i, guard=guard == "on" or guard == "greedy" and temperature == 0)
+                                       seed=i, guard=guarded(GUARDS[guard], temperature))
         s = out.stats
         total["new"] += s.new_tokens
         total["wall"] += s.wall_time_s
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", nargs="*", default=None, help="a label per drafter (default: the names)")
     parser.add_argument("--gamma", type=gamma_arg, nargs="+", default=[5],
                         help="tokens drafted per target call, or auto; several: every drafter at each (default 5)")
-    parser.add_argument("--guard", nargs="+", choices=["greedy", "on", "off"], default=["greedy"],
+    parser.add_argument("--guard", nargs="+", choices=list(GUARDS), default=["greedy"],
                         help="plain steps where speculating loses (Engine's guard): on, off, or greedy, generate.py's "
                         "default (on when greedy); several: every drafter with each")
     parser.add_argument("--chat", action="store_true", help="chat requests about held-out stories in the target's "

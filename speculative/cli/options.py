@@ -53,6 +53,12 @@ def gamma_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
+def guarded(asked: bool | None, temperature: float) -> bool:
+    """--guard / --no-guard, or by default on when greedy only: there the output is the target's greedy tokens
+    whatever the switch does, while a sampled run would follow the clock as well as its seed."""
+    return temperature == 0 if asked is None else asked
+
+
 def tree_arg(text: str) -> tuple[int, ...] | str:
     """--tree: the branching per depth, integers >= 1 joined by commas, or auto."""
     if text == "auto":
