@@ -72,7 +72,7 @@ class Switch:
     # whole iterations, measured: the last three clean speculating ones' seconds, and plain seconds per token
     speculating: list[float] | None = None
     plain_s: float | None = None
-    off: bool = False  # plain steps emit more tokens per second than speculating: gamma 0
+    off: bool = False  # plain steps emit more tokens per second than speculating, for sure: gamma 0
     probe_every: int = 32  # while on: one plain iteration in this many
     retry_after: int = 16  # while off: iterations before speculating again (doubles while it loses)
     budget: float = 0.01  # while off: the share of the time the retries may lose, at most
