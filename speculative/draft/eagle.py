@@ -63,7 +63,9 @@ class FeatureDrafter:
         same = ids is not None and len(ids) == self.vocab_size and bool((ids.diff() == 1).all())
         self.ids = None if ids is None or same else ids
         self.max_seq_len = head.config.max_seq_len
-        self.features: torch.Tensor | None = None  # [rows, cache_len, dim] the target's features by position
+        self.table: torch.Tensor | None = None  # [rows, cache_len, dim] the target's features by position
+        # what commit received and has not projected yet: (the target's features, lengths, starts) per call
+        self.unprojected: list[tuple[torch.Tensor, list[int], list[int]]] = []
         self.known: list[int] = []  # row b: positions 0..known[b]-1 hold the target's own features
         self.next: list[int] = []  # row b: the head's first cache slot not holding a true input
 
@@ -73,9 +75,17 @@ class FeatureDrafter:
         self.head.setup_cache(max_rows, cache_len)
         # zeros, not empty: a placeholder row reads it, and NaN in a masked cache slot would still
         # poison attention (0 * NaN)
-        self.features = torch.zeros(max_rows, cache_len, self.head.config.dim, dtype=self.head.dtype,
-                                    device=self.head.device)
-        self.known, self.next = [], []
+        self.table = torch.zeros(max_rows, cache_len, self.head.config.dim, dtype=self.head.dtype,
+                                 device=self.head.device)
+        self.known, self.next, self.unprojected = [], [], []
+
+    @property
+    def features(self) -> torch.Tensor:
+        """The table of the head's input features by position, every committed call's projected."""
+        if self.unprojected:
+            with torch.inference_mode():  # the table is the engine's (made in inference mode), whoever reads it
+                self._project()
+        return self.table
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: the target's, or as a head that has its own says (P-EAGLE's), in the
@@ -179,29 +189,42 @@ class FeatureDrafter:
 
     def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
                hidden_starts: list[int] | None = None) -> None:
-        """Store every row's target features of its accepted path (positions < its new
-        length - 1), in one copy."""
+        """Keep every row's target features of its accepted path (positions < its new length - 1)
+        for the table. They are projected (EAGLE-3's fc of the fused features) when the head next
+        reads the table, all calls since in one product: while the engine takes plain steps (a
+        drafter switched off) a one-row product per step would cost a tenth of a small compiled
+        target's step, for features that may never be read."""
         if hidden is None or hidden_starts is None:
             raise ValueError("FeatureDrafter.commit needs the target's hidden states")
-        hidden = self.head.project(hidden.to(self.head.dtype))  # EAGLE-3: fc of the fused features, once per position
-        if len(lengths) == 1:
-            start = hidden_starts[0]
-            self.features[0, start:lengths[0] - 1] = hidden[0, :lengths[0] - 1 - start]
-        else:
-            where = [(b, start + j, j) for b, (length, start) in enumerate(zip(lengths, hidden_starts))
-                     for j in range(length - 1 - start)]
-            if where:
-                rows, slots, cols = torch.tensor(where, device=hidden.device).T
-                self.features[rows, slots] = hidden[rows, cols]
+        # a copy: the target may write its next call's output where this one's is
+        self.unprojected.append((hidden.to(self.head.dtype, copy=True), list(lengths), list(hidden_starts)))
+        if len(self.unprojected) >= 256:  # bounded: long runs of plain steps hold a few hundred rows at most
+            self._project()
         self.known = [length - 1 for length in lengths]
         self.next = [min(n, length - 1) for n, length in zip(self.next, lengths)]
 
+    def _project(self) -> None:
+        """Project every kept call's features in one product and store each row's accepted path, one
+        copy a call."""
+        kept, self.unprojected = self.unprojected, []
+        projected = self.head.project(torch.cat([hidden for hidden, _, _ in kept], dim=1))
+        for part, (_, lengths, starts) in zip(projected.split([h.shape[1] for h, _, _ in kept], dim=1), kept):
+            if len(lengths) == 1:
+                self.table[0, starts[0]:lengths[0] - 1] = part[0, :lengths[0] - 1 - starts[0]]
+                continue
+            where = [(b, start + j, j) for b, (length, start) in enumerate(zip(lengths, starts))
+                     for j in range(length - 1 - start)]
+            if where:
+                rows, slots, cols = torch.tensor(where, device=part.device).T
+                self.table[rows, slots] = part[rows, cols]
+
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
+        table = self.features  # projected now: the calls kept hold the old rows
         if rows != list(range(len(rows))):  # only what the kept rows hold (next, known), not the whole context
             self.head.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
-            index = torch.tensor(rows, dtype=torch.long, device=self.features.device)
+            index = torch.tensor(rows, dtype=torch.long, device=table.device)
             known = max(self.known[r] for r in rows)
-            self.features[:len(rows), :known] = self.features[:, :known].index_select(0, index)
+            table[:len(rows), :known] = table[:, :known].index_select(0, index)
         self.known = [self.known[r] for r in rows] + [0] * new
         self.next = [self.next[r] for r in rows] + [0] * new
 

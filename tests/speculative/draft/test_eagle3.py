@@ -17,6 +17,7 @@ from model import call as calls
 from model.eagle3_head import default_layers
 from speculative import FeatureDrafter, speculative_generate, speculative_generate_batch
 from speculative.draft.ttt import draft_vocabulary, ttt_losses
+from speculative.engine import Engine
 from speculative.proofs.checker import check
 from speculative.sampling import Sampling
 from tests.support.proofs import proof
@@ -132,6 +133,37 @@ def test_eagle3_keeps_the_fused_features_of_the_accepted_path(llama64: dict) -> 
     for kept in snapshots:
         torch.testing.assert_close(kept, fused[0, :kept.shape[0]], rtol=1e-9, atol=1e-9)
     assert snapshots[-1].shape[0] == sequence.shape[1] - 1
+
+
+def test_plain_steps_project_nothing_until_the_head_drafts_again(llama64: dict,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a guard keeps the head off, its commits keep the target's fused features as they come: fc runs
+    once, when the head drafts again, over the prompt's and every plain step's positions in one product, and
+    the table then holds fc of the target's own layer inputs, as the test above computes them."""
+    target, head = llama64["target"], random_eagle3_head(llama64["target"], std=0.2, drop=(3, 9, 15))
+    drafter, widths, real = FeatureDrafter(head, target), [], head.project
+    monkeypatch.setattr(head, "project", lambda fused: widths.append(fused.shape[1]) or real(fused))
+    engine = Engine(target, drafter, gamma=3, temperature=0.0, max_rows=1, cache_len=64, guard=True)
+    engine.auto.choose, engine.auto.observe = (lambda i: 0 if i < 8 else 3), (lambda *args: None)  # off, then on
+    row = engine.add([3, 1, 4], 16)
+    for _ in range(8):  # the prompt's call and seven plain steps
+        engine.step()
+    assert widths == [] and row.stats.gamma_history == [0] * 8
+    engine.step()  # drafting again: the prompt's 3 positions and the plain steps' 7, in one product
+    assert widths[0] == 10 and row.stats.gamma_history[-1] == 3
+    kept = drafter.features[0, :drafter.known[0]].clone()
+    engine.run()
+    inputs = {}
+    hooks = [target.layers[i].register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+             for i in set(head.target_layers)]
+    with torch.no_grad():
+        target(torch.tensor([row.ids]))
+        fused = real(torch.cat([inputs[i] for i in head.target_layers], dim=-1))
+    for hook in hooks:
+        hook.remove()
+    assert kept.shape[0] > 10
+    torch.testing.assert_close(kept, fused[0, :kept.shape[0]], rtol=1e-9, atol=1e-9)
+    assert row.result().tokens == reference_greedy(target, [3, 1, 4], 16)
 
 
 def test_q_is_the_warp_of_the_mapped_logits_and_zero_off_the_draft_vocabulary(llama64: dict) -> None:
