@@ -104,12 +104,14 @@ def generate_speed(cmd: list[str]) -> float:
     return float(json.loads(proc.stdout)["stats"]["tokens_per_second"])
 
 
-def ours_chat(request: str, seed: int, temperature: float, draft: bool, dtype: str, args: Any) -> float:
-    """generate.py on a real target: one chat request, every token decoded (--ignore-eos), eager (an empty cache)."""
+def ours_chat(request: str, seed: int, temperature: float, draft: bool, setup: tuple[str, str], args: Any) -> float:
+    """generate.py on a real target: one chat request, every token decoded (--ignore-eos), in ``setup`` (the
+    compiled-step cache, an empty one for eager; the dtype)."""
+    cache, dtype = setup
     cmd = [sys.executable, str(ROOT / "generate.py"), "--target", args.target, "--dtype", dtype, "--chat",
            "--prompt", request, "--max-new-tokens", str(args.max_new_tokens), "--ignore-eos", "--temperature",
            str(temperature), "--seed", str(seed), "--threads", str(args.threads), "--json", "--gamma", str(args.gamma),
-           "--cache-dir", args.empty_cache]
+           "--cache-dir", cache]
     cmd += ["--no-draft"] if not draft else ["--draft", args.draft] if args.draft else []
     return generate_speed(cmd)
 
@@ -253,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-gguf", type=Path, default=None, help="with --chat: the EAGLE-3 head in GGUF")
     parser.add_argument("--draft", default=None, help="with --chat: ours (default: the target's default drafter)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="with --chat: ours")
+    parser.add_argument("--compiled", action="store_true", help="with --chat: ours also after one --compile in each "
+                        "dtype (the steps of --cache-dir: build them first with generate.py --target ... --compile, "
+                        "with the drafter and with --no-draft)")
     parser.add_argument("--gamma", type=int, default=3, help="with --chat: the draft length of all (default 3)")
     parser.add_argument("--transformers", type=Path, default=None, help="with --chat: also transformers on this HF "
                         "folder of the target (float32), alone and assisted by --transformers-draft")
@@ -348,7 +353,11 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
     args.empty_cache = tempfile.mkdtemp(prefix="llama-cpp-bench-empty-cache-")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     prompts = chat_requests_for(args.target, args.prompts)
-    rows = [(f"this project, {d} (eager)", "ours", d) for d in args.dtypes] + \
+    from weights.step_cache import default_dir
+
+    compiled = [(f"this project, {d} (after --compile)", "ours", (args.cache_dir or str(default_dir()), d))
+                for d in args.dtypes] if args.compiled else []
+    rows = [(f"this project, {d} (eager)", "ours", (args.empty_cache, d)) for d in args.dtypes] + compiled + \
         [(f"llama.cpp {label}", "theirs", path) for label, path in (p.split("=", 1) for p in args.pairs)] + \
         ([("transformers f32", "transformers", None)] if args.transformers else [])
     cells = [(row, draft, t) for row in rows for draft in (False, True) for t in (0.0, 1.0)
@@ -388,9 +397,10 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # ours' dtypes as llama.cpp's labels name them
     for t in (0.0, 1.0):
         def best(who: str, label: str | None = None, t: float = t) -> float:
-            return max(speed(c) for c in cells if c[0][1] == who and c[2] == t and label in (None, c[0][0]))
+            return max(speed(c) for c in cells if c[0][1] == who and c[2] == t and (label is None or c[0][0]
+                                                                                      .startswith(label)))
 
-        same = [f"{d} {best('ours', f'this project, {d} (eager)') / best('theirs', f'llama.cpp {short[d]}'):.2f}x"
+        same = [f"{d} {best('ours', f'this project, {d} (') / best('theirs', f'llama.cpp {short[d]}'):.2f}x"
                 for d in args.dtypes if f"llama.cpp {short.get(d)}" in (r[0] for r in rows)]
         lines += ["", f"T={t:g}: our fastest configuration against llama.cpp's fastest: "
                   f"{best('ours') / best('theirs'):.2f}x ({best('ours'):.1f} against {best('theirs'):.1f} tokens/s)"
