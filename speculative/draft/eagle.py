@@ -192,8 +192,8 @@ class FeatureDrafter:
         """Keep every row's target features of its accepted path (positions < its new length - 1)
         for the table. They are projected (EAGLE-3's fc of the fused features) when the head next
         reads the table, all calls since in one product: while the engine takes plain steps (a
-        drafter switched off) a one-row product per step would cost a tenth of a small compiled
-        target's step, for features that may never be read."""
+        drafter switched off) a one-row product per step is a visible share of a small compiled
+        target's step (docs/algorithm.md, "Off where it loses"), for features that may never be read."""
         if hidden is None or hidden_starts is None:
             raise ValueError("FeatureDrafter.commit needs the target's hidden states")
         # a copy: the target may write its next call's output where this one's is
