@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import Counter
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -127,9 +128,11 @@ def prepack_supported(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
+def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS, only: Collection[str] | None = None) -> int:
     """Replace every plain ``nn.Linear`` of a float32 (or, with native bf16, bfloat16) CPU model
     holding at least ``min_elements`` weights by a :class:`PrepackedLinear`, in place; returns how many.
+    ``only``: just these children of ``model`` itself (a compiled model's products that run outside
+    its compiled step).
 
     Does nothing (returns 0) on other devices or dtypes, where PyTorch's kernels do not
     repack per call, or when this build lacks the oneDNN operators. Subclasses of
@@ -152,6 +155,8 @@ def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
     candidates = []
     for parent in model.modules():
         for name, child in parent.named_children():
+            if only is not None and (parent is not model or name not in only):
+                continue
             if (type(child) is nn.Linear and child.bias is None and child.weight.numel() >= min_elements
                     and child.weight.device.type == "cpu" and packable(child.weight.dtype)
                     and alone_or_large(child.weight)):

@@ -43,7 +43,7 @@ from model.call import CacheCall
 from model.fast.aot import device_name, model_fingerprint
 from model.fast.compile import CompileError, all_reduces, compile_for_decoding, default_mode, install
 from model.fast.fuse import prepare_for_decoding
-from model.fast.prepack import prepack_supported
+from model.fast.prepack import prepack_linears, prepack_supported
 
 SETUPS = ("plain", "stacked", "prepacked", "compiled")
 # Copies of a model are built to time them only below this size; a larger one gets the
@@ -297,6 +297,14 @@ def tree_sizes(branching: Sequence[int]) -> list[int]:
     return sizes
 
 
+def prepack_outside_step(head: nn.Module) -> None:
+    """An EAGLE-3 head's compiled step runs its block alone: its fc (``project``) and output layer
+    (``draft_logits``) run eagerly at every draft step, so they are prepacked, as an eager model's
+    products are."""
+    if hasattr(head, "draft_logits"):
+        prepack_linears(head, only=("fc", "lm_head"))
+
+
 def features_for(head: nn.Module | None) -> bool | tuple[int, ...]:
     """What the target's steps return for a feature head: nothing without one, the inputs of the
     layers an EAGLE-3 head reads (its ``target_layers``), else the final features."""
@@ -322,6 +330,7 @@ def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence
     choices = [("target", choice)]
     if head is not None and choice.chosen == "compiled":  # the head follows its target
         seconds = compile_for_decoding(head, widths, rows, cache_len, tree_widths=sizes[:-1], **store).compile_s
+        prepack_outside_step(head)
         choices.append(("head", SetupChoice("compiled", compile_s=seconds, why="as its target",
                                             cache=cache_state(head))))
     elif head is not None:
@@ -396,6 +405,7 @@ def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, 
                 if compiled:
                     steps = compile_for_decoding(head, widths, rows, cache_len, tree_widths=sizes[:-1], store=store,
                                                  build=False, note=notes.append)
+                    prepack_outside_step(head)
                     choices.append(("head", SetupChoice("compiled", compile_s=steps.compile_s, why="as its target",
                                                         cache="loaded")))
             except CompileError:

@@ -12,7 +12,7 @@ import torch
 import model.fast.setup as setup_lib
 from model import call as calls
 from model.fast.compile import CompileError, compile_for_decoding
-from model.fast.prepack import PrepackedLinear, prepack_supported
+from model.fast.prepack import MIN_ELEMENTS, PrepackedLinear, prepack_supported
 from model.fast.setup import (
     SETUPS,
     SetupChoice,
@@ -28,7 +28,7 @@ from model.fast.setup import (
 from model.scale.quantize import quantize_int8
 from model.scale.tensor_parallel import parallelize
 from speculative.verify.tree import branching_parents
-from tests.support.toy_models import random_head, random_llama
+from tests.support.toy_models import random_eagle3_head, random_head, random_llama
 
 torch.set_num_threads(1)
 
@@ -171,6 +171,20 @@ def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(monk
     compiled.clear()
     choose_setups(target, ("stacked",), (1, 2, 5), 40, head=head)
     assert compiled == []
+
+
+@pytest.mark.skipif(not prepack_supported(), reason="this PyTorch build cannot prepack float32 weights here")
+def test_a_compiled_eagle3_head_prepacks_the_products_outside_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EAGLE-3 head compiled with its target: its fc (the features' projection) and output layer run
+    eagerly at every draft step and are prepacked; the block's products, which the compiled step holds,
+    stay plain, however large."""
+    monkeypatch.setattr(setup_lib, "compile_for_decoding", lambda *args, **kwargs: SimpleNamespace(compile_s=0.5))
+    target = random_llama(vocab=1024, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=1024, max_seq_len=64)
+    head = random_eagle3_head(target)
+    choose_setups(target, ("compiled",), (1, 2, 5), 40, head=head)
+    assert isinstance(head.fc, PrepackedLinear) and isinstance(head.lm_head, PrepackedLinear)
+    block = [m for m in head.layers.modules() if isinstance(m, (torch.nn.Linear, PrepackedLinear))]
+    assert any(m.weight.numel() >= MIN_ELEMENTS for m in block) and all(type(m) is torch.nn.Linear for m in block)
 
 
 def test_int8_and_tensor_parallel_models_are_told_apart_without_their_classes() -> None:
