@@ -109,6 +109,19 @@ def test_eagle3_greedy_output_is_the_target_greedy_output(llama64: dict, prompt:
     assert out.tokens == reference_greedy(target, prompt, 16)
 
 
+def layer_inputs(target: torch.nn.Module, layers: tuple[int, ...], ids: list[int]) -> torch.Tensor:
+    """The inputs of the target's ``layers`` at every position of ``ids``, concatenated (fc's input), from a
+    no-cache forward with the layers read by hooks, not by return_hidden."""
+    inputs = {}
+    hooks = [target.layers[i].register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+             for i in set(layers)]
+    with torch.no_grad():
+        target(torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    return torch.cat([inputs[i] for i in layers], dim=-1)
+
+
 @proof("the EAGLE-3 drafter keeps the target's fused features of the accepted path only", "exact, to 1e-9")
 def test_eagle3_keeps_the_fused_features_of_the_accepted_path(llama64: dict) -> None:
     """After every iteration the features it holds for positions 0..L-2 are fc of the target's
@@ -121,18 +134,12 @@ def test_eagle3_keeps_the_fused_features_of_the_accepted_path(llama64: dict) -> 
                                callback=lambda ids, flags: snapshots.append(drafter.features[0, :drafter.known[0]]
                                                                             .clone()))
     assert 0 < out.stats.accepted_draft_tokens < out.stats.drafted_tokens
-    sequence = torch.tensor([[3, 1, 4] + out.tokens])
-    inputs = {}
-    hooks = [target.layers[i].register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
-             for i in set(head.target_layers)]
+    sequence = [3, 1, 4] + out.tokens
     with torch.no_grad():
-        target(sequence)
-        fused = head.fc(torch.cat([inputs[i] for i in head.target_layers], dim=-1))
-    for hook in hooks:
-        hook.remove()
+        fused = head.fc(layer_inputs(target, head.target_layers, sequence))
     for kept in snapshots:
         torch.testing.assert_close(kept, fused[0, :kept.shape[0]], rtol=1e-9, atol=1e-9)
-    assert snapshots[-1].shape[0] == sequence.shape[1] - 1
+    assert snapshots[-1].shape[0] == len(sequence) - 1
 
 
 def test_plain_steps_project_nothing_until_the_head_drafts_again(llama64: dict,
@@ -153,14 +160,8 @@ def test_plain_steps_project_nothing_until_the_head_drafts_again(llama64: dict,
     assert widths[0] == 10 and row.stats.gamma_history[-1] == 3
     kept = drafter.features[0, :drafter.known[0]].clone()
     engine.run()
-    inputs = {}
-    hooks = [target.layers[i].register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
-             for i in set(head.target_layers)]
     with torch.no_grad():
-        target(torch.tensor([row.ids]))
-        fused = real(torch.cat([inputs[i] for i in head.target_layers], dim=-1))
-    for hook in hooks:
-        hook.remove()
+        fused = real(layer_inputs(target, head.target_layers, row.ids))
     assert kept.shape[0] > 10
     torch.testing.assert_close(kept, fused[0, :kept.shape[0]], rtol=1e-9, atol=1e-9)
     assert row.result().tokens == reference_greedy(target, [3, 1, 4], 16)
