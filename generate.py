@@ -110,7 +110,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--gamma", type=cmdline.gamma_arg, default=DEFAULT_GAMMA, help="draft length, or auto (default %(default)s)")
     add("--guard", action=argparse.BooleanOptionalAction, default=None, help="plain target steps wherever this "
         "run measures that speculating loses (default: on when greedy; sampled, the output would hang on the clock)")
-    add("--verify", choices=list(RULES), default="token", help=f"{rules_help()} (default %(default)s)")
+    add("--verify", choices=list(RULES), default=None, help=f"{rules_help()} (default: block sampling a chain)")
     add("--tree", type=cmdline.tree_arg, default=None, help="a token tree's branching per depth, e.g. 3,2,1,1")
     add("--tree-mode", choices=list(TREE_MODES), default="without_replacement",
         help="how a tree node's children are drawn when sampling")
@@ -258,6 +258,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     if args.temperature == 0:  # the warned-about flags are dropped, so that settings show what ran
         args.top_k = args.top_p = args.seed = None
     args.guard = cmdline.guarded(args.guard, args.temperature)
+    args.verify = cmdline.verified(args.verify, args.temperature, args.tree)
     if args.plan:
         return print_plan(args)
     if args.compile_cache:

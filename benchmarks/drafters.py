@@ -14,7 +14,8 @@ The prompts are the first ``--prompt-tokens`` tokens of held-out TinyStories val
 target alone decode the same prompts, greedy and at temperature 1 (prompt i with seed i), end of
 sequence ignored, in the set-up generate.py takes by default (model.fast.setup.default_setups:
 compiled steps where an earlier ``--compile`` measured them faster on this machine, else stacked
-and prepacked at once; ``--no-cache``: never compiled). Rounds take turns so that a change in
+and prepacked at once; ``--no-cache``: never compiled), verified as generate.py verifies by default
+(block-wise at temperature 1: speculative.cli.options.verified). Rounds take turns so that a change in
 machine load hits every method alike; tokens/s is the median over rounds of each round's total,
 and the speed-up is over the target alone in the same round.
 
@@ -52,7 +53,7 @@ import torch
 from benchmarks.harness import command_line, machine_line, markdown_table, median, script_parser, turn_order
 from model.fast.compile import decode_widths
 from speculative import autoregressive_generate, speculative_generate
-from speculative.cli.options import gamma_arg, guarded
+from speculative.cli.options import gamma_arg, guarded, verified
 from speculative.inputs import GAMMA_MAX
 from weights import StepCache, load_tokenizer, read_pair
 from weights.corpus import chat_prompts, held_out_prompts
@@ -74,9 +75,9 @@ def load(target: str, draft: str | None, gamma: int | str, positions: int, cache
 
 
 def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int, gamma: int | str,
-            temperature: float, guard: str = "greedy") -> dict[str, Any]:
+            temperature: float, guard: str = "greedy", verify: str = "default") -> dict[str, Any]:
     """Every prompt once; the totals of its stats. ``guard``: "on", "off", or "greedy" (generate.py's
-    default: on when greedy)."""
+    default: on when greedy); ``verify``: "token", "block", or "default" (generate.py's: block when sampled)."""
     most = GAMMA_MAX if gamma == "auto" else gamma
     total: dict[str, Any] = {"new": 0, "calls": 0, "wall": 0.0, "draft_s": 0.0, "target_s": 0.0, "ahead": 0,
                              "overlap": 0.0, "verified": 0, "accepted": [0] * most, "tried": [0] * most}
@@ -85,7 +86,8 @@ def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int
             out = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=i)
         else:
             out = speculative_generate(target, drafter, prompt, new_tokens, gamma=gamma, temperature=temperature,
-                                       seed=i, guard=guarded(GUARDS[guard], temperature))
+                                       seed=i, guard=guarded(GUARDS[guard], temperature),
+                                       verify=verified(None if verify == "default" else verify, temperature, None))
         s = out.stats
         total["new"] += s.new_tokens
         total["wall"] += s.wall_time_s
@@ -112,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guard", nargs="+", choices=list(GUARDS), default=["greedy"],
                         help="plain steps where speculating loses (Engine's guard): on, off, or greedy, generate.py's "
                         "default (on when greedy); several: every drafter with each")
+    parser.add_argument("--verify", nargs="+", choices=["default", "token", "block"], default=["default"],
+                        help="how a sampled chain is verified: generate.py's default (block), token or block; several: "
+                        "every drafter with each")
     parser.add_argument("--chat", action="store_true", help="chat requests about held-out stories in the target's "
                         "template (weights.corpus.chat_prompts), not story openings")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
@@ -137,24 +142,25 @@ def main(argv: list[str] | None = None) -> int:
         prompts = held_out_prompts([str(VALID)], tokenizer, args.prompts, args.prompt_tokens, 0)
     positions = max(map(len, prompts)) + args.max_new_tokens + ahead + 2
     dtype = getattr(torch, args.dtype)
-    methods = {"target alone": (*load(args.target, None, 1, positions, not args.no_cache, dtype), 1, "off")}
+    methods = {"target alone": (*load(args.target, None, 1, positions, not args.no_cache, dtype), 1, "off", "default")}
     for label, name in zip(labels, args.drafters):
         for gamma in args.gamma:
             loaded = load(args.target, name, gamma, positions, not args.no_cache, dtype)
-            for guard in args.guard:
+            for guard, verify in ((g, v) for g in args.guard for v in args.verify):
                 key = label + (f", γ = {gamma}" if len(args.gamma) > 1 else "") + \
-                    (f", guard {guard}" if len(args.guard) > 1 else "")
-                methods[key] = (*loaded, gamma, guard)
+                    (f", guard {guard}" if len(args.guard) > 1 else "") + \
+                    (f", {verify}" if len(args.verify) > 1 else "")
+                methods[key] = (*loaded, gamma, guard, verify)
     results: dict[tuple[str, float], list[dict[str, Any]]] = {}
     with torch.inference_mode():
-        for target, drafter, gamma, guard in methods.values():  # warm-up: one prompt each
-            run_all(target, drafter, prompts[:1], 16, gamma, 0.0, guard)
+        for target, drafter, gamma, guard, verify in methods.values():  # warm-up: one prompt each
+            run_all(target, drafter, prompts[:1], 16, gamma, 0.0, guard, verify)
         for r in range(args.rounds):
             for name in turn_order(list(methods), r):
-                target, drafter, gamma, guard = methods[name]
+                target, drafter, gamma, guard, verify = methods[name]
                 for temperature in (0.0, 1.0):
                     results.setdefault((name, temperature), []).append(
-                        run_all(target, drafter, prompts, args.max_new_tokens, gamma, temperature, guard))
+                        run_all(target, drafter, prompts, args.max_new_tokens, gamma, temperature, guard, verify))
             print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     rows, figures = [], {}
     for name in methods:
@@ -191,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Command: `{command_line('drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
              "", f"{len(prompts)} held-out {kind}, {args.max_new_tokens} new tokens "
              f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, guard {', '.join(args.guard)} (greedy: on "
-             f"when greedy, generate.py's default), {args.rounds} rounds in turns; set-up: "
+             f"when greedy, generate.py's default), verification {', '.join(args.verify)} (default: generate.py's, "
+             "block-wise at temperature 1), "
+             f"{args.rounds} rounds in turns; set-up: "
              f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}, "
              f"{args.dtype}.", "",
              *markdown_table(header, rows, "l" + "r" * (len(header) - 1))]

@@ -17,8 +17,9 @@ Bookkeeping, with L tokens in the sequence and the target's cache holding 0..L-2
   tokens, x_gamma never fed. Head cache slots from L-1 on now hold inputs built from
   predicted features, so ``next`` = L-1;
 * commit: the target's call read positions hidden_start.. and its features up to the new
-  L' - 2 are on the accepted path; they are stored, and the next proposal re-reads
-  positions L-1..L'-2 with true features (EAGLE recomputes accepted positions the same way).
+  L' - 2 are on the accepted path; they are kept, put in the table (projected, for EAGLE-3)
+  when the head next reads it, and the next proposal re-reads positions L-1..L'-2 with true
+  features (EAGLE recomputes accepted positions the same way).
 
 All of this is per row (speculative.draft): one features table, one head cache row and one
 known/next pair per row.

@@ -490,7 +490,7 @@ def test_help_states_the_rule_for_unused_flags_and_the_exit_statuses(capsys: pyt
 def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str]) -> None:
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "0.8", "--top-k", "50",
                               "--top-p", "0.9", "--seed", "11", "--gamma", "3"])
-    assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3, token-wise verification"), err[0]
+    assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3, block-wise verification"), err[0]
     guarded = ", guarded (plain steps where speculating loses)"
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--verify", "block"])
     assert err[0].endswith("greedy (temperature 0), gamma 4, block-wise verification" + guarded), err[0]
@@ -500,7 +500,12 @@ def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--no-guard"])
     assert err[0].endswith("greedy (temperature 0), gamma 4, token-wise verification"), err[0]
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "1", "--seed", "1", "--guard"])
-    assert err[0].endswith("seed 1, gamma 4, token-wise verification" + guarded), err[0]
+    assert err[0].endswith("seed 1, gamma 4, block-wise verification" + guarded), err[0]
+    # sampled, a chain is verified block-wise unless token is asked for; a tree by its own walk, with no error
+    _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "1", "--seed", "1", "--verify", "token"])
+    assert err[0].endswith("seed 1, gamma 4, token-wise verification"), err[0]
+    doc, _ = main_json(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "1", "--seed", "1", "--tree", "2,1"])
+    assert doc["settings"]["verify"] == "token" and doc["settings"]["tree"] == [2, 1], doc["settings"]
 
 
 @needs_pair

@@ -215,6 +215,7 @@ def test_a_pinned_seed_gets_generate_pys_tokens_alone_and_among_concurrent_reque
     """speculative_gamma 2 and seed 7 give generate.py --gamma 2 --seed 7's tokens, alone and while
     greedy and sampled requests share the batch; every greedy request stays generate.py's."""
     ref = references["pinned"]["tokens"]
+    assert shipped.service.loop.engine.rule == "block"  # serve.py's default, generate.py's for a sampled chain
 
     def pinned():
         return ids_of(completion(shipped, GREEDY_PROMPTS[0], temperature=1, seed=7,
