@@ -101,7 +101,7 @@ def build_parser() -> cmdline.ArgumentParser:
         help="gamma by the cost model at the current load, always --gamma, or never (default %(default)s)")
     add("--gamma", type=int, default=DEFAULT_GAMMA, help="draft length with --speculation on; the largest otherwise "
                                              "(default %(default)s)")
-    add("--verify", choices=list(RULES), default="block", help=f"{rules_help()} (default %(default)s)")
+    add("--verify", choices=list(RULES), default=cmdline.SAMPLED_RULE, help=f"{rules_help()} (default %(default)s)")
     add("--generation-config", choices=("auto", "none"), default="auto",
         help="auto: the target's generation_config.json gives the sampling defaults (temperature, top_k, top_p, "
              "max tokens) of the fields a request leaves out; none: OpenAI's defaults (default %(default)s)")
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     if (warning := exposure_warning(args.host, access)) is not None:
         print(warning, file=sys.stderr, flush=True)
-    if service.draft and args.verify != "block" and RULES[args.verify].greedy:  # what a named rule does at T = 0
+    if service.draft and args.verify != cmdline.SAMPLED_RULE and RULES[args.verify].greedy:  # a named rule at T = 0
         print(f"note: --verify {args.verify} judges sampled requests; at temperature 0 a request gets "
               f"{RULES[args.verify].at_temperature_0}", file=sys.stderr, flush=True)
     limits = Limits(read_timeout=args.read_timeout, write_timeout=args.write_timeout, keepalive=args.keepalive)

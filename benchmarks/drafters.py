@@ -55,6 +55,7 @@ from model.fast.compile import decode_widths
 from speculative import autoregressive_generate, speculative_generate
 from speculative.cli.options import gamma_arg, guarded, verified
 from speculative.inputs import GAMMA_MAX
+from speculative.verify import RULES
 from weights import StepCache, load_tokenizer, read_pair
 from weights.corpus import chat_prompts, held_out_prompts
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guard", nargs="+", choices=list(GUARDS), default=["greedy"],
                         help="plain steps where speculating loses (Engine's guard): on, off, or greedy, generate.py's "
                         "default (on when greedy); several: every drafter with each")
-    parser.add_argument("--verify", nargs="+", choices=["default", "token", "block"], default=["default"],
+    parser.add_argument("--verify", nargs="+", choices=["default", *RULES], default=["default"],
                         help="how a sampled chain is verified: generate.py's default (block), token or block; several: "
                         "every drafter with each")
     parser.add_argument("--chat", action="store_true", help="chat requests about held-out stories in the target's "

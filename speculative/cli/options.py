@@ -59,11 +59,14 @@ def guarded(asked: bool | None, temperature: float) -> bool:
     return temperature == 0 if asked is None else asked
 
 
+SAMPLED_RULE = "block"  # how a sampled chain is verified unless --verify says otherwise (generate.py, serve.py)
+
+
 def verified(asked: str | None, temperature: float, tree: object) -> str:
     """--verify, or by default block verification of a sampled chain: as exact as Algorithm 1's token-wise
     rule and never fewer tokens accepted in expectation (Sun et al.), so the fastest exact rule
     (docs/trees_and_blocks.md). Greedy both compare argmaxes, and a tree is verified by its own walk: token."""
-    return asked or ("block" if temperature > 0 and tree is None else "token")
+    return asked or (SAMPLED_RULE if temperature > 0 and tree is None else "token")
 
 
 def tree_arg(text: str) -> tuple[int, ...] | str:
