@@ -89,7 +89,8 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add_dtype_flags(add)
     add("--quantize", choices=["int8", "int4"], default=None,
-        help="int8 block weights, or int4 in groups of 32 (a CPU, float32): another target (default: none)")
+        help="int8 block weights, or int4 in groups of 32 (a CPU, float32 or bfloat16): another target (default: "
+             "none)")
     add("--plan", action="store_true", help="print the memory per GPU and exit: 0 when it fits, 1 when not")
     add("--plan-device", default=None, help=f"--plan's GPU: {', '.join(DEVICES)} or auto (default: auto, or h200)")
     add("--tp", type=int, default=None, help="--plan's tensor-parallel size (default: WORLD_SIZE or 1)")
@@ -159,7 +160,7 @@ def validate(args: argparse.Namespace, given: set[str]) -> None:
                          "--setup compiled)")
     if args.compile:  # --compile is the measurement with the compiled set-up among the candidates
         args.setup = "compiled" if args.compile == "force" else "measure-all"
-    if args.setup != "default" and args.quantize:
+    if args.setup != "default" and args.quantize == "int8":
         raise UsageError(f"{setup_flag(args)} does not apply to {args.quantize} layers, which have one set-up; drop "
                          f"one of {setup_flag(args)} and --quantize")
     if args.setup != "default" and (args.no_fuse or args.no_prepack):
@@ -282,9 +283,9 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     else:
         device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device, None if args.quantize else stored_dtype(args.target))
-    if args.quantize == "int4" and (device.type != "cpu" or dtype != torch.float32):
-        raise UsageError(f"--quantize int4 runs on a CPU in float32 (torch's packed int4 kernel), not {device.type} in "
-                         f"{str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype")
+    if args.quantize == "int4" and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
+        raise UsageError(f"--quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
+                         f"{device.type} in {str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype")
     if "no_prepack" in given and is_main and (device.type != "cpu" or not packable(dtype)):
         print(f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
               "prepacked only on the CPU in float32 (and bfloat16 with native bf16)", file=sys.stderr)

@@ -108,7 +108,9 @@ def ours_chat(request: str, seed: int, temperature: float, draft: bool, setup: t
     """generate.py on a real target: one chat request, every token decoded (--ignore-eos), in ``setup`` (the
     compiled-step cache, an empty one for eager; the dtype)."""
     cache, dtype = setup
-    cmd = [sys.executable, str(ROOT / "generate.py"), "--target", args.target, "--dtype", dtype, "--chat",
+    quantized, _, compute = dtype.rpartition("-")  # a dtype, or int4-DTYPE: int4 block weights computing in DTYPE
+    cmd = [sys.executable, str(ROOT / "generate.py"), "--target", args.target, "--dtype", compute, "--chat",
+           *(["--quantize", quantized] if quantized else []),
            "--prompt", request, "--max-new-tokens", str(args.max_new_tokens), "--ignore-eos", "--temperature",
            str(temperature), "--seed", str(seed), "--threads", str(args.threads), "--json", "--gamma", str(args.gamma),
            "--cache-dir", cache]
@@ -254,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", nargs="+", metavar="LABEL=GGUF", default=[], help="with --chat: llama.cpp's targets")
     parser.add_argument("--draft-gguf", type=Path, default=None, help="with --chat: the EAGLE-3 head in GGUF")
     parser.add_argument("--draft", default=None, help="with --chat: ours (default: the target's default drafter)")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="with --chat: ours")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        help="with --chat: ours, each a dtype or int4-DTYPE (generate.py --quantize int4 --dtype "
+                             "DTYPE: a Q4_1 file's own 4-bit codes, compared with llama.cpp's Q4_1 row)")
     parser.add_argument("--compiled", action="store_true", help="with --chat: ours also after one --compile in each "
                         "dtype (the steps of --cache-dir: build them first with generate.py --target ... --compile, "
                         "with the drafter and with --no-draft)")
@@ -394,7 +398,8 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
             [f"{speed((row, True, t)):.1f} ({speed((row, True, t)) / alone[t]:.2f}x)" if (row, True, t) in seen
              else "–" for t in (0.0, 1.0)]
         lines.append(f"| {row[0]} | {' | '.join(cols)} |")
-    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # ours' dtypes as llama.cpp's labels name them
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16",  # ours' dtypes as llama.cpp's labels name them
+             "int4-float32": "Q4_1", "int4-bfloat16": "Q4_1"}  # groups of 32 codes with a scale and an offset each
     for t in (0.0, 1.0):
         def best(who: str, label: str | None = None, t: float = t) -> float:
             return max(speed(c) for c in cells if c[0][1] == who and c[2] == t and (label is None or c[0][0]

@@ -11,7 +11,7 @@ tensor it does not keep.
 With ``quantize="int8"`` each block's linear weight is quantized as soon as it has been
 read, one matrix at a time on the target device, so the full-precision model never
 exists: that is what lets 70B (69 GB of int8) load on one 80 GB GPU. ``quantize="int4"`` does the
-same with groupwise int4 (model.scale.quantize.Int4Linear, a CPU in float32).
+same with groupwise int4 (model.scale.quantize.Int4Linear, a CPU in float32 or bfloat16).
 
 Without a process group (or with one rank) it loads the whole model, so the same
 function serves ``generate.py --quantize int8`` on one GPU.
@@ -63,12 +63,16 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     with torch.device("meta"):
         model = parallelize(Llama(config), world_size, group)
 
+    # int4 codes come from the checkpoint's values, not from their rounding to a 16-bit dtype (a GGUF's
+    # Q4_1 blocks, read as float32, give back their own codes); _place casts the rest to dtype.
+    read_dtype = torch.float32 if quantize == "int4" and dtype != torch.float64 else dtype
+
     def take(name: str, tensor_slice: Any) -> torch.Tensor:
         index = shard_index(name, tuple(tensor_slice.get_shape()), rank, world_size)
         # A zero-copy view of the memory-mapped file: only the pages under this
         # rank's rows (or columns) are ever read from disk.
         view = tensor_slice[index] if index is not None else tensor_slice[:]
-        tensor = view.to(device=device, dtype=dtype)
+        tensor = view.to(device=device, dtype=read_dtype)
         if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
             # .to() copied nothing (CPU, same dtype): the slice still points into the
             # whole mapped tensor. Copy it out, dense, so the rank owns just its slice.
@@ -76,7 +80,7 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
         return tensor
 
     for name, tensor in read_tensors(directory, config, take):
-        _place(model, name.removeprefix("model."), tensor, quantize)
+        _place(model, name.removeprefix("model."), tensor, quantize, dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     left = [n for n, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
@@ -86,9 +90,9 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     return sync_logits(model) if sync else model
 
 
-def _place(model: Llama, name: str, tensor: torch.Tensor, quantize: str | None) -> None:
-    """Put ``tensor`` where parameter ``name`` lives; block linears become Int8Linear with int8, and
-    Int4Linear with int4 where their inputs split into groups of 32."""
+def _place(model: Llama, name: str, tensor: torch.Tensor, quantize: str | None, dtype: torch.dtype) -> None:
+    """Put ``tensor`` where parameter ``name`` lives, in ``dtype``; block linears become Int8Linear with
+    int8, and Int4Linear computing in ``dtype`` with int4 where their inputs split into groups of 32."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
     current = getattr(module, attr)
@@ -99,9 +103,9 @@ def _place(model: Llama, name: str, tensor: torch.Tensor, quantize: str | None) 
             (quantize == "int8" or tensor.shape[1] % 32 == 0):
         parent_name, _, child = module_name.rpartition(".")
         layer = Int8Linear(*quantize_weight(tensor)) if quantize == "int8" else Int4Linear.from_float(tensor, 32)
-        setattr(model.get_submodule(parent_name), child, layer)
+        setattr(model.get_submodule(parent_name), child, layer.to(dtype))
         return
-    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    setattr(module, attr, nn.Parameter(tensor.to(dtype), requires_grad=False))
 
 
 def plan_config(name_or_path: str | os.PathLike) -> ModelConfig:

@@ -295,8 +295,9 @@ def first_line(err: BaseException) -> str:
 
 def tolerance(dtype: torch.dtype) -> float:
     """The largest relative difference of a probe call from the eager step that passes: float32
-    sums in another order, or 16-bit rounding at other places (a wrong package is off by ~1)."""
-    return 5e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
+    sums in another order, or 16-bit rounding at other places, which is largest at the probe's first
+    position, where a real model's activations are at their largest (a wrong package is off by ~1)."""
+    return 0.2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
 
 
 @torch.inference_mode()

@@ -138,11 +138,16 @@ def dequantize_int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch
     return ((codes.float() - 8) * scale.repeat_interleave(group_size, 1) + zero.repeat_interleave(group_size, 1))
 
 
+INT4_DTYPES = (torch.float32, torch.bfloat16)  # what torch's packed int4 kernel computes in on a CPU
+
+
 class Int4Linear(nn.Module):
     """A bias-free linear layer with 4-bit weights, groupwise scales and zeros, for a CPU: torch's
-    packed int4 kernel (``_weight_int4pack_mm_for_cpu``) reads an eighth of float32's bytes. A
-    float32 input only (the kernel's bfloat16 path rounds its sums too coarsely to serve as a
-    target's). ``weight`` holds the packed codes; ``shape`` is [out, in] as nn.Linear's."""
+    packed int4 kernel (``_weight_int4pack_mm_for_cpu``) reads an eighth of float32's bytes. It
+    computes in its scales' dtype, float32 or bfloat16 (``.to(torch.bfloat16)`` casts them; the
+    output is rounded to bfloat16 as a bfloat16 model's every product is), and compiled with
+    max-autotune Inductor may put its own int4 template in the kernel's place (bfloat16 inputs,
+    AVX-512). ``weight`` holds the packed codes; ``shape`` is [out, in] as nn.Linear's."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         super().__init__()
@@ -156,8 +161,9 @@ class Int4Linear(nn.Module):
         return cls(*quantize_int4_weight(weight, group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32:
-            raise TypeError(f"Int4Linear computes float32 on a CPU, got {x.dtype} on {x.device.type}")
+        if x.device.type != "cpu" or x.dtype != self.scales_and_zeros.dtype or x.dtype not in INT4_DTYPES:
+            raise TypeError(f"this Int4Linear computes {self.scales_and_zeros.dtype} on a CPU, got {x.dtype} on "
+                            f"{x.device.type}")
         flat = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).contiguous(), self.weight,
                                                           self.group_size, self.scales_and_zeros)
         return flat.reshape(*x.shape[:-1], self.out_features)
@@ -168,15 +174,16 @@ class Int4Linear(nn.Module):
 
 def quantize_int4(model: nn.Module, group_size: int = 32) -> nn.Module:
     """Replace every ``nn.Linear`` of the transformer blocks whose inputs split into groups of
-    ``group_size`` with an :class:`Int4Linear`, in place (a CPU, float32). As :func:`quantize_int8`,
-    the embeddings, norms and output head keep their dtype. A quantized model is another target:
-    offered and measured, never a default."""
+    ``group_size`` with an :class:`Int4Linear` computing in the layer's dtype (float32 or bfloat16), in
+    place (a CPU). As :func:`quantize_int8`, the embeddings, norms and output head keep their dtype. A
+    quantized model is another target: offered and measured, never a default."""
     def swap(parent: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.in_features % group_size == 0:
                 if child.bias is not None:
                     raise ValueError(f"{name} has a bias; LLaMA's linear layers have none")
-                setattr(parent, name, Int4Linear.from_float(child.weight.detach(), group_size))
+                layer = Int4Linear.from_float(child.weight.detach(), group_size)
+                setattr(parent, name, layer.to(child.weight.dtype))
             elif not isinstance(child, nn.Linear):
                 swap(child)
 

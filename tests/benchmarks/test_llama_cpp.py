@@ -37,3 +37,21 @@ def test_transformers_assisted_generation_is_timed_from_the_first_new_token(tmp_
     assert all(0 < s < 1e6 for s in speeds)
     with pytest.raises(SystemExit, match="transformers failed"):
         transformers_chat("Once", 0, 0.0, True, SimpleNamespace(**{**vars(args), "transformers_draft": tmp_path}))
+
+
+def test_ours_runs_each_dtype_and_int4_in_a_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtypes: a dtype is generate.py's --dtype; int4-DTYPE adds --quantize int4 (the row compared with
+    llama.cpp's Q4_1 at the same weight precision)."""
+    import benchmarks.llama_cpp as bench
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(bench, "generate_speed", lambda cmd: seen.append(cmd) or 1.0)
+    args = SimpleNamespace(target="t.gguf", max_new_tokens=4, threads=1, gamma=3, draft=None)
+    for dtype in ("float32", "int4-bfloat16"):
+        bench.ours_chat("hi", 0, 0.0, False, ("CACHE", dtype), args)
+
+    def flag(cmd: list[str], name: str) -> str | None:
+        return cmd[cmd.index(name) + 1] if name in cmd else None
+
+    assert [(flag(c, "--dtype"), flag(c, "--quantize")) for c in seen] == [("float32", None), ("bfloat16", "int4")]
+    assert all(flag(c, "--cache-dir") == "CACHE" and "--no-draft" in c for c in seen)

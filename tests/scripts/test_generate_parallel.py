@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 import torch
 
-from model.scale.quantize import quantize_int4
+from model.scale.quantize import Int4Linear, quantize_int4
 from tests.support.paths import DRAFT, ROOT, TARGET
 from weights import load_model, load_tokenizer
+from weights.sharded import load_model_tp
 
 needs_pair = pytest.mark.skipif(
     not (TARGET / "config.json").is_file() or not (DRAFT / "config.json").is_file(),
@@ -109,10 +110,48 @@ def test_int4_runs_the_int4_target_and_speculation_reproduces_it() -> None:
         for _ in range(16):
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
     assert alone["tokens"] == seq[prompt:]
-    proc = cli(*args, "--dtype", "bfloat16")
+    proc = cli(*args, "--dtype", "float16")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "error: --quantize int4 runs on a CPU in float32 (torch's packed int4 kernel), not cpu in bfloat16: add "
-        "--device cpu, or drop --dtype"]
+        "error: --quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not cpu in "
+        "float16: add --device cpu, or drop --dtype"]
+
+
+@needs_pair
+def test_int4_in_bfloat16_quantizes_the_checkpoints_values() -> None:
+    """--quantize int4 --dtype bfloat16: codes, scales and zeros from the checkpoint's own values (not from
+    their rounding to bfloat16), the scales and zeros and every other weight then in bfloat16. generate.py's
+    greedy tokens are those of that model decoded here by a plain forward, up to bfloat16's near-ties (the
+    comparison stops at the first step whose top two logits are within 0.1), and speculation reproduces them."""
+    args = ["--quantize", "int4", "--dtype", "bfloat16", "--json", "--temperature", "0", "--max-new-tokens", "16",
+            "--device", "cpu", "--prompt", "Once upon a time"]
+    with_draft, alone = run_json(*args), run_json(*args, "--no-draft")
+    assert with_draft["settings"]["dtype"] == "bfloat16" and with_draft["stats"]["draft_calls"] > 0
+    assert with_draft["tokens"] == alone["tokens"]
+    model, exact = load_model(TARGET, dtype=torch.bfloat16).eval(), load_model(TARGET, dtype=torch.float32)
+    for name, layer in list(model.layers.named_modules()):
+        if isinstance(layer, torch.nn.Linear):
+            parent, _, child = name.rpartition(".")
+            weight = exact.layers.get_submodule(name).weight.detach()
+            setattr(model.layers.get_submodule(parent), child, Int4Linear.from_float(weight, 32).to(torch.bfloat16))
+    loaded = dict(load_model_tp(TARGET, dtype=torch.bfloat16, quantize="int4").layers.named_modules())
+    built = [(name, layer) for name, layer in model.layers.named_modules() if isinstance(layer, Int4Linear)]
+    assert len(built) == 7 * exact.config.n_layers
+    assert all(torch.equal(loaded[name].weight, layer.weight) and torch.equal(loaded[name].scales_and_zeros,
+                                                                              layer.scales_and_zeros)
+               for name, layer in built)
+    rounded_first = [Int4Linear.from_float(exact.layers.get_submodule(name).weight.bfloat16(), 32) for name, _ in built]
+    assert any(not torch.equal(r.weight, layer.weight) for r, (_, layer) in zip(rounded_first, built))  # its power
+    seq = load_tokenizer(TARGET).encode("Once upon a time", bos=True)
+    prompt, compared = len(seq), 0
+    with torch.inference_mode():
+        for _ in range(16):
+            logits = model(torch.tensor([seq]))[0, -1].float()
+            top = logits.topk(2).values
+            if float(top[0] - top[1]) < 0.1:
+                break
+            seq.append(int(logits.argmax()))
+            compared += 1
+    assert compared >= 4 and alone["tokens"][:compared] == seq[prompt:]
 
 
 # ----------------------------------------------------------------------------- --plan

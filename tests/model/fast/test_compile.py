@@ -26,6 +26,8 @@ from model import call as calls
 from model.call import CacheCall
 from model.fast.compile import CompileError, compile_for_decoding, decode_widths
 from model.fast.prepack import prepack_linears, prepack_supported
+from model.fast.setup import cacheable
+from model.scale.quantize import Int4Linear, quantize_int4
 from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
 from speculative.draft.eagle import FeatureDrafter
 from speculative.inputs import GAMMA_MAX
@@ -289,6 +291,33 @@ def test_a_prepacked_model_compiles_with_its_packed_products() -> None:
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(layer.out_features, layer.in_features),
                                                                None)
         assert not torch.allclose(model(torch.tensor([[3]]), calls.chain(9, 1, "cpu")), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int4_model_compiles_with_its_packed_codes(dtype: torch.dtype) -> None:
+    """Int4 block weights (model/scale/quantize.py: packed codes, scales and zeros) are tensors of
+    the graph as any weight: the compiled int4 model gives the eager int4 model's logits over a run
+    of steps, in float32 and in bfloat16, the codes still run (zeroed scales and zeros change the
+    output), and its steps may be kept in the compiled-step cache (int8's may not)."""
+    model = quantize_int4(random_llama(vocab=16, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=128,
+                                       max_seq_len=32, dtype=dtype))
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 and cacheable(model)
+    assert model.layers[0].mlp.down_proj.scales_and_zeros.dtype == dtype
+    eager = copy.deepcopy(model)
+    compile_for_decoding(model, (1, 3), cache_len=24, mode="default")
+    eager.setup_cache(1, 24)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bfloat16: its rounding, fused differently
+    with torch.inference_mode():
+        feeds = [(torch.tensor([[1, 2, 3, 4]]), 0), (torch.tensor([[5]]), 4), (torch.tensor([[6, 7, 8]]), 5),
+                 (torch.tensor([[9]]), 8)]
+        for tokens, start in feeds:
+            call = calls.chain(start, tokens.shape[1], "cpu")
+            got, want = model(tokens, call), eager(tokens, call)
+            assert float((got.float() - want.float()).norm() / want.float().norm()) < tolerance
+        before = model(torch.tensor([[3]]), calls.chain(9, 1, "cpu"))
+        model.layers[0].mlp.down_proj.scales_and_zeros.zero_()
+        after = model(torch.tensor([[3]]), calls.chain(9, 1, "cpu"))
+        assert float((after.float() - before.float()).norm() / before.float().norm()) > 10 * tolerance
 
 
 def test_bad_widths_are_refused() -> None:

@@ -183,8 +183,28 @@ def test_int4_linear_is_its_dequantised_matmul() -> None:
     assert (got.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
     swapped = x.double() @ dequantize_int4_weight(codes, scale.flip(1), zero.flip(1)).double().t()
     assert (swapped - reference).abs().max() > 0.05 * reference.abs().max()  # what the check would catch
-    with pytest.raises(TypeError, match="float32 on a CPU"):
+    with pytest.raises(TypeError, match="computes torch.float32 on a CPU, got torch.bfloat16"):
         layer(x.bfloat16())
+
+
+def test_int4_linear_in_bfloat16_is_its_dequantised_matmul_to_bfloat16_rounding() -> None:
+    """.to(torch.bfloat16) rounds the scales and zeros; the layer then takes bfloat16 inputs and its
+    output is the matmul with those scales and zeros to bfloat16's rounding (2^-8 relative), where
+    a layer with its groups swapped is far off."""
+    torch.manual_seed(12)
+    w, x = torch.randn(96, 128), torch.randn(3, 7, 128).bfloat16()
+    codes, scale, zero = quantize_int4_weight(w, 32)
+    layer = Int4Linear(codes, scale, zero).to(torch.bfloat16)
+    assert layer.scales_and_zeros.dtype == torch.bfloat16 and layer.weight.dtype == torch.uint8
+    rounded = scale.bfloat16().float(), zero.bfloat16().float()
+    reference = x.double() @ dequantize_int4_weight(codes, *rounded).double().t()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 7, 96)
+    assert float((got.double() - reference).norm() / reference.norm()) < 2 ** -8
+    swapped = x.double() @ dequantize_int4_weight(codes, rounded[0].flip(1), rounded[1].flip(1)).double().t()
+    assert float((swapped - reference).norm() / reference.norm()) > 0.05
+    with pytest.raises(TypeError, match="computes torch.bfloat16 on a CPU, got torch.float32"):
+        layer(x.float())
 
 
 def test_speculative_greedy_equals_target_greedy_under_int4() -> None:
