@@ -100,11 +100,11 @@ def sharded_shapes(config: ModelConfig, tp: int) -> list[tuple[int, int]]:
 
 def linear_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype, quantize: str | None) -> int:
     """Bytes of linear weights: dtype bytes each; with int8 1 byte each + one dtype scale per output
-    row; with int4 half a byte each + a float32 scale and zero per group of 32."""
+    row; with int4 half a byte each + a dtype scale and zero per group of 32."""
     if quantize is None:
         return sum(o * i for o, i in shapes) * dtype_bytes(dtype)
     if quantize == "int4":
-        return sum(o * i // 2 + o * (i // 32) * 8 for o, i in shapes)
+        return sum(o * i // 2 + o * (i // 32) * 2 * dtype_bytes(dtype) for o, i in shapes)
     if quantize != "int8":
         raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
     return sum(o * i + o * dtype_bytes(dtype) for o, i in shapes)
@@ -182,7 +182,7 @@ class MemoryPlan:
     def render(self) -> str:
         """A readable table, in decimal GB (MB for a tiny model's lines)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        weights = f"int8 + {dtype}" if self.quantize else dtype
+        weights = f"{self.quantize} + {dtype}" if self.quantize else dtype
         pair = f"draft {self.draft_name} -> target {self.target_name}" if self.draft_name else self.target_name
         split = f"tensor-parallel over {self.tp_size} GPUs" if self.tp_size > 1 else "one GPU"
         rows = [(f"target block weights ({'1/' + str(self.tp_size) if self.tp_size > 1 else 'whole'})",
@@ -349,7 +349,7 @@ def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig]
                   draft_name=draft[0] if draft else "draft", capacity_bytes=free)
     if not result.fits:
         names = f"{target[0]} + {draft[0]}" if draft else target[0]
-        weights = "int8" if quantize else str(dtype).removeprefix("torch.")
+        weights = quantize or str(dtype).removeprefix("torch.")
         ranks = f" per device over {tp_size} ranks" if tp_size > 1 else ""
         extra = f" + {gb(result.workspace)} runtime reserve" if result.workspace else ""
         rows = f" x {batch} rows" if batch > 1 else ""

@@ -124,6 +124,9 @@ def test_render_is_a_readable_table() -> None:
     assert "68.45 GB" in text and "13.48 GB" in text and "fits" in text
     short = plan(LLAMA2_CONFIGS["70b"], None, torch.bfloat16, 1, device_name="a100-80gb").render()
     assert "does NOT fit" in short and "weights alone exceed" in short
+    for quantize in ("int8", "int4"):  # the table names the quantization it planned for
+        text = plan(LLAMA2_CONFIGS["7b"], None, torch.bfloat16, 1, quantize=quantize, device_name="h200").render()
+        assert f"{quantize} + bfloat16" in text and f"{'int4' if quantize == 'int8' else 'int8'} +" not in text
 
 
 def test_bad_inputs_are_clear_errors() -> None:
@@ -183,7 +186,8 @@ def test_plan_suggestion_words_the_cheapest_fit() -> None:
 
 
 def test_int4_bytes_are_half_a_byte_a_weight_and_a_scale_and_zero_per_group() -> None:
-    # 4096 x 4096: 8 MiB of codes, and 4096 rows x 128 groups x (4-byte scale + 4-byte zero) = 4 MiB
+    # 4096 x 4096: 8 MiB of codes, and 4096 rows x 128 groups x (4-byte scale + 4-byte zero) = 4 MiB (bfloat16: 2)
     assert memory_lib.linear_bytes([(4096, 4096)], torch.float32, "int4") == 12582912  # 8388608 + 4194304
+    assert memory_lib.linear_bytes([(4096, 4096)], torch.bfloat16, "int4") == 10485760  # 8388608 + 2097152
     with pytest.raises(ValueError, match="'int8' or 'int4'"):
         memory_lib.linear_bytes([(8, 8)], torch.float32, "int2")
