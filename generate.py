@@ -283,9 +283,6 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     else:
         device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device, None if args.quantize else stored_dtype(args.target))
-    if args.quantize == "int4" and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
-        raise UsageError(f"--quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
-                         f"{device.type} in {str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype")
     if "no_prepack" in given and is_main and (device.type != "cpu" or not packable(dtype)):
         print(f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
               "prepacked only on the CPU in float32 (and bfloat16 with native bf16)", file=sys.stderr)

@@ -60,7 +60,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--name", default=None, help="the model name clients ask for (default: --target)")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add_dtype_flags(add)
-    add("--quantize", choices=["int8"], default=None, help="int8 block weights (default: none)")
+    add("--quantize", choices=["int8", "int4"], default=None, help="int8 or (a CPU) int4 block weights (default: none)")
     add("--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU")
     add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
     add("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None,
@@ -133,7 +133,7 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--compile and --setup {args.setup} both choose the set-up: give one")
     if args.compile:
         args.setup = "compiled" if args.compile == "force" else "measure-all"
-    if args.setup != "default" and (args.quantize or args.no_fuse or args.no_prepack):
+    if args.setup != "default" and (args.quantize == "int8" or args.no_fuse or args.no_prepack):
         raise UsageError("--setup and --compile choose among the set-ups themselves: drop --quantize, --no-fuse and "
                          "--no-prepack, or the set-up flag")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -381,7 +381,11 @@ def load_named_pair(args: Any, spec: PairSpec, device: torch.device, dtype: torc
     ``cache_len`` positions (default ``positions``). The default set-up takes compiled steps from
     the cache (none with --no-fuse, --no-prepack or tensor parallelism, whose shards are not
     cached). The drafter runs in ``draft_dtype`` (--draft-dtype), else in :meth:`PairSpec.draft_dtype`.
-    A set-up that does not apply is one ValueError led by ``flag``, the flag that asked."""
+    A set-up that does not apply is one ValueError led by ``flag``, the flag that asked; so is --quantize int4
+    anywhere but on a CPU in float32 or bfloat16 (torch's packed int4 kernel)."""
+    if args.quantize == "int4" and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"--quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
+                         f"{device.type} in {str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype")
     planned = spec.planned_draft
     check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), positions,
                  dtype, device, tp_size=world_size, quantize=args.quantize, batch=rows)

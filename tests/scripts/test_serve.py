@@ -721,6 +721,7 @@ def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
                         (["--stall-after", "0"], "--stall-after must be > 0"),
                         (["--max-connections", "0"], "--max-connections must be >= 1"),
                         (["--compile", "--setup", "plain"], "both choose"),
+                        (["--quantize", "int4", "--dtype", "float16"], "--quantize int4 runs on a CPU in float32 or"),
                         (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1")]:
         assert serve.main(argv) == 2
         err = capsys.readouterr().err
