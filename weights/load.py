@@ -35,6 +35,7 @@ from model.fast.compile import decode_widths
 from model.fast.fuse import prepare_for_decoding, prepared
 from model.host import describe_cpu
 from model.scale.memory import check_memory
+from model.scale.quantize import INT4_DTYPES
 from speculative import PairMismatchError, check_pair
 from speculative.draft.protocol import trait
 from speculative.draft.registry import DRAFTERS, named
@@ -383,7 +384,7 @@ def load_named_pair(args: Any, spec: PairSpec, device: torch.device, dtype: torc
     cached). The drafter runs in ``draft_dtype`` (--draft-dtype), else in :meth:`PairSpec.draft_dtype`.
     A set-up that does not apply is one ValueError led by ``flag``, the flag that asked; so is --quantize int4
     anywhere but on a CPU in float32 or bfloat16 (torch's packed int4 kernel)."""
-    if args.quantize == "int4" and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
+    if args.quantize == "int4" and (device.type != "cpu" or dtype not in INT4_DTYPES):
         raise ValueError(f"--quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
                          f"{device.type} in {str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype")
     planned = spec.planned_draft
