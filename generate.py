@@ -44,8 +44,8 @@ from speculative import (
     speculative_generate,
     speculative_generate_batch,
 )
+from speculative.cli import costs, output, report
 from speculative.cli import options as cmdline
-from speculative.cli import output, report
 from speculative.cli.options import (
     DTYPES,
     UsageError,
@@ -110,7 +110,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add = parser.add_argument_group("decoding").add_argument
     add("--gamma", type=cmdline.gamma_arg, default=DEFAULT_GAMMA, help="draft length, or auto (default %(default)s)")
     add("--guard", action=argparse.BooleanOptionalAction, default=None, help="plain target steps wherever this "
-        "run measures that speculating loses (default: on when greedy; sampled, the output would hang on the clock)")
+        "run's timings say speculating loses (default: greedy, yes; sampled, by costs measured once and recorded)")
     add("--verify", choices=list(RULES), default=None, help=f"{rules_help()} (default: block sampling a chain)")
     add("--tree", type=cmdline.tree_arg, default=None, help="a token tree's branching per depth, e.g. 3,2,1,1")
     add("--tree-mode", choices=list(TREE_MODES), default="without_replacement",
@@ -289,13 +289,18 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     pair, encoded, setups, load_notes = load(args, device, dtype, world_size, texts)
     for line in load_notes if not args.json and is_main else []:
         print(f"note: {line}", file=sys.stderr)
-    # Every rank must draw the same random numbers: one seed, rank 0's. A sampled run without
-    # --seed gets a fresh one too, chosen here so that the header can show it for repeating the run.
+    # Every rank draws the same random numbers: one seed, rank 0's (also a fresh one, shown for repeating the run).
     seed = broadcast_seed(args.seed, device) if args.temperature > 0 else None  # greedy draws no random number
     speculative = pair.draft is not None
     compare = args.compare and speculative
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     eos_id=() if args.ignore_eos else pair.stop_ids, seed=seed)
+    guard, guard_note = args.guard, None
+    if guard == "recorded":  # sampled: the guard reads costs measured once on this machine (speculative.cli.costs)
+        with torch.inference_mode():
+            guard, guard_note = costs.sampled_guard(args, pair, encoded[0], setups, StepCache(args.cache_dir),
+                                                    one_row=texts is None and world_size == 1)
+        args.guard = guard and "recorded"
     lines = setups.lines
     settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
     if not args.json and is_main:
@@ -309,7 +314,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     if not args.json and is_main:
         for line in lines:
             print(f"setup: {line}", file=sys.stderr)
-        for line in [*setups.notes, *filter(None, [cmdline.rule_note(args, given)])]:
+        for line in [*setups.notes, *filter(None, [cmdline.rule_note(args, given), guard_note])]:
             print(f"note: {line}", file=sys.stderr)
         if setups.compile_note(args.max_new_tokens):
             print(f"note: {setups.compile_note(args.max_new_tokens)}", file=sys.stderr)
@@ -324,7 +329,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
             result = speculative_generate(pair.target, pair.draft, prompt_ids, args.max_new_tokens,
                                           gamma=None if args.tree else args.gamma, callback=step_clock,
                                           verify=args.verify, tree=args.tree, tree_mode=args.tree_mode,
-                                          guard=args.guard, **sampling)
+                                          guard=guard, **sampling)
         else:
             result = autoregressive_generate(pair.target, prompt_ids, args.max_new_tokens, callback=step_clock,
                                              **sampling)

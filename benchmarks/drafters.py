@@ -53,6 +53,7 @@ import torch
 from benchmarks.harness import command_line, machine_line, markdown_table, median, script_parser, turn_order
 from model.fast.compile import decode_widths
 from speculative import autoregressive_generate, speculative_generate
+from speculative.cli import costs
 from speculative.cli.options import gamma_arg, guarded, verified
 from speculative.inputs import GAMMA_MAX
 from speculative.verify import RULES
@@ -60,7 +61,7 @@ from weights import StepCache, load_tokenizer, read_pair
 from weights.corpus import chat_prompts, held_out_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-GUARDS = {"on": True, "off": False, "greedy": None}  # --guard: None is generate.py's default
+GUARDS = {"on": True, "off": False, "greedy": None, "recorded": "recorded"}  # --guard: None is generate.py's default
 VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
 
 
@@ -76,9 +77,14 @@ def load(target: str, draft: str | None, gamma: int | str, positions: int, cache
 
 
 def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int, gamma: int | str,
-            temperature: float, guard: str = "greedy", verify: str = "default") -> dict[str, Any]:
-    """Every prompt once; the totals of its stats. ``guard``: "on", "off", or "greedy" (generate.py's
-    default: on when greedy); ``verify``: "token", "block", or "default" (generate.py's: block when sampled)."""
+            temperature: float, guard: str = "greedy", verify: str = "default",
+            recorded: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Every prompt once; the totals of its stats. ``guard``: "on" (timed), "off", "recorded" (the costs
+    ``recorded``), or "greedy" (generate.py's default: timed when greedy, ``recorded`` when sampled);
+    ``verify``: "token", "block", or "default" (generate.py's: block when sampled)."""
+    rule = verified(None if verify == "default" else verify, temperature, None)
+    switch = guarded(GUARDS[guard], temperature)
+    switch = (recorded or False) if switch == "recorded" else switch
     most = GAMMA_MAX if gamma == "auto" else gamma
     total: dict[str, Any] = {"new": 0, "calls": 0, "wall": 0.0, "draft_s": 0.0, "target_s": 0.0, "ahead": 0,
                              "overlap": 0.0, "verified": 0, "accepted": [0] * most, "tried": [0] * most}
@@ -87,8 +93,7 @@ def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int
             out = autoregressive_generate(target, prompt, new_tokens, temperature=temperature, seed=i)
         else:
             out = speculative_generate(target, drafter, prompt, new_tokens, gamma=gamma, temperature=temperature,
-                                       seed=i, guard=guarded(GUARDS[guard], temperature),
-                                       verify=verified(None if verify == "default" else verify, temperature, None))
+                                       seed=i, guard=switch, verify=rule)
         s = out.stats
         total["new"] += s.new_tokens
         total["wall"] += s.wall_time_s
@@ -113,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=gamma_arg, nargs="+", default=[5],
                         help="tokens drafted per target call, or auto; several: every drafter at each (default 5)")
     parser.add_argument("--guard", nargs="+", choices=list(GUARDS), default=["greedy"],
-                        help="plain steps where speculating loses (Engine's guard): on, off, or greedy, generate.py's "
-                        "default (on when greedy); several: every drafter with each")
+                        help="plain steps where speculating loses (Engine's guard): on (timed), off, recorded (costs "
+                        "measured before the rounds, speculative.cli.costs), or greedy, generate.py's default (timed "
+                        "when greedy, recorded when sampled); several: every drafter with each")
     parser.add_argument("--verify", nargs="+", choices=["default", *RULES], default=["default"],
                         help="how a sampled chain is verified: generate.py's default (block), token or block; several: "
                         "every drafter with each")
@@ -156,12 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for target, drafter, gamma, guard, verify in methods.values():  # warm-up: one prompt each
             run_all(target, drafter, prompts[:1], 16, gamma, 0.0, guard, verify)
+        recorded = {name: costs.measure(m[0], m[1], prompts[0], dict(  # a sampled run's guard: as generate.py's
+            gamma=m[2], tree=None, tree_mode="without_replacement", verify=verified(None if m[4] == "default" else m[4],
+            1.0, None), temperature=1.0, top_k=None, top_p=None)) for name, m in methods.items() if m[1] is not None}
+        measured = ", ".join(f"{name} {plain * 1e3:.2f} / {speculating * 1e3:.2f}" for name, (plain, speculating)
+                             in recorded.items())
+        print(f"recorded costs (ms a plain step / a speculating iteration, temperature 1): {measured}", file=sys.stderr)
         for r in range(args.rounds):
             for name in turn_order(list(methods), r):
                 target, drafter, gamma, guard, verify = methods[name]
                 for temperature in (0.0, 1.0):
                     results.setdefault((name, temperature), []).append(
-                        run_all(target, drafter, prompts, args.max_new_tokens, gamma, temperature, guard, verify))
+                        run_all(target, drafter, prompts, args.max_new_tokens, gamma, temperature, guard, verify,
+                                recorded.get(name)))
             print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     rows, figures = [], {}
     for name in methods:
@@ -197,12 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts of {args.prompt_tokens} tokens"
     lines = [f"Command: `{command_line('drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
              "", f"{len(prompts)} held-out {kind}, {args.max_new_tokens} new tokens "
-             f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, guard {', '.join(args.guard)} (greedy: on "
-             f"when greedy, generate.py's default), verification {', '.join(args.verify)} (default: generate.py's, "
+             f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, guard {', '.join(args.guard)} (greedy: timed "
+             f"when greedy, recorded costs when sampled, generate.py's default), verification "
+             f"{', '.join(args.verify)} (default: generate.py's, "
              "block-wise at temperature 1), "
              f"{args.rounds} rounds in turns; set-up: "
              f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}, "
-             f"{args.dtype}.", "",
+             f"{args.dtype}.", "", f"Recorded costs of a sampled run's guard, measured before the rounds (ms a plain "
+             f"step / a speculating iteration): {measured}.", "",
              *markdown_table(header, rows, "l" + "r" * (len(header) - 1))]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -6,6 +6,7 @@
         3f9c....lock                           # held while a process builds that entry
         measured.json                          # per machine and model: the step times --compile measured,
                                                # which decide whether the default run uses the compiled steps
+        guard_costs.json                       # per machine and set-up: what a sampled run's guard reads
 
 An entry's name is a hash of its key (model/fast/aot.py's entry_key: the model's weights and config,
 dtype, set-up, shape, torch, the CPU or GPU, the threads), so an entry of another model, torch or
@@ -170,34 +171,35 @@ class StepCache:
         return len(entries), sum(e.size for e in entries)
 
     # ------------------------------------------------------------------------- what compiling gained here
-    def measured(self, machine: str, model: str | None = None) -> dict[str, Any] | None:
+    def measured(self, machine: str, model: str | None = None, file: str = MEASURED) -> dict[str, Any] | None:
         """What was recorded for ``model`` (model/fast/setup.py's record_key) on ``machine`` (a
-        device and thread count); without ``model``, every model's record on that machine."""
-        known = self.measurements().get(machine)
+        device and thread count); without ``model``, every model's record on that machine. ``file``:
+        another record of the store (guard_costs.json: a sampled run's guard, speculative/cli/costs.py)."""
+        known = self.measurements(file).get(machine)
         if not isinstance(known, dict):
             return None
         return known if model is None else known.get(model)
 
-    def measurements(self) -> dict[str, Any]:
+    def measurements(self, file: str = MEASURED) -> dict[str, Any]:
         """Every record, by machine then model ({} when there is none or it does not parse)."""
         try:
-            known = json.loads((self.root / MEASURED).read_text())
+            known = json.loads((self.root / file).read_text())
         except (OSError, ValueError):
             return {}
         return known if isinstance(known, dict) else {}
 
-    def record(self, machine: str, model: str, measurement: dict[str, Any]) -> None:
+    def record(self, machine: str, model: str, measurement: dict[str, Any], file: str = MEASURED) -> None:
         """Keep ``measurement`` for ``model`` on ``machine`` (the file written whole, then renamed
         into place)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            known = self.measurements()
+            known = self.measurements(file)
             on_machine = known.get(machine) if isinstance(known.get(machine), dict) else {}
             known[machine] = {**on_machine, model: measurement}
             fd, tmp = tempfile.mkstemp(prefix=".measured-", dir=self.root)
             with os.fdopen(fd, "w") as f:
                 json.dump(known, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.root / MEASURED)
+            os.replace(tmp, self.root / file)
         except OSError:
             pass  # a measurement that cannot be kept: the default stays eager, which is always right
 

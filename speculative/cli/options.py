@@ -53,10 +53,11 @@ def gamma_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
-def guarded(asked: bool | None, temperature: float) -> bool:
-    """--guard / --no-guard, or by default on when greedy only: there the output is the target's greedy tokens
-    whatever the switch does, while a sampled run would follow the clock as well as its seed."""
-    return temperature == 0 if asked is None else asked
+def guarded(asked: bool | None, temperature: float) -> bool | str:
+    """--guard / --no-guard, or by default: greedy, by the run's own timings (the output is the target's greedy
+    tokens whatever the switch does); sampled, "recorded": by costs measured once on this machine and set-up
+    (speculative.cli.costs), because the run's timings would make its tokens follow the clock as well as its seed."""
+    return (True if temperature == 0 else "recorded") if asked is None else asked
 
 
 SAMPLED_RULE = "block"  # how a sampled chain is verified unless --verify says otherwise (generate.py, serve.py)

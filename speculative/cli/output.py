@@ -165,7 +165,8 @@ def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool
         return text
     if args.tree == "auto":
         return text + f", tree auto (each iteration's shape by this run's timings, children {args.tree_mode})"
-    guarded = ", guarded (plain steps where speculating loses)" if args.guard and args.gamma != "auto" else ""
+    guarded = "" if not args.guard or args.gamma == "auto" else ", guarded (plain steps where " + (
+        "recorded costs say speculating loses)" if args.guard == "recorded" else "speculating loses)")
     if args.tree:
         shape = ",".join(map(str, args.tree))
         return text + f", tree {shape} ({len(branching_parents(args.tree))} nodes, children {args.tree_mode}){guarded}"
@@ -180,7 +181,7 @@ def run_settings(args: argparse.Namespace, pair: Any, setups: list[str], device:
             "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
             "draft_dtype": str(pair.draft_dtype or dtype).removeprefix("torch.") if speculative else None,
             "verify": args.verify if speculative else None, "tree": args.tree if speculative else None,
-            "guard": speculative and (args.gamma == "auto" or args.tree == "auto" or bool(args.guard)),
+            "guard": speculative and (args.gamma == "auto" or args.tree == "auto" or args.guard),  # or "recorded"
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "seed": seed, "chat": args.chat,
             "quantize": args.quantize, "tensor_parallel": world_size,

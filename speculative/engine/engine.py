@@ -25,7 +25,7 @@ it leaves at the start of the next step, before that step computes anything for 
 Each row has its own sampling settings (``Engine.add``'s ``sampling``) and seed: row b draws everything from its own
 torch.Generator, in the order a batch of one would, so its tokens do not depend on the other rows, up to the numerics
 policy (docs/algorithm.md: near-ties of a matmul of another shape). gamma="auto" and ``guard`` time all rows at once:
-under them a sampled row's tokens depend on the others and on the clock. Trees: one row at a time.
+under them a sampled row's tokens depend on the others and on the clock (not with recorded costs). Trees: one row.
 
 Of the target the engine uses its cached call ``target(tokens, call)`` (LongTensor [B, T] -> logits [B, T, V];
 with ``return_hidden`` also the features a drafter asks for, ``reads_features``), ``setup_cache``,
@@ -83,14 +83,15 @@ class Engine:
     a token tree of this branching per depth instead of a chain (one row; its depth takes
     gamma's place), drawn by ``tree_mode``; "auto": the shape by measurement, iteration by iteration
     (speculative.engine.trees.AutoTree). ``guard``: a fixed gamma or a named tree is turned off (plain target
-    steps) wherever this run measures that it loses (speculative.engine.gamma.Switch; gamma="auto" always is).
+    steps) where this run measures that it loses (gamma.Switch; gamma="auto" always is), or, given (plain seconds
+    a token, seconds an iteration), where those recorded costs say so (no clock read).
     ``max_rows``: rows in one call at most. ``cache_len``: the KV caches' length; None sizes them at the
     first step for the rows added by then (a later row longer than that stops when the cache is full)."""
 
     def __init__(self, target: Any, draft: Any = None, *, gamma: int | str | None = None, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, verify: str = "token",
                  tree: Sequence[int] | str | None = None, tree_mode: str = "without_replacement", max_rows: int = 1,
-                 cache_len: int | None = None, guard: bool = False) -> None:
+                 cache_len: int | None = None, guard: bool | tuple[float, float] = False) -> None:
         self.target, self.drafter = target, None if draft is None else drafter_for(target, draft)
         self.sampling = Sampling(temperature, top_k, top_p)
         if not callable(verify):
@@ -101,7 +102,8 @@ class Engine:
             self.tree_auto = AutoTree() if isinstance(tree, str) else None  # "auto": the shape by measurement
         gamma = DEFAULT_GAMMA if gamma is None else gamma  # None: not given
         self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
-        guarded = Switch(gamma=self.gamma_max) if guard and not self.tree_auto else None  # (AutoTree has its own)
+        recorded = None if guard is True else guard  # costs given, or timed by the clock (AutoTree has its own)
+        guarded = Switch(self.gamma_max, recorded=recorded) if guard and not self.tree_auto else None
         self.auto = None if self.drafter is None else AutoGamma(gamma_max=self.gamma_max, parallel=trait(
             self.drafter, "parallel")) if gamma == "auto" else guarded
         self.gamma_setting = "auto" if isinstance(self.auto, AutoGamma) else self.gamma_max
@@ -250,8 +252,7 @@ class Engine:
 
     # ------------------------------------------------------------------------- one iteration
     def step(self) -> list[Row]:
-        """One iteration of Algorithm 1 for every row in the batch. Returns the rows that finished
-        (the cancelled ones first: they leave before the iteration)."""
+        """One iteration of Algorithm 1 for every row. Returns the rows that finished (the cancelled first)."""
         with torch.inference_mode():
             if self.clock is None:
                 self.start()
@@ -314,8 +315,7 @@ class Engine:
 
     def propose(self, rows: list[Row], gammas: list[int]) -> Draft:
         """Lines 1-3: a chain of up to gammas[b] tokens for every row, or a tree for one row
-        that fits in the cache slots after its sequence. Nothing (a plain target step) where
-        gamma is 0."""
+        that fits in the cache slots after its sequence. Nothing (a plain target step) where gamma is 0."""
         nothing = Draft(torch.empty(len(rows), 0, dtype=torch.long, device=self.device), [0] * len(rows))
         if self.drafter is None or max(gammas) == 0:
             return nothing
@@ -437,8 +437,8 @@ class Engine:
 
 
 def drafter_for(target: Any, draft: Any) -> Any:
-    """``draft`` as a drafter (a model is wrapped in ModelDrafter), checked against ``target``
-    (speculative.inputs), and never the target object itself: the two would share one KV cache."""
+    """``draft`` as a drafter (a model is wrapped in ModelDrafter), checked against ``target`` (speculative.inputs),
+    and never the target object itself: the two would share one KV cache."""
     drafter = as_drafter(draft)
     check_pair(target, drafter)
     if draft is target or trait(drafter, "model") is target:

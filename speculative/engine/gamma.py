@@ -42,6 +42,12 @@ spent off: a drafter that costs three target steps more per iteration than it sa
 iterations and rare retries. Nothing is set by hand: the crossover is where this run's own
 measurements put it.
 
+Given ``recorded`` costs (the seconds of a plain step and of a speculating iteration, measured once
+on this machine: generate.py's default for a sampled run, speculative.cli.costs), the switch reads no
+clock: it judges every speculating iteration as it ends, by the same rule with those two seconds, and
+needs no plain probe. Its choices then follow the tokens the iterations emitted alone, which a seed
+fixes, so a sampled run repeats; the timed switch makes them follow the clock too.
+
 Changing gamma from one iteration to the next does not affect the output distribution:
 each emitted token has the target's distribution given everything before it, whatever
 gamma the history led to.
@@ -83,6 +89,12 @@ class Switch:
     fade: float = 0.95  # weight of the past per new speculating iteration's tokens (AutoGamma: per position's alpha)
     emitted: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # faded count, sum, sum of squares
     rows: int = 1  # the tokens of a plain iteration
+    # (plain seconds a token, seconds of a speculating iteration) measured once and recorded: the clock is not read
+    recorded: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.recorded is not None:
+            self.plain_s, self.speculating = self.recorded[0], [self.recorded[1]]
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -99,14 +111,16 @@ class Switch:
             if i - self.next_retry > 3:  # the retry was cut to nothing (a row's limits): again
                 self.next_retry = i
             return self.gamma if 0 <= i - self.next_retry < 2 else 0
-        if i == 2 or self.plain_s is None and i > 3 or i > 0 and i % self.probe_every == 0:
-            return 0
+        if self.recorded is None and (i == 2 or self.plain_s is None and i > 3 or i > 0 and i % self.probe_every == 0):
+            return 0  # a probe: recorded costs need none
         return self.gamma
 
     def observe(self, iteration: int, gamma: int, tokens: int, start: Any, clock: Any) -> None:
         """Engine iteration ``iteration`` (its ``gamma``, the tokens all rows emitted, its
         ``clock`` mark at its ``start``). The one before it, now timed from its start to this one's,
         goes into the speculating or the plain average when clean; then on or off."""
+        if self.recorded is not None:  # nothing to time: judged at once
+            return self._observe(iteration, gamma, 0.0, tokens)
         pending, self.pending = self.pending, (iteration, gamma, tokens, start)
         if pending is not None and pending[0] == iteration - 1:
             self._observe(pending[0], pending[1], clock.seconds(pending[3], start), pending[2])
@@ -119,9 +133,12 @@ class Switch:
             self.emitted = [self.fade * w + 1, self.fade * total + tokens, self.fade * squares + tokens * tokens]
         else:
             self.rows = tokens  # a plain iteration emits one token a row
-        if not clean or seconds <= 0:
+        if self.recorded is not None:  # every speculating iteration is judged, at the recorded costs
+            if gamma == 0 or self.emitted[0] == 0:
+                return
+        elif not clean or seconds <= 0:
             return
-        if gamma == 0:
+        elif gamma == 0:
             self.plain_s = self._average(self.plain_s, seconds / max(tokens, 1))
         elif self.off or self.speculating is None:  # fresh after a pause: what it costs now, not before
             self.speculating = [seconds]

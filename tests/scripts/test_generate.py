@@ -490,7 +490,9 @@ def test_help_states_the_rule_for_unused_flags_and_the_exit_statuses(capsys: pyt
 def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str]) -> None:
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "0.8", "--top-k", "50",
                               "--top-p", "0.9", "--seed", "11", "--gamma", "3"])
-    assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3, block-wise verification"), err[0]
+    recorded = ", guarded (plain steps where recorded costs say speculating loses)"  # sampled: speculative.cli.costs
+    assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3, block-wise verification"
+                           + recorded), err[0]
     guarded = ", guarded (plain steps where speculating loses)"
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--verify", "block"])
     assert err[0].endswith("greedy (temperature 0), gamma 4, block-wise verification" + guarded), err[0]
@@ -503,7 +505,7 @@ def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str
     assert err[0].endswith("seed 1, gamma 4, block-wise verification" + guarded), err[0]
     # sampled, a chain is verified block-wise unless token is asked for; a tree by its own walk, with no error
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "1", "--seed", "1", "--verify", "token"])
-    assert err[0].endswith("seed 1, gamma 4, token-wise verification"), err[0]
+    assert err[0].endswith("seed 1, gamma 4, token-wise verification" + recorded), err[0]
     doc, _ = main_json(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "1", "--seed", "1", "--tree", "2,1"])
     assert doc["settings"]["verify"] == "token" and doc["settings"]["tree"] == [2, 1], doc["settings"]
 
@@ -511,15 +513,42 @@ def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str
 @needs_pair
 @pytest.mark.parametrize(("flags", "guard"), [
     ([], True),  # greedy: on, the output is the same either way
-    (["--temperature", "1", "--seed", "2"], False),  # sampled: off, so that the seed repeats the run
-    (["--temperature", "1", "--seed", "2", "--guard"], True),
+    (["--temperature", "1", "--seed", "2"], "recorded"),  # sampled: by recorded costs, so that the seed repeats it
+    (["--temperature", "1", "--seed", "2", "--guard"], True),  # by the run's own timings, asked for
+    (["--temperature", "1", "--seed", "2", "--no-guard"], False),
     (["--no-guard"], False),
     (["--gamma", "auto"], True),  # AutoGamma turns itself off where it loses
     (["--no-draft"], False),
 ])
-def test_the_guard_is_on_when_greedy_and_asked_for_when_sampled(flags: list[str], guard: bool) -> None:
+def test_the_guard_is_timed_when_greedy_and_recorded_when_sampled(flags: list[str], guard: bool | str) -> None:
     doc = run_json(*PAIR, "--max-new-tokens", "4", *flags)
-    assert doc["settings"]["guard"] is guard
+    assert doc["settings"]["guard"] == guard and type(doc["settings"]["guard"]) is type(guard)
+
+
+@needs_pair
+def test_a_sampled_run_reads_the_costs_recorded_once(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A sampled run measures its set-up's costs once, records them, and later runs read them: the same seed gives
+    the same tokens, and the record decides. One that says speculating costs 100 plain steps gives plain steps
+    after the first iteration; one that says it costs nothing keeps every iteration drafting."""
+    argv = [*PAIR, "--max-new-tokens", "24", "--temperature", "1", "--seed", "5", "--cache-dir", str(tmp_path)]
+    first, err = main_json(capsys, argv)
+    assert any(line.startswith("note: guard: measured here once") for line in err) is False  # --json: no notes
+    (machine, records), = json.loads((tmp_path / "guard_costs.json").read_text()).items()
+    (key, record), = records.items()
+    assert record["plain_s"] > 0 and record["speculating_s"] > 0 and "gamma 4 " in key
+    again, _ = main_json(capsys, argv)
+    assert again["tokens"] == first["tokens"] and first["settings"]["guard"] == "recorded"
+    for speculating_s in (100 * record["plain_s"], 0.0):
+        (tmp_path / "guard_costs.json").write_text(json.dumps({machine: {key: {**record, "speculating_s":
+                                                                               speculating_s}}}))
+        doc, _ = main_json(capsys, argv)
+        history = doc["stats"]["gamma_history"]
+        assert history[1:] == [0] * (len(history) - 1) if speculating_s else 0 not in history[:-1], str(history)
+    (tmp_path / "guard_costs.json").unlink()
+    _, err = main_ok(capsys, argv)
+    assert any(line.startswith("note: guard: measured here once") for line in err), err
+    _, err = main_ok(capsys, argv)
+    assert not any(line.startswith("note: guard:") for line in err), err
 
 
 @needs_pair

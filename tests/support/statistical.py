@@ -111,7 +111,7 @@ def no_bonus_token(mp: pytest.MonkeyPatch, setting: Setting) -> None:
 BUGS = {"inverted-ratio": inverted_ratio, "residual-from-p": residual_from_p, "bonus-from-draft": bonus_from_draft,
         "temperature-on-p-only": temperature_on_p_only, "q-of-next-position": q_of_next_position}
 NOT_BUGS = {"correct": None, "ratio-without-min": ratio_without_min, "no-bonus-token": no_bonus_token,
-            "gamma-auto": None}
+            "gamma-auto": None, "guard-recorded": None}
 
 
 # ----------------------------------------------------------------------------- harness

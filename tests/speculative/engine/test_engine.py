@@ -354,6 +354,46 @@ def test_plain_steps_of_a_drafter_switched_off_stay_on_the_device(pair: dict, ki
         assert quiet[0] == reference_greedy(pair["target"], PROMPTS[2], 20)
 
 
+@pytest.mark.parametrize("kind", ["model", "feature"])
+def test_a_sampled_run_guarded_by_recorded_costs_does_not_follow_the_clock(pair: dict, kind: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """guard=(plain seconds a token, seconds a speculating iteration): the switch reads no clock, so a sampled
+    run's tokens are the same whatever the clock says, which --seed promises, and they are what the costs say:
+    every iteration drafts where they pay, plain steps after the first drafting one where they lose. The timed
+    guard under the same two clocks drafts differently (the test's power)."""
+    class Paced(engine_module.Clock):  # a CPU clock whose marks are 1 ms apart, or 100 ms for the first ten
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device)
+            self.now, self.marks, self.slow_start = 0.0, 0, next(starts)
+
+        def mark(self) -> float:
+            self.marks += 1
+            self.now += 0.1 if self.slow_start and self.marks <= 10 else 0.001
+            return self.now
+
+    monkeypatch.setattr(engine_module, "Clock", Paced)
+
+    def run(guard: object, slow_start: bool) -> tuple[list[int], list[int]]:
+        nonlocal starts
+        starts = iter([slow_start])
+        engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, temperature=1.0, max_rows=1, cache_len=64,
+                        guard=guard)
+        row = engine.add(PROMPTS[2], 40, seed=4)
+        engine.run()
+        return row.result().tokens, row.stats.gamma_history
+
+    starts = iter([])
+    for costs in ((1.0, 2.5), (1.0, 0.5), (1.0, 100.0)):
+        assert run(costs, False) == run(costs, True)
+    # a feature head drafts nothing at the prompt's iteration (it needs the target's features); the last few
+    # iterations draft what the count leaves
+    paying, losing = run((1.0, 0.5), False)[1], run((1.0, 100.0), False)[1]
+    assert 0 not in paying[1:-4], paying
+    assert sum(g > 0 for g in losing) == 1, losing  # the retry waits far past these 40 tokens
+    if kind == "model":  # timed: the slow start makes its first speculating iterations look dear (a head's are later)
+        assert run(True, False)[1] != run(True, True)[1]
+
+
 def test_the_guard_is_asked_for_and_not_doubled() -> None:
     """Without guard a fixed gamma has no switch; gamma="auto" always has one (AutoGamma), and a tree="auto"
     has its own plain candidate (AutoTree), so guard adds nothing to either."""

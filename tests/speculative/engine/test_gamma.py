@@ -5,6 +5,8 @@ without jumping on the first accepted tokens."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from speculative.engine.cost import best_gamma, expected_speedup, expected_tokens_per_iteration
@@ -208,3 +210,49 @@ def test_a_broken_on_off_rule_is_caught() -> None:
                 self.off = not self.off
     chosen, _ = run(Reversed(), 40, 0, 0.0, (0.010, 1.5), 0.005)
     assert sum(g > 0 for g in chosen[5:]) > 20  # the first test's rule would speculate in at most a few of these
+
+
+# ----------------------------------------------------------------------------- recorded costs: a sampled run's guard
+class NoisyClock:
+    """Every duration asked for a different one, as a busy machine's clock gives."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def seconds(self, start: float, end: float) -> float:
+        return self.rng.uniform(0.001, 0.05)
+
+
+def decide(auto: Switch, tokens: list[int], clock: NoisyClock) -> list[int]:
+    """The gammas the switch chooses when its speculating iterations emit ``tokens`` in turn."""
+    chosen = []
+    for i in range(len(tokens)):
+        gamma = auto.choose(i)
+        chosen.append(gamma)
+        auto.observe(i, gamma, tokens[sum(g > 0 for g in chosen[:-1])] if gamma else 1, float(i), clock)
+    return chosen
+
+
+def test_recorded_costs_decide_without_the_clock() -> None:
+    """With recorded costs the choices follow the emitted tokens alone: two clocks that disagree at every
+    iteration give the same ones (the --seed promise of a sampled run). The timed switch with the same tokens
+    and clocks does not: the test's power."""
+    tokens = [1, 2, 1, 1, 3, 1, 1, 1, 2, 1] * 30
+    first = decide(Switch(gamma=4, recorded=(0.005, 0.012)), tokens, NoisyClock(0))
+    assert first == decide(Switch(gamma=4, recorded=(0.005, 0.012)), tokens, NoisyClock(1))
+    assert 0 in first and 4 in first
+    assert decide(Switch(gamma=4), tokens, NoisyClock(0)) != decide(Switch(gamma=4), tokens, NoisyClock(1))
+
+
+def test_recorded_costs_by_hand() -> None:
+    """5 ms a plain step, 15 ms a speculating iteration of gamma 4. Iteration 0 emits one token: raised by a
+    standard error of sqrt((4 / 2)^2 / 2) = 1.414 (the pseudo-observation of half the range), 2.414 tokens
+    are 12.07 ms of plain steps, less than 15: off at once, with no probe. A retry loses 2 x (15 - 12.07) =
+    5.86 ms, so within 1% of a 5 ms plain step the retry waits 118 iterations; it loses again (one token:
+    the faded spread gives 1.83 tokens, 9.2 ms), and the next waits 234."""
+    auto = Switch(gamma=4, recorded=(0.005, 0.015))
+    chosen = decide(auto, [1] * 400, NoisyClock(0))
+    assert chosen[0] == 4 and chosen[1:118] == [0] * 117 and chosen[118:120] == [4, 0]
+    assert retries(chosen) == [118, 352] and auto.off
+    paying = Switch(gamma=4, recorded=(0.005, 0.012))  # 3 tokens a 12 ms iteration: 15 ms of plain steps
+    assert decide(paying, [3] * 100, NoisyClock(0)) == [4] * 100  # never off, and no plain probe needed

@@ -22,7 +22,9 @@ Look-alikes that are NOT bugs and must pass:
 
 * ``ratio-without-min``: r < p/q instead of r < min(1, p/q) -- the same event for r in [0, 1);
 * ``no-bonus-token``: dropping the bonus token only wastes a target call;
-* ``gamma-auto``: gamma changing between iterations with the measured alpha and c.
+* ``gamma-auto``: gamma changing between iterations with the measured alpha and c;
+* ``guard-recorded``: a sampled run's guard (recorded costs): drafting turned off and on again by the
+  tokens the iterations emitted.
 """
 
 from __future__ import annotations
@@ -77,15 +79,17 @@ def toy() -> dict:
 @pytest.mark.parametrize("variant", list(NOT_BUGS) + list(BUGS))
 def test_toy_first_tokens_have_the_target_distribution(toy: dict, variant: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """gamma 2, the first 3 tokens jointly (27 cells); gamma-auto: tokens 6..8 of 8."""
+    """gamma 2, the first 3 tokens jointly (27 cells); gamma-auto and guard-recorded: tokens 6..8 of 8 (a
+    speculating iteration costs 2.2 plain steps there: on or off by the tokens each run's iterations emitted)."""
     patch = BUGS.get(variant) or NOT_BUGS[variant]
     if patch is not None:
         patch(monkeypatch, toy["setting"])
-    gamma, max_new, skip = (("auto", 8, 5) if variant == "gamma-auto" else (2, 3, 0))
+    gamma, max_new, skip = {"gamma-auto": ("auto", 8, 5), "guard-recorded": (2, 8, 5)}.get(variant, (2, 3, 0))
+    guard = (1.0, 2.2) if variant == "guard-recorded" else False
     s = TOY_SAMPLING
 
     def generate(seed: int) -> list[int]:
-        return speculative_generate(toy["target"], toy["draft"], [0], max_new, gamma=gamma,
+        return speculative_generate(toy["target"], toy["draft"], [0], max_new, gamma=gamma, guard=guard,
                                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed).tokens
 
     counts = sample_counts(generate, TOY_RUNS, skip, 3)

@@ -1,0 +1,57 @@
+"""A sampled run's guard by recorded costs (speculative/cli/costs.py): measured once per machine and set-up,
+kept in the compiled-step store, read by every later run of the same set-up, and measured again for another
+set-up or a record that does not parse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculative.cli import costs
+from tests.support.toy_models import noisy_copy, random_llama
+from weights.step_cache import StepCache
+
+RUN = dict(gamma=3, tree=None, tree_mode="without_replacement", verify="block", temperature=1.0, top_k=None,
+           top_p=None)
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0)
+    return target, noisy_copy(target, std=0.3, seed=1)
+
+
+def test_costs_are_measured_once_and_read_after(models, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, draft = models
+    store, measured = StepCache(tmp_path), []
+    monkeypatch.setattr(costs, "measure", lambda *args: measured.append(args[3]) or (0.002, 0.005 * len(measured)))
+    assert costs.recorded(store, target, draft, [1, 2, 3], ["prepacked"], RUN) == ((0.002, 0.005), True)
+    assert costs.recorded(store, target, draft, [4, 5], ["prepacked"], {**RUN, "seed": 9}) == ((0.002, 0.005), False)
+    assert len(measured) == 1 and "seed" not in measured[0]
+    # another gamma, set-up, or drafter's shape or dtype is another record; the same shapes with other weights
+    # cost the same, and are not
+    assert costs.recorded(store, target, draft, [1], ["prepacked"], {**RUN, "gamma": 4})[1]
+    assert costs.recorded(store, target, draft, [1], ["compiled"], RUN)[1]
+    assert costs.recorded(store, target, random_llama(vocab=16, dim=8, max_seq_len=64, seed=3), [1], ["prepacked"],
+                          RUN)[1]
+    assert costs.recorded(store, target, noisy_copy(target, std=0.3, seed=2).to(torch.float64), [1], ["prepacked"],
+                          RUN)[1]
+    assert not costs.recorded(store, target, noisy_copy(target, std=0.3, seed=2), [1], ["prepacked"], RUN)[1]
+    assert len(measured) == 5
+    # a record that does not parse is measured again, and replaced
+    records = json.loads((tmp_path / costs.COSTS).read_text())
+    (machine, known), = records.items()
+    known[costs.cost_key(target, draft, ["prepacked"], RUN)]["plain_s"] = "fast"
+    (tmp_path / costs.COSTS).write_text(json.dumps(records))
+    assert costs.recorded(store, target, draft, [1], ["prepacked"], RUN) == ((0.002, 0.030), True)
+    assert costs.recorded(store, target, draft, [1], ["prepacked"], RUN)[1] is False
+
+
+def test_a_measurement_times_the_loop_it_guards(models) -> None:
+    """The two costs of a real (small) pair: both positive, and a speculating iteration, which runs a drafter of
+    the target's size three times and the target once, costs more than a plain step of the target alone."""
+    target, draft = models
+    plain_s, speculating_s = costs.measure(target, draft, [1, 2, 3], RUN)
+    assert 0 < plain_s < speculating_s
