@@ -3,7 +3,8 @@
 A guard that times the run's own iterations (speculative.engine.gamma.Switch) makes a sampled
 run's tokens follow the clock: which iterations draft decides which random numbers are drawn for
 what. ``--seed`` promises to repeat a run, so generate.py guards a sampled run by recorded costs
-instead: the seconds of a plain target step and of a speculating iteration, measured the first
+instead: the seconds of a plain target step and of a speculating iteration, and what the first
+speculating iteration after plain steps costs more (the drafter catching up), measured the first
 time a set-up runs on a machine and kept in the compiled-step store (weights/step_cache.py's
 ``guard_costs.json``). The switch then decides from those and from the tokens the run's
 iterations emit, both fixed for a seed: the same command gives the same tokens while the record
@@ -11,7 +12,7 @@ stays (``--compile-cache clear`` removes it, and the next sampled run measures a
 
 What is measured is the loop as the run will drive it: the run's pair in its set-up, its
 sampling, gamma or tree and verification rule, on the last tokens of its prompt, the target
-alone and speculating in turns, the fastest round of each (:func:`measure`). The key names all
+alone and speculating in turns, each round's ratios to its plain step (:func:`measure`). The key names all
 of those, the networks by their shapes (:func:`cost_key`). A store that cannot be written leaves
 each sampled run to measure its own costs, so that its tokens follow them.
 """
@@ -19,17 +20,21 @@ each sampled run to measure its own costs, so that its tokens follow them.
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from model.fast.setup import machine
+from speculative.engine.engine import Engine
 from speculative.engine.generation import autoregressive_generate, speculative_generate
 
 COSTS = "guard_costs.json"  # the store's file of these records (beside measured.json)
+FIGURES = ("plain_s", "speculating_s", "catch_up_s")  # a record's seconds, in Switch.recorded's order
 TOKENS = 16  # new tokens a measurement decodes: a few iterations after the prompt's
 ROUNDS = 3
 CONTEXT = 32  # the prompt's last tokens it starts from: a long prompt's pass would cost more than the rest
+ENGINE = ("gamma", "tree", "tree_mode", "verify", "temperature", "top_k", "top_p")  # a run's arguments an Engine takes
 
 
 def cost_key(target: Any, draft: Any, setups: Sequence[str], settings: dict[str, Any]) -> str:
@@ -46,41 +51,60 @@ def cost_key(target: Any, draft: Any, setups: Sequence[str], settings: dict[str,
 
 
 def measure(target: Any, draft: Any, prompt_ids: Sequence[int], run: dict[str, Any],
-            tokens: int = TOKENS, rounds: int = ROUNDS) -> tuple[float, float]:
-    """(seconds of a plain step, seconds of a speculating iteration) for this pair with the run's
-    speculative_generate arguments ``run`` (gamma, tree, verify, sampling), the prompt's iteration
-    left out of both: ``rounds`` rounds of the target alone and speculating in turns, the fastest
-    round of each (a neighbour's burst slows a round, never speeds one up)."""
+            tokens: int = TOKENS, rounds: int = ROUNDS) -> tuple[float, float, float]:
+    """(seconds of a plain step, seconds of a speculating iteration, what the first speculating iteration
+    after plain steps costs more) for this pair with the run's speculative_generate arguments ``run``
+    (gamma, tree, verify, sampling), the prompt's iteration left out: ``rounds`` rounds of the target alone,
+    speculating, and speculating after ``tokens`` plain steps, in turns. The switch compares them with one
+    another only, so each round's two ratios to its plain step are kept, the median of each, beside the
+    median plain step: a machine whose speed drifts between rounds (a VM, a neighbour) moves all three
+    of a round together."""
     prompt = list(prompt_ids)[-CONTEXT:]
     sampling = {k: run[k] for k in ("temperature", "top_k", "top_p")}
-    plain, speculating = [], []
+    plain, speculating, catching_up = [], [], []
     for _ in range(rounds):
         alone = autoregressive_generate(target, prompt, tokens, eos_id=(), seed=0, **sampling).stats
         plain.append((alone.target_time_s - alone.first_call_s) / max(alone.new_tokens - 1, 1))
         drafted = speculative_generate(target, draft, prompt, tokens, eos_id=(), seed=0, guard=False, **run).stats
         speculating.append((drafted.decode_time_s - drafted.first_iteration_s) / max(drafted.target_calls - 1, 1))
-    return min(plain), min(speculating)
+        catching_up.append(catch_up(target, draft, prompt, run, tokens))
+    step = statistics.median(plain)
+    return (step, step * statistics.median(s / p for s, p in zip(speculating, plain)),
+            step * statistics.median(c / p for c, p in zip(catching_up, plain)))
+
+
+def catch_up(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain_steps: int,
+             clock: Callable[[], float] = time.perf_counter) -> float:
+    """What the first speculating iteration after ``plain_steps`` plain steps costs more than the median of
+    those after it (each iteration timed by ``clock`` when its tokens are seen): a switch held off until
+    then, whose equal costs never turn it off again."""
+    marks: list[float] = []
+    engine = Engine(target, draft, **{k: v for k, v in run.items() if k in ENGINE}, guard=(1.0, 1.0))
+    engine.auto.off, engine.auto.next_retry = True, plain_steps
+    engine.add(prompt, plain_steps + TOKENS, eos_id=(), seed=0, callback=lambda *_: marks.append(clock()))
+    engine.run()
+    seconds = [b - a for a, b in zip(marks, marks[1:])]  # seconds[i]: iteration i + 1
+    return max(seconds[plain_steps - 1] - statistics.median(seconds[plain_steps:]), 0.0)
 
 
 def recorded(store: Any, target: Any, draft: Any, prompt_ids: Sequence[int], setups: Sequence[str],
-             run: dict[str, Any]) -> tuple[tuple[float, float], bool]:
+             run: dict[str, Any]) -> tuple[tuple[float, ...], bool]:
     """The costs recorded in ``store`` for this machine and set-up, or measured now and recorded;
     and whether they were measured now."""
     where, run = machine(target.device), {k: v for k, v in run.items() if k != "seed"}
     key = cost_key(target, draft, setups, run)
     seen = store.measured(where, key, file=COSTS) or {}
     try:
-        return (float(seen["plain_s"]), float(seen["speculating_s"])), False
+        return tuple(float(seen[name]) for name in FIGURES), False
     except (KeyError, TypeError, ValueError):
         pass
-    plain_s, speculating_s = measure(target, draft, prompt_ids, run)
-    store.record(where, key, {"plain_s": plain_s, "speculating_s": speculating_s,
-                              "date": time.strftime("%Y-%m-%d %H:%M")}, file=COSTS)
-    return (plain_s, speculating_s), True
+    measured = measure(target, draft, prompt_ids, run)
+    store.record(where, key, {**dict(zip(FIGURES, measured)), "date": time.strftime("%Y-%m-%d %H:%M")}, file=COSTS)
+    return measured, True
 
 
 def sampled_guard(args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any,
-                  one_row: bool) -> tuple[tuple[float, float] | bool, str | None]:
+                  one_row: bool) -> tuple[tuple[float, ...] | bool, str | None]:
     """generate.py's guard for a sampled run without --guard / --no-guard: the recorded costs of a
     chain or a named tree (:func:`recorded`), and a note when they were measured now. False for a batch
     of prompts or a run over several processes (each would measure its own), and where nothing is drafted."""
@@ -88,9 +112,9 @@ def sampled_guard(args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, 
         return False, None
     run = dict(gamma=None if args.tree else args.gamma, tree=args.tree, tree_mode=args.tree_mode, verify=args.verify,
                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    (plain_s, speculating_s), now = recorded(store, pair.target, pair.draft, prompt_ids,
-                                             [choice.chosen for _, choice in setups.choices], run)
-    note = (f"guard: measured here once, {plain_s * 1e3:.2f} ms a plain step and {speculating_s * 1e3:.2f} ms a "
-            "speculating iteration, and recorded: sampled runs of this set-up read them (--compile-cache clear "
-            "forgets them)") if now else None
-    return (plain_s, speculating_s), note
+    costs, now = recorded(store, pair.target, pair.draft, prompt_ids, [choice.chosen for _, choice in setups.choices],
+                          run)
+    note = ("guard: measured here once, {:.2f} ms a plain step, {:.2f} ms a speculating iteration and {:.2f} ms more "
+            "for the first after plain steps, and recorded: sampled runs of this set-up read them (--compile-cache "
+            "clear forgets them)".format(*(seconds * 1e3 for seconds in costs))) if now else None
+    return costs, note

@@ -91,7 +91,7 @@ class Engine:
     def __init__(self, target: Any, draft: Any = None, *, gamma: int | str | None = None, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, verify: str = "token",
                  tree: Sequence[int] | str | None = None, tree_mode: str = "without_replacement", max_rows: int = 1,
-                 cache_len: int | None = None, guard: bool | tuple[float, float] = False) -> None:
+                 cache_len: int | None = None, guard: bool | tuple[float, ...] = False) -> None:
         self.target, self.drafter = target, None if draft is None else drafter_for(target, draft)
         self.sampling = Sampling(temperature, top_k, top_p)
         if not callable(verify):

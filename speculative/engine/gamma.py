@@ -45,8 +45,11 @@ measurements put it.
 Given ``recorded`` costs (the seconds of a plain step and of a speculating iteration, measured once
 on this machine: generate.py's default for a sampled run, speculative.cli.costs), the switch reads no
 clock: it judges every speculating iteration as it ends, by the same rule with those two seconds, and
-needs no plain probe. Its choices then follow the tokens the iterations emitted alone, which a seed
-fixes, so a sampled run repeats; the timed switch makes them follow the clock too.
+needs no plain probe. A third recorded figure, what the first speculating iteration after plain steps
+costs more (the drafter catching up on them, in a call wider than its usual ones), is charged to each
+retry, which keeps retries within the 1% budget with it. Its choices then follow the tokens the
+iterations emitted alone, which a seed fixes, so a sampled run repeats; the timed switch makes them
+follow the clock too.
 
 Changing gamma from one iteration to the next does not affect the output distribution:
 each emitted token has the target's distribution given everything before it, whatever
@@ -89,8 +92,9 @@ class Switch:
     fade: float = 0.95  # weight of the past per new speculating iteration's tokens (AutoGamma: per position's alpha)
     emitted: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # faded count, sum, sum of squares
     rows: int = 1  # the tokens of a plain iteration
-    # (plain seconds a token, seconds of a speculating iteration) measured once and recorded: the clock is not read
-    recorded: tuple[float, float] | None = None
+    # (plain seconds a token, seconds of a speculating iteration[, the seconds the first one after plain steps costs
+    # more]) measured once and recorded: the clock is not read, and a retry is charged its drafter's catching up
+    recorded: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.recorded is not None:
@@ -158,6 +162,7 @@ class Switch:
         losing = lost > 0
         if losing and (not self.off or gamma > 0 and iteration >= self.next_retry):  # off now, or a retry lost again
             self.retry_after = self.retry_after * 2 if self.off else 16
+            lost += self.recorded[2] if self.recorded is not None and len(self.recorded) > 2 else 0.0  # catching up
             self.next_retry = iteration + max(self.retry_after, math.ceil(lost / (self.budget * self.plain_s) - 1e-9))
         self.off = losing
 

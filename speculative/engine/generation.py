@@ -19,7 +19,7 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
                          top_p: float | None = None, eos_id: int | Collection[int] | None = None,
                          seed: int | None = None, callback: Callback | None = None, verify: str = "token",
                          tree: Sequence[int] | None = None, tree_mode: str = "without_replacement",
-                         guard: bool | tuple[float, float] = False) -> GenerationResult[SpeculativeStats]:
+                         guard: bool | tuple[float, ...] = False) -> GenerationResult[SpeculativeStats]:
     """Sample from ``target`` after ``prompt_ids``, with ``draft`` proposing up to ``gamma``
     tokens per target call (an int >= 1, or "auto"; None: DEFAULT_GAMMA). ``draft`` is a model of the target's
     vocabulary (wrapped in speculative.draft.ModelDrafter) or any drafter. The output has
@@ -40,7 +40,8 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     ``guard``: plain target steps wherever this run's own timings say that speculating loses
     (speculative.engine.gamma.Switch; gamma="auto" always does so). The output's law is the same;
     a sampled output then depends on the clock as well as the seed, unless ``guard`` is the recorded
-    (plain seconds a token, seconds a speculating iteration) that the switch reads instead of the clock.
+    (plain seconds a token, seconds a speculating iteration[, more for the first after plain steps]) that the
+    switch reads instead of the clock.
 
     Stops after max_new_tokens (never more), after emitting eos_id, or any of several ids (even in the middle of an
     accepted block: nothing after it is emitted) or when prompt + output reaches the smaller

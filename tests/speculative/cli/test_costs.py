@@ -26,9 +26,10 @@ def models() -> tuple[torch.nn.Module, torch.nn.Module]:
 def test_costs_are_measured_once_and_read_after(models, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft = models
     store, measured = StepCache(tmp_path), []
-    monkeypatch.setattr(costs, "measure", lambda *args: measured.append(args[3]) or (0.002, 0.005 * len(measured)))
-    assert costs.recorded(store, target, draft, [1, 2, 3], ["prepacked"], RUN) == ((0.002, 0.005), True)
-    assert costs.recorded(store, target, draft, [4, 5], ["prepacked"], {**RUN, "seed": 9}) == ((0.002, 0.005), False)
+    monkeypatch.setattr(costs, "measure", lambda *args: measured.append(args[3]) or (2e-3, 5e-3 * len(measured), 1e-3))
+    assert costs.recorded(store, target, draft, [1, 2, 3], ["prepacked"], RUN) == ((2e-3, 5e-3, 1e-3), True)
+    again = costs.recorded(store, target, draft, [4, 5], ["prepacked"], {**RUN, "seed": 9})
+    assert again == ((2e-3, 5e-3, 1e-3), False)
     assert len(measured) == 1 and "seed" not in measured[0]
     # another gamma, set-up, or drafter's shape or dtype is another record; the same shapes with other weights
     # cost the same, and are not
@@ -45,13 +46,36 @@ def test_costs_are_measured_once_and_read_after(models, tmp_path, monkeypatch: p
     (machine, known), = records.items()
     known[costs.cost_key(target, draft, ["prepacked"], RUN)]["plain_s"] = "fast"
     (tmp_path / costs.COSTS).write_text(json.dumps(records))
-    assert costs.recorded(store, target, draft, [1], ["prepacked"], RUN) == ((0.002, 0.030), True)
+    assert costs.recorded(store, target, draft, [1], ["prepacked"], RUN) == ((2e-3, 0.030, 1e-3), True)
     assert costs.recorded(store, target, draft, [1], ["prepacked"], RUN)[1] is False
 
 
 def test_a_measurement_times_the_loop_it_guards(models) -> None:
-    """The two costs of a real (small) pair: both positive, and a speculating iteration, which runs a drafter of
-    the target's size three times and the target once, costs more than a plain step of the target alone."""
+    """The costs of a real (small) pair: a speculating iteration, which runs a drafter of the target's size three
+    times and the target once, costs more than a plain step of the target alone; catching up costs something."""
     target, draft = models
-    plain_s, speculating_s = costs.measure(target, draft, [1, 2, 3], RUN)
-    assert 0 < plain_s < speculating_s
+    plain_s, speculating_s, catch_up_s = costs.measure(target, draft, [1, 2, 3], RUN)
+    assert 0 < plain_s < speculating_s and catch_up_s >= 0
+
+
+def test_catching_up_is_timed_on_the_iteration_after_the_plain_steps(models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extra seconds are the first speculating iteration's after the plain steps, against the median of those
+    after it: with a clock that makes every iteration take 1 ms and that one 5 ms, 4 ms."""
+    target, draft = models
+    drafted: list[int] = []  # each iteration's gamma, as the engine asks its switch
+
+    class Watched(costs.Engine):
+        def step(self):
+            drafted.append(self.auto.choose(self.stats.iterations))
+            return super().step()
+
+    now = [0.0]
+
+    def clock() -> float:  # called once an iteration, when its tokens are seen
+        n = len(drafted) - 1
+        now[0] += 0.005 if n > 0 and drafted[n] and not drafted[n - 1] else 0.001
+        return now[0]
+
+    monkeypatch.setattr(costs, "Engine", Watched)
+    assert costs.catch_up(target, draft, [1, 2, 3], RUN, 8, clock) == pytest.approx(0.004)
+    assert drafted[:8] == [0] * 8 and drafted[8] == 3 and 0 not in drafted[9:-1]

@@ -254,5 +254,7 @@ def test_recorded_costs_by_hand() -> None:
     chosen = decide(auto, [1] * 400, NoisyClock(0))
     assert chosen[0] == 4 and chosen[1:118] == [0] * 117 and chosen[118:120] == [4, 0]
     assert retries(chosen) == [118, 352] and auto.off
+    # a drafter that catches up in 10 ms more after plain steps: each retry is charged them, (5.86 + 10) / 0.05
+    assert retries(decide(Switch(gamma=4, recorded=(0.005, 0.015, 0.010)), [1] * 400, NoisyClock(0))) == [318]
     paying = Switch(gamma=4, recorded=(0.005, 0.012))  # 3 tokens a 12 ms iteration: 15 ms of plain steps
     assert decide(paying, [3] * 100, NoisyClock(0)) == [4] * 100  # never off, and no plain probe needed
