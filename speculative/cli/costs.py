@@ -84,6 +84,8 @@ def catch_up(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], pl
     engine.add(prompt, plain_steps + TOKENS, eos_id=(), seed=0, callback=lambda *_: marks.append(clock()))
     engine.run()
     seconds = [b - a for a, b in zip(marks, marks[1:])]  # seconds[i]: iteration i + 1
+    if len(seconds) <= plain_steps:  # the context ended first (a model of a short context): nothing to compare
+        return 0.0
     return max(seconds[plain_steps - 1] - statistics.median(seconds[plain_steps:]), 0.0)
 
 

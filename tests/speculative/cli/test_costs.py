@@ -79,3 +79,9 @@ def test_catching_up_is_timed_on_the_iteration_after_the_plain_steps(models, mon
     monkeypatch.setattr(costs, "Engine", Watched)
     assert costs.catch_up(target, draft, [1, 2, 3], RUN, 8, clock) == pytest.approx(0.004)
     assert drafted[:8] == [0] * 8 and drafted[8] == 3 and 0 not in drafted[9:-1]
+
+
+def test_a_context_too_short_to_catch_up_in_costs_nothing() -> None:
+    """A model whose context ends within the plain steps leaves no speculating iteration to time: 0, no error."""
+    short = random_llama(vocab=16, dim=16, max_seq_len=16, seed=0)
+    assert costs.catch_up(short, noisy_copy(short, std=0.3, seed=1), [1, 2, 3], RUN, 12) == 0.0
