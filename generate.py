@@ -110,7 +110,7 @@ def build_parser() -> cmdline.ArgumentParser:
     add = parser.add_argument_group("decoding").add_argument
     add("--gamma", type=cmdline.gamma_arg, default=DEFAULT_GAMMA, help="draft length, or auto (default %(default)s)")
     add("--guard", action=argparse.BooleanOptionalAction, default=None, help="plain target steps wherever this "
-        "run's timings say speculating loses (default: greedy, yes; sampled, by costs measured once and recorded)")
+        "run's timings say speculating loses (default: where costs measured once and recorded here say so)")
     add("--verify", choices=list(RULES), default=None, help=f"{rules_help()} (default: block sampling a chain)")
     add("--tree", type=cmdline.tree_arg, default=None, help="a token tree's branching per depth, e.g. 3,2,1,1")
     add("--tree-mode", choices=list(TREE_MODES), default="without_replacement",
@@ -296,11 +296,11 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     eos_id=() if args.ignore_eos else pair.stop_ids, seed=seed)
     guard, guard_note = args.guard, None
-    if guard == "recorded":  # sampled: the guard reads costs measured once on this machine (speculative.cli.costs)
+    if guard == "recorded":  # the default: costs measured once on this machine (speculative.cli.costs)
         with torch.inference_mode():
-            guard, guard_note = costs.sampled_guard(args, pair, encoded[0], setups, StepCache(args.cache_dir),
+            guard, guard_note = costs.default_guard(args, pair, encoded[0], setups, StepCache(args.cache_dir),
                                                     one_row=texts is None and world_size == 1)
-        args.guard = guard and "recorded"
+        args.guard = "recorded" if guard else cmdline.unrecorded(args.temperature)
     lines = setups.lines
     settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
     if not args.json and is_main:
@@ -329,7 +329,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
             result = speculative_generate(pair.target, pair.draft, prompt_ids, args.max_new_tokens,
                                           gamma=None if args.tree else args.gamma, callback=step_clock,
                                           verify=args.verify, tree=args.tree, tree_mode=args.tree_mode,
-                                          guard=guard, **sampling)
+                                          guard=guard or args.guard, **sampling)
         else:
             result = autoregressive_generate(pair.target, prompt_ids, args.max_new_tokens, callback=step_clock,
                                              **sampling)

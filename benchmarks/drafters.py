@@ -54,14 +54,15 @@ from benchmarks.harness import command_line, machine_line, markdown_table, media
 from model.fast.compile import decode_widths
 from speculative import autoregressive_generate, speculative_generate
 from speculative.cli import costs
-from speculative.cli.options import gamma_arg, guarded, verified
+from speculative.cli.options import gamma_arg, guarded, unrecorded, verified
 from speculative.inputs import GAMMA_MAX
 from speculative.verify import RULES
 from weights import StepCache, load_tokenizer, read_pair
 from weights.corpus import chat_prompts, held_out_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-GUARDS = {"on": True, "off": False, "greedy": None, "recorded": "recorded"}  # --guard: None is generate.py's default
+# --guard: None is generate.py's default (recorded costs); "greedy" its default before 2026-12-05 (timed when greedy)
+GUARDS = {"on": True, "off": False, "recorded": "recorded", "default": None, "greedy": None}
 VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
 
 
@@ -78,13 +79,14 @@ def load(target: str, draft: str | None, gamma: int | str, positions: int, cache
 
 def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int, gamma: int | str,
             temperature: float, guard: str = "greedy", verify: str = "default",
-            recorded: tuple[float, float] | None = None) -> dict[str, Any]:
+            recorded: tuple[float, ...] | None = None) -> dict[str, Any]:
     """Every prompt once; the totals of its stats. ``guard``: "on" (timed), "off", "recorded" (the costs
-    ``recorded``), or "greedy" (generate.py's default: timed when greedy, ``recorded`` when sampled);
-    ``verify``: "token", "block", or "default" (generate.py's: block when sampled)."""
+    ``recorded``, measured at this temperature), "default" (generate.py's: ``recorded``), or "greedy" (timed
+    when greedy, ``recorded`` when sampled); ``verify``: "token", "block", or "default" (generate.py's: block
+    when sampled)."""
     rule = verified(None if verify == "default" else verify, temperature, None)
-    switch = guarded(GUARDS[guard], temperature)
-    switch = (recorded or False) if switch == "recorded" else switch
+    switch = guarded(True if guard == "greedy" and temperature == 0 else GUARDS[guard], temperature)
+    switch = (recorded or unrecorded(temperature)) if switch == "recorded" else switch
     most = GAMMA_MAX if gamma == "auto" else gamma
     total: dict[str, Any] = {"new": 0, "calls": 0, "wall": 0.0, "draft_s": 0.0, "target_s": 0.0, "ahead": 0,
                              "overlap": 0.0, "verified": 0, "accepted": [0] * most, "tried": [0] * most}
@@ -119,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens drafted per target call, or auto; several: every drafter at each (default 5)")
     parser.add_argument("--guard", nargs="+", choices=list(GUARDS), default=["greedy"],
                         help="plain steps where speculating loses (Engine's guard): on (timed), off, recorded (costs "
-                        "measured before the rounds, speculative.cli.costs), or greedy, generate.py's default (timed "
-                        "when greedy, recorded when sampled); several: every drafter with each")
+                        "measured before the rounds at each temperature, speculative.cli.costs), default "
+                        "(generate.py's: recorded), or greedy (timed when greedy, recorded when sampled); several: "
+                        "every drafter with each (default: greedy)")
     parser.add_argument("--verify", nargs="+", choices=["default", *RULES], default=["default"],
                         help="how a sampled chain is verified: generate.py's default (block), token or block; several: "
                         "every drafter with each")
@@ -162,20 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for target, drafter, gamma, guard, verify in methods.values():  # warm-up: one prompt each
             run_all(target, drafter, prompts[:1], 16, gamma, 0.0, guard, verify)
-        recorded = {name: costs.measure(m[0], m[1], prompts[0], dict(  # a sampled run's guard: as generate.py's
+        recorded = {(name, t): costs.measure(m[0], m[1], prompts[0], dict(  # the guard's costs: as generate.py's
             gamma=m[2], tree=None, tree_mode="without_replacement", verify=verified(None if m[4] == "default" else m[4],
-            1.0, None), temperature=1.0, top_k=None, top_p=None)) for name, m in methods.items() if m[1] is not None}
-        measured = ", ".join(name + " " + " / ".join(f"{seconds * 1e3:.2f}" for seconds in costs_of)
-                             for name, costs_of in recorded.items())
-        print(f"recorded costs (ms a plain step / a speculating iteration / more for the first after plain steps, "
-              f"temperature 1): {measured}", file=sys.stderr)
+            t, None), temperature=t, top_k=None, top_p=None)) for name, m in methods.items() if m[1] is not None
+            and m[3] in ("recorded", "default", "greedy") for t in (0.0, 1.0) if t > 0 or m[3] != "greedy"}
+        measured = ", ".join(f"{name} T={t:g} " + " / ".join(f"{seconds * 1e3:.2f}" for seconds in costs_of)
+                             for (name, t), costs_of in recorded.items())
+        print(f"recorded costs (ms a plain step / a speculating iteration / more for the first after plain steps): "
+              f"{measured}", file=sys.stderr)
         for r in range(args.rounds):
             for name in turn_order(list(methods), r):
                 target, drafter, gamma, guard, verify = methods[name]
                 for temperature in (0.0, 1.0):
                     results.setdefault((name, temperature), []).append(
                         run_all(target, drafter, prompts, args.max_new_tokens, gamma, temperature, guard, verify,
-                                recorded.get(name)))
+                                recorded.get((name, temperature))))
             print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     rows, figures = [], {}
     for name in methods:
@@ -211,13 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts of {args.prompt_tokens} tokens"
     lines = [f"Command: `{command_line('drafters', argv)}`", "", f"Machine: {machine_line(args.threads)}",
              "", f"{len(prompts)} held-out {kind}, {args.max_new_tokens} new tokens "
-             f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, guard {', '.join(args.guard)} (greedy: timed "
-             f"when greedy, recorded costs when sampled, generate.py's default), verification "
+             f"each (EOS ignored), γ = {', '.join(map(str, args.gamma))}, guard {', '.join(args.guard)} (on: timed; "
+             f"default: recorded costs, generate.py's; greedy: timed when greedy, recorded when sampled), verification "
              f"{', '.join(args.verify)} (default: generate.py's, "
              "block-wise at temperature 1), "
              f"{args.rounds} rounds in turns; set-up: "
              f"{'stacked and prepacked' if args.no_cache else 'the default (compiled where measured faster)'}, "
-             f"{args.dtype}.", "", f"Recorded costs of a sampled run's guard, measured before the rounds (ms a plain "
+             f"{args.dtype}.", "", f"Recorded costs of the guard, measured before the rounds (ms a plain "
              f"step / a speculating iteration / more for the first after plain steps): {measured}.", "",
              *markdown_table(header, rows, "l" + "r" * (len(header) - 1))]
     text = "\n".join(lines) + "\n"

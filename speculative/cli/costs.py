@@ -1,20 +1,21 @@
-"""The guard of a sampled run: costs measured once per machine and set-up, then read.
+"""generate.py's guard: costs measured once per machine and set-up, then read.
 
 A guard that times the run's own iterations (speculative.engine.gamma.Switch) makes a sampled
 run's tokens follow the clock: which iterations draft decides which random numbers are drawn for
-what. ``--seed`` promises to repeat a run, so generate.py guards a sampled run by recorded costs
-instead: the seconds of a plain target step and of a speculating iteration, and what the first
-speculating iteration after plain steps costs more (the drafter catching up), measured the first
-time a set-up runs on a machine and kept in the compiled-step store (weights/step_cache.py's
-``guard_costs.json``). The switch then decides from those and from the tokens the run's
-iterations emit, both fixed for a seed: the same command gives the same tokens while the record
-stays (``--compile-cache clear`` removes it, and the next sampled run measures again).
+what. ``--seed`` promises to repeat a run, so generate.py guards a run by recorded costs instead
+(a greedy one too: it is spared the timed switch's probes and the clock's noise): the seconds of a
+plain target step and of a speculating iteration, and what the first speculating iteration after
+plain steps costs more (the drafter catching up), measured the first time a set-up runs on a
+machine and kept in the compiled-step store (weights/step_cache.py's ``guard_costs.json``). The
+switch then decides from those and from the tokens the run's iterations emit, both fixed for a
+seed: the same command gives the same tokens while the record stays (``--compile-cache clear``
+removes it, and the next run measures again).
 
 What is measured is the loop as the run will drive it: the run's pair in its set-up, its
 sampling, gamma or tree and verification rule, on the last tokens of its prompt, the target
-alone and speculating in turns, each round's ratios to its plain step (:func:`measure`). The key names all
-of those, the networks by their shapes (:func:`cost_key`). A store that cannot be written leaves
-each sampled run to measure its own costs, so that its tokens follow them.
+alone and speculating in turns, each round's costs as ratios to its plain step (:func:`measure`).
+The key names all of those, the networks by their shapes (:func:`cost_key`). A store that cannot
+be written leaves each run to measure its own costs, so that its tokens follow them.
 """
 
 from __future__ import annotations
@@ -105,11 +106,11 @@ def recorded(store: Any, target: Any, draft: Any, prompt_ids: Sequence[int], set
     return measured, True
 
 
-def sampled_guard(args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any,
+def default_guard(args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any,
                   one_row: bool) -> tuple[tuple[float, ...] | bool, str | None]:
-    """generate.py's guard for a sampled run without --guard / --no-guard: the recorded costs of a
-    chain or a named tree (:func:`recorded`), and a note when they were measured now. False for a batch
-    of prompts or a run over several processes (each would measure its own), and where nothing is drafted."""
+    """generate.py's guard without --guard / --no-guard: the recorded costs of a chain or a named tree
+    (:func:`recorded`), and a note when they were measured now. False for a batch of prompts or a run over
+    several processes (each would measure its own), for gamma or tree "auto", and where nothing is drafted."""
     if pair.draft is None or not one_row or args.gamma == "auto" or args.tree == "auto":
         return False, None
     run = dict(gamma=None if args.tree else args.gamma, tree=args.tree, tree_mode=args.tree_mode, verify=args.verify,
@@ -117,6 +118,6 @@ def sampled_guard(args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, 
     costs, now = recorded(store, pair.target, pair.draft, prompt_ids, [choice.chosen for _, choice in setups.choices],
                           run)
     note = ("guard: measured here once, {:.2f} ms a plain step, {:.2f} ms a speculating iteration and {:.2f} ms more "
-            "for the first after plain steps, and recorded: sampled runs of this set-up read them (--compile-cache "
+            "for the first after plain steps, and recorded: later runs of this set-up read them (--compile-cache "
             "clear forgets them)".format(*(seconds * 1e3 for seconds in costs))) if now else None
     return costs, note

@@ -54,10 +54,17 @@ def gamma_arg(text: str) -> int | str:
 
 
 def guarded(asked: bool | None, temperature: float) -> bool | str:
-    """--guard / --no-guard, or by default: greedy, by the run's own timings (the output is the target's greedy
-    tokens whatever the switch does); sampled, "recorded": by costs measured once on this machine and set-up
-    (speculative.cli.costs), because the run's timings would make its tokens follow the clock as well as its seed."""
-    return (True if temperature == 0 else "recorded") if asked is None else asked
+    """--guard / --no-guard (the run's own timings, or none), or by default "recorded": by costs measured once on
+    this machine and set-up (speculative.cli.costs), which a sampled run needs because the run's timings would make
+    its tokens follow the clock as well as its seed, and which spare a greedy one the timed switch's probes. Where
+    no costs apply (a batch, torchrun, gamma or tree "auto"): timed when greedy, none when sampled."""
+    return "recorded" if asked is None else asked
+
+
+def unrecorded(temperature: float) -> bool:
+    """The guard where recorded costs do not apply: timed when greedy, where the output is the target's greedy
+    tokens whatever the switch does; none when sampled, where it would follow the clock."""
+    return temperature == 0
 
 
 SAMPLED_RULE = "block"  # how a sampled chain is verified unless --verify says otherwise (generate.py, serve.py)

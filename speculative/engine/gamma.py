@@ -22,8 +22,9 @@ Speculation can lose where the theorem's assumptions fail: a target whose call g
 width, an iteration whose own work is not small beside a target step (a compiled small target).
 So gamma="auto" also measures what the paper's model leaves out, the whole iteration, and turns
 speculation off where it loses (:class:`Switch`, which AutoGamma extends). A fixed gamma or a
-named tree gets the same switch alone with ``guard=True`` (the Engine's argument; generate.py's
-default when greedy): the drafted length stays as asked, or 0 while plain steps are faster.
+named tree gets the same switch alone with ``guard=True`` (the Engine's argument; ``--guard``), or with
+recorded costs (generate.py's default, below): the drafted length stays as asked, or 0 while plain steps are
+faster.
 
 :class:`Switch` times whole iterations, start to start: the seconds of clean speculating ones (not
 the prompt's, not the one after plain steps, where the drafter catches up) and of plain ones (gamma
@@ -43,7 +44,7 @@ iterations and rare retries. Nothing is set by hand: the crossover is where this
 measurements put it.
 
 Given ``recorded`` costs (the seconds of a plain step and of a speculating iteration, measured once
-on this machine: generate.py's default for a sampled run, speculative.cli.costs), the switch reads no
+on this machine: generate.py's default, speculative.cli.costs), the switch reads no
 clock: it judges every speculating iteration as it ends, by the same rule with those two seconds, and
 needs no plain probe. A third recorded figure, what the first speculating iteration after plain steps
 costs more (the drafter catching up on them, in a call wider than its usual ones), is charged to each

@@ -490,15 +490,15 @@ def test_help_states_the_rule_for_unused_flags_and_the_exit_statuses(capsys: pyt
 def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str]) -> None:
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "0.8", "--top-k", "50",
                               "--top-p", "0.9", "--seed", "11", "--gamma", "3"])
-    recorded = ", guarded (plain steps where recorded costs say speculating loses)"  # sampled: speculative.cli.costs
+    recorded = ", guarded (plain steps where recorded costs say speculating loses)"  # the default: cli.costs
     assert err[0].endswith("temperature 0.8, top-k 50, top-p 0.9, seed 11, gamma 3, block-wise verification"
                            + recorded), err[0]
     guarded = ", guarded (plain steps where speculating loses)"
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--verify", "block"])
-    assert err[0].endswith("greedy (temperature 0), gamma 4, block-wise verification" + guarded), err[0]
+    assert err[0].endswith("greedy (temperature 0), gamma 4, block-wise verification" + recorded), err[0]
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--tree", "3,2,1,1"])
     assert err[0].endswith("greedy (temperature 0), tree 3,2,1,1 (21 nodes, children without_replacement)"
-                           + guarded), err[0]
+                           + recorded), err[0]
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--no-guard"])
     assert err[0].endswith("greedy (temperature 0), gamma 4, token-wise verification"), err[0]
     _, err = main_ok(capsys, [*PAIR, "--max-new-tokens", "4", "--temperature", "1", "--seed", "1", "--guard"])
@@ -512,15 +512,16 @@ def test_header_shows_the_whole_sampling_setup(capsys: pytest.CaptureFixture[str
 
 @needs_pair
 @pytest.mark.parametrize(("flags", "guard"), [
-    ([], True),  # greedy: on, the output is the same either way
+    ([], "recorded"),  # greedy: by recorded costs, with no probe (the output is the same either way)
     (["--temperature", "1", "--seed", "2"], "recorded"),  # sampled: by recorded costs, so that the seed repeats it
+    (["--guard"], True),  # by the run's own timings, asked for
     (["--temperature", "1", "--seed", "2", "--guard"], True),  # by the run's own timings, asked for
     (["--temperature", "1", "--seed", "2", "--no-guard"], False),
     (["--no-guard"], False),
     (["--gamma", "auto"], True),  # AutoGamma turns itself off where it loses
     (["--no-draft"], False),
 ])
-def test_the_guard_is_timed_when_greedy_and_recorded_when_sampled(flags: list[str], guard: bool | str) -> None:
+def test_the_guard_reads_recorded_costs_unless_asked_otherwise(flags: list[str], guard: bool | str) -> None:
     doc = run_json(*PAIR, "--max-new-tokens", "4", *flags)
     assert doc["settings"]["guard"] == guard and type(doc["settings"]["guard"]) is type(guard)
 

@@ -1,4 +1,4 @@
-"""A sampled run's guard by recorded costs (speculative/cli/costs.py): measured once per machine and set-up,
+"""generate.py's guard by recorded costs (speculative/cli/costs.py): measured once per machine and set-up,
 kept in the compiled-step store, read by every later run of the same set-up, and measured again for another
 set-up or a record that does not parse."""
 

@@ -212,7 +212,7 @@ def test_a_broken_on_off_rule_is_caught() -> None:
     assert sum(g > 0 for g in chosen[5:]) > 20  # the first test's rule would speculate in at most a few of these
 
 
-# ----------------------------------------------------------------------------- recorded costs: a sampled run's guard
+# ----------------------------------------------------------------------------- recorded costs: generate.py's guard
 class NoisyClock:
     """Every duration asked for a different one, as a busy machine's clock gives."""
 

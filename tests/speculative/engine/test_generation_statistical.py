@@ -23,7 +23,7 @@ Look-alikes that are NOT bugs and must pass:
 * ``ratio-without-min``: r < p/q instead of r < min(1, p/q) -- the same event for r in [0, 1);
 * ``no-bonus-token``: dropping the bonus token only wastes a target call;
 * ``gamma-auto``: gamma changing between iterations with the measured alpha and c;
-* ``guard-recorded``: a sampled run's guard (recorded costs): drafting turned off and on again by the
+* ``guard-recorded``: generate.py's guard (recorded costs): drafting turned off and on again by the
   tokens the iterations emitted.
 """
 
