@@ -78,7 +78,7 @@ def load(target: str, draft: str | None, gamma: int | str, positions: int, cache
 
 
 def run_all(target: Any, drafter: Any, prompts: list[list[int]], new_tokens: int, gamma: int | str,
-            temperature: float, guard: str = "greedy", verify: str = "default",
+            temperature: float, guard: str = "default", verify: str = "default",
             recorded: tuple[float, ...] | None = None) -> dict[str, Any]:
     """Every prompt once; the totals of its stats. ``guard``: "on" (timed), "off", "recorded" (the costs
     ``recorded``, measured at this temperature), "default" (generate.py's: ``recorded``), or "greedy" (timed
@@ -119,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", nargs="*", default=None, help="a label per drafter (default: the names)")
     parser.add_argument("--gamma", type=gamma_arg, nargs="+", default=[5],
                         help="tokens drafted per target call, or auto; several: every drafter at each (default 5)")
-    parser.add_argument("--guard", nargs="+", choices=list(GUARDS), default=["greedy"],
+    parser.add_argument("--guard", nargs="+", choices=list(GUARDS), default=["default"],
                         help="plain steps where speculating loses (Engine's guard): on (timed), off, recorded (costs "
                         "measured before the rounds at each temperature, speculative.cli.costs), default "
                         "(generate.py's: recorded), or greedy (timed when greedy, recorded when sampled); several: "
-                        "every drafter with each (default: greedy)")
+                        "every drafter with each (default: default, what generate.py runs)")
     parser.add_argument("--verify", nargs="+", choices=["default", *RULES], default=["default"],
                         help="how a sampled chain is verified: generate.py's default (block), token or block; several: "
                         "every drafter with each")

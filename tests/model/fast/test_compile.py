@@ -24,7 +24,7 @@ import torch
 
 from model import call as calls
 from model.call import CacheCall
-from model.fast.compile import CompileError, compile_for_decoding, decode_widths
+from model.fast.compile import MODE_ENV, CompileError, compile_for_decoding, decode_widths
 from model.fast.prepack import prepack_linears, prepack_supported
 from model.fast.setup import cacheable
 from model.scale.quantize import Int4Linear, quantize_int4
@@ -89,7 +89,7 @@ def compiled_pair() -> dict:
     ctarget, cdraft = copy.deepcopy(target), copy.deepcopy(draft)
     widths = decode_widths("auto", GAMMA_MAX)
     # Inductor's default mode: what these tests check does not depend on the kernels, and the
-    # 12 shapes compile in a fraction of autotune's time (the CLI tests below run autotune).
+    # 12 shapes compile in a fraction of autotune's time (a CLI test below runs autotune).
     steps = [compile_for_decoding(m, widths, cache_len=64, mode="default") for m in (ctarget, cdraft)]
     return {"target": target, "draft": draft, "ctarget": ctarget, "cdraft": cdraft, "steps": steps}
 
@@ -180,7 +180,7 @@ def bucketed_pair() -> dict:
     target, draft = pair(seed=3)
     ctarget, cdraft = copy.deepcopy(target), copy.deepcopy(draft)
     # Inductor's default mode: the buckets are the same whatever the kernels, and it compiles
-    # these 18 shapes in a fraction of autotune's time (the CLI tests run autotune)
+    # these 18 shapes in a fraction of autotune's time (a CLI test runs autotune)
     compile_for_decoding(ctarget, decode_widths(4, 4), rows=(1, 2, 4), cache_len=64,
                          tree_widths=(len(branching_parents(TREE)) + 1,), mode="default")
     compile_for_decoding(cdraft, (1, 2), rows=(1, 2, 4), cache_len=64,
@@ -340,23 +340,26 @@ def test_cli_compile_refuses_what_it_cannot_compile(capsys: pytest.CaptureFixtur
 @needs_pair
 def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """--compile force: both models compiled and timed against the fixed eager set-up (the record
-    the default run reads), the choice and compile time on stderr, a note that a short run does
-    not pay, and the greedy tokens of the eager run (numerics policy:
-    the shipped pair has no near-tie in these 24 tokens). The steps go to a cache of this
-    test's own: in the session's, later default runs of the shipped pair would load them."""
+    """--compile force in the CPU's default mode (autotune: the one test that builds it, end to end):
+    the target compiled and timed against the fixed eager set-up (the record the default run reads),
+    the choice and compile time on stderr, and the greedy tokens of the eager run (numerics policy: the
+    shipped target has no near-tie in these 24 tokens); then --compile measures every set-up, keeps the
+    fastest, and loads the step it kept. One width of one model: autotuning times a C++ kernel per product
+    and shape, minutes on a cold 2-core machine for a pair (a pair through the command line: test_aot.py's
+    full-context run, in Inductor's default mode). The steps go to a cache of this test's own: in the
+    session's, later default runs of the shipped target would load them."""
     monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path))
-    base = PAIR + ["--max-new-tokens", "24", "--no-color", "--json", "--gamma", "1"]  # widths 1 and 2: less to tune
-    eager, _ = main_ok(capsys, base)
-    compiled, err = main_ok(capsys, base + ["--compile", "force"])
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    base = ["--target", PAIR[1], "--no-draft", "--no-color"]
+    eager, _ = main_ok(capsys, base + ["--max-new-tokens", "24", "--json"])
+    compiled, err = main_ok(capsys, base + ["--max-new-tokens", "24", "--json", "--compile", "force"])
     eager, compiled = json.loads(eager), json.loads(compiled)
     lines = compiled["settings"]["setup"]
-    assert [line.split(":")[0] for line in lines] == ["target", "draft"]
+    assert [line.split(":")[0] for line in lines] == ["target"]
     assert all(" ms per step at each decode width (compiled in" in line and line.endswith("-> compiled (forced)")
                for line in lines), lines
     assert compiled["tokens"] == eager["tokens"]
-    out, err = main_ok(capsys, ["--target", PAIR[1], "--no-draft", "--max-new-tokens", "8", "--no-color",
-                                "--compile"])
+    out, err = main_ok(capsys, base + ["--max-new-tokens", "8", "--compile"])
     timed = [line for line in err if line.startswith("setup: ")]
     assert [line.split(":")[1].strip() for line in timed] == ["target"]
     for line in timed:  # every set-up timed, and the fastest kept
@@ -391,9 +394,11 @@ def test_cli_setup_forced_and_measured(capsys: pytest.CaptureFixture[str]) -> No
 def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str], tmp_path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """--setup compiled with --prompts-file: the target compiled for batch sizes 1 and 2,
-    the greedy tokens of every prompt those of the eager batch. The steps go to a cache of this
+    the greedy tokens of every prompt those of the eager batch (in Inductor's default mode: the
+    buckets and tokens are the same whatever the kernels). The steps go to a cache of this
     test's own: in the session's, later default runs of the shipped target would load them."""
     monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(MODE_ENV, "default")
     prompts = tmp_path / "p.txt"
     prompts.write_text("Once upon a time\nThe dog ran\nA little girl\n")
     base = ["--target", str(PAIR[1]), "--no-draft", "--max-new-tokens", "8", "--json", "--prompts-file",
