@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from model.fast.setup import machine
-from speculative.engine.engine import Engine
+from speculative.engine.engine import DEFAULT_GAMMA, Engine
 from speculative.engine.generation import autoregressive_generate, speculative_generate
 
 COSTS = "guard_costs.json"  # the store's file of these records (beside measured.json)
@@ -35,6 +35,9 @@ FIGURES = ("plain_s", "speculating_s", "catch_up_s")  # a record's seconds, in S
 TOKENS = 16  # new tokens a measurement decodes: a few iterations after the prompt's
 ROUNDS = 3
 CONTEXT = 32  # the prompt's last tokens it starts from: a long prompt's pass would cost more than the rest
+# What a record means, in its key: 2 since the speculating iteration is the full depth's (:func:`full_depth`); a
+# record of 1 (every iteration's mean) is measured again rather than misread.
+VERSION = 2
 ENGINE = ("gamma", "tree", "tree_mode", "verify", "temperature", "top_k", "top_p")  # a run's arguments an Engine takes
 
 
@@ -48,7 +51,7 @@ def cost_key(target: Any, draft: Any, setups: Sequence[str], settings: dict[str,
                                  *net.named_buffers()] if ".cache." not in n])) for net in networks]
     digests = [hashlib.blake2b(text.encode(), digest_size=8).hexdigest() for text in dict.fromkeys(shapes)]
     named = " ".join(f"{k} {settings[k]}" for k in sorted(settings))
-    return f"{' '.join(digests)} | {type(draft).__name__} | {'/'.join(setups)} | {named}"
+    return f"{' '.join(digests)} | {type(draft).__name__} | {'/'.join(setups)} | {named} | v{VERSION}"
 
 
 def measure(target: Any, draft: Any, prompt_ids: Sequence[int], run: dict[str, Any],
@@ -62,16 +65,30 @@ def measure(target: Any, draft: Any, prompt_ids: Sequence[int], run: dict[str, A
     of a round together."""
     prompt = list(prompt_ids)[-CONTEXT:]
     sampling = {k: run[k] for k in ("temperature", "top_k", "top_p")}
+    depth = len(run["tree"]) if run.get("tree") else run.get("gamma") or DEFAULT_GAMMA  # what the switch calls full
     plain, speculating, catching_up = [], [], []
     for _ in range(rounds):
         alone = autoregressive_generate(target, prompt, tokens, eos_id=(), seed=0, **sampling).stats
         plain.append((alone.target_time_s - alone.first_call_s) / max(alone.new_tokens - 1, 1))
         drafted = speculative_generate(target, draft, prompt, tokens, eos_id=(), seed=0, guard=False, **run).stats
-        speculating.append((drafted.decode_time_s - drafted.first_iteration_s) / max(drafted.target_calls - 1, 1))
+        speculating.append(full_depth(drafted, plain[-1], depth))
         catching_up.append(catch_up(target, draft, prompt, run, tokens))
     step = statistics.median(plain)
     return (step, step * statistics.median(s / p for s, p in zip(speculating, plain)),
             step * statistics.median(c / p for c, p in zip(catching_up, plain)))
+
+
+def full_depth(stats: Any, plain_s: float, depth: int) -> float:
+    """The seconds of a speculating iteration that drafts ``depth`` positions, from a run's ``stats`` (its first
+    iteration, which also read the prompt, left out) and the seconds of a plain step: an iteration costs a
+    plain step and what its drafted positions add, linearly in their count (the switch charges one that drafts
+    fewer, prompt lookup's short match, in proportion). A drafter that drafts the full depth every time gives
+    the iterations' mean; one that drafted nothing, that mean too (nothing better is known)."""
+    depths = stats.gamma_history[1:]
+    seconds = stats.decode_time_s - stats.first_iteration_s
+    if not sum(depths):
+        return seconds / max(len(depths), 1)
+    return plain_s + (seconds - len(depths) * plain_s) * depth / sum(depths)
 
 
 def catch_up(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain_steps: int,

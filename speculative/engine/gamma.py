@@ -50,7 +50,9 @@ needs no plain probe. A third recorded figure, what the first speculating iterat
 costs more (the drafter catching up on them, in a call wider than its usual ones), is charged to each
 retry, which keeps retries within the 1% budget with it. Its choices then follow the tokens the
 iterations emitted alone, which a seed fixes, so a sampled run repeats; the timed switch makes them
-follow the clock too.
+follow the clock too. The recorded speculating iteration is one that drafts the full gamma; one that
+drafts k < gamma (a drafter that proposes what it finds, prompt lookup) is charged the plain step and
+k / gamma of what the full one costs more, and one that drafts nothing is a plain step.
 
 Changing gamma from one iteration to the next does not affect the output distribution:
 each emitted token has the target's distribution given everything before it, whatever
@@ -130,9 +132,14 @@ class Switch:
         if pending is not None and pending[0] == iteration - 1:
             self._observe(pending[0], pending[1], clock.seconds(pending[3], start), pending[2])
 
-    def _observe(self, iteration: int, gamma: int, seconds: float, tokens: int) -> None:
+    def _observe(self, iteration: int, gamma: int, seconds: float, tokens: float) -> None:
         clean = iteration > 0 and not (gamma > 0 and self.previous_gamma == 0)
         self.previous_gamma = gamma
+        if gamma > 0 and self.recorded is not None and gamma < self.gamma:
+            # Recorded: an iteration that drafted fewer (prompt lookup finding a short match) cost less; what a
+            # drafted token costs is linear in the count, so its tokens count as those it would have needed at
+            # the full depth for the same gain over plain steps.
+            tokens += self.rows * (self.recorded[1] / self.recorded[0] - 1) * (self.gamma - gamma) / self.gamma
         if gamma > 0:  # every speculating iteration's tokens count, clean or not: they vary, the seconds less so
             w, total, squares = self.emitted
             self.emitted = [self.fade * w + 1, self.fade * total + tokens, self.fade * squares + tokens * tokens]

@@ -85,3 +85,18 @@ def test_a_context_too_short_to_catch_up_in_costs_nothing() -> None:
     """A model whose context ends within the plain steps leaves no speculating iteration to time: 0, no error."""
     short = random_llama(vocab=16, dim=16, max_seq_len=16, seed=0)
     assert costs.catch_up(short, noisy_copy(short, std=0.3, seed=1), [1, 2, 3], RUN, 12) == 0.0
+
+
+def test_a_speculating_iteration_is_costed_at_the_full_depth() -> None:
+    """A measured run whose iterations after the first drafted 0, 0, 2 and 2 positions (prompt lookup finding
+    a match or not), at 1 plain step each for the first two and 1.5 for the others: what a drafted position adds
+    is 0.25 of a step, so an iteration of the full 4 costs 2 steps, not the 1.25 of the iterations' mean; a
+    drafter that drafts the full depth each time gives the mean."""
+    from types import SimpleNamespace
+
+    def stats(depths: list[int], seconds: list[float]) -> SimpleNamespace:
+        return SimpleNamespace(gamma_history=[4, *depths], first_iteration_s=3.0, decode_time_s=3.0 + sum(seconds))
+
+    assert costs.full_depth(stats([0, 0, 2, 2], [1, 1, 1.5, 1.5]), 1.0, 4) == pytest.approx(2.0)
+    assert costs.full_depth(stats([4, 4, 4], [2.0, 2.2, 1.8]), 1.0, 4) == pytest.approx(2.0)
+    assert costs.full_depth(stats([0, 0], [1.0, 1.2]), 1.0, 4) == pytest.approx(1.1)

@@ -258,3 +258,23 @@ def test_recorded_costs_by_hand() -> None:
     assert retries(decide(Switch(gamma=4, recorded=(0.005, 0.015, 0.010)), [1] * 400, NoisyClock(0))) == [318]
     paying = Switch(gamma=4, recorded=(0.005, 0.012))  # 3 tokens a 12 ms iteration: 15 ms of plain steps
     assert decide(paying, [3] * 100, NoisyClock(0)) == [4] * 100  # never off, and no plain probe needed
+
+
+def test_recorded_costs_charge_a_short_draft_in_proportion() -> None:
+    """5 ms a plain step, 10 ms an iteration that drafts the full 4: one that drafts 1 (prompt lookup's short
+    match) costs 5 + 5 / 4 = 6.25 ms, 1.25 plain steps. Emitting 1.6 tokens it pays, and stays on; charged the
+    full iteration's 10 ms (2 steps: the switch before), it lost and turned off. Emitting 1.1 it loses, and
+    turns off; one that drafts nothing is a plain step, neither."""
+
+    def run(tokens: float, depth: int, n: int = 60) -> list[int]:
+        auto, chosen = Switch(gamma=4, recorded=(0.005, 0.010)), []
+        for i in range(n):
+            gamma = auto.choose(i)
+            chosen.append(gamma)
+            auto.observe(i, depth if gamma else 0, tokens if gamma else 1, float(i), NoisyClock(i))
+        return chosen
+
+    assert run(1.6, 1) == [4] * 60
+    assert run(1.6, 4)[-1] == 0  # the same tokens from a full draft lose: the test's power
+    assert 0 in run(1.1, 1)
+    assert run(1.0, 0) == [4] * 60
