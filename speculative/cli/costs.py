@@ -12,8 +12,9 @@ seed: the same command gives the same tokens while the record stays (``--compile
 removes it, and the next run measures again).
 
 What is measured is the loop as the run will drive it: the run's pair in its set-up, its
-sampling, gamma or tree and verification rule, on the last tokens of its prompt, the target
-alone and speculating in turns, each round's costs as ratios to its plain step (:func:`measure`).
+sampling, gamma or tree and verification rule, on the last tokens of its prompt: plain steps and
+speculating iterations in short blocks in turn within one run, each cycle's speculating cost a ratio to
+its own plain step, so that the machine's drift moves both sides of a ratio alike (:func:`measure`).
 The key names all of those, the networks by their shapes (:func:`cost_key`). A store that cannot
 be written leaves each run to measure its own costs, so that its tokens follow them.
 """
@@ -27,17 +28,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from model.fast.setup import machine
-from speculative.engine.engine import DEFAULT_GAMMA, Engine
-from speculative.engine.generation import autoregressive_generate, speculative_generate
+from speculative.engine.engine import Engine
 
 COSTS = "guard_costs.json"  # the store's file of these records (beside measured.json)
 FIGURES = ("plain_s", "speculating_s", "catch_up_s")  # a record's seconds, in Switch.recorded's order
 TOKENS = 16  # new tokens a measurement decodes: a few iterations after the prompt's
-ROUNDS = 3
+ROUNDS = 3  # runs that time the drafter catching up
+BLOCK, CYCLES = 4, 6  # iterations each way in turn, and their cycles: the run that times plain and speculating
 CONTEXT = 32  # the prompt's last tokens it starts from: a long prompt's pass would cost more than the rest
-# What a record means, in its key: 2 since the speculating iteration is the full depth's (:func:`full_depth`); a
-# record of 1 (every iteration's mean) is measured again rather than misread.
-VERSION = 2
+# What a record means, in its key: 2 since the speculating iteration is the full depth's (:func:`full_depth`), 3
+# since plain and speculating iterations are timed in turns in one run; an older record is measured again.
+VERSION = 3
 ENGINE = ("gamma", "tree", "tree_mode", "verify", "temperature", "top_k", "top_p")  # a run's arguments an Engine takes
 
 
@@ -56,39 +57,80 @@ def cost_key(target: Any, draft: Any, setups: Sequence[str], settings: dict[str,
 
 def measure(target: Any, draft: Any, prompt_ids: Sequence[int], run: dict[str, Any],
             tokens: int = TOKENS, rounds: int = ROUNDS) -> tuple[float, float, float]:
-    """(seconds of a plain step, seconds of a speculating iteration, what the first speculating iteration
-    after plain steps costs more) for this pair with the run's speculative_generate arguments ``run``
-    (gamma, tree, verify, sampling), the prompt's iteration left out: ``rounds`` rounds of the target alone,
-    speculating, and speculating after ``tokens`` plain steps, in turns. The switch compares them with one
-    another only, so each round's two ratios to its plain step are kept, the median of each, beside the
-    median plain step: a machine whose speed drifts between rounds (a VM, a neighbour) moves all three
-    of a round together."""
+    """(seconds of a plain step, seconds of a speculating iteration that drafts the full depth, what the first
+    speculating iteration after plain steps costs more) for this pair with the run's speculative_generate
+    arguments ``run`` (gamma, tree, verify, sampling): the first two from one run of short blocks of each in
+    turn (:func:`alternated`), the third the median of ``rounds`` runs of ``tokens`` plain steps and then
+    speculating (:func:`catch_up`)."""
     prompt = list(prompt_ids)[-CONTEXT:]
-    sampling = {k: run[k] for k in ("temperature", "top_k", "top_p")}
-    depth = len(run["tree"]) if run.get("tree") else run.get("gamma") or DEFAULT_GAMMA  # what the switch calls full
-    plain, speculating, catching_up = [], [], []
-    for _ in range(rounds):
-        alone = autoregressive_generate(target, prompt, tokens, eos_id=(), seed=0, **sampling).stats
-        plain.append((alone.target_time_s - alone.first_call_s) / max(alone.new_tokens - 1, 1))
-        drafted = speculative_generate(target, draft, prompt, tokens, eos_id=(), seed=0, guard=False, **run).stats
-        speculating.append(full_depth(drafted, plain[-1], depth))
-        catching_up.append(catch_up(target, draft, prompt, run, tokens))
+    plain_s, speculating_s = alternated(target, draft, prompt, run)
+    return plain_s, speculating_s, statistics.median(catch_up(target, draft, prompt, run, tokens)
+                                                     for _ in range(rounds))
+
+
+class Turns:
+    """The switch of a measurement: after the prompt's iteration, ``block`` plain iterations and ``block``
+    speculating ones in turn."""
+
+    def __init__(self, gamma: int, block: int) -> None:
+        self.gamma, self.block = gamma, block
+
+    def choose(self, iteration: int) -> int:
+        return self.gamma if iteration == 0 or (iteration - 1) // self.block % 2 else 0
+
+    def observe(self, *args: Any) -> None:
+        pass
+
+
+def alternated(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], block: int = BLOCK,
+               cycles: int = CYCLES, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """(seconds of a plain step, seconds of a speculating iteration that drafts the full depth), from one run
+    of ``cycles`` cycles of ``block`` plain iterations and ``block`` speculating ones, each iteration timed by
+    ``clock`` when its tokens are seen. The first speculating iteration of a block, where the drafter catches
+    up on the plain steps, is left out. Each speculating block gives its iterations' cost at the full depth
+    (:func:`full_depth`) as a ratio to the mean plain step of the blocks on either side of it, and the figures
+    are the medians of those: each ratio compares iterations a fraction of a second apart, centred alike, so a
+    machine whose speed drifts (a VM, a neighbour) moves both sides of it together, and a cycle that a burst
+    hit is outvoted. A context that ends before a cycle is complete uses the cycles completed (at least the
+    iterations it has)."""
+    marks: list[float] = []
+    engine = Engine(target, draft, **{k: v for k, v in run.items() if k in ENGINE}, guard=(1.0, 1.0))
+    engine.auto = turns = Turns(engine.gamma_max, block)
+    iterations = 1 + 2 * block * cycles + block  # a last plain block: each speculating one has plain ones each side
+    engine.add(prompt, iterations * (turns.gamma + 1), eos_id=(), seed=0, callback=lambda *_: marks.append(clock()))
+    engine.step()  # the prompt's iteration: admits the row
+    row = engine.rows[0] if engine.rows else None
+    while engine.rows and engine.stats.iterations < iterations:
+        engine.step()
+    seconds = [0.0] + [b - a for a, b in zip(marks, marks[1:])]  # seconds[j]: iteration j, timed
+    depths = row.stats.gamma_history if row is not None else []
+    plain, ratios = [], []
+    for c in range(cycles):
+        first = 1 + 2 * block * c
+        plains = [seconds[j] for j in [*range(first, first + block), *range(first + 2 * block, first + 3 * block)]
+                  if j < len(seconds)]
+        clean = [j for j in range(first + block + 1, first + 2 * block) if j < min(len(seconds), len(depths))]
+        if len(plains) < 2 * block or not clean:
+            break
+        step = statistics.fmean(plains)
+        plain.append(step)
+        ratios.append(full_depth([seconds[j] for j in clean], [depths[j] for j in clean], step, turns.gamma) / step)
+    if not ratios:  # too short a context for one cycle: the iterations it has, as they are
+        step = statistics.fmean(seconds[1:]) if len(seconds) > 1 else 0.0
+        return step, step
     step = statistics.median(plain)
-    return (step, step * statistics.median(s / p for s, p in zip(speculating, plain)),
-            step * statistics.median(c / p for c, p in zip(catching_up, plain)))
+    return step, step * statistics.median(ratios)
 
 
-def full_depth(stats: Any, plain_s: float, depth: int) -> float:
-    """The seconds of a speculating iteration that drafts ``depth`` positions, from a run's ``stats`` (its first
-    iteration, which also read the prompt, left out) and the seconds of a plain step: an iteration costs a
-    plain step and what its drafted positions add, linearly in their count (the switch charges one that drafts
+def full_depth(seconds: Sequence[float], depths: Sequence[int], plain_s: float, depth: int) -> float:
+    """The seconds of a speculating iteration that drafts ``depth`` positions, from iterations that took
+    ``seconds`` and drafted ``depths`` positions, and the seconds of a plain step: an iteration costs a plain
+    step and what its drafted positions add, linearly in their count (the switch charges one that drafts
     fewer, prompt lookup's short match, in proportion). A drafter that drafts the full depth every time gives
     the iterations' mean; one that drafted nothing, that mean too (nothing better is known)."""
-    depths = stats.gamma_history[1:]
-    seconds = stats.decode_time_s - stats.first_iteration_s
     if not sum(depths):
-        return seconds / max(len(depths), 1)
-    return plain_s + (seconds - len(depths) * plain_s) * depth / sum(depths)
+        return statistics.fmean(seconds)
+    return plain_s + (sum(seconds) - len(seconds) * plain_s) * depth / sum(depths)
 
 
 def catch_up(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain_steps: int,

@@ -135,7 +135,7 @@ class Switch:
     def _observe(self, iteration: int, gamma: int, seconds: float, tokens: float) -> None:
         clean = iteration > 0 and not (gamma > 0 and self.previous_gamma == 0)
         self.previous_gamma = gamma
-        if gamma > 0 and self.recorded is not None and gamma < self.gamma:
+        if 0 < gamma < self.gamma and self.recorded is not None and self.recorded[0] > 0:
             # Recorded: an iteration that drafted fewer (prompt lookup finding a short match) cost less; what a
             # drafted token costs is linear in the count, so its tokens count as those it would have needed at
             # the full depth for the same gain over plain steps.
