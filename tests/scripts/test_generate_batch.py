@@ -106,7 +106,8 @@ def test_sampled_prompt_i_is_the_prompt_alone_with_seed_plus_i(capsys: pytest.Ca
                                                                three: str) -> None:
     sampled = [*EXACT, "--temperature", "1", "--seed", "40"]
     batch = run_json([*sampled, "--prompts-file", three])
-    alone = [run_json([*EXACT, "--temperature", "1", "--seed", str(40 + i), "--prompt", line])["tokens"]
+    # a sampled batch is not guarded; a prompt alone is, by recorded costs, unless --no-guard (docs/cli.md)
+    alone = [run_json([*EXACT, "--temperature", "1", "--seed", str(40 + i), "--prompt", line, "--no-guard"])["tokens"]
              for i, line in enumerate(LINES)]
     assert [row["tokens"] for row in batch["prompts"]] == alone
     assert [row["seed"] for row in batch["prompts"]] == [40, 41, 42] and batch["settings"]["seed"] == 40
