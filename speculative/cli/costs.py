@@ -68,18 +68,35 @@ def measure(target: Any, draft: Any, prompt_ids: Sequence[int], run: dict[str, A
                                                      for _ in range(rounds))
 
 
-class Turns:
-    """The switch of a measurement: after the prompt's iteration, ``block`` plain iterations and ``block``
-    speculating ones in turn."""
+class Scripted:
+    """The switch of a measurement: plain steps at the iterations ``plain`` names, the full ``gamma`` at the others."""
 
-    def __init__(self, gamma: int, block: int) -> None:
-        self.gamma, self.block = gamma, block
+    def __init__(self, gamma: int, plain: Callable[[int], bool]) -> None:
+        self.gamma, self.plain = gamma, plain
 
     def choose(self, iteration: int) -> int:
-        return self.gamma if iteration == 0 or (iteration - 1) // self.block % 2 else 0
+        return 0 if self.plain(iteration) else self.gamma
 
     def observe(self, *args: Any) -> None:
         pass
+
+
+def timed(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain: Callable[[int], bool],
+          new_tokens: Callable[[int], int], iterations: int,
+          clock: Callable[[], float]) -> tuple[list[float], list[int], int]:
+    """One engine run of at most ``iterations`` iterations and ``new_tokens(gamma)`` tokens whose iterations ``plain``
+    names are plain steps (:class:`Scripted`): each iteration's seconds, timed by ``clock`` when its tokens are
+    seen (0 for the prompt's, iteration 0), the positions each drafted, and the full gamma."""
+    marks: list[float] = []
+    engine = Engine(target, draft, **{k: v for k, v in run.items() if k in ENGINE})
+    engine.auto = Scripted(engine.gamma_max, plain)
+    engine.add(prompt, new_tokens(engine.gamma_max), eos_id=(), seed=0, callback=lambda *_: marks.append(clock()))
+    engine.step()  # the prompt's iteration: admits the row
+    row = engine.rows[0] if engine.rows else None
+    while engine.rows and engine.stats.iterations < iterations:
+        engine.step()
+    seconds = [0.0] + [b - a for a, b in zip(marks, marks[1:])]
+    return seconds, row.stats.gamma_history if row is not None else [], engine.gamma_max
 
 
 def alternated(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], block: int = BLOCK,
@@ -93,17 +110,9 @@ def alternated(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], 
     machine whose speed drifts (a VM, a neighbour) moves both sides of it together, and a cycle that a burst
     hit is outvoted. A context that ends before a cycle is complete uses the cycles completed (at least the
     iterations it has)."""
-    marks: list[float] = []
-    engine = Engine(target, draft, **{k: v for k, v in run.items() if k in ENGINE}, guard=(1.0, 1.0))
-    engine.auto = turns = Turns(engine.gamma_max, block)
     iterations = 1 + 2 * block * cycles + block  # a last plain block: each speculating one has plain ones each side
-    engine.add(prompt, iterations * (turns.gamma + 1), eos_id=(), seed=0, callback=lambda *_: marks.append(clock()))
-    engine.step()  # the prompt's iteration: admits the row
-    row = engine.rows[0] if engine.rows else None
-    while engine.rows and engine.stats.iterations < iterations:
-        engine.step()
-    seconds = [0.0] + [b - a for a, b in zip(marks, marks[1:])]  # seconds[j]: iteration j, timed
-    depths = row.stats.gamma_history if row is not None else []
+    seconds, depths, gamma = timed(target, draft, prompt, run, lambda i: i > 0 and (i - 1) // block % 2 == 0,
+                                   lambda gamma: iterations * (gamma + 1), iterations, clock)
     plain, ratios = [], []
     for c in range(cycles):
         first = 1 + 2 * block * c
@@ -114,7 +123,7 @@ def alternated(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], 
             break
         step = statistics.fmean(plains)
         plain.append(step)
-        ratios.append(full_depth([seconds[j] for j in clean], [depths[j] for j in clean], step, turns.gamma) / step)
+        ratios.append(full_depth([seconds[j] for j in clean], [depths[j] for j in clean], step, gamma) / step)
     if not ratios:  # too short a context for one cycle: the iterations it has, as they are
         step = statistics.fmean(seconds[1:]) if len(seconds) > 1 else 0.0
         return step, step
@@ -136,17 +145,13 @@ def full_depth(seconds: Sequence[float], depths: Sequence[int], plain_s: float, 
 def catch_up(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain_steps: int,
              clock: Callable[[], float] = time.perf_counter) -> float:
     """What the first speculating iteration after ``plain_steps`` plain steps costs more than the median of
-    those after it (each iteration timed by ``clock`` when its tokens are seen): a switch held off until
-    then, whose equal costs never turn it off again."""
-    marks: list[float] = []
-    engine = Engine(target, draft, **{k: v for k, v in run.items() if k in ENGINE}, guard=(1.0, 1.0))
-    engine.auto.off, engine.auto.next_retry = True, plain_steps
-    engine.add(prompt, plain_steps + TOKENS, eos_id=(), seed=0, callback=lambda *_: marks.append(clock()))
-    engine.run()
-    seconds = [b - a for a, b in zip(marks, marks[1:])]  # seconds[i]: iteration i + 1
-    if len(seconds) <= plain_steps:  # the context ended first (a model of a short context): nothing to compare
+    those after it, in one run (:func:`timed`) of ``plain_steps`` plain steps, the prompt's included, and then
+    speculating."""
+    seconds, _, _ = timed(target, draft, prompt, run, lambda i: i < plain_steps, lambda _: plain_steps + TOKENS,
+                          plain_steps + TOKENS, clock)
+    if len(seconds) <= plain_steps + 1:  # the context ended first (a model of a short context): nothing to compare
         return 0.0
-    return max(seconds[plain_steps - 1] - statistics.median(seconds[plain_steps:]), 0.0)
+    return max(seconds[plain_steps] - statistics.median(seconds[plain_steps + 1:]), 0.0)
 
 
 def recorded(store: Any, target: Any, draft: Any, prompt_ids: Sequence[int], setups: Sequence[str],
