@@ -54,6 +54,9 @@ from tests.support.toy_models import (
 )
 from weights import load_tokenizer
 
+# Under pytest -n, the module's server and reference runs start once, on one worker (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_serve")
+
 torch.set_num_threads(1)
 GREEDY_PROMPTS = ["Once upon a time", "The little dog"]
 NEW = 48  # tokens per reference request

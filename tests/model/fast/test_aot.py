@@ -47,6 +47,9 @@ from tests.support.toy_models import far_from_argmax, random_llama
 from weights import StepCache, load_model, save_model
 from weights.step_cache import MANIFEST, PAYLOAD, EntryError
 
+# Under pytest -n, the module's compiled cache (`built`) is built once, on one worker (pyproject.toml).
+pytestmark = pytest.mark.xdist_group("test_aot")
+
 MODE = "default"
 RUN = ["--no-draft", "--prompt", "Once upon a time", "--max-new-tokens", "8", "--json"]
 

@@ -44,6 +44,9 @@ from tests.support.toy_models import (
     sequence_distribution,
 )
 
+# Under pytest -n, the module's compiled pairs are compiled once, on one worker (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_compile")
+
 torch.set_num_threads(1)
 
 
