@@ -68,28 +68,16 @@ def measure(target: Any, draft: Any, prompt_ids: Sequence[int], run: dict[str, A
                                                      for _ in range(rounds))
 
 
-class Scripted:
-    """The switch of a measurement: plain steps at the iterations ``plain`` names, the full ``gamma`` at the others."""
-
-    def __init__(self, gamma: int, plain: Callable[[int], bool]) -> None:
-        self.gamma, self.plain = gamma, plain
-
-    def choose(self, iteration: int) -> int:
-        return 0 if self.plain(iteration) else self.gamma
-
-    def observe(self, *args: Any) -> None:
-        pass
-
-
 def timed(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain: Callable[[int], bool],
           new_tokens: Callable[[int], int], iterations: int,
           clock: Callable[[], float]) -> tuple[list[float], list[int], int]:
     """One engine run of at most ``iterations`` iterations and ``new_tokens(gamma)`` tokens whose iterations ``plain``
-    names are plain steps (:class:`Scripted`): each iteration's seconds, timed by ``clock`` when its tokens are
-    seen (0 for the prompt's, iteration 0), the positions each drafted, and the full gamma."""
+    names are plain steps and the others draft the full gamma (the engine's ``policy``, as a server sets it): each
+    iteration's seconds, timed by ``clock`` when its tokens are seen (0 for the prompt's, iteration 0), the
+    positions each drafted, and the full gamma."""
     marks: list[float] = []
     engine = Engine(target, draft, **{k: v for k, v in run.items() if k in ENGINE})
-    engine.auto = Scripted(engine.gamma_max, plain)
+    engine.policy = lambda engine: 0 if plain(engine.stats.iterations) else engine.gamma_max
     engine.add(prompt, new_tokens(engine.gamma_max), eos_id=(), seed=0, callback=lambda *_: marks.append(clock()))
     engine.step()  # the prompt's iteration: admits the row
     row = engine.rows[0] if engine.rows else None

@@ -66,7 +66,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch, seconds: Callable[[int, list[int]]
 
     class Watched(costs.Engine):
         def step(self):
-            chosen.append(self.auto.choose(self.stats.iterations))
+            chosen.append(self.policy(self))
             return super().step()
 
     monkeypatch.setattr(costs, "Engine", Watched)
