@@ -25,7 +25,9 @@ from weights import load_model, load_tokenizer
 from weights.gguf import convert_gguf
 from weights.sharded import load_model_tp
 
-pytestmark = [needs_smollm2, pytest.mark.slow]
+# Under pytest -n, the module's converted folder and transformers' model are made once, on one worker
+# (pyproject.toml: --dist loadgroup).
+pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.xdist_group("test_real_model")]
 
 IM_END = 2  # <|im_end|>: the end of a turn, and SmolLM2's eos_token_id
 PROMPTS = ["What is the capital of France? Answer in one word.", "Write a haiku about the sea.",

@@ -27,6 +27,9 @@ import pytest
 from tests.support.faulty_serve import ENGINE_FAULT, GATE, GATE_FILE, LOAD_GATE_FILE, ROW_FAULT, STALL, STALL_S
 from tests.support.paths import ROOT
 
+# Under pytest -n, the module's server starts once, on one worker (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_serve_faults")
+
 MODEL = "tiny-target"
 PROMPT = [1, 432, 443, 261, 404]  # "Once upon a time", as the shipped tokenizer's ids
 

@@ -30,6 +30,9 @@ from speculative import autoregressive_generate, speculative_generate
 from weights import load_model, save_model
 from weights.sharded import load_model_tp
 
+# Under pytest -n, the two ranks' run (`ranks`) happens once, on one worker (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_tensor_parallel")
+
 WORLD = 2
 # Grouped-query attention (4 query heads sharing 2 KV heads) so that a rank holds
 # 2 query heads and 1 KV head, and the query -> KV head pairing is exercised.
