@@ -80,49 +80,167 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def build_parser() -> cmdline.ArgumentParser:
-    parser = cmdline.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cmdline.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add = parser.add_argument_group("models").add_argument
-    add("--target", default=DEFAULT_TARGET, help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)")
-    add("--draft", default=None, help=f"{drafters_help()} (default: the target's shipped drafter, {DEFAULT_DRAFT} for "
-                                      f"{DEFAULT_TARGET}: the fastest exact one measured, docs/drafters.md)")
-    add("--no-draft", action="store_true", help="the target alone, one token per call: the baseline")
-    add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    add(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)",
+    )
+    add(
+        "--draft",
+        default=None,
+        help=f"{drafters_help()} (default: the target's shipped drafter, {DEFAULT_DRAFT} for "
+        f"{DEFAULT_TARGET}: the fastest exact one measured, docs/drafters.md)",
+    )
+    add(
+        "--no-draft", action="store_true", help="the target alone, one token per call: the baseline"
+    )
+    add(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when available, else cpu)",
+    )
     add_dtype_flags(add)
-    add("--quantize", choices=["int8", "int4"], default=None,
+    add(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
         help="int8 block weights, or int4 in groups of 32 (a CPU, float32 or bfloat16): another target (default: "
-             "none)")
-    add("--plan", action="store_true", help="print the memory per GPU and exit: 0 when it fits, 1 when not")
-    add("--plan-device", default=None, help=f"--plan's GPU: {', '.join(DEVICES)} or auto (default: auto, or h200)")
-    add("--tp", type=int, default=None, help="--plan's tensor-parallel size (default: WORLD_SIZE or 1)")
-    add("--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU")
-    add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
-    add("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None, help="compiled decode steps")
-    add("--compile-cache", nargs="?", const="list", choices=("list", "clear"), help="list or clear the compiled steps")
-    add("--cache-dir", default=None, help=f"compiled steps' cache (default: ${ENV}, else {default_dir()})")
+        "none)",
+    )
+    add(
+        "--plan",
+        action="store_true",
+        help="print the memory per GPU and exit: 0 when it fits, 1 when not",
+    )
+    add(
+        "--plan-device",
+        default=None,
+        help=f"--plan's GPU: {', '.join(DEVICES)} or auto (default: auto, or h200)",
+    )
+    add(
+        "--tp",
+        type=int,
+        default=None,
+        help="--plan's tensor-parallel size (default: WORLD_SIZE or 1)",
+    )
+    add(
+        "--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU"
+    )
+    add(
+        "--setup",
+        choices=("default", "measure", *SETUPS),
+        default="default",
+        help="a decode step's set-up",
+    )
+    add(
+        "--compile",
+        nargs="?",
+        const="auto",
+        choices=("auto", "force"),
+        default=None,
+        help="compiled decode steps",
+    )
+    add(
+        "--compile-cache",
+        nargs="?",
+        const="list",
+        choices=("list", "clear"),
+        help="list or clear the compiled steps",
+    )
+    add(
+        "--cache-dir",
+        default=None,
+        help=f"compiled steps' cache (default: ${ENV}, else {default_dir()})",
+    )
     add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add = parser.add_argument_group("prompt").add_argument
-    add("--prompt", default=DEFAULT_PROMPT, help="the text to continue, - for stdin (default %(default)r)")
-    add("--chat", action="store_true", help="the prompt as a user's turn, in the target's own chat template")
+    add(
+        "--prompt",
+        default=DEFAULT_PROMPT,
+        help="the text to continue, - for stdin (default %(default)r)",
+    )
+    add(
+        "--chat",
+        action="store_true",
+        help="the prompt as a user's turn, in the target's own chat template",
+    )
     add("--system", default=None, help="system prompt for --chat (default: none)")
-    add("--prompts-file", default=None, metavar="FILE", help="one prompt per line (- for stdin), decoded as a batch")
-    add("--batch-size", type=int, default=None, metavar="N", help="rows per target call at most (default: all)")
+    add(
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
+        help="one prompt per line (- for stdin), decoded as a batch",
+    )
+    add(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows per target call at most (default: all)",
+    )
     add = parser.add_argument_group("decoding").add_argument
-    add("--gamma", type=cmdline.gamma_arg, default=DEFAULT_GAMMA, help="draft length, or auto (default %(default)s)")
-    add("--guard", action=argparse.BooleanOptionalAction, default=None, help="plain target steps wherever this "
-        "run's timings say speculating loses (default: where costs measured once and recorded here say so)")
-    add("--verify", choices=list(RULES), default=None, help=f"{rules_help()} (default: block sampling a chain)")
-    add("--tree", type=cmdline.tree_arg, default=None, help="a token tree's branching per depth, e.g. 3,2,1,1")
-    add("--tree-mode", choices=list(TREE_MODES), default="without_replacement",
-        help="how a tree node's children are drawn when sampling")
+    add(
+        "--gamma",
+        type=cmdline.gamma_arg,
+        default=DEFAULT_GAMMA,
+        help="draft length, or auto (default %(default)s)",
+    )
+    add(
+        "--guard",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plain target steps wherever this "
+        "run's timings say speculating loses (default: where costs measured once and recorded here say so)",
+    )
+    add(
+        "--verify",
+        choices=list(RULES),
+        default=None,
+        help=f"{rules_help()} (default: block sampling a chain)",
+    )
+    add(
+        "--tree",
+        type=cmdline.tree_arg,
+        default=None,
+        help="a token tree's branching per depth, e.g. 3,2,1,1",
+    )
+    add(
+        "--tree-mode",
+        choices=list(TREE_MODES),
+        default="without_replacement",
+        help="how a tree node's children are drawn when sampling",
+    )
     add("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)g)")
-    add("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
+    add(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample among the k most likely tokens (default: all)",
+    )
     add("--top-p", type=float, default=None, help="nucleus sampling, 0 < p <= 1 (default: all)")
-    add("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="stop after this many (default %(default)s)")
-    add("--ignore-eos", action="store_true", help="decode all --max-new-tokens: no end-of-sequence id stops the run "
-        "(for timing, as llama.cpp's --ignore-eos; the text goes on past the end of the answer)")
+    add(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="stop after this many (default %(default)s)",
+    )
+    add(
+        "--ignore-eos",
+        action="store_true",
+        help="decode all --max-new-tokens: no end-of-sequence id stops the run "
+        "(for timing, as llama.cpp's --ignore-eos; the text goes on past the end of the answer)",
+    )
     add("--seed", type=int, default=None, help="seed for sampling (default: a fresh one, shown)")
-    add("--compare", action="store_true", help="run again with the target alone: the measured speedup")
+    add(
+        "--compare",
+        action="store_true",
+        help="run again with the target alone: the measured speedup",
+    )
     add = parser.add_argument_group("output").add_argument
     add("--json", action="store_true", help="one JSON object on stdout and nothing else")
     add("--no-color", action="store_true", help="no ANSI colours (used only on a terminal)")
@@ -145,27 +263,37 @@ def validate(args: argparse.Namespace, given: set[str]) -> None:
     if isinstance(args.gamma, int) and args.gamma < 1:
         raise UsageError(f"--gamma must be an integer >= 1 or 'auto', got {args.gamma}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise UsageError(f"--temperature must be a number >= 0 (0 is greedy), got {args.temperature}")
+        raise UsageError(
+            f"--temperature must be a number >= 0 (0 is greedy), got {args.temperature}"
+        )
     if args.top_p is not None and not (0 < args.top_p <= 1):
         raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p}")
     for name in ("top_k", "max_new_tokens", "threads", "tp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.tree is not None and args.verify == "block" and not args.no_draft:
-        raise UsageError("--verify block is block verification of a chain; a --tree is verified by its own walk")
+        raise UsageError(
+            "--verify block is block verification of a chain; a --tree is verified by its own walk"
+        )
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     if args.compile and args.setup != "default":
-        raise UsageError(f"--compile and --setup {args.setup} both choose the set-up: give one (--compile force is "
-                         "--setup compiled)")
+        raise UsageError(
+            f"--compile and --setup {args.setup} both choose the set-up: give one (--compile force is "
+            "--setup compiled)"
+        )
     if args.compile:  # --compile is the measurement with the compiled set-up among the candidates
         args.setup = "compiled" if args.compile == "force" else "measure-all"
     if args.setup != "default" and args.quantize == "int8":
-        raise UsageError(f"{setup_flag(args)} does not apply to {args.quantize} layers, which have one set-up; drop "
-                         f"one of {setup_flag(args)} and --quantize")
+        raise UsageError(
+            f"{setup_flag(args)} does not apply to {args.quantize} layers, which have one set-up; drop "
+            f"one of {setup_flag(args)} and --quantize"
+        )
     if args.setup != "default" and (args.no_fuse or args.no_prepack):
-        raise UsageError(f"--no-fuse and --no-prepack change the default set-up; with {setup_flag(args)} name the "
-                         "set-up you want instead (plain, stacked, prepacked, compiled)")
+        raise UsageError(
+            f"--no-fuse and --no-prepack change the default set-up; with {setup_flag(args)} name the "
+            "set-up you want instead (plain, stacked, prepacked, compiled)"
+        )
     if args.prompts_file is not None and args.tree is not None and not args.no_draft:
         raise UsageError("token trees are not batched; drop --tree or --prompts-file")
     if args.prompts_file is not None and "prompt" in given:
@@ -174,8 +302,10 @@ def validate(args: argparse.Namespace, given: set[str]) -> None:
 
 def setup_flag(args: argparse.Namespace) -> str:
     """How the command line asked for its set-up, for messages."""
-    return {"measure-all": "--compile", "compiled": "--compile force" if args.compile else "--setup compiled"}.get(
-        args.setup, f"--setup {args.setup}")
+    return {
+        "measure-all": "--compile",
+        "compiled": "--compile force" if args.compile else "--setup compiled",
+    }.get(args.setup, f"--setup {args.setup}")
 
 
 def print_plan(args: argparse.Namespace) -> int:
@@ -185,74 +315,141 @@ def print_plan(args: argparse.Namespace) -> int:
     tp = args.tp or int(os.environ.get("WORLD_SIZE", "1"))
     device = args.plan_device or ("auto" if torch.cuda.is_available() else "h200")
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16
-    result = plan(target, draft, dtype, tp_size=tp, quantize=args.quantize, device_name=device,
-                  target_name=args.target, draft_name=args.draft)
+    result = plan(
+        target,
+        draft,
+        dtype,
+        tp_size=tp,
+        quantize=args.quantize,
+        device_name=device,
+        target_name=args.target,
+        draft_name=args.draft,
+    )
     suggestion = plan_suggestion(target, draft, dtype, tp, args.quantize, device)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({**result.to_dict(), "suggestion": suggestion}) if args.json else
-              result.render() + (f"\n  {suggestion}" if suggestion else ""))
+        print(
+            json.dumps({**result.to_dict(), "suggestion": suggestion})
+            if args.json
+            else result.render() + (f"\n  {suggestion}" if suggestion else "")
+        )
     return 0 if result.fits else 1
 
 
-def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, world_size: int,
-         prompts: list[str] | None) -> tuple[Pair, list[list[int]], Setups | None, list[str]]:
+def load(
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    world_size: int,
+    prompts: list[str] | None,
+) -> tuple[Pair, list[list[int]], Setups | None, list[str]]:
     """Read, check and load the pair; everything that can be refused is refused before the
     weights are read. Returns the pair (weights.load), the encoded prompts (the lines of
     --prompts-file, or [--prompt]), the set-ups chosen (None for the default set-up) and notes on
     the checkpoints (fields not classified, the model's own sampling defaults)."""
     spec = read_named_pair(args)
     if args.setup != "default" and world_size > 1:
-        raise UsageError(f"{setup_flag(args)} is for one process: tensor-parallel shards keep the default set-up (a "
-                         f"compiled shard's all-reduces would run outside the graph); drop {setup_flag(args)} under "
-                         "torchrun")
+        raise UsageError(
+            f"{setup_flag(args)} is for one process: tensor-parallel shards keep the default set-up (a "
+            f"compiled shard's all-reduces would run outside the graph); drop {setup_flag(args)} under "
+            "torchrun"
+        )
     if is_head(spec.kind) and world_size > 1:
-        raise UsageError(f"--draft {args.draft} is a feature head, which reads the target's whole output head: not "
-                         "supported under tensor parallelism; use a draft model or --draft lookup")
+        raise UsageError(
+            f"--draft {args.draft} is a feature head, which reads the target's whole output head: not "
+            "supported under tensor parallelism; use a draft model or --draft lookup"
+        )
     if args.tree is not None and spec.kind == "lookup":
-        raise UsageError("--tree needs a drafter that can build trees (a draft model or a feature head); prompt "
-                         "lookup proposes one chain")
-    encoded = [encode_prompt(spec.tokenizer, text, args.chat, args.system) for text in prompts or [args.prompt]]
+        raise UsageError(
+            "--tree needs a drafter that can build trees (a draft model or a feature head); prompt "
+            "lookup proposes one chain"
+        )
+    encoded = [
+        encode_prompt(spec.tokenizer, text, args.chat, args.system)
+        for text in prompts or [args.prompt]
+    ]
     context = spec.context
     for line, prompt_ids in enumerate(encoded, 1):
         if len(prompt_ids) >= context:
             where = f"--prompts-file line {line}: the prompt" if prompts else "the prompt"
             names = " and ".join([args.target] + ([args.draft] if spec.kind == "model" else []))
-            raise UsageError(f"{where} is {len(prompt_ids)} tokens, which leaves no room in the {context}-token "
-                             f"context of {names}")
-    shape = AutoTree().covering() if args.tree == "auto" else args.tree  # auto: room for its largest
-    ahead = len(branching_parents(shape)) if shape else GAMMA_MAX if args.gamma == "auto" else args.gamma
+            raise UsageError(
+                f"{where} is {len(prompt_ids)} tokens, which leaves no room in the {context}-token "
+                f"context of {names}"
+            )
+    shape = (
+        AutoTree().covering() if args.tree == "auto" else args.tree
+    )  # auto: room for its largest
+    ahead = (
+        len(branching_parents(shape))
+        if shape
+        else GAMMA_MAX
+        if args.gamma == "auto"
+        else args.gamma
+    )
     if args.tree and ahead + 1 >= context:
-        raise UsageError(f"--tree {','.join(map(str, shape))} has {ahead} nodes, which cannot fit in the "
-                         f"{context}-token context (the target scores them all in one call)")
-    positions = min(context, max(map(len, encoded)) + args.max_new_tokens + (0 if spec.kind is None else ahead + 1))
-    rows = min(args.batch_size or len(encoded), len(encoded)) if prompts else 1  # the KV caches' rows
+        raise UsageError(
+            f"--tree {','.join(map(str, shape))} has {ahead} nodes, which cannot fit in the "
+            f"{context}-token context (the target scores them all in one call)"
+        )
+    positions = min(
+        context,
+        max(map(len, encoded)) + args.max_new_tokens + (0 if spec.kind is None else ahead + 1),
+    )
+    rows = (
+        min(args.batch_size or len(encoded), len(encoded)) if prompts else 1
+    )  # the KV caches' rows
     # The set-up of each model: the default (compiled steps from the cache, else stacked and prepacked at once),
     # or measured or forced (--setup, --compile) for the calls this run makes.
-    pair, setups = load_named_pair(args, spec, device, dtype, positions=positions, rows=rows, gamma=args.gamma,
-                                   gamma_max=GAMMA_MAX, cache_len=positions + 1, tree=shape,
-                                   world_size=world_size, flag=setup_flag(args),
-                                   draft_dtype=pick_dtype(args.draft_dtype, device) if args.draft_dtype else None)
-    return pair, encoded, setups, spec.notes + [line for line in [model_defaults_note(args, spec.sampling_defaults)]
-                                                if line]
+    pair, setups = load_named_pair(
+        args,
+        spec,
+        device,
+        dtype,
+        positions=positions,
+        rows=rows,
+        gamma=args.gamma,
+        gamma_max=GAMMA_MAX,
+        cache_len=positions + 1,
+        tree=shape,
+        world_size=world_size,
+        flag=setup_flag(args),
+        draft_dtype=pick_dtype(args.draft_dtype, device) if args.draft_dtype else None,
+    )
+    return (
+        pair,
+        encoded,
+        setups,
+        spec.notes + [line for line in [model_defaults_note(args, spec.sampling_defaults)] if line],
+    )
 
 
 def model_defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> str | None:
     """One line naming the target's own sampling defaults (generation_config.json) where they differ
     from this run's: generate.py keeps its own defaults, which a flag changes (serve.py uses the model's)."""
-    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-             "max_new_tokens": args.max_new_tokens}
+    flags = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+    }
     differ = {key: value for key, value in defaults.items() if flags[key] != value}
     if not differ:
         return None
     named = ", ".join(f"--{key.replace('_', '-')} {value:g}" for key, value in differ.items())
-    return f"{args.target}'s generation_config.json suggests {named}; this run keeps generate.py's defaults " \
-           "unless those flags are given"
+    return (
+        f"{args.target}'s generation_config.json suggests {named}; this run keeps generate.py's defaults "
+        "unless those flags are given"
+    )
 
 
 def run(args: argparse.Namespace, given: set[str]) -> int:
     validate(args, given)
-    args.gamma_given = "gamma" in given  # a default drafter may come with its own (weights.load.read_named_pair)
-    is_main = int(os.environ.get("RANK", "0")) == 0  # only rank 0 prints; the others compute silently
+    args.gamma_given = (
+        "gamma" in given
+    )  # a default drafter may come with its own (weights.load.read_named_pair)
+    is_main = (
+        int(os.environ.get("RANK", "0")) == 0
+    )  # only rank 0 prints; the others compute silently
     notes = cmdline.unused_flags(args, given)
     for note in notes if is_main else []:
         print(f"warning: {note}", file=sys.stderr)
@@ -270,36 +467,64 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     texts = None  # the prompts of --prompts-file, decoded as one batch
     if args.prompts_file is not None:
         if world_size > 1:
-            raise UsageError("--prompts-file is not supported under torchrun: batches do not run tensor-parallel; "
-                             "run it in one process, or give one --prompt")
+            raise UsageError(
+                "--prompts-file is not supported under torchrun: batches do not run tensor-parallel; "
+                "run it in one process, or give one --prompt"
+            )
         texts = cmdline.read_prompts(args.prompts_file)
     else:
         args.prompt = cmdline.read_prompt(args.prompt, world_size)
-    if world_size > 1:  # under torchrun: one process per GPU (cuda:LOCAL_RANK), NCCL; gloo on the CPU
-        if pick_device(args.device).type == "cuda" and args.device is not None and ":" in args.device:
-            raise UsageError("under torchrun each rank uses GPU LOCAL_RANK: pass --device cuda, not a numbered one")
+    if (
+        world_size > 1
+    ):  # under torchrun: one process per GPU (cuda:LOCAL_RANK), NCCL; gloo on the CPU
+        if (
+            pick_device(args.device).type == "cuda"
+            and args.device is not None
+            and ":" in args.device
+        ):
+            raise UsageError(
+                "under torchrun each rank uses GPU LOCAL_RANK: pass --device cuda, not a numbered one"
+            )
         info = init_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         device, is_main = info.device, info.is_main
     else:
         device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device, None if args.quantize else stored_dtype(args.target))
     if "no_prepack" in given and is_main and (device.type != "cpu" or not packable(dtype)):
-        print(f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
-              "prepacked only on the CPU in float32 (and bfloat16 with native bf16)", file=sys.stderr)
+        print(
+            f"warning: --no-prepack has no effect on {device} in {str(dtype).removeprefix('torch.')}: weights are "
+            "prepacked only on the CPU in float32 (and bfloat16 with native bf16)",
+            file=sys.stderr,
+        )
     pair, encoded, setups, load_notes = load(args, device, dtype, world_size, texts)
     for line in load_notes if not args.json and is_main else []:
         print(f"note: {line}", file=sys.stderr)
     # Every rank draws the same random numbers: one seed, rank 0's (also a fresh one, shown for repeating the run).
-    seed = broadcast_seed(args.seed, device) if args.temperature > 0 else None  # greedy draws no random number
+    seed = (
+        broadcast_seed(args.seed, device) if args.temperature > 0 else None
+    )  # greedy draws no random number
     speculative = pair.draft is not None
     compare = args.compare and speculative
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    eos_id=() if args.ignore_eos else pair.stop_ids, seed=seed)
+    sampling = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_id=() if args.ignore_eos else pair.stop_ids,
+        seed=seed,
+    )
     guard, guard_note = args.guard, None
-    if guard == "recorded":  # the default: costs measured once on this machine (speculative.cli.costs)
+    if (
+        guard == "recorded"
+    ):  # the default: costs measured once on this machine (speculative.cli.costs)
         with torch.inference_mode():
-            guard, guard_note = costs.default_guard(args, pair, encoded[0], setups, StepCache(args.cache_dir),
-                                                    one_row=texts is None and world_size == 1)
+            guard, guard_note = costs.default_guard(
+                args,
+                pair,
+                encoded[0],
+                setups,
+                StepCache(args.cache_dir),
+                one_row=texts is None and world_size == 1,
+            )
         args.guard = "recorded" if guard else cmdline.unrecorded(args.temperature)
     lines = setups.lines
     settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
@@ -309,7 +534,12 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         return run_batch(args, pair, texts, encoded, settings, sampling)
 
     prompt_ids, tokenizer = encoded[0], pair.tokenizer
-    color = not args.json and not args.no_color and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    color = (
+        not args.json
+        and not args.no_color
+        and sys.stdout.isatty()
+        and not os.environ.get("NO_COLOR")
+    )
     streamer = None
     if not args.json and is_main:
         for line in lines:
@@ -320,42 +550,75 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
             print(f"note: {setups.compile_note(args.max_new_tokens)}", file=sys.stderr)
         if color and speculative:
             print(output.LEGEND, file=sys.stderr)
-        streamer = output.Streamer(tokenizer, prompt_ids, sys.stdout, color,
-                            prefix="" if args.chat else tokenizer.decode(prompt_ids))
+        streamer = output.Streamer(
+            tokenizer,
+            prompt_ids,
+            sys.stdout,
+            color,
+            prefix="" if args.chat else tokenizer.decode(prompt_ids),
+        )
     step_clock = output.StepClock(streamer)
     # NonFiniteLogitsError (a ValueError) from either loop ends the run in main(): one error line, no tokens.
     with torch.inference_mode():
         if speculative:
-            result = speculative_generate(pair.target, pair.draft, prompt_ids, args.max_new_tokens,
-                                          gamma=None if args.tree else args.gamma, callback=step_clock,
-                                          verify=args.verify, tree=args.tree, tree_mode=args.tree_mode,
-                                          guard=guard or args.guard, **sampling)
+            result = speculative_generate(
+                pair.target,
+                pair.draft,
+                prompt_ids,
+                args.max_new_tokens,
+                gamma=None if args.tree else args.gamma,
+                callback=step_clock,
+                verify=args.verify,
+                tree=args.tree,
+                tree_mode=args.tree_mode,
+                guard=guard or args.guard,
+                **sampling,
+            )
         else:
-            result = autoregressive_generate(pair.target, prompt_ids, args.max_new_tokens, callback=step_clock,
-                                             **sampling)
+            result = autoregressive_generate(
+                pair.target, prompt_ids, args.max_new_tokens, callback=step_clock, **sampling
+            )
     tokens = [int(t) for t in result.tokens]
     stats = report.stats_dict(result.stats, speculative)
     if streamer is not None:
         streamer.finish()
-        for line in report.summary_lines(stats, speculative, compare=compare) + [f"note: {setups.hint}"] * bool(
-                setups.hint):
+        for line in report.summary_lines(stats, speculative, compare=compare) + [
+            f"note: {setups.hint}"
+        ] * bool(setups.hint):
             print(line, file=sys.stderr)
     sizes = list(getattr(result.stats, "gamma_history", [])) or [0] * len(step_clock.times)
     hint = output.busy_hint(step_clock.times, sizes, torch.get_num_threads(), device)
     comparison = None
-    if compare:  # the same prompt and settings, the target alone: every rank runs it, as it ran the first
+    if (
+        compare
+    ):  # the same prompt and settings, the target alone: every rank runs it, as it ran the first
         if streamer is not None:
-            print("compare: now the target alone, on the same prompt with the same settings ...", file=sys.stderr)
-        with torch.inference_mode():  # a callback, as in the first run, so that both loops copy tokens alike
-            baseline = autoregressive_generate(pair.target, prompt_ids, args.max_new_tokens,
-                                               callback=output.StepClock(), **sampling)
+            print(
+                "compare: now the target alone, on the same prompt with the same settings ...",
+                file=sys.stderr,
+            )
+        with (
+            torch.inference_mode()
+        ):  # a callback, as in the first run, so that both loops copy tokens alike
+            baseline = autoregressive_generate(
+                pair.target,
+                prompt_ids,
+                args.max_new_tokens,
+                callback=output.StepClock(),
+                **sampling,
+            )
         comparison = report.compare_stats(stats, baseline, tokens, args.temperature)
     if not is_main:
         return 0
 
     if args.json:
-        doc = {"text": continuation_text(tokenizer, prompt_ids, tokens), "tokens": tokens,
-               "prompt_tokens": len(prompt_ids), "settings": settings, "stats": stats}
+        doc = {
+            "text": continuation_text(tokenizer, prompt_ids, tokens),
+            "tokens": tokens,
+            "prompt_tokens": len(prompt_ids),
+            "settings": settings,
+            "stats": stats,
+        }
         doc.update({"compare": comparison} if comparison is not None else {})
         print(json.dumps(report.jsonable({**doc, "notes": report.JSON_NOTES}), allow_nan=False))
     elif comparison is not None:
@@ -365,8 +628,14 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     return 0
 
 
-def run_batch(args: argparse.Namespace, pair: Pair, texts: list[str], encoded: list[list[int]],
-              settings: dict[str, Any], sampling: dict[str, Any]) -> int:
+def run_batch(
+    args: argparse.Namespace,
+    pair: Pair,
+    texts: list[str],
+    encoded: list[list[int]],
+    settings: dict[str, Any],
+    sampling: dict[str, Any],
+) -> int:
     """--prompts-file: every prompt in one batched run (speculative_generate_batch), at most
     --batch-size rows per target call, prompt i sampling with seed + i. Nothing streams: the
     completions are printed after the run, in prompt order, then the batch's summary; with
@@ -376,39 +645,71 @@ def run_batch(args: argparse.Namespace, pair: Pair, texts: list[str], encoded: l
     rows = min(args.batch_size or len(encoded), len(encoded))
     if not args.json:
         where = "standard input" if args.prompts_file == "-" else args.prompts_file
-        print(f"{len(encoded)} prompts from {where}, decoded as a batch of at most {rows} rows per target call",
-              file=sys.stderr)
+        print(
+            f"{len(encoded)} prompts from {where}, decoded as a batch of at most {rows} rows per target call",
+            file=sys.stderr,
+        )
     sampling = {**sampling, "batch_size": rows}
     # NonFiniteLogitsError (a ValueError) ends the run in main(): one error line, nothing on stdout.
     if speculative:
-        result = speculative_generate_batch(pair.target, pair.draft, encoded, args.max_new_tokens, gamma=args.gamma,
-                                            verify=args.verify, guard=args.guard, **sampling)
+        result = speculative_generate_batch(
+            pair.target,
+            pair.draft,
+            encoded,
+            args.max_new_tokens,
+            gamma=args.gamma,
+            verify=args.verify,
+            guard=args.guard,
+            **sampling,
+        )
     else:
-        result = autoregressive_generate_batch(pair.target, encoded, args.max_new_tokens, **sampling)
+        result = autoregressive_generate_batch(
+            pair.target, encoded, args.max_new_tokens, **sampling
+        )
     docs = []
     for i, (text, prompt_ids, row) in enumerate(zip(texts, encoded, result.results)):
         tokens = [int(t) for t in row.tokens]
-        docs.append({"prompt_index": i, "line": i + 1, "prompt": text, "seed": None if seed is None else seed + i,
-                     "text": continuation_text(tokenizer, prompt_ids, tokens), "tokens": tokens,
-                     "prompt_tokens": len(prompt_ids), "stats": report.stats_dict(row.stats, speculative)})
+        docs.append(
+            {
+                "prompt_index": i,
+                "line": i + 1,
+                "prompt": text,
+                "seed": None if seed is None else seed + i,
+                "text": continuation_text(tokenizer, prompt_ids, tokens),
+                "tokens": tokens,
+                "prompt_tokens": len(prompt_ids),
+                "stats": report.stats_dict(row.stats, speculative),
+            }
+        )
     if not args.json:
         for doc, prompt_ids in zip(docs, encoded):
             seed_note = "" if doc["seed"] is None else f", seed {doc['seed']}"
-            prefix = "" if args.chat else tokenizer.decode(prompt_ids)  # as the single run prints it
-            print(f"--- prompt {doc['prompt_index']} (line {doc['line']}{seed_note}) ---\n{prefix}{doc['text']}")
+            prefix = (
+                "" if args.chat else tokenizer.decode(prompt_ids)
+            )  # as the single run prints it
+            print(
+                f"--- prompt {doc['prompt_index']} (line {doc['line']}{seed_note}) ---\n{prefix}{doc['text']}"
+            )
         sys.stdout.flush()
         for line in report.batch_summary_lines(result, speculative):
             print(line, file=sys.stderr)
     comparison = None
     if compare:
         if not args.json:
-            print("compare: now the target alone, on the same prompts in batches of the same size ...",
-                  file=sys.stderr)
-        baseline = autoregressive_generate_batch(pair.target, encoded, args.max_new_tokens, **sampling)
+            print(
+                "compare: now the target alone, on the same prompts in batches of the same size ...",
+                file=sys.stderr,
+            )
+        baseline = autoregressive_generate_batch(
+            pair.target, encoded, args.max_new_tokens, **sampling
+        )
         comparison = report.compare_batch(result, baseline, args.temperature)
     if args.json:
-        out = {"prompts": docs, "batch": result.stats.to_dict(),
-               "settings": {**settings, "prompts_file": args.prompts_file, "batch_size": rows}}
+        out = {
+            "prompts": docs,
+            "batch": result.stats.to_dict(),
+            "settings": {**settings, "prompts_file": args.prompts_file, "batch_size": rows},
+        }
         out.update({"compare": comparison} if comparison is not None else {})
         notes = {**report.JSON_NOTES, **report.BATCH_NOTES}
         print(json.dumps(report.jsonable({**out, "notes": notes}), allow_nan=False))
@@ -425,15 +726,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(build_parser().parse_args(argv), given_flags(argv))
     except NonFiniteWeightsError as err:
-        print(f"error: {'' if rank == 0 else f'rank {rank}: '}{err}".splitlines()[0], file=sys.stderr)
+        print(
+            f"error: {'' if rank == 0 else f'rank {rank}: '}{err}".splitlines()[0], file=sys.stderr
+        )
         return 2
     except ValueError as err:  # UsageError, UnknownCheckpointError, CheckpointError, PairMismatchError, ConfigError...
         if rank == 0:
             print(f"error: {err}".splitlines()[0], file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:
-        print("error: out of GPU memory; try a smaller pair, a smaller dtype or fewer --max-new-tokens",
-              file=sys.stderr)
+        print(
+            "error: out of GPU memory; try a smaller pair, a smaller dtype or fewer --max-new-tokens",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -45,66 +45,177 @@ from speculative.serving.policy import LoadGamma
 from speculative.serving.threads import ThreadTuner, openmp_threads
 from speculative.verify import RULES
 from weights import NonFiniteWeightsError, Pair, PairSpec
-from weights.load import DEFAULT_DRAFT, DEFAULT_TARGET, load_named_pair, read_named_pair, stored_dtype
+from weights.load import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    load_named_pair,
+    read_named_pair,
+    stored_dtype,
+)
 from weights.step_cache import ENV, default_dir
 
 CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
 
 
 def build_parser() -> cmdline.ArgumentParser:
-    parser = cmdline.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cmdline.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add = parser.add_argument_group("models").add_argument
-    add("--target", default=DEFAULT_TARGET, help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)")
-    add("--draft", default=None, help=f"a draft model, a head or lookup (default: the target's own, {DEFAULT_DRAFT})")
+    add(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)",
+    )
+    add(
+        "--draft",
+        default=None,
+        help=f"a draft model, a head or lookup (default: the target's own, {DEFAULT_DRAFT})",
+    )
     add("--no-draft", action="store_true", help="the target alone: no speculation at all")
     add("--name", default=None, help="the model name clients ask for (default: --target)")
-    add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    add(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when available, else cpu)",
+    )
     add_dtype_flags(add)
-    add("--quantize", choices=["int8", "int4"], default=None, help="int8 or (a CPU) int4 block weights (default: none)")
-    add("--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU")
-    add("--setup", choices=("default", "measure", *SETUPS), default="default", help="a decode step's set-up")
-    add("--compile", nargs="?", const="auto", choices=("auto", "force"), default=None,
-        help="compiled decode steps, compiled once at start-up")
-    add("--cache-dir", default=None, help=f"compiled steps' cache (default: ${ENV}, else {default_dir()})")
+    add(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="int8 or (a CPU) int4 block weights (default: none)",
+    )
+    add(
+        "--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU"
+    )
+    add(
+        "--setup",
+        choices=("default", "measure", *SETUPS),
+        default="default",
+        help="a decode step's set-up",
+    )
+    add(
+        "--compile",
+        nargs="?",
+        const="auto",
+        choices=("auto", "force"),
+        default=None,
+        help="compiled decode steps, compiled once at start-up",
+    )
+    add(
+        "--cache-dir",
+        default=None,
+        help=f"compiled steps' cache (default: ${ENV}, else {default_dir()})",
+    )
     add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
-    add("--threads", type=int, default=None,
+    add(
+        "--threads",
+        type=int,
+        default=None,
         help="torch CPU threads, fixed (default: up to torch's choice, fewer while they measure faster: another "
-             "process on the cores)")
+        "process on the cores)",
+    )
     add = parser.add_argument_group("serving").add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    add("--api-key", default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECULATIVE_API_KEY if set, else no key)")
-    add("--allowed-hosts", default=None,
+    add(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECULATIVE_API_KEY if set, else no key)",
+    )
+    add(
+        "--allowed-hosts",
+        default=None,
         help="Host names a request may name, comma-separated, or * for any (default: the address listened on, "
-             "and localhost for a loopback one)")
-    add("--cors-origin", action="append", default=[],
-        help="a web origin allowed to read answers from a browser, repeatable (default: none, no CORS)")
+        "and localhost for a loopback one)",
+    )
+    add(
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="a web origin allowed to read answers from a browser, repeatable (default: none, no CORS)",
+    )
     add("--port", type=int, default=8000, help="0 picks a free port (default %(default)s)")
-    add("--max-batch", type=int, default=16, help="rows per target call at most (default %(default)s)")
-    add("--max-connections", type=int, default=256,
-        help="open connections at most; beyond, 503 at once (default %(default)s)")
-    add("--max-waiting", type=int, default=64,
-        help="requests waiting for a row at most; more get 429 with Retry-After (default %(default)s)")
-    add("--grace", type=float, default=30.0,
-        help="on SIGTERM, seconds the requests in hand have to finish before they are cut (default %(default)s)")
+    add(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="rows per target call at most (default %(default)s)",
+    )
+    add(
+        "--max-connections",
+        type=int,
+        default=256,
+        help="open connections at most; beyond, 503 at once (default %(default)s)",
+    )
+    add(
+        "--max-waiting",
+        type=int,
+        default=64,
+        help="requests waiting for a row at most; more get 429 with Retry-After (default %(default)s)",
+    )
+    add(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the requests in hand have to finish before they are cut (default %(default)s)",
+    )
     for flag, default, text in (
-            ("--queue-timeout", 60.0, "a request may wait for a row, then 503 with Retry-After (0: no limit)"),
-            ("--request-timeout", 600.0, "a request may take in all, then 504 and its row is freed (0: no limit)"),
-            ("--read-timeout", 10.0, "a client has to send a request's headers, and then its body"),
-            ("--write-timeout", 30.0, "a write of an answer may wait for the client to read, then it is dropped"),
-            ("--keepalive", 15.0, "a stream with nothing to send waits before an SSE comment keeps it open")):
+        (
+            "--queue-timeout",
+            60.0,
+            "a request may wait for a row, then 503 with Retry-After (0: no limit)",
+        ),
+        (
+            "--request-timeout",
+            600.0,
+            "a request may take in all, then 504 and its row is freed (0: no limit)",
+        ),
+        ("--read-timeout", 10.0, "a client has to send a request's headers, and then its body"),
+        (
+            "--write-timeout",
+            30.0,
+            "a write of an answer may wait for the client to read, then it is dropped",
+        ),
+        (
+            "--keepalive",
+            15.0,
+            "a stream with nothing to send waits before an SSE comment keeps it open",
+        ),
+    ):
         add(flag, type=float, default=default, help=f"seconds {text} (default %(default)s)")
-    add("--stall-after", type=float, default=60.0,
+    add(
+        "--stall-after",
+        type=float,
+        default=60.0,
         help="seconds without an engine step while requests wait or run after which /health answers 503 "
-             "(default %(default)s)")
-    add("--speculation", choices=("load", "on", "off"), default="load",
-        help="gamma by the cost model at the current load, always --gamma, or never (default %(default)s)")
-    add("--gamma", type=int, default=DEFAULT_GAMMA, help="draft length with --speculation on; the largest otherwise "
-                                             "(default %(default)s)")
-    add("--verify", choices=list(RULES), default=cmdline.SAMPLED_RULE, help=f"{rules_help()} (default %(default)s)")
-    add("--generation-config", choices=("auto", "none"), default="auto",
+        "(default %(default)s)",
+    )
+    add(
+        "--speculation",
+        choices=("load", "on", "off"),
+        default="load",
+        help="gamma by the cost model at the current load, always --gamma, or never (default %(default)s)",
+    )
+    add(
+        "--gamma",
+        type=int,
+        default=DEFAULT_GAMMA,
+        help="draft length with --speculation on; the largest otherwise (default %(default)s)",
+    )
+    add(
+        "--verify",
+        choices=list(RULES),
+        default=cmdline.SAMPLED_RULE,
+        help=f"{rules_help()} (default %(default)s)",
+    )
+    add(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
         help="auto: the target's generation_config.json gives the sampling defaults (temperature, top_k, top_p, "
-             "max tokens) of the fields a request leaves out; none: OpenAI's defaults (default %(default)s)")
+        "max tokens) of the fields a request leaves out; none: OpenAI's defaults (default %(default)s)",
+    )
     add("--access-log", action="store_true", help="log every request on stderr")
     return parser
 
@@ -119,14 +230,27 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not args.grace >= 0:
         raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
-    for name in ("stall_after", "read_timeout", "write_timeout", "keepalive", "queue_timeout", "request_timeout"):
-        least = 0 if name in ("queue_timeout", "request_timeout") else 1e-9  # 0: no limit for the first two
+    for name in (
+        "stall_after",
+        "read_timeout",
+        "write_timeout",
+        "keepalive",
+        "queue_timeout",
+        "request_timeout",
+    ):
+        least = (
+            0 if name in ("queue_timeout", "request_timeout") else 1e-9
+        )  # 0: no limit for the first two
         if not getattr(args, name) >= least:
-            raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if least == 0 else '> 0'} seconds, got "
-                             f"{getattr(args, name)}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be {'>= 0' if least == 0 else '> 0'} seconds, got "
+                f"{getattr(args, name)}"
+            )
     if args.max_waiting < 1:  # every request waits for the loop to take it: 0 would refuse them all
-        raise UsageError(f"--max-waiting must be >= 1 (a request waits for the engine's loop to take it), got "
-                         f"{args.max_waiting}")
+        raise UsageError(
+            f"--max-waiting must be >= 1 (a request waits for the engine's loop to take it), got "
+            f"{args.max_waiting}"
+        )
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must lie in 0..65535, got {args.port}")
     if args.compile and args.setup != "default":
@@ -134,13 +258,19 @@ def validate(args: argparse.Namespace) -> None:
     if args.compile:
         args.setup = "compiled" if args.compile == "force" else "measure-all"
     if args.setup != "default" and (args.quantize == "int8" or args.no_fuse or args.no_prepack):
-        raise UsageError("--setup and --compile choose among the set-ups themselves: drop --quantize, --no-fuse and "
-                         "--no-prepack, or the set-up flag")
+        raise UsageError(
+            "--setup and --compile choose among the set-ups themselves: drop --quantize, --no-fuse and "
+            "--no-prepack, or the set-up flag"
+        )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("serve.py runs in one process: tensor parallelism (torchrun) is not supported")
+        raise UsageError(
+            "serve.py runs in one process: tensor parallelism (torchrun) is not supported"
+        )
 
 
-def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Pair, int, Setups, PairSpec]:
+def load(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[Pair, int, Setups, PairSpec]:
     """The pair as generate.py loads it (weights.load.read_named_pair and load_named_pair: the same
     set-up and compile choices, compiled steps kept in the same cache), for batches of up to
     --max-batch rows over the whole context. Returns it, the context, its set-up and what read_pair read."""
@@ -148,9 +278,18 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     context = spec.context
     # The set-up: cached compiled steps for every batch size and width, else stacked and prepacked; or --setup's.
     gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
-    pair, setups = load_named_pair(args, spec, device, dtype, positions=context, rows=args.max_batch, gamma=gamma,
-                                   gamma_max=args.gamma, flag=f"--setup {args.setup}",
-                                   draft_dtype=pick_dtype(args.draft_dtype, device) if args.draft_dtype else None)
+    pair, setups = load_named_pair(
+        args,
+        spec,
+        device,
+        dtype,
+        positions=context,
+        rows=args.max_batch,
+        gamma=gamma,
+        gamma_max=args.gamma,
+        flag=f"--setup {args.setup}",
+        draft_dtype=pick_dtype(args.draft_dtype, device) if args.draft_dtype else None,
+    )
     return pair, context, setups, spec
 
 
@@ -167,11 +306,22 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     for line in setups.lines:
         print(f"setup: {line}", file=sys.stderr)
     defaults = spec.sampling_defaults if args.generation_config == "auto" else {}
-    for line in [*spec.notes, *setups.notes, *[setups.hint] * bool(setups.hint), defaults_note(args, defaults)]:
+    for line in [
+        *spec.notes,
+        *setups.notes,
+        *[setups.hint] * bool(setups.hint),
+        defaults_note(args, defaults),
+    ]:
         print(f"note: {line}", file=sys.stderr)
     speculative = pair.draft is not None
-    engine = Engine(pair.target, pair.draft, gamma=args.gamma, verify=args.verify, max_rows=args.max_batch,
-                    cache_len=context)
+    engine = Engine(
+        pair.target,
+        pair.draft,
+        gamma=args.gamma,
+        verify=args.verify,
+        max_rows=args.max_batch,
+        cache_len=context,
+    )
     policy = None
     if speculative and args.speculation == "off":
         policy = FixedGamma(0)
@@ -179,21 +329,42 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         policy = LoadGamma(args.gamma, args.max_batch)
         seconds = policy.calibrate(engine, pair.tokenizer.encode(CALIBRATION_TEXT))
         chosen = ", ".join(f"{b}: {g}" for b, g, _ in policy.table())
-        print(f"cost model: every gamma measured at batch sizes up to {args.max_batch} in {seconds:.1f}s; gamma by "
-              f"batch size now {chosen} (it follows the live alpha and step costs)", file=sys.stderr)
+        print(
+            f"cost model: every gamma measured at batch sizes up to {args.max_batch} in {seconds:.1f}s; gamma by "
+            f"batch size now {chosen} (it follows the live alpha and step costs)",
+            file=sys.stderr,
+        )
     # Fewer threads when they measure faster (a neighbour on the cores), on a CPU with threads to spare.
     tuner = None
     if args.threads is None and device.type == "cpu":
-        tuner = ThreadTuner(most, openmp_threads(), log=lambda line: print(line, file=sys.stderr, flush=True))
-    loop = EngineLoop(engine, max_waiting=args.max_waiting, policy=policy, stall_after=args.stall_after, tuner=tuner,
-                      queue_timeout=args.queue_timeout or None, request_timeout=args.request_timeout or None)
+        tuner = ThreadTuner(
+            most, openmp_threads(), log=lambda line: print(line, file=sys.stderr, flush=True)
+        )
+    loop = EngineLoop(
+        engine,
+        max_waiting=args.max_waiting,
+        policy=policy,
+        stall_after=args.stall_after,
+        tuner=tuner,
+        queue_timeout=args.queue_timeout or None,
+        request_timeout=args.request_timeout or None,
+    )
     if here:
         loop.here()
     else:
         loop.start()
     mode = args.speculation if speculative else "none"
-    return Service(loop, pair.tokenizer, args.name or args.target, context, args.gamma if speculative else 0, mode,
-                   args.draft if speculative else None, stop_ids=frozenset(pair.stop_ids), defaults=defaults)
+    return Service(
+        loop,
+        pair.tokenizer,
+        args.name or args.target,
+        context,
+        args.gamma if speculative else 0,
+        mode,
+        args.draft if speculative else None,
+        stop_ids=frozenset(pair.stop_ids),
+        defaults=defaults,
+    )
 
 
 def defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> str:
@@ -201,11 +372,15 @@ def defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> str:
     if args.generation_config == "none":
         return "sampling defaults: OpenAI's (temperature 1, no top-k or top-p), --generation-config none"
     if not defaults:
-        return f"sampling defaults: OpenAI's (temperature 1, no top-k or top-p): {args.target} has no " \
-               "generation_config.json sampling fields"
+        return (
+            f"sampling defaults: OpenAI's (temperature 1, no top-k or top-p): {args.target} has no "
+            "generation_config.json sampling fields"
+        )
     named = ", ".join(f"{key} {value:g}" for key, value in defaults.items())
-    return f"sampling defaults from {args.target}'s generation_config.json for the fields a request leaves out: " \
-           f"{named} (--generation-config none: OpenAI's)"
+    return (
+        f"sampling defaults from {args.target}'s generation_config.json for the fields a request leaves out: "
+        f"{named} (--generation-config none: OpenAI's)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,12 +390,16 @@ def run(args: argparse.Namespace) -> int:
     from speculative.serving.app import create_app  # FastAPI and pydantic: the serve extra too
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
+    listener = socket.socket(
+        family, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )  # so asyncio sets TCP_NODELAY
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((args.host, args.port))
     except OSError as err:
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
+        raise UsageError(
+            f"cannot listen on {args.host}:{args.port}: {err.strerror or err}"
+        ) from None
     service = start(args, here=True)  # the engine runs in this thread, below
     # Bound before the models load (a port in use is said at once), listening only now: a client
     # that comes early is refused at once instead of hanging until the models are ready.
@@ -231,18 +410,36 @@ def run(args: argparse.Namespace) -> int:
     from speculative.serving.connections import Limits, header_deadline, http_protocol
 
     access = access_for(args.host, args.api_key, args.allowed_hosts, args.cors_origin)
-    print(f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
-          f"rows) on http://{host}:{port} -- {'API key required' if access.api_key else 'no authentication'}",
-          file=sys.stderr, flush=True)
+    print(
+        f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
+        f"rows) on http://{host}:{port} -- {'API key required' if access.api_key else 'no authentication'}",
+        file=sys.stderr,
+        flush=True,
+    )
     if (warning := exposure_warning(args.host, access)) is not None:
         print(warning, file=sys.stderr, flush=True)
-    if service.draft and args.verify != cmdline.SAMPLED_RULE and RULES[args.verify].greedy:  # a named rule at T = 0
-        print(f"note: --verify {args.verify} judges sampled requests; at temperature 0 a request gets "
-              f"{RULES[args.verify].at_temperature_0}", file=sys.stderr, flush=True)
-    limits = Limits(read_timeout=args.read_timeout, write_timeout=args.write_timeout, keepalive=args.keepalive)
-    config = uvicorn.Config(create_app(service, access, limits), log_level="warning", access_log=args.access_log,
-                            lifespan="off", timeout_graceful_shutdown=2, limit_concurrency=args.max_connections,
-                            timeout_keep_alive=5, http=header_deadline(http_protocol(), args.read_timeout))
+    if (
+        service.draft and args.verify != cmdline.SAMPLED_RULE and RULES[args.verify].greedy
+    ):  # a named rule at T = 0
+        print(
+            f"note: --verify {args.verify} judges sampled requests; at temperature 0 a request gets "
+            f"{RULES[args.verify].at_temperature_0}",
+            file=sys.stderr,
+            flush=True,
+        )
+    limits = Limits(
+        read_timeout=args.read_timeout, write_timeout=args.write_timeout, keepalive=args.keepalive
+    )
+    config = uvicorn.Config(
+        create_app(service, access, limits),
+        log_level="warning",
+        access_log=args.access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+        limit_concurrency=args.max_connections,
+        timeout_keep_alive=5,
+        http=header_deadline(http_protocol(), args.read_timeout),
+    )
     server = uvicorn.Server(config)
 
     def http() -> None:  # uvicorn in a thread of its own; when it stops, so does the engine
@@ -254,8 +451,14 @@ def run(args: argparse.Namespace) -> int:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    def terminate(signum: int, frame: object) -> None:  # a supervisor's stop: finish what is in hand first
-        print(f"stopping: no new requests; those in hand have {args.grace:g} s to finish", file=sys.stderr, flush=True)
+    def terminate(
+        signum: int, frame: object
+    ) -> None:  # a supervisor's stop: finish what is in hand first
+        print(
+            f"stopping: no new requests; those in hand have {args.grace:g} s to finish",
+            file=sys.stderr,
+            flush=True,
+        )
         service.loop.drain(args.grace)
 
     # Ctrl-C ends the engine loop in this thread at once, then the server; SIGTERM drains it first.
@@ -271,12 +474,16 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
         web.join(5)
     if service.loop.failure is not None:  # a supervisor must see a failure, not a clean stop
-        print("error: serve.py stops because its engine failed (every request in flight was answered 503)",
-              file=sys.stderr)
+        print(
+            "error: serve.py stops because its engine failed (every request in flight was answered 503)",
+            file=sys.stderr,
+        )
         return 1
     if service.loop.cut:
-        print(f"error: the grace period ended with {service.loop.cut} requests unfinished (answered 503)",
-              file=sys.stderr)
+        print(
+            f"error: the grace period ended with {service.loop.cut} requests unfinished (answered 503)",
+            file=sys.stderr,
+        )
         return 3
     return 0
 
@@ -287,9 +494,15 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as err:
         if err.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
             raise
-        print(f"error: {err.name} is missing: install the serve extra (pip install -e \".[serve]\")", file=sys.stderr)
+        print(
+            f'error: {err.name} is missing: install the serve extra (pip install -e ".[serve]")',
+            file=sys.stderr,
+        )
         return 2
-    except (ValueError, NonFiniteWeightsError) as err:  # UsageError, UnknownCheckpointError, PairMismatchError, ...
+    except (
+        ValueError,
+        NonFiniteWeightsError,
+    ) as err:  # UsageError, UnknownCheckpointError, PairMismatchError, ...
         print(f"error: {err}".splitlines()[0], file=sys.stderr)
         return 2
     except KeyboardInterrupt:

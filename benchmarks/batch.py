@@ -59,13 +59,25 @@ from benchmarks.harness import (
     write_page,
 )
 from model import call as cache_calls
-from speculative import autoregressive_generate_batch, speculative_generate, speculative_generate_batch
+from speculative import (
+    autoregressive_generate_batch,
+    speculative_generate,
+    speculative_generate_batch,
+)
 from speculative.engine.cost import expected_tokens_per_iteration
 from weights import load_drafter, load_model, load_tokenizer
 
 NAMES = ["Lily", "Tom", "Ben", "Mia", "Sue", "Max", "Anna", "Sam"]
-THINGS = ["a red ball", "a small dog", "a big box", "a new kite", "a shiny key", "a little bird", "a blue car",
-          "a funny hat"]
+THINGS = [
+    "a red ball",
+    "a small dog",
+    "a big box",
+    "a new kite",
+    "a shiny key",
+    "a little bird",
+    "a blue car",
+    "a funny hat",
+]
 
 
 def prompts_text(count: int) -> list[str]:
@@ -84,8 +96,11 @@ def call_time(model, rows: int, width: int, context: int, calls: int) -> float:
     model(tokens, cache_calls.chain(0, context + rows, tokens.device, rows=rows))  # fill the cache
     starts = [context + b % 2 for b in range(rows)] if rows > 1 else [context]
     feed = torch.randint(0, model.config.vocab_size, (rows, width))
-    return time_call(lambda: model(feed, cache_calls.ragged(starts, width, model.cache_len, feed.device)), calls,
-                     warmup=3).median
+    return time_call(
+        lambda: model(feed, cache_calls.ragged(starts, width, model.cache_len, feed.device)),
+        calls,
+        warmup=3,
+    ).median
 
 
 @torch.inference_mode()
@@ -104,20 +119,30 @@ def draft_call_time(drafter, target, rows: int, context: int, calls: int) -> flo
         def step():
             call = cache_calls.ragged(starts, 1, net.cache_len, "cpu")
             return target.lm_head(net(feats, target.embed_tokens(tokens), call))
+
         return time_call(step, calls, warmup=3).median
     return call_time(net, rows, 1, context, calls)
 
 
 # ----------------------------------------------------------------------------- runs
 def run_target(target, prompts, args, temperature, seed, size):
-    out = autoregressive_generate_batch(target, prompts, args.max_new_tokens, temperature=temperature, seed=seed,
-                                        batch_size=size)
+    out = autoregressive_generate_batch(
+        target, prompts, args.max_new_tokens, temperature=temperature, seed=seed, batch_size=size
+    )
     return out.stats, out.results
 
 
 def run_spec(target, drafter, prompts, args, temperature, gamma, seed, size):
-    out = speculative_generate_batch(target, drafter, prompts, args.max_new_tokens, gamma=gamma,
-                                     temperature=temperature, seed=seed, batch_size=size)
+    out = speculative_generate_batch(
+        target,
+        drafter,
+        prompts,
+        args.max_new_tokens,
+        gamma=gamma,
+        temperature=temperature,
+        seed=seed,
+        batch_size=size,
+    )
     return out.stats, out.results
 
 
@@ -137,9 +162,19 @@ def measure(args, target, drafters: dict, prompts) -> dict:
     out: dict = {"rows": []}
     for temperature in args.temperatures:
         for size in args.batch_sizes:
-            batch = prompts[:size * args.prompts_per_row]
+            batch = prompts[: size * args.prompts_per_row]
             cells: dict = {"target": [], "target_row": [], "step": []}
-            keys = ("tps", "row", "alpha", "tau", "verify", "iters", "mean_batch", "draft_step", "call")
+            keys = (
+                "tps",
+                "row",
+                "alpha",
+                "tau",
+                "verify",
+                "iters",
+                "mean_batch",
+                "draft_step",
+                "call",
+            )
             spec = {(name, g): {k: [] for k in keys} for name in drafters for g in args.gammas}
             for rep in range(args.repeats):
                 seed = 1000 * rep
@@ -148,7 +183,9 @@ def measure(args, target, drafters: dict, prompts) -> dict:
                 cells["target_row"].append(row_rate(results))
                 cells["step"].append(stats.target_time_s / max(stats.iterations, 1))
                 for (name, g), cell in spec.items():
-                    stats, results = run_spec(target, drafters[name], batch, args, temperature, g, seed, size)
+                    stats, results = run_spec(
+                        target, drafters[name], batch, args, temperature, g, seed, size
+                    )
                     cell["tps"].append(stats.tokens_per_second)
                     cell["row"].append(row_rate(results))
                     cell["alpha"].append(stats.acceptance_rate or 0.0)
@@ -159,18 +196,29 @@ def measure(args, target, drafters: dict, prompts) -> dict:
                     cell["draft_step"].append(stats.draft_time_s / max(stats.draft_calls, 1))
                     cell["call"].append(stats.target_time_s / max(stats.iterations, 1))
             target_tps = median(cells["target"], NAN)
-            row = {"temperature": temperature, "batch": size, "target_tps": target_tps,
-                   "target_step": median(cells["step"], NAN), "target_row_tps": median(cells["target_row"], NAN),
-                   "drafters": {}}
+            row = {
+                "temperature": temperature,
+                "batch": size,
+                "target_tps": target_tps,
+                "target_step": median(cells["step"], NAN),
+                "target_row_tps": median(cells["target_row"], NAN),
+                "drafters": {},
+            }
             for name in drafters:
-                gammas = {g: {k: median(v, NAN) for k, v in spec[name, g].items()} for g in args.gammas}
+                gammas = {
+                    g: {k: median(v, NAN) for k, v in spec[name, g].items()} for g in args.gammas
+                }
                 for cell in gammas.values():
                     cell["speedup"] = cell["tps"] / target_tps
                 best = max(gammas, key=lambda g: gammas[g]["tps"])
                 row["drafters"][name] = {"gammas": gammas, "best_gamma": best}
-                print(f"T={temperature} B={size} {name}: target {target_tps:.0f} tok/s; best γ {best}: "
-                      f"{gammas[best]['tps']:.0f} tok/s ({gammas[best]['speedup']:.2f}x), "
-                      f"α {gammas[best]['alpha']:.3f}", file=sys.stderr, flush=True)
+                print(
+                    f"T={temperature} B={size} {name}: target {target_tps:.0f} tok/s; best γ {best}: "
+                    f"{gammas[best]['tps']:.0f} tok/s ({gammas[best]['speedup']:.2f}x), "
+                    f"α {gammas[best]['alpha']:.3f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             out["rows"].append(row)
     return out
 
@@ -179,12 +227,20 @@ def cost_model(args, target, drafters: dict, context: int) -> dict:
     model: dict = {}
     widths = sorted({1} | {g + 1 for g in args.gammas})
     for size in args.batch_sizes:
-        model[size] = {"T": {w: call_time(target, size, w, context, args.calls) for w in widths},
-                       "D": {name: draft_call_time(d, target, size, context, args.calls)
-                             for name, d in drafters.items()}}
-        print(f"B={size}: T(B,1) {model[size]['T'][1] * 1e3:.2f} ms, T(B,{max(widths)}) "
-              f"{model[size]['T'][max(widths)] * 1e3:.2f} ms, D(B) " + ", ".join(
-                  f"{n} {v * 1e3:.2f} ms" for n, v in model[size]["D"].items()), file=sys.stderr, flush=True)
+        model[size] = {
+            "T": {w: call_time(target, size, w, context, args.calls) for w in widths},
+            "D": {
+                name: draft_call_time(d, target, size, context, args.calls)
+                for name, d in drafters.items()
+            },
+        }
+        print(
+            f"B={size}: T(B,1) {model[size]['T'][1] * 1e3:.2f} ms, T(B,{max(widths)}) "
+            f"{model[size]['T'][max(widths)] * 1e3:.2f} ms, D(B) "
+            + ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in model[size]["D"].items()),
+            file=sys.stderr,
+            flush=True,
+        )
     return model
 
 
@@ -197,7 +253,12 @@ def predicted(row: dict, costs: dict, name: str, gamma: int) -> float:
     tau = expected_tokens_per_iteration(cell["alpha"], gamma)
     rows = cell["mean_batch"] or size
     call = interpolate(costs, rows, gamma + 1)
-    return (rows / size) * tau * row["target_step"] / (gamma * cell["draft_step"] + call + cell["verify"])
+    return (
+        (rows / size)
+        * tau
+        * row["target_step"]
+        / (gamma * cell["draft_step"] + call + cell["verify"])
+    )
 
 
 def interpolate(costs: dict, rows: float, width: int) -> float:
@@ -216,14 +277,23 @@ def single_path(args, target, drafter, prompts) -> dict:
     single, batched = [], []
     for _ in range(args.repeats):
         for i, prompt in enumerate(prompts[:8]):
-            a = time_call(lambda prompt=prompt, i=i: speculative_generate(
-                target, drafter, prompt, args.max_new_tokens, gamma=4, temperature=0, seed=i))
+            a = time_call(
+                lambda prompt=prompt, i=i: speculative_generate(
+                    target, drafter, prompt, args.max_new_tokens, gamma=4, temperature=0, seed=i
+                )
+            )
             single.append(len(a.result.tokens) / a.median)
-            b = time_call(lambda prompt=prompt, i=i: speculative_generate_batch(
-                target, drafter, [prompt], args.max_new_tokens, gamma=4, temperature=0, seed=i))
+            b = time_call(
+                lambda prompt=prompt, i=i: speculative_generate_batch(
+                    target, drafter, [prompt], args.max_new_tokens, gamma=4, temperature=0, seed=i
+                )
+            )
             batched.append(len(b.result.results[0].tokens) / b.median)
-    return {"single_tps": median(single, NAN), "batch1_tps": median(batched, NAN),
-            "ratio": median(batched, NAN) / median(single, NAN)}
+    return {
+        "single_tps": median(single, NAN),
+        "batch1_tps": median(batched, NAN),
+        "ratio": median(batched, NAN) / median(single, NAN),
+    }
 
 
 # ----------------------------------------------------------------------------- report
@@ -236,45 +306,69 @@ def crossover(rows: list[dict], key) -> int | None:
 
 def best(row: dict) -> tuple[str, int]:
     """The drafter and gamma with the most tokens/s in this row."""
-    return max(((n, d["best_gamma"]) for n, d in row["drafters"].items()),
-               key=lambda ng: row["drafters"][ng[0]]["gammas"][ng[1]]["tps"])
+    return max(
+        ((n, d["best_gamma"]) for n, d in row["drafters"].items()),
+        key=lambda ng: row["drafters"][ng[0]]["gammas"][ng[1]]["tps"],
+    )
 
 
 def render(args, info, flags, results, costs, single, command) -> str:
-    stream = (f"{args.prompts_per_row} prompts per row ({args.prompts_per_row} × B prompts through a batch of B "
-              "rows: continuous batching keeps it full)" if args.prompts_per_row > 1 else
-              "as many prompts as rows (rows that finish early leave a smaller batch behind)")
+    stream = (
+        f"{args.prompts_per_row} prompts per row ({args.prompts_per_row} × B prompts through a batch of B "
+        "rows: continuous batching keeps it full)"
+        if args.prompts_per_row > 1
+        else "as many prompts as rows (rows that finish early leave a smaller batch behind)"
+    )
     batching = link(args.out, DOCS / "batching.md")
     lines = page_head("Batched speculation on this machine", command)
     lines += [f"What the numbers mean: [batching.md]({batching}).", ""] + machine_lines(info, flags)
-    lines += ["", f"Target `{args.target}`, drafters {', '.join(f'`{d}`' for d in args.drafters)}, float32, "
-              f"{args.threads} thread(s); {args.max_new_tokens} new tokens per prompt (end-of-sequence ignored), "
-              f"story openings, {stream}; γ ∈ {{{', '.join(map(str, args.gammas))}}}, the best reported; "
-              f"{args.repeats} repeats in turns, medians. Total tokens/s: all rows' new tokens over the whole batched "
-              "call (the prompts' reading included). Per-row tokens/s: a row's tokens over its time in the batch, "
-              f"median over rows. T, D and V are explained in [batching.md]({batching}#what-batching-does-to-the-"
-              "speedup); D is the draft step as measured in the runs (timed alone in brackets), c(B) = D / T(B,1).",
-              ""]
+    lines += [
+        "",
+        f"Target `{args.target}`, drafters {', '.join(f'`{d}`' for d in args.drafters)}, float32, "
+        f"{args.threads} thread(s); {args.max_new_tokens} new tokens per prompt (end-of-sequence ignored), "
+        f"story openings, {stream}; γ ∈ {{{', '.join(map(str, args.gammas))}}}, the best reported; "
+        f"{args.repeats} repeats in turns, medians. Total tokens/s: all rows' new tokens over the whole batched "
+        "call (the prompts' reading included). Per-row tokens/s: a row's tokens over its time in the batch, "
+        f"median over rows. T, D and V are explained in [batching.md]({batching}#what-batching-does-to-the-"
+        "speedup); D is the draft step as measured in the runs (timed alone in brackets), c(B) = D / T(B,1).",
+        "",
+    ]
     if single:
-        lines += ["## Batch 1 against the single-prompt loop", "",
-                  f"Greedy, γ 4, `{args.drafters[0]}`, 8 prompts in turns: single-prompt loop "
-                  f"{single['single_tps']:.0f} tokens/s, batched loop with one prompt {single['batch1_tps']:.0f} "
-                  f"tokens/s: **{single['ratio']:.3f}×**.", ""]
+        lines += [
+            "## Batch 1 against the single-prompt loop",
+            "",
+            f"Greedy, γ 4, `{args.drafters[0]}`, 8 prompts in turns: single-prompt loop "
+            f"{single['single_tps']:.0f} tokens/s, batched loop with one prompt {single['batch1_tps']:.0f} "
+            f"tokens/s: **{single['ratio']:.3f}×**.",
+            "",
+        ]
     for temperature in args.temperatures:
         rows = [r for r in results["rows"] if r["temperature"] == temperature]
         name = "greedy" if temperature == 0 else f"T = {temperature:g}"
-        lines += [f"## {name}", "", "| batch | target alone tok/s | per row | best: drafter, γ | tok/s | per row | "
-                  "speedup | predicted |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name}",
+            "",
+            "| batch | target alone tok/s | per row | best: drafter, γ | tok/s | per row | "
+            "speedup | predicted |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             n, g = best(r)
             cell = r["drafters"][n]["gammas"][g]
-            lines.append(f"| {r['batch']} | {r['target_tps']:.0f} | {r['target_row_tps']:.1f} | `{n}`, γ {g} | "
-                         f"{cell['tps']:.0f} | {cell['row']:.1f} | **{cell['speedup']:.2f}×** | "
-                         f"{predicted(r, costs, n, g):.2f}× |")
+            lines.append(
+                f"| {r['batch']} | {r['target_tps']:.0f} | {r['target_row_tps']:.1f} | `{n}`, γ {g} | "
+                f"{cell['tps']:.0f} | {cell['row']:.1f} | **{cell['speedup']:.2f}×** | "
+                f"{predicted(r, costs, n, g):.2f}× |"
+            )
         for drafter in args.drafters:
-            lines += ["", f"### `{drafter}`, {name}", "",
-                      "| batch | speedup (best γ) | predicted | α | τ per row-iteration | mean rows | T(B,1) ms | "
-                      "T(B,γ+1) ms | D(B) ms | c(B) | verify cost T(B,γ+1)/T(B,1) | V(B) ms |", "|" + "---|" * 12]
+            lines += [
+                "",
+                f"### `{drafter}`, {name}",
+                "",
+                "| batch | speedup (best γ) | predicted | α | τ per row-iteration | mean rows | T(B,1) ms | "
+                "T(B,γ+1) ms | D(B) ms | c(B) | verify cost T(B,γ+1)/T(B,1) | V(B) ms |",
+                "|" + "---|" * 12,
+            ]
             for r in rows:
                 g = r["drafters"][drafter]["best_gamma"]
                 cell, c = r["drafters"][drafter]["gammas"][g], costs[r["batch"]]
@@ -283,29 +377,57 @@ def render(args, info, flags, results, costs, single, command) -> str:
                     f"{cell['alpha']:.3f} | {cell['tau']:.2f} | {cell['mean_batch']:.1f} | {c['T'][1] * 1e3:.2f} | "
                     f"{c['T'][g + 1] * 1e3:.2f} | {cell['draft_step'] * 1e3:.2f} ({c['D'][drafter] * 1e3:.2f}) | "
                     f"{cell['draft_step'] / c['T'][1]:.3f} | {c['T'][g + 1] / c['T'][1]:.2f} | "
-                    f"{cell['verify'] * 1e3:.2f} |")
-            measured_x = crossover(rows, lambda r, d=drafter: r["drafters"][d]["gammas"][
-                r["drafters"][d]["best_gamma"]]["speedup"])
-            predicted_x = crossover(rows, lambda r, d=drafter: max(predicted(r, costs, d, g) for g in args.gammas))
-            errors = [abs(predicted(r, costs, drafter, g) / r["drafters"][drafter]["gammas"][g]["speedup"] - 1)
-                      for r in rows for g in args.gammas]
+                    f"{cell['verify'] * 1e3:.2f} |"
+                )
+            measured_x = crossover(
+                rows,
+                lambda r, d=drafter: r["drafters"][d]["gammas"][r["drafters"][d]["best_gamma"]][
+                    "speedup"
+                ],
+            )
+            predicted_x = crossover(
+                rows, lambda r, d=drafter: max(predicted(r, costs, d, g) for g in args.gammas)
+            )
+            errors = [
+                abs(
+                    predicted(r, costs, drafter, g) / r["drafters"][drafter]["gammas"][g]["speedup"]
+                    - 1
+                )
+                for r in rows
+                for g in args.gammas
+            ]
             beyond = f"none up to {rows[-1]['batch']}"
-            lines += ["", f"Crossover (smallest batch where no γ pays): measured **{measured_x or beyond}**, "
-                      f"predicted by the cost model **{predicted_x or beyond}**; the prediction's error on the "
-                      f"speedup over every batch size and γ: largest {max(errors):.0%}, median "
-                      f"{median(errors, NAN):.0%}.",
-                      "", "<details><summary>every γ</summary>", "",
-                      "| batch | " + " | ".join(f"γ {g}" for g in args.gammas) + " |",
-                      "|---|" + "---|" * len(args.gammas)]
+            lines += [
+                "",
+                f"Crossover (smallest batch where no γ pays): measured **{measured_x or beyond}**, "
+                f"predicted by the cost model **{predicted_x or beyond}**; the prediction's error on the "
+                f"speedup over every batch size and γ: largest {max(errors):.0%}, median "
+                f"{median(errors, NAN):.0%}.",
+                "",
+                "<details><summary>every γ</summary>",
+                "",
+                "| batch | " + " | ".join(f"γ {g}" for g in args.gammas) + " |",
+                "|---|" + "---|" * len(args.gammas),
+            ]
             for r in rows:
-                lines.append(f"| {r['batch']} | " + " | ".join(
-                    f"{r['drafters'][drafter]['gammas'][g]['speedup']:.2f}× (pred "
-                    f"{predicted(r, costs, drafter, g):.2f}×)" for g in args.gammas) + " |")
+                lines.append(
+                    f"| {r['batch']} | "
+                    + " | ".join(
+                        f"{r['drafters'][drafter]['gammas'][g]['speedup']:.2f}× (pred "
+                        f"{predicted(r, costs, drafter, g):.2f}×)"
+                        for g in args.gammas
+                    )
+                    + " |"
+                )
             lines += ["", "</details>", ""]
     if args.plot:
-        lines += [f"![speedup against batch size]({link(args.out, args.plot)})", "",
-                  "Measured speedup over the batched target alone (points) and the cost model's prediction (lines), "
-                  "each drafter at its best γ, against the batch size; below 1 the target alone is faster.", ""]
+        lines += [
+            f"![speedup against batch size]({link(args.out, args.plot)})",
+            "",
+            "Measured speedup over the batched target alone (points) and the cost model's prediction (lines), "
+            "each drafter at its best γ, against the batch size; below 1 the target alone is faster.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -316,20 +438,40 @@ def plot(args, results, costs) -> None:
         print("note: matplotlib is not installed; no plot", file=sys.stderr)
         args.plot = None
         return
-    fig, axes = plt.subplots(1, len(args.temperatures), figsize=(5.2 * len(args.temperatures), 4.0), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(args.temperatures), figsize=(5.2 * len(args.temperatures), 4.0), squeeze=False
+    )
     for ax, temperature in zip(axes[0], args.temperatures):
         rows = [r for r in results["rows"] if r["temperature"] == temperature]
         sizes = [r["batch"] for r in rows]
         for drafter, colour in zip(args.drafters, ("tab:blue", "tab:orange", "tab:green")):
-            ax.plot(sizes, [r["drafters"][drafter]["gammas"][r["drafters"][drafter]["best_gamma"]]["speedup"]
-                            for r in rows], "o", color=colour, label=f"{drafter}, measured")
-            ax.plot(sizes, [max(predicted(r, costs, drafter, g) for g in args.gammas) for r in rows], "--",
-                    color=colour, label=f"{drafter}, cost model")
+            ax.plot(
+                sizes,
+                [
+                    r["drafters"][drafter]["gammas"][r["drafters"][drafter]["best_gamma"]][
+                        "speedup"
+                    ]
+                    for r in rows
+                ],
+                "o",
+                color=colour,
+                label=f"{drafter}, measured",
+            )
+            ax.plot(
+                sizes,
+                [max(predicted(r, costs, drafter, g) for g in args.gammas) for r in rows],
+                "--",
+                color=colour,
+                label=f"{drafter}, cost model",
+            )
         ax.axhline(1, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (rows)")
         ax.set_ylabel("speedup over the batched target alone")
-        ax.set_title(("greedy" if temperature == 0 else f"T = {temperature:g}") + f", {args.threads} thread(s)")
+        ax.set_title(
+            ("greedy" if temperature == 0 else f"T = {temperature:g}")
+            + f", {args.threads} thread(s)"
+        )
         ax.legend(fontsize=8)
     save_figure(fig, args.plot)
 
@@ -337,11 +479,21 @@ def plot(args, results, costs) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser("batch", __doc__)
     parser.add_argument("--target", default="tiny-target")
-    parser.add_argument("--drafters", nargs="+", default=["tiny-draft", "tiny-eagle"],
-                        help="draft models, feature heads or lookup (the first is also timed against the single loop)")
-    parser.add_argument("--prompts-per-row", type=int, default=1,
-                        help="K x B prompts through a batch of B rows (continuous batching); default 1")
-    parser.add_argument("--no-single", action="store_true", help="skip batch 1 against the single-prompt loop")
+    parser.add_argument(
+        "--drafters",
+        nargs="+",
+        default=["tiny-draft", "tiny-eagle"],
+        help="draft models, feature heads or lookup (the first is also timed against the single loop)",
+    )
+    parser.add_argument(
+        "--prompts-per-row",
+        type=int,
+        default=1,
+        help="K x B prompts through a batch of B rows (continuous batching); default 1",
+    )
+    parser.add_argument(
+        "--no-single", action="store_true", help="skip batch 1 against the single-prompt loop"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 6])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -350,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calls", type=int, default=40, help="timed calls per cost-model cell")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "benchmarks_batch.md"))
-    parser.add_argument("--plot", default=str(RESULTS / "benchmark_batch.png"), help="PNG ('' for none)")
+    parser.add_argument(
+        "--plot", default=str(RESULTS / "benchmark_batch.png"), help="PNG ('' for none)"
+    )
     parser.add_argument("--json", default=None, help="also write the raw figures here")
     return parser
 
@@ -364,9 +518,14 @@ def main(argv: list[str] | None = None) -> int:
     drafters = {name: load_drafter(name, target) for name in args.drafters}
     prepare_networks(target, drafters.values(), stack=True, prepack=True)
     tokenizer = load_tokenizer(args.target)
-    prompts = [tokenizer.encode(text) for text in prompts_text(max(args.batch_sizes) * args.prompts_per_row)]
+    prompts = [
+        tokenizer.encode(text)
+        for text in prompts_text(max(args.batch_sizes) * args.prompts_per_row)
+    ]
     context = round(median([len(p) for p in prompts], NAN)) + args.max_new_tokens // 2
-    single = None if args.no_single else single_path(args, target, drafters[args.drafters[0]], prompts)
+    single = (
+        None if args.no_single else single_path(args, target, drafters[args.drafters[0]], prompts)
+    )
     if single:
         print(f"batch 1 / single: {single['ratio']:.3f}", file=sys.stderr)
     results = measure(args, target, drafters, prompts)
@@ -377,7 +536,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(args, results, costs)
     write_page(args.out, render(args, info, flags, results, costs, single, command))
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "costs": costs, "single": single}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"results": results, "costs": costs, "single": single}, indent=1)
+        )
     print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 

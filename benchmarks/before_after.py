@@ -85,7 +85,9 @@ class Case:
     """One row of the table, as a generate.py command line and as the calls a warm process makes."""
 
     flags: tuple[str, ...] | None  # generate.py's flags; None: warm only
-    drafter: str | None = "model"  # warm: "model" (tiny-draft), "eagle" (tiny-eagle) or None (the target alone)
+    drafter: str | None = (
+        "model"  # warm: "model" (tiny-draft), "eagle" (tiny-eagle) or None (the target alone)
+    )
     options: dict[str, Any] = field(default_factory=dict)  # warm: the generation call's keywords
     batched: bool = False
     compiled: bool = False  # commands only
@@ -100,20 +102,36 @@ CASES: dict[str, Case] = {
     "single, T=1": Case(("--temperature", "1", "--seed", "0"), options={"temperature": 1.0}),
     "single, feature head": Case(("--draft", "tiny-eagle"), "eagle", {"temperature": 0.0}),
     "batch 4, greedy": Case(("--batch-size", "4"), options={"temperature": 0.0}, batched=True),
-    "tree 3,2,1,1, greedy": Case(("--tree", "3,2,1,1"), options={"temperature": 0.0, "tree": (3, 2, 1, 1)}),
+    "tree 3,2,1,1, greedy": Case(
+        ("--tree", "3,2,1,1"), options={"temperature": 0.0, "tree": (3, 2, 1, 1)}
+    ),
     "target alone, greedy": Case(("--no-draft",), None, {"temperature": 0.0}),
     "server loop, 1 client, greedy": Case(None, server=True),
     "single, greedy, compiled": Case(("--compile", "force"), compiled=True),
-    "batch 4, greedy, compiled": Case(("--batch-size", "4", "--compile", "force"), batched=True, compiled=True),
-    "tree 3,2,1,1, greedy, compiled": Case(("--tree", "3,2,1,1", "--compile", "force"), compiled=True),
+    "batch 4, greedy, compiled": Case(
+        ("--batch-size", "4", "--compile", "force"), batched=True, compiled=True
+    ),
+    "tree 3,2,1,1, greedy, compiled": Case(
+        ("--tree", "3,2,1,1", "--compile", "force"), compiled=True
+    ),
 }
 
 
 # ----------------------------------------------------------------------------- as commands
-def command_speeds(root: Path, case: Case, tokens: int, threads: int, prompts: list[str]) -> list[float]:
+def command_speeds(
+    root: Path, case: Case, tokens: int, threads: int, prompts: list[str]
+) -> list[float]:
     """tokens/s of each prompt of one case, from one checkout's generate.py (one process per prompt)."""
-    base = [sys.executable, str(root / "generate.py"), "--max-new-tokens", str(tokens), "--json",
-            "--threads", str(threads), *case.flags]
+    base = [
+        sys.executable,
+        str(root / "generate.py"),
+        "--max-new-tokens",
+        str(tokens),
+        "--json",
+        "--threads",
+        str(threads),
+        *case.flags,
+    ]
     env = dict(os.environ, PYTHONPATH=str(root))
 
     def run(extra: list[str]) -> dict[str, Any]:
@@ -130,7 +148,9 @@ def command_speeds(root: Path, case: Case, tokens: int, threads: int, prompts: l
     return [run(["--prompt", prompt])["stats"]["tokens_per_second"] for prompt in prompts]
 
 
-def as_commands(args: argparse.Namespace, roots: dict[str, Path], cases: list[str]) -> dict[str, dict[str, list]]:
+def as_commands(
+    args: argparse.Namespace, roots: dict[str, Path], cases: list[str]
+) -> dict[str, dict[str, list]]:
     """Every case's rounds per checkout: case by case, repeat by repeat, the checkouts in turns."""
     got: dict[str, dict[str, list]] = {case: {name: [] for name in roots} for case in cases}
     for repeat in range(max(args.repeats, args.compiled_repeats)):
@@ -138,11 +158,17 @@ def as_commands(args: argparse.Namespace, roots: dict[str, Path], cases: list[st
             compiled = CASES[case].compiled
             if repeat >= (args.compiled_repeats if compiled else args.repeats):
                 continue
-            prompts = STORY_OPENINGS[:1 if compiled else args.prompts]
+            prompts = STORY_OPENINGS[: 1 if compiled else args.prompts]
             for name in turn_order(list(roots), repeat):
-                speeds = command_speeds(roots[name], CASES[case], args.max_new_tokens, args.threads, prompts)
+                speeds = command_speeds(
+                    roots[name], CASES[case], args.max_new_tokens, args.threads, prompts
+                )
                 got[case][name].append(speeds)
-                print(f"repeat {repeat} {case} {name}: {median(speeds):.0f} tok/s", file=sys.stderr, flush=True)
+                print(
+                    f"repeat {repeat} {case} {name}: {median(speeds):.0f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return got
 
 
@@ -153,7 +179,11 @@ def warm_child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from speculative import autoregressive_generate, speculative_generate, speculative_generate_batch
+    from speculative import (
+        autoregressive_generate,
+        speculative_generate,
+        speculative_generate_batch,
+    )
     from weights import load_drafter, load_model, load_tokenizer
 
     target, draft = load_model("tiny-target"), load_model("tiny-draft")
@@ -164,7 +194,7 @@ def warm_child(args: argparse.Namespace) -> None:
         prepare_networks(network(eagle))
     tokenizer = load_tokenizer("tiny-target")
     eos = tokenizer.eos_id
-    encoded = [tokenizer.encode(text) for text in STORY_OPENINGS[:args.prompts]]
+    encoded = [tokenizer.encode(text) for text in STORY_OPENINGS[: args.prompts]]
     batch = [tokenizer.encode(text) for text in BATCH]
     engine = None
 
@@ -173,15 +203,23 @@ def warm_child(args: argparse.Namespace) -> None:
         nonlocal engine
         # Imported here, as above: from the checkout this child measures, whose layout may be older
         from speculative.engine import Engine
+
         try:
             from speculative.serving.loop import EngineLoop, Ticket
         except ImportError:  # before speculative/serving/ was a package
             from speculative.serving import EngineLoop, Ticket
         if engine is None:  # serve.py's: --max-batch 16 rows over the whole context
-            engine = Engine(target, draft, gamma=GAMMA, max_rows=16,
-                            cache_len=min(target.config.max_seq_len, draft.config.max_seq_len))
+            engine = Engine(
+                target,
+                draft,
+                gamma=GAMMA,
+                max_rows=16,
+                cache_len=min(target.config.max_seq_len, draft.config.max_seq_len),
+            )
         loop = EngineLoop(engine).here()
-        ticket = loop.submit(Ticket(ids, args.max_new_tokens, seed=seed, eos_id=eos, on_done=lambda _: loop.close()))
+        ticket = loop.submit(
+            Ticket(ids, args.max_new_tokens, seed=seed, eos_id=eos, on_done=lambda _: loop.close())
+        )
         loop.run()
         if ticket.error is not None:
             raise ticket.error
@@ -193,14 +231,27 @@ def warm_child(args: argparse.Namespace) -> None:
         if case.server:
             return [served(ids, i) for i, ids in enumerate(encoded)]
         if case.batched:
-            out = speculative_generate_batch(target, drafter, batch, args.max_new_tokens, gamma=GAMMA, seed=0,
-                                             eos_id=eos, **case.options)
+            out = speculative_generate_batch(
+                target,
+                drafter,
+                batch,
+                args.max_new_tokens,
+                gamma=GAMMA,
+                seed=0,
+                eos_id=eos,
+                **case.options,
+            )
             return [out.stats.tokens_per_second]
         speeds = []
         for i, ids in enumerate(encoded):
             common = {"seed": i, "eos_id": eos, "callback": lambda *_: None, **case.options}
-            out = autoregressive_generate(target, ids, args.max_new_tokens, **common) if drafter is None else \
-                speculative_generate(target, drafter, ids, args.max_new_tokens, gamma=GAMMA, **common)
+            out = (
+                autoregressive_generate(target, ids, args.max_new_tokens, **common)
+                if drafter is None
+                else speculative_generate(
+                    target, drafter, ids, args.max_new_tokens, gamma=GAMMA, **common
+                )
+            )
             speeds.append(out.stats.tokens_per_second)
         return speeds
 
@@ -211,29 +262,56 @@ def warm_child(args: argparse.Namespace) -> None:
                 case_speeds(name)
                 cases.append(name)
             except Exception as err:  # noqa: BLE001 - an older checkout may lack what a case calls
-                print(f"note: {name!r} does not run here: {type(err).__name__}: {err}", file=sys.stderr)
+                print(
+                    f"note: {name!r} does not run here: {type(err).__name__}: {err}",
+                    file=sys.stderr,
+                )
         answer_rounds(lambda: {name: case_speeds(name) for name in cases})
 
 
-def warm(args: argparse.Namespace, roots: dict[str, Path], cases: list[str]) -> dict[str, dict[str, list]]:
+def warm(
+    args: argparse.Namespace, roots: dict[str, Path], cases: list[str]
+) -> dict[str, dict[str, list]]:
     """Every case's rounds per checkout, from two warm processes that take turns."""
     procs: dict[str, WarmProcess] = {}
     with ExitStack() as stack:
         for name, root in roots.items():  # one at a time: loading and warming up is not measured
             cwd, env = stack.enter_context(checkout_env(root))
-            command = [sys.executable, "-m", "benchmarks.before_after", "--child", "--max-new-tokens",
-                       str(args.max_new_tokens), "--threads", str(args.threads), "--prompts", str(args.prompts),
-                       "--cases", *cases]
-            procs[name] = WarmProcess(name, command, cwd, {**env, "OMP_NUM_THREADS": str(args.threads)})
+            command = [
+                sys.executable,
+                "-m",
+                "benchmarks.before_after",
+                "--child",
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--threads",
+                str(args.threads),
+                "--prompts",
+                str(args.prompts),
+                "--cases",
+                *cases,
+            ]
+            procs[name] = WarmProcess(
+                name, command, cwd, {**env, "OMP_NUM_THREADS": str(args.threads)}
+            )
             stack.callback(procs[name].close)
 
         def progress(r: int, got: dict[str, list]) -> None:
-            print(f"round {r + 1} of {args.rounds}: " + ", ".join(
-                f"{name} {median(rounds[-1].get(cases[0], [0])):.0f}" for name, rounds in got.items()),
-                file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1} of {args.rounds}: "
+                + ", ".join(
+                    f"{name} {median(rounds[-1].get(cases[0], [0])):.0f}"
+                    for name, rounds in got.items()
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
 
         got = take_turns(procs, args.rounds, progress)
-    return {case: {name: [r[case] for r in rounds if case in r] for name, rounds in got.items()} for case in cases}
+    return {
+        case: {name: [r[case] for r in rounds if case in r] for name, rounds in got.items()}
+        for case in cases
+    }
 
 
 # ----------------------------------------------------------------------------- the table
@@ -244,55 +322,114 @@ def table(got: dict[str, dict[str, list]], names: list[str]) -> list[str]:
             continue  # no repeats asked for, or a checkout that cannot run it
         med = [median(x for r in figures[name] for x in r) for name in names]
         best = [per_prompt(figures[name], max) for name in names]
-        rows.append([case, f"{med[0]:.0f}", f"{med[1]:.0f}", f"{med[1] / med[0]:.3f}", f"{best[0]:.0f}",
-                     f"{best[1]:.0f}", f"{best[1] / best[0]:.3f}"])
-    return markdown_table(["case", "median: before tok/s", "median: after tok/s", "median: after / before",
-                           "best: before tok/s", "best: after tok/s", "best: after / before"], rows, "lrrrrrr")
+        rows.append(
+            [
+                case,
+                f"{med[0]:.0f}",
+                f"{med[1]:.0f}",
+                f"{med[1] / med[0]:.3f}",
+                f"{best[0]:.0f}",
+                f"{best[1]:.0f}",
+                f"{best[1] / best[0]:.3f}",
+            ]
+        )
+    return markdown_table(
+        [
+            "case",
+            "median: before tok/s",
+            "median: after tok/s",
+            "median: after / before",
+            "best: before tok/s",
+            "best: after tok/s",
+            "best: after / before",
+        ],
+        rows,
+        "lrrrrrr",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser("before_after", __doc__)
     parser.add_argument("before", type=Path, nargs="?")
     parser.add_argument("after", type=Path, nargs="?")
-    parser.add_argument("--warm", action="store_true",
-                        help="measure the loops in two warm processes instead of generate.py commands")
-    parser.add_argument("--repeats", type=int, default=2, help="repeats of every eager case, as commands (default 2)")
-    parser.add_argument("--compiled-repeats", type=int, default=1,
-                        help="repeats of the compiled cases, one prompt each (every process compiles: minutes)")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="measure the loops in two warm processes instead of generate.py commands",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="repeats of every eager case, as commands (default 2)",
+    )
+    parser.add_argument(
+        "--compiled-repeats",
+        type=int,
+        default=1,
+        help="repeats of the compiled cases, one prompt each (every process compiles: minutes)",
+    )
     parser.add_argument("--eager-only", action="store_true", help="skip the compiled cases")
-    parser.add_argument("--rounds", type=int, default=12, help="rounds of every case with --warm (default 12)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="new tokens per prompt (default 200 as commands, 128 with --warm)")
+    parser.add_argument(
+        "--rounds", type=int, default=12, help="rounds of every case with --warm (default 12)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="new tokens per prompt (default 200 as commands, 128 with --warm)",
+    )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=4,
-                        help=f"story openings per case, 1..{len(STORY_OPENINGS)} (default 4; batches: always 4)")
-    parser.add_argument("--cases", nargs="*", help="names of CASES to run (default: all that the mode has)")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=4,
+        help=f"story openings per case, 1..{len(STORY_OPENINGS)} (default 4; batches: always 4)",
+    )
+    parser.add_argument(
+        "--cases", nargs="*", help="names of CASES to run (default: all that the mode has)"
+    )
     parser.add_argument("--out", type=Path, help="also write the table here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = 128 if args.warm or args.child else 200
-    if not 1 <= args.prompts <= len(STORY_OPENINGS) or min(args.repeats, args.compiled_repeats, args.rounds) < 0:
+    if (
+        not 1 <= args.prompts <= len(STORY_OPENINGS)
+        or min(args.repeats, args.compiled_repeats, args.rounds) < 0
+    ):
         parser.error(f"--prompts must be in 1..{len(STORY_OPENINGS)}; repeats and rounds >= 0")
     if args.child:
         warm_child(args)
         return 0
     if args.after is None:
         parser.error("two checkouts are needed: BEFORE AFTER")
-    mode = [c for c in CASES if CASES[c].runs(args.warm) and not (args.eager_only and CASES[c].compiled)]
+    mode = [
+        c for c in CASES if CASES[c].runs(args.warm) and not (args.eager_only and CASES[c].compiled)
+    ]
     unknown = [c for c in args.cases or [] if c not in mode]
     if unknown:
-        parser.error(f"not a case {'with --warm' if args.warm else 'as commands'}: {', '.join(map(repr, unknown))} "
-                     f"(choose from {', '.join(map(repr, mode))})")
+        parser.error(
+            f"not a case {'with --warm' if args.warm else 'as commands'}: {', '.join(map(repr, unknown))} "
+            f"(choose from {', '.join(map(repr, mode))})"
+        )
     cases = [c for c in mode if not args.cases or c in args.cases]
     roots = {"before": args.before.resolve(), "after": args.after.resolve()}
     got = warm(args, roots, cases) if args.warm else as_commands(args, roots, cases)
     compiled = any(CASES[c].compiled for c in cases)
-    how = (f"warm processes, {args.rounds} rounds" if args.warm else f"generate.py commands, {args.repeats} repeats"
-           + (f" ({args.compiled_repeats} of the compiled cases)" if compiled else ""))
-    lines = [f"Command: `{command_line('before_after', argv)}`", "",
-             f"Before {roots['before']}, after {roots['after']}; {how}, {args.max_new_tokens} new tokens, "
-             f"{args.prompts} story openings; {machine_line(args.threads)}.", ""] + table(got, list(roots))
+    how = (
+        f"warm processes, {args.rounds} rounds"
+        if args.warm
+        else f"generate.py commands, {args.repeats} repeats"
+        + (f" ({args.compiled_repeats} of the compiled cases)" if compiled else "")
+    )
+    lines = [
+        f"Command: `{command_line('before_after', argv)}`",
+        "",
+        f"Before {roots['before']}, after {roots['after']}; {how}, {args.max_new_tokens} new tokens, "
+        f"{args.prompts} story openings; {machine_line(args.threads)}.",
+        "",
+    ] + table(got, list(roots))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -52,7 +52,10 @@ def held_out_stories(path: Path) -> list[str]:
     text (weights/corpus.py): a story runs from a paragraph that starts with STORY_START to
     the next one. A stretch that holds two stories, one of which starts otherwise, is long
     and mostly filtered out by :func:`retell_set`'s length limits."""
-    paragraphs = [" ".join(p.split()) for p in path.read_text(encoding="utf-8", errors="replace").split("\n\n")]
+    paragraphs = [
+        " ".join(p.split())
+        for p in path.read_text(encoding="utf-8", errors="replace").split("\n\n")
+    ]
     stories: list[list[str]] = []
     for paragraph in paragraphs:
         if paragraph.startswith(STORY_START):
@@ -62,34 +65,60 @@ def held_out_stories(path: Path) -> list[str]:
     return [" ".join(story) for story in stories]
 
 
-def retell_set(tokenizer: Any, count: int, max_new_tokens: int, room: int, path: Path = RETELL_CORPUS) -> PromptSet:
+def retell_set(
+    tokenizer: Any, count: int, max_new_tokens: int, room: int, path: Path = RETELL_CORPUS
+) -> PromptSet:
     """The first ``count`` held-out stories long enough to be copied for all max_new_tokens
     (so that the whole output could come from the prompt), and short enough that prompt and
     output fit in ``room`` tokens, as retelling prompts."""
-    description = (f"input-grounded: a held-out TinyStories story ({path.name}), then "
-                   f"{RETELL_SEPARATOR!r} and the story's first {OPENING_WORDS} words")
+    description = (
+        f"input-grounded: a held-out TinyStories story ({path.name}), then "
+        f"{RETELL_SEPARATOR!r} and the story's first {OPENING_WORDS} words"
+    )
     if not path.is_file():
-        return PromptSet("retell", description, [], f"{path} is absent (a fresh clone): the retell set is skipped")
+        return PromptSet(
+            "retell",
+            description,
+            [],
+            f"{path} is absent (a fresh clone): the retell set is skipped",
+        )
     prompts = []
     for story in held_out_stories(path):
         story_tokens = len(tokenizer.encode(story, bos=False))
-        prompt = tokenizer.encode(story + RETELL_SEPARATOR + " ".join(story.split()[:OPENING_WORDS]))
+        prompt = tokenizer.encode(
+            story + RETELL_SEPARATOR + " ".join(story.split()[:OPENING_WORDS])
+        )
         if story_tokens >= max_new_tokens and len(prompt) + max_new_tokens <= room:
             prompts.append(prompt)
             if len(prompts) == count:
                 break
-    note = "" if len(prompts) == count else f"only {len(prompts)} stories of {path} fit ({count} asked for)"
+    note = (
+        ""
+        if len(prompts) == count
+        else f"only {len(prompts)} stories of {path} fit ({count} asked for)"
+    )
     return PromptSet("retell", description, prompts, note)
 
 
-def build_prompt_sets(names: list[str], tokenizer: Any, count: int, max_new_tokens: int, room: int,
-                      corpus: Path = RETELL_CORPUS) -> list[PromptSet]:
+def build_prompt_sets(
+    names: list[str],
+    tokenizer: Any,
+    count: int,
+    max_new_tokens: int,
+    room: int,
+    corpus: Path = RETELL_CORPUS,
+) -> list[PromptSet]:
     """The named sets, ``count`` prompts each, in the order asked for."""
     sets = []
     for name in names:
         if name == "stories":
-            sets.append(PromptSet("stories", "story openings, as a user types them",
-                                  [tokenizer.encode(p) for p in STORY_OPENINGS[:count]]))
+            sets.append(
+                PromptSet(
+                    "stories",
+                    "story openings, as a user types them",
+                    [tokenizer.encode(p) for p in STORY_OPENINGS[:count]],
+                )
+            )
         else:
             sets.append(retell_set(tokenizer, count, max_new_tokens, room, corpus))
     return sets

@@ -21,7 +21,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import command_line, machine_line, markdown_table, script_parser, time_call, turn_order
+from benchmarks.harness import (
+    command_line,
+    machine_line,
+    markdown_table,
+    script_parser,
+    time_call,
+    turn_order,
+)
 from model import Llama, ModelConfig
 from model import call as calls
 from model.fast.fuse import prepare_for_decoding
@@ -34,9 +41,16 @@ def network(name: str, target: Llama) -> Llama:
     if SHAPES[name] is None:
         return load_model("tiny-draft")
     layers, dim, hidden = SHAPES[name]
-    config = ModelConfig(vocab_size=target.config.vocab_size + 1, dim=dim, n_layers=layers, n_heads=dim // 32,
-                         n_kv_heads=dim // 64, hidden_dim=hidden, max_seq_len=target.config.max_seq_len,
-                         tie_word_embeddings=True)
+    config = ModelConfig(
+        vocab_size=target.config.vocab_size + 1,
+        dim=dim,
+        n_layers=layers,
+        n_heads=dim // 32,
+        n_kv_heads=dim // 64,
+        hidden_dim=hidden,
+        max_seq_len=target.config.max_seq_len,
+        tie_word_embeddings=True,
+    )
     model = Llama(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -52,7 +66,9 @@ def call_seconds(model: Llama, width: int, calls_n: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser("draft_width", __doc__)
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13])
+    parser.add_argument(
+        "--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13]
+    )
     parser.add_argument("--calls", type=int, default=50, help="calls per median (default 50)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds in turns (default 3)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -78,10 +94,22 @@ def main(argv: list[str] | None = None) -> int:
         figures[name] = dict(zip(map(str, args.widths), ratios))
         rows.append([name, *(f"{x:.3f}" for x in ratios)])
     header = ["draft (layers x width)", *(f"w = {w}" for w in args.widths)]
-    text = "\n".join([f"Command: `{command_line('draft_width', argv)}`", "", f"Machine: {machine_line(args.threads)}",
-                      "", f"One draft call of w tokens after 64 cached, in target steps (the target's one-token call: "
-                      f"{step * 1e3:.3f} ms); stacked and prepacked, the lowest of {args.rounds} rounds' medians of "
-                      f"{args.calls} calls.", "", *markdown_table(header, rows, "l" + "r" * len(args.widths))]) + "\n"
+    text = (
+        "\n".join(
+            [
+                f"Command: `{command_line('draft_width', argv)}`",
+                "",
+                f"Machine: {machine_line(args.threads)}",
+                "",
+                f"One draft call of w tokens after 64 cached, in target steps (the target's one-token call: "
+                f"{step * 1e3:.3f} ms); stacked and prepacked, the lowest of {args.rounds} rounds' medians of "
+                f"{args.calls} calls.",
+                "",
+                *markdown_table(header, rows, "l" + "r" * len(args.widths)),
+            ]
+        )
+        + "\n"
+    )
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -47,7 +47,9 @@ from model.scale.quantize import quantize_int8
 from model.scale.tensor_parallel import weight_bytes
 
 # The dry run's shapes: a "7B" and a "1B" small enough to compile and run on a CPU in seconds.
-DRY_CONFIG = ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=256)
+DRY_CONFIG = ModelConfig(
+    vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=256
+)
 
 
 def sync(device: str = "cuda") -> None:
@@ -64,8 +66,13 @@ def run_pytest(timeout: float) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"passed": False, "error": f"timed out after {timeout:.0f}s"}
     lines = (proc.stdout + proc.stderr).strip().splitlines()
-    return {"passed": proc.returncode == 0, "returncode": proc.returncode, "summary": lines[-1] if lines else "",
-            "tail": lines[-15:], "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "passed": proc.returncode == 0,
+        "returncode": proc.returncode,
+        "summary": lines[-1] if lines else "",
+        "tail": lines[-15:],
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 def measure_bandwidth(gib: float = 2.0, repeats: int = 10) -> dict[str, Any]:
@@ -99,7 +106,9 @@ def nominal_bandwidth() -> float | None:
     return None
 
 
-def decode_tokens_per_second(model: Llama, prompt_len: int = 32, steps: int = 64, warmup: int = 8) -> float:
+def decode_tokens_per_second(
+    model: Llama, prompt_len: int = 32, steps: int = 64, warmup: int = 8
+) -> float:
     """Greedy one-token steps with the KV cache, timed together after a warm-up."""
     vocab, device = model.config.vocab_size, model.device
     model.setup_cache(1, prompt_len + warmup + steps + 1)
@@ -120,18 +129,28 @@ def decode_tokens_per_second(model: Llama, prompt_len: int = 32, steps: int = 64
 def bytes_read_per_token(model: Llama) -> int:
     """Every weight once, except the embedding table, of which a decode step reads one row."""
     embed = model.embed_tokens.weight
-    return weight_bytes(model) - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
+    return (
+        weight_bytes(model)
+        - embed.numel() * embed.element_size()
+        + embed.shape[1] * embed.element_size()
+    )
 
 
-def check_7b_decode(bandwidth: float | None, config: ModelConfig = LLAMA2_CONFIGS["7b"], device: str = "cuda",
-                    steps: int = 64) -> dict[str, Any]:
+def check_7b_decode(
+    bandwidth: float | None,
+    config: ModelConfig = LLAMA2_CONFIGS["7b"],
+    device: str = "cuda",
+    steps: int = 64,
+) -> dict[str, Any]:
     """A random-weight Llama-2-7B in bfloat16 built on the GPU, then quantized to int8.
 
     ``config``, ``device`` and ``steps`` exist for a smoke test on the CPU with a tiny model.
     """
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: no float32 copy of 7B ever exists
+    torch.set_default_dtype(
+        torch.bfloat16
+    )  # built in bf16 directly: no float32 copy of 7B ever exists
     try:
         with torch.device(device):
             model = Llama(config).eval()
@@ -146,8 +165,11 @@ def check_7b_decode(bandwidth: float | None, config: ModelConfig = LLAMA2_CONFIG
                 torch.cuda.empty_cache()
         per_token = bytes_read_per_token(model)
         tps = decode_tokens_per_second(model, steps=steps)
-        entry = {"tokens_per_second": tps, "weight_bytes_read_per_token": per_token,
-                 "weight_bytes": weight_bytes(model)}
+        entry = {
+            "tokens_per_second": tps,
+            "weight_bytes_read_per_token": per_token,
+            "weight_bytes": weight_bytes(model),
+        }
         if device == "cuda":
             entry["gpu_memory_allocated"] = torch.cuda.memory_allocated()
         if bandwidth:
@@ -187,19 +209,32 @@ def dry_run_mode(device: str) -> str | None:
     return None if torch.device(device).type == "cuda" else "default"
 
 
-def check_compiled_decode(bandwidth: float | None, config: ModelConfig = LLAMA2_CONFIGS["7b"], device: str = "cuda",
-                          dtype: torch.dtype = torch.bfloat16, steps: int = 64) -> dict[str, Any]:
+def check_compiled_decode(
+    bandwidth: float | None,
+    config: ModelConfig = LLAMA2_CONFIGS["7b"],
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    steps: int = 64,
+) -> dict[str, Any]:
     """Decode tokens/s of one random model, eager and then compiled (one-token steps), and
     each against the bandwidth bound."""
-    from model.fast.compile import compile_for_decoding  # deferred: Inductor loads only for the checks that compile
+    from model.fast.compile import (
+        compile_for_decoding,
+    )  # deferred: Inductor loads only for the checks that compile
 
     model = random_model(config, device, dtype)
     out = {"eager": bound_entry(model, decode_tokens_per_second(model, steps=steps), bandwidth)}
-    compiled = compile_for_decoding(model, (1,), cache_len=min(config.max_seq_len, 32 + 8 + steps + 1),
-                                    mode=dry_run_mode(device))
+    compiled = compile_for_decoding(
+        model,
+        (1,),
+        cache_len=min(config.max_seq_len, 32 + 8 + steps + 1),
+        mode=dry_run_mode(device),
+    )
     out["compiled"] = bound_entry(model, decode_tokens_per_second(model, steps=steps), bandwidth)
     out["compile_seconds"] = compiled.compile_s
-    out["compiled_over_eager"] = out["compiled"]["tokens_per_second"] / out["eager"]["tokens_per_second"]
+    out["compiled_over_eager"] = (
+        out["compiled"]["tokens_per_second"] / out["eager"]["tokens_per_second"]
+    )
     return out
 
 
@@ -212,9 +247,14 @@ def early_exit_draft(target: Llama, layers: int) -> Llama:
     return draft
 
 
-def check_speculative_7b(config: ModelConfig = LLAMA2_CONFIGS["7b"], draft_layers: int = 4, device: str = "cuda",
-                         dtype: torch.dtype = torch.bfloat16, max_new_tokens: int = 64,
-                         gamma: int = 4) -> dict[str, Any]:
+def check_speculative_7b(
+    config: ModelConfig = LLAMA2_CONFIGS["7b"],
+    draft_layers: int = 4,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    max_new_tokens: int = 64,
+    gamma: int = 4,
+) -> dict[str, Any]:
     """A 7B-shaped target and a 1B-shaped early-exit draft (4 of 32 layers: ~1.1B parameters),
     greedy: speculative against the target alone, eager, then both models compiled."""
     from model.fast.compile import compile_for_decoding, decode_widths  # deferred: as above
@@ -222,31 +262,49 @@ def check_speculative_7b(config: ModelConfig = LLAMA2_CONFIGS["7b"], draft_layer
 
     target = random_model(config, device, dtype)
     draft = early_exit_draft(target, draft_layers)
-    prompt = torch.randint(0, config.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
-    out: dict[str, Any] = {"draft_parameters": sum(p.numel() for p in draft.parameters()),
-                           "target_parameters": sum(p.numel() for p in target.parameters())}
+    prompt = torch.randint(
+        0, config.vocab_size, (16,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    out: dict[str, Any] = {
+        "draft_parameters": sum(p.numel() for p in draft.parameters()),
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+    }
     for label in ("eager", "compiled"):
         if label == "compiled":
             cache_len = min(config.max_seq_len, len(prompt) + max_new_tokens + gamma + 2)
-            seconds = sum(compile_for_decoding(m, widths, cache_len=cache_len, mode=dry_run_mode(device)).compile_s
-                          for m, widths in ((target, decode_widths(gamma, gamma)), (draft, (1, 2))))
+            seconds = sum(
+                compile_for_decoding(
+                    m, widths, cache_len=cache_len, mode=dry_run_mode(device)
+                ).compile_s
+                for m, widths in ((target, decode_widths(gamma, gamma)), (draft, (1, 2)))
+            )
         with torch.inference_mode():
             autoregressive_generate(target, prompt, 4, temperature=0.0)  # warm-up
             alone = autoregressive_generate(target, prompt, max_new_tokens, temperature=0.0)
-            spec = speculative_generate(target, draft, prompt, max_new_tokens, gamma=gamma, temperature=0.0)
-        out[label] = {"target_alone_tokens_per_second": alone.stats.tokens_per_second,
-                      "speculative_tokens_per_second": spec.stats.tokens_per_second,
-                      "speedup": spec.stats.tokens_per_second / alone.stats.tokens_per_second,
-                      "acceptance_rate": spec.stats.acceptance_rate, "cost_ratio": spec.stats.cost_ratio,
-                      "same_output": list(spec.tokens) == list(alone.tokens), "tokens": list(spec.tokens)}
+            spec = speculative_generate(
+                target, draft, prompt, max_new_tokens, gamma=gamma, temperature=0.0
+            )
+        out[label] = {
+            "target_alone_tokens_per_second": alone.stats.tokens_per_second,
+            "speculative_tokens_per_second": spec.stats.tokens_per_second,
+            "speedup": spec.stats.tokens_per_second / alone.stats.tokens_per_second,
+            "acceptance_rate": spec.stats.acceptance_rate,
+            "cost_ratio": spec.stats.cost_ratio,
+            "same_output": list(spec.tokens) == list(alone.tokens),
+            "tokens": list(spec.tokens),
+        }
         if label == "compiled":
             out[label]["compile_seconds"] = seconds
             out[label]["same_output_as_eager"] = out[label]["tokens"] == out["eager"]["tokens"]
     return out
 
 
-def check_shipped_pair(max_new_tokens: int = 128, gamma: int = 4, device: str = "cuda",
-                       dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, Any]:
+def check_shipped_pair(
+    max_new_tokens: int = 128,
+    gamma: int = 4,
+    device: str = "cuda",
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+) -> dict[str, Any]:
     """Speculative vs target-only on tiny-draft -> tiny-target on the GPU, greedy."""
     # deferred: the checks of the bare GPU run first, without the project's packages loaded
     from speculative import autoregressive_generate, speculative_generate
@@ -258,18 +316,25 @@ def check_shipped_pair(max_new_tokens: int = 128, gamma: int = 4, device: str = 
         draft = load_model("tiny-draft", device, dtype)
         prompt = load_tokenizer("tiny-target").encode("Once upon a time", bos=True)
         with torch.inference_mode():
-            autoregressive_generate(target, prompt, 8, temperature=0.0)  # warm-up (kernels, allocator)
+            autoregressive_generate(
+                target, prompt, 8, temperature=0.0
+            )  # warm-up (kernels, allocator)
             speculative_generate(target, draft, prompt, 8, gamma=gamma, temperature=0.0)
             alone = autoregressive_generate(target, prompt, max_new_tokens, temperature=0.0)
-            spec = speculative_generate(target, draft, prompt, max_new_tokens, gamma=gamma, temperature=0.0)
+            spec = speculative_generate(
+                target, draft, prompt, max_new_tokens, gamma=gamma, temperature=0.0
+            )
         a, s = alone.stats, spec.stats
         out[str(dtype).removeprefix("torch.")] = {
             "target_alone_tokens_per_second": a.tokens_per_second,
             "speculative_tokens_per_second": s.tokens_per_second,
             "speedup": s.tokens_per_second / a.tokens_per_second,
-            "acceptance_rate": s.acceptance_rate, "tokens_per_target_call": s.tokens_per_target_call,
-            "gamma": gamma, "new_tokens": s.new_tokens,
-            "same_output": list(spec.tokens) == list(alone.tokens)}
+            "acceptance_rate": s.acceptance_rate,
+            "tokens_per_target_call": s.tokens_per_target_call,
+            "gamma": gamma,
+            "new_tokens": s.new_tokens,
+            "same_output": list(spec.tokens) == list(alone.tokens),
+        }
     return out
 
 
@@ -277,7 +342,9 @@ class SectionTimeoutError(Exception):
     pass
 
 
-def section(report: dict[str, Any], name: str, fn: Callable[[], Any], timeout_s: float = 120.0) -> Any:
+def section(
+    report: dict[str, Any], name: str, fn: Callable[[], Any], timeout_s: float = 120.0
+) -> Any:
     """Run one check, record its result or its error, never raise. A check still running
     after ``timeout_s`` is interrupted (SIGALRM, between Python operations) and recorded as
     timed out, so the script cannot hang on one section."""
@@ -291,7 +358,10 @@ def section(report: dict[str, Any], name: str, fn: Callable[[], Any], timeout_s:
     try:
         report[name] = fn()
     except Exception as err:  # noqa: BLE001 - a failed check is a result to record
-        report[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=5)}
+        report[name] = {
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(limit=5),
+        }
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -303,35 +373,61 @@ def section(report: dict[str, Any], name: str, fn: Callable[[], Any], timeout_s:
 def dry_run(out: Path) -> int:
     """Sections 4-6 on the CPU, tiny shapes, float32: the code paths CI can run."""
     report: dict[str, Any] = {"torch": torch.__version__, "dry_run": True}
-    section(report, "decode_compiled", lambda: check_compiled_decode(1e10, DRY_CONFIG, "cpu", torch.float32, 8))
-    section(report, "speculative_7b_shaped", lambda: check_speculative_7b(DRY_CONFIG, 1, "cpu", torch.float32, 16))
+    section(
+        report,
+        "decode_compiled",
+        lambda: check_compiled_decode(1e10, DRY_CONFIG, "cpu", torch.float32, 8),
+    )
+    section(
+        report,
+        "speculative_7b_shaped",
+        lambda: check_speculative_7b(DRY_CONFIG, 1, "cpu", torch.float32, 16),
+    )
     if (ROOT / "weights" / "tiny-target").is_dir() and (ROOT / "weights" / "tiny-draft").is_dir():
-        section(report, "shipped_pair", lambda: check_shipped_pair(16, device="cpu", dtypes=(torch.float32,)))
+        section(
+            report,
+            "shipped_pair",
+            lambda: check_shipped_pair(16, device="cpu", dtypes=(torch.float32,)),
+        )
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 1 if any(isinstance(v, dict) and "error" in v for v in report.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser("gpu_check", __doc__)
-    parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON (default gpu_check.json)")
-    parser.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds allowed for pytest -m cuda")
+    parser.add_argument(
+        "--out", default="gpu_check.json", help="where to write the JSON (default gpu_check.json)"
+    )
+    parser.add_argument(
+        "--pytest-timeout", type=float, default=150.0, help="seconds allowed for pytest -m cuda"
+    )
     parser.add_argument("--skip-pytest", action="store_true", help="only the measurements")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run the compiled and speculative sections on the CPU with tiny shapes (for CI)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the compiled and speculative sections on the CPU with tiny shapes (for CI)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.dry_run:
         return dry_run(out)
-    report: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-                              "machine": describe_machine()[0]}
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "machine": describe_machine()[0],
+    }
     if not torch.cuda.is_available():
         report["error"] = "no CUDA GPU is visible: this script is for a machine with one"
         out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"error: {report['error']}", file=sys.stderr)
         return 2
     props = torch.cuda.get_device_properties(0)
-    report.update(gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_bytes=props.total_memory,
-                  cuda=torch.version.cuda)
+    report.update(
+        gpu=props.name,
+        gpu_count=torch.cuda.device_count(),
+        gpu_memory_bytes=props.total_memory,
+        cuda=torch.version.cuda,
+    )
     start = time.perf_counter()  # the whole run's duration, for the report
     if not args.skip_pytest:
         section(report, "pytest_cuda", lambda: run_pytest(args.pytest_timeout))
@@ -339,7 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     measured = bandwidth.get("bytes_per_second") if isinstance(bandwidth, dict) else None
     nominal = report["nominal_bandwidth_bytes_per_second"] = nominal_bandwidth()
     section(report, "decode_7b_random", lambda: check_7b_decode(measured or nominal))
-    section(report, "decode_7b_compiled", lambda: check_compiled_decode(measured or nominal), timeout_s=150)
+    section(
+        report,
+        "decode_7b_compiled",
+        lambda: check_compiled_decode(measured or nominal),
+        timeout_s=150,
+    )
     section(report, "speculative_7b_1b", check_speculative_7b, timeout_s=180)
     if (ROOT / "weights" / "tiny-target").is_dir() and (ROOT / "weights" / "tiny-draft").is_dir():
         section(report, "shipped_pair", check_shipped_pair)

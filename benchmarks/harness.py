@@ -75,8 +75,14 @@ class Timing:
         return median(self.seconds)
 
 
-def time_call(fn: Callable[[], Any], repeats: int = 1, *, warmup: int = 0, together: bool = False,
-              device: Any = None) -> Timing:
+def time_call(
+    fn: Callable[[], Any],
+    repeats: int = 1,
+    *,
+    warmup: int = 0,
+    together: bool = False,
+    device: Any = None,
+) -> Timing:
     """The one timer of benchmarks/: ``repeats`` calls of ``fn`` by the wall clock
     (time.perf_counter), after ``warmup`` untimed ones.
 
@@ -124,7 +130,7 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     after one untimed copy: what bounds a decode step that reads every weight once."""
     import torch  # deferred: see the module docstring
 
-    src = torch.ones(int(gib * 2 ** 30) // 4)
+    src = torch.ones(int(gib * 2**30) // 4)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / time_call(lambda: dst.copy_(src), repeats, warmup=1).median
 
@@ -139,8 +145,12 @@ class Progress:
         self.done += 1
         elapsed = time.perf_counter() - self.start
         left = elapsed / self.done * (self.total - self.done)
-        print(f"\r[{self.done}/{self.total}] {elapsed:.0f}s, about {left:.0f}s left; {what}      ", end="",
-              file=sys.stderr, flush=True)
+        print(
+            f"\r[{self.done}/{self.total}] {elapsed:.0f}s, about {left:.0f}s left; {what}      ",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def end(self) -> None:
         print(file=sys.stderr)
@@ -154,7 +164,9 @@ def turn_order(names: Sequence[Any], turn: int) -> list[Any]:
     return list(names[k:]) + list(names[:k])
 
 
-def per_prompt(rounds: Sequence[Sequence[float]], pick: Callable[[Iterable[float]], float] = max) -> float:
+def per_prompt(
+    rounds: Sequence[Sequence[float]], pick: Callable[[Iterable[float]], float] = max
+) -> float:
     """The median over prompts of ``pick`` over the rounds of each prompt's figure. With ``max``
     (tokens/s): the fastest round per prompt, as a busy machine only ever slows a run down."""
     return median(pick(figures[i] for figures in rounds) for i in range(len(rounds[0])))
@@ -177,18 +189,23 @@ class WarmProcess:
 
     def __init__(self, name: str, command: list[str], cwd: Path, env: dict[str, str]) -> None:
         self.name = name
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd,
-                                     env=env)
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env
+        )
         if self.proc.stdout.readline().strip() != "ready":
             self.proc.wait()
-            raise SystemExit(f"error: the {name} process did not start ({' '.join(command)} in {cwd})")
+            raise SystemExit(
+                f"error: the {name} process did not start ({' '.join(command)} in {cwd})"
+            )
 
     def round(self) -> Any:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise SystemExit(f"error: the {self.name} process stopped (exit status {self.proc.wait()})")
+            raise SystemExit(
+                f"error: the {self.name} process stopped (exit status {self.proc.wait()})"
+            )
         return json.loads(line)
 
     def close(self) -> None:
@@ -208,8 +225,11 @@ def answer_rounds(one_round: Callable[[], Any]) -> None:
         print(json.dumps(one_round()), flush=True)
 
 
-def take_turns(processes: dict[str, WarmProcess], rounds: int,
-               progress: Callable[[int, dict[str, list[Any]]], None] | None = None) -> dict[str, list[Any]]:
+def take_turns(
+    processes: dict[str, WarmProcess],
+    rounds: int,
+    progress: Callable[[int, dict[str, list[Any]]], None] | None = None,
+) -> dict[str, list[Any]]:
     """``rounds`` rounds of every process, one at a time (the others wait on their input) and
     in rotating order; every process's answers, by name."""
     got: dict[str, list[Any]] = {name: [] for name in processes}
@@ -243,25 +263,42 @@ def describe_machine(threads: int | Sequence[int] | None = None) -> tuple[dict[s
     ls, flags = cpu.lscpu, cpu.flags
     info = {"host": platform.node(), "CPU": cpu.name + (f" ({cpu.ident})" if cpu.ident else "")}
     if ls.get("Hypervisor vendor"):
-        info["virtualisation"] = f"{ls['Hypervisor vendor']} guest ({ls.get('Virtualization type', '?')})"
+        info["virtualisation"] = (
+            f"{ls['Hypervisor vendor']} guest ({ls.get('Virtualization type', '?')})"
+        )
     info["cores"] = str(os.cpu_count())
-    caches = [f"{level} {ls[level]}" for level in ("L1d cache", "L2 cache", "L3 cache") if ls.get(level)]
+    caches = [
+        f"{level} {ls[level]}" for level in ("L1d cache", "L2 cache", "L3 cache") if ls.get(level)
+    ]
     if caches:
         info["caches"] = "; ".join(caches)
     if flags:
-        info["SIMD flags"] = " ".join(f for f in flags if f.startswith(SIMD_FLAGS) or f in SIMD_FLAGS)
+        info["SIMD flags"] = " ".join(
+            f for f in flags if f.startswith(SIMD_FLAGS) or f in SIMD_FLAGS
+        )
     info["PyTorch CPU kernels"] = torch.backends.cpu.get_cpu_capability()
     if threads is None:
         threads = torch.get_num_threads()
     counts = [threads] if isinstance(threads, int) else list(threads)
-    info["torch threads"] = ", ".join(map(str, counts)) + (" (each table names its own)" if len(counts) > 1 else "")
-    info.update({"torch": torch.__version__, "python": platform.python_version(), "OS": platform.platform(),
-                 "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")})
+    info["torch threads"] = ", ".join(map(str, counts)) + (
+        " (each table names its own)" if len(counts) > 1 else ""
+    )
+    info.update(
+        {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "OS": platform.platform(),
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        }
+    )
     load = load_average()
     if load is not None:
-        info["load average"] = " / ".join(f"{x:.2f}" for x in load) + " (1 / 5 / 15 min, at the end of the run)"
+        info["load average"] = (
+            " / ".join(f"{x:.2f}" for x in load) + " (1 / 5 / 15 min, at the end of the run)"
+        )
     try:
         import transformers  # optional: only a reference of benchmark.py
+
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
@@ -280,15 +317,20 @@ def machine_line(threads: int | None = None) -> str:
     """The machine in one line, for a table printed on stdout."""
     info, _ = describe_machine(threads)
     load = info.get("load average", "?").split(" (")[0]
-    return (f"{info['CPU']}, {info['cores']} cores, {info['torch threads']} torch threads, torch {info['torch']}, "
-            f"load average {load}, {info['date']}")
+    return (
+        f"{info['CPU']}, {info['cores']} cores, {info['torch threads']} torch threads, torch {info['torch']}, "
+        f"load average {load}, {info['date']}"
+    )
 
 
 # ----------------------------------------------------------------------------- pages
 def script_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     """A script's parser: its usage as ``python -m benchmarks.NAME``, its docstring as the help."""
-    return argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def command_line(name: str, argv: Sequence[str] | None = None) -> str:
@@ -300,14 +342,24 @@ def command_line(name: str, argv: Sequence[str] | None = None) -> str:
 def page_head(title: str, command: str) -> list[str]:
     """A generated page's first lines: its title and the exact command that made it."""
     module = " ".join(command.split()[:3])
-    return [f"# {title}", "", f"Generated by `{module}`; do not edit by hand. Command:", "", f"    {command}", ""]
+    return [
+        f"# {title}",
+        "",
+        f"Generated by `{module}`; do not edit by hand. Command:",
+        "",
+        f"    {command}",
+        "",
+    ]
 
 
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
+def markdown_table(
+    header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
+) -> list[str]:
     """A markdown table; ``align`` has one letter per column, ``r`` for right-aligned (numbers)."""
-    rule = ["---:" if align[i:i + 1] == "r" else "---" for i in range(len(header))]
+    rule = ["---:" if align[i : i + 1] == "r" else "---" for i in range(len(header))]
     return ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join(rule) + "|"] + [
-        "| " + " | ".join(map(str, row)) + " |" for row in rows]
+        "| " + " | ".join(map(str, row)) + " |" for row in rows
+    ]
 
 
 def link(page: str | Path, target: str | Path) -> str:
@@ -324,8 +376,10 @@ def write_page(path: str | Path, text: str) -> None:
 def pyplot() -> Any:
     """matplotlib's pyplot, drawing to files only."""
     import matplotlib  # optional: the train and test extras have it
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 

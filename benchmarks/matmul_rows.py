@@ -37,32 +37,50 @@ def quantized(name: str, weight: torch.Tensor) -> tuple[Any, Any]:
     if name == "int4":
         return Int4Linear.from_float(weight, 32), None
     q, scale = quantize_weight(weight)
-    return Int8Linear(q, scale), lambda x: torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scale)
+    return Int8Linear(q, scale), lambda x: torch.ops.aten._weight_int8pack_mm(
+        x.reshape(-1, x.shape[-1]), q, scale
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser("matmul_rows", __doc__)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8], help="input rows (default 1 2 5 8)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
-    parser.add_argument("--dtypes", nargs="+", default=["float32"],
-                        choices=["float32", "bfloat16", "float16", "int8", "int4"],
-                        help="weight and input dtypes (default float32); int8 and int4 are weight-only with float32 "
-                             "inputs: int8's default column dequantizes per call (model.scale.quantize.Int8Linear) and "
-                             "its prepacked column is torch's int8 kernel; int4 is torch's packed int4 kernel "
-                             "(Int4Linear, groups of 32)")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 2, 5, 8], help="input rows (default 1 2 5 8)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)"
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16", "float16", "int8", "int4"],
+        help="weight and input dtypes (default float32); int8 and int4 are weight-only with float32 "
+        "inputs: int8's default column dequantizes per call (model.scale.quantize.Int8Linear) and "
+        "its prepacked column is torch's int8 kernel; int4 is torch's packed int4 kernel "
+        "(Int4Linear, groups of 32)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{machine_line(args.threads)}; microseconds per call (median)\n")
-    print("| weight [out x in] | dtype | rows | PyTorch default | prepacked | default / one row | "
-          "prepacked / one row |")
+    print(
+        "| weight [out x in] | dtype | rows | PyTorch default | prepacked | default / one row | "
+        "prepacked / one row |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features, calls in ((1024, 384, 2000), (4096, 4096, 60)):
         for name in args.dtypes:
             dtype = torch.float32 if name in ("int8", "int4") else getattr(torch, name)
             weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-            plain, packed = quantized(name, weight) if name in ("int8", "int4") else (
-                partial(F.linear, weight=weight), PrepackedLinear(weight) if prepack_supported(dtype) else None)
+            plain, packed = (
+                quantized(name, weight)
+                if name in ("int8", "int4")
+                else (
+                    partial(F.linear, weight=weight),
+                    PrepackedLinear(weight) if prepack_supported(dtype) else None,
+                )
+            )
             first: tuple[float, float | None] | None = None
             with torch.inference_mode():
                 for rows in args.rows:
@@ -70,10 +88,15 @@ def main(argv: list[str] | None = None) -> int:
                     plain_us = median_us(plain, x, calls)
                     packed_us = median_us(packed, x, calls) if packed else None
                     first = first or (plain_us, packed_us)
-                    packed_cell, packed_ratio = (f"{packed_us:.1f}", f"{packed_us / first[1]:.2f}") if packed_us \
+                    packed_cell, packed_ratio = (
+                        (f"{packed_us:.1f}", f"{packed_us / first[1]:.2f}")
+                        if packed_us
                         else ("–", "–")
-                    print(f"| {out_features} x {in_features} | {name} | {rows} | {plain_us:.1f} | {packed_cell} | "
-                          f"{plain_us / first[0]:.2f} | {packed_ratio} |")
+                    )
+                    print(
+                        f"| {out_features} x {in_features} | {name} | {rows} | {plain_us:.1f} | {packed_cell} | "
+                        f"{plain_us / first[0]:.2f} | {packed_ratio} |"
+                    )
     return 0
 
 

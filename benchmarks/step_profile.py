@@ -29,14 +29,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=50, help="steps profiled (default 50)")
     parser.add_argument("--top", type=int, default=12, help="operators listed (default 12)")
-    parser.add_argument("--repo", type=Path, default=None,
-                        help="the checkout whose model/ and weights/ to profile (default: this one)")
+    parser.add_argument(
+        "--repo",
+        type=Path,
+        default=None,
+        help="the checkout whose model/ and weights/ to profile (default: this one)",
+    )
     args = parser.parse_args(argv)
     if args.repo is not None and args.repo.resolve() != ROOT:
         with checkout_env(args.repo) as (cwd, env):
-            return subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--target", args.target,
-                                   "--dtype", args.dtype, "--threads", str(args.threads), "--steps", str(args.steps),
-                                   "--top", str(args.top)], cwd=cwd, env=env, check=False).returncode
+            return subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.step_profile",
+                    "--target",
+                    args.target,
+                    "--dtype",
+                    args.dtype,
+                    "--threads",
+                    str(args.threads),
+                    "--steps",
+                    str(args.steps),
+                    "--top",
+                    str(args.top),
+                ],
+                cwd=cwd,
+                env=env,
+                check=False,
+            ).returncode
 
     # Imported here, after --repo has had its say: the checkout measured is the one they come from
     import torch
@@ -64,14 +85,20 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.steps):
                 target(tokens, call)
     source = Path(model.__file__).resolve().parents[1]  # the checkout the code came from
-    print(f"{args.target} in {args.dtype}, {args.threads} threads, from {source}: one-token step {ms:.2f} ms "
-          "(median of 5 medians of 51 calls)\n")
-    print("| operator or kernel | own time per step | share | calls per step |\n|---|---:|---:|---:|")
+    print(
+        f"{args.target} in {args.dtype}, {args.threads} threads, from {source}: one-token step {ms:.2f} ms "
+        "(median of 5 medians of 51 calls)\n"
+    )
+    print(
+        "| operator or kernel | own time per step | share | calls per step |\n|---|---:|---:|---:|"
+    )
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
-    for e in events[:args.top]:
-        print(f"| `{e.key[:60]}` | {e.self_cpu_time_total / args.steps:.0f} µs | {e.self_cpu_time_total / total:.0%} | "
-              f"{e.count / args.steps:g} |")
+    for e in events[: args.top]:
+        print(
+            f"| `{e.key[:60]}` | {e.self_cpu_time_total / args.steps:.0f} µs | {e.self_cpu_time_total / total:.0%} | "
+            f"{e.count / args.steps:g} |"
+        )
     return 0
 
 

@@ -49,16 +49,36 @@ SETUPS = {"plain": (False, False), "stacked": (True, False), "prepacked": (True,
 
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser("target_setups", __doc__)
-    parser.add_argument("--target", default="tiny-target", help="registry name, folder or GGUF (default tiny-target)")
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24],
-                        help="tokens per call (default 1 2 4 6 8 12 16 24)")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--target",
+        default="tiny-target",
+        help="registry name, folder or GGUF (default tiny-target)",
+    )
+    parser.add_argument(
+        "--widths",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 6, 8, 12, 16, 24],
+        help="tokens per call (default 1 2 4 6 8 12 16 24)",
+    )
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
+    )
     parser.add_argument("--rounds", type=int, default=5, help="rounds taken in turns (default 5)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
-    parser.add_argument("--compiled", type=int, default=None, metavar="GAMMA",
-                        help="also the compiled steps of generate.py --compile --gamma GAMMA (the default drafter's "
-                        "run), from the cache")
-    parser.add_argument("--out", default="", help="write the table as a page here (default: print only)")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)"
+    )
+    parser.add_argument(
+        "--compiled",
+        type=int,
+        default=None,
+        metavar="GAMMA",
+        help="also the compiled steps of generate.py --compile --gamma GAMMA (the default drafter's "
+        "run), from the cache",
+    )
+    parser.add_argument(
+        "--out", default="", help="write the table as a page here (default: print only)"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.threads < 1 or any(not 1 <= w <= 64 for w in args.widths):
         sys.exit("error: --rounds and --threads must be >= 1, --widths in 1..64")
@@ -77,34 +97,62 @@ def main(argv: list[str] | None = None) -> int:
     if args.compiled is not None:
         built = decode_widths(args.compiled, GAMMA_MAX)
         for dtype in args.dtypes:
-            pair = read_pair(args.target, default_draft(args.target)).load(dtype=getattr(torch, dtype),
-                                                                           prepare_models=False)
-            pair, setups = pair.set_up("default", built, START + 64 + max(widths), store=StepCache())
+            pair = read_pair(args.target, default_draft(args.target)).load(
+                dtype=getattr(torch, dtype), prepare_models=False
+            )
+            pair, setups = pair.set_up(
+                "default", built, START + 64 + max(widths), store=StepCache()
+            )
             if setups.choices and setups.choices[0][1].chosen == "compiled":
                 models[f"compiled, {dtype}"], only[f"compiled, {dtype}"] = pair.target, built
             else:
-                print(f"no compiled steps in the cache for {dtype}: run generate.py --target {args.target} "
-                      f"--compile --gamma {args.compiled} --dtype {dtype} first", file=sys.stderr)
+                print(
+                    f"no compiled steps in the cache for {dtype}: run generate.py --target {args.target} "
+                    f"--compile --gamma {args.compiled} --dtype {dtype} first",
+                    file=sys.stderr,
+                )
         widths = sorted(set(widths) | set(built))
     best: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
-        calls = {key: max(3, int(0.2 / (ms_per_call(model, 1, 2) / 1e3))) for key, model in models.items()}
+        calls = {
+            key: max(3, int(0.2 / (ms_per_call(model, 1, 2) / 1e3)))
+            for key, model in models.items()
+        }
         for turn in range(args.rounds):
             for key in turn_order(list(models), turn):
                 for width in only.get(key, widths):
                     ms = ms_per_call(models[key], width, calls[key])
                     best[key, width] = min(ms, best.get((key, width), ms))
             print(f"round {turn + 1} of {args.rounds}", file=sys.stderr, flush=True)
-    lines = [f"Target `{args.target}`; {machine_line(args.threads)}. Milliseconds per call of w tokens after "
-             f"{START} cached, the lowest of {args.rounds} rounds' medians (in one-token calls of the same set-up, "
-             "after it):", ""]
-    rows = [[key] + [f"{best[key, w]:.2f} ({best[key, w] / best[key, 1]:.2f})" if (key, w) in best else "–"
-                     for w in widths] for key in models]
-    lines += markdown_table(["set-up"] + [f"w = {w}" for w in widths], rows, "l" + "r" * len(widths))
+    lines = [
+        f"Target `{args.target}`; {machine_line(args.threads)}. Milliseconds per call of w tokens after "
+        f"{START} cached, the lowest of {args.rounds} rounds' medians (in one-token calls of the same set-up, "
+        "after it):",
+        "",
+    ]
+    rows = [
+        [key]
+        + [
+            f"{best[key, w]:.2f} ({best[key, w] / best[key, 1]:.2f})" if (key, w) in best else "–"
+            for w in widths
+        ]
+        for key in models
+    ]
+    lines += markdown_table(
+        ["set-up"] + [f"w = {w}" for w in widths], rows, "l" + "r" * len(widths)
+    )
     print("\n".join(lines))
     if args.out:
-        write_page(args.out, "\n".join(page_head("A target's call by its width, under each set-up",
-                                                 command_line("target_setups", argv)) + lines))
+        write_page(
+            args.out,
+            "\n".join(
+                page_head(
+                    "A target's call by its width, under each set-up",
+                    command_line("target_setups", argv),
+                )
+                + lines
+            ),
+        )
     return 0
 
 

@@ -41,19 +41,24 @@ def static_package(model: Any, width: int, slots: int, path: Path) -> None:
 
     model.setup_cache(1, slots - 1)  # the rotary table, for the static cache's positions
     program = aot.StepProgram(model, hidden=False)
-    caches = [torch.zeros(1, model.layers[0].self_attn.local_kv_heads, slots, model.config.head_dim)
-              for _ in range(2 * len(model.layers))]
+    caches = [
+        torch.zeros(1, model.layers[0].self_attn.local_kv_heads, slots, model.config.head_dim)
+        for _ in range(2 * len(model.layers))
+    ]
     saved = [layer.self_attn.cache for layer in model.layers]
     with torch.no_grad():
         for layer in model.layers:
             layer.self_attn.cache = None
         try:
-            exported = torch.export.export(program, (*aot.example_call(model, 1, width, slots), *caches), strict=False)
+            exported = torch.export.export(
+                program, (*aot.example_call(model, 1, width, slots), *caches), strict=False
+            )
         finally:
             for layer, cache in zip(model.layers, saved):
                 layer.self_attn.cache = cache
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(path),
-                                                 inductor_configs=dict(aot.PACKAGE_OPTIONS["autotune"]))
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(path), inductor_configs=dict(aot.PACKAGE_OPTIONS["autotune"])
+        )
 
 
 def time_package(model: Any, runner: Any, width: int, slots: int, window: int, calls: int) -> float:
@@ -65,7 +70,13 @@ def time_package(model: Any, runner: Any, width: int, slots: int, window: int, c
     model.setup_cache(1, slots - 1)
     where = (torch.arange(width) + window - width).unsqueeze(0).contiguous()
     visible = (torch.arange(window) <= where.unsqueeze(-1)).contiguous()
-    args = [torch.ones(1, width, dtype=torch.long), where, where.clone(), visible, *aot.cache_tensors(model)]
+    args = [
+        torch.ones(1, width, dtype=torch.long),
+        where,
+        where.clone(),
+        visible,
+        *aot.cache_tensors(model),
+    ]
     return time_call(lambda: runner.boxed_run(list(args)), calls, warmup=10).median
 
 
@@ -91,22 +102,32 @@ def shipped_target(rounds: int, calls: int) -> None:
                 cases.append((name, width, slots, slots))
             path = Path(folder) / f"dynamic-{width}.pt2"
             model.setup_cache(1, 64)
-            built = time_call(partial(aot.build_package, model, 1, width, False, "autotune", path)).median
+            built = time_call(
+                partial(aot.build_package, model, 1, width, False, "autotune", path)
+            ).median
             print(f"built dynamic, {width} tokens, in {built:.0f}s", flush=True)
             runners["dynamic", width] = aot.load_package(path)
-            cases += [("dynamic", width, context + 1, window) for window in (16, 64, 128, 256, context)]
+            cases += [
+                ("dynamic", width, context + 1, window) for window in (16, 64, 128, 256, context)
+            ]
         seen: dict[Any, list[float]] = {case: [] for case in cases}
         with torch.inference_mode():
             for _ in range(rounds):
                 for case in cases:
                     name, width, slots, window = case
-                    seen[case].append(time_package(model, runners[name, width], width, slots, window, calls))
-    print(f"\ntiny-target, float32, packages (lowest of {rounds} rounds' medians of {calls} calls):")
+                    seen[case].append(
+                        time_package(model, runners[name, width], width, slots, window, calls)
+                    )
+    print(
+        f"\ntiny-target, float32, packages (lowest of {rounds} rounds' medians of {calls} calls):"
+    )
     print("| package | tokens | cache slots | window | ms a call |")
     print("|---|---:|---:|---:|---:|")
     for (name, width, slots, window), times in seen.items():
-        print(f"| {name} | {width} | {slots - 1} | {window if name == 'dynamic' else slots - 1} | "
-              f"{1e3 * min(times):.3f} |")
+        print(
+            f"| {name} | {width} | {slots - 1} | {window if name == 'dynamic' else slots - 1} | "
+            f"{1e3 * min(times):.3f} |"
+        )
 
 
 def seven_b_layer(rounds: int, calls: int) -> None:
@@ -115,8 +136,12 @@ def seven_b_layer(rounds: int, calls: int) -> None:
     import torch.nn.functional as F
 
     dim, heads, head_dim, hidden = 4096, 32, 128, 11008
-    weights = {"qkv": torch.randn(3 * dim, dim) * 0.01, "o": torch.randn(dim, dim) * 0.01,
-               "gate_up": torch.randn(2 * hidden, dim) * 0.01, "down": torch.randn(dim, hidden) * 0.01}
+    weights = {
+        "qkv": torch.randn(3 * dim, dim) * 0.01,
+        "o": torch.randn(dim, dim) * 0.01,
+        "gate_up": torch.randn(2 * hidden, dim) * 0.01,
+        "down": torch.randn(dim, hidden) * 0.01,
+    }
     x = torch.randn(1, 1, dim)
 
     def products() -> None:
@@ -157,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="window-cost-inductor-"))
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="window-cost-inductor-")
+    )
     print(machine_line(args.threads))
     if not args.skip_target:
         shipped_target(args.rounds, args.calls)

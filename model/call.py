@@ -44,55 +44,97 @@ class CacheCall:
             raise ValueError(f"slots must be a LongTensor [B, T], got {described(self.slots)}")
         shape = tuple(self.slots.shape)
         if not is_tensor(self.positions, torch.long) or tuple(self.positions.shape) != shape:
-            raise ValueError(f"positions must be a LongTensor of the slots' shape {shape}, got "
-                             f"{described(self.positions)}")
+            raise ValueError(
+                f"positions must be a LongTensor of the slots' shape {shape}, got "
+                f"{described(self.positions)}"
+            )
         if not 1 <= self.window or self.top < 0:
-            raise ValueError(f"a call reads at least one slot and writes none below 0 (window {self.window}, "
-                             f"top {self.top})")
-        if self.visible is not None and (not is_tensor(self.visible, torch.bool)
-                                         or tuple(self.visible.shape) != (*shape, self.window)):
-            raise ValueError(f"visible must be a BoolTensor {(*shape, self.window)} (rows, tokens, window), got "
-                             f"{described(self.visible)}")
+            raise ValueError(
+                f"a call reads at least one slot and writes none below 0 (window {self.window}, "
+                f"top {self.top})"
+            )
+        if self.visible is not None and (
+            not is_tensor(self.visible, torch.bool)
+            or tuple(self.visible.shape) != (*shape, self.window)
+        ):
+            raise ValueError(
+                f"visible must be a BoolTensor {(*shape, self.window)} (rows, tokens, window), got "
+                f"{described(self.visible)}"
+            )
 
     @classmethod
-    def of(cls, slots: torch.Tensor, positions: torch.Tensor | None = None,
-           visible: torch.Tensor | None = None) -> CacheCall:
+    def of(
+        cls,
+        slots: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
+    ) -> CacheCall:
         """A call from tensors, its bounds read from them. By default each token is rotated as its
         slot and sees its row's slots up to its own (causal)."""
         positions = slots if positions is None else positions
-        low, top = min(int(slots.min()), int(positions.min())), max(int(slots.max()), int(positions.max()))
+        low, top = (
+            min(int(slots.min()), int(positions.min())),
+            max(int(slots.max()), int(positions.max())),
+        )
         if low < 0:
             raise ValueError(f"slots and positions must be >= 0, got {low}")
         if visible is None:
             visible = torch.arange(top + 1, device=slots.device) <= slots.unsqueeze(-1)
         elif is_tensor(visible, torch.bool) and visible.numel() and not bool(visible.any(-1).all()):
             # softmax over nothing is NaN: a token must see at least one slot (its own, usually)
-            raise ValueError("every token must see at least one slot: a row of visible is all False")
-        return cls(slots, positions, visible, visible.shape[-1] if isinstance(visible, torch.Tensor) else 0, top)
+            raise ValueError(
+                "every token must see at least one slot: a row of visible is all False"
+            )
+        return cls(
+            slots,
+            positions,
+            visible,
+            visible.shape[-1] if isinstance(visible, torch.Tensor) else 0,
+            top,
+        )
 
 
 Slots = Sequence[Sequence[int]]
 
 
-def checked_move(rows: Sequence[int], src: Slots | None, dst: Slots | None, batch: int, cache_len: int,
-                 device: torch.device) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
+def checked_move(
+    rows: Sequence[int],
+    src: Slots | None,
+    dst: Slots | None,
+    batch: int,
+    cache_len: int,
+    device: torch.device,
+) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
     """The host lists of a move_cache, checked: rows in 0..batch-1, and src and dst both None or
     one list of slots (in 0..cache_len-1) per row, all of one length (returned as LongTensors)."""
     rows = host_ints(rows, "rows to keep", batch)
     if src is None and dst is None:
         return rows, None, None
-    if (src is None or dst is None or not len(src) == len(dst) == len(rows)
-            or not all(isinstance(s, Sequence) for s in (*src, *dst)) or len({len(s) for s in (*src, *dst)}) > 1):
-        raise ValueError("src and dst go together: for each kept row, two lists of slots, all of one length")
-    return rows, *(torch.tensor(host_ints(x, "slots to move", cache_len), dtype=torch.long, device=device)
-                   for x in (src, dst))
+    if (
+        src is None
+        or dst is None
+        or not len(src) == len(dst) == len(rows)
+        or not all(isinstance(s, Sequence) for s in (*src, *dst))
+        or len({len(s) for s in (*src, *dst)}) > 1
+    ):
+        raise ValueError(
+            "src and dst go together: for each kept row, two lists of slots, all of one length"
+        )
+    return rows, *(
+        torch.tensor(host_ints(x, "slots to move", cache_len), dtype=torch.long, device=device)
+        for x in (src, dst)
+    )
 
 
 def host_ints(values: Sequence[Any], name: str, limit: int) -> list:
     """Host ints (or equal-length lists of them), checked to lie in 0..limit-1."""
     nested = bool(values) and isinstance(values[0], Sequence)
     flat = [v for row in values for v in row] if nested else list(values)
-    if not all(type(v) is int for v in flat) or any(v < 0 or v >= limit for v in flat) or len(values) > limit:
+    if (
+        not all(type(v) is int for v in flat)
+        or any(v < 0 or v >= limit for v in flat)
+        or len(values) > limit
+    ):
         raise ValueError(f"{name} must be ints in 0..{limit - 1}, got {list(values)}")
     return [list(v) for v in values] if nested else list(values)
 
@@ -102,7 +144,9 @@ def is_tensor(x: object, dtype: torch.dtype) -> bool:
 
 
 def described(x: object) -> str:
-    return f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+    return (
+        f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+    )
 
 
 # ----------------------------------------------------------------------------- the three shapes
@@ -115,7 +159,9 @@ def counting(stop: int, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     counts = _COUNTS.get(device)
     if counts is None or counts.shape[0] < stop:
-        with torch.inference_mode(False):  # a normal tensor: one made in inference mode would refuse autograd later
+        with torch.inference_mode(
+            False
+        ):  # a normal tensor: one made in inference mode would refuse autograd later
             counts = _COUNTS[device] = torch.arange(max(stop, 4096), device=device)
     return counts[:stop]
 
@@ -129,13 +175,17 @@ def chain(start: int, length: int, device: torch.device | str, rows: int = 1) ->
     """``length`` tokens at slots (and positions) start..start+length-1 of each of ``rows`` rows.
     A single token sees every slot up to its own, so its call needs no mask."""
     if start < 0 or length < 1:
-        raise ValueError(f"a chain starts at a slot >= 0 and has a token at least, got {start} and {length}")
+        raise ValueError(
+            f"a chain starts at a slot >= 0 and has a token at least, got {start} and {length}"
+        )
     slots = counting(start + length, device)[start:].expand(rows, length)
     visible = None if length == 1 else causal(slots, start + length)
     return CacheCall(slots, slots, visible, start + length, start + length - 1)
 
 
-def ragged(starts: Sequence[int], length: int, cache_len: int, device: torch.device | str) -> CacheCall:
+def ragged(
+    starts: Sequence[int], length: int, cache_len: int, device: torch.device | str
+) -> CacheCall:
     """Row b's ``length`` tokens at slots starts[b].. (rows of different lengths share a call,
     padded at the end). A padding token's writes land in slots its row has not filled yet
     (overwritten before they are read), or past the cache's end in its scratch slot cache_len;
@@ -143,13 +193,19 @@ def ragged(starts: Sequence[int], length: int, cache_len: int, device: torch.dev
     at one slot make a chain: a batch of one is the single-sequence call."""
     starts = [int(s) for s in starts]
     if any(s < 0 or s >= cache_len for s in starts):
-        raise ValueError(f"row start positions {min(starts)}..{max(starts)} fall outside the KV cache ({cache_len})")
+        raise ValueError(
+            f"row start positions {min(starts)}..{max(starts)} fall outside the KV cache ({cache_len})"
+        )
     if len(set(starts)) == 1 and starts[0] + length <= cache_len:
         return chain(starts[0], length, device, rows=len(starts))
-    slots = torch.tensor([[min(s + i, cache_len) for i in range(length)] for s in starts], device=device)
+    slots = torch.tensor(
+        [[min(s + i, cache_len) for i in range(length)] for s in starts], device=device
+    )
     positions = slots.clamp(max=cache_len - 1)
     window = min(max(starts) + length, cache_len)
-    return CacheCall(slots, positions, causal(slots, window), window, min(max(starts) + length - 1, cache_len))
+    return CacheCall(
+        slots, positions, causal(slots, window), window, min(max(starts) + length - 1, cache_len)
+    )
 
 
 def tree(start: int, prefix: int, nodes: Any, device: torch.device | str) -> CacheCall:
@@ -166,4 +222,6 @@ def tree(start: int, prefix: int, nodes: Any, device: torch.device | str) -> Cac
     positions = list(range(start, first)) + [first - 1 + d for d in nodes.depths()]
     visible = causal(slots, first + n)
     visible[0, prefix:, first:] = nodes.ancestor_mask().to(device)
-    return CacheCall(slots, torch.tensor([positions], device=device), visible, first + n, first + n - 1)
+    return CacheCall(
+        slots, torch.tensor([positions], device=device), visible, first + n, first + n - 1
+    )

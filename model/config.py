@@ -33,7 +33,9 @@ class FieldRule:
 
     kind: Literal["metadata", "forward"]
     handling: str  # what this project does with it, one phrase (docs/checkpoint_fields.md shows it)
-    only: tuple[Any, ...] | None = None  # forward fields implemented at these values only (None: any value)
+    only: tuple[Any, ...] | None = (
+        None  # forward fields implemented at these values only (None: any value)
+    )
     refused: bool = False  # a forward field not implemented at any value
 
 
@@ -60,7 +62,9 @@ FIELDS: dict[str, FieldRule] = {
     "dtype": _metadata("accepted (transformers 5's name for torch_dtype)"),
     "use_cache": _metadata("accepted (whether transformers keeps a KV cache; ours always does)"),
     "initializer_range": _metadata("accepted (the std of the random init used before training)"),
-    "attention_dropout": _metadata("accepted (training only: transformers passes dropout 0.0 in eval)"),
+    "attention_dropout": _metadata(
+        "accepted (training only: transformers passes dropout 0.0 in eval)"
+    ),
     # transformers 4.x cut each projection into pretraining_tp slices and summed the partial products,
     # which is the same product in another order; transformers 5 stores the field and reads it nowhere.
     "pretraining_tp": _metadata("accepted (splits the matmuls, not their result)"),
@@ -74,8 +78,12 @@ FIELDS: dict[str, FieldRule] = {
     "return_dict": _metadata(),
     "max_length": _metadata("accepted (a generation default)"),
     "is_llama_config": _metadata("accepted (nanotron's marker of its Llama config class)"),
-    "transformers.js_config": _metadata("accepted (transformers.js's ONNX dtype and KV cache hints)"),
-    "pard_token": _metadata("accepted (a parallel draft's mask id: an input id, not a change to the forward)"),
+    "transformers.js_config": _metadata(
+        "accepted (transformers.js's ONNX dtype and KV cache hints)"
+    ),
+    "pard_token": _metadata(
+        "accepted (a parallel draft's mask id: an input id, not a change to the forward)"
+    ),
     # --- forward: implemented
     "model_type": _forward("implemented only at 'llama'"),  # checked first, with its own sentence
     "vocab_size": _forward(),
@@ -86,7 +94,9 @@ FIELDS: dict[str, FieldRule] = {
     "num_key_value_heads": _forward("implemented (grouped-query attention)"),
     "head_dim": _forward(),
     "rms_norm_eps": _forward(),
-    "max_position_embeddings": _forward("implemented (the longest sequence: rope tables and cache)"),
+    "max_position_embeddings": _forward(
+        "implemented (the longest sequence: rope tables and cache)"
+    ),
     "tie_word_embeddings": _forward(),
     "rope_theta": _forward(),
     "rope_scaling": _forward("implemented for null, linear and llama3; other types refused"),
@@ -140,7 +150,9 @@ class ModelConfig:
     max_seq_len: int = 2048  # HF max_position_embeddings
     tie_word_embeddings: bool = False
     bos_id: int | None = 1
-    eos_id: int | None = 2  # the first end-of-sequence id (Llama-3 configs list several); kept for old callers
+    eos_id: int | None = (
+        2  # the first end-of-sequence id (Llama-3 configs list several); kept for old callers
+    )
     # Every end-of-sequence id, in the config's order: Llama-3.1 Instruct ends a turn on <|eot_id|>, the
     # third of three, so a generator that stops on eos_id alone would run past the end of the reply.
     eos_ids: tuple[int, ...] = ()
@@ -153,7 +165,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             if self.dim % self.n_heads:
-                raise ConfigError(f"hidden_size {self.dim} is not divisible by num_attention_heads {self.n_heads}")
+                raise ConfigError(
+                    f"hidden_size {self.dim} is not divisible by num_attention_heads {self.n_heads}"
+                )
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
@@ -161,7 +175,15 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "hidden_dim",
+            "max_seq_len",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         # eos_id and eos_ids describe one thing: a config built by hand gives either, from_hf both.
@@ -171,7 +193,9 @@ class ModelConfig:
         elif self.eos_ids and self.eos_id is None:
             self.eos_id = self.eos_ids[0]
         elif self.eos_ids and self.eos_id != self.eos_ids[0]:
-            raise ConfigError(f"eos_id {self.eos_id} is not the first of eos_ids {list(self.eos_ids)}")
+            raise ConfigError(
+                f"eos_id {self.eos_id} is not the first of eos_ids {list(self.eos_ids)}"
+            )
 
     # ------------------------------------------------------------------ HF I/O
     @classmethod
@@ -182,15 +206,30 @@ class ModelConfig:
         fields it does not know in ``unclassified`` rather than refusing them."""
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":
-            raise ConfigError(f"model_type is {model_type!r}; only 'llama' checkpoints are supported")
+            raise ConfigError(
+                f"model_type is {model_type!r}; only 'llama' checkpoints are supported"
+            )
         refused = sorted(k for k in hf if k in FIELDS and FIELDS[k].refused)
         if refused:
-            raise ConfigError(f"config.json has fields this model does not implement: {', '.join(refused)}")
+            raise ConfigError(
+                f"config.json has fields this model does not implement: {', '.join(refused)}"
+            )
         for key, rule in FIELDS.items():
             if rule.only is not None and key in hf and not _one_of(hf[key], rule.only):
-                raise ConfigError(f"config.json sets {key}={hf[key]!r}; only {rule.only[0]!r} is implemented")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in hf]
+                raise ConfigError(
+                    f"config.json sets {key}={hf[key]!r}; only {rule.only[0]!r} is implemented"
+                )
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if k not in hf
+        ]
         if missing:
             raise ConfigError(f"config.json is missing required fields: {', '.join(missing)}")
 
@@ -263,8 +302,10 @@ class ModelConfig:
 
 def _one_of(value: Any, allowed: tuple[Any, ...]) -> bool:
     # By identity for null and booleans: in Python 0 == False, and "attention_bias": 0 is not what was implemented.
-    return any(value is a if a is None or isinstance(a, bool) else type(value) is type(a) and value == a
-               for a in allowed)
+    return any(
+        value is a if a is None or isinstance(a, bool) else type(value) is type(a) and value == a
+        for a in allowed
+    )
 
 
 def _token_ids(key: str, value: Any) -> tuple[int, ...]:
@@ -275,7 +316,9 @@ def _token_ids(key: str, value: Any) -> tuple[int, ...]:
     for token in ids:
         # bool is an int in Python; a config that says `true` for a token id is broken, not id 1.
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ConfigError(f"{key} must be a non-negative integer or a list of them, got {value!r}")
+            raise ConfigError(
+                f"{key} must be a non-negative integer or a list of them, got {value!r}"
+            )
     return tuple(ids)
 
 
@@ -289,17 +332,28 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
     if rope_type not in _ROPE_TYPES:
-        raise ConfigError(f"rope scaling type {rope_type!r} is not implemented (only linear and llama3)")
+        raise ConfigError(
+            f"rope scaling type {rope_type!r} is not implemented (only linear and llama3)"
+        )
     if rope_type == "default":
         if merged:
-            raise ConfigError(f"rope parameters {sorted(merged)} are not implemented without a scaling type")
+            raise ConfigError(
+                f"rope parameters {sorted(merged)} are not implemented without a scaling type"
+            )
         return theta, None
     needed = {
         "linear": {"factor"},
-        "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+        "llama3": {
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        },
     }[rope_type]
     if set(merged) != needed:
-        raise ConfigError(f"rope scaling {rope_type!r} expects exactly {sorted(needed)}, got {sorted(merged)}")
+        raise ConfigError(
+            f"rope scaling {rope_type!r} expects exactly {sorted(needed)}, got {sorted(merged)}"
+        )
     for key, value in merged.items():
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"rope scaling {key} must be a positive number, got {value!r}")

@@ -46,10 +46,16 @@ class Eagle3Block(Block):
         self.hidden_norm = RMSNorm(config.dim, config.norm_eps)
         self.norm_before_residual = norm_before_residual
         attn = self.self_attn
-        for name, heads in (("q_proj", config.n_heads), ("k_proj", config.n_kv_heads), ("v_proj", config.n_kv_heads)):
+        for name, heads in (
+            ("q_proj", config.n_heads),
+            ("k_proj", config.n_kv_heads),
+            ("v_proj", config.n_kv_heads),
+        ):
             setattr(attn, name, nn.Linear(2 * config.dim, heads * config.head_dim, bias=False))
 
-    def inputs(self, embeddings: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(
+        self, embeddings: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention reads, and the residual stream it adds to."""
         normed = self.hidden_norm(hidden)
         both = torch.cat([self.input_layernorm(embeddings), normed], dim=-1)
@@ -60,8 +66,15 @@ class Eagle3Block(Block):
         x = residual + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                write: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write: tuple | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:  # type: ignore[override]
         both, residual = self.inputs(embeddings, hidden)
         return self.finish(residual, self.self_attn(both, cos, sin, write, mask))
 
@@ -72,8 +85,13 @@ class Eagle3Head(CachedStack):
     it reads; ``target_dim``: the target's width (the head's own, ``config.dim``, is the same
     in every published head, since it adds the target's embeddings)."""
 
-    def __init__(self, config: ModelConfig, target_layers: Sequence[int], draft_vocab: int | None = None,
-                 norm_before_residual: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        target_layers: Sequence[int],
+        draft_vocab: int | None = None,
+        norm_before_residual: bool = False,
+    ) -> None:
         super().__init__()
         self.config = config
         self.target_layers = tuple(int(i) for i in target_layers)
@@ -85,7 +103,7 @@ class Eagle3Head(CachedStack):
         # draft id i is target id i + d2t[i]; t2d[v]: target id v has a draft id (identity by default)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[:self.draft_vocab] = True
+        t2d[: self.draft_vocab] = True
         self.register_buffer("t2d", t2d)
         self.init_cache_state()
 
@@ -101,7 +119,9 @@ class Eagle3Head(CachedStack):
         """The draft vocabulary: draft id i is target id ``target_ids[i]`` (ascending, distinct)."""
         target_ids = target_ids.to(torch.long).cpu()
         if target_ids.shape != (self.draft_vocab,) or bool((target_ids.diff() <= 0).any()):
-            raise ValueError(f"a draft vocabulary is {self.draft_vocab} ascending distinct target ids")
+            raise ValueError(
+                f"a draft vocabulary is {self.draft_vocab} ascending distinct target ids"
+            )
         self.d2t.copy_(target_ids - torch.arange(self.draft_vocab))
         self.t2d.zero_()
         self.t2d[target_ids] = True
@@ -118,7 +138,9 @@ class Eagle3Head(CachedStack):
         """Logits over the draft vocabulary for the head's outputs."""
         return self.lm_head(self.norm(hidden))
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, call: CacheCall | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, embeddings: torch.Tensor, call: CacheCall | None = None
+    ) -> torch.Tensor:
         """Outputs [B, T, dim] for projected features (or the head's own outputs) and next-token
         embeddings [B, T, dim], through the KV cache as ``call`` places them, or causal without one."""
         if call is not None:
@@ -126,10 +148,20 @@ class Eagle3Head(CachedStack):
         cos, sin = rope_tables(self.config, features.shape[1], self.device, self.dtype)
         return self.layers[0](embeddings, features, cos, sin, None, None)
 
-    def step(self, features: torch.Tensor, embeddings: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-             visible: torch.Tensor | None, window: int, return_hidden: bool = False) -> torch.Tensor:
+    def step(
+        self,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor | None,
+        window: int,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
         """A cached call's computation, as Llama.step."""
-        return self.layers[0](embeddings, features, *self.attention_inputs(positions, slots, visible, window))
+        return self.layers[0](
+            embeddings, features, *self.attention_inputs(positions, slots, visible, window)
+        )
 
     def example_inputs(self, batch: int, width: int) -> tuple[torch.Tensor, ...]:
         """Inputs of a call of ``batch`` rows and ``width`` tokens, for compiling the step."""
@@ -145,8 +177,14 @@ class PEagleHead(Eagle3Head):
     occurs in the text). ``embed_tokens``: a table of the head's own when its files bring one
     that differs from the target's (P-EAGLE trains its embeddings), else None (the target's)."""
 
-    def __init__(self, config: ModelConfig, target_layers: Sequence[int], draft_vocab: int | None = None,
-                 norm_before_residual: bool = False, mask_token_id: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        target_layers: Sequence[int],
+        draft_vocab: int | None = None,
+        norm_before_residual: bool = False,
+        mask_token_id: int = 0,
+    ) -> None:
         super().__init__(config, target_layers, draft_vocab, norm_before_residual)
         self.mask_token_id = int(mask_token_id)
         self.mask_hidden = nn.Parameter(torch.zeros(len(self.target_layers) * config.dim))
@@ -157,7 +195,9 @@ class PEagleHead(Eagle3Head):
         """Token embeddings as the head reads them: its own table or the target's, and the mask
         embedding for the mask id itself (it is that id's row in a P-EAGLE file)."""
         table = self.embed_tokens if self.embed_tokens is not None else target_embeddings
-        return torch.where((ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding, table(ids))
+        return torch.where(
+            (ids == self.mask_token_id).unsqueeze(-1), self.mask_embedding, table(ids)
+        )
 
     def mask_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A mask position's feature (projected) and embedding, [dim] each."""

@@ -43,16 +43,28 @@ class FeatureHead(CachedStack):
         """The head reads the target's final features as they are (EAGLE-3's fuses three: model/eagle3_head.py)."""
         return features
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, call: CacheCall | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, embeddings: torch.Tensor, call: CacheCall | None = None
+    ) -> torch.Tensor:
         """Predicted next features [B, T, dim] for features and next-token embeddings [B, T, dim],
         through the KV cache as ``call`` places them, or without a cache, causal (training)."""
         if call is not None:
             return self.cached((features, embeddings), call, False)
         cos, sin = rope_tables(self.config, features.shape[1], self.device, self.dtype)
-        return self.layers[0](self.fc(torch.cat([features, embeddings], dim=-1)), cos, sin, None, None)
+        return self.layers[0](
+            self.fc(torch.cat([features, embeddings], dim=-1)), cos, sin, None, None
+        )
 
-    def step(self, features: torch.Tensor, embeddings: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-             visible: torch.Tensor | None, window: int, return_hidden: bool = False) -> torch.Tensor:
+    def step(
+        self,
+        features: torch.Tensor,
+        embeddings: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor | None,
+        window: int,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
         """A cached call's computation, as Llama.step (``return_hidden`` is there for the common
         signature: the output is the features)."""
         x = self.fc(torch.cat([features, embeddings], dim=-1))
@@ -71,7 +83,12 @@ def fingerprint(model: nn.Module) -> list[float]:
     The first 8 weights of the final norm and the first 4 of the first 2 embedding rows,
     as floats; they survive a change of dtype to within bfloat16's rounding, which is how
     :func:`same_fingerprint` compares them."""
-    values = torch.cat([model.norm.weight.detach()[:8].flatten(), model.embed_tokens.weight.detach()[:2, :4].flatten()])
+    values = torch.cat(
+        [
+            model.norm.weight.detach()[:8].flatten(),
+            model.embed_tokens.weight.detach()[:2, :4].flatten(),
+        ]
+    )
     return [float(v) for v in values.float().cpu()]
 
 

@@ -40,8 +40,11 @@ def setting(name: str) -> str | None:
         return os.environ[name]
     old = RENAMED.get(name)
     if old and os.environ.get(old):
-        warnings.warn(f"${old} is deprecated: set ${name} instead (the old name is read until the next release)",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            f"${old} is deprecated: set ${name} instead (the old name is read until the next release)",
+            FutureWarning,
+            stacklevel=2,
+        )
         return os.environ[old]
     return None
 
@@ -66,7 +69,11 @@ class CPU:
     @property
     def ident(self) -> str:
         """Family, model and stepping (x86), for telling apart two parts of one name; else ""."""
-        return ", ".join(f"{k} {self.cpuinfo[k]}" for k in ("cpu family", "model", "stepping") if k in self.cpuinfo)
+        return ", ".join(
+            f"{k} {self.cpuinfo[k]}"
+            for k in ("cpu family", "model", "stepping")
+            if k in self.cpuinfo
+        )
 
 
 def parse_cpuinfo(text: str) -> dict[str, str]:
@@ -92,10 +99,15 @@ def _cpuinfo() -> tuple[tuple[str, str], ...]:
 
 def _lscpu() -> dict[str, str]:
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
-    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines())}
+    return {
+        key.strip(): value.strip()
+        for key, _, value in (line.partition(":") for line in out.splitlines())
+    }
 
 
 @functools.cache  # the machine's caches do not change while it runs
@@ -106,7 +118,11 @@ def last_level_cache_bytes() -> int | None:
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
-            value = int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1]] if size[-1] in "KMG" else int(size)
+            value = (
+                int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1]]
+                if size[-1] in "KMG"
+                else int(size)
+            )
         except (OSError, ValueError, IndexError, KeyError):
             continue
         sizes[level] = max(sizes.get(level, 0), value)
@@ -119,6 +135,10 @@ def describe_cpu(lscpu: bool = False) -> CPU:
     name is Python's ``platform``'s and the flags are empty."""
     info = dict(_cpuinfo())
     ls = _lscpu() if lscpu else {}
-    name = info.get("model name") or ls.get("Model name") or platform.processor() or platform.machine()
-    flags = (info.get("flags") or info.get("Features") or ls.get("Flags") or "").split()  # Features: ARM
+    name = (
+        info.get("model name") or ls.get("Model name") or platform.processor() or platform.machine()
+    )
+    flags = (
+        info.get("flags") or info.get("Features") or ls.get("Flags") or ""
+    ).split()  # Features: ARM
     return CPU(name, tuple(flags), info, ls)

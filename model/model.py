@@ -51,7 +51,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.float16, torch.bfloat16):
             return self.weight * self._normalise(x.float()).to(x.dtype)
-        return self.weight * self._normalise(x)  # no cast: a small draft's step pays for every operator call
+        return self.weight * self._normalise(
+            x
+        )  # no cast: a small draft's step pays for every operator call
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -80,7 +82,9 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin tables [T, head_dim] for the given absolute positions (float32).
 
     Rotate-half layout: dimensions i and i + d/2 form a pair and share a frequency. The
@@ -91,8 +95,9 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return torch.cat((angles, angles), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
 
 
-def rope_tables(config: ModelConfig, length: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    config: ModelConfig, length: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin tables [length, head_dim] for positions 0..length-1, in ``dtype``."""
     inv_freq = rope_inverse_frequencies(config).to(device)
     cos, sin = rope_cos_sin(inv_freq, torch.arange(length, device=device))
@@ -113,15 +118,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 class KVCache(nn.Module):
     """Keys and values of one layer, preallocated for [max_batch, kv_heads, slots, head_dim]."""
 
-    def __init__(self, max_batch: int, n_kv_heads: int, slots: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_batch: int,
+        n_kv_heads: int,
+        slots: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         shape = (max_batch, n_kv_heads, slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def write(self, slots: torch.Tensor, window: int, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, slots: torch.Tensor, window: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write token i of row b at slot slots[b, i] (slots: [B, 1, T, 1]); return the slots < window.
         One row copies whole head vectors (index_copy); rows with their own slots scatter, which
         reads an index per element (an index_put costs about twice either). A 16-bit cache is
@@ -139,15 +152,20 @@ class KVCache(nn.Module):
                 cache[:batch].scatter_(2, index, new)
         return self.k[:batch, :, :window], self.v[:batch, :, :window]
 
-    def move(self, rows: Sequence[int] | torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | None,
-             upto: int | None = None) -> None:
+    def move(
+        self,
+        rows: Sequence[int] | torch.Tensor,
+        src: torch.Tensor | None,
+        dst: torch.Tensor | None,
+        upto: int | None = None,
+    ) -> None:
         """Row b takes old row rows[b]: whole (src None; rows a LongTensor; only its first ``upto`` slots
         if given), or its entries at slots src[b] at slots dst[b] ([n, m]), gathered first (sources
         may overlap destinations); keys are moved, not re-rotated. A row at a time: a tree's path is
         one row, and two indices cost twice one."""
         for cache in (self.k, self.v):
             if src is None:
-                cache[:len(rows), :, :upto] = cache[:, :, :upto].index_select(0, rows)
+                cache[: len(rows), :, :upto] = cache[:, :, :upto].index_select(0, rows)
             else:
                 for b, row in enumerate(rows):
                     cache[b].index_copy_(1, dst[b], cache[row].index_select(1, src[b]))
@@ -159,7 +177,11 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
         self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
@@ -171,7 +193,9 @@ class Attention(nn.Module):
         """KV heads this module holds: all of them, or a tensor-parallel shard's share."""
         return self.k_proj.out_features // self.head_dim
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """q, k and v [B, H, T, D], q and k rotated. The head counts are read from the weights,
         so that a tensor-parallel shard runs the same code."""
         batch, seq, _ = x.shape
@@ -180,8 +204,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: tuple | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write: tuple | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """``write``: (slots [B, 1, T, 1], window) of a cached call, or None (no cache, causal)."""
         batch, seq, _ = x.shape
         q, k, v = self.project(x, cos, sin)
@@ -189,7 +219,9 @@ class Attention(nn.Module):
             k, v = self.cache.write(*write, k, v)
         causal = write is None and seq > 1  # no cache: plain causal attention
         gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -220,8 +252,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: tuple | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write: tuple | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, write, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -234,22 +272,39 @@ class CachedStack(nn.Module):
     def init_cache_state(self) -> None:
         self.cache_len = 0  # usable slots per row (max_seq_len); 0: no cache yet
         self.cache_batch = 0  # rows (max_batch_size)
-        self._rope: torch.Tensor | None = None  # [slots, 2, head_dim]: cos and sin of every position
+        self._rope: torch.Tensor | None = (
+            None  # [slots, 2, head_dim]: cos and sin of every position
+        )
 
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
         """A zeroed KV cache of max_seq_len slots per row plus a scratch slot (written by padding, never
         visible), and the rotary table."""
         if max_seq_len > self.config.max_seq_len:
-            raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
+            raise ValueError(
+                f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}"
+            )
         kv_heads = self.layers[0].self_attn.local_kv_heads
         for layer in self.layers:
-            layer.self_attn.cache = KVCache(max_batch_size, kv_heads, max_seq_len + 1, self.config.head_dim,
-                                            self.dtype, self.device)
-        self._rope = torch.stack(rope_tables(self.config, max_seq_len + 1, self.device, self.dtype), 1)
+            layer.self_attn.cache = KVCache(
+                max_batch_size,
+                kv_heads,
+                max_seq_len + 1,
+                self.config.head_dim,
+                self.dtype,
+                self.device,
+            )
+        self._rope = torch.stack(
+            rope_tables(self.config, max_seq_len + 1, self.device, self.dtype), 1
+        )
         self.cache_len, self.cache_batch = max_seq_len, max_batch_size
 
-    def move_cache(self, rows: Sequence[int], src: Sequence[Sequence[int]] | None = None,
-                   dst: Sequence[Sequence[int]] | None = None, upto: int | None = None) -> None:
+    def move_cache(
+        self,
+        rows: Sequence[int],
+        src: Sequence[Sequence[int]] | None = None,
+        dst: Sequence[Sequence[int]] | None = None,
+        upto: int | None = None,
+    ) -> None:
         """In every layer, row b takes old row rows[b]'s entries at slots src[b], at its slots dst[b]
         (a tree's path); without them, the whole old row (a batch's rows), or its first ``upto``
         slots where the caller knows no row holds more: a server's context is long and its rows
@@ -269,26 +324,43 @@ class CachedStack(nn.Module):
         if self._rope is None:
             raise RuntimeError("a cached call needs setup_cache(...) first")
         if not isinstance(call, CacheCall):
-            raise TypeError(f"a cached call takes a CacheCall (see model/call.py), got {type(call).__name__}")
+            raise TypeError(
+                f"a cached call takes a CacheCall (see model/call.py), got {type(call).__name__}"
+            )
         batch, seq = inputs[0].shape[:2]
         if tuple(call.slots.shape) != (batch, seq):
-            raise ValueError(f"the call places {tuple(call.slots.shape)} tokens, the input has {(batch, seq)}")
+            raise ValueError(
+                f"the call places {tuple(call.slots.shape)} tokens, the input has {(batch, seq)}"
+            )
         if batch > self.cache_batch:
             raise ValueError(f"batch {batch} exceeds the cache's max_batch_size {self.cache_batch}")
         if call.top > self.cache_len or call.window > self.cache_len:
-            raise ValueError(f"slots or positions up to {max(call.top, call.window - 1)} fall outside the KV cache "
-                             f"(max_seq_len {self.cache_len})")
+            raise ValueError(
+                f"slots or positions up to {max(call.top, call.window - 1)} fall outside the KV cache "
+                f"(max_seq_len {self.cache_len})"
+            )
         return self.run(inputs, call, return_hidden)
 
     def run(self, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
         """A checked call: the step, on the call's tensors."""
-        return self.step(*inputs, call.slots, call.positions, call.visible, call.window, return_hidden)
+        return self.step(
+            *inputs, call.slots, call.positions, call.visible, call.window, return_hidden
+        )
 
-    def attention_inputs(self, positions: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor | None,
-                         window: int) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor | None]:
+    def attention_inputs(
+        self,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        visible: torch.Tensor | None,
+        window: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor | None]:
         """What every layer of a cached call reads, built once: cos, sin, the writes, the mask."""
         cos, sin = self._rope[positions].unsqueeze(1).unbind(3)  # one gather for both tables
-        mask = None if visible is None else torch.where(visible.unsqueeze(1), 0.0, float("-inf")).to(self.dtype)
+        mask = (
+            None
+            if visible is None
+            else torch.where(visible.unsqueeze(1), 0.0, float("-inf")).to(self.dtype)
+        )
         return cos, sin, (slots[:, None, :, None], window), mask
 
 
@@ -314,8 +386,9 @@ class Llama(CachedStack):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def forward(self, tokens: torch.Tensor, call: CacheCall | None = None,
-                return_hidden: Hidden = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, tokens: torch.Tensor, call: CacheCall | None = None, return_hidden: Hidden = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, vocab] (float32, or float64 for a float64 model) for ``tokens`` [B, T],
         through the KV cache as ``call`` places them, or causal without a cache. With
         return_hidden True, also the final norm's output [B, T, dim]; with a tuple of layer
@@ -324,18 +397,37 @@ class Llama(CachedStack):
         if call is not None:
             return self.cached((tokens,), call, return_hidden)
         if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"{tokens.shape[1]} tokens exceed the model's max_seq_len {self.config.max_seq_len}")
+            raise ValueError(
+                f"{tokens.shape[1]} tokens exceed the model's max_seq_len {self.config.max_seq_len}"
+            )
         cos, sin = rope_tables(self.config, tokens.shape[1], self.device, self.dtype)
         return self.decode(self.embed_tokens(tokens), cos, sin, None, None, return_hidden)
 
-    def step(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None,
-             window: int, return_hidden: Hidden) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor | None,
+        window: int,
+        return_hidden: Hidden,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A cached call's computation, from tensors alone (what model/fast/compile.py compiles)."""
-        return self.decode(self.embed_tokens(tokens), *self.attention_inputs(positions, slots, visible, window),
-                           return_hidden)
+        return self.decode(
+            self.embed_tokens(tokens),
+            *self.attention_inputs(positions, slots, visible, window),
+            return_hidden,
+        )
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: tuple | None,
-               mask: torch.Tensor | None, return_hidden: Hidden) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write: tuple | None,
+        mask: torch.Tensor | None,
+        return_hidden: Hidden,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The blocks, the final norm and the output head; the hidden states ``return_hidden`` asks for."""
         taps = return_hidden if isinstance(return_hidden, tuple) else ()
         tapped = {}
@@ -350,5 +442,7 @@ class Llama(CachedStack):
             hidden = torch.cat([tapped[i] for i in taps], dim=-1)
         return (logits, hidden) if return_hidden else logits
 
-    def example_inputs(self, batch: int, width: int) -> tuple[torch.Tensor, ...]:  # for compiling the step
+    def example_inputs(
+        self, batch: int, width: int
+    ) -> tuple[torch.Tensor, ...]:  # for compiling the step
         return (torch.zeros(batch, width, dtype=torch.long, device=self.device),)

@@ -16,7 +16,14 @@ Read first: :mod:`speculative.reference` (Algorithm 1 alone, :func:`speculative_
 public API and nothing else.
 """
 
-from speculative.draft import Draft, Drafter, FeatureDrafter, ModelDrafter, PromptLookupDrafter, as_drafter
+from speculative.draft import (
+    Draft,
+    Drafter,
+    FeatureDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    as_drafter,
+)
 from speculative.engine import (
     AutoGamma,
     AutoregressiveStats,
@@ -45,10 +52,36 @@ from speculative.verify import (
 )
 
 __all__ = [
-    "AutoGamma", "AutoregressiveStats", "BatchResult", "BatchStats", "Draft", "Drafter", "Engine", "FeatureDrafter",
-    "GenerationResult", "ModelDrafter", "NonFiniteLogitsError", "PairMismatchError", "PromptLookupDrafter",
-    "Sampling", "SpeculativeStats", "Verification", "acceptance_probability", "as_drafter", "autoregressive_generate",
-    "autoregressive_generate_batch", "best_gamma", "check_pair", "expected_acceptance", "expected_speedup",
-    "expected_tokens_per_iteration", "residual_distribution", "sample", "speculative_decode", "speculative_generate",
-    "speculative_generate_batch", "verify_step", "warp",
+    "AutoGamma",
+    "AutoregressiveStats",
+    "BatchResult",
+    "BatchStats",
+    "Draft",
+    "Drafter",
+    "Engine",
+    "FeatureDrafter",
+    "GenerationResult",
+    "ModelDrafter",
+    "NonFiniteLogitsError",
+    "PairMismatchError",
+    "PromptLookupDrafter",
+    "Sampling",
+    "SpeculativeStats",
+    "Verification",
+    "acceptance_probability",
+    "as_drafter",
+    "autoregressive_generate",
+    "autoregressive_generate_batch",
+    "best_gamma",
+    "check_pair",
+    "expected_acceptance",
+    "expected_speedup",
+    "expected_tokens_per_iteration",
+    "residual_distribution",
+    "sample",
+    "speculative_decode",
+    "speculative_generate",
+    "speculative_generate_batch",
+    "verify_step",
+    "warp",
 ]

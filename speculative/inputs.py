@@ -13,20 +13,23 @@ import torch
 GAMMA_MAX = 16  # the most tokens gamma="auto" drafts per iteration
 
 
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def check_prompt(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, max_seq_len: int) -> list[int]:
+def check_prompt(
+    prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, max_seq_len: int
+) -> list[int]:
     """The prompt as a list of ints; ValueError if it is empty, holds ids outside the
     vocabulary, or is longer than max_seq_len."""
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
             prompt_ids = prompt_ids[0]
         if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex():
-            raise ValueError(f"prompt_ids must be a 1-D integer tensor (or [1, T]), got shape "
-                             f"{tuple(prompt_ids.shape)} and dtype {prompt_ids.dtype}")
+            raise ValueError(
+                f"prompt_ids must be a 1-D integer tensor (or [1, T]), got shape "
+                f"{tuple(prompt_ids.shape)} and dtype {prompt_ids.dtype}"
+            )
         prompt = prompt_ids.tolist()
     else:
         prompt = list(prompt_ids)
@@ -35,9 +38,13 @@ def check_prompt(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, max_
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token id (e.g. BOS)")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise ValueError(f"prompt ids must lie in [0, {vocab_size}), got min {min(prompt)}, max {max(prompt)}")
+        raise ValueError(
+            f"prompt ids must lie in [0, {vocab_size}), got min {min(prompt)}, max {max(prompt)}"
+        )
     if len(prompt) > max_seq_len:
-        raise ValueError(f"the prompt has {len(prompt)} tokens, more than max_seq_len {max_seq_len}")
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens, more than max_seq_len {max_seq_len}"
+        )
     return [int(t) for t in prompt]
 
 
@@ -47,9 +54,15 @@ def check_stop_ids(eos_id: Any) -> frozenset[int]:
     non-negative ints."""
     if eos_id is None:
         return frozenset()
-    ids = [eos_id] if _is_int(eos_id) or not isinstance(eos_id, (Sequence, set, frozenset)) else list(eos_id)
+    ids = (
+        [eos_id]
+        if _is_int(eos_id) or not isinstance(eos_id, (Sequence, set, frozenset))
+        else list(eos_id)
+    )
     if isinstance(eos_id, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in ids):
-        raise ValueError(f"eos_id must be a token id >= 0, several of them, or None; got {eos_id!r}")
+        raise ValueError(
+            f"eos_id must be a token id >= 0, several of them, or None; got {eos_id!r}"
+        )
     return frozenset(int(i) for i in ids)
 
 
@@ -87,8 +100,11 @@ class NonFiniteLogitsError(ValueError):
     """A model returned inf or NaN logits: its weights or its arithmetic are broken, and any
     token drawn from them would be meaningless."""
 
-    def __init__(self, message: str = "the target returned non-finite logits (inf or NaN): its weights are "
-                                      "corrupted or the dtype overflows; no tokens were produced from them") -> None:
+    def __init__(
+        self,
+        message: str = "the target returned non-finite logits (inf or NaN): its weights are "
+        "corrupted or the dtype overflows; no tokens were produced from them",
+    ) -> None:
         super().__init__(message)
 
 
@@ -103,7 +119,9 @@ def usable_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     samples before it reads the flag, so that no sampling kernel meets a NaN (CUDA's
     multinomial would stop the device); the flag's read then raises. ``finite``: one flag for
     all (finite_flag), or one per row of logits (finite_rows)."""
-    return torch.where(finite.unsqueeze(-1) if finite.dim() else finite, logits, logits.new_zeros(()))
+    return torch.where(
+        finite.unsqueeze(-1) if finite.dim() else finite, logits, logits.new_zeros(())
+    )
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -128,7 +146,7 @@ def read_host(parts: Sequence[torch.Tensor], finite: torch.Tensor | None = None)
         raise NonFiniteLogitsError()
     out, at = [], 0
     for part in parts:
-        values = host[at:at + part.numel()]
+        values = host[at : at + part.numel()]
         at += part.numel()
         out.append(values if part.is_floating_point() else [int(v) for v in values])
     return out
@@ -159,7 +177,9 @@ class PairMismatchError(ValueError):
     """The draft cannot speculate for the target: their vocabularies or tokenizers differ."""
 
 
-def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> None:
+def check_pair(
+    target: Any, draft: Any, target_tokenizer: Any = None, draft_tokenizer: Any = None
+) -> None:
     """Raise PairMismatchError unless draft and target share a vocabulary.
 
     Compares ``config.vocab_size`` always (a drafter's ``vocab_size``; None for a drafter
@@ -168,7 +188,9 @@ def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_toke
     both tokenizers are given.
     """
     v_target = target.config.vocab_size
-    v_draft = draft.config.vocab_size if hasattr(draft, "config") else getattr(draft, "vocab_size", None)
+    v_draft = (
+        draft.config.vocab_size if hasattr(draft, "config") else getattr(draft, "vocab_size", None)
+    )
     if v_draft is not None and v_target != v_draft:
         raise PairMismatchError(
             f"the draft's vocabulary has {v_draft} tokens but the target's has {v_target}: "

@@ -43,7 +43,9 @@ class Sampling:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, Real) or not t >= 0 or t == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}"
+            )
         k = self.top_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, Integral) or k < 1):
             raise ValueError(f"top_k must be an integer >= 1 or None, got {k!r}")
@@ -82,7 +84,9 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if sampling.top_p is not None and sampling.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
+        sorted_probs, order = probs.sort(
+            dim=-1, descending=True, stable=True
+        )  # ties: lower id first
         mass_before = F.pad(sorted_probs.cumsum(-1)[..., :-1], (1, 0))
         drop_sorted = mass_before >= sampling.top_p
         drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
@@ -137,12 +141,23 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -
     draws nothing (its token is the argmax, and its stream is left untouched). The cumulative
     sums and the search run once for the whole batch; only the uniforms are drawn per row."""
     if probs.device.type != "cpu":
-        return torch.stack([sample(row, gen) if gen is not None else row.argmax()
-                            for row, gen in zip(probs, generators)])
+        return torch.stack(
+            [
+                sample(row, gen) if gen is not None else row.argmax()
+                for row, gen in zip(probs, generators)
+            ]
+        )
     cdf = probs.cumsum(-1, dtype=torch.float64 if probs.dtype == torch.float64 else torch.float32)
     zero = torch.zeros(1, 1, dtype=cdf.dtype)
-    u = torch.cat([torch.rand(1, 1, generator=gen, dtype=cdf.dtype) if gen is not None else zero
-                   for gen in generators]) * cdf[:, -1:]
+    u = (
+        torch.cat(
+            [
+                torch.rand(1, 1, generator=gen, dtype=cdf.dtype) if gen is not None else zero
+                for gen in generators
+            ]
+        )
+        * cdf[:, -1:]
+    )
     tokens = torch.searchsorted(cdf, u, right=True).view(-1)
     if any(gen is None for gen in generators):
         idle = torch.tensor([gen is None for gen in generators])

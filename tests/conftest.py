@@ -47,7 +47,9 @@ def head_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = load_model(TARGET)
     torch.manual_seed(0)
     head = FeatureHead(ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}}))
-    return save_feature_head(head, tmp_path_factory.mktemp("head") / "head", target, target_name="tiny-target")
+    return save_feature_head(
+        head, tmp_path_factory.mktemp("head") / "head", target, target_name="tiny-target"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,10 @@ pytestmark = pytest.mark.xdist_group("workers")
 
 def test_a_marked_module_is_one_unit_of_work(request: pytest.FixtureRequest) -> None:
     if not getattr(request.config.option, "loadgroup", False):
-        pytest.skip("checks pytest -n under --dist loadgroup (CI's command); this run is not distributed so")
+        pytest.skip(
+            "checks pytest -n under --dist loadgroup (CI's command); this run is not distributed so"
+        )
     assert request.node.nodeid.endswith("@workers"), (
         f"{request.node.nodeid}: no group suffix, so --dist loadgroup deals the marked modules out test by test "
-        "(pytest-xdist #1386; see pyproject.toml's pin of pytest)")
+        "(pytest-xdist #1386; see pyproject.toml's pin of pytest)"
+    )

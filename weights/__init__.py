@@ -18,6 +18,23 @@ from weights.registry import UnknownCheckpointError, resolve
 from weights.step_cache import StepCache
 from weights.tokenizer import JsonTokenizer, SentencePieceTokenizer, Tokenizer
 
-__all__ = ["CheckpointError", "JsonTokenizer", "NonFiniteWeightsError", "Pair", "PairSpec", "SentencePieceTokenizer",
-           "StepCache", "Tokenizer", "UnknownCheckpointError", "load_drafter", "load_model", "load_pair",
-           "load_tokenizer", "read_config", "read_generation_config", "read_pair", "resolve", "save_model"]
+__all__ = [
+    "CheckpointError",
+    "JsonTokenizer",
+    "NonFiniteWeightsError",
+    "Pair",
+    "PairSpec",
+    "SentencePieceTokenizer",
+    "StepCache",
+    "Tokenizer",
+    "UnknownCheckpointError",
+    "load_drafter",
+    "load_model",
+    "load_pair",
+    "load_tokenizer",
+    "read_config",
+    "read_generation_config",
+    "read_pair",
+    "resolve",
+    "save_model",
+]

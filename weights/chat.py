@@ -40,9 +40,16 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:
@@ -53,32 +60,51 @@ class ChatTemplate:
     """A Jinja chat template and the special tokens' text it is rendered with; ``origin`` says where it
     was read (for messages)."""
 
-    def __init__(self, source: str, tokens: dict[str, str] | None = None, origin: str = "the chat template") -> None:
+    def __init__(
+        self, source: str, tokens: dict[str, str] | None = None, origin: str = "the chat template"
+    ) -> None:
         self.source, self.tokens, self.origin = source, dict(tokens or {}), origin
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=["jinja2.ext.loopcontrols"])
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         environment.filters["tojson"] = _tojson
         environment.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         try:
             self.template = environment.from_string(source)
         except jinja2.TemplateError as err:
-            raise ChatTemplateError(f"{origin} is not a valid Jinja template: {str(err).splitlines()[0]}") from None
+            raise ChatTemplateError(
+                f"{origin} is not a valid Jinja template: {str(err).splitlines()[0]}"
+            ) from None
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **variables: Any,
+    ) -> str:
         """The prompt's text for ``messages`` (dicts with "role" and "content")."""
         try:
-            return self.template.render(messages=[dict(m) for m in messages],
-                                        add_generation_prompt=add_generation_prompt, **{**self.tokens, **variables})
+            return self.template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **{**self.tokens, **variables},
+            )
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"{self.origin} failed: {str(err).splitlines()[0]}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
-            raise ChatTemplateError(f"{self.origin} failed on these messages: {type(err).__name__}: "
-                                    f"{str(err).splitlines()[0]}") from None
+            raise ChatTemplateError(
+                f"{self.origin} failed on these messages: {type(err).__name__}: "
+                f"{str(err).splitlines()[0]}"
+            ) from None
 
-    def encode(self, tokenizer: Tokenizer, messages: Sequence[tuple[str, str]] | Sequence[dict[str, Any]],
-               add_generation_prompt: bool = True) -> list[int]:
+    def encode(
+        self,
+        tokenizer: Tokenizer,
+        messages: Sequence[tuple[str, str]] | Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """The prompt's ids: rendered, then encoded with the special tokens in it read as such."""
         dicts = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
         return tokenizer.encode_special(self.render(dicts, add_generation_prompt))
@@ -110,6 +136,9 @@ def template_source(directory: Path, config: dict[str, Any]) -> tuple[str, str] 
 
 def chat_template(source: str, config: dict[str, Any], origin: str) -> ChatTemplate:
     """A ChatTemplate with the special tokens' text that ``config`` (tokenizer_config.json) names."""
-    tokens = {key: text for key in ("bos_token", "eos_token", "unk_token", "pad_token")
-              if (text := token_text(config, key)) is not None}
+    tokens = {
+        key: text
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+        if (text := token_text(config, key)) is not None
+    }
     return ChatTemplate(source, tokens, origin)

@@ -73,24 +73,32 @@ def read_config(directory: str | os.PathLike) -> ModelConfig:
 def weight_files(directory: Path) -> dict[str, Path]:
     """Map every tensor name to the file that holds it: safetensors, else pytorch_model.bin (some
     published folders, vicuna-7b-v1.5's among them, have only those)."""
-    for index, single in (("model.safetensors.index.json", "model.safetensors"),
-                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    for index, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
         index, single = directory / index, directory / single
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index} is not a valid index (expected a 'weight_map' object)") from None
+                raise CheckpointError(
+                    f"{index} is not a valid index (expected a 'weight_map' object)"
+                ) from None
             files = {}
             for name, shard in weight_map.items():
                 path = directory / shard
                 if not path.is_file():
-                    raise CheckpointError(f"shard {shard} named in {index.name} is missing from {directory}")
+                    raise CheckpointError(
+                        f"shard {shard} named in {index.name} is missing from {directory}"
+                    )
                 files[name] = path
             return files
         if single.is_file():
             return {name: single for name in _names_in(single)}
-    raise CheckpointError(f"{directory} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+    raise CheckpointError(
+        f"{directory} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+    )
 
 
 def _names_in(path: Path) -> list[str]:
@@ -109,8 +117,10 @@ def _pickled(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch.load raises many types for a damaged or foreign file
-        raise CheckpointError(f"{path} is not a readable PyTorch weights file "
-                              f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch weights file "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        ) from None
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise CheckpointError(f"{path} does not hold a dict of tensors")
     return state
@@ -170,8 +180,9 @@ def _opened_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
     return GGUFFile(path)
 
 
-def read_tensors(directory: Path, config: ModelConfig,
-                 take: Callable[[str, Any], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(
+    directory: Path, config: ModelConfig, take: Callable[[str, Any], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of the checkpoint in ``directory``, as (HF name, tensor), after checking that the
     names and shapes are exactly those ``config`` implies.
 
@@ -199,12 +210,16 @@ def read_tensors(directory: Path, config: ModelConfig,
         files.pop("lm_head.weight", None)  # some tied checkpoints store the head anyway
     unknown = sorted(set(files) - set(expected))
     if unknown:
-        raise CheckpointError(f"{directory}: unknown tensors not in a Llama model: {', '.join(unknown[:5])}"
-                              + (" ..." if len(unknown) > 5 else ""))
+        raise CheckpointError(
+            f"{directory}: unknown tensors not in a Llama model: {', '.join(unknown[:5])}"
+            + (" ..." if len(unknown) > 5 else "")
+        )
     missing = sorted(set(expected) - set(files))
     if missing:
-        raise CheckpointError(f"{directory}: missing tensors: {', '.join(missing[:5])}"
-                              + (" ..." if len(missing) > 5 else ""))
+        raise CheckpointError(
+            f"{directory}: missing tensors: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+        )
 
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
@@ -216,8 +231,10 @@ def read_tensors(directory: Path, config: ModelConfig,
                     tensor_slice = f.get_slice(name)
                     shape = tuple(tensor_slice.get_shape())
                     if shape != expected[name]:
-                        raise CheckpointError(f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
-                                              f"implies {list(expected[name])}")
+                        raise CheckpointError(
+                            f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
+                            f"implies {list(expected[name])}"
+                        )
                     tensor = take(name, tensor_slice)
                     check_finite(path, name, tensor, tensor_slice)
                     yield name, tensor
@@ -241,13 +258,17 @@ def check_finite(path: Path, name: str, tensor: torch.Tensor, tensor_slice: Any)
     stored = tensor_slice[:]
     bad = int((~torch.isfinite(stored)).sum()) if stored.is_floating_point() else 0
     if bad:
-        raise NonFiniteWeightsError(f"{path}: tensor {name} holds {bad} non-finite values (NaN or inf) of "
-                                    f"{stored.numel()}: the file is damaged or the weights diverged in training; "
-                                    "download or train it again")
+        raise NonFiniteWeightsError(
+            f"{path}: tensor {name} holds {bad} non-finite values (NaN or inf) of "
+            f"{stored.numel()}: the file is damaged or the weights diverged in training; "
+            "download or train it again"
+        )
     largest = float(stored.abs().max())
     dtype = str(tensor.dtype).removeprefix("torch.")
-    raise NonFiniteWeightsError(f"{path}: tensor {name} has values up to {largest:.4g}, which overflow {dtype}; "
-                                "load it in float32 or bfloat16")
+    raise NonFiniteWeightsError(
+        f"{path}: tensor {name} has values up to {largest:.4g}, which overflow {dtype}; "
+        "load it in float32 or bfloat16"
+    )
 
 
 def hf_name(name: str) -> str:
@@ -255,11 +276,16 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
-def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> Llama:
+def load_model(
+    name_or_path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Llama:
     """Load an HF-layout checkpoint (a registry name such as ``7b`` or a directory) for inference."""
     if dtype not in SUPPORTED_DTYPES:
-        raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64")
+        raise CheckpointError(
+            f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64"
+        )
     directory = resolve(name_or_path)
     config = read_config(directory)
 
@@ -283,8 +309,12 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Llama:
     return model.eval()
 
 
-def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | None = None,
-               max_shard_bytes: int | None = None) -> Path:
+def save_model(
+    model: Llama,
+    directory: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
     """Write ``model`` as an HF-layout checkpoint that transformers' LlamaForCausalLM loads.
 
     ``dtype`` converts on the way out (float16 keeps shipped weights small);
@@ -298,9 +328,11 @@ def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | 
         expected = {name: param.shape for name, param in Llama(model.config).named_parameters()}
     held = {name: param.shape for name, param in model.named_parameters()}
     if held != expected:
-        raise ValueError("the model's parameters are not those its config describes: some layers were prepacked, "
-                         "stacked, quantized or sharded in place (model/fast/prepack.py, model/fast/fuse.py, "
-                         "model/scale/quantize.py, model/scale/tensor_parallel.py); save it before that")
+        raise ValueError(
+            "the model's parameters are not those its config describes: some layers were prepacked, "
+            "stacked, quantized or sharded in place (model/fast/prepack.py, model/fast/fuse.py, "
+            "model/scale/quantize.py, model/scale/tensor_parallel.py); save it before that"
+        )
     tensors = {}
     for name, param in model.named_parameters():  # tied weights appear once
         tensors[hf_name(name)] = param.detach().to(dtype or param.dtype).cpu().contiguous()
@@ -308,7 +340,9 @@ def save_model(model: Llama, directory: str | os.PathLike, dtype: torch.dtype | 
     config = model.config.to_hf()
     config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for stale in list(directory.glob("model*.safetensors")) + list(directory.glob("model.safetensors.index.json")):
+    for stale in list(directory.glob("model*.safetensors")) + list(
+        directory.glob("model.safetensors.index.json")
+    ):
         stale.unlink()
     if max_shard_bytes is None:
         save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
@@ -368,22 +402,37 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
         if is_gguf(directory):
             gguf = gguf_file(directory)
             config = gguf.tokenizer_config()
-            tokenizer: Tokenizer = JsonTokenizer(gguf.tokenizer_json(), config, origin=f"{directory}'s tokenizer")
+            tokenizer: Tokenizer = JsonTokenizer(
+                gguf.tokenizer_json(), config, origin=f"{directory}'s tokenizer"
+            )
             template = config.get("chat_template")
-            source = (template, f"{directory}'s tokenizer.chat_template") if isinstance(template, str) else None
+            source = (
+                (template, f"{directory}'s tokenizer.chat_template")
+                if isinstance(template, str)
+                else None
+            )
         else:
             config = read_json(directory / "tokenizer_config.json")
             if (directory / "tokenizer.model").is_file():
                 tokenizer = SentencePieceTokenizer(directory / "tokenizer.model", config)
             elif (directory / "tokenizer.json").is_file():
                 path = directory / "tokenizer.json"
-                tokenizer = JsonTokenizer(path.read_text(encoding="utf-8"), config, origin=str(path))
+                tokenizer = JsonTokenizer(
+                    path.read_text(encoding="utf-8"), config, origin=str(path)
+                )
             else:
-                raise CheckpointError(f"{directory} has no tokenizer: neither a SentencePiece tokenizer.model nor a "
-                                      "tokenizer.json")
+                raise CheckpointError(
+                    f"{directory} has no tokenizer: neither a SentencePiece tokenizer.model nor a "
+                    "tokenizer.json"
+                )
             source = template_source(directory, config)
-        tokenizer.chat = chat_template(source[0], config, source[1]) if source else \
-            LLAMA2_CHAT if tokenizer.kind == "sentencepiece" and marked_for_chat(directory) else None
+        tokenizer.chat = (
+            chat_template(source[0], config, source[1])
+            if source
+            else LLAMA2_CHAT
+            if tokenizer.kind == "sentencepiece" and marked_for_chat(directory)
+            else None
+        )
     except (TokenizerError, ChatTemplateError, GGUFError, UnicodeDecodeError) as err:
         raise CheckpointError(str(err).splitlines()[0]) from None
     tokenizer.name = str(name_or_path)
@@ -401,11 +450,15 @@ def read_generation_config(name_or_path: str | os.PathLike) -> dict[str, Any]:
     return read_json(directory / "generation_config.json")
 
 
-def stop_ids(config: ModelConfig, generation: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+def stop_ids(
+    config: ModelConfig, generation: dict[str, Any], tokenizer: Tokenizer
+) -> tuple[int, ...]:
     """Every id that ends a generation, in order, once each: config.json's eos_token_id (an int or a
     list), generation_config.json's, and the tokenizer's own EOS. Llama-3.1-Instruct ends a turn
     with <|eot_id|>, which only the lists name; stopping at the first id alone runs past the answer."""
-    ids: list[int] = list(getattr(config, "eos_ids", ()) or ([config.eos_id] if config.eos_id is not None else []))
+    ids: list[int] = list(
+        getattr(config, "eos_ids", ()) or ([config.eos_id] if config.eos_id is not None else [])
+    )
     listed = generation.get("eos_token_id")
     for value in listed if isinstance(listed, list) else [listed]:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:

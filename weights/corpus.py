@@ -36,7 +36,9 @@ def read_documents(path: str | os.PathLike) -> list[str]:
     return [" ".join(p.split()) for p in pieces if p.strip()]
 
 
-def train_tokenizer(paths: list[str | os.PathLike], vocab_size: int, out: str | os.PathLike) -> tuple[Path, int, int]:
+def train_tokenizer(
+    paths: list[str | os.PathLike], vocab_size: int, out: str | os.PathLike
+) -> tuple[Path, int, int]:
     """A SentencePiece BPE tokenizer of ``vocab_size`` pieces trained on the documents of
     ``paths``: the tokenizer.model written into ``out``, its pieces and the number of documents."""
     docs = [doc for path in paths for doc in read_documents(path)]
@@ -44,12 +46,30 @@ def train_tokenizer(paths: list[str | os.PathLike], vocab_size: int, out: str | 
     out.mkdir(parents=True, exist_ok=True)
     # Llama-2-style settings: BPE, digits split, bytes for anything unseen, no normalisation.
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(docs), model_prefix=str(out / "tokenizer"), vocab_size=vocab_size,
-        model_type="bpe", character_coverage=1.0, byte_fallback=True, split_digits=True,
-        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 15,
-        num_threads=2, minloglevel=2, input_sentence_size=0)
-    return out / "tokenizer.model", SentencePieceTokenizer(out / "tokenizer.model").vocab_size, len(docs)
+        sentence_iterator=iter(docs),
+        model_prefix=str(out / "tokenizer"),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        max_sentence_length=1 << 15,
+        num_threads=2,
+        minloglevel=2,
+        input_sentence_size=0,
+    )
+    return (
+        out / "tokenizer.model",
+        SentencePieceTokenizer(out / "tokenizer.model").vocab_size,
+        len(docs),
+    )
 
 
 def _cache_key(paths: list[Path], tokenizer: Tokenizer) -> str:
@@ -60,8 +80,9 @@ def _cache_key(paths: list[Path], tokenizer: Tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenize_corpus(paths: list[str | os.PathLike], tokenizer: Tokenizer,
-                    cache_dir: str | os.PathLike) -> np.memmap:
+def tokenize_corpus(
+    paths: list[str | os.PathLike], tokenizer: Tokenizer, cache_dir: str | os.PathLike
+) -> np.memmap:
     """All documents as one stream ``BOS doc EOS BOS doc EOS ...`` of uint16 ids (memory-mapped)."""
     paths = [Path(p) for p in paths]
     for p in paths:
@@ -83,15 +104,18 @@ def tokenize_corpus(paths: list[str | os.PathLike], tokenizer: Tokenizer,
     return np.memmap(cache, dtype=np.uint16, mode="r")
 
 
-def story_openings(paths: list[str | os.PathLike], tokenizer: Tokenizer, length: int) -> list[list[int]]:
+def story_openings(
+    paths: list[str | os.PathLike], tokenizer: Tokenizer, length: int
+) -> list[list[int]]:
     """The first ``length`` tokens (with BOS) of every document at least that long, in order:
     prompts of one length, which batch without padding."""
     openings = [tokenizer.encode(doc)[:length] for path in paths for doc in read_documents(path)]
     return [opening for opening in openings if len(opening) == length]
 
 
-def held_out_prompts(paths: list[str | os.PathLike], tokenizer: Tokenizer, count: int, length: int,
-                     seed: int) -> list[list[int]]:
+def held_out_prompts(
+    paths: list[str | os.PathLike], tokenizer: Tokenizer, count: int, length: int, seed: int
+) -> list[list[int]]:
     """The first ``length`` tokens (with BOS) of ``count`` documents drawn at random with
     ``seed`` (all of them when there are fewer): the same prompts for the same arguments."""
     docs = [doc for path in paths for doc in read_documents(path)]
@@ -119,11 +143,15 @@ CHAT_TASKS = (
     "Write an email to a friend about {subject}.",
 )
 # Words that follow "a" or "the" but are seldom the thing itself.
-NOT_SUBJECTS = frozenset("very little small great good best same other first last whole next only most more big "
-                         "young happy beautiful biggest special new long high bright sweet nice strong".split())
+NOT_SUBJECTS = frozenset(
+    "very little small great good best same other first last whole next only most more big "
+    "young happy beautiful biggest special new long high bright sweet nice strong".split()
+)
 
 
-def chat_requests(paths: list[str | os.PathLike], count: int, seed: int, passage_chars: int = 600) -> list[str]:
+def chat_requests(
+    paths: list[str | os.PathLike], count: int, seed: int, passage_chars: int = 600
+) -> list[str]:
     """``count`` user requests drawn with ``seed``: a task of :data:`CHAT_TASKS` about a document of the
     files (a passage of it up to ``passage_chars`` characters, from and to a sentence's end; its
     opening; or, as the subject, "the" and a word that follows "a" or "the" in it). The same requests for the
@@ -136,23 +164,37 @@ def chat_requests(paths: list[str | os.PathLike], count: int, seed: int, passage
     for _ in range(count):
         doc = rng.choice(docs)
         start = rng.randrange(max(1, len(doc) - passage_chars))
-        start = doc.find(". ", start) + 2 if start and ". " in doc[start:] else 0  # from a sentence's start
-        passage = doc[start:start + passage_chars]
-        passage = passage[:passage.rfind(".") + 1] or passage  # to a sentence's end
+        start = (
+            doc.find(". ", start) + 2 if start and ". " in doc[start:] else 0
+        )  # from a sentence's start
+        passage = doc[start : start + passage_chars]
+        passage = passage[: passage.rfind(".") + 1] or passage  # to a sentence's end
         nouns = sorted(set(re.findall(r"\b(?:a|an|the) ([a-z]{4,})\b", doc.lower())) - NOT_SUBJECTS)
-        requests.append(rng.choice(CHAT_TASKS).format(passage=passage, opening=passage[:200].rsplit(" ", 1)[0],
-                                                      subject="the " + (rng.choice(nouns) if nouns else "sea")))
+        requests.append(
+            rng.choice(CHAT_TASKS).format(
+                passage=passage,
+                opening=passage[:200].rsplit(" ", 1)[0],
+                subject="the " + (rng.choice(nouns) if nouns else "sea"),
+            )
+        )
     return requests
 
 
-def chat_prompts(paths: list[str | os.PathLike], tokenizer: Tokenizer, count: int, seed: int,
-                 max_tokens: int | None = None) -> list[list[int]]:
+def chat_prompts(
+    paths: list[str | os.PathLike],
+    tokenizer: Tokenizer,
+    count: int,
+    seed: int,
+    max_tokens: int | None = None,
+) -> list[list[int]]:
     """``count`` of :func:`chat_requests`, each as one user turn in the model's chat template
     (``tokenizer.chat``), ready for the assistant's answer; requests of more than ``max_tokens``
     tokens so (the room an answer leaves in the context) are passed over."""
     if getattr(tokenizer, "chat", None) is None:
-        raise CorpusError(f"{getattr(tokenizer, 'name', 'the target')} has no chat template: --data chat is for a "
-                         "chat model")
+        raise CorpusError(
+            f"{getattr(tokenizer, 'name', 'the target')} has no chat template: --data chat is for a "
+            "chat model"
+        )
     prompts = []
     for request in chat_requests(paths, 4 * count, seed):
         prompt = tokenizer.chat.encode(tokenizer, [("user", request)])
@@ -160,4 +202,6 @@ def chat_prompts(paths: list[str | os.PathLike], tokenizer: Tokenizer, count: in
             prompts.append(prompt)
         if len(prompts) == count:
             return prompts
-    raise CorpusError(f"fewer than {count} requests fit in {max_tokens} tokens: give shorter documents or more room")
+    raise CorpusError(
+        f"fewer than {count} requests fit in {max_tokens} tokens: give shorter documents or more room"
+    )

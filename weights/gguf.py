@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 GGUF_SUFFIX = ".gguf"
-_GGUF_MISSING = "reading a GGUF file needs the gguf package: pip install -e \".[gguf]\""
+_GGUF_MISSING = 'reading a GGUF file needs the gguf package: pip install -e ".[gguf]"'
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -70,7 +70,9 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-ROPE_FREQS = "rope_freqs.weight"  # llama3 scaling as per-frequency divisors; becomes config, not a weight
+ROPE_FREQS = (
+    "rope_freqs.weight"  # llama3 scaling as per-frequency divisors; becomes config, not a weight
+)
 
 # Pre-tokenizer split regexes, keyed by tokenizer.ggml.pre (the ones llama.cpp's llama-vocab.cpp uses).
 # GPT-2's own pattern, which tokenizers' ByteLevel(use_regex=True) applies by itself:
@@ -79,8 +81,10 @@ _GPT2_NAMES = ("default", "gpt-2")
 _DIGIT_SPLIT = r"\p{N}"
 # Llama 3 (tokenizer.ggml.pre "llama-bpe"): contractions in any case, a letter run with one leading
 # non-letter, numbers in groups of up to three, punctuation runs, newlines, spaces.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe")
 
 # Llama-3 rope scaling sets Meta published: (factor, low_freq_factor, high_freq_factor, original context).
@@ -121,7 +125,16 @@ def _first_line(err: BaseException) -> str:
 
 
 # What GGUFReader (numpy memmap, struct-like parsing, enum lookups, utf-8 decoding) raises on a bad file.
-_READ_ERRORS = (ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error, OSError, EOFError)
+_READ_ERRORS = (
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    OverflowError,
+    struct.error,
+    OSError,
+    EOFError,
+)
 
 
 class GGUFFile:
@@ -140,8 +153,10 @@ class GGUFFile:
             self._reader = gguf.GGUFReader(self.path)
             self._tensors = {t.name: t for t in self._reader.tensors}
         except _READ_ERRORS as err:
-            raise GGUFError(f"{self.path} is not a readable GGUF file (truncated or corrupt: "
-                            f"{_first_line(err)})") from None
+            raise GGUFError(
+                f"{self.path} is not a readable GGUF file (truncated or corrupt: "
+                f"{_first_line(err)})"
+            ) from None
         self._meta: dict[str, Any] = {}
         self._float32 = gguf.GGUFValueType.FLOAT32
         self._value_types = (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)
@@ -166,10 +181,16 @@ class GGUFFile:
         try:
             value = self._field_value(field)
         except _READ_ERRORS as err:
-            raise GGUFError(f"{self.path}: metadata {key} is unreadable ({_first_line(err)})") from None
-        ok = (isinstance(value, list) if kind is list else
-              isinstance(value, (int, float)) and not isinstance(value, bool) if kind in (int, float) else
-              isinstance(value, kind))
+            raise GGUFError(
+                f"{self.path}: metadata {key} is unreadable ({_first_line(err)})"
+            ) from None
+        ok = (
+            isinstance(value, list)
+            if kind is list
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if kind in (int, float)
+            else isinstance(value, kind)
+        )
         if kind is int and ok and not float(value).is_integer():
             ok = False
         if not ok:
@@ -209,52 +230,74 @@ class GGUFFile:
     def _read_hyperparameters(self) -> None:
         experts = self._get("llama.expert_count", int, 0)
         if experts:
-            raise GGUFError(f"{self.path} is a mixture-of-experts llama ({experts} experts); only dense "
-                            "Llama models are supported")
+            raise GGUFError(
+                f"{self.path} is a mixture-of-experts llama ({experts} experts); only dense "
+                "Llama models are supported"
+            )
         self.n_layers = self._count("llama.block_count")
         self.dim = self._count("llama.embedding_length")
         self.hidden_dim = self._count("llama.feed_forward_length")
         self.n_heads = self._count("llama.attention.head_count")
         kv = self._reader.fields.get("llama.attention.head_count_kv")
-        if kv is not None and len(kv.types) > 1:  # a per-layer array: only one shared value is implemented
+        if (
+            kv is not None and len(kv.types) > 1
+        ):  # a per-layer array: only one shared value is implemented
             counts = set(self._get("llama.attention.head_count_kv", list))
             if len(counts) != 1:
-                raise GGUFError(f"{self.path}: key/value heads differ between layers ({sorted(counts)}); "
-                                "not implemented")
+                raise GGUFError(
+                    f"{self.path}: key/value heads differ between layers ({sorted(counts)}); "
+                    "not implemented"
+                )
             self.n_kv_heads = int(counts.pop())
         else:
             self.n_kv_heads = self._count("llama.attention.head_count_kv", self.n_heads)
         if self.n_heads % self.n_kv_heads:
-            raise GGUFError(f"{self.path}: {self.n_heads} attention heads is not a multiple of "
-                            f"{self.n_kv_heads} key/value heads")
+            raise GGUFError(
+                f"{self.path}: {self.n_heads} attention heads is not a multiple of "
+                f"{self.n_kv_heads} key/value heads"
+            )
         default_head_dim = self.dim // self.n_heads if self.dim % self.n_heads == 0 else None
         self.head_dim = self._count("llama.attention.key_length", default_head_dim)
         value_dim = self._count("llama.attention.value_length", self.head_dim)
         rotary = self._count("llama.rope.dimension_count", self.head_dim)
         if value_dim != self.head_dim or rotary != self.head_dim or self.head_dim % 2:
-            raise GGUFError(f"{self.path}: key length {self.head_dim}, value length {value_dim} and rotary "
-                            f"dimensions {rotary} must be one even number; not implemented otherwise")
+            raise GGUFError(
+                f"{self.path}: key length {self.head_dim}, value length {value_dim} and rotary "
+                f"dimensions {rotary} must be one even number; not implemented otherwise"
+            )
         self.context_length = self._count("llama.context_length")
         self.norm_eps = self._get("llama.attention.layer_norm_rms_epsilon", float)
         if self.norm_eps is None:
-            raise GGUFError(f"{self.path} is missing metadata llama.attention.layer_norm_rms_epsilon")
+            raise GGUFError(
+                f"{self.path} is missing metadata llama.attention.layer_norm_rms_epsilon"
+            )
         self.rope_theta = self._get("llama.rope.freq_base", float, 10000.0)  # llama.cpp's default
         tokens = self._get("tokenizer.ggml.tokens", list)
         embd = self._tensors.get("token_embd.weight")
         rows = int(embd.shape[-1]) if embd is not None and len(embd.shape) == 2 else None
         self.vocab_size = self._get("llama.vocab_size", int) or (len(tokens) if tokens else rows)
         if not self.vocab_size:
-            raise GGUFError(f"{self.path}: no vocabulary size (no llama.vocab_size, tokens or token_embd)")
+            raise GGUFError(
+                f"{self.path}: no vocabulary size (no llama.vocab_size, tokens or token_embd)"
+            )
         if tokens is not None and len(tokens) > self.vocab_size:
-            raise GGUFError(f"{self.path}: {len(tokens)} tokens but the model has {self.vocab_size} embeddings")
+            raise GGUFError(
+                f"{self.path}: {len(tokens)} tokens but the model has {self.vocab_size} embeddings"
+            )
 
     # ------------------------------------------------------------------ tensors
     def _expected_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """GGUF name -> (HF name, HF shape) for every weight this config implies."""
         d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         layer_shapes = {
-            "attn_norm": (d,), "attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
-            "ffn_norm": (d,), "ffn_gate": (self.hidden_dim, d), "ffn_up": (self.hidden_dim, d),
+            "attn_norm": (d,),
+            "attn_q": (q, d),
+            "attn_k": (kv, d),
+            "attn_v": (kv, d),
+            "attn_output": (d, q),
+            "ffn_norm": (d,),
+            "ffn_gate": (self.hidden_dim, d),
+            "ffn_up": (self.hidden_dim, d),
             "ffn_down": (d, self.hidden_dim),
         }
         out = {
@@ -265,30 +308,47 @@ class GGUFFile:
             out["output.weight"] = ("lm_head.weight", (self.vocab_size, d))
         for i in range(self.n_layers):
             for leaf, shape in layer_shapes.items():
-                out[f"blk.{i}.{leaf}.weight"] = (f"model.layers.{i}.{_LAYER_TENSORS[leaf]}.weight", shape)
+                out[f"blk.{i}.{leaf}.weight"] = (
+                    f"model.layers.{i}.{_LAYER_TENSORS[leaf]}.weight",
+                    shape,
+                )
         return out
 
     def _check_tensors(self) -> None:
         names = set(self._tensors) - {ROPE_FREQS}
         unknown = sorted(names - set(self._expected))
         if unknown:
-            raise GGUFError(f"{self.path}: tensors not in a dense Llama model: {', '.join(unknown[:5])}"
-                            + (" ..." if len(unknown) > 5 else ""))
+            raise GGUFError(
+                f"{self.path}: tensors not in a dense Llama model: {', '.join(unknown[:5])}"
+                + (" ..." if len(unknown) > 5 else "")
+            )
         missing = sorted(set(self._expected) - names)
         if missing:
-            raise GGUFError(f"{self.path}: missing tensors: {', '.join(missing[:5])}"
-                            + (" ..." if len(missing) > 5 else ""))
+            raise GGUFError(
+                f"{self.path}: missing tensors: {', '.join(missing[:5])}"
+                + (" ..." if len(missing) > 5 else "")
+            )
         gguf = _gguf_package()
-        integer = {gguf.GGMLQuantizationType.I8, gguf.GGMLQuantizationType.I16, gguf.GGMLQuantizationType.I32,
-                   gguf.GGMLQuantizationType.I64}
+        integer = {
+            gguf.GGMLQuantizationType.I8,
+            gguf.GGMLQuantizationType.I16,
+            gguf.GGMLQuantizationType.I32,
+            gguf.GGMLQuantizationType.I64,
+        }
         for name, (hf, shape) in self._expected.items():
             tensor = self._tensors[name]
-            stored = tuple(int(n) for n in reversed(tensor.shape))  # ggml's ne order is PyTorch's reversed
+            stored = tuple(
+                int(n) for n in reversed(tensor.shape)
+            )  # ggml's ne order is PyTorch's reversed
             if stored != shape:
-                raise GGUFError(f"{self.path}: tensor {name} ({hf}) has shape {list(stored)} but the metadata "
-                                f"implies {list(shape)}")
+                raise GGUFError(
+                    f"{self.path}: tensor {name} ({hf}) has shape {list(stored)} but the metadata "
+                    f"implies {list(shape)}"
+                )
             if tensor.tensor_type in integer:
-                raise GGUFError(f"{self.path}: tensor {name} is stored as integers ({tensor.tensor_type.name})")
+                raise GGUFError(
+                    f"{self.path}: tensor {name} is stored as integers ({tensor.tensor_type.name})"
+                )
 
     def _dequantize(self, name: str) -> np.ndarray:
         """One tensor as float32 numpy, in PyTorch's dimension order."""
@@ -297,22 +357,31 @@ class GGUFFile:
         shape = tuple(int(n) for n in reversed(tensor.shape))
         kind = tensor.tensor_type
         try:
-            if kind == gguf.GGMLQuantizationType.F64:  # exact enough; dequantize() has no case for it
+            if (
+                kind == gguf.GGMLQuantizationType.F64
+            ):  # exact enough; dequantize() has no case for it
                 values = np.asarray(tensor.data, dtype=np.float32)
             else:
                 values = gguf.quants.dequantize(tensor.data, kind)
         except NotImplementedError:
-            raise GGUFError(f"{self.path}: tensor {name} is stored as {kind.name}, which the gguf package "
-                            "cannot dequantize") from None
+            raise GGUFError(
+                f"{self.path}: tensor {name} is stored as {kind.name}, which the gguf package "
+                "cannot dequantize"
+            ) from None
         except _READ_ERRORS as err:
-            raise GGUFError(f"{self.path}: tensor {name} is unreadable ({_first_line(err)})") from None
+            raise GGUFError(
+                f"{self.path}: tensor {name} is unreadable ({_first_line(err)})"
+            ) from None
         if values.size != math.prod(shape):
-            raise GGUFError(f"{self.path}: tensor {name} holds {values.size} values, its shape {list(shape)} "
-                            f"needs {math.prod(shape)}")
+            raise GGUFError(
+                f"{self.path}: tensor {name} holds {values.size} values, its shape {list(shape)} "
+                f"needs {math.prod(shape)}"
+            )
         return values.reshape(shape)
 
-    def tensors(self, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    def tensors(
+        self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> dict[str, torch.Tensor]:
         """Every weight under its HF name, dequantized, q/k rows back in rotate-half order.
 
         ``lm_head.weight`` is absent when the head is tied to the embedding (no ``output.weight``).
@@ -320,11 +389,15 @@ class GGUFFile:
         out: dict[str, torch.Tensor] = {}
         for name, (hf, _shape) in self._expected.items():
             values = self._dequantize(name)
-            if not values.flags.writeable or values.dtype != np.float32:  # memory-mapped F32 data is read-only
+            if (
+                not values.flags.writeable or values.dtype != np.float32
+            ):  # memory-mapped F32 data is read-only
                 values = np.array(values, dtype=np.float32)
             tensor = torch.from_numpy(values)
             if not bool(torch.isfinite(tensor).all()):
-                raise GGUFError(f"{self.path}: tensor {name} holds NaN or infinite values: the file is damaged")
+                raise GGUFError(
+                    f"{self.path}: tensor {name} holds NaN or infinite values: the file is damaged"
+                )
             if name.endswith(".attn_q.weight"):
                 tensor = pairs_to_halves(tensor, self.n_heads)
             elif name.endswith(".attn_k.weight"):
@@ -339,7 +412,11 @@ class GGUFFile:
     def stored_dtype(self) -> torch.dtype:
         """float16 or bfloat16 when every matrix is stored so, else float32 (quantized or float32 files)."""
         gguf = _gguf_package()
-        kinds = {self._tensors[name].tensor_type for name, (_, shape) in self._expected.items() if len(shape) == 2}
+        kinds = {
+            self._tensors[name].tensor_type
+            for name, (_, shape) in self._expected.items()
+            if len(shape) == 2
+        }
         if kinds == {gguf.GGMLQuantizationType.F16}:
             return torch.float16
         if kinds == {gguf.GGMLQuantizationType.BF16}:
@@ -350,37 +427,51 @@ class GGUFFile:
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self._get("llama.rope.scaling.type", str)
         factor = self._get("llama.rope.scaling.factor", float)
-        legacy = self._get("llama.rope.scale_linear", float)  # the key older llama.cpp wrote for linear scaling
+        legacy = self._get(
+            "llama.rope.scale_linear", float
+        )  # the key older llama.cpp wrote for linear scaling
         if kind is None and legacy is not None and legacy != 1.0:
             kind, factor = "linear", legacy
         linear = None
         if kind == "linear":
             if factor is None or not factor > 0:
-                raise GGUFError(f"{self.path}: linear rope scaling needs a positive llama.rope.scaling.factor, "
-                                f"got {factor!r}")
+                raise GGUFError(
+                    f"{self.path}: linear rope scaling needs a positive llama.rope.scaling.factor, "
+                    f"got {factor!r}"
+                )
             linear = None if factor == 1.0 else {"rope_type": "linear", "factor": factor}
         elif kind not in (None, "none"):
-            raise GGUFError(f"{self.path}: rope scaling {kind!r} is not implemented (only linear and llama3)")
+            raise GGUFError(
+                f"{self.path}: rope scaling {kind!r} is not implemented (only linear and llama3)"
+            )
         if ROPE_FREQS not in self._tensors:
             return linear
         if linear is not None:
-            raise GGUFError(f"{self.path}: both linear rope scaling and {ROPE_FREQS}; not implemented together")
+            raise GGUFError(
+                f"{self.path}: both linear rope scaling and {ROPE_FREQS}; not implemented together"
+            )
         divisors = self._dequantize(ROPE_FREQS).astype(np.float64).reshape(-1)
         if divisors.shape != (self.head_dim // 2,):
-            raise GGUFError(f"{self.path}: {ROPE_FREQS} has {divisors.size} values, the rotary dimensions "
-                            f"imply {self.head_dim // 2}")
+            raise GGUFError(
+                f"{self.path}: {ROPE_FREQS} has {divisors.size} values, the rotary dimensions "
+                f"imply {self.head_dim // 2}"
+            )
         scaling = recover_llama3_scaling(divisors, self.rope_theta, self.head_dim)
         if scaling is False:
-            raise GGUFError(f"{self.path}: {ROPE_FREQS} matches no llama3 rope scaling (factor, low/high "
-                            f"frequency factors, original context) within {ROPE_FREQS_RTOL:g} relative")
+            raise GGUFError(
+                f"{self.path}: {ROPE_FREQS} matches no llama3 rope scaling (factor, low/high "
+                f"frequency factors, original context) within {ROPE_FREQS_RTOL:g} relative"
+            )
         return scaling
 
     # ------------------------------------------------------------------ HF files
     def _token_id(self, key: str) -> int | None:
         value = self._get(f"tokenizer.ggml.{key}", int)
         if value is not None and not 0 <= value < self.vocab_size:
-            raise GGUFError(f"{self.path}: tokenizer.ggml.{key} {value} is outside the vocabulary "
-                            f"({self.vocab_size})")
+            raise GGUFError(
+                f"{self.path}: tokenizer.ggml.{key} {value} is outside the vocabulary "
+                f"({self.vocab_size})"
+            )
         return value
 
     def hf_config(self) -> dict[str, Any]:
@@ -397,19 +488,21 @@ class GGUFFile:
         }
         if self.head_dim * self.n_heads != self.dim:
             config["head_dim"] = self.head_dim
-        config.update({
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.context_length,
-            "tie_word_embeddings": self.tied,
-            "bos_token_id": self._token_id("bos_token_id"),
-            "eos_token_id": self._token_id("eos_token_id"),
-            "torch_dtype": str(self.stored_dtype()).removeprefix("torch."),
-        })
+        config.update(
+            {
+                "hidden_act": "silu",
+                "attention_bias": False,
+                "mlp_bias": False,
+                "rms_norm_eps": self.norm_eps,
+                "rope_theta": self.rope_theta,
+                "rope_scaling": self.rope_scaling,
+                "max_position_embeddings": self.context_length,
+                "tie_word_embeddings": self.tied,
+                "bos_token_id": self._token_id("bos_token_id"),
+                "eos_token_id": self._token_id("eos_token_id"),
+                "torch_dtype": str(self.stored_dtype()).removeprefix("torch."),
+            }
+        )
         pad = self._token_id("padding_token_id")
         if pad is not None:
             config["pad_token_id"] = pad
@@ -447,22 +540,48 @@ class GGUFFile:
         elif kind == "llama":
             model, pre_tokenizer, decoder, normalizer = self._sentencepiece(tokens, types)
         else:
-            raise GGUFError(f"{self.path}: tokenizer model {kind!r} (tokenizer.ggml.model) is not supported "
-                            "(only 'gpt2' and 'llama')")
+            raise GGUFError(
+                f"{self.path}: tokenizer model {kind!r} (tokenizer.ggml.model) is not supported "
+                "(only 'gpt2' and 'llama')"
+            )
         added = [
-            {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": kind_ != USER_DEFINED}
-            for i, (token, kind_) in enumerate(zip(tokens, types)) if kind_ in (CONTROL, UNKNOWN, USER_DEFINED)
+            {
+                "id": i,
+                "content": token,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": kind_ != USER_DEFINED,
+            }
+            for i, (token, kind_) in enumerate(zip(tokens, types))
+            if kind_ in (CONTROL, UNKNOWN, USER_DEFINED)
         ]
         template = self._template(tokens, kind)
         post_processor: dict[str, Any] = template
         if kind == "gpt2":  # byte-level offsets, then the special tokens
-            post_processor = {"type": "Sequence", "processors": [
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}, template]}
+            post_processor = {
+                "type": "Sequence",
+                "processors": [
+                    {
+                        "type": "ByteLevel",
+                        "add_prefix_space": False,
+                        "trim_offsets": False,
+                        "use_regex": True,
+                    },
+                    template,
+                ],
+            }
         document = {
-            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-            "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
-            "decoder": decoder, "model": model,
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": added,
+            "normalizer": normalizer,
+            "pre_tokenizer": pre_tokenizer,
+            "post_processor": post_processor,
+            "decoder": decoder,
+            "model": model,
         }
         return json.dumps(document, ensure_ascii=False)
 
@@ -470,23 +589,40 @@ class GGUFFile:
         """TemplateProcessing that adds BOS (and EOS) as tokenizer.ggml.add_bos_token (add_eos_token) say."""
         bos, eos = self._token_id("bos_token_id"), self._token_id("eos_token_id")
         before = [bos] if self._add_bos(kind) and bos is not None else []
-        after = [eos] if self._get("tokenizer.ggml.add_eos_token", bool, False) and eos is not None else []
+        after = (
+            [eos]
+            if self._get("tokenizer.ggml.add_eos_token", bool, False) and eos is not None
+            else []
+        )
 
         def special(i: int, type_id: int) -> dict[str, Any]:
             return {"SpecialToken": {"id": tokens[i], "type_id": type_id}}
 
         def sequence(which: str, type_id: int) -> list[dict[str, Any]]:
-            return ([special(i, type_id) for i in before] + [{"Sequence": {"id": which, "type_id": type_id}}]
-                    + [special(i, type_id) for i in after])
+            return (
+                [special(i, type_id) for i in before]
+                + [{"Sequence": {"id": which, "type_id": type_id}}]
+                + [special(i, type_id) for i in after]
+            )
 
         return {
-            "type": "TemplateProcessing", "single": sequence("A", 0), "pair": sequence("A", 0) + sequence("B", 1),
-            "special_tokens": {tokens[i]: {"id": tokens[i], "ids": [i], "tokens": [tokens[i]]} for i in before + after},
+            "type": "TemplateProcessing",
+            "single": sequence("A", 0),
+            "pair": sequence("A", 0) + sequence("B", 1),
+            "special_tokens": {
+                tokens[i]: {"id": tokens[i], "ids": [i], "tokens": [tokens[i]]}
+                for i in before + after
+            },
         }
 
     def _byte_level(self, tokens: list[str]) -> tuple[dict, dict, dict, None]:
         pre = self._get("tokenizer.ggml.pre", str, "default")
-        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+        byte_level = {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": True,
+            "use_regex": True,
+        }
         if pre in _GPT2_NAMES:
             pre_tokenizer: dict[str, Any] = byte_level
         elif pre == "smollm":
@@ -494,44 +630,75 @@ class GGUFFile:
         elif pre == "llama-bpe":
             pre_tokenizer = _split_then(_LLAMA3_SPLIT, dict(byte_level, use_regex=False))
         else:
-            raise GGUFError(f"{self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported "
-                            f"(known: {', '.join(PRE_TOKENIZERS)})")
+            raise GGUFError(
+                f"{self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported "
+                f"(known: {', '.join(PRE_TOKENIZERS)})"
+            )
         merges = self._get("tokenizer.ggml.merges", list)
         if not merges:
             raise GGUFError(f"{self.path}: a gpt2 tokenizer needs tokenizer.ggml.merges")
         pairs = []
         for merge in merges:
-            cut = merge.find(" ", 1)  # the left part may itself start with a space, never the separator
+            cut = merge.find(
+                " ", 1
+            )  # the left part may itself start with a space, never the separator
             if cut < 0:
-                raise GGUFError(f"{self.path}: merge {merge!r} is not two tokens separated by a space")
-            pairs.append([merge[:cut], merge[cut + 1:]])
+                raise GGUFError(
+                    f"{self.path}: merge {merge!r} is not two tokens separated by a space"
+                )
+            pairs.append([merge[:cut], merge[cut + 1 :]])
         model = {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
             # Llama 3 takes a pre-token that is itself a token whole, before any merge (llama.cpp does too).
             "ignore_merges": pre == "llama-bpe",
-            "vocab": _vocab(tokens), "merges": pairs,
+            "vocab": _vocab(tokens),
+            "merges": pairs,
         }
-        decoder = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+        decoder = {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        }
         return model, pre_tokenizer, decoder, None
 
     def _sentencepiece(self, tokens: list[str], types: list[int]) -> tuple[dict, dict, dict, None]:
         scores = self._get("tokenizer.ggml.scores", list)
         if not scores or len(scores) != len(tokens):
-            raise GGUFError(f"{self.path}: a llama (SentencePiece) tokenizer needs one score per token")
+            raise GGUFError(
+                f"{self.path}: a llama (SentencePiece) tokenizer needs one score per token"
+            )
         unk = self._token_id("unknown_token_id")
         prefix = bool(self._get("tokenizer.ggml.add_space_prefix", bool, True))
         model = {
-            "type": "BPE", "dropout": None, "unk_token": tokens[unk] if unk is not None else None,
-            "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
-            "ignore_merges": False, "vocab": _vocab(tokens), "merges": sentencepiece_merges(tokens, scores, types),
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": tokens[unk] if unk is not None else None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": _vocab(tokens),
+            "merges": sentencepiece_merges(tokens, scores, types),
         }
         # add_space_prefix: a space before the text (the first piece of it, as HF's Llama tokenizers do).
-        pre_tokenizer = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first" if prefix else "never",
-                         "split": False}
+        pre_tokenizer = {
+            "type": "Metaspace",
+            "replacement": "\u2581",
+            "prepend_scheme": "first" if prefix else "never",
+            "split": False,
+        }
         steps: list[dict[str, Any]] = [
             {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
         ]
         if prefix:
             steps.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
@@ -542,8 +709,12 @@ class GGUFFile:
         tokens, _ = self._vocabulary()
         kind = self._get("tokenizer.ggml.model", str)
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                          ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        ):
             value = self._token_id(key)
             if value is not None:
                 config[name] = tokens[value]
@@ -561,18 +732,32 @@ class GGUFFile:
 
 
 def _split_then(pattern: str, byte_level: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}, byte_level]}
+    return {
+        "type": "Sequence",
+        "pretokenizers": [
+            {
+                "type": "Split",
+                "pattern": {"Regex": pattern},
+                "behavior": "Isolated",
+                "invert": False,
+            },
+            byte_level,
+        ],
+    }
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
-        vocab.setdefault(token, i)  # a duplicated spelling keeps its first id, as a lookup by text finds it
+        vocab.setdefault(
+            token, i
+        )  # a duplicated spelling keeps its first id, as a lookup by text finds it
     return vocab
 
 
-def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+def sentencepiece_merges(
+    tokens: list[str], scores: list[float], types: list[int]
+) -> list[list[str]]:
     """BPE merges that encode as SentencePiece's BPE does: every split of a normal token into two
     normal tokens is a merge, and merges producing a better-scored token come first.
 
@@ -598,12 +783,16 @@ def pairs_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k permutation: per head, output rows (i, i+d/2) were stored as pairs (2i, 2i+1)."""
     out_features = weight.shape[0]
     head_dim = out_features // n_heads
-    return (weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
 
 
-def llama3_divisors(theta: float, head_dim: int, factor: float, low: float, high: float,
-                    original: float) -> np.ndarray:
+def llama3_divisors(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original: float
+) -> np.ndarray:
     """What llama3 scaling divides each rotary frequency by, as :func:`model.model.rope_inverse_frequencies`
     applies it (frequencies computed in float32 as there, the rule in float64)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -611,10 +800,14 @@ def llama3_divisors(theta: float, head_dim: int, factor: float, low: float, high
     with np.errstate(divide="ignore", invalid="ignore"):
         smooth = (original / wavelen - low) / (high - low)
         medium = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
+    return np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium)
+    )
 
 
-def recover_llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None | bool:
+def recover_llama3_scaling(
+    divisors: np.ndarray, theta: float, head_dim: int
+) -> dict[str, Any] | None | bool:
     """The llama3 rope scaling whose divisors are ``divisors`` (None when all are 1, False when none fits)."""
     if not np.isfinite(divisors).all() or (divisors <= 0).any():
         return False
@@ -628,18 +821,28 @@ def recover_llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) ->
         expected = llama3_divisors(theta, head_dim, factor, low, high, original)
         return bool(np.all(np.abs(expected - divisors) <= ROPE_FREQS_RTOL * np.abs(divisors)))
 
-    tries: list[tuple[float, float, float]] = [(lo, hi, orig) for f, lo, hi, orig in _LLAMA3_PUBLISHED if f == factor]
-    tries += [(lo, hi, orig) for orig in _ORIGINAL_CONTEXTS for lo in _LOW_FACTORS for hi in _HIGH_FACTORS]
+    tries: list[tuple[float, float, float]] = [
+        (lo, hi, orig) for f, lo, hi, orig in _LLAMA3_PUBLISHED if f == factor
+    ]
+    tries += [
+        (lo, hi, orig) for orig in _ORIGINAL_CONTEXTS for lo in _LOW_FACTORS for hi in _HIGH_FACTORS
+    ]
     tries += _solve_band_factors(divisors, factor, theta, head_dim)
     for low, high, original in tries:
         if fits(low, high, original):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                    "original_max_position_embeddings": int(original)}
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": int(original),
+            }
     return False
 
 
-def _solve_band_factors(divisors: np.ndarray, factor: float, theta: float,
-                        head_dim: int) -> list[tuple[float, float, float]]:
+def _solve_band_factors(
+    divisors: np.ndarray, factor: float, theta: float, head_dim: int
+) -> list[tuple[float, float, float]]:
     """(low, high, original) from the frequencies in the smoothed band, for each candidate original context.
 
     There ``1/divisor = (1 - s)/factor + s`` with ``s = (original/wavelen - low)/(high - low)``, so each
@@ -658,7 +861,10 @@ def _solve_band_factors(divisors: np.ndarray, factor: float, theta: float,
     out = []
     for original in _ORIGINAL_CONTEXTS:
         (low, high), *_ = np.linalg.lstsq(matrix, original / wavelen[band], rcond=None)
-        out += [(float(low), float(high), original), (round(float(low), 6), round(float(high), 6), original)]
+        out += [
+            (float(low), float(high), original),
+            (round(float(low), 6), round(float(high), 6), original),
+        ]
     return out
 
 
@@ -671,8 +877,9 @@ def _dtype_of(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return names[dtype]
 
 
-def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike,
-                 dtype: torch.dtype | str | None = None) -> Path:
+def convert_gguf(
+    path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None
+) -> Path:
     """Write ``path`` (a llama GGUF) to ``out_dir`` as an HF-layout folder.
 
     config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json and,
@@ -684,14 +891,17 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike,
 
     gguf = GGUFFile(path)
     wanted = _dtype_of(dtype) or gguf.stored_dtype()
-    tokenizer = gguf.tokenizer_json()  # before any file is written: a bad tokenizer leaves no half folder
+    tokenizer = (
+        gguf.tokenizer_json()
+    )  # before any file is written: a bad tokenizer leaves no half folder
     out = Path(out_dir)
     tensors = gguf.tensors(dtype=wanted)
     config = dict(gguf.hf_config(), torch_dtype=str(wanted).removeprefix("torch."))
     files = {
         "config.json": json.dumps(config, indent=2) + "\n",
         "tokenizer.json": tokenizer,
-        "tokenizer_config.json": json.dumps(gguf.tokenizer_config(), indent=2, ensure_ascii=False) + "\n",
+        "tokenizer_config.json": json.dumps(gguf.tokenizer_config(), indent=2, ensure_ascii=False)
+        + "\n",
         "generation_config.json": json.dumps(gguf.generation_config(), indent=2) + "\n",
     }
     template = gguf.chat_template()

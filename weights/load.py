@@ -50,7 +50,13 @@ from weights.checkpoint import (
 )
 from weights.drafters import folder_kind, load_drafter
 from weights.eagle3 import proposal_length, target_shape
-from weights.registry import FOR_OTHER_TARGETS, SHIPPED, WEIGHTS_DIR, UnknownCheckpointError, resolve
+from weights.registry import (
+    FOR_OTHER_TARGETS,
+    SHIPPED,
+    WEIGHTS_DIR,
+    UnknownCheckpointError,
+    resolve,
+)
 from weights.sharded import load_model_tp, plan_config
 from weights.step_cache import StepCache
 from weights.tokenizer import Tokenizer
@@ -69,7 +75,11 @@ def draft_kind(name_or_path: str | os.PathLike | None, planning: bool = False) -
         return None
     if named(str(name_or_path)) is not None:
         return str(name_or_path)
-    if planning and str(name_or_path) not in SHIPPED and not Path(name_or_path).expanduser().is_dir():
+    if (
+        planning
+        and str(name_or_path) not in SHIPPED
+        and not Path(name_or_path).expanduser().is_dir()
+    ):
         return "model"
     return folder_kind(resolve(name_or_path)).name
 
@@ -80,7 +90,9 @@ def head_config(target: ModelConfig) -> ModelConfig:
     return replace(target, n_layers=1)
 
 
-def plan_configs(target: str | os.PathLike, draft: str | os.PathLike | None) -> tuple[ModelConfig, ModelConfig | None]:
+def plan_configs(
+    target: str | os.PathLike, draft: str | os.PathLike | None
+) -> tuple[ModelConfig, ModelConfig | None]:
     """The configs to plan memory with (``generate.py --plan``), from config.json or, for
     Llama-2 short names not downloaded, the published shapes (weights.sharded.plan_config).
     The draft's is as its kind counts it (DrafterKind.memory): its own config, a head's
@@ -109,7 +121,9 @@ class PairSpec:
 
     target: str
     draft: str | None
-    kind: str | None  # None (no draft), or a drafter kind's name: "model", "head", "eagle3", "lookup", ...
+    kind: (
+        str | None
+    )  # None (no draft), or a drafter kind's name: "model", "head", "eagle3", "lookup", ...
     target_dir: Path
     draft_dir: Path | None  # a draft model's or a feature head's folder
     target_config: ModelConfig
@@ -122,10 +136,12 @@ class PairSpec:
     def notes(self) -> list[str]:
         """One line for each config that holds fields nobody here has classified (model/config.py
         takes them to leave the forward pass alone: docs/checkpoint_fields.md)."""
-        return [f"config.json of {name} has fields not classified here, taken to leave the forward pass unchanged: "
-                f"{', '.join(config.unclassified)} (docs/checkpoint_fields.md)"
-                for name, config in ((self.target, self.target_config), (self.draft, self.draft_config))
-                if config is not None and getattr(config, "unclassified", ())]
+        return [
+            f"config.json of {name} has fields not classified here, taken to leave the forward pass unchanged: "
+            f"{', '.join(config.unclassified)} (docs/checkpoint_fields.md)"
+            for name, config in ((self.target, self.target_config), (self.draft, self.draft_config))
+            if config is not None and getattr(config, "unclassified", ())
+        ]
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:
@@ -149,7 +165,11 @@ class PairSpec:
         never reach the output (the verifier makes it the target's distribution whatever is
         proposed), so a step bound by reading its weights takes the fewer bytes wherever the CPU
         computes them at full speed (docs/drafters.md, "The drafter's own dtype")."""
-        if self.draft_dir is None or torch.device(device).type != "cpu" or not describe_cpu().native_bf16:
+        if (
+            self.draft_dir is None
+            or torch.device(device).type != "cpu"
+            or not describe_cpu().native_bf16
+        ):
             return dtype
         try:
             config = json.loads((self.draft_dir / "config.json").read_text())
@@ -158,9 +178,18 @@ class PairSpec:
         own = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
         return torch.bfloat16 if own == "bfloat16" else dtype
 
-    def load(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *,
-             quantize: str | None = None, tensor_parallel: bool = False, stack: bool = True, prepack: bool = True,
-             prepare_models: bool = True, draft_dtype: torch.dtype | None = None) -> Pair:
+    def load(
+        self,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        *,
+        quantize: str | None = None,
+        tensor_parallel: bool = False,
+        stack: bool = True,
+        prepack: bool = True,
+        prepare_models: bool = True,
+        draft_dtype: torch.dtype | None = None,
+    ) -> Pair:
         """Load the pair on ``device``, the target in ``dtype`` and the drafter in ``draft_dtype``
         (default ``dtype``). ``tensor_parallel`` loads this rank's shard of the target
         (weights.sharded.load_model_tp; the draft whole on every rank) and ``quantize="int8"`` int8
@@ -170,25 +199,49 @@ class PairSpec:
         start = time.perf_counter()
         if tensor_parallel or quantize is not None:
             target = load_model_tp(self.target_dir, device, dtype, quantize=quantize)
-            draft = load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False) \
-                if is_checkpoint(self.kind) else None
+            draft = (
+                load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False)
+                if is_checkpoint(self.kind)
+                else None
+            )
             draft_dtype = dtype
         else:
             draft_dtype = draft_dtype or dtype
             target = load_model(self.target_dir, device=device, dtype=dtype)
-            draft = load_model(self.draft_dir, device=device, dtype=draft_dtype) if is_checkpoint(self.kind) else None
+            draft = (
+                load_model(self.draft_dir, device=device, dtype=draft_dtype)
+                if is_checkpoint(self.kind)
+                else None
+            )
         drafter = draft  # a draft model is returned as the model itself (the loops wrap it)
-        if is_checkpoint(self.kind) and self.kind != "model":  # a parallel draft: its drafter around it
+        if (
+            is_checkpoint(self.kind) and self.kind != "model"
+        ):  # a parallel draft: its drafter around it
             drafter = DRAFTERS[self.kind].build(draft, target)
-        elif not is_checkpoint(self.kind) and self.kind is not None:  # a head is checked against its target; any
+        elif (
+            not is_checkpoint(self.kind) and self.kind is not None
+        ):  # a head is checked against its target; any
             # other kind is built from what its loader reads, or from nothing
-            drafter = load_drafter(self.draft_dir or self.draft, target, self.target, dtype=draft_dtype)
-        networks = [net for net in (target, draft, getattr(drafter, "head", None)) if net is not None] \
-            if prepare_models else []
+            drafter = load_drafter(
+                self.draft_dir or self.draft, target, self.target, dtype=draft_dtype
+            )
+        networks = (
+            [net for net in (target, draft, getattr(drafter, "head", None)) if net is not None]
+            if prepare_models
+            else []
+        )
         counts = [prepare_for_decoding(net, stack=stack, prepack=prepack) for net in networks]
         fused, prepacked = (sum(column) for column in zip(*counts)) if counts else (0, 0)
-        return Pair(target, drafter, self.tokenizer, self.kind, time.perf_counter() - start, fused, prepacked,
-                    self.stop_ids)
+        return Pair(
+            target,
+            drafter,
+            self.tokenizer,
+            self.kind,
+            time.perf_counter() - start,
+            fused,
+            prepacked,
+            self.stop_ids,
+        )
 
 
 @dataclass
@@ -229,9 +282,18 @@ class Pair:
         network = self.draft_model if self.draft_model is not None else self.head
         return None if network is None else network.dtype
 
-    def set_up(self, setup: str, widths: Sequence[int], positions: int, *, batch: int = 1,
-               tree: Sequence[int] | None = None, store: Any = None, stack: bool = True,
-               prepack: bool = True) -> tuple[Pair, Setups]:
+    def set_up(
+        self,
+        setup: str,
+        widths: Sequence[int],
+        positions: int,
+        *,
+        batch: int = 1,
+        tree: Sequence[int] | None = None,
+        store: Any = None,
+        stack: bool = True,
+        prepack: bool = True,
+    ) -> tuple[Pair, Setups]:
         """The pair set up to decode, from its networks as loaded (PairSpec.load with
         prepare_models=False), for calls of ``widths`` tokens, ``batch`` rows, a ``tree``, and
         sequences of up to ``positions`` tokens. ``setup``: "default" (model.fast.setup.default_setups:
@@ -242,20 +304,34 @@ class Pair:
         # Deferred: model.fast.setup loads Inductor's config (about a second), which loading a pair does not need.
         from model.fast.setup import candidates, choose_setups, default_setups
 
-        context = min(m.config.max_seq_len for m in (self.target, self.draft_model) if m is not None)
+        context = min(
+            m.config.max_seq_len for m in (self.target, self.draft_model) if m is not None
+        )
         cache_len = min(context, positions)
         models = dict(draft=self.draft_model, head=self.head, batch=batch, tree=tree)
         if setup == "default":
-            setups = default_setups(self.target, widths, cache_len, store=store, stack=stack, prepack=prepack,
-                                    **models)
+            setups = default_setups(
+                self.target, widths, cache_len, store=store, stack=stack, prepack=prepack, **models
+            )
         else:
             notes: list[str] = []
-            setups = choose_setups(self.target, candidates(setup), widths, cache_len, store=store, note=notes.append,
-                                   **models)
+            setups = choose_setups(
+                self.target,
+                candidates(setup),
+                widths,
+                cache_len,
+                store=store,
+                note=notes.append,
+                **models,
+            )
             setups.notes = notes
         pair = self.with_models(setups.target, setups.draft)
-        counts = [prepared(net) for net in (pair.target, pair.draft_model, pair.head) if net is not None]
-        return replace(pair, fused=sum(c[0] for c in counts), prepacked=sum(c[1] for c in counts)), setups
+        counts = [
+            prepared(net) for net in (pair.target, pair.draft_model, pair.head) if net is not None
+        ]
+        return replace(
+            pair, fused=sum(c[0] for c in counts), prepacked=sum(c[1] for c in counts)
+        ), setups
 
     def with_models(self, target: Llama, draft_model: Llama | None = None) -> Pair:
         """The same pair with other target and draft model objects (model.fast.setup.choose_setups
@@ -282,20 +358,44 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
     tokenizer = load_tokenizer(target_dir)
     if is_checkpoint(kind):  # check_pair reads only .config and the tokenizers
         # a parallel draft's vocabulary is the target's plus its mask id (pard_token) at the end
-        own = draft_config if kind == "model" or draft_config.vocab_size != target_config.vocab_size + 1 else \
-            replace(draft_config, vocab_size=target_config.vocab_size)
+        own = (
+            draft_config
+            if kind == "model" or draft_config.vocab_size != target_config.vocab_size + 1
+            else replace(draft_config, vocab_size=target_config.vocab_size)
+        )
         try:
-            check_pair(SimpleNamespace(config=target_config), SimpleNamespace(config=own), tokenizer,
-                       load_tokenizer(draft_dir))
+            check_pair(
+                SimpleNamespace(config=target_config),
+                SimpleNamespace(config=own),
+                tokenizer,
+                load_tokenizer(draft_dir),
+            )
         except PairMismatchError as err:
-            raise PairMismatchError(f"draft {draft} cannot speculate for target {target}: {err}") from None
+            raise PairMismatchError(
+                f"draft {draft} cannot speculate for target {target}: {err}"
+            ) from None
     generation = read_generation_config(target_dir)
-    return PairSpec(str(target), None if draft is None else str(draft), kind, target_dir, draft_dir, target_config,
-                    draft_config, tokenizer, stop_ids(target_config, generation, tokenizer), generation)
+    return PairSpec(
+        str(target),
+        None if draft is None else str(draft),
+        kind,
+        target_dir,
+        draft_dir,
+        target_config,
+        draft_config,
+        tokenizer,
+        stop_ids(target_config, generation, tokenizer),
+        generation,
+    )
 
 
-def load_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32, **options: Any) -> Pair:
+def load_pair(
+    target: str | os.PathLike,
+    draft: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **options: Any,
+) -> Pair:
     """A target and its drafter by name or path (``draft``: a checkpoint, a feature head such
     as ``tiny-eagle``, ``lookup``, or None for the target alone), checked as :func:`read_pair`
     checks them and loaded as :meth:`PairSpec.load` loads them (``options`` are its keywords),
@@ -360,7 +460,9 @@ def read_named_pair(args: Any) -> PairSpec:
     the default draft under another target, how to name one."""
     named_draft(args)
     if getattr(args, "draft_defaulted", False) and not getattr(args, "gamma_given", True):
-        args.gamma = proposal_length(resolve(args.draft)) or args.gamma  # the default head's own, measured
+        args.gamma = (
+            proposal_length(resolve(args.draft)) or args.gamma
+        )  # the default head's own, measured
     try:
         return read_pair(args.target, None if args.no_draft else args.draft)
     except PairMismatchError as err:
@@ -370,10 +472,22 @@ def read_named_pair(args: Any) -> PairSpec:
         raise PairMismatchError(f"{err}{hint}") from None
 
 
-def load_named_pair(args: Any, spec: PairSpec, device: torch.device, dtype: torch.dtype, *, positions: int,
-                    rows: int, gamma: int | str, gamma_max: int, cache_len: int | None = None,
-                    tree: Sequence[int] | None = None, world_size: int = 1, flag: str,
-                    draft_dtype: torch.dtype | None = None) -> tuple[Pair, Setups]:
+def load_named_pair(
+    args: Any,
+    spec: PairSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    positions: int,
+    rows: int,
+    gamma: int | str,
+    gamma_max: int,
+    cache_len: int | None = None,
+    tree: Sequence[int] | None = None,
+    world_size: int = 1,
+    flag: str,
+    draft_dtype: torch.dtype | None = None,
+) -> tuple[Pair, Setups]:
     """The pair ``spec`` loaded as a command line asks (``args``: --quantize, --setup, --no-fuse,
     --no-prepack, --cache-dir, and the names for messages): refused first when KV caches of
     ``positions`` x ``rows`` do not fit (model.scale.memory.check_memory; this rank's share of
@@ -385,24 +499,53 @@ def load_named_pair(args: Any, spec: PairSpec, device: torch.device, dtype: torc
     A set-up that does not apply is one ValueError led by ``flag``, the flag that asked; so is --quantize int4
     anywhere but on a CPU in float32 or bfloat16 (torch's packed int4 kernel)."""
     if args.quantize == "int4" and (device.type != "cpu" or dtype not in INT4_DTYPES):
-        raise ValueError(f"--quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
-                         f"{device.type} in {str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype")
+        raise ValueError(
+            f"--quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
+            f"{device.type} in {str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype"
+        )
     planned = spec.planned_draft
-    check_memory((args.target, spec.target_config), None if planned is None else (args.draft, planned), positions,
-                 dtype, device, tp_size=world_size, quantize=args.quantize, batch=rows)
+    check_memory(
+        (args.target, spec.target_config),
+        None if planned is None else (args.draft, planned),
+        positions,
+        dtype,
+        device,
+        tp_size=world_size,
+        quantize=args.quantize,
+        batch=rows,
+    )
     try:
-        pair = spec.load(device, dtype, quantize=args.quantize, tensor_parallel=world_size > 1, prepare_models=False,
-                         draft_dtype=draft_dtype or spec.draft_dtype(device, dtype))
-    except CheckpointError as err:  # a default head whose target has the shape but not the weights it was made for
+        pair = spec.load(
+            device,
+            dtype,
+            quantize=args.quantize,
+            tensor_parallel=world_size > 1,
+            prepare_models=False,
+            draft_dtype=draft_dtype or spec.draft_dtype(device, dtype),
+        )
+    except (
+        CheckpointError
+    ) as err:  # a default head whose target has the shape but not the weights it was made for
         if not getattr(args, "draft_defaulted", False):
             raise
-        raise CheckpointError(f"{err} (--draft defaulted to {args.draft}, trained for a model of this shape; name "
-                              "another --draft, or --no-draft)") from None
+        raise CheckpointError(
+            f"{err} (--draft defaulted to {args.draft}, trained for a model of this shape; name "
+            "another --draft, or --no-draft)"
+        ) from None
     widths = decode_widths(gamma, gamma_max) if spec.kind else (1,)
     store = None if args.no_fuse or args.no_prepack or world_size > 1 else StepCache(args.cache_dir)
     try:
-        return pair.set_up(args.setup, widths, positions if cache_len is None else cache_len, batch=rows,
-                           tree=tree if spec.kind else None, store=store, stack=not args.no_fuse,
-                           prepack=not args.no_prepack)
-    except ValueError as err:  # a set-up that does not apply, or --compile force that cannot compile
+        return pair.set_up(
+            args.setup,
+            widths,
+            positions if cache_len is None else cache_len,
+            batch=rows,
+            tree=tree if spec.kind else None,
+            store=store,
+            stack=not args.no_fuse,
+            prepack=not args.no_prepack,
+        )
+    except (
+        ValueError
+    ) as err:  # a set-up that does not apply, or --compile force that cannot compile
         raise ValueError(f"{flag}: {err}") from None

@@ -29,7 +29,9 @@ LLAMA2 = {
 # drafter trained here for a real model that is not (SmolLM2-135M-Instruct: its README says where to get it).
 SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled", "tiny-draft-parallel")
 SHIPPED_HEADS = ("tiny-eagle", "tiny-eagle3", "smollm2-eagle3")
-FOR_OTHER_TARGETS = ("smollm2-eagle3",)  # each the default --draft of a target of its target's shape
+FOR_OTHER_TARGETS = (
+    "smollm2-eagle3",
+)  # each the default --draft of a target of its target's shape
 SHIPPED = SHIPPED_MODELS + SHIPPED_HEADS
 
 
@@ -52,7 +54,9 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     if name in SHIPPED:
         path = WEIGHTS_DIR / name
         if not path.is_dir():
-            raise UnknownCheckpointError(f"the shipped checkpoint {path} is missing; restore it with git checkout")
+            raise UnknownCheckpointError(
+                f"the shipped checkpoint {path} is missing; restore it with git checkout"
+            )
         return path
     if name in LLAMA2:
         dirname, repo = LLAMA2[name]
@@ -62,15 +66,19 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
         where = " or ".join(str(d / dirname) for d in search_dirs())
         raise UnknownCheckpointError(
             f"checkpoint '{name}' not found: download {repo} from Hugging Face (after accepting Meta's "
-            f"license) and put it at {where}, or set {ENV_VAR} to the folder that holds {dirname}")
+            f"license) and put it at {where}, or set {ENV_VAR} to the folder that holds {dirname}"
+        )
     path = Path(name).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):  # a GGUF file is a checkpoint too
+    if path.is_dir() or (
+        path.is_file() and path.suffix.lower() == ".gguf"
+    ):  # a GGUF file is a checkpoint too
         return path
     if os.sep in name or name.startswith("."):
         raise UnknownCheckpointError(f"checkpoint directory {name} does not exist")
     known = ", ".join(list(LLAMA2) + list(SHIPPED))
     raise UnknownCheckpointError(
-        f"unknown checkpoint '{name}': use one of {known}, or a path to an HF-layout directory")
+        f"unknown checkpoint '{name}': use one of {known}, or a path to an HF-layout directory"
+    )
 
 
 CHAT_MARKERS = ("chat", "instruct")
@@ -81,14 +89,19 @@ def marked_for_chat(name_or_path: str | os.PathLike) -> bool:
     short name, its folder's name or config.json's ``_name_or_path``, or a ``chat_template`` in
     its tokenizer_config.json. A base model does not follow the chat template."""
     directory = resolve(name_or_path)
-    labels = [Path(name_or_path).name, directory.name]  # the folders above say nothing about the model
+    labels = [
+        Path(name_or_path).name,
+        directory.name,
+    ]  # the folders above say nothing about the model
     try:
-        labels.append(str(json.loads((directory / "config.json").read_text()).get("_name_or_path", "")))
+        labels.append(
+            str(json.loads((directory / "config.json").read_text()).get("_name_or_path", ""))
+        )
         tokenizer_config = directory / "tokenizer_config.json"
-        if tokenizer_config.is_file() and "chat_template" in json.loads(tokenizer_config.read_text()):
+        if tokenizer_config.is_file() and "chat_template" in json.loads(
+            tokenizer_config.read_text()
+        ):
             return True
     except (OSError, ValueError, AttributeError):
         pass  # read_config reports a broken config.json properly, later
     return any(marker in label.lower() for label in labels for marker in CHAT_MARKERS)
-
-

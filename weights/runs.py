@@ -73,15 +73,30 @@ class RunFolder:
         """What :meth:`write_json` wrote."""
         return json.loads((self.out / name).read_text())
 
-    def save_state(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                   gen: torch.Generator, rng: random.Random | None = None) -> None:
+    def save_state(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        gen: torch.Generator,
+        rng: random.Random | None = None,
+    ) -> None:
         """state.pt, written whole or not at all (through a temporary file). ``gen`` and ``rng``
         are the run's data generators: saved, so that a resumed run draws the batches an
         uninterrupted one would have drawn."""
         tmp = self._made() / "state.pt.tmp"
-        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "generator": gen.get_state(), "rng": rng.getstate() if rng is not None else None,
-                    "torch_rng": torch.get_rng_state(), "config": model.config.to_hf()}, tmp)
+        torch.save(
+            {
+                "step": step,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "generator": gen.get_state(),
+                "rng": rng.getstate() if rng is not None else None,
+                "torch_rng": torch.get_rng_state(),
+                "config": model.config.to_hf(),
+            },
+            tmp,
+        )
         tmp.replace(self.out / "state.pt")
         self._state = None
 
@@ -94,25 +109,43 @@ class RunFolder:
         if not path.is_file():
             return
         if self._state is None:
-            self._state = torch.load(path, map_location="cpu", weights_only=False)  # a GPU's run goes on anywhere
+            self._state = torch.load(
+                path, map_location="cpu", weights_only=False
+            )  # a GPU's run goes on anywhere
         saved, wanted = self._state.get("config"), model.config.to_hf()
         if saved is not None and saved != wanted:
-            diffs = [f"{(names or {}).get(key, key)} {saved.get(key)} there, {wanted.get(key)} now"
-                     for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key)]
-            raise RunFolderError(f"{self.out} holds a run of another shape ({', '.join(diffs[:4])}): rerun with the "
-                                 f"settings it was started with, choose another --out, or delete {path} to start over")
+            diffs = [
+                f"{(names or {}).get(key, key)} {saved.get(key)} there, {wanted.get(key)} now"
+                for key in sorted(set(saved) | set(wanted))
+                if saved.get(key) != wanted.get(key)
+            ]
+            raise RunFolderError(
+                f"{self.out} holds a run of another shape ({', '.join(diffs[:4])}): rerun with the "
+                f"settings it was started with, choose another --out, or delete {path} to start over"
+            )
         # The config does not say everything (a head's draft vocabulary; a state.pt of an older
         # version has no config): the weights' names and shapes, as load_state_dict would see them.
         there = {key: tuple(value.shape) for key, value in self._state["model"].items()}
         here = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         if there != here:
-            diff = next(f"{key}: {there.get(key, 'absent')} there, {here.get(key, 'absent')} now"
-                        for key in sorted(set(there) | set(here)) if there.get(key) != here.get(key))
-            raise RunFolderError(f"{path} does not fit this model ({diff}); choose another --out, or delete "
-                                 f"{path} to start over")
+            diff = next(
+                f"{key}: {there.get(key, 'absent')} there, {here.get(key, 'absent')} now"
+                for key in sorted(set(there) | set(here))
+                if there.get(key) != here.get(key)
+            )
+            raise RunFolderError(
+                f"{path} does not fit this model ({diff}); choose another --out, or delete "
+                f"{path} to start over"
+            )
 
-    def load_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, gen: torch.Generator,
-                   names: dict[str, str] | None = None, rng: random.Random | None = None) -> int:
+    def load_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        gen: torch.Generator,
+        names: dict[str, str] | None = None,
+        rng: random.Random | None = None,
+    ) -> int:
         """Resume from state.pt: the step it reached (0 without one), with the model, optimizer,
         ``gen``, ``rng`` and torch's RNG restored. A state the model cannot take raises
         RunFolderError (:meth:`check`). ``rng`` is left as it is when state.pt has none (an older
@@ -130,7 +163,9 @@ class RunFolder:
         torch.set_rng_state(state["torch_rng"])
         return int(state["step"])
 
-    def data(self, made_from: dict[str, Any], rows: int, make: Callable[[], torch.Tensor], what: str) -> torch.Tensor:
+    def data(
+        self, made_from: dict[str, Any], rows: int, make: Callable[[], torch.Tensor], what: str
+    ) -> torch.Tensor:
         """data.pt: training data made once by ``make()`` (saying ``what`` it makes), and its first
         ``rows`` rows. A resumed run, or another run pointed at the folder, reads it back when it
         was made from the same ``made_from`` (e.g. the target's fingerprint and the lengths: the
@@ -140,7 +175,11 @@ class RunFolder:
         if path.is_file():
             saved = torch.load(path, weights_only=True)
             # An older version saved the bare tensor, without what it was made from: made again.
-            if isinstance(saved, dict) and saved.get("made_from") == made_from and len(saved["tokens"]) >= rows:
+            if (
+                isinstance(saved, dict)
+                and saved.get("made_from") == made_from
+                and len(saved["tokens"]) >= rows
+            ):
                 return saved["tokens"][:rows]
         print(f"{what} into {path} (once)")
         tokens = make()
@@ -149,20 +188,40 @@ class RunFolder:
         tmp.replace(path)  # written whole or not at all, as state.pt
         return tokens[:rows]
 
-    def answers(self, target: nn.Module, tokenizer: Tokenizer, target_name: str, corpus: Sequence[str], count: int,
-                length: int, seed: int, made_from: dict[str, Any], device: torch.device) -> torch.Tensor:
+    def answers(
+        self,
+        target: nn.Module,
+        tokenizer: Tokenizer,
+        target_name: str,
+        corpus: Sequence[str],
+        count: int,
+        length: int,
+        seed: int,
+        made_from: dict[str, Any],
+        device: torch.device,
+    ) -> torch.Tensor:
         """data.pt as one stream (:meth:`grown`): ``count`` chat requests about ``corpus`` in the target's
         template (weights.corpus.chat_prompts, ``seed`` + 1), each followed by the target's answer, to a
         stop id or ``length`` tokens (speculative.engine.generation.conversations). The rows answered at
         once (32 on a CPU, 512 on a GPU) follow the data already there (:meth:`made_with`)."""
-        from speculative.engine.generation import conversations  # the engine, only where answers are made
+        from speculative.engine.generation import (
+            conversations,
+        )  # the engine, only where answers are made
 
-        prompts = chat_prompts(corpus, tokenizer, count, seed + 1, target.config.max_seq_len - length)
+        prompts = chat_prompts(
+            corpus, tokenizer, count, seed + 1, target.config.max_seq_len - length
+        )
         stops = stop_ids(target.config, read_generation_config(target_name), tokenizer)
         rows = self.made_with("rows", 32 if device.type == "cpu" else 512)
-        return self.grown({**made_from, "seed": seed, "rows": rows}, count, lambda i, j: conversations(
-            target, prompts[i:j], length, stops, seed, first=i, rows=rows),
-            f"the target answers requests ({length} tokens at most)", every=2 * rows)
+        return self.grown(
+            {**made_from, "seed": seed, "rows": rows},
+            count,
+            lambda i, j: conversations(
+                target, prompts[i:j], length, stops, seed, first=i, rows=rows
+            ),
+            f"the target answers requests ({length} tokens at most)",
+            every=2 * rows,
+        )
 
     def made_with(self, name: str, default: Any) -> Any:
         """The field ``name`` of what data.pt was made with, else ``default``: a setting that changes
@@ -170,10 +229,20 @@ class RunFolder:
         already there, so a run goes on with it on another device instead of making it again."""
         path = self.out / "data.pt"
         saved = torch.load(path, weights_only=True) if path.is_file() else None
-        return saved["made_from"].get(name, default) if isinstance(saved, dict) and "made_from" in saved else default
+        return (
+            saved["made_from"].get(name, default)
+            if isinstance(saved, dict) and "made_from" in saved
+            else default
+        )
 
-    def grown(self, made_from: dict[str, Any], count: int, make: Callable[[int, int], list[list[int]]], what: str,
-              every: int = 64) -> torch.Tensor:
+    def grown(
+        self,
+        made_from: dict[str, Any],
+        count: int,
+        make: Callable[[int, int], list[list[int]]],
+        what: str,
+        every: int = 64,
+    ) -> torch.Tensor:
         """data.pt grown in pieces: the tokens of the first ``count`` items that ``make(start, end)``
         makes in order (items start..end-1, each a list of tokens), as one stream, saved after every
         ``every`` items. A run stopped while it writes goes on from the last piece saved, and a later
@@ -188,14 +257,16 @@ class RunFolder:
             print(f"{what} into {path} ({len(ends)} of {count} there)", flush=True)
         while len(ends) < count:
             items = make(len(ends), min(len(ends) + every, count))
-            tokens = torch.cat([tokens, torch.tensor([t for item in items for t in item], dtype=torch.long)])
+            tokens = torch.cat(
+                [tokens, torch.tensor([t for item in items for t in item], dtype=torch.long)]
+            )
             for item in items:
                 ends.append((ends[-1] if ends else 0) + len(item))
             tmp = self._made() / "data.pt.tmp"
             torch.save({"tokens": tokens, "ends": ends, "made_from": made_from}, tmp)
             tmp.replace(path)
             print(f"  {len(ends)} of {count}", flush=True)
-        return tokens[:ends[count - 1]] if count else tokens[:0]
+        return tokens[: ends[count - 1]] if count else tokens[:0]
 
     def plot(self, title: str) -> None:
         """loss.png: the training loss per step and the held-out loss where it was logged."""
@@ -225,6 +296,7 @@ class RunFolder:
         """``name`` (a .png): a per-depth list logged under ``key`` at every step, one line per depth,
         smoothed over 20 steps (EAGLE-3's training alpha by draft depth)."""
         import matplotlib  # the train extra
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -234,7 +306,10 @@ class RunFolder:
         fig, ax = plt.subplots(figsize=(6, 4))
         for depth in range(len(rows[0][key])):
             values = [r[key][depth] for r in rows]
-            smooth = [sum(values[max(0, i - 19):i + 1]) / len(values[max(0, i - 19):i + 1]) for i in range(len(values))]
+            smooth = [
+                sum(values[max(0, i - 19) : i + 1]) / len(values[max(0, i - 19) : i + 1])
+                for i in range(len(values))
+            ]
             ax.plot([r["step"] for r in rows], smooth, label=f"depth {depth + 1}")
         ax.set_xlabel("step")
         ax.set_title(title, fontsize=9)
@@ -244,8 +319,14 @@ class RunFolder:
         fig.savefig(self._made() / name, dpi=100)
         plt.close(fig)
 
-    def export(self, model: nn.Module, tokenizer: str | os.PathLike | Tokenizer | None, dtype: torch.dtype,
-               target: nn.Module | None = None, target_name: str = "the target") -> Path:
+    def export(
+        self,
+        model: nn.Module,
+        tokenizer: str | os.PathLike | Tokenizer | None,
+        dtype: torch.dtype,
+        target: nn.Module | None = None,
+        target_name: str = "the target",
+    ) -> Path:
         """hf/: the model as an HF-layout checkpoint in ``dtype``, with its tokenizer (a tokenizer.model
         file, or a loaded tokenizer: a SentencePiece one's file, a tokenizer.json's text with the ids of
         its BOS and EOS in tokenizer_config.json); or, with no ``tokenizer``, a feature head (EAGLE) or
@@ -260,7 +341,9 @@ class RunFolder:
         if isinstance(tokenizer, JsonTokenizer):
             (hf / "tokenizer.json").write_text(tokenizer.text, encoding="utf-8")
             ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
-            names = {key: tokenizer.backend.id_to_token(i) for key, i in ids.items() if i is not None}
+            names = {
+                key: tokenizer.backend.id_to_token(i) for key, i in ids.items() if i is not None
+            }
             (hf / "tokenizer_config.json").write_text(json.dumps(names, indent=2))
         else:
             shutil.copyfile(getattr(tokenizer, "path", tokenizer), hf / "tokenizer.model")

@@ -36,9 +36,15 @@ from weights.registry import UnknownCheckpointError, resolve
 QUANTIZE_MODES = (None, "int8", "int4")
 
 
-def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32, quantize: str | None = None,
-                  group: dist.ProcessGroup | None = None, shard: bool = True, sync: bool = True) -> Llama:
+def load_model_tp(
+    name_or_path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantize: str | None = None,
+    group: dist.ProcessGroup | None = None,
+    shard: bool = True,
+    sync: bool = True,
+) -> Llama:
     """This rank's tensor-parallel share of an HF-layout checkpoint, ready for inference.
 
     The rank and world size come from ``group`` (default: the default process group;
@@ -49,7 +55,9 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     logits and speculative decoding takes the same decisions everywhere.
     """
     if dtype not in SUPPORTED_DTYPES:
-        raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64")
+        raise CheckpointError(
+            f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64"
+        )
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
     device = torch.device(device)
@@ -90,19 +98,31 @@ def load_model_tp(name_or_path: str | os.PathLike, device: str | torch.device = 
     return sync_logits(model) if sync else model
 
 
-def _place(model: Llama, name: str, tensor: torch.Tensor, quantize: str | None, dtype: torch.dtype) -> None:
+def _place(
+    model: Llama, name: str, tensor: torch.Tensor, quantize: str | None, dtype: torch.dtype
+) -> None:
     """Put ``tensor`` where parameter ``name`` lives, in ``dtype``; block linears become Int8Linear with
     int8, and Int4Linear computing in ``dtype`` with int4 where their inputs split into groups of 32."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
     current = getattr(module, attr)
     if tuple(current.shape) != tuple(tensor.shape):
-        raise CheckpointError(f"{name}: this rank's slice has shape {list(tensor.shape)}, the sharded model "
-                              f"expects {list(current.shape)}")
-    if quantize and isinstance(module, nn.Linear) and name.startswith("layers.") and \
-            (quantize == "int8" or tensor.shape[1] % 32 == 0):
+        raise CheckpointError(
+            f"{name}: this rank's slice has shape {list(tensor.shape)}, the sharded model "
+            f"expects {list(current.shape)}"
+        )
+    if (
+        quantize
+        and isinstance(module, nn.Linear)
+        and name.startswith("layers.")
+        and (quantize == "int8" or tensor.shape[1] % 32 == 0)
+    ):
         parent_name, _, child = module_name.rpartition(".")
-        layer = Int8Linear(*quantize_weight(tensor)) if quantize == "int8" else Int4Linear.from_float(tensor, 32)
+        layer = (
+            Int8Linear(*quantize_weight(tensor))
+            if quantize == "int8"
+            else Int4Linear.from_float(tensor, 32)
+        )
         setattr(model.get_submodule(parent_name), child, layer.to(dtype))
         return
     setattr(module, attr, nn.Parameter(tensor.to(dtype), requires_grad=False))

@@ -35,7 +35,9 @@ from typing import Any
 
 from model.host import setting
 
-ENV = "SPECULATIVE_CACHE"  # read by model.host.setting: $SPECULATIVE_LLAMA_CACHE too, for one release
+ENV = (
+    "SPECULATIVE_CACHE"  # read by model.host.setting: $SPECULATIVE_LLAMA_CACHE too, for one release
+)
 PAYLOAD = "step.pt2"
 MANIFEST = "manifest.json"
 MEASURED = "measured.json"
@@ -105,13 +107,20 @@ class StepCache:
         payload = folder / PAYLOAD
         size = payload.stat().st_size if payload.is_file() else -1
         if size != manifest.get("size"):
-            raise EntryError(f"its file has {max(size, 0)} bytes, the manifest says {manifest.get('size')} "
-                             "(truncated or replaced)")
+            raise EntryError(
+                f"its file has {max(size, 0)} bytes, the manifest says {manifest.get('size')} "
+                "(truncated or replaced)"
+            )
         if digest(payload) != manifest.get("digest"):
             raise EntryError("its file's hash is not the manifest's (damaged)")
         return payload
 
-    def build(self, key: dict[str, Any], make: Callable[[Path], None], wait: Callable[[], None] | None = None) -> Path:
+    def build(
+        self,
+        key: dict[str, Any],
+        make: Callable[[Path], None],
+        wait: Callable[[], None] | None = None,
+    ) -> Path:
         """The entry's file, made by ``make(path)`` unless another process made it meanwhile: under
         the entry's lock (``wait()`` is called when another process holds it), in a private folder
         renamed into place when the file and its manifest are complete."""
@@ -127,12 +136,18 @@ class StepCache:
             work = Path(tempfile.mkdtemp(prefix=f".build-{self.name(key)[:8]}-", dir=self.root))
             try:
                 make(work / PAYLOAD)
-                manifest = {"key": key, "size": (work / PAYLOAD).stat().st_size, "digest": digest(work / PAYLOAD),
-                            "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+                manifest = {
+                    "key": key,
+                    "size": (work / PAYLOAD).stat().st_size,
+                    "digest": digest(work / PAYLOAD),
+                    "built": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
                 (work / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
                 try:
                     os.replace(work, self.folder(key))
-                except OSError:  # another builder (with no lock to share) renamed its whole entry first
+                except (
+                    OSError
+                ):  # another builder (with no lock to share) renamed its whole entry first
                     pass
             finally:
                 shutil.rmtree(work, ignore_errors=True)
@@ -148,13 +163,17 @@ class StepCache:
     def entries(self) -> list[Entry]:
         """Every entry under the root, broken ones with their problem."""
         found = []
-        for folder in sorted(p for p in self.root.glob("*") if p.is_dir() and not p.name.startswith(".")):
+        for folder in sorted(
+            p for p in self.root.glob("*") if p.is_dir() and not p.name.startswith(".")
+        ):
             size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
             try:
                 manifest, problem = self._manifest(folder), ""
             except EntryError as err:
                 manifest, problem = {}, str(err)
-            found.append(Entry(folder, manifest.get("key", {}), size, manifest.get("built", "?"), problem))
+            found.append(
+                Entry(folder, manifest.get("key", {}), size, manifest.get("built", "?"), problem)
+            )
         return found
 
     def clear(self) -> tuple[int, int]:
@@ -171,7 +190,9 @@ class StepCache:
         return len(entries), sum(e.size for e in entries)
 
     # ------------------------------------------------------------------------- what compiling gained here
-    def measured(self, machine: str, model: str | None = None, file: str = MEASURED) -> dict[str, Any] | None:
+    def measured(
+        self, machine: str, model: str | None = None, file: str = MEASURED
+    ) -> dict[str, Any] | None:
         """What was recorded for ``model`` (model/fast/setup.py's record_key) on ``machine`` (a
         device and thread count); without ``model``, every model's record on that machine. ``file``:
         another record of the store (guard_costs.json: a sampled run's guard, speculative/cli/costs.py)."""
@@ -188,7 +209,9 @@ class StepCache:
             return {}
         return known if isinstance(known, dict) else {}
 
-    def record(self, machine: str, model: str, measurement: dict[str, Any], file: str = MEASURED) -> None:
+    def record(
+        self, machine: str, model: str, measurement: dict[str, Any], file: str = MEASURED
+    ) -> None:
         """Keep ``measurement`` for ``model`` on ``machine`` (the file written whole, then renamed
         into place)."""
         try:

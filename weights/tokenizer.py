@@ -101,7 +101,9 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
         except (OSError, RuntimeError) as err:
-            raise TokenizerError(f"{model_file} is not a SentencePiece model ({str(err).splitlines()[0]})") from None
+            raise TokenizerError(
+                f"{model_file} is not a SentencePiece model ({str(err).splitlines()[0]})"
+            ) from None
         self.bos_id: int | None = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         self.eos_id: int | None = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
         self.vocab_size: int = self.sp.vocab_size()
@@ -110,18 +112,26 @@ class SentencePieceTokenizer(Tokenizer):
         # dummy-prefix space ("<s>[INST]" is "[", not "▁["), unless the config asks for legacy: true,
         # which encodes each piece of text as if it began the text (transformers 5's reading of both)
         self.legacy = config.get("legacy") is True
-        self._special = {self.sp.id_to_piece(i): i for i in range(self.vocab_size)
-                         if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        self._special = {
+            self.sp.id_to_piece(i): i
+            for i in range(self.vocab_size)
+            if self.sp.is_control(i) or self.sp.is_unknown(i)
+        }
         for token in _added_tokens(config):
             if (token_id := self.token_id(token)) is not None:
                 self._special[token] = token_id
         self._split = _splitter(self._special)
-        self._bare: spm.SentencePieceProcessor | None = None  # the model without the dummy prefix, when needed
+        self._bare: spm.SentencePieceProcessor | None = (
+            None  # the model without the dummy prefix, when needed
+        )
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = self.sp.encode(text)
-        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + \
-            ([self.eos_id] if eos and self.eos_id is not None else [])
+        return (
+            ([self.bos_id] if bos and self.bos_id is not None else [])
+            + ids
+            + ([self.eos_id] if eos and self.eos_id is not None else [])
+        )
 
     def encode_special(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -135,7 +145,9 @@ class SentencePieceTokenizer(Tokenizer):
     def _without_prefix(self, text: str) -> list[int]:
         """``text`` encoded without the dummy-prefix space, by the same model with that option off."""
         if self._bare is None:
-            self._bare = spm.SentencePieceProcessor(model_proto=without_dummy_prefix(self.sp.serialized_model_proto()))
+            self._bare = spm.SentencePieceProcessor(
+                model_proto=without_dummy_prefix(self.sp.serialized_model_proto())
+            )
         return self._bare.encode(text)
 
     def decode(self, ids: list[int]) -> str:
@@ -146,7 +158,11 @@ class SentencePieceTokenizer(Tokenizer):
 
     def token_id(self, piece: str) -> int | None:
         token_id = self.sp.piece_to_id(piece)
-        return None if token_id == self.sp.unk_id() and piece != self.sp.id_to_piece(token_id) else token_id
+        return (
+            None
+            if token_id == self.sp.unk_id() and piece != self.sp.id_to_piece(token_id)
+            else token_id
+        )
 
     @property
     def special(self) -> dict[str, int]:
@@ -162,20 +178,30 @@ class JsonTokenizer(Tokenizer):
 
     kind = "tokenizer.json"
 
-    def __init__(self, text: str, config: dict[str, Any] | None = None, origin: str = "tokenizer.json") -> None:
-        from tokenizers import Tokenizer as Backend  # imported here: a SentencePiece checkpoint never needs it
+    def __init__(
+        self, text: str, config: dict[str, Any] | None = None, origin: str = "tokenizer.json"
+    ) -> None:
+        from tokenizers import (
+            Tokenizer as Backend,
+        )  # imported here: a SentencePiece checkpoint never needs it
 
         try:
             self.backend = Backend.from_str(text)
-        except Exception as err:  # tokenizers raises its own Exception type for a file it cannot parse
-            raise TokenizerError(f"{origin} is not a tokenizer.json that the tokenizers library reads "
-                                 f"({str(err).splitlines()[0][:200]})") from None
+        except (
+            Exception
+        ) as err:  # tokenizers raises its own Exception type for a file it cannot parse
+            raise TokenizerError(
+                f"{origin} is not a tokenizer.json that the tokenizers library reads "
+                f"({str(err).splitlines()[0][:200]})"
+            ) from None
         self.text = text
         config = config or {}
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
         self.bos_id: int | None = self._named(config, "bos_token", origin)
         self.eos_id: int | None = self._named(config, "eos_token", origin)
-        self._special = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        self._special = {
+            t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special
+        }
 
     def _named(self, config: dict[str, Any], key: str, origin: str) -> int | None:
         token = config.get(key)
@@ -185,7 +211,9 @@ class JsonTokenizer(Tokenizer):
             return None
         token_id = self.backend.token_to_id(str(token))
         if token_id is None:
-            raise TokenizerError(f"{origin}: the {key} {token!r} of tokenizer_config.json is not in the vocabulary")
+            raise TokenizerError(
+                f"{origin}: the {key} {token!r} of tokenizer_config.json is not in the vocabulary"
+            )
         return token_id
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
@@ -261,7 +289,9 @@ def without_dummy_prefix(proto: bytes) -> bytes:
             elif wire == 5:
                 i += 4
             else:
-                raise TokenizerError(f"a SentencePiece model with protobuf wire type {wire} cannot be read")
+                raise TokenizerError(
+                    f"a SentencePiece model with protobuf wire type {wire} cannot be read"
+                )
             out.append((number, wire, data[start:i]))
         return out
 
@@ -270,7 +300,9 @@ def without_dummy_prefix(proto: bytes) -> bytes:
         if number == 3 and wire == 2:  # NormalizerSpec
             key_end = varint(raw, 0)[1]
             body_start = varint(raw, key_end)[1]
-            body = b"".join(r for n, _, r in fields(raw[body_start:]) if n != 3) + bytes([3 << 3, 0])
+            body = b"".join(r for n, _, r in fields(raw[body_start:]) if n != 3) + bytes(
+                [3 << 3, 0]
+            )
             raw = raw[:key_end] + encode_varint(len(body)) + body
         parts.append(raw)
     return b"".join(parts)

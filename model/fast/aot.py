@@ -51,13 +51,28 @@ from model.model import KVCache, rope_tables
 
 # Inductor's options per model/fast/compile.py mode, for a package (the modes that a package can hold).
 PACKAGE_OPTIONS: dict[str, dict[str, Any]] = {
-    "autotune": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False},
+    "autotune": {
+        "freezing": True,
+        "max_autotune": True,
+        "max_autotune_gemm_backends": "CPP,ATEN",
+        "autotune_num_choices_displayed": 0,
+        "max_autotune_report_choices_stats": False,
+    },
     "default": {},
-    "shared": {"aot_inductor.package_constants_in_so": False},  # the weights handed over at load: shared_constants
+    "shared": {
+        "aot_inductor.package_constants_in_so": False
+    },  # the weights handed over at load: shared_constants
 }
-SOURCES = ("model.py", "call.py", "fast/compile.py", "fast/aot.py", "feature_head.py", "eagle3_head.py", "fast/fuse.py",
-           "config.py")
+SOURCES = (
+    "model.py",
+    "call.py",
+    "fast/compile.py",
+    "fast/aot.py",
+    "feature_head.py",
+    "eagle3_head.py",
+    "fast/fuse.py",
+    "config.py",
+)
 
 
 class CompileError(ValueError):
@@ -89,8 +104,11 @@ class StepProgram(nn.Module):
         self.model, self.hidden, self.n_inputs = model, hidden, len(model.example_inputs(1, 1))
 
     def forward(self, *args: torch.Tensor) -> Any:
-        inputs, (slots, positions, visible), caches = args[:self.n_inputs], args[self.n_inputs:self.n_inputs + 3], \
-            args[self.n_inputs + 3:]
+        inputs, (slots, positions, visible), caches = (
+            args[: self.n_inputs],
+            args[self.n_inputs : self.n_inputs + 3],
+            args[self.n_inputs + 3 :],
+        )
         layers = self.model.layers
         for layer, k, v in zip(layers, caches[0::2], caches[1::2]):
             layer.self_attn.cache = _Buffers(k, v)
@@ -116,27 +134,37 @@ def example_call(model: nn.Module, rows: int, width: int, window: int) -> tuple[
 EXAMPLE_SLOTS, EXAMPLE_WINDOW = 67, 37
 
 
-def build_package(model: nn.Module, rows: int, width: int, hidden: bool, mode: str,
-                  path: str | os.PathLike) -> None:
+def build_package(
+    model: nn.Module, rows: int, width: int, hidden: bool, mode: str, path: str | os.PathLike
+) -> None:
     """Export ``model.step`` at (rows, width), the cache's length and the call's window dynamic,
     and compile it into an AOTInductor package at ``path``."""
     program = StepProgram(model, hidden)
     layer = model.layers[0].self_attn
     cache_shape = (rows, layer.local_kv_heads, max(EXAMPLE_SLOTS, width + 2), model.config.head_dim)
-    caches = [torch.zeros(cache_shape, dtype=model.dtype, device=model.device) for _ in range(2 * len(model.layers))]
+    caches = [
+        torch.zeros(cache_shape, dtype=model.dtype, device=model.device)
+        for _ in range(2 * len(model.layers))
+    ]
     window = min(EXAMPLE_WINDOW, cache_shape[2] - 1) if width < EXAMPLE_WINDOW else width + 1
     args = (*example_call(model, rows, width, window), *caches)
     any_size = torch.export.Dim.AUTO(min=1)
     inputs = len(args) - len(caches)
-    shapes = ((*[None] * (inputs - 1), {2: any_size}, *[{2: any_size}] * len(caches)),)  # forward(*args)
+    shapes = (
+        (*[None] * (inputs - 1), {2: any_size}, *[{2: any_size}] * len(caches)),
+    )  # forward(*args)
     saved, cached = model._rope, [layer.self_attn.cache for layer in model.layers]
-    model._rope = torch.stack(rope_tables(model.config, model.config.max_seq_len + 1, model.device, model.dtype), 1)
+    model._rope = torch.stack(
+        rope_tables(model.config, model.config.max_seq_len + 1, model.device, model.dtype), 1
+    )
     with torch.inference_mode(False), torch.no_grad(), quiet_inductor():
         grads = [p.requires_grad for p in model.parameters()]
         try:
             for p in model.parameters():
                 p.requires_grad_(False)
-            for layer in model.layers:  # out of the model meanwhile: export must not lift them as its state
+            for (
+                layer
+            ) in model.layers:  # out of the model meanwhile: export must not lift them as its state
                 layer.self_attn.cache = None
             exported = torch.export.export(program, args, dynamic_shapes=shapes, strict=False)
         finally:
@@ -145,8 +173,9 @@ def build_package(model: nn.Module, rows: int, width: int, hidden: bool, mode: s
                 layer.self_attn.cache = cache
             for p, grad in zip(model.parameters(), grads):
                 p.requires_grad_(grad)
-        torch._inductor.aoti_compile_and_package(exported, package_path=os.fspath(path),
-                                                 inductor_configs=dict(PACKAGE_OPTIONS[mode]))
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=os.fspath(path), inductor_configs=dict(PACKAGE_OPTIONS[mode])
+        )
 
 
 def load_package(path: str | os.PathLike) -> Any:
@@ -160,8 +189,16 @@ def quiet_inductor() -> Iterator[None]:
     """Inductor's and export's log lines and warnings (an outdated-package warning before a load
     error, the autotuning tables, export's note on the cache tensors it is handed) kept off
     stderr: a failure is reported by the caller in one line."""
-    loggers = [logging.getLogger(name) for name in ("torch._inductor", "torch.export", "torch._export",
-                                                    "torch._dynamo", "torch.fx.experimental.symbolic_shapes")]
+    loggers = [
+        logging.getLogger(name)
+        for name in (
+            "torch._inductor",
+            "torch.export",
+            "torch._export",
+            "torch._dynamo",
+            "torch.fx.experimental.symbolic_shapes",
+        )
+    ]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:
@@ -202,8 +239,15 @@ def describe(key: dict[str, Any]) -> str:
     return f"{key['kind']} {key['dtype']} step, {key['rows']} x {key['width']} tokens"
 
 
-def find_packages(model: nn.Module, shapes: Sequence[tuple[int, int]], hidden: bool, mode: str,
-                  store: Any, note: Callable[[str], None], build: bool) -> dict[tuple[int, int], tuple[dict, Any]]:
+def find_packages(
+    model: nn.Module,
+    shapes: Sequence[tuple[int, int]],
+    hidden: bool,
+    mode: str,
+    store: Any,
+    note: Callable[[str], None],
+    build: bool,
+) -> dict[tuple[int, int], tuple[dict, Any]]:
     """Each shape's key and the store's file for it (None: not there, or refused with a note and
     discarded). Without ``build``, a missing shape is NotCachedError."""
     fingerprint = model_fingerprint(model)
@@ -213,20 +257,31 @@ def find_packages(model: nn.Module, shapes: Sequence[tuple[int, int]], hidden: b
         try:
             found[rows, width] = (key, store.find(key))
         except Exception as err:  # the store's EntryError, or a file it could not read
-            note(f"compiled-step cache: the entry for the {describe(key)} is refused ({err}); "
-                 f"{'compiling it again' if build else 'decoding eagerly'}")
+            note(
+                f"compiled-step cache: the entry for the {describe(key)} is refused ({err}); "
+                f"{'compiling it again' if build else 'decoding eagerly'}"
+            )
             store.discard(key)
             found[rows, width] = (key, None)
     missing = [shape for shape, (_, path) in found.items() if path is None]
     if missing and not build:
-        raise NotCachedError(f"{len(missing)} of the {len(found)} compiled shapes of this {type(model).__name__} "
-                             "are not in the cache")
+        raise NotCachedError(
+            f"{len(missing)} of the {len(found)} compiled shapes of this {type(model).__name__} "
+            "are not in the cache"
+        )
     return found
 
 
-def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any]], hidden: bool,
-                  mode: str, store: Any, note: Callable[[str], None], build: bool,
-                  check: Callable[[], None]) -> tuple[PackagedSteps, int, int]:
+def load_packages(
+    model: nn.Module,
+    found: dict[tuple[int, int], tuple[dict, Any]],
+    hidden: bool,
+    mode: str,
+    store: Any,
+    note: Callable[[str], None],
+    build: bool,
+    check: Callable[[], None],
+) -> tuple[PackagedSteps, int, int]:
     """Build what is missing (``check()`` first: it raises when no compiler can), load every
     shape and probe it against the eager step; an entry that fails to load or to agree is
     discarded and, with ``build``, compiled once again. Returns the steps, how many shapes were
@@ -240,24 +295,40 @@ def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any
                     raise NotCachedError(f"the {describe(key)} is not in the cache")
                 check()
                 try:
-                    path = store.build(key, lambda p, s=shape: build_package(model, *s, hidden, mode, p),
-                                       wait=lambda k=key: note(f"compiled-step cache: another process is building "
-                                                               f"the {describe(k)}; waiting for it"))
+                    path = store.build(
+                        key,
+                        lambda p, s=shape: build_package(model, *s, hidden, mode, p),
+                        wait=lambda k=key: note(
+                            f"compiled-step cache: another process is building "
+                            f"the {describe(k)}; waiting for it"
+                        ),
+                    )
                 except OSError as err:
-                    raise CompileError(f"the compiled-step cache cannot be written ({err.strerror or err}: "
-                                       f"{err.filename or store.root})") from None
+                    raise CompileError(
+                        f"the compiled-step cache cannot be written ({err.strerror or err}: "
+                        f"{err.filename or store.root})"
+                    ) from None
                 except CompileError:
                     raise
-                except Exception as err:  # export, Inductor or the C++ compiler: one line, never a traceback
-                    raise CompileError(f"compiling the {describe(key)} failed ({first_line(err)})") from None
+                except (
+                    Exception
+                ) as err:  # export, Inductor or the C++ compiler: one line, never a traceback
+                    raise CompileError(
+                        f"compiling the {describe(key)} failed ({first_line(err)})"
+                    ) from None
                 built, fresh = built + 1, True
             try:
                 runner = load_package(path)
                 if mode == "shared":
-                    runner.load_constants(shared_constants(model, runner), False, True, True)  # user-managed
+                    runner.load_constants(
+                        shared_constants(model, runner), False, True, True
+                    )  # user-managed
                 error = probe(model, runner, *shape, hidden)
-                problem = None if error <= tolerance(model.dtype) else \
-                    f"its probe call differs from the eager step by {error:.1e} (relative)"
+                problem = (
+                    None
+                    if error <= tolerance(model.dtype)
+                    else f"its probe call differs from the eager step by {error:.1e} (relative)"
+                )
             except Exception as err:  # a library that does not load or run here
                 problem = f"it does not load ({first_line(err)})"
             if problem is None:
@@ -265,13 +336,20 @@ def load_packages(model: nn.Module, found: dict[tuple[int, int], tuple[dict, Any
                 loaded += not fresh
                 break
             again = build and attempt == 0
-            note(f"compiled-step cache: the entry for the {describe(key)} is refused ({problem}); "
-                 f"{'compiling it again' if again else 'decoding eagerly'}")
+            note(
+                f"compiled-step cache: the entry for the {describe(key)} is refused ({problem}); "
+                f"{'compiling it again' if again else 'decoding eagerly'}"
+            )
             store.discard(key)
             path = None
             if not again:
-                raise NotCachedError(f"the {describe(key)} failed its check") if not build else \
-                    CompileError(f"the compiled {describe(key)} failed its check twice ({problem})")
+                raise (
+                    NotCachedError(f"the {describe(key)} failed its check")
+                    if not build
+                    else CompileError(
+                        f"the compiled {describe(key)} failed its check twice ({problem})"
+                    )
+                )
     return PackagedSteps(model, runners), loaded, built
 
 
@@ -279,12 +357,20 @@ def shared_constants(model: nn.Module, runner: Any) -> dict[str, torch.Tensor]:
     """What a package built without its weights ("shared") is handed at load: the model's own
     tensors by name (no copy: the runner reads them where they are), and the rotary table of the
     whole context, the one constant that is not the model's."""
-    state = {f"model.{n}": t for n, t in [*model.named_parameters(), *model.named_buffers()] if ".cache." not in n}
+    state = {
+        f"model.{n}": t
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if ".cache." not in n
+    }
     names = runner.get_constant_fqns()
     other = [n for n in names if n not in state]
     if len(other) > 1:
-        raise CompileError(f"the package asks for constants the model does not have: {', '.join(other[:3])}")
-    table = torch.stack(rope_tables(model.config, model.config.max_seq_len + 1, model.device, model.dtype), 1)
+        raise CompileError(
+            f"the package asks for constants the model does not have: {', '.join(other[:3])}"
+        )
+    table = torch.stack(
+        rope_tables(model.config, model.config.max_seq_len + 1, model.device, model.dtype), 1
+    )
     return {n: state.get(n, table) for n in names}
 
 
@@ -309,12 +395,18 @@ def probe(model: nn.Module, runner: Any, rows: int, width: int, hidden: bool) ->
     args = list(example_call(model, rows, width, window))
     generator = torch.Generator().manual_seed(0)
     for i, x in enumerate(args[:-3]):  # token ids or features, not zeros: a wrong weight must show
-        args[i] = (torch.randint(0, getattr(model.config, "vocab_size", 2), x.shape, generator=generator)
-                   if x.dtype == torch.long else torch.randn(x.shape, generator=generator).to(x.dtype)).to(x.device)
+        args[i] = (
+            torch.randint(0, getattr(model.config, "vocab_size", 2), x.shape, generator=generator)
+            if x.dtype == torch.long
+            else torch.randn(x.shape, generator=generator).to(x.dtype)
+        ).to(x.device)
     got = runner.boxed_run([*args, *[t[:rows] for t in cache_tensors(model)]])
     want = model.step(*args, window, hidden)
     want = [want] if isinstance(want, torch.Tensor) else list(want)
-    return max(float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-12)) for g, w in zip(got, want))
+    return max(
+        float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-12))
+        for g, w in zip(got, want)
+    )
 
 
 # ----------------------------------------------------------------------------- what an entry depends on
@@ -322,7 +414,9 @@ def model_fingerprint(model: nn.Module) -> str:
     """A hash of the model's config, and of the names, dtypes, shapes and bytes of its weights
     as they will be compiled (stacked or not), KV caches excluded. Remembered on the model while
     its tensors are the same objects at the same versions (hashing a 1B model's bytes takes seconds)."""
-    state = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if ".cache." not in n]
+    state = [
+        (n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if ".cache." not in n
+    ]
     seen = tuple((name, id(t), t.data_ptr(), t._version) for name, t in state)
     remembered = getattr(model, "_fingerprint", None)
     if remembered is not None and remembered[0] == seen:
@@ -330,7 +424,9 @@ def model_fingerprint(model: nn.Module) -> str:
     digest = hashlib.blake2b(repr(model.config).encode(), digest_size=16)
     for name, tensor in state:
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(
+            tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
+        )
     object.__setattr__(model, "_fingerprint", (seen, digest.hexdigest()))
     return digest.hexdigest()
 
@@ -350,17 +446,34 @@ def device_name(device: torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
     cpu = describe_cpu()
-    flags = hashlib.blake2b((" ".join(sorted(cpu.flags)) or platform.machine()).encode(), digest_size=8).hexdigest()
+    flags = hashlib.blake2b(
+        (" ".join(sorted(cpu.flags)) or platform.machine()).encode(), digest_size=8
+    ).hexdigest()
     return f"{cpu.name} {torch.backends.cpu.get_cpu_capability()} flags {flags}"
 
 
-def entry_key(model: nn.Module, rows: int, width: int, hidden: bool | tuple[int, ...], mode: str,
-              fingerprint: str | None = None) -> dict[str, Any]:
+def entry_key(
+    model: nn.Module,
+    rows: int,
+    width: int,
+    hidden: bool | tuple[int, ...],
+    mode: str,
+    fingerprint: str | None = None,
+) -> dict[str, Any]:
     """Everything a compiled step depends on: the model (weights and config), its dtype and
     set-up, the call's shape (not the cache's: it is dynamic), the mode, the code, torch, the
     device and the thread count."""
-    return {"model": fingerprint or model_fingerprint(model), "kind": type(model).__name__,
-            "dtype": str(model.dtype).removeprefix("torch."), "setup": "compiled", "mode": mode,
-            "rows": rows, "width": width, "code": code_fingerprint(),
-            "hidden": list(hidden) if isinstance(hidden, tuple) else hidden,  # as JSON reads it back
-            "torch": torch.__version__, "device": device_name(model.device), "threads": torch.get_num_threads()}
+    return {
+        "model": fingerprint or model_fingerprint(model),
+        "kind": type(model).__name__,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "setup": "compiled",
+        "mode": mode,
+        "rows": rows,
+        "width": width,
+        "code": code_fingerprint(),
+        "hidden": list(hidden) if isinstance(hidden, tuple) else hidden,  # as JSON reads it back
+        "torch": torch.__version__,
+        "device": device_name(model.device),
+        "threads": torch.get_num_threads(),
+    }

@@ -106,7 +106,9 @@ class CompiledSteps:
         return shapes + [(1, w) for w in self.tree_widths if (1, w) not in shapes]
 
     def __post_init__(self) -> None:
-        self._fitting: dict[tuple[int, int], tuple[int, int] | None] = {}  # shape_for's answers, per (B, T)
+        self._fitting: dict[
+            tuple[int, int], tuple[int, int] | None
+        ] = {}  # shape_for's answers, per (B, T)
 
     def fits(self, batch: int, length: int) -> bool:
         return batch <= max(self.rows) and length <= self.cache_len
@@ -119,7 +121,9 @@ class CompiledSteps:
             self._fitting[batch, seq] = min(fits)[1:] if fits else None
         return self._fitting[batch, seq]
 
-    def __call__(self, model: Any, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
+    def __call__(
+        self, model: Any, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool
+    ) -> Any:
         """The call through a compiled shape, or None when none fits (the caller runs eagerly).
 
         The same call, padded: B rows to the smallest compiled row count >= B, T tokens to the
@@ -151,14 +155,18 @@ class CompiledSteps:
         positions = torch.zeros((rows, width), dtype=torch.long, device=device)
         positions[:batch, :seq] = call.positions
         visible = torch.zeros((rows, width, window), dtype=torch.bool, device=device)
-        visible[:batch, :seq, :call.window] = True if call.visible is None else call.visible
-        visible[batch:, :, 0] = True  # padding sees slot 0 (any slot would do: its output is cut off)
+        visible[:batch, :seq, : call.window] = True if call.visible is None else call.visible
+        visible[batch:, :, 0] = (
+            True  # padding sees slot 0 (any slot would do: its output is cut off)
+        )
         visible[:, seq:, 0] = True
         extra = () if self.dynamic else (slots,)
         out = self.fn(*padded, where, positions, visible, *extra, self.hidden)
         if not self.hidden:
             return out[:batch, :seq]
-        return (out[0][:batch, :seq], out[1][:batch, :seq]) if return_hidden else out[0][:batch, :seq]
+        return (
+            (out[0][:batch, :seq], out[1][:batch, :seq]) if return_hidden else out[0][:batch, :seq]
+        )
 
 
 class Compiled:
@@ -174,10 +182,14 @@ class Compiled:
         if steps is None:
             return super().setup_cache(max_batch_size, max_seq_len)
         if max_seq_len > self.config.max_seq_len:
-            raise ValueError(f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}")
+            raise ValueError(
+                f"cache length {max_seq_len} exceeds the model's max_seq_len {self.config.max_seq_len}"
+            )
         if not steps.fits(max_batch_size, max_seq_len):
-            raise ValueError(f"this model was compiled for at most {max(steps.rows)} rows and "
-                             f"{steps.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit")
+            raise ValueError(
+                f"this model was compiled for at most {max(steps.rows)} rows and "
+                f"{steps.cache_len} positions; {max_batch_size} x {max_seq_len} do not fit"
+            )
         if steps.dynamic and self.layers[0].self_attn.cache.k.shape[2] <= max_seq_len:
             # Packages take a cache of any length: a longer one now, with every compiled row (padding writes them).
             super().setup_cache(max(steps.rows), max_seq_len)
@@ -197,10 +209,18 @@ def install(model: nn.Module, steps: CompiledSteps | None) -> None:
     model.compiled = steps
 
 
-def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence[int] = (1,),
-                         cache_len: int | None = None, hidden: bool = False, mode: str | None = None,
-                         tree_widths: Sequence[int] = (), store: Any = None, build: bool = True,
-                         note: Callable[[str], None] | None = None) -> CompiledSteps:
+def compile_for_decoding(
+    model: nn.Module,
+    widths: Sequence[int],
+    rows: Sequence[int] = (1,),
+    cache_len: int | None = None,
+    hidden: bool = False,
+    mode: str | None = None,
+    tree_widths: Sequence[int] = (),
+    store: Any = None,
+    build: bool = True,
+    note: Callable[[str], None] | None = None,
+) -> CompiledSteps:
     """Compile ``model``'s cached forward for every batch size in ``rows`` and every call
     width in ``widths``, with a static KV cache of ``cache_len`` positions (default: the
     model's max_seq_len) for max(rows) rows; ``tree_widths``: widths of one-row calls with a
@@ -217,39 +237,74 @@ def compile_for_decoding(model: nn.Module, widths: Sequence[int], rows: Sequence
     Prepacked layers (model/fast/prepack.py) stay oneDNN products inside the graph. Refused
     (CompileError): tensor-parallel shards (their collectives are not captured)."""
     if all_reduces(model):
-        raise CompileError("tensor-parallel models are not compiled: their all-reduces would run outside the graph")
+        raise CompileError(
+            "tensor-parallel models are not compiled: their all-reduces would run outside the graph"
+        )
     widths = tuple(sorted(set(int(w) for w in widths)))
     rows = tuple(sorted(set(int(r) for r in rows)))
     tree_widths = tuple(sorted(set(int(w) for w in tree_widths)))
-    if not widths or widths[0] < 1 or not rows or rows[0] < 1 or (tree_widths and tree_widths[0] < 1):
+    if (
+        not widths
+        or widths[0] < 1
+        or not rows
+        or rows[0] < 1
+        or (tree_widths and tree_widths[0] < 1)
+    ):
         raise CompileError(f"widths and rows must be integers >= 1, got {widths} and {rows}")
     cache_len = cache_len or model.config.max_seq_len
     if cache_len > model.config.max_seq_len:
-        raise CompileError(f"cache length {cache_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
+        raise CompileError(
+            f"cache length {cache_len} exceeds the model's max_seq_len {model.config.max_seq_len}"
+        )
     mode = mode or default_mode(model)
     if mode not in MODES:
         raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    packaged = store is not None and model.device.type == "cpu" and mode in aot.PACKAGE_OPTIONS and not any(
-        isinstance(m, PrepackedLinear) for m in model.modules())  # a package cannot call their Python operator
+    packaged = (
+        store is not None
+        and model.device.type == "cpu"
+        and mode in aot.PACKAGE_OPTIONS
+        and not any(isinstance(m, PrepackedLinear) for m in model.modules())
+    )  # a package cannot call their Python operator
     # A package serves any cache length up to the context; the buffer set up now holds the widest call.
-    steps = CompiledSteps(None, rows, widths, hidden, model.config.max_seq_len if packaged else cache_len, 0.0,
-                          tree_widths, dynamic=packaged)
+    steps = CompiledSteps(
+        None,
+        rows,
+        widths,
+        hidden,
+        model.config.max_seq_len if packaged else cache_len,
+        0.0,
+        tree_widths,
+        dynamic=packaged,
+    )
     if packaged:
-        cache_len = min(model.config.max_seq_len, max(cache_len, max(w for _, w in steps.shapes) + 1))
+        cache_len = min(
+            model.config.max_seq_len, max(cache_len, max(w for _, w in steps.shapes) + 1)
+        )
     slots = cache_len + 1  # the cache length, plus the scratch slot padding writes
     start = time.perf_counter()
     if packaged:
-        paths = aot.find_packages(model, steps.shapes, hidden, mode, store, note or steps.notes.append, build)
+        paths = aot.find_packages(
+            model, steps.shapes, hidden, mode, store, note or steps.notes.append, build
+        )
     elif not build:
-        raise NotCachedError("compiled steps are kept on disk for a CPU model in the "
-                             f"{' or '.join(aot.PACKAGE_OPTIONS)} mode only")
+        raise NotCachedError(
+            "compiled steps are kept on disk for a CPU model in the "
+            f"{' or '.join(aot.PACKAGE_OPTIONS)} mode only"
+        )
     # One static buffer for every call.
     install(model, None)
     model.setup_cache(rows[-1], cache_len)
     if packaged:
-        steps.fn, steps.loaded, steps.built = aot.load_packages(model, paths, hidden, mode, store,
-                                                                note or steps.notes.append, build,
-                                                                lambda: check_compiler(model.device))
+        steps.fn, steps.loaded, steps.built = aot.load_packages(
+            model,
+            paths,
+            hidden,
+            mode,
+            store,
+            note or steps.notes.append,
+            build,
+            lambda: check_compiler(model.device),
+        )
     else:
         steps.fn = compile_steps(model, steps.shapes, slots, hidden, mode)
     if model.device.type == "cuda":
@@ -276,7 +331,9 @@ def all_reduces(model: nn.Module) -> bool:
     return any(getattr(m, "all_reduces", False) for m in model.modules())
 
 
-def compile_steps(model: nn.Module, shapes: Sequence[tuple[int, int]], slots: int, hidden: bool, mode: str) -> Any:
+def compile_steps(
+    model: nn.Module, shapes: Sequence[tuple[int, int]], slots: int, hidden: bool, mode: str
+) -> Any:
     """torch.compile of ``model.step``, run once at every shape so that all are compiled now."""
     check_compiler(model.device)
     # Every model's steps are entries of one code object (Llama.step), and dynamo caps
@@ -290,17 +347,32 @@ def compile_steps(model: nn.Module, shapes: Sequence[tuple[int, int]], slots: in
     fn = torch.compile(model.step, dynamic=False, fullgraph=True, mode=compile_mode)
     # Quiet: autotuning prints a table per product to stderr, and the compile line says enough.
     quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-    with torch.inference_mode(), torch._inductor.config.patch(freezing=freezing, **quiet), \
-            warnings.catch_warnings(), aot.quiet_inductor():
+    with (
+        torch.inference_mode(),
+        torch._inductor.config.patch(freezing=freezing, **quiet),
+        warnings.catch_warnings(),
+        aot.quiet_inductor(),
+    ):
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         for batch, width in shapes:
             # the call CompiledSteps.__call__ makes: distinct tensors of standard strides
             where = torch.arange(width, device=model.device).expand(batch, width).contiguous()
             visible = torch.ones(batch, width, slots, dtype=torch.bool, device=model.device)
             try:
-                for _ in range(2 if mode == "reduce-overhead" else 1):  # CUDA graphs record on a later call
-                    fn(*model.example_inputs(batch, width), where, where.clone(), visible, slots, hidden)
-            except Exception as err:  # an Inductor or compiler failure: one line, never its traceback
+                for _ in range(
+                    2 if mode == "reduce-overhead" else 1
+                ):  # CUDA graphs record on a later call
+                    fn(
+                        *model.example_inputs(batch, width),
+                        where,
+                        where.clone(),
+                        visible,
+                        slots,
+                        hidden,
+                    )
+            except (
+                Exception
+            ) as err:  # an Inductor or compiler failure: one line, never its traceback
                 torch._dynamo.reset()
                 raise CompileError(f"compiling the step failed ({failure(err)})") from None
     return fn
@@ -320,9 +392,13 @@ def compiler_problem(compiler: str) -> str | None:
     if path is None:
         return f"no C++ compiler: {compiler!r} is not on the PATH (install g++, or set CXX)"
     try:
-        proc = subprocess.run([path, "-x", "c++", "-shared", "-fPIC", "-o", os.devnull, "-"],
-                              input="extern \"C\" int f() { return 0; }\n", capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            [path, "-x", "c++", "-shared", "-fPIC", "-o", os.devnull, "-"],
+            input='extern "C" int f() { return 0; }\n',
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.SubprocessError) as err:
         return f"the C++ compiler {compiler} cannot run ({type(err).__name__})"
     if proc.returncode != 0:
@@ -335,13 +411,19 @@ def check_compiler(device: torch.device) -> None:
     """Raise CompileError when Inductor's C++ compiler (CXX, else g++) cannot build on this CPU."""
     if device.type != "cpu":
         return
-    from torch._inductor import cpp_builder  # deferred: importing Inductor takes seconds, and most runs never compile
+    from torch._inductor import (
+        cpp_builder,
+    )  # deferred: importing Inductor takes seconds, and most runs never compile
 
     try:
-        compiler = cpp_builder.get_cpp_compiler()  # the first of $CXX (else g++) that runs --version
+        compiler = (
+            cpp_builder.get_cpp_compiler()
+        )  # the first of $CXX (else g++) that runs --version
     except Exception:
         named = torch._inductor.config.cpp.cxx[-1]  # what Inductor tried
-        raise CompileError(f"no working C++ compiler: {named} does not run (install g++, or set CXX)") from None
+        raise CompileError(
+            f"no working C++ compiler: {named} does not run (install g++, or set CXX)"
+        ) from None
     problem = compiler_problem(compiler)
     if problem:
         raise CompileError(problem)
@@ -356,7 +438,7 @@ def decode_widths(gamma: int | str, gamma_max: int) -> tuple[int, ...]:
     if gamma == "auto":
         widths, k = {1, 2, 3}, 2
         while 2 ** (k - 1) < gamma_max:
-            widths.add(min(2 ** k + 1, gamma_max + 1))
+            widths.add(min(2**k + 1, gamma_max + 1))
             k += 1
         return tuple(sorted(w for w in widths if w <= gamma_max + 1))
     return tuple(sorted({1, 2, int(gamma) + 1}))

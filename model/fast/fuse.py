@@ -46,12 +46,14 @@ class StackedAttention:
     def local_kv_heads(self) -> int:
         return self.qkv_heads[1]
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         batch, seq, _ = x.shape
         n_q, n_kv = self.qkv_heads
         qkv = self.qkv_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        qk = apply_rope(qkv[:, :n_q + n_kv], cos, sin)
-        return qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv:]
+        qk = apply_rope(qkv[:, : n_q + n_kv], cos, sin)
+        return qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv :]
 
 
 class StackedMLP:
@@ -85,16 +87,24 @@ def fuse_projections(model: nn.Module) -> int:
     """
     fused = 0
     for module in list(model.modules()):  # a list: the loop adds modules
-        if isinstance(module, Attention) and not isinstance(module, StackedAttention) and _plain(
-                module.q_proj, module.k_proj, module.v_proj):
-            module.qkv_heads = (module.q_proj.out_features // module.head_dim,
-                                module.k_proj.out_features // module.head_dim)
+        if (
+            isinstance(module, Attention)
+            and not isinstance(module, StackedAttention)
+            and _plain(module.q_proj, module.k_proj, module.v_proj)
+        ):
+            module.qkv_heads = (
+                module.q_proj.out_features // module.head_dim,
+                module.k_proj.out_features // module.head_dim,
+            )
             module.qkv_proj = _stacked(module.q_proj, module.k_proj, module.v_proj)
             module.q_proj = module.k_proj = module.v_proj = None
             in_front(module, StackedAttention, "Stacked")
             fused += 1
-        elif isinstance(module, MLP) and not isinstance(module, StackedMLP) and _plain(module.gate_proj,
-                                                                                      module.up_proj):
+        elif (
+            isinstance(module, MLP)
+            and not isinstance(module, StackedMLP)
+            and _plain(module.gate_proj, module.up_proj)
+        ):
             module.gate_up_proj = _stacked(module.gate_proj, module.up_proj)
             module.gate_proj = module.up_proj = None
             in_front(module, StackedMLP, "Stacked")
@@ -102,7 +112,9 @@ def fuse_projections(model: nn.Module) -> int:
     return fused
 
 
-def prepare_for_decoding(model: nn.Module, stack: bool = True, prepack: bool = True) -> tuple[int, int]:
+def prepare_for_decoding(
+    model: nn.Module, stack: bool = True, prepack: bool = True
+) -> tuple[int, int]:
     """The decoding set-up of generate.py and the benchmarks, in the order it needs: stack
     the projections, then prepack (model/fast/prepack.py), which then packs the stacked weights.
     Either step can be turned off; returns (groups stacked, layers prepacked)."""

@@ -128,7 +128,9 @@ def prepack_supported(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS, only: Collection[str] | None = None) -> int:
+def prepack_linears(
+    model: nn.Module, min_elements: int = MIN_ELEMENTS, only: Collection[str] | None = None
+) -> int:
     """Replace every plain ``nn.Linear`` of a float32 (or, with native bf16, bfloat16) CPU model
     holding at least ``min_elements`` weights by a :class:`PrepackedLinear`, in place; returns how many.
     ``only``: just these children of ``model`` itself (a compiled model's products that run outside
@@ -146,23 +148,34 @@ def prepack_linears(model: nn.Module, min_elements: int = MIN_ELEMENTS, only: Co
     # in the CPU's last-level cache, time: the extra copy made the shipped draft's step
     # slower. A larger head streams from memory either way (the embeddings read one row of
     # the original per token), so there only the packed copy is read, by the faster product.
-    holders = Counter(id(weight) for module in model.modules() for weight in module.parameters(recurse=False))
+    holders = Counter(
+        id(weight) for module in model.modules() for weight in module.parameters(recurse=False)
+    )
     cache = last_level_cache_bytes()
 
     def alone_or_large(weight: torch.Tensor) -> bool:
-        return holders[id(weight)] == 1 or (cache is not None and weight.numel() * weight.element_size() > cache)
+        return holders[id(weight)] == 1 or (
+            cache is not None and weight.numel() * weight.element_size() > cache
+        )
 
     candidates = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if only is not None and (parent is not model or name not in only):
                 continue
-            if (type(child) is nn.Linear and child.bias is None and child.weight.numel() >= min_elements
-                    and child.weight.device.type == "cpu" and packable(child.weight.dtype)
-                    and alone_or_large(child.weight)):
+            if (
+                type(child) is nn.Linear
+                and child.bias is None
+                and child.weight.numel() >= min_elements
+                and child.weight.device.type == "cpu"
+                and packable(child.weight.dtype)
+                and alone_or_large(child.weight)
+            ):
                 candidates.append((parent, name, child))
     dtypes = {child.weight.dtype for _, _, child in candidates}
-    candidates = [c for c in candidates if c[2].weight.dtype in {d for d in dtypes if prepack_supported(d)}]
+    candidates = [
+        c for c in candidates if c[2].weight.dtype in {d for d in dtypes if prepack_supported(d)}
+    ]
     if not candidates:
         return 0
     for parent, name, child in candidates:

@@ -41,7 +41,13 @@ from torch import nn
 
 from model.call import CacheCall
 from model.fast.aot import device_name, model_fingerprint
-from model.fast.compile import CompileError, all_reduces, compile_for_decoding, default_mode, install
+from model.fast.compile import (
+    CompileError,
+    all_reduces,
+    compile_for_decoding,
+    default_mode,
+    install,
+)
 from model.fast.fuse import prepare_for_decoding
 from model.fast.prepack import prepack_linears, prepack_supported
 
@@ -60,9 +66,13 @@ class SetupChoice:
     compile_s: float = 0.0
     widths: int = 1  # how many widths each sum holds
     why: str = ""  # set when nothing was timed
-    cache: str = ""  # the compiled steps: "loaded" from a store, "kept" in one (built now), "" no store
+    cache: str = (
+        ""  # the compiled steps: "loaded" from a store, "kept" in one (built now), "" no store
+    )
     dropped: str = ""  # why the compiled candidate was dropped (it could not compile)
-    model_key: str = ""  # record_key of the model measured (set when compiled steps were kept in a store)
+    model_key: str = (
+        ""  # record_key of the model measured (set when compiled steps were kept in a store)
+    )
 
     def line(self, name: str) -> str:
         dropped = f" (compiled dropped: {self.dropped})" if self.dropped else ""
@@ -77,7 +87,9 @@ class SetupChoice:
     def compiled_how(self) -> str:
         if self.cache == "loaded":
             return f"loaded from the compiled-step cache in {self.compile_s:.1f}s"
-        return f"compiled in {self.compile_s:.1f}s" + (", kept in the cache" if self.cache == "kept" else "")
+        return f"compiled in {self.compile_s:.1f}s" + (
+            ", kept in the cache" if self.cache == "kept" else ""
+        )
 
     def compile_saving_s(self) -> float:
         """What the compiled set-up, when kept, saves per call against the fastest eager set-up
@@ -104,9 +116,17 @@ def applies(model: nn.Module, setup: str) -> bool:
     return setup in SETUPS
 
 
-def apply_setup(model: nn.Module, setup: str, widths: Sequence[int], cache_len: int, hidden: bool = False,
-                mode: str | None = None, rows: Sequence[int] = (1,), tree_widths: Sequence[int] = (),
-                **store: Any) -> float:
+def apply_setup(
+    model: nn.Module,
+    setup: str,
+    widths: Sequence[int],
+    cache_len: int,
+    hidden: bool = False,
+    mode: str | None = None,
+    rows: Sequence[int] = (1,),
+    tree_widths: Sequence[int] = (),
+    **store: Any,
+) -> float:
     """Turn ``model`` into ``setup`` in place (from the plain model as loaded); returns the
     compile time (0 for the eager set-ups). ``widths``, ``cache_len``, ``hidden``, ``mode``,
     ``rows``, ``tree_widths`` and ``store`` (store=, build=, note=) are compile_for_decoding's."""
@@ -114,7 +134,9 @@ def apply_setup(model: nn.Module, setup: str, widths: Sequence[int], cache_len: 
         raise ValueError(f"setup must be one of {', '.join(SETUPS)}, got {setup!r}")
     prepare_for_decoding(model, stack=setup != "plain", prepack=setup == "prepacked")
     if setup == "compiled":
-        return compile_for_decoding(model, widths, rows, cache_len, hidden, mode, tree_widths, **store).compile_s
+        return compile_for_decoding(
+            model, widths, rows, cache_len, hidden, mode, tree_widths, **store
+        ).compile_s
     return 0.0
 
 
@@ -140,9 +162,17 @@ def step_ms(model: nn.Module, widths: Sequence[int], hidden: bool, calls: int = 
     return 1e3 * total
 
 
-def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[int], cache_len: int,
-                 hidden: bool = False, mode: str | None = None, rows: Sequence[int] = (1,),
-                 tree_widths: Sequence[int] = (), **store: Any) -> tuple[nn.Module, SetupChoice]:
+def choose_setup(
+    model: nn.Module,
+    candidates: Sequence[str],
+    widths: Sequence[int],
+    cache_len: int,
+    hidden: bool = False,
+    mode: str | None = None,
+    rows: Sequence[int] = (1,),
+    tree_widths: Sequence[int] = (),
+    **store: Any,
+) -> tuple[nn.Module, SetupChoice]:
     """The fastest of ``candidates`` (names in SETUPS; those that do not apply are skipped)
     for ``model`` as loaded: each built on a copy and timed by step_ms at ``widths``, one row
     (the compiled one compiled for ``rows`` and ``tree_widths`` as well, through ``store``:
@@ -156,8 +186,10 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
     candidate."""
     usable = [c for c in candidates if applies(model, c)]
     if not usable:
-        raise ValueError(f"the {' or '.join(candidates)} set-up does not apply to this model (prepacking is for "
-                         "float32, or bfloat16 with native bf16, on a CPU)")
+        raise ValueError(
+            f"the {' or '.join(candidates)} set-up does not apply to this model (prepacking is for "
+            "float32, or bfloat16 with native bf16, on a CPU)"
+        )
     candidates = usable
     widths = tuple(sorted(set(widths)))
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -165,8 +197,11 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
     if len(candidates) == 1 or (size >= MAX_COPY_BYTES and not building):
         eager = [c for c in candidates if c != "compiled"]
         chosen = eager[-1] if eager else "compiled"
-        why = "the only set-up asked for" if len(candidates) == 1 else \
-            f"{size / 2 ** 30:.1f} GB: too large to time copies; the fixed choice"
+        why = (
+            "the only set-up asked for"
+            if len(candidates) == 1
+            else f"{size / 2**30:.1f} GB: too large to time copies; the fixed choice"
+        )
         # Compiled steps kept in a store are timed against the fixed eager set-up, on a copy, for the
         # record that decides the default (default_setups).
         baseline, eager_ms = fixed_eager(model), None
@@ -176,8 +211,12 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
             trial.setup_cache(1, cache_len)
             eager_ms = step_ms(trial, widths, hidden)
             del trial
-        seconds = apply_setup(model, chosen, widths, cache_len, hidden, mode, rows, tree_widths, **store)
-        choice = SetupChoice(chosen, compile_s=seconds, widths=len(widths), why=why, cache=cache_state(model))
+        seconds = apply_setup(
+            model, chosen, widths, cache_len, hidden, mode, rows, tree_widths, **store
+        )
+        choice = SetupChoice(
+            chosen, compile_s=seconds, widths=len(widths), why=why, cache=cache_state(model)
+        )
         if eager_ms is not None:
             choice.times_ms = {baseline: eager_ms, "compiled": step_ms(model, widths, hidden)}
             choice.why = "forced"
@@ -188,7 +227,9 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
     for setup in candidates:
         trial = copy.deepcopy(model)
         try:
-            compile_s += apply_setup(trial, setup, widths, cache_len, hidden, mode, rows, tree_widths, **store)
+            compile_s += apply_setup(
+                trial, setup, widths, cache_len, hidden, mode, rows, tree_widths, **store
+            )
         except CompileError as err:
             dropped = str(err)
             continue
@@ -202,7 +243,9 @@ def choose_setup(model: nn.Module, candidates: Sequence[str], widths: Sequence[i
             best = (setup, trial)
         del trial
     chosen, kept = best
-    return kept, SetupChoice(chosen, times, compile_s, len(widths), cache=cache, dropped=dropped, model_key=model_key)
+    return kept, SetupChoice(
+        chosen, times, compile_s, len(widths), cache=cache, dropped=dropped, model_key=model_key
+    )
 
 
 def fixed_eager(model: nn.Module) -> str:
@@ -249,7 +292,9 @@ class Setups:
     target: nn.Module
     draft: nn.Module | None
     choices: list[tuple[str, SetupChoice]]
-    notes: list[str] = field(default_factory=list)  # cache entries refused on the way (one line each)
+    notes: list[str] = field(
+        default_factory=list
+    )  # cache entries refused on the way (one line each)
     hint: str | None = None  # the default run's word on what compiling would gain here
 
     def record(self, store: Any, target: nn.Module) -> None:
@@ -257,14 +302,32 @@ class Setups:
         this machine: its step times per set-up and the build time. A later default run reads it
         (:func:`default_setups`): the compiled steps run by default only where they measured faster."""
         for name, choice in self.choices:
-            eager = {setup: ms / choice.widths for setup, ms in choice.times_ms.items() if setup != "compiled"}
-            if choice.cache != "kept" or not choice.model_key or not eager or "compiled" not in choice.times_ms:
+            eager = {
+                setup: ms / choice.widths
+                for setup, ms in choice.times_ms.items()
+                if setup != "compiled"
+            }
+            if (
+                choice.cache != "kept"
+                or not choice.model_key
+                or not eager
+                or "compiled" not in choice.times_ms
+            ):
                 continue
             compiled_ms = choice.times_ms["compiled"] / choice.widths
-            store.record(machine(target.device), choice.model_key, {
-                "model": name, "eager_ms": eager, "compiled_ms": compiled_ms, "widths": choice.widths,
-                "faster": compiled_ms < min(eager.values()), "build_s": round(choice.compile_s, 1),
-                "date": time.strftime("%Y-%m-%d %H:%M")})
+            store.record(
+                machine(target.device),
+                choice.model_key,
+                {
+                    "model": name,
+                    "eager_ms": eager,
+                    "compiled_ms": compiled_ms,
+                    "widths": choice.widths,
+                    "faster": compiled_ms < min(eager.values()),
+                    "build_s": round(choice.compile_s, 1),
+                    "date": time.strftime("%Y-%m-%d %H:%M"),
+                },
+            )
 
     @property
     def lines(self) -> list[str]:
@@ -280,10 +343,15 @@ class Setups:
         if spent <= 0 or saved >= spent:
             return None
         kept = any(choice.cache == "kept" for _, choice in self.choices)
-        return (f"compiling took {spent:.1f}s and saves at most {saved:.1f}s over {new_tokens} tokens: this run does "
-                "not pay for its compile time" + ("; the steps are kept in the cache, and later runs load them in "
-                                                 "seconds" if kept else " (a longer run, or a process that serves "
-                                                 "many, would)"))
+        return (
+            f"compiling took {spent:.1f}s and saves at most {saved:.1f}s over {new_tokens} tokens: this run does "
+            "not pay for its compile time"
+            + (
+                "; the steps are kept in the cache, and later runs load them in seconds"
+                if kept
+                else " (a longer run, or a process that serves many, would)"
+            )
+        )
 
 
 def tree_sizes(branching: Sequence[int]) -> list[int]:
@@ -311,9 +379,18 @@ def features_for(head: nn.Module | None) -> bool | tuple[int, ...]:
     return False if head is None else (getattr(head, "target_layers", None) or True)
 
 
-def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence[int], cache_len: int, *,
-                  draft: nn.Module | None = None, head: nn.Module | None = None, batch: int = 1,
-                  tree: Sequence[int] | None = None, **store: Any) -> Setups:
+def choose_setups(
+    target: nn.Module,
+    candidates: Sequence[str],
+    widths: Sequence[int],
+    cache_len: int,
+    *,
+    draft: nn.Module | None = None,
+    head: nn.Module | None = None,
+    batch: int = 1,
+    tree: Sequence[int] | None = None,
+    **store: Any,
+) -> Setups:
     """The set-ups of a run's models, each chosen by :func:`choose_setup` from ``candidates``.
 
     The target for its call ``widths`` (with features for a ``head`` to read) and a draft
@@ -325,19 +402,36 @@ def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence
     returned replace the ones given (a drafter built around the old target must be built anew)."""
     rows = row_buckets(batch)
     sizes = tree_sizes(tree) if tree else []
-    target, choice = choose_setup(target, candidates, widths, cache_len, hidden=features_for(head), rows=rows,
-                                  tree_widths=(sizes[-1] + 1,) if sizes else (), **store)
+    target, choice = choose_setup(
+        target,
+        candidates,
+        widths,
+        cache_len,
+        hidden=features_for(head),
+        rows=rows,
+        tree_widths=(sizes[-1] + 1,) if sizes else (),
+        **store,
+    )
     choices = [("target", choice)]
     if head is not None and choice.chosen == "compiled":  # the head follows its target
-        seconds = compile_for_decoding(head, widths, rows, cache_len, tree_widths=sizes[:-1], **store).compile_s
+        seconds = compile_for_decoding(
+            head, widths, rows, cache_len, tree_widths=sizes[:-1], **store
+        ).compile_s
         prepack_outside_step(head)
-        choices.append(("head", SetupChoice("compiled", compile_s=seconds, why="as its target",
-                                            cache=cache_state(head))))
+        choices.append(
+            (
+                "head",
+                SetupChoice(
+                    "compiled", compile_s=seconds, why="as its target", cache=cache_state(head)
+                ),
+            )
+        )
     elif head is not None:
         prepare_for_decoding(head)
     if draft is not None:
-        draft, choice = choose_setup(draft, candidates, (1, 2), cache_len, rows=rows, tree_widths=sizes[:-1],
-                                     **store)
+        draft, choice = choose_setup(
+            draft, candidates, (1, 2), cache_len, rows=rows, tree_widths=sizes[:-1], **store
+        )
         choices.append(("draft", choice))
     setups = Setups(target, draft, choices)
     if store.get("store") is not None and store.get("build", True):
@@ -349,13 +443,25 @@ def choose_setups(target: nn.Module, candidates: Sequence[str], widths: Sequence
 def cacheable(model: nn.Module) -> bool:
     """Whether a model's compiled steps can come from the cache: a CPU model, not int8, not a
     tensor-parallel shard (one of SHARED_BYTES or more is kept with its weights shared)."""
-    int8 = any(t.dtype == torch.int8 for t in model.buffers())  # model/scale/quantize.py's weights, by their dtype
+    int8 = any(
+        t.dtype == torch.int8 for t in model.buffers()
+    )  # model/scale/quantize.py's weights, by their dtype
     return model.device.type == "cpu" and not int8 and not all_reduces(model)
 
 
-def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, draft: nn.Module | None = None,
-                   head: nn.Module | None = None, batch: int = 1, tree: Sequence[int] | None = None, store: Any = None,
-                   stack: bool = True, prepack: bool = True) -> Setups:
+def default_setups(
+    target: nn.Module,
+    widths: Sequence[int],
+    cache_len: int,
+    *,
+    draft: nn.Module | None = None,
+    head: nn.Module | None = None,
+    batch: int = 1,
+    tree: Sequence[int] | None = None,
+    store: Any = None,
+    stack: bool = True,
+    prepack: bool = True,
+) -> Setups:
     """The set-up of a run that asked for none, per model: its compiled steps when an earlier
     ``--compile`` measured them faster than the fixed eager set-up on this machine (``store``'s
     record, Setups.record) and ``store`` holds every shape this run needs (loaded and probed, in
@@ -368,33 +474,55 @@ def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, 
     usable = store is not None and stack
     choices, unmeasured, missing = [], False, False
     target_shapes = {"hidden": features_for(head), "tree_widths": (sizes[-1] + 1,) if sizes else ()}
-    plan = [("target", target, widths, target_shapes),
-            ("draft", draft, (1, 2), {"tree_widths": sizes[:-1]})]
+    plan = [
+        ("target", target, widths, target_shapes),
+        ("draft", draft, (1, 2), {"tree_widths": sizes[:-1]}),
+    ]
     for name, model, model_widths, shapes in plan:
         if model is None:
             continue
         prepare_for_decoding(model, stack=stack, prepack=False)
-        records = (store.measured(machine(model.device)) or {}) if usable and cacheable(model) else {}
+        records = (
+            (store.measured(machine(model.device)) or {}) if usable and cacheable(model) else {}
+        )
         tail = record_key(model, None, fingerprint=False)
-        seen = records.get(record_key(model, None)) if any(k.endswith(tail) for k in records) else None
+        seen = (
+            records.get(record_key(model, None)) if any(k.endswith(tail) for k in records) else None
+        )
         unmeasured |= usable and cacheable(model) and seen is None
         choice = None
         if seen and seen.get("faster"):
             try:
-                steps = compile_for_decoding(model, model_widths, rows, cache_len, store=store, build=False,
-                                             note=notes.append, **shapes)
-                faster = f"{min(seen['eager_ms'].values()):.2f} -> {seen['compiled_ms']:.2f} ms a step"
-                choice = SetupChoice("compiled", compile_s=steps.compile_s, cache="loaded",
-                                     why=f"the default: measured faster here, {faster}; its compiled steps found "
-                                         "in the cache")
+                steps = compile_for_decoding(
+                    model,
+                    model_widths,
+                    rows,
+                    cache_len,
+                    store=store,
+                    build=False,
+                    note=notes.append,
+                    **shapes,
+                )
+                faster = (
+                    f"{min(seen['eager_ms'].values()):.2f} -> {seen['compiled_ms']:.2f} ms a step"
+                )
+                choice = SetupChoice(
+                    "compiled",
+                    compile_s=steps.compile_s,
+                    cache="loaded",
+                    why=f"the default: measured faster here, {faster}; its compiled steps found "
+                    "in the cache",
+                )
             except CompileError:
                 install(model, None)
                 missing = True
         elif seen:
             eager = min(seen["eager_ms"], key=seen["eager_ms"].get)
-            choice = SetupChoice(fixed_eager(model) if prepack else "stacked",
-                                 why=f"the default: the compiled steps measured slower here ({seen['compiled_ms']:.2f} "
-                                     f"against {seen['eager_ms'][eager]:.2f} ms a step {eager})")
+            choice = SetupChoice(
+                fixed_eager(model) if prepack else "stacked",
+                why=f"the default: the compiled steps measured slower here ({seen['compiled_ms']:.2f} "
+                f"against {seen['eager_ms'][eager]:.2f} ms a step {eager})",
+            )
         if choice is None or choice.chosen != "compiled":
             prepare_for_decoding(model, stack=stack, prepack=prepack)
         if choice is not None:
@@ -403,20 +531,43 @@ def default_setups(target: nn.Module, widths: Sequence[int], cache_len: int, *, 
             compiled = choice is not None and choice.chosen == "compiled"
             try:
                 if compiled:
-                    steps = compile_for_decoding(head, widths, rows, cache_len, tree_widths=sizes[:-1], store=store,
-                                                 build=False, note=notes.append)
+                    steps = compile_for_decoding(
+                        head,
+                        widths,
+                        rows,
+                        cache_len,
+                        tree_widths=sizes[:-1],
+                        store=store,
+                        build=False,
+                        note=notes.append,
+                    )
                     prepack_outside_step(head)
-                    choices.append(("head", SetupChoice("compiled", compile_s=steps.compile_s, why="as its target",
-                                                        cache="loaded")))
+                    choices.append(
+                        (
+                            "head",
+                            SetupChoice(
+                                "compiled",
+                                compile_s=steps.compile_s,
+                                why="as its target",
+                                cache="loaded",
+                            ),
+                        )
+                    )
             except CompileError:
                 install(head, None)
                 compiled = False
             if not compiled:
                 prepare_for_decoding(head, stack=stack, prepack=prepack)
-    hint = compile_hint(store, target) if unmeasured and not any(c.chosen == "compiled" for _, c in choices) else None
+    hint = (
+        compile_hint(store, target)
+        if unmeasured and not any(c.chosen == "compiled" for _, c in choices)
+        else None
+    )
     if missing:
-        hint = ("compiled steps that measured faster here are missing from the cache or refused: `--compile` builds "
-                "them again (this run decodes eagerly)")
+        hint = (
+            "compiled steps that measured faster here are missing from the cache or refused: `--compile` builds "
+            "them again (this run decodes eagerly)"
+        )
     return Setups(target, draft, choices, notes=notes, hint=hint)
 
 
@@ -431,11 +582,15 @@ def compile_hint(store: Any, target: nn.Module) -> str:
     quotes no other machine's figure: only this machine's own records."""
     seen = store.measured(machine(target.device)) or {}
     if not seen:
-        return ("compiled steps for this run were not measured on this machine: `--compile` builds them once (minutes "
-                "on a small CPU; one machine's build and step times: docs/results/benchmarks_compiled.md), and later "
-                "runs load them in a few seconds where they measured faster")
+        return (
+            "compiled steps for this run were not measured on this machine: `--compile` builds them once (minutes "
+            "on a small CPU; one machine's build and step times: docs/results/benchmarks_compiled.md), and later "
+            "runs load them in a few seconds where they measured faster"
+        )
     last = max(seen.values(), key=lambda m: m.get("date", ""))
-    return (f"compiled steps for this run were not measured: `--compile` builds them once (on {last['date']} it took "
-            f"{last['build_s']:.0f}s here for a {last['model']}, whose step went "
-            f"{min(last['eager_ms'].values()):.2f} -> {last['compiled_ms']:.2f} ms), and later runs load them in "
-            "seconds where they measured faster")
+    return (
+        f"compiled steps for this run were not measured: `--compile` builds them once (on {last['date']} it took "
+        f"{last['build_s']:.0f}s here for a {last['model']}, whose step went "
+        f"{min(last['eager_ms'].values()):.2f} -> {last['compiled_ms']:.2f} ms), and later runs load them in "
+        "seconds where they measured faster"
+    )

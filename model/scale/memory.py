@@ -34,12 +34,33 @@ GB = 1e9
 
 # The published shapes of Llama-2 (the configs of meta-llama/Llama-2-{7,13,70}b-hf).
 LLAMA2_CONFIGS: dict[str, ModelConfig] = {
-    "7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, hidden_dim=11008,
-                      max_seq_len=4096),
-    "13b": ModelConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, hidden_dim=13824,
-                       max_seq_len=4096),
-    "70b": ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672,
-                       max_seq_len=4096),
+    "7b": ModelConfig(
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        hidden_dim=11008,
+        max_seq_len=4096,
+    ),
+    "13b": ModelConfig(
+        vocab_size=32000,
+        dim=5120,
+        n_layers=40,
+        n_heads=40,
+        n_kv_heads=40,
+        hidden_dim=13824,
+        max_seq_len=4096,
+    ),
+    "70b": ModelConfig(
+        vocab_size=32000,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        hidden_dim=28672,
+        max_seq_len=4096,
+    ),
 }
 
 
@@ -59,7 +80,9 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100-40gb": DeviceSpec("NVIDIA A100 40GB (SXM)", int(40e9), 1.555e12),
 }
 
-DEFAULT_RESERVE = 2**30  # 1 GiB: CUDA context (~0.5 GB), cuBLAS and NCCL workspaces, allocator slack
+DEFAULT_RESERVE = (
+    2**30
+)  # 1 GiB: CUDA context (~0.5 GB), cuBLAS and NCCL workspaces, allocator slack
 
 
 def device_spec(name: str) -> DeviceSpec:
@@ -70,11 +93,15 @@ def device_spec(name: str) -> DeviceSpec:
         return DEVICES[key]
     if key in ("auto", "cuda") or key.startswith("cuda:"):
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asks for the detected GPU, but CUDA is not available; "
-                             f"name one of {', '.join(DEVICES)}")
+            raise ValueError(
+                f"device {name!r} asks for the detected GPU, but CUDA is not available; "
+                f"name one of {', '.join(DEVICES)}"
+            )
         props = torch.cuda.get_device_properties(torch.device("cuda" if key == "auto" else key))
         return DeviceSpec(props.name, int(props.total_memory), None)
-    raise ValueError(f"unknown device {name!r}; use one of {', '.join(DEVICES)} or auto (the detected GPU)")
+    raise ValueError(
+        f"unknown device {name!r}; use one of {', '.join(DEVICES)} or auto (the detected GPU)"
+    )
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -85,8 +112,15 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 def block_linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     """[out, in] of one block's seven linear layers, in the full (unsharded) model."""
     q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    return [(q, config.dim), (kv, config.dim), (kv, config.dim), (config.dim, q),
-            (config.hidden_dim, config.dim), (config.hidden_dim, config.dim), (config.dim, config.hidden_dim)]
+    return [
+        (q, config.dim),
+        (kv, config.dim),
+        (kv, config.dim),
+        (config.dim, q),
+        (config.hidden_dim, config.dim),
+        (config.hidden_dim, config.dim),
+        (config.dim, config.hidden_dim),
+    ]
 
 
 ROW_PARALLEL_INDEX = (3, 6)  # o_proj and down_proj in block_linear_shapes: split by input features
@@ -94,8 +128,10 @@ ROW_PARALLEL_INDEX = (3, 6)  # o_proj and down_proj in block_linear_shapes: spli
 
 def sharded_shapes(config: ModelConfig, tp: int) -> list[tuple[int, int]]:
     """[out, in] of one block's linears on one of ``tp`` ranks."""
-    return [(out, inp // tp) if i in ROW_PARALLEL_INDEX else (out // tp, inp)
-            for i, (out, inp) in enumerate(block_linear_shapes(config))]
+    return [
+        (out, inp // tp) if i in ROW_PARALLEL_INDEX else (out // tp, inp)
+        for i, (out, inp) in enumerate(block_linear_shapes(config))
+    ]
 
 
 def linear_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype, quantize: str | None) -> int:
@@ -116,13 +152,23 @@ def replicated_params(config: ModelConfig) -> int:
     return config.vocab_size * config.dim + head + (2 * config.n_layers + 1) * config.dim
 
 
-def kv_bytes_per_position(config: ModelConfig, dtype: torch.dtype, tp: int = 1, batch: int = 1) -> int:
+def kv_bytes_per_position(
+    config: ModelConfig, dtype: torch.dtype, tp: int = 1, batch: int = 1
+) -> int:
     """Keys and values of one position, all layers, this rank's KV heads."""
-    return 2 * config.n_layers * (config.n_kv_heads // tp) * config.head_dim * batch * dtype_bytes(dtype)
+    return (
+        2
+        * config.n_layers
+        * (config.n_kv_heads // tp)
+        * config.head_dim
+        * batch
+        * dtype_bytes(dtype)
+    )
 
 
-def weights_per_rank(config: ModelConfig, dtype: torch.dtype, tp: int = 1,
-                     quantize: str | None = None) -> tuple[int, int]:
+def weights_per_rank(
+    config: ModelConfig, dtype: torch.dtype, tp: int = 1, quantize: str | None = None
+) -> tuple[int, int]:
     """(sharded block weights, replicated weights) in bytes on one of ``tp`` ranks."""
     sharded = config.n_layers * linear_bytes(sharded_shapes(config, tp), dtype, quantize)
     return sharded, replicated_params(config) * dtype_bytes(dtype)
@@ -172,32 +218,58 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, object]:
         """Plain numbers (bytes), for JSON."""
-        return {"target": self.target_name, "draft": self.draft_name, "dtype": str(self.dtype).removeprefix("torch."),
-                "tp_size": self.tp_size, "context": self.context, "batch": self.batch, "quantize": self.quantize,
-                "device": self.device_name, "capacity": self.capacity, "target_sharded": self.target_sharded,
-                "target_replicated": self.target_replicated, "draft_weights": self.draft_weights,
-                "target_kv": self.target_kv, "draft_kv": self.draft_kv, "workspace": self.workspace,
-                "total": self.total, "fits": self.fits, "max_context": self.max_context}
+        return {
+            "target": self.target_name,
+            "draft": self.draft_name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "tp_size": self.tp_size,
+            "context": self.context,
+            "batch": self.batch,
+            "quantize": self.quantize,
+            "device": self.device_name,
+            "capacity": self.capacity,
+            "target_sharded": self.target_sharded,
+            "target_replicated": self.target_replicated,
+            "draft_weights": self.draft_weights,
+            "target_kv": self.target_kv,
+            "draft_kv": self.draft_kv,
+            "workspace": self.workspace,
+            "total": self.total,
+            "fits": self.fits,
+            "max_context": self.max_context,
+        }
 
     def render(self) -> str:
         """A readable table, in decimal GB (MB for a tiny model's lines)."""
         dtype = str(self.dtype).removeprefix("torch.")
         weights = f"{self.quantize} + {dtype}" if self.quantize else dtype
-        pair = f"draft {self.draft_name} -> target {self.target_name}" if self.draft_name else self.target_name
+        pair = (
+            f"draft {self.draft_name} -> target {self.target_name}"
+            if self.draft_name
+            else self.target_name
+        )
         split = f"tensor-parallel over {self.tp_size} GPUs" if self.tp_size > 1 else "one GPU"
-        rows = [(f"target block weights ({'1/' + str(self.tp_size) if self.tp_size > 1 else 'whole'})",
-                 self.target_sharded),
-                ("target embeddings, lm_head, norms (replicated)", self.target_replicated)]
+        rows = [
+            (
+                f"target block weights ({'1/' + str(self.tp_size) if self.tp_size > 1 else 'whole'})",
+                self.target_sharded,
+            ),
+            ("target embeddings, lm_head, norms (replicated)", self.target_replicated),
+        ]
         if self.draft_name:
             rows.append(("draft weights (whole on every GPU)", self.draft_weights))
-        rows.append((f"target KV cache ({self.context} positions x batch {self.batch})", self.target_kv))
+        rows.append(
+            (f"target KV cache ({self.context} positions x batch {self.batch})", self.target_kv)
+        )
         if self.draft_name:
             rows.append(("draft KV cache", self.draft_kv))
         rows.append(("runtime reserve and temporaries", self.workspace))
         width = max(len(r[0]) for r in rows) + 2
         lines = [f"memory plan: {pair}, {weights} weights, {split}, per GPU on {self.device_name}"]
         lines += [f"  {label:<{width}}{_size(n):>12}" for label, n in rows]
-        lines.append(f"  {'total per GPU':<{width}}{_size(self.total):>12} of {_size(self.capacity)}")
+        lines.append(
+            f"  {'total per GPU':<{width}}{_size(self.total):>12} of {_size(self.capacity)}"
+        )
         if self.fits:
             verdict = f"fits, {_size(self.free)} to spare"
         else:
@@ -214,10 +286,20 @@ def _size(n: int) -> str:
     return f"{n / GB:.2f} GB" if abs(n) >= 0.1 * GB else f"{n / 1e6:.2f} MB"
 
 
-def plan(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: torch.dtype = torch.bfloat16,
-         tp_size: int = 1, context: int | None = None, quantize: str | None = None, device_name: str = "h200",
-         batch: int = 1, reserve: int = DEFAULT_RESERVE, target_name: str = "target",
-         draft_name: str = "draft", capacity_bytes: int | None = None) -> MemoryPlan:
+def plan(
+    config_target: ModelConfig,
+    config_draft: ModelConfig | None,
+    dtype: torch.dtype = torch.bfloat16,
+    tp_size: int = 1,
+    context: int | None = None,
+    quantize: str | None = None,
+    device_name: str = "h200",
+    batch: int = 1,
+    reserve: int = DEFAULT_RESERVE,
+    target_name: str = "target",
+    draft_name: str = "draft",
+    capacity_bytes: int | None = None,
+) -> MemoryPlan:
     """Bytes per GPU to run ``config_target`` split over ``tp_size`` GPUs with ``config_draft`` on each.
 
     ``context`` defaults to the shorter max_position_embeddings of the two models.
@@ -231,13 +313,23 @@ def plan(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: to
         context = min(c.max_seq_len for c in configs)
     if context < 1 or batch < 1:
         raise ValueError(f"context and batch must be >= 1, got {context} and {batch}")
-    spec = device_spec(device_name) if capacity_bytes is None else DeviceSpec(device_name, int(capacity_bytes))
+    spec = (
+        device_spec(device_name)
+        if capacity_bytes is None
+        else DeviceSpec(device_name, int(capacity_bytes))
+    )
     sharded, replicated = weights_per_rank(config_target, dtype, tp_size, quantize)
-    draft = sum(weights_per_rank(config_draft, dtype, 1, quantize)) if config_draft is not None else 0
+    draft = (
+        sum(weights_per_rank(config_draft, dtype, 1, quantize)) if config_draft is not None else 0
+    )
     per_pos = kv_bytes_per_position(config_target, dtype, tp_size, batch)
-    per_pos_draft = kv_bytes_per_position(config_draft, dtype, 1, batch) if config_draft is not None else 0
+    per_pos_draft = (
+        kv_bytes_per_position(config_draft, dtype, 1, batch) if config_draft is not None else 0
+    )
     workspace = reserve
-    if quantize == "int8":  # Int8Linear's forward off a CPU casts the weight to the activation dtype: one at a time
+    if (
+        quantize == "int8"
+    ):  # Int8Linear's forward off a CPU casts the weight to the activation dtype: one at a time
         shapes = sharded_shapes(config_target, tp_size)
         if config_draft is not None:
             shapes += block_linear_shapes(config_draft)
@@ -245,19 +337,38 @@ def plan(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: to
     fixed = sharded + replicated + draft + workspace
     longest = min(c.max_seq_len for c in configs)
     max_context = max(0, min(longest, (spec.memory_bytes - fixed) // (per_pos + per_pos_draft)))
-    return MemoryPlan(target_name=target_name, draft_name=draft_name if config_draft is not None else None,
-                      dtype=dtype, tp_size=tp_size, context=context, batch=batch, quantize=quantize,
-                      device_name=spec.name, capacity=spec.memory_bytes, target_sharded=sharded,
-                      target_replicated=replicated, draft_weights=draft, target_kv=per_pos * context,
-                      draft_kv=per_pos_draft * context, workspace=workspace, max_context=int(max_context))
+    return MemoryPlan(
+        target_name=target_name,
+        draft_name=draft_name if config_draft is not None else None,
+        dtype=dtype,
+        tp_size=tp_size,
+        context=context,
+        batch=batch,
+        quantize=quantize,
+        device_name=spec.name,
+        capacity=spec.memory_bytes,
+        target_sharded=sharded,
+        target_replicated=replicated,
+        draft_weights=draft,
+        target_kv=per_pos * context,
+        draft_kv=per_pos_draft * context,
+        workspace=workspace,
+        max_context=int(max_context),
+    )
 
 
 TP_SIZES = (2, 4, 8, 16, 32, 64)  # tensor-parallel sizes a suggestion may propose
 
 
-def cheapest_fit(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: torch.dtype = torch.bfloat16,
-                 tp_size: int = 1, quantize: str | None = None, device_name: str = "h200",
-                 context: int | None = None) -> str | None:
+def cheapest_fit(
+    config_target: ModelConfig,
+    config_draft: ModelConfig | None,
+    dtype: torch.dtype = torch.bfloat16,
+    tp_size: int = 1,
+    quantize: str | None = None,
+    device_name: str = "h200",
+    context: int | None = None,
+) -> str | None:
     """The cheapest single change of generate.py flags that makes a plan that does not fit fit, or None.
 
     "Cheapest" in what it asks of the user, tried in this order: ``--dtype bfloat16`` when
@@ -268,13 +379,21 @@ def cheapest_fit(config_target: ModelConfig, config_draft: ModelConfig | None, d
     already fits): then only a smaller pair or a shorter context helps, which the plan's
     "longest context that fits" already says.
     """
+
     def fits(**changes: object) -> bool:
-        settings: dict[str, object] = dict(dtype=dtype, tp_size=tp_size, quantize=quantize,
-                                           device_name=device_name, context=context)
+        settings: dict[str, object] = dict(
+            dtype=dtype,
+            tp_size=tp_size,
+            quantize=quantize,
+            device_name=device_name,
+            context=context,
+        )
         settings.update(changes)
         try:
             return plan(config_target, config_draft, **settings).fits  # type: ignore[arg-type]
-        except ValueError:  # a split the heads do not allow (TensorParallelError), an unusable device
+        except (
+            ValueError
+        ):  # a split the heads do not allow (TensorParallelError), an unusable device
             return False
 
     if fits():
@@ -287,7 +406,9 @@ def cheapest_fit(config_target: ModelConfig, config_draft: ModelConfig | None, d
     for tp in more_gpus:
         if fits(tp_size=tp):
             return f"--tp {tp} (run with torchrun --nproc-per-node {tp} generate.py ...)"
-    capacity = plan(config_target, config_draft, dtype, tp_size, context, quantize, device_name).capacity
+    capacity = plan(
+        config_target, config_draft, dtype, tp_size, context, quantize, device_name
+    ).capacity
     for name, spec in sorted(DEVICES.items(), key=lambda item: item[1].memory_bytes):
         if spec.memory_bytes > capacity and fits(device_name=name):
             return f"--plan-device {name} (a {spec.name})"
@@ -327,9 +448,16 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig] | None, positions: int,
-                 dtype: torch.dtype, device: torch.device, tp_size: int = 1, quantize: str | None = None,
-                 batch: int = 1) -> MemoryPlan | None:
+def check_memory(
+    target: tuple[str, ModelConfig],
+    draft: tuple[str, ModelConfig] | None,
+    positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_size: int = 1,
+    quantize: str | None = None,
+    batch: int = 1,
+) -> MemoryPlan | None:
     """Refuse, before loading anything, a pair that will not fit in the memory free right now.
 
     ``target`` and ``draft`` are (name, config) pairs (a feature head counts as a one-layer
@@ -344,9 +472,20 @@ def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig]
     if device.type == "cpu" and tp_size > 1:  # the ranks on this host share its memory
         free //= int(os.environ.get("LOCAL_WORLD_SIZE", str(tp_size)))
     reserve = DEFAULT_RESERVE if device.type == "cuda" else 0
-    result = plan(target[1], draft[1] if draft else None, dtype, tp_size=tp_size, context=positions, batch=batch,
-                  quantize=quantize, device_name=f"{device} (free)", reserve=reserve, target_name=target[0],
-                  draft_name=draft[0] if draft else "draft", capacity_bytes=free)
+    result = plan(
+        target[1],
+        draft[1] if draft else None,
+        dtype,
+        tp_size=tp_size,
+        context=positions,
+        batch=batch,
+        quantize=quantize,
+        device_name=f"{device} (free)",
+        reserve=reserve,
+        target_name=target[0],
+        draft_name=draft[0] if draft else "draft",
+        capacity_bytes=free,
+    )
     if not result.fits:
         names = f"{target[0]} + {draft[0]}" if draft else target[0]
         weights = quantize or str(dtype).removeprefix("torch.")
@@ -357,20 +496,43 @@ def check_memory(target: tuple[str, ModelConfig], draft: tuple[str, ModelConfig]
             f"{names} {'need' if draft else 'needs'} about {gb(result.total)}{ranks} in {weights} (weights "
             f"{gb(result.weights)} + KV cache {gb(result.kv_cache)} for {positions} positions{rows}{extra}) but "
             f"{device} has {gb(free)} free; use a smaller dtype, a smaller pair, or a device with more memory (see "
-            "generate.py --plan)")
+            "generate.py --plan)"
+        )
     return result
 
 
-def plan_suggestion(config_target: ModelConfig, config_draft: ModelConfig | None, dtype: torch.dtype,
-                    tp_size: int, quantize: str | None, device_name: str) -> str | None:
+def plan_suggestion(
+    config_target: ModelConfig,
+    config_draft: ModelConfig | None,
+    dtype: torch.dtype,
+    tp_size: int,
+    quantize: str | None,
+    device_name: str,
+) -> str | None:
     """What ``generate.py --plan`` prints under a plan that does not fit: cheapest_fit's change,
     or that no single change fits. None when the plan fits."""
-    if plan(config_target, config_draft, dtype, tp_size=tp_size, quantize=quantize, device_name=device_name).fits:
+    if plan(
+        config_target,
+        config_draft,
+        dtype,
+        tp_size=tp_size,
+        quantize=quantize,
+        device_name=device_name,
+    ).fits:
         return None
-    change = cheapest_fit(config_target, config_draft, dtype, tp_size=tp_size, quantize=quantize,
-                          device_name=device_name)
-    return (f"the cheapest change that fits: {change}" if change else
-            "no single change of --dtype, --quantize, --tp or --plan-device fits it: use a smaller pair")
+    change = cheapest_fit(
+        config_target,
+        config_draft,
+        dtype,
+        tp_size=tp_size,
+        quantize=quantize,
+        device_name=device_name,
+    )
+    return (
+        f"the cheapest change that fits: {change}"
+        if change
+        else "no single change of --dtype, --quantize, --tp or --plan-device fits it: use a smaller pair"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,8 +547,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=None)
     args = parser.parse_args(argv)
     draft = None if args.draft == "none" else LLAMA2_CONFIGS[args.draft]
-    result = plan(LLAMA2_CONFIGS[args.target], draft, getattr(torch, args.dtype), args.tp, args.context,
-                  args.quantize, args.device, target_name=args.target, draft_name=args.draft)
+    result = plan(
+        LLAMA2_CONFIGS[args.target],
+        draft,
+        getattr(torch, args.dtype),
+        args.tp,
+        args.context,
+        args.quantize,
+        args.device,
+        target_name=args.target,
+        draft_name=args.draft,
+    )
     print(result.render())
     return 0
 

@@ -62,7 +62,9 @@ class Int8Linear(nn.Module):
         if weight.dtype != torch.int8:
             raise TypeError(f"Int8Linear needs int8 weights, got {weight.dtype}")
         if scale.shape != weight.shape[:1]:
-            raise ValueError(f"need one scale per output row: weight {list(weight.shape)}, scale {list(scale.shape)}")
+            raise ValueError(
+                f"need one scale per output row: weight {list(weight.shape)}, scale {list(scale.shape)}"
+            )
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
@@ -99,6 +101,7 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = False) -> nn.Module:
     decoding compares between draft and target, as accurate as possible. A tied
     ``lm_head`` is never quantized, since it is the embedding matrix.
     """
+
     def swap(parent: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
@@ -117,7 +120,9 @@ def quantize_int8(model: nn.Module, include_lm_head: bool = False) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- int4, groupwise (a CPU)
-def quantize_int4_weight(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4_weight(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes 0..15 as int32 [out, in], scales and zeros [out, in / group_size]) of a float matrix,
     asymmetric per group of ``group_size`` inputs, as gpt-fast's int4 mode: a group's smallest and
     largest weight span the 16 codes, and code c stands for (c - 8) * scale + zero. Every weight is
@@ -129,16 +134,27 @@ def quantize_int4_weight(weight: torch.Tensor, group_size: int) -> tuple[torch.T
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     scale = ((high - low) / 15).clamp(min=1e-8)  # a constant group: any code stands for its value
     codes = ((groups - low) / scale).round().clamp(0, 15)
-    return codes.reshape(out_features, in_features).to(torch.int32), scale[..., 0], (low + 8 * scale)[..., 0]
+    return (
+        codes.reshape(out_features, in_features).to(torch.int32),
+        scale[..., 0],
+        (low + 8 * scale)[..., 0],
+    )
 
 
-def dequantize_int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def dequantize_int4_weight(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> torch.Tensor:
     """The float32 matrix an int4 layer multiplies by: (code - 8) * scale + zero, group by group."""
     group_size = codes.shape[1] // scale.shape[1]
-    return ((codes.float() - 8) * scale.repeat_interleave(group_size, 1) + zero.repeat_interleave(group_size, 1))
+    return (codes.float() - 8) * scale.repeat_interleave(group_size, 1) + zero.repeat_interleave(
+        group_size, 1
+    )
 
 
-INT4_DTYPES = (torch.float32, torch.bfloat16)  # what torch's packed int4 kernel computes in on a CPU
+INT4_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+)  # what torch's packed int4 kernel computes in on a CPU
 
 
 class Int4Linear(nn.Module):
@@ -153,19 +169,33 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = self.in_features // scale.shape[1]
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2))
-        self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], -1).float().contiguous())
+        self.register_buffer(
+            "weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
+        )
+        self.register_buffer(
+            "scales_and_zeros", torch.stack([scale.t(), zero.t()], -1).float().contiguous()
+        )
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, group_size: int = 32) -> Int4Linear:
         return cls(*quantize_int4_weight(weight, group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != self.scales_and_zeros.dtype or x.dtype not in INT4_DTYPES:
-            raise TypeError(f"this Int4Linear computes {self.scales_and_zeros.dtype} on a CPU, got {x.dtype} on "
-                            f"{x.device.type}")
-        flat = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).contiguous(), self.weight,
-                                                          self.group_size, self.scales_and_zeros)
+        if (
+            x.device.type != "cpu"
+            or x.dtype != self.scales_and_zeros.dtype
+            or x.dtype not in INT4_DTYPES
+        ):
+            raise TypeError(
+                f"this Int4Linear computes {self.scales_and_zeros.dtype} on a CPU, got {x.dtype} on "
+                f"{x.device.type}"
+            )
+        flat = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).contiguous(),
+            self.weight,
+            self.group_size,
+            self.scales_and_zeros,
+        )
         return flat.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -177,6 +207,7 @@ def quantize_int4(model: nn.Module, group_size: int = 32) -> nn.Module:
     ``group_size`` with an :class:`Int4Linear` computing in the layer's dtype (float32 or bfloat16), in
     place (a CPU). As :func:`quantize_int8`, the embeddings, norms and output head keep their dtype. A
     quantized model is another target: offered and measured, never a default."""
+
     def swap(parent: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.in_features % group_size == 0:
@@ -189,4 +220,3 @@ def quantize_int4(model: nn.Module, group_size: int = 32) -> nn.Module:
 
     swap(model.layers)
     return model
-

@@ -73,7 +73,9 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device: str | torch.device | None = None, backend: str | None = None) -> DistInfo:
+def init_distributed(
+    device: str | torch.device | None = None, backend: str | None = None
+) -> DistInfo:
     """Join the process group that ``torchrun`` describes through RANK, WORLD_SIZE and LOCAL_RANK.
 
     Without those variables (a plain ``python generate.py``) this is a single process and
@@ -96,8 +98,10 @@ def init_distributed(device: str | torch.device | None = None, backend: str | No
     if not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-            raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are unset: launch with torchrun "
-                               "--nproc-per-node N, which sets them")
+            raise RuntimeError(
+                "WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are unset: launch with torchrun "
+                "--nproc-per-node N, which sets them"
+            )
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
@@ -149,23 +153,31 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
     if world_size < 1:
         raise TensorParallelError(f"tensor-parallel size must be >= 1, got {world_size}")
     problems = []
-    for what, n in (("num_attention_heads", config.n_heads), ("num_key_value_heads", config.n_kv_heads),
-                    ("intermediate_size", config.hidden_dim)):
+    for what, n in (
+        ("num_attention_heads", config.n_heads),
+        ("num_key_value_heads", config.n_kv_heads),
+        ("intermediate_size", config.hidden_dim),
+    ):
         if n % world_size:
             problems.append(f"{what}={n}")
     if problems:
         raise TensorParallelError(
             f"cannot split the model over {world_size} ranks: {', '.join(problems)} "
             f"{'is' if len(problems) == 1 else 'are'} not divisible by {world_size}; "
-            "use a tensor-parallel size that divides the number of heads and of key/value heads")
+            "use a tensor-parallel size that divides the number of heads and of key/value heads"
+        )
 
 
 def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
     """The config of one rank's blocks: 1/world_size of the heads, KV heads and SwiGLU units."""
     check_divisible(config, world_size)
-    return dataclasses.replace(config, n_heads=config.n_heads // world_size,
-                               n_kv_heads=config.n_kv_heads // world_size,
-                               hidden_dim=config.hidden_dim // world_size, head_dim=config.head_dim)
+    return dataclasses.replace(
+        config,
+        n_heads=config.n_heads // world_size,
+        n_kv_heads=config.n_kv_heads // world_size,
+        hidden_dim=config.hidden_dim // world_size,
+        head_dim=config.head_dim,
+    )
 
 
 class ParallelAttention(Attention):
@@ -226,7 +238,9 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def shard_index(name: str, shape: tuple[int, ...], rank: int, world_size: int) -> tuple[slice, ...] | None:
+def shard_index(
+    name: str, shape: tuple[int, ...], rank: int, world_size: int
+) -> tuple[slice, ...] | None:
     """The part of tensor ``name`` (full ``shape``, torch's [out, in] layout) that ``rank`` keeps.
 
     None means the tensor is replicated. Column-parallel layers keep rows of the stored
@@ -272,10 +286,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple) -> None:
+def _launch_entry(
+    rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple
+) -> None:
     # What torchrun would have set, so that fn can call init_distributed() exactly as under torchrun.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         fn(*args)
         if dist.is_initialized():
@@ -287,7 +309,9 @@ def _launch_entry(rank: int, fn: Callable[..., None], world_size: int, port: int
             dist.destroy_process_group()
 
 
-def launch_local(fn: Callable[..., None], world_size: int, *args: object, timeout: float = 120.0) -> None:
+def launch_local(
+    fn: Callable[..., None], world_size: int, *args: object, timeout: float = 120.0
+) -> None:
     """Run ``fn(*args)`` in ``world_size`` fresh processes with torchrun's environment (tests, CPU demos).
 
     ``fn`` must be importable (a module-level function). A failing rank raises here
@@ -296,12 +320,19 @@ def launch_local(fn: Callable[..., None], world_size: int, *args: object, timeou
     test but never hang it.
     """
 
-    context = mp.start_processes(_launch_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(
+        _launch_entry,
+        args=(fn, world_size, free_port(), args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
         if time.monotonic() > deadline:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-            raise TimeoutError(f"{world_size} ranks did not finish within {timeout:.0f}s (a hung collective?)")
+            raise TimeoutError(
+                f"{world_size} ranks did not finish within {timeout:.0f}s (a hung collective?)"
+            )

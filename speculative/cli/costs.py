@@ -31,32 +31,71 @@ from model.fast.setup import machine
 from speculative.engine.engine import Engine
 
 COSTS = "guard_costs.json"  # the store's file of these records (beside measured.json)
-FIGURES = ("plain_s", "speculating_s", "catch_up_s")  # a record's seconds, in Switch.recorded's order
+FIGURES = (
+    "plain_s",
+    "speculating_s",
+    "catch_up_s",
+)  # a record's seconds, in Switch.recorded's order
 TOKENS = 16  # new tokens a measurement decodes: a few iterations after the prompt's
 ROUNDS = 3  # runs that time the drafter catching up
-BLOCK, CYCLES = 4, 6  # iterations each way in turn, and their cycles: the run that times plain and speculating
+BLOCK, CYCLES = (
+    4,
+    6,
+)  # iterations each way in turn, and their cycles: the run that times plain and speculating
 CONTEXT = 32  # the prompt's last tokens it starts from: a long prompt's pass would cost more than the rest
 # What a record means, in its key: 2 since the speculating iteration is the full depth's (:func:`full_depth`), 3
 # since plain and speculating iterations are timed in turns in one run; an older record is measured again.
 VERSION = 3
-ENGINE = ("gamma", "tree", "tree_mode", "verify", "temperature", "top_k", "top_p")  # a run's arguments an Engine takes
+ENGINE = (
+    "gamma",
+    "tree",
+    "tree_mode",
+    "verify",
+    "temperature",
+    "top_k",
+    "top_p",
+)  # a run's arguments an Engine takes
 
 
 def cost_key(target: Any, draft: Any, setups: Sequence[str], settings: dict[str, Any]) -> str:
     """What a record holds for: the shapes and dtypes of the target's and the drafter's networks with
     their configs (what a step costs depends on them, not on the weights' values, and hashing a large
     model's bytes would take seconds), the set-ups chosen, and the run's decoding ``settings``."""
-    networks = [net for net in (target, getattr(draft, "model", None), getattr(draft, "head", None), draft)
-                if hasattr(net, "config")]
-    shapes = [repr((net.config, [(n, tuple(t.shape), t.dtype) for n, t in [*net.named_parameters(),
-                                 *net.named_buffers()] if ".cache." not in n])) for net in networks]
-    digests = [hashlib.blake2b(text.encode(), digest_size=8).hexdigest() for text in dict.fromkeys(shapes)]
+    networks = [
+        net
+        for net in (target, getattr(draft, "model", None), getattr(draft, "head", None), draft)
+        if hasattr(net, "config")
+    ]
+    shapes = [
+        repr(
+            (
+                net.config,
+                [
+                    (n, tuple(t.shape), t.dtype)
+                    for n, t in [*net.named_parameters(), *net.named_buffers()]
+                    if ".cache." not in n
+                ],
+            )
+        )
+        for net in networks
+    ]
+    digests = [
+        hashlib.blake2b(text.encode(), digest_size=8).hexdigest() for text in dict.fromkeys(shapes)
+    ]
     named = " ".join(f"{k} {settings[k]}" for k in sorted(settings))
-    return f"{' '.join(digests)} | {type(draft).__name__} | {'/'.join(setups)} | {named} | v{VERSION}"
+    return (
+        f"{' '.join(digests)} | {type(draft).__name__} | {'/'.join(setups)} | {named} | v{VERSION}"
+    )
 
 
-def measure(target: Any, draft: Any, prompt_ids: Sequence[int], run: dict[str, Any],
-            tokens: int = TOKENS, rounds: int = ROUNDS) -> tuple[float, float, float]:
+def measure(
+    target: Any,
+    draft: Any,
+    prompt_ids: Sequence[int],
+    run: dict[str, Any],
+    tokens: int = TOKENS,
+    rounds: int = ROUNDS,
+) -> tuple[float, float, float]:
     """(seconds of a plain step, seconds of a speculating iteration that drafts the full depth, what the first
     speculating iteration after plain steps costs more) for this pair with the run's speculative_generate
     arguments ``run`` (gamma, tree, verify, sampling): the first two from one run of short blocks of each in
@@ -64,13 +103,23 @@ def measure(target: Any, draft: Any, prompt_ids: Sequence[int], run: dict[str, A
     speculating (:func:`catch_up`)."""
     prompt = list(prompt_ids)[-CONTEXT:]
     plain_s, speculating_s = alternated(target, draft, prompt, run)
-    return plain_s, speculating_s, statistics.median(catch_up(target, draft, prompt, run, tokens)
-                                                     for _ in range(rounds))
+    return (
+        plain_s,
+        speculating_s,
+        statistics.median(catch_up(target, draft, prompt, run, tokens) for _ in range(rounds)),
+    )
 
 
-def timed(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain: Callable[[int], bool],
-          new_tokens: Callable[[int], int], iterations: int,
-          clock: Callable[[], float]) -> tuple[list[float], list[int], int]:
+def timed(
+    target: Any,
+    draft: Any,
+    prompt: list[int],
+    run: dict[str, Any],
+    plain: Callable[[int], bool],
+    new_tokens: Callable[[int], int],
+    iterations: int,
+    clock: Callable[[], float],
+) -> tuple[list[float], list[int], int]:
     """One engine run of at most ``iterations`` iterations and ``new_tokens(gamma)`` tokens whose iterations ``plain``
     names are plain steps and the others draft the full gamma (the engine's ``policy``, as a server sets it): each
     iteration's seconds, timed by ``clock`` when its tokens are seen (0 for the prompt's, iteration 0), the
@@ -78,7 +127,13 @@ def timed(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain
     marks: list[float] = []
     engine = Engine(target, draft, **{k: v for k, v in run.items() if k in ENGINE})
     engine.policy = lambda engine: 0 if plain(engine.stats.iterations) else engine.gamma_max
-    engine.add(prompt, new_tokens(engine.gamma_max), eos_id=(), seed=0, callback=lambda *_: marks.append(clock()))
+    engine.add(
+        prompt,
+        new_tokens(engine.gamma_max),
+        eos_id=(),
+        seed=0,
+        callback=lambda *_: marks.append(clock()),
+    )
     engine.step()  # the prompt's iteration: admits the row
     row = engine.rows[0] if engine.rows else None
     while engine.rows and engine.stats.iterations < iterations:
@@ -87,8 +142,15 @@ def timed(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain
     return seconds, row.stats.gamma_history if row is not None else [], engine.gamma_max
 
 
-def alternated(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], block: int = BLOCK,
-               cycles: int = CYCLES, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+def alternated(
+    target: Any,
+    draft: Any,
+    prompt: list[int],
+    run: dict[str, Any],
+    block: int = BLOCK,
+    cycles: int = CYCLES,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[float, float]:
     """(seconds of a plain step, seconds of a speculating iteration that drafts the full depth), from one run
     of ``cycles`` cycles of ``block`` plain iterations and ``block`` speculating ones, each iteration timed by
     ``clock`` when its tokens are seen. The first speculating iteration of a block, where the drafter catches
@@ -98,20 +160,39 @@ def alternated(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], 
     machine whose speed drifts (a VM, a neighbour) moves both sides of it together, and a cycle that a burst
     hit is outvoted. A context that ends before a cycle is complete uses the cycles completed (at least the
     iterations it has)."""
-    iterations = 1 + 2 * block * cycles + block  # a last plain block: each speculating one has plain ones each side
-    seconds, depths, gamma = timed(target, draft, prompt, run, lambda i: i > 0 and (i - 1) // block % 2 == 0,
-                                   lambda gamma: iterations * (gamma + 1), iterations, clock)
+    iterations = (
+        1 + 2 * block * cycles + block
+    )  # a last plain block: each speculating one has plain ones each side
+    seconds, depths, gamma = timed(
+        target,
+        draft,
+        prompt,
+        run,
+        lambda i: i > 0 and (i - 1) // block % 2 == 0,
+        lambda gamma: iterations * (gamma + 1),
+        iterations,
+        clock,
+    )
     plain, ratios = [], []
     for c in range(cycles):
         first = 1 + 2 * block * c
-        plains = [seconds[j] for j in [*range(first, first + block), *range(first + 2 * block, first + 3 * block)]
-                  if j < len(seconds)]
-        clean = [j for j in range(first + block + 1, first + 2 * block) if j < min(len(seconds), len(depths))]
+        plains = [
+            seconds[j]
+            for j in [*range(first, first + block), *range(first + 2 * block, first + 3 * block)]
+            if j < len(seconds)
+        ]
+        clean = [
+            j
+            for j in range(first + block + 1, first + 2 * block)
+            if j < min(len(seconds), len(depths))
+        ]
         if len(plains) < 2 * block or not clean:
             break
         step = statistics.fmean(plains)
         plain.append(step)
-        ratios.append(full_depth([seconds[j] for j in clean], [depths[j] for j in clean], step, gamma) / step)
+        ratios.append(
+            full_depth([seconds[j] for j in clean], [depths[j] for j in clean], step, gamma) / step
+        )
     if not ratios:  # too short a context for one cycle: the iterations it has, as they are
         step = statistics.fmean(seconds[1:]) if len(seconds) > 1 else 0.0
         return step, step
@@ -119,7 +200,9 @@ def alternated(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], 
     return step, step * statistics.median(ratios)
 
 
-def full_depth(seconds: Sequence[float], depths: Sequence[int], plain_s: float, depth: int) -> float:
+def full_depth(
+    seconds: Sequence[float], depths: Sequence[int], plain_s: float, depth: int
+) -> float:
     """The seconds of a speculating iteration that drafts ``depth`` positions, from iterations that took
     ``seconds`` and drafted ``depths`` positions, and the seconds of a plain step: an iteration costs a plain
     step and what its drafted positions add, linearly in their count (the switch charges one that drafts
@@ -130,20 +213,42 @@ def full_depth(seconds: Sequence[float], depths: Sequence[int], plain_s: float, 
     return plain_s + (sum(seconds) - len(seconds) * plain_s) * depth / sum(depths)
 
 
-def catch_up(target: Any, draft: Any, prompt: list[int], run: dict[str, Any], plain_steps: int,
-             clock: Callable[[], float] = time.perf_counter) -> float:
+def catch_up(
+    target: Any,
+    draft: Any,
+    prompt: list[int],
+    run: dict[str, Any],
+    plain_steps: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """What the first speculating iteration after ``plain_steps`` plain steps costs more than the median of
     those after it, in one run (:func:`timed`) of ``plain_steps`` plain steps, the prompt's included, and then
     speculating."""
-    seconds, _, _ = timed(target, draft, prompt, run, lambda i: i < plain_steps, lambda _: plain_steps + TOKENS,
-                          plain_steps + TOKENS, clock)
-    if len(seconds) <= plain_steps + 1:  # the context ended first (a model of a short context): nothing to compare
+    seconds, _, _ = timed(
+        target,
+        draft,
+        prompt,
+        run,
+        lambda i: i < plain_steps,
+        lambda _: plain_steps + TOKENS,
+        plain_steps + TOKENS,
+        clock,
+    )
+    if (
+        len(seconds) <= plain_steps + 1
+    ):  # the context ended first (a model of a short context): nothing to compare
         return 0.0
-    return max(seconds[plain_steps] - statistics.median(seconds[plain_steps + 1:]), 0.0)
+    return max(seconds[plain_steps] - statistics.median(seconds[plain_steps + 1 :]), 0.0)
 
 
-def recorded(store: Any, target: Any, draft: Any, prompt_ids: Sequence[int], setups: Sequence[str],
-             run: dict[str, Any]) -> tuple[tuple[float, ...], bool]:
+def recorded(
+    store: Any,
+    target: Any,
+    draft: Any,
+    prompt_ids: Sequence[int],
+    setups: Sequence[str],
+    run: dict[str, Any],
+) -> tuple[tuple[float, ...], bool]:
     """The costs recorded in ``store`` for this machine and set-up, or measured now and recorded;
     and whether they were measured now."""
     where, run = machine(target.device), {k: v for k, v in run.items() if k != "seed"}
@@ -154,22 +259,47 @@ def recorded(store: Any, target: Any, draft: Any, prompt_ids: Sequence[int], set
     except (KeyError, TypeError, ValueError):
         pass
     measured = measure(target, draft, prompt_ids, run)
-    store.record(where, key, {**dict(zip(FIGURES, measured)), "date": time.strftime("%Y-%m-%d %H:%M")}, file=COSTS)
+    store.record(
+        where,
+        key,
+        {**dict(zip(FIGURES, measured)), "date": time.strftime("%Y-%m-%d %H:%M")},
+        file=COSTS,
+    )
     return measured, True
 
 
-def default_guard(args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any,
-                  one_row: bool) -> tuple[tuple[float, ...] | bool, str | None]:
+def default_guard(
+    args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any, one_row: bool
+) -> tuple[tuple[float, ...] | bool, str | None]:
     """generate.py's guard without --guard / --no-guard: the recorded costs of a chain or a named tree
     (:func:`recorded`), and a note when they were measured now. False for a batch of prompts or a run over
     several processes (each would measure its own), for gamma or tree "auto", and where nothing is drafted."""
     if pair.draft is None or not one_row or args.gamma == "auto" or args.tree == "auto":
         return False, None
-    run = dict(gamma=None if args.tree else args.gamma, tree=args.tree, tree_mode=args.tree_mode, verify=args.verify,
-               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    costs, now = recorded(store, pair.target, pair.draft, prompt_ids, [choice.chosen for _, choice in setups.choices],
-                          run)
-    note = ("guard: measured here once, {:.2f} ms a plain step, {:.2f} ms a speculating iteration and {:.2f} ms more "
+    run = dict(
+        gamma=None if args.tree else args.gamma,
+        tree=args.tree,
+        tree_mode=args.tree_mode,
+        verify=args.verify,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
+    costs, now = recorded(
+        store,
+        pair.target,
+        pair.draft,
+        prompt_ids,
+        [choice.chosen for _, choice in setups.choices],
+        run,
+    )
+    note = (
+        (
+            "guard: measured here once, {:.2f} ms a plain step, {:.2f} ms a speculating iteration and {:.2f} ms more "
             "for the first after plain steps, and recorded: later runs of this set-up read them (--compile-cache "
-            "clear forgets them)".format(*(seconds * 1e3 for seconds in costs))) if now else None
+            "clear forgets them)".format(*(seconds * 1e3 for seconds in costs))
+        )
+        if now
+        else None
+    )
     return costs, note

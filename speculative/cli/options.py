@@ -29,14 +29,21 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def add_flags(parser: argparse.ArgumentParser, table: dict[str, Any], flags: list[str],
-              changes: dict[str, dict] | None = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    table: dict[str, Any],
+    flags: list[str],
+    changes: dict[str, dict] | None = None,
+) -> None:
     """Add ``flags`` to ``parser`` from a table that names every flag once: ``(type, default, help[,
     choices])`` or argparse's keywords, with ``changes`` (a flag's own default or help) laid over
     them. A help that does not give its default gets " (default X)"."""
     for flag in flags:
-        option = table[flag] if isinstance(table[flag], dict) else dict(
-            zip(("type", "default", "help", "choices"), table[flag]))
+        option = (
+            table[flag]
+            if isinstance(table[flag], dict)
+            else dict(zip(("type", "default", "help", "choices"), table[flag]))
+        )
         option = {**option, **(changes or {}).get(flag, {})}
         if not (option.get("required") or option.get("action") or "default" in option["help"]):
             option["help"] += f" (default {option['default']})"
@@ -50,7 +57,9 @@ def gamma_arg(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1 or 'auto', got {text!r}"
+        ) from None
 
 
 def guarded(asked: bool | None, temperature: float) -> bool | str:
@@ -86,8 +95,10 @@ def tree_arg(text: str) -> tuple[int, ...] | str:
     except ValueError:
         shape = ()
     if not shape or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"must be the branching per depth as integers >= 1 joined by commas, e.g. "
-                                         f"3,2,1,1, or auto; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be the branching per depth as integers >= 1 joined by commas, e.g. "
+            f"3,2,1,1, or auto; got {text!r}"
+        )
     return shape
 
 
@@ -99,11 +110,16 @@ def rules_help() -> str:
 def drafters_help() -> str:
     """--draft's help: a checkpoint or feature head by name or folder, or a kind that needs no file."""
     named = [k.name for k in DRAFTERS.values() if not k.needs_files]
-    return (f"a draft model, a parallel draft or a feature head (a name or a folder), or {' or '.join(named)}")
+    return f"a draft model, a parallel draft or a feature head (a name or a folder), or {' or '.join(named)}"
 
 
 # ----------------------------------------------------------------------------- device and dtype
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -115,10 +131,18 @@ def pick_device(name: str | None) -> torch.device:
         raise UsageError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise UsageError(f"--device {name} asked for, but CUDA is not available ({why}); use --device cpu")
+            why = (
+                "this torch is built without CUDA"
+                if torch.version.cuda is None
+                else "no CUDA GPU is visible"
+            )
+            raise UsageError(
+                f"--device {name} asked for, but CUDA is not available ({why}); use --device cpu"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+            raise UsageError(
+                f"--device {name} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type == "mps" and not torch.backends.mps.is_available():
@@ -128,12 +152,16 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
-DTYPE_HELP = ("default: bfloat16 (float16) on a GPU; on a CPU the checkpoint's own bfloat16 where the CPU computes "
-              "it natively (AVX512-BF16, AMX), else float32")
+DTYPE_HELP = (
+    "default: bfloat16 (float16) on a GPU; on a CPU the checkpoint's own bfloat16 where the CPU computes "
+    "it natively (AVX512-BF16, AMX), else float32"
+)
 
 
-DRAFT_DTYPE_HELP = ("the drafter's (default: its checkpoint's own bfloat16 on a CPU that computes it natively, else "
-                    "the target's; the output is the target's whatever the drafter's numerics)")
+DRAFT_DTYPE_HELP = (
+    "the drafter's (default: its checkpoint's own bfloat16 on a CPU that computes it natively, else "
+    "the target's; the output is the target's whatever the drafter's numerics)"
+)
 
 
 def add_dtype_flags(add: Callable[..., Any]) -> None:
@@ -146,15 +174,21 @@ def pick_dtype(name: str | None, device: torch.device, stored: str | None = None
     """``--dtype`` or, when not given, the fastest dtype that keeps the checkpoint's numerics: bfloat16
     (else float16) on a GPU; on a CPU the checkpoint's own bfloat16 (``stored``, its torch_dtype) where
     the CPU computes bfloat16 natively (docs/results/drafters_smollm2_bf16.md), else float32."""
-    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8  # native: Ampere and newer
+    bf16 = (
+        device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    )  # native: Ampere and newer
     if name is None:
         if device.type in ("cuda", "mps"):
             return torch.bfloat16 if bf16 else torch.float16
-        return torch.bfloat16 if stored == "bfloat16" and describe_cpu().native_bf16 else torch.float32
+        return (
+            torch.bfloat16 if stored == "bfloat16" and describe_cpu().native_bf16 else torch.float32
+        )
     dtype = DTYPES[name]  # argparse choices already rejected unknown names
     if device.type == "cuda" and dtype == torch.bfloat16 and not bf16:
-        raise UsageError(f"--dtype bfloat16 needs a GPU with compute capability 8.0 or newer; "
-                         f"{torch.cuda.get_device_name(device)} has not got native bfloat16: use --dtype float16")
+        raise UsageError(
+            f"--dtype bfloat16 needs a GPU with compute capability 8.0 or newer; "
+            f"{torch.cuda.get_device_name(device)} has not got native bfloat16: use --dtype float16"
+        )
     if device.type == "mps" and dtype == torch.float64:
         raise UsageError("--dtype float64 is not supported on mps; use float32 or float16")
     return dtype
@@ -162,9 +196,32 @@ def pick_dtype(name: str | None, device: torch.device, stored: str | None = None
 
 # ----------------------------------------------------------------------------- flags a run cannot use
 # What --plan does not read: it plans from the configs, the dtype, --quantize and --tp alone.
-RUN_ONLY = ("prompt", "prompts_file", "batch_size", "chat", "system", "gamma", "guard", "verify", "tree", "tree_mode",
-            "temperature", "top_k", "top_p", "max_new_tokens", "ignore_eos", "seed",
-            "compare", "threads", "device", "no_prepack", "no_fuse", "setup", "compile", "no_color")
+RUN_ONLY = (
+    "prompt",
+    "prompts_file",
+    "batch_size",
+    "chat",
+    "system",
+    "gamma",
+    "guard",
+    "verify",
+    "tree",
+    "tree_mode",
+    "temperature",
+    "top_k",
+    "top_p",
+    "max_new_tokens",
+    "ignore_eos",
+    "seed",
+    "compare",
+    "threads",
+    "device",
+    "no_prepack",
+    "no_fuse",
+    "setup",
+    "compile",
+    "no_color",
+)
 
 
 def flag(dest: str) -> str:
@@ -190,19 +247,30 @@ def unused_flags(args: argparse.Namespace, given: set[str]) -> list[str]:
         if args.no_draft:
             unused(["draft"], "with --no-draft")
     else:
-        unused(["tp", "plan_device"], "without --plan; to run on N GPUs, launch with torchrun --nproc-per-node N "
-                                      "generate.py ...")
+        unused(
+            ["tp", "plan_device"],
+            "without --plan; to run on N GPUs, launch with torchrun --nproc-per-node N "
+            "generate.py ...",
+        )
         if args.temperature == 0:
-            unused(["top_k", "top_p", "seed"], "at temperature 0: greedy decoding takes the most likely token")
+            unused(
+                ["top_k", "top_p", "seed"],
+                "at temperature 0: greedy decoding takes the most likely token",
+            )
         if args.no_draft:
-            unused(["draft", "gamma", "guard", "compare", "verify", "tree", "tree_mode"],
-                   "with --no-draft: the target decodes alone")
+            unused(
+                ["draft", "gamma", "guard", "compare", "verify", "tree", "tree_mode"],
+                "with --no-draft: the target decodes alone",
+            )
         elif args.tree is not None:
             unused(["gamma"], "with --tree: the tree's depth is its gamma")
         else:
             unused(["tree_mode"], "without --tree")
         if not args.no_draft and "auto" in (args.gamma, args.tree):
-            unused(["guard"], "with --gamma auto or --tree auto, which turn speculation off where it loses themselves")
+            unused(
+                ["guard"],
+                "with --gamma auto or --tree auto, which turn speculation off where it loses themselves",
+            )
         if not args.chat:
             unused(["system"], "without --chat")
         if args.prompts_file is None:
@@ -218,7 +286,13 @@ def rule_note(args: argparse.Namespace, given: set[str]) -> str | None:
     """What a rule named by --verify does at temperature 0, where it is registered to give way to
     the comparison of argmaxes (speculative.verify.registry): said once, after the header."""
     rule = RULES[args.verify]
-    if "verify" in given and args.temperature == 0 and not args.no_draft and args.tree is None and rule.greedy:
+    if (
+        "verify" in given
+        and args.temperature == 0
+        and not args.no_draft
+        and args.tree is None
+        and rule.greedy
+    ):
         return f"at temperature 0, --verify {rule.name} is {rule.at_temperature_0}"
     return None
 
@@ -229,12 +303,16 @@ def read_prompt(text: str, world_size: int) -> str:
     if text != "-":
         return text
     if world_size > 1:
-        raise UsageError("--prompt - is not supported under torchrun, which does not give every rank the same "
-                         "standard input; pass the text itself")
+        raise UsageError(
+            "--prompt - is not supported under torchrun, which does not give every rank the same "
+            "standard input; pass the text itself"
+        )
     prompt = sys.stdin.read().rstrip("\r\n")
     if not prompt:
-        raise UsageError("--prompt -: standard input is empty; pipe the prompt in, e.g. echo 'Once upon a time' | "
-                         "generate.py --prompt -")
+        raise UsageError(
+            "--prompt -: standard input is empty; pipe the prompt in, e.g. echo 'Once upon a time' | "
+            "generate.py --prompt -"
+        )
     return prompt
 
 
@@ -246,9 +324,13 @@ def read_prompts(path: str) -> list[str]:
     A line's closing ``\\r`` (a Windows file) is dropped; nothing else is stripped."""
     where = "- (standard input)" if path == "-" else path
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).expanduser().read_text(encoding="utf-8")
+        text = (
+            sys.stdin.read() if path == "-" else Path(path).expanduser().read_text(encoding="utf-8")
+        )
     except UnicodeDecodeError as err:
-        raise UsageError(f"--prompts-file {where} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise UsageError(
+            f"--prompts-file {where} is not UTF-8 text ({err.reason} at byte {err.start})"
+        ) from None
     except OSError as err:
         raise UsageError(f"--prompts-file {where} cannot be read: {err.strerror or err}") from None
     lines = text.split("\n")
@@ -259,7 +341,9 @@ def read_prompts(path: str) -> list[str]:
     prompts = [line.removesuffix("\r") for line in lines]
     for number, prompt in enumerate(prompts, 1):
         if not prompt.strip():
-            raise UsageError(f"--prompts-file {where}: line {number} is empty; every line must hold a prompt")
+            raise UsageError(
+                f"--prompts-file {where}: line {number} is empty; every line must hold a prompt"
+            )
     return prompts
 
 
@@ -267,5 +351,3 @@ def read_prompts(path: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- what a run was
-
-

@@ -17,8 +17,10 @@ from speculative.verify.tree import branching_parents
 GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
 
 
-LEGEND = (f"colours: {GREEN}draft tokens accepted by the target{RESET}, {YELLOW}tokens produced by the target{RESET} "
-          "(after a rejection, or the bonus token)")
+LEGEND = (
+    f"colours: {GREEN}draft tokens accepted by the target{RESET}, {YELLOW}tokens produced by the target{RESET} "
+    "(after a rejection, or the bonus token)"
+)
 
 
 def compile_cache(store: Any, action: str) -> int:
@@ -34,16 +36,24 @@ def compile_cache(store: Any, action: str) -> int:
         key = ", ".join(f"{k} {v}" for k, v in entry.key.items()) or entry.problem
         print(f"  {entry.path.name[:12]}  {entry.size / 1e6:7.1f} MB  {entry.built}  {key}")
     measured = store.measurements()
-    print(f"measured: {sum(len(m) for m in measured.values() if isinstance(m, dict))} models on {len(measured)} "
-          "machines (the default run uses a model's compiled steps only where they measured faster)")
+    print(
+        f"measured: {sum(len(m) for m in measured.values() if isinstance(m, dict))} models on {len(measured)} "
+        "machines (the default run uses a model's compiled steps only where they measured faster)"
+    )
     for machine, models in measured.items():
         print(f"  on {machine}:")
-        for key, m in (models.items() if isinstance(models, dict) else []):
+        for key, m in models.items() if isinstance(models, dict) else []:
             try:
                 eager = ", ".join(f"{setup} {ms:.3f}" for setup, ms in m["eager_ms"].items())
-                verdict = "faster: the default uses them" if m["faster"] else "slower: the default stays eager"
-                print(f"    {m['model']} {key.split()[0][:12]} {' '.join(key.split()[1:3])}: {eager} -> compiled "
-                      f"{m['compiled_ms']:.3f} ms a step ({verdict}); built in {m['build_s']:.0f}s on {m['date']}")
+                verdict = (
+                    "faster: the default uses them"
+                    if m["faster"]
+                    else "slower: the default stays eager"
+                )
+                print(
+                    f"    {m['model']} {key.split()[0][:12]} {' '.join(key.split()[1:3])}: {eager} -> compiled "
+                    f"{m['compiled_ms']:.3f} ms a step ({verdict}); built in {m['build_s']:.0f}s on {m['date']}"
+                )
             except (KeyError, TypeError, AttributeError, ValueError):
                 print(f"    {key[:12]}: a record that does not parse (ignored)")
     return 0
@@ -58,9 +68,15 @@ class Streamer:
     the run: a run that fails before its first token (an error such as non-finite logits)
     leaves stdout empty."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], out: TextIO, color: bool,
-                 prefix: str = "") -> None:
-        self.text, self.out, self.color, self.prefix = TextStream(tokenizer, prompt_ids), out, color, prefix
+    def __init__(
+        self, tokenizer: Any, prompt_ids: list[int], out: TextIO, color: bool, prefix: str = ""
+    ) -> None:
+        self.text, self.out, self.color, self.prefix = (
+            TextStream(tokenizer, prompt_ids),
+            out,
+            color,
+            prefix,
+        )
 
     def __call__(self, new_ids: Sequence[int], from_draft: Sequence[bool]) -> None:
         runs: list[tuple[bool, str]] = []  # consecutive pieces of one colour, merged
@@ -71,7 +87,9 @@ class Streamer:
             elif piece:
                 runs.append((drafted, piece))
         if runs and self.color:
-            self.write("".join(f"{GREEN if drafted else YELLOW}{text}{RESET}" for drafted, text in runs))
+            self.write(
+                "".join(f"{GREEN if drafted else YELLOW}{text}{RESET}" for drafted, text in runs)
+            )
         elif runs:
             self.write("".join(text for _, text in runs))
 
@@ -83,7 +101,9 @@ class Streamer:
 
     def finish(self) -> None:
         """The end of the text, and a newline."""
-        self.write(self.text.finish() + "\n")  # whatever was held back (a truly broken byte sequence)
+        self.write(
+            self.text.finish() + "\n"
+        )  # whatever was held back (a truly broken byte sequence)
 
 
 class StepClock:
@@ -106,7 +126,9 @@ class StepClock:
 BUSY_SPREAD = 3.0  # 90th / 10th percentile of the step times above which the CPU looks contended
 
 
-def busy_hint(times: Sequence[float], sizes: Sequence[int], threads: int, device: torch.device) -> str | None:
+def busy_hint(
+    times: Sequence[float], sizes: Sequence[int], threads: int, device: torch.device
+) -> str | None:
     """One hint to try --threads 1, when steps of one size took very different times on a CPU.
 
     ``times``: when each iteration ended (StepClock); ``sizes``: the tokens each drafted
@@ -129,16 +151,26 @@ def busy_hint(times: Sequence[float], sizes: Sequence[int], threads: int, device
     fast, slow = same[len(same) // 10], same[(9 * len(same)) // 10]
     if slow < BUSY_SPREAD * fast:
         return None
-    return (f"hint: decode steps took {fast * 1e3:.1f} ms to {slow * 1e3:.1f} ms (10th to 90th percentile): other "
-            f"processes seem to be using the CPU, and each of the {threads} threads waits for the slowest; "
-            "--threads 1 is often many times faster then")
+    return (
+        f"hint: decode steps took {fast * 1e3:.1f} ms to {slow * 1e3:.1f} ms (10th to 90th percentile): other "
+        f"processes seem to be using the CPU, and each of the {threads} threads waits for the slowest; "
+        "--threads 1 is often many times faster then"
+    )
 
 
-def header_line(args: argparse.Namespace, pair: Any, device: torch.device, dtype: torch.dtype, world_size: int,
-                seed: int | None) -> str:
+def header_line(
+    args: argparse.Namespace,
+    pair: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    world_size: int,
+    seed: int | None,
+) -> str:
     """The run's first line on stderr: the pair, where it runs, and the whole decoding setup."""
     speculative = pair.draft is not None
-    dtype_name = str(dtype).removeprefix("torch.") + (f" with {args.quantize} weights" if args.quantize else "")
+    dtype_name = str(dtype).removeprefix("torch.") + (
+        f" with {args.quantize} weights" if args.quantize else ""
+    )
     if pair.draft_dtype not in (None, dtype):
         dtype_name += f", the drafter in {str(pair.draft_dtype).removeprefix('torch.')}"
     tuning = [f"{pair.fused} projection groups stacked"] if pair.fused else []
@@ -147,9 +179,15 @@ def header_line(args: argparse.Namespace, pair: Any, device: torch.device, dtype
         dtype_name += f" ({', '.join(tuning)})"
     if world_size > 1:
         dtype_name += f", tensor-parallel over {world_size} ranks"
-    names = f"draft {args.draft} -> target {args.target}" if speculative else f"target {args.target} alone"
-    return (f"{names} on {device} in {dtype_name} (loaded in {pair.load_s:.1f}s), "
-            f"{sampling_setup(args, seed, speculative)}")
+    names = (
+        f"draft {args.draft} -> target {args.target}"
+        if speculative
+        else f"target {args.target} alone"
+    )
+    return (
+        f"{names} on {device} in {dtype_name} (loaded in {pair.load_s:.1f}s), "
+        f"{sampling_setup(args, seed, speculative)}"
+    )
 
 
 def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool) -> str:
@@ -159,33 +197,73 @@ def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool
     else:
         notes = [] if args.seed is not None else ["fresh; --seed repeats it"]
         notes += ["prompt i uses seed + i"] if args.prompts_file is not None else []
-        text = (f"temperature {args.temperature:g}, top-k {args.top_k or 'off'}, top-p {args.top_p or 'off'}, "
-                f"seed {seed}" + (f" ({'; '.join(notes)})" if notes else ""))
+        text = (
+            f"temperature {args.temperature:g}, top-k {args.top_k or 'off'}, top-p {args.top_p or 'off'}, "
+            f"seed {seed}" + (f" ({'; '.join(notes)})" if notes else "")
+        )
     if not speculative:
         return text
     if args.tree == "auto":
-        return text + f", tree auto (each iteration's shape by this run's timings, children {args.tree_mode})"
-    guarded = "" if not args.guard or args.gamma == "auto" else ", guarded (plain steps where " + (
-        "recorded costs say speculating loses)" if args.guard == "recorded" else "speculating loses)")
+        return (
+            text
+            + f", tree auto (each iteration's shape by this run's timings, children {args.tree_mode})"
+        )
+    guarded = (
+        ""
+        if not args.guard or args.gamma == "auto"
+        else ", guarded (plain steps where "
+        + (
+            "recorded costs say speculating loses)"
+            if args.guard == "recorded"
+            else "speculating loses)"
+        )
+    )
     if args.tree:
         shape = ",".join(map(str, args.tree))
-        return text + f", tree {shape} ({len(branching_parents(args.tree))} nodes, children {args.tree_mode}){guarded}"
+        return (
+            text
+            + f", tree {shape} ({len(branching_parents(args.tree))} nodes, children {args.tree_mode}){guarded}"
+        )
     return text + f", gamma {args.gamma}, {args.verify}-wise verification{guarded}"
 
 
-def run_settings(args: argparse.Namespace, pair: Any, setups: list[str], device: torch.device, dtype: torch.dtype,
-                 world_size: int, seed: int | None, compare: bool) -> dict[str, Any]:
+def run_settings(
+    args: argparse.Namespace,
+    pair: Any,
+    setups: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    world_size: int,
+    seed: int | None,
+    compare: bool,
+) -> dict[str, Any]:
     """--json's ``settings``: what the run used (top_k, top_p and seed are None when greedy)."""
     speculative = pair.draft is not None
-    return {"target": args.target, "draft": None if args.no_draft else args.draft, "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma if speculative else None,
-            "draft_dtype": str(pair.draft_dtype or dtype).removeprefix("torch.") if speculative else None,
-            "verify": args.verify if speculative else None, "tree": args.tree if speculative else None,
-            "guard": speculative and (args.gamma == "auto" or args.tree == "auto" or args.guard),  # or "recorded"
-            "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "seed": seed, "chat": args.chat,
-            "quantize": args.quantize, "tensor_parallel": world_size,
-            "prepacked_layers": pair.prepacked, "fused_groups": pair.fused, "setup": setups or args.setup,
-            "threads": torch.get_num_threads(), "compare": compare}
-
-
+    return {
+        "target": args.target,
+        "draft": None if args.no_draft else args.draft,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "gamma": args.gamma if speculative else None,
+        "draft_dtype": str(pair.draft_dtype or dtype).removeprefix("torch.")
+        if speculative
+        else None,
+        "verify": args.verify if speculative else None,
+        "tree": args.tree if speculative else None,
+        "guard": speculative
+        and (args.gamma == "auto" or args.tree == "auto" or args.guard),  # or "recorded"
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "ignore_eos": args.ignore_eos,
+        "seed": seed,
+        "chat": args.chat,
+        "quantize": args.quantize,
+        "tensor_parallel": world_size,
+        "prepacked_layers": pair.prepacked,
+        "fused_groups": pair.fused,
+        "setup": setups or args.setup,
+        "threads": torch.get_num_threads(),
+        "compare": compare,
+    }

@@ -14,28 +14,30 @@ import torch
 if TYPE_CHECKING:
     from speculative import BatchResult
 
-STOP_REASONS = {"eos": "the model ended the text (end-of-sequence)",
-                "max_new_tokens": "--max-new-tokens reached",
-                "max_seq_len": "the context is full (max_seq_len)"}
+STOP_REASONS = {
+    "eos": "the model ended the text (end-of-sequence)",
+    "max_new_tokens": "--max-new-tokens reached",
+    "max_seq_len": "the context is full (max_seq_len)",
+}
 
 # What the two acceptance numbers mean, in the JSON itself (docs/cli.md has every field).
 JSON_NOTES = {
     "acceptance_rate": "the paper's alpha: the probability that the target accepts a drafted token, the mean of "
-                       "sum_x min(p(x), q(x)) over the draft positions it verified; the alpha of the cost model",
+    "sum_x min(p(x), q(x)) over the draft positions it verified; the alpha of the cost model",
     "empirical_acceptance": "accepted_draft_tokens / drafted_tokens in this run: lower than alpha, because the "
-                            "tokens drafted after a rejection are counted but never verified",
+    "tokens drafted after a rejection are counted but never verified",
     "tokens_per_second": "decode speed: new tokens over the loop's time after its first iteration (the prompt's)",
     "stop_reason": "eos: the model ended the text; max_new_tokens: --max-new-tokens reached; max_seq_len: the "
-                   "context is full",
+    "context is full",
 }
 
 # And for a batch.
 BATCH_NOTES = {
     "batch": "the batch's totals (speculative.engine.stats.BatchStats): an iteration is one target call for all rows; "
-             "tokens_per_second is all rows' new tokens over the whole loop (the prompts' passes included); "
-             "tokens_per_row_iteration is tau, the tokens a row gained per target call it was in",
+    "tokens_per_second is all rows' new tokens over the whole loop (the prompts' passes included); "
+    "tokens_per_row_iteration is tau, the tokens a row gained per target call it was in",
     "prompts": "one entry per line of --prompts-file, in order; prompt_index i (from 0, line i + 1) sampled with "
-               "seed + i; each stats is that row's own, its times those of the batched calls it shared",
+    "seed + i; each stats is that row's own, its times those of the batched calls it shared",
 }
 
 
@@ -60,58 +62,93 @@ def summary_lines(stats: dict[str, Any], speculative: bool, compare: bool = Fals
     predicted speedup (``compare``: the run measures it too, so the line does not say how)."""
     tps = stats.get("tokens_per_second")
     reason = stats.get("stop_reason")
-    lines = [f"{stats.get('new_tokens')} new tokens at {f'{tps:.1f}' if tps else '?'} tokens/s (decoding: the "
-             f"prompt's pass and loading excluded); {stats.get('target_calls')} target calls"
-             + (f", {stats.get('draft_calls')} draft calls" if speculative else " (one per token)")
-             + f"; stopped: {reason} ({STOP_REASONS.get(reason, 'unknown')})"]
+    lines = [
+        f"{stats.get('new_tokens')} new tokens at {f'{tps:.1f}' if tps else '?'} tokens/s (decoding: the "
+        f"prompt's pass and loading excluded); {stats.get('target_calls')} target calls"
+        + (f", {stats.get('draft_calls')} draft calls" if speculative else " (one per token)")
+        + f"; stopped: {reason} ({STOP_REASONS.get(reason, 'unknown')})"
+    ]
     alpha, gamma, c = stats.get("acceptance_rate"), stats.get("gamma"), stats.get("cost_ratio")
     if speculative and alpha is not None and gamma is not None:
-        measured, predicted = stats.get("tokens_per_target_call"), stats.get("predicted_tokens_per_target_call")
+        measured, predicted = (
+            stats.get("tokens_per_target_call"),
+            stats.get("predicted_tokens_per_target_call"),
+        )
         drafted = stats.get("gamma_history") or []
         mean = sum(drafted) / len(drafted) if drafted else None
         # gamma is what was asked for (or auto's mean); near the end of the output or of the
         # context fewer are drafted, and the prediction uses what each iteration drafted.
-        used = f" (drafted {mean:.2f} per iteration)" if mean is not None and abs(mean - gamma) > 1e-9 else ""
+        used = (
+            f" (drafted {mean:.2f} per iteration)"
+            if mean is not None and abs(mean - gamma) > 1e-9
+            else ""
+        )
         iterations, calls = len(drafted), stats.get("draft_calls") or 0
         k = f"{calls / iterations:.2f}" if iterations and calls else "g"
-        lines.append(f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(c, '.3f')} (a draft call / a "
-                     f"target call), k={k} draft calls per iteration: tau (tokens per target call) "
-                     f"{_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
-                     f"(1-alpha^(g+1))/(1-alpha) over the g drafted in each iteration; predicted speedup "
-                     f"(1-alpha^(g+1))/((1-alpha)(k*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x"
-                     + ("" if compare else " (--compare measures it)"))
+        lines.append(
+            f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(c, '.3f')} (a draft call / a "
+            f"target call), k={k} draft calls per iteration: tau (tokens per target call) "
+            f"{_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
+            f"(1-alpha^(g+1))/(1-alpha) over the g drafted in each iteration; predicted speedup "
+            f"(1-alpha^(g+1))/((1-alpha)(k*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x"
+            + ("" if compare else " (--compare measures it)")
+        )
     if shapes := stats.get("tree_shapes"):  # --tree auto: what it chose
-        lines.append("tree auto: iterations by shape (none: a plain target step): " + ", ".join(
-            f"{shape} {n}" for shape, n in sorted(shapes.items(), key=lambda item: -item[1])))
+        lines.append(
+            "tree auto: iterations by shape (none: a plain target step): "
+            + ", ".join(
+                f"{shape} {n}" for shape, n in sorted(shapes.items(), key=lambda item: -item[1])
+            )
+        )
     return lines
 
 
-def compare_stats(stats: dict[str, Any], baseline: Any, tokens: list[int], temperature: float) -> dict[str, Any]:
+def compare_stats(
+    stats: dict[str, Any], baseline: Any, tokens: list[int], temperature: float
+) -> dict[str, Any]:
     """--compare: both decode speeds, their ratio (the measured speedup) and the predicted one.
     ``stats``: the speculative run's :func:`stats_dict`; ``baseline``: the target alone's result.
     Greedy runs say whether the tokens are the same, else where they part."""
     fast, slow = stats.get("tokens_per_second"), baseline.stats.tokens_per_second
     base_tokens = [int(t) for t in baseline.tokens]
-    same = None if temperature > 0 else base_tokens == tokens  # sampled runs draw differently, by design
-    first = None if same is None or same else next(
-        (i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), min(len(tokens), len(base_tokens)))
+    same = (
+        None if temperature > 0 else base_tokens == tokens
+    )  # sampled runs draw differently, by design
+    first = (
+        None
+        if same is None or same
+        else next(
+            (i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b),
+            min(len(tokens), len(base_tokens)),
+        )
+    )
     # The cost model with the calls as measured: an iteration costs its drafter and verification calls as they
     # cost here (a verification of g + 1 tokens is not one step on a CPU), the prompt's pass left out as decode
     # speed leaves it out, plus the loop's own work (sampling, host reads) as the target alone pays it per token.
     b = baseline.stats
     step = (b.target_time_s - b.first_call_s) / (b.target_calls - 1) if b.target_calls > 1 else None
     calls = stats.get("target_calls") or 0
-    spent = (stats.get("draft_time_s") or 0) + (stats.get("target_time_s") or 0) - (stats.get("first_calls_s") or 0)
+    spent = (
+        (stats.get("draft_time_s") or 0)
+        + (stats.get("target_time_s") or 0)
+        - (stats.get("first_calls_s") or 0)
+    )
     tau = stats.get("predicted_tokens_per_target_call")
     by_width = None
     if tau and step and slow and calls > 1 and spent > 0:
         token = 1 / slow  # the target alone's token: its step and its loop's own work
         by_width = tau * token / (spent / (calls - 1) + max(0.0, token - step))
-    return {"speculative_tokens_per_second": fast, "baseline_tokens_per_second": slow,
-            "measured_speedup": fast / slow if fast and slow else None,
-            "predicted_speedup": stats.get("predicted_speedup"), "predicted_speedup_measured_calls": by_width,
-            "same_tokens": same, "first_difference": first,
-            "baseline": stats_dict(baseline.stats, False), "baseline_tokens": base_tokens}
+    return {
+        "speculative_tokens_per_second": fast,
+        "baseline_tokens_per_second": slow,
+        "measured_speedup": fast / slow if fast and slow else None,
+        "predicted_speedup": stats.get("predicted_speedup"),
+        "predicted_speedup_measured_calls": by_width,
+        "same_tokens": same,
+        "first_difference": first,
+        "baseline": stats_dict(baseline.stats, False),
+        "baseline_tokens": base_tokens,
+    }
 
 
 def compare_line(compare: dict[str, Any]) -> str:
@@ -119,15 +156,28 @@ def compare_line(compare: dict[str, Any]) -> str:
     same, first = compare.get("same_tokens"), compare.get("first_difference")
     # Greedy outputs may part only at a near-tie of the target's top two logits (rounding:
     # docs/algorithm.md, numerics policy); sampled runs draw differently and are not compared.
-    tokens = "" if same is None else ("; the same greedy tokens" if same else
-                                      f"; the greedy tokens part at token {first} (see the numerics policy in "
-                                      "docs/algorithm.md)")
+    tokens = (
+        ""
+        if same is None
+        else (
+            "; the same greedy tokens"
+            if same
+            else f"; the greedy tokens part at token {first} (see the numerics policy in "
+            "docs/algorithm.md)"
+        )
+    )
     by_width = compare.get("predicted_speedup_measured_calls")
-    measured = "" if by_width is None else f", {by_width:.2f}x with the calls as measured (a verification's own cost)"
-    return (f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
-            f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s: measured speedup "
-            f"{_num(compare['measured_speedup'], '.2f')}x, predicted {_num(compare['predicted_speedup'], '.2f')}x by "
-            f"the cost model{measured}{tokens}")
+    measured = (
+        ""
+        if by_width is None
+        else f", {by_width:.2f}x with the calls as measured (a verification's own cost)"
+    )
+    return (
+        f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
+        f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s: measured speedup "
+        f"{_num(compare['measured_speedup'], '.2f')}x, predicted {_num(compare['predicted_speedup'], '.2f')}x by "
+        f"the cost model{measured}{tokens}"
+    )
 
 
 def batch_summary_lines(result: BatchResult, speculative: bool) -> list[str]:
@@ -135,15 +185,19 @@ def batch_summary_lines(result: BatchResult, speculative: bool) -> list[str]:
     stats = result.stats
     reasons = Counter(row.stats.stop_reason for row in result.results)
     stopped = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
-    lines = [f"batch: {stats.prompts} prompts, batch size {stats.batch_size} (mean {_num(stats.mean_batch, '.2f')} "
-             f"rows per target call), {stats.new_tokens} new tokens at {_num(stats.tokens_per_second, '.1f')} "
-             f"tokens/s over all rows (the prompts' passes included); {stats.iterations} target calls"
-             + (f", {stats.draft_calls} draft calls" if speculative else " (one token per row each)")
-             + f", {stats.decode_time_s:.2f}s decoding; stopped: {stopped}"]
+    lines = [
+        f"batch: {stats.prompts} prompts, batch size {stats.batch_size} (mean {_num(stats.mean_batch, '.2f')} "
+        f"rows per target call), {stats.new_tokens} new tokens at {_num(stats.tokens_per_second, '.1f')} "
+        f"tokens/s over all rows (the prompts' passes included); {stats.iterations} target calls"
+        + (f", {stats.draft_calls} draft calls" if speculative else " (one token per row each)")
+        + f", {stats.decode_time_s:.2f}s decoding; stopped: {stopped}"
+    ]
     if speculative:
-        lines.append(f"alpha={_num(stats.acceptance_rate, '.3f')}, tau {_num(stats.tokens_per_row_iteration, '.2f')} "
-                     f"tokens per row per target call ({stats.row_iterations} row-iterations); "
-                     f"{stats.accepted_draft_tokens} of {stats.drafted_tokens} drafted tokens accepted")
+        lines.append(
+            f"alpha={_num(stats.acceptance_rate, '.3f')}, tau {_num(stats.tokens_per_row_iteration, '.2f')} "
+            f"tokens per row per target call ({stats.row_iterations} row-iterations); "
+            f"{stats.accepted_draft_tokens} of {stats.drafted_tokens} drafted tokens accepted"
+        )
     return lines
 
 
@@ -152,23 +206,44 @@ def compare_batch(result: BatchResult, baseline: BatchResult, temperature: float
     (greedy) the prompts whose tokens differ."""
     fast, slow = result.stats.tokens_per_second, baseline.stats.tokens_per_second
     base_tokens = [[int(t) for t in row.tokens] for row in baseline.results]
-    differ = None if temperature > 0 else [i for i, (row, base) in enumerate(zip(result.results, base_tokens))
-                                           if [int(t) for t in row.tokens] != base]
-    return {"speculative_tokens_per_second": fast, "baseline_tokens_per_second": slow,
-            "measured_speedup": fast / slow if fast and slow else None,
-            "same_tokens": None if differ is None else not differ, "differing_prompts": differ,
-            "baseline": baseline.stats.to_dict(), "baseline_tokens": base_tokens}
+    differ = (
+        None
+        if temperature > 0
+        else [
+            i
+            for i, (row, base) in enumerate(zip(result.results, base_tokens))
+            if [int(t) for t in row.tokens] != base
+        ]
+    )
+    return {
+        "speculative_tokens_per_second": fast,
+        "baseline_tokens_per_second": slow,
+        "measured_speedup": fast / slow if fast and slow else None,
+        "same_tokens": None if differ is None else not differ,
+        "differing_prompts": differ,
+        "baseline": baseline.stats.to_dict(),
+        "baseline_tokens": base_tokens,
+    }
 
 
 def batch_compare_line(compare: dict[str, Any]) -> str:
     """:func:`compare_batch` in one line."""
     differ = compare["differing_prompts"]
-    tokens = "" if differ is None else ("; the same greedy tokens for every prompt" if not differ else
-                                        f"; the greedy tokens differ for prompt(s) {', '.join(map(str, differ))} "
-                                        "(see the numerics policy in docs/algorithm.md)")
-    return (f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
-            f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s (both batched alike, all rows): measured "
-            f"speedup {_num(compare['measured_speedup'], '.2f')}x{tokens}")
+    tokens = (
+        ""
+        if differ is None
+        else (
+            "; the same greedy tokens for every prompt"
+            if not differ
+            else f"; the greedy tokens differ for prompt(s) {', '.join(map(str, differ))} "
+            "(see the numerics policy in docs/algorithm.md)"
+        )
+    )
+    return (
+        f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
+        f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s (both batched alike, all rows): measured "
+        f"speedup {_num(compare['measured_speedup'], '.2f')}x{tokens}"
+    )
 
 
 def jsonable(value: Any) -> Any:

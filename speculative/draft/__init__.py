@@ -24,5 +24,17 @@ from speculative.draft.registry import DRAFTERS, DrafterKind, drafter_kind, regi
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "DrafterKind", "FeatureDrafter", "ModelDrafter", "ParallelDrafter",
-           "ParallelFeatureDrafter", "PromptLookupDrafter", "as_drafter", "drafter_kind", "register_drafter"]
+__all__ = [
+    "DRAFTERS",
+    "Draft",
+    "Drafter",
+    "DrafterKind",
+    "FeatureDrafter",
+    "ModelDrafter",
+    "ParallelDrafter",
+    "ParallelFeatureDrafter",
+    "PromptLookupDrafter",
+    "as_drafter",
+    "drafter_kind",
+    "register_drafter",
+]

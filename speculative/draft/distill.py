@@ -57,19 +57,26 @@ def divergence(name: str, p_logits: torch.Tensor, q_logits: torch.Tensor) -> tor
     return DIVERGENCES[name](p_logits, q_logits)
 
 
-def distill_loss(name: str, target: Any, draft: Any, sequences: torch.Tensor, prompt_tokens: int,
-                 bf16: bool = False) -> torch.Tensor:
+def distill_loss(
+    name: str,
+    target: Any,
+    draft: Any,
+    sequences: torch.Tensor,
+    prompt_tokens: int,
+    bf16: bool = False,
+) -> torch.Tensor:
     """The divergence ``name`` between the target's and the draft's next-token distributions
     over the generated part of ``sequences`` [B, T] (after their ``prompt_tokens``-token prompts);
     the target's side has no gradient (``bf16``: its forward under bfloat16 autocast)."""
     with torch.no_grad(), torch.autocast(sequences.device.type, dtype=torch.bfloat16, enabled=bf16):
-        target_logits = target(sequences)[:, prompt_tokens - 1:-1]
-    return divergence(name, target_logits, draft(sequences)[:, prompt_tokens - 1:-1])
+        target_logits = target(sequences)[:, prompt_tokens - 1 : -1]
+    return divergence(name, target_logits, draft(sequences)[:, prompt_tokens - 1 : -1])
 
 
 @torch.no_grad()
-def sample_sequences(model: Any, prompts: list[list[int]], length: int, gen: torch.Generator,
-                     greedy: bool = False) -> torch.Tensor:
+def sample_sequences(
+    model: Any, prompts: list[list[int]], length: int, gen: torch.Generator, greedy: bool = False
+) -> torch.Tensor:
     """Prompts [B, P] of one length and ``length`` tokens ``model`` writes after each, sampled
     at temperature 1 with ``gen`` (or greedy): [B, P + length]. DistillSpec's on-policy data
     when ``model`` is the draft."""
@@ -89,8 +96,9 @@ def sample_sequences(model: Any, prompts: list[list[int]], length: int, gen: tor
     return torch.cat(out, dim=1)
 
 
-def target_continuations(target: Any, openings: list[list[int]], count: int, length: int,
-                         seed: int) -> torch.Tensor:
+def target_continuations(
+    target: Any, openings: list[list[int]], count: int, length: int, seed: int
+) -> torch.Tensor:
     """``count`` sequences [count, P + length]: story openings (drawn with ``seed``) and the
     ``length`` tokens the target writes after each, in chunks of 64 sequences, greedy and
     sampled at temperature 1 in turn (as it will decode). What EAGLE-3, PARD and P-EAGLE heads
@@ -99,12 +107,22 @@ def target_continuations(target: Any, openings: list[list[int]], count: int, len
     with torch.inference_mode():
         for start in range(0, count, chunk):
             prompts = [rng.choice(openings) for _ in range(min(chunk, count - start))]
-            chunks.append(sample_sequences(target, prompts, length, gen, greedy=(start // chunk) % 2 == 0))
+            chunks.append(
+                sample_sequences(target, prompts, length, gen, greedy=(start // chunk) % 2 == 0)
+            )
     return torch.cat(chunks)
 
 
-def on_policy_batch(draft: Any, target: Any, openings: list[list[int]], rng: random.Random, gen: torch.Generator,
-                    batch: int, length: int, target_mix: float) -> torch.Tensor:
+def on_policy_batch(
+    draft: Any,
+    target: Any,
+    openings: list[list[int]],
+    rng: random.Random,
+    gen: torch.Generator,
+    batch: int,
+    length: int,
+    target_mix: float,
+) -> torch.Tensor:
     """DistillSpec's on-policy data: ``batch`` story openings drawn with ``rng`` and ``length``
     tokens the draft itself writes after each (sampled with ``gen``); with probability
     ``target_mix`` the target writes them instead. The draft is left in training mode."""
@@ -116,8 +134,16 @@ def on_policy_batch(draft: Any, target: Any, openings: list[list[int]], rng: ran
     return sequences
 
 
-def eagle_batch(target: Any, openings: list[list[int]], corpus: Any, rng: random.Random, gen: torch.Generator,
-                batch: int, seq_len: int, self_mix: float) -> tuple[torch.Tensor, bool]:
+def eagle_batch(
+    target: Any,
+    openings: list[list[int]],
+    corpus: Any,
+    rng: random.Random,
+    gen: torch.Generator,
+    batch: int,
+    seq_len: int,
+    self_mix: float,
+) -> tuple[torch.Tensor, bool]:
     """EAGLE's data, ``batch`` sequences of ``seq_len`` tokens: with probability ``self_mix`` text the
     target writes itself after story openings (half of it greedy, half sampled at temperature 1:
     as it will decode), else windows of the token stream ``corpus``. Returns them, and whether
@@ -125,12 +151,20 @@ def eagle_batch(target: Any, openings: list[list[int]], corpus: Any, rng: random
     kind = rng.random()
     if kind < self_mix:
         prompts = rng.sample(openings, batch)
-        return sample_sequences(target, prompts, seq_len - len(prompts[0]), gen, greedy=kind < self_mix / 2), True
+        return sample_sequences(
+            target, prompts, seq_len - len(prompts[0]), gen, greedy=kind < self_mix / 2
+        ), True
     return random_batch(corpus, batch, seq_len, gen)[0], False
 
 
-def eagle_losses(head: Any, target: Any, tokens: torch.Tensor, noise: float, gen: torch.Generator,
-                 bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def eagle_losses(
+    head: Any,
+    target: Any,
+    tokens: torch.Tensor,
+    noise: float,
+    gen: torch.Generator,
+    bf16: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """EAGLE's two losses on a batch of sequences [B, T] (Li et al. 2024, section 4.2).
 
     The frozen target gives its features f_0..f_{T-1} (what its output head reads). The head
@@ -153,5 +187,3 @@ def eagle_losses(head: Any, target: Any, tokens: torch.Tensor, noise: float, gen
     log_q = F.log_softmax(target.lm_head(predicted).float(), dim=-1)
     classification = -(wanted * log_q).sum(-1).mean()
     return regression, classification
-
-

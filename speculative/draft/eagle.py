@@ -64,7 +64,9 @@ class FeatureDrafter:
         same = ids is not None and len(ids) == self.vocab_size and bool((ids.diff() == 1).all())
         self.ids = None if ids is None or same else ids
         self.max_seq_len = head.config.max_seq_len
-        self.table: torch.Tensor | None = None  # [rows, cache_len, dim] the target's features by position
+        self.table: torch.Tensor | None = (
+            None  # [rows, cache_len, dim] the target's features by position
+        )
         # what commit received and has not projected yet: (the target's features, lengths, starts) per call
         self.unprojected: list[tuple[torch.Tensor, list[int], list[int]]] = []
         self.known: list[int] = []  # row b: positions 0..known[b]-1 hold the target's own features
@@ -76,15 +78,22 @@ class FeatureDrafter:
         self.head.setup_cache(max_rows, cache_len)
         # zeros, not empty: a placeholder row reads it, and NaN in a masked cache slot would still
         # poison attention (0 * NaN)
-        self.table = torch.zeros(max_rows, cache_len, self.head.config.dim, dtype=self.head.dtype,
-                                 device=self.head.device)
+        self.table = torch.zeros(
+            max_rows,
+            cache_len,
+            self.head.config.dim,
+            dtype=self.head.dtype,
+            device=self.head.device,
+        )
         self.known, self.next, self.unprojected = [], [], []
 
     @property
     def features(self) -> torch.Tensor:
         """The table of the head's input features by position, every committed call's projected."""
         if self.unprojected:
-            with torch.inference_mode():  # the table is the engine's (made in inference mode), whoever reads it
+            with (
+                torch.inference_mode()
+            ):  # the table is the engine's (made in inference mode), whoever reads it
                 self._project()
         return self.table
 
@@ -110,8 +119,13 @@ class FeatureDrafter:
             logits[..., self.ids] = small
         return full_width(logits)
 
-    def _draw(self, predicted: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None],
-              probs: list[torch.Tensor]) -> torch.Tensor:
+    def _draw(
+        self,
+        predicted: torch.Tensor,
+        samplings: list[Sampling],
+        generators: list[torch.Generator | None],
+        probs: list[torch.Tensor],
+    ) -> torch.Tensor:
         """Line 3 for every row (protocol.draw_rows). With a reduced vocabulary the head's own
         logits are warped and drawn from, and only q is placed at the target ids: every warp
         (temperature, top-k, top-p) gives the ids outside it probability 0 anyway, and the map
@@ -121,35 +135,50 @@ class FeatureDrafter:
         if self.ids is None:
             return draw_rows(self._logits(predicted), samplings, generators, probs)
         small: list[torch.Tensor] = []
-        tokens = self.ids[draw_rows(self.head.draft_logits(predicted), samplings, generators, small)]
+        tokens = self.ids[
+            draw_rows(self.head.draft_logits(predicted), samplings, generators, small)
+        ]
         if small:
             q = small[0].new_zeros((*small[0].shape[:-1], self.vocab_size))
             q[..., self.ids] = small[0]
             probs.append(q)
         return tokens
 
-    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
-                generators: list[torch.Generator], device: torch.device) -> Draft:
+    def propose(
+        self,
+        ids: list[list[int]],
+        gammas: list[int],
+        samplings: list[Sampling],
+        generators: list[torch.Generator],
+        device: torch.device,
+    ) -> Draft:
         """One head call per step for all rows: the first catches each row up on its true
         features (its own number of positions, padded), later ones feed each row's predicted
         feature and x_i. A row the target has not read yet drafts nothing (a plain step), and
         a row that has drafted its gamma feeds a placeholder at its first unused slot."""
-        gammas = [g if known >= len(row) - 1 and known > 0 else 0 for g, known, row in zip(gammas, self.known, ids)]
+        gammas = [
+            g if known >= len(row) - 1 and known > 0 else 0
+            for g, known, row in zip(gammas, self.known, ids)
+        ]
         steps = max(gammas, default=0)
         if steps == 0:
             return drafted([], [], gammas, 0, device)
         starts = list(self.next)
-        spans = [(nxt, len(row) - 1) if g else (nxt, nxt + 1) for nxt, row, g in zip(starts, ids, gammas)]
+        spans = [
+            (nxt, len(row) - 1) if g else (nxt, nxt + 1) for nxt, row, g in zip(starts, ids, gammas)
+        ]
         widths = [hi - lo if g else 0 for (lo, hi), g in zip(spans, gammas)]
         width = max(widths)
         # true features f_lo..f_{hi-1} and the tokens after them, each row padded (with copies of its
         # last feature: any finite value will do) to the widest row
         if len(ids) == 1:
-            feats = self.features[:1, spans[0][0]:spans[0][1]]
+            feats = self.features[:1, spans[0][0] : spans[0][1]]
         else:
-            cols = torch.tensor([[min(lo + j, hi - 1) for j in range(width)] for lo, hi in spans], device=device)
+            cols = torch.tensor(
+                [[min(lo + j, hi - 1) for j in range(width)] for lo, hi in spans], device=device
+            )
             feats = self.features[torch.arange(len(ids), device=device)[:, None], cols]
-        nxt = pad_rows([row[lo + 1:hi + 1] for row, (lo, hi) in zip(ids, spans)], device, width)
+        nxt = pad_rows([row[lo + 1 : hi + 1] for row, (lo, hi) in zip(ids, spans)], device, width)
         tokens, probs = [], []
         for i in range(steps):
             call = calls.ragged(starts, feats.shape[1], self.head.cache_len, device)
@@ -161,8 +190,15 @@ class FeatureDrafter:
         self.next = [len(row) - 1 if g else n for row, g, n in zip(ids, gammas, self.next)]
         return drafted(tokens, probs, gammas, steps, device)
 
-    def propose_tree(self, ids: list[int], branching: Sequence[int], mode: str, sampling: Sampling,
-                     generator: torch.Generator, device: torch.device) -> tuple[TokenTree, int] | None:
+    def propose_tree(
+        self,
+        ids: list[int],
+        branching: Sequence[int],
+        mode: str,
+        sampling: Sampling,
+        generator: torch.Generator,
+        device: torch.device,
+    ) -> tuple[TokenTree, int] | None:
         """Row 0's tree of the static shape ``branching``: the first call catches up with the
         true features and predicts the root's feature f^_{L-1}; each further call feeds every
         node drafted so far, each with the predicted feature of its parent (the root's for
@@ -172,24 +208,36 @@ class FeatureDrafter:
         length, known, start = len(ids), self.known[0], self.next[0]
         if known < length - 1 or known == 0:
             return None
-        feats = self.features[:1, start:length - 1]
-        after = torch.tensor([ids[start + 1:length]], dtype=torch.long, device=device)
-        root = self.head(feats, self.embed(after), calls.chain(start, feats.shape[1], device))[0, -1:]
+        feats = self.features[:1, start : length - 1]
+        after = torch.tensor([ids[start + 1 : length]], dtype=torch.long, device=device)
+        root = self.head(feats, self.embed(after), calls.chain(start, feats.shape[1], device))[
+            0, -1:
+        ]
         self.next[0] = length - 1
         node_features = [root[:0]]  # predicted features of the nodes fed in the last call
 
-        def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
+        def expand(
+            tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]
+        ) -> torch.Tensor:
             known = torch.cat([root, node_features[0]])  # row 0: the root; row j + 1: node j
             parent_features = known[torch.tensor(parents, device=tokens.device) + 1]
-            call = calls.tree(length - 1, 0, TokenTree(tokens, parents, mode="deterministic"), tokens.device)
+            call = calls.tree(
+                length - 1, 0, TokenTree(tokens, parents, mode="deterministic"), tokens.device
+            )
             out = self.head(parent_features.unsqueeze(0), self.embed(tokens.view(1, -1)), call)[0]
             node_features[0] = out
             return self._logits(out[torch.tensor(rows, device=out.device)])
 
-        return grow_tree(self._logits(root[0]), expand, branching, mode, sampling, generator), len(branching)
+        return grow_tree(self._logits(root[0]), expand, branching, mode, sampling, generator), len(
+            branching
+        )
 
-    def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
-               hidden_starts: list[int] | None = None) -> None:
+    def commit(
+        self,
+        lengths: list[int],
+        hidden: torch.Tensor | None = None,
+        hidden_starts: list[int] | None = None,
+    ) -> None:
         """Keep every row's target features of its accepted path (positions < its new length - 1)
         for the table. They are projected (EAGLE-3's fc of the fused features) when the head next
         reads the table, all calls since in one product: while the engine takes plain steps (a
@@ -198,8 +246,12 @@ class FeatureDrafter:
         if hidden is None or hidden_starts is None:
             raise ValueError("FeatureDrafter.commit needs the target's hidden states")
         # a copy: the target may write its next call's output where this one's is
-        self.unprojected.append((hidden.to(self.head.dtype, copy=True), list(lengths), list(hidden_starts)))
-        if len(self.unprojected) >= 256:  # bounded: long runs of plain steps hold a few hundred rows at most
+        self.unprojected.append(
+            (hidden.to(self.head.dtype, copy=True), list(lengths), list(hidden_starts))
+        )
+        if (
+            len(self.unprojected) >= 256
+        ):  # bounded: long runs of plain steps hold a few hundred rows at most
             self._project()
         self.known = [length - 1 for length in lengths]
         self.next = [min(n, length - 1) for n, length in zip(self.next, lengths)]
@@ -209,35 +261,56 @@ class FeatureDrafter:
         copy a call."""
         kept, self.unprojected = self.unprojected, []
         projected = self.head.project(torch.cat([hidden for hidden, _, _ in kept], dim=1))
-        for part, (_, lengths, starts) in zip(projected.split([h.shape[1] for h, _, _ in kept], dim=1), kept):
+        for part, (_, lengths, starts) in zip(
+            projected.split([h.shape[1] for h, _, _ in kept], dim=1), kept
+        ):
             if len(lengths) == 1:
-                self.table[0, starts[0]:lengths[0] - 1] = part[0, :lengths[0] - 1 - starts[0]]
+                self.table[0, starts[0] : lengths[0] - 1] = part[0, : lengths[0] - 1 - starts[0]]
                 continue
-            where = [(b, start + j, j) for b, (length, start) in enumerate(zip(lengths, starts))
-                     for j in range(length - 1 - start)]
+            where = [
+                (b, start + j, j)
+                for b, (length, start) in enumerate(zip(lengths, starts))
+                for j in range(length - 1 - start)
+            ]
             if where:
                 rows, slots, cols = torch.tensor(where, device=part.device).T
                 self.table[rows, slots] = part[rows, cols]
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
         table = self.features  # projected now: the calls kept hold the old rows
-        if rows != list(range(len(rows))):  # only what the kept rows hold (next, known), not the whole context
+        if rows != list(
+            range(len(rows))
+        ):  # only what the kept rows hold (next, known), not the whole context
             self.head.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
             index = torch.tensor(rows, dtype=torch.long, device=table.device)
             known = max(self.known[r] for r in rows)
-            table[:len(rows), :known] = table[:, :known].index_select(0, index)
+            table[: len(rows), :known] = table[:, :known].index_select(0, index)
         self.known = [self.known[r] for r in rows] + [0] * new
         self.next = [self.next[r] for r in rows] + [0] * new
 
 
 HEAD_TYPE = "llama-feature-head"  # the model_type of an EAGLE-1 head's config.json (weights.drafters writes it)
-register_drafter(DrafterKind(
-    "head", "a feature head: drafts from the target's own features (EAGLE), from its folder",
-    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.cases:feature_drafter",
-    loader="weights.drafters:read_feature_head", recognizes=lambda config: config.get("model_type") == HEAD_TYPE,
-    network="head", memory="target-block"))
-register_drafter(DrafterKind(
-    "eagle3", "an EAGLE-3 head: fused features of three target layers, its own reduced vocabulary, from its folder",
-    build=lambda head, target: FeatureDrafter(head, target), toy="speculative.proofs.cases:eagle3_drafter",
-    loader="weights.drafters:read_eagle3_head", recognizes="weights.eagle3:is_eagle3_head", network="head",
-    memory="target-block"))
+register_drafter(
+    DrafterKind(
+        "head",
+        "a feature head: drafts from the target's own features (EAGLE), from its folder",
+        build=lambda head, target: FeatureDrafter(head, target),
+        toy="speculative.proofs.cases:feature_drafter",
+        loader="weights.drafters:read_feature_head",
+        recognizes=lambda config: config.get("model_type") == HEAD_TYPE,
+        network="head",
+        memory="target-block",
+    )
+)
+register_drafter(
+    DrafterKind(
+        "eagle3",
+        "an EAGLE-3 head: fused features of three target layers, its own reduced vocabulary, from its folder",
+        build=lambda head, target: FeatureDrafter(head, target),
+        toy="speculative.proofs.cases:eagle3_drafter",
+        loader="weights.drafters:read_eagle3_head",
+        recognizes="weights.eagle3:is_eagle3_head",
+        network="head",
+        memory="target-block",
+    )
+)

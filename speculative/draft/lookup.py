@@ -33,26 +33,28 @@ class NgramIndex:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+        self.index: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(min_ngram, max_ngram + 1)
+        }
         self.seen: list[int] = []  # the ids indexed so far (a prefix of every later sequence)
 
     def update(self, ids: list[int]) -> None:
         """Index every n-gram that has a token after it: starts i with i + n < len(ids)."""
-        if ids[:len(self.seen)] != self.seen:  # another sequence than the one indexed: start over
+        if ids[: len(self.seen)] != self.seen:  # another sequence than the one indexed: start over
             self.__init__(self.max_ngram, self.min_ngram)
         old = len(self.seen)
         for n, table in self.index.items():
             for i in range(max(0, old - n), len(ids) - n):
-                table[tuple(ids[i:i + n])] = i
+                table[tuple(ids[i : i + n])] = i
         self.seen = list(ids)
 
     def lookup(self, ids: list[int], gamma: int) -> list[int]:
         """The tokens that followed the latest earlier occurrence of the longest matching suffix."""
         self.update(ids)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            start = self.index[n].get(tuple(ids[len(ids) - n:]))
+            start = self.index[n].get(tuple(ids[len(ids) - n :]))
             if start is not None:
-                return ids[start + n:start + n + gamma]
+                return ids[start + n : start + n + gamma]
         return []
 
 
@@ -75,20 +77,39 @@ class PromptLookupDrafter:
     def start(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
         self.rows = []
 
-    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
-                generators: list[torch.Generator], device: torch.device) -> Draft:
-        found = [row.lookup(row_ids, g) if g else [] for row, row_ids, g in zip(self.rows, ids, gammas)]
+    def propose(
+        self,
+        ids: list[list[int]],
+        gammas: list[int],
+        samplings: list[Sampling],
+        generators: list[torch.Generator],
+        device: torch.device,
+    ) -> Draft:
+        found = [
+            row.lookup(row_ids, g) if g else [] for row, row_ids, g in zip(self.rows, ids, gammas)
+        ]
         width = max(map(len, found), default=0)
         return Draft(pad_rows(found, device, width), [len(f) for f in found])
 
-    def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
-               hidden_starts: list[int] | None = None) -> None:
+    def commit(
+        self,
+        lengths: list[int],
+        hidden: torch.Tensor | None = None,
+        hidden_starts: list[int] | None = None,
+    ) -> None:
         pass  # stateless beyond the indexes, which only grow with the sequences
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
-        self.rows = [self.rows[r] for r in rows] + [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(new)]
+        self.rows = [self.rows[r] for r in rows] + [
+            NgramIndex(self.max_ngram, self.min_ngram) for _ in range(new)
+        ]
 
 
-register_drafter(DrafterKind(
-    "lookup", "prompt lookup: n-grams copied from the sequence, no model at all",
-    build=lambda network, target: PromptLookupDrafter(), toy="speculative.draft.lookup:PromptLookupDrafter"))
+register_drafter(
+    DrafterKind(
+        "lookup",
+        "prompt lookup: n-grams copied from the sequence, no model at all",
+        build=lambda network, target: PromptLookupDrafter(),
+        toy="speculative.draft.lookup:PromptLookupDrafter",
+    )
+)

@@ -9,7 +9,15 @@ from typing import Any
 import torch
 
 from model import call as calls
-from speculative.draft.protocol import Draft, Drafter, drafted, draw_rows, is_drafter, newest, pad_rows
+from speculative.draft.protocol import (
+    Draft,
+    Drafter,
+    drafted,
+    draw_rows,
+    is_drafter,
+    newest,
+    pad_rows,
+)
 from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling
@@ -39,8 +47,14 @@ class ModelDrafter:
         self.model.setup_cache(max_rows, cache_len)
         self.next = []
 
-    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
-                generators: list[torch.Generator], device: torch.device) -> Draft:
+    def propose(
+        self,
+        ids: list[list[int]],
+        gammas: list[int],
+        samplings: list[Sampling],
+        generators: list[torch.Generator],
+        device: torch.device,
+    ) -> Draft:
         """Lines 1-3 for every row, one draft call per step for all rows: for i = 1..gamma,
         q_i = M_q(prefix + x_1..x_{i-1}) and x_i ~ q_i. The first call catches each row up
         (its own number of tokens, padded), later ones feed each row's x_i. A row that has
@@ -63,8 +77,15 @@ class ModelDrafter:
         self.next = [len(row) + g - 1 if g else nxt for row, g, nxt in zip(ids, gammas, self.next)]
         return drafted(tokens, probs, gammas, steps, device)
 
-    def propose_tree(self, ids: list[int], branching: Sequence[int], mode: str, sampling: Sampling,
-                     generator: torch.Generator, device: torch.device) -> tuple[TokenTree, int]:
+    def propose_tree(
+        self,
+        ids: list[int],
+        branching: Sequence[int],
+        mode: str,
+        sampling: Sampling,
+        generator: torch.Generator,
+        device: torch.device,
+    ) -> tuple[TokenTree, int]:
         """Row 0's tree of the static shape ``branching`` (speculative.draft.trees): one call
         that catches up to the sequence and gives the root's distribution, then one call per
         further depth over all nodes so far, placed after the sequence with tree attention
@@ -75,19 +96,27 @@ class ModelDrafter:
         root = self.model(feed, calls.chain(start, length - start, device))[0, -1]
         self.next[0] = length
 
-        def expand(tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]) -> torch.Tensor:
+        def expand(
+            tokens: torch.Tensor, parents: list[int], depths: list[int], rows: list[int]
+        ) -> torch.Tensor:
             tree = TokenTree(tokens, parents, mode="deterministic")
             logits = self.model(tokens.view(1, -1), calls.tree(length, 0, tree, tokens.device))[0]
             return logits[torch.tensor(rows, device=logits.device)]
 
         return grow_tree(root, expand, branching, mode, sampling, generator), len(branching)
 
-    def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
-               hidden_starts: list[int] | None = None) -> None:
+    def commit(
+        self,
+        lengths: list[int],
+        hidden: torch.Tensor | None = None,
+        hidden_starts: list[int] | None = None,
+    ) -> None:
         self.next = [min(nxt, length - 1) for nxt, length in zip(self.next, lengths)]
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
-        if rows != list(range(len(rows))):  # the slots holding true inputs (next), not the whole context
+        if rows != list(
+            range(len(rows))
+        ):  # the slots holding true inputs (next), not the whole context
             self.model.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
         self.next = [self.next[r] for r in rows] + [0] * new
 
@@ -98,11 +127,20 @@ def as_drafter(draft: Any) -> Drafter:
         return draft
     if hasattr(draft, "config") and callable(draft):
         return ModelDrafter(draft)
-    raise TypeError(f"draft must be a model (with .config, callable as model(tokens, call)) or a drafter "
-                    f"(start/propose/commit/keep_rows, see speculative.draft), got {type(draft).__name__}")
+    raise TypeError(
+        f"draft must be a model (with .config, callable as model(tokens, call)) or a drafter "
+        f"(start/propose/commit/keep_rows, see speculative.draft), got {type(draft).__name__}"
+    )
 
 
-register_drafter(DrafterKind(
-    "model", "a smaller model of the target's family (the paper's M_q), from a checkpoint",
-    build=lambda network, target: ModelDrafter(network), toy="speculative.proofs.cases:model_drafter",
-    loader="weights.drafters:read_draft_model", network="checkpoint", memory="own"))
+register_drafter(
+    DrafterKind(
+        "model",
+        "a smaller model of the target's family (the paper's M_q), from a checkpoint",
+        build=lambda network, target: ModelDrafter(network),
+        toy="speculative.proofs.cases:model_drafter",
+        loader="weights.drafters:read_draft_model",
+        network="checkpoint",
+        memory="own",
+    )
+)

@@ -78,27 +78,47 @@ class Drafter(Protocol):
     """Anything that proposes tokens for the engine (see the module docstring). The attributes
     may be left out: :data:`DEFAULTS` holds what the engine then takes."""
 
-    reads_features: bool | tuple[int, ...]  # commit() wants the target's features (True: final; a tuple: layers)
+    reads_features: (
+        bool | tuple[int, ...]
+    )  # commit() wants the target's features (True: final; a tuple: layers)
     vocab_size: int | None  # the ids it proposes lie below this (None: any id of the sequence)
     max_seq_len: int | None  # the longest sequence it can draft for (None: no limit of its own)
-    parallel: bool  # one call drafts the whole chain (PARD, P-EAGLE): its cost does not grow with gamma
+    parallel: (
+        bool  # one call drafts the whole chain (PARD, P-EAGLE): its cost does not grow with gamma
+    )
     model: Any  # the draft model it runs (a model.Llama), or None
     head: Any  # the head on the target's features it runs, or None
 
     def start(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
-    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
-                generators: list[torch.Generator], device: torch.device) -> Draft: ...
+    def propose(
+        self,
+        ids: list[list[int]],
+        gammas: list[int],
+        samplings: list[Sampling],
+        generators: list[torch.Generator],
+        device: torch.device,
+    ) -> Draft: ...
 
-    def commit(self, lengths: list[int], hidden: torch.Tensor | None = None,
-               hidden_starts: list[int] | None = None) -> None: ...
+    def commit(
+        self,
+        lengths: list[int],
+        hidden: torch.Tensor | None = None,
+        hidden_starts: list[int] | None = None,
+    ) -> None: ...
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None: ...
 
 
 # What the engine takes for an attribute a drafter does not have (the Drafter protocol's attributes).
-DEFAULTS: dict[str, Any] = {"reads_features": False, "vocab_size": None, "max_seq_len": None, "parallel": False,
-                            "model": None, "head": None}
+DEFAULTS: dict[str, Any] = {
+    "reads_features": False,
+    "vocab_size": None,
+    "max_seq_len": None,
+    "parallel": False,
+    "model": None,
+    "head": None,
+}
 
 
 def trait(drafter: Any, name: str) -> Any:
@@ -108,7 +128,9 @@ def trait(drafter: Any, name: str) -> Any:
 
 def is_drafter(obj: Any) -> bool:
     """Whether ``obj`` has the four calls of a drafter (its attributes may be left to DEFAULTS)."""
-    return all(callable(getattr(obj, name, None)) for name in ("start", "propose", "commit", "keep_rows"))
+    return all(
+        callable(getattr(obj, name, None)) for name in ("start", "propose", "commit", "keep_rows")
+    )
 
 
 def grows_trees(drafter: Any) -> bool:
@@ -116,8 +138,12 @@ def grows_trees(drafter: Any) -> bool:
     return callable(getattr(drafter, "propose_tree", None))
 
 
-def draw_rows(logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator | None],
-              probs: list[torch.Tensor]) -> torch.Tensor:
+def draw_rows(
+    logits: torch.Tensor,
+    samplings: list[Sampling],
+    generators: list[torch.Generator | None],
+    probs: list[torch.Tensor],
+) -> torch.Tensor:
     """Line 3 for every row at once: logits [B, V] -> tokens [B], row b warped with samplings[b]
     and drawn with generators[b] (a row whose generator is None draws nothing); q [B, V]
     appended to ``probs`` unless every row is greedy.
@@ -133,8 +159,13 @@ def draw_rows(logits: torch.Tensor, samplings: list[Sampling], generators: list[
     return sample_rows(q, generators)
 
 
-def drafted(tokens: list[torch.Tensor], probs: list[torch.Tensor], gammas: list[int], calls: int,
-            device: torch.device) -> Draft:
+def drafted(
+    tokens: list[torch.Tensor],
+    probs: list[torch.Tensor],
+    gammas: list[int],
+    calls: int,
+    device: torch.device,
+) -> Draft:
     """Per-step drafts of a batch (tokens [B] and q [B, V] per step) as one Draft."""
     if not tokens:
         return Draft(torch.empty(len(gammas), 0, dtype=torch.long, device=device), list(gammas))
@@ -147,7 +178,9 @@ def pad_rows(rows: list[list[int]], device: torch.device, width: int | None = No
     padded at the end with 0 (a ragged call: the model ignores what the padding computes, see
     model.model); one copy to the device."""
     width = max(1, max(map(len, rows))) if width is None else width
-    return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
+    return torch.tensor(
+        [row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device
+    )
 
 
 def newest(out: torch.Tensor, widths: list[int]) -> torch.Tensor:
@@ -156,5 +189,3 @@ def newest(out: torch.Tensor, widths: list[int]) -> torch.Tensor:
         return out[:, -1]
     last = torch.tensor([max(w - 1, 0) for w in widths], device=out.device)
     return out[torch.arange(out.shape[0], device=out.device), last]
-
-

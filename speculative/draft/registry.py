@@ -41,11 +41,19 @@ class DrafterKind:
     name: str
     description: str  # one line, for --help and the docs
     build: Callable[[Any, Any], Any]  # build(loaded network or None, target) -> a drafter
-    toy: str | Callable[[Any], Any]  # for the proofs: toy(small float64 target) -> a drafter, or "MODULE:OBJECT"
-    loader: str | Callable[..., Any] | None = None  # (folder, target, target_name, device, dtype) -> network
-    recognizes: str | Callable[[dict[str, Any]], bool] | None = None  # config.json -> one of this kind's folders
+    toy: (
+        str | Callable[[Any], Any]
+    )  # for the proofs: toy(small float64 target) -> a drafter, or "MODULE:OBJECT"
+    loader: str | Callable[..., Any] | None = (
+        None  # (folder, target, target_name, device, dtype) -> network
+    )
+    recognizes: str | Callable[[dict[str, Any]], bool] | None = (
+        None  # config.json -> one of this kind's folders
+    )
     network: str | None = None  # what build receives: "checkpoint", "head" or None
-    memory: str = "none"  # the memory plan: "none", "own" (its config) or "target-block" (one target block)
+    memory: str = (
+        "none"  # the memory plan: "none", "own" (its config) or "target-block" (one target block)
+    )
 
     @property
     def needs_files(self) -> bool:
@@ -86,7 +94,9 @@ def drafter_kind(name: str) -> DrafterKind:
     """The kind registered as ``name``; ValueError naming the registered ones otherwise."""
     kind = find(name)
     if kind is None:
-        raise ValueError(f"drafter kind must be one of {', '.join(map(repr, DRAFTERS))}, got {name!r}")
+        raise ValueError(
+            f"drafter kind must be one of {', '.join(map(repr, DRAFTERS))}, got {name!r}"
+        )
     return kind
 
 
@@ -137,13 +147,22 @@ def _from_object(spec: str) -> DrafterKind:
     if isinstance(obj, str) and obj in DRAFTERS:
         return DRAFTERS[obj]
     if not callable(obj):
-        raise ValueError(f"--draft {spec}: expected a DrafterKind, a drafter class or a factory of the target, "
-                         f"got {type(obj).__name__}")
-    takes_target = any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                       for p in inspect.signature(obj).parameters.values())
-    return register_drafter(DrafterKind(
-        spec, f"{spec}: a drafter of one's own", build=lambda network, target: obj(target) if takes_target else obj(),
-        toy=lambda target: obj(target) if takes_target else obj()))
+        raise ValueError(
+            f"--draft {spec}: expected a DrafterKind, a drafter class or a factory of the target, "
+            f"got {type(obj).__name__}"
+        )
+    takes_target = any(
+        p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in inspect.signature(obj).parameters.values()
+    )
+    return register_drafter(
+        DrafterKind(
+            spec,
+            f"{spec}: a drafter of one's own",
+            build=lambda network, target: obj(target) if takes_target else obj(),
+            toy=lambda target: obj(target) if takes_target else obj(),
+        )
+    )
 
 
 def named(name: str) -> DrafterKind | None:

@@ -47,8 +47,9 @@ def check_tree(branching: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(b) for b in branching)
 
 
-def draw_children(logits: torch.Tensor, k: int, mode: str, sampling: Sampling,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None, list[list[bool]] | None]:
+def draw_children(
+    logits: torch.Tensor, k: int, mode: str, sampling: Sampling, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None, list[list[bool]] | None]:
     """k children for each of M nodes: tokens [M, k], the warped q [M, V] they were drawn from
     (None for "deterministic", whose children are chosen, not drawn), and for
     "without_replacement" which draws were possible at all ([M][k] on the host; None: all):
@@ -66,14 +67,22 @@ def draw_children(logits: torch.Tensor, k: int, mode: str, sampling: Sampling,
         mass = left.sum(-1, keepdim=True)
         alive.append(mass[:, 0] > 0)
         left = torch.where(mass > 0, left / mass, left)
-        token = sample(torch.where(mass > 0, left, q), generator)  # a placeholder draw where nothing is left
+        token = sample(
+            torch.where(mass > 0, left, q), generator
+        )  # a placeholder draw where nothing is left
         picks.append(token)
         left.scatter_(-1, token[:, None], 0.0)
     return torch.stack(picks, dim=-1), q, torch.stack(alive, dim=-1).tolist()
 
 
-def grow_tree(root_logits: torch.Tensor, expand: Expand, branching: Sequence[int], mode: str,
-              sampling: Sampling, generator: torch.Generator) -> TokenTree:
+def grow_tree(
+    root_logits: torch.Tensor,
+    expand: Expand,
+    branching: Sequence[int],
+    mode: str,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> TokenTree:
     """Grow a static tree from the root's logits [V], calling ``expand`` once per depth below
     the first. Returns the TokenTree with q [N+1, V] (rows of leaves are zeros)."""
     if sampling.greedy:
@@ -83,7 +92,10 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, branching: Sequence[int
     depths: list[int] = []
     q_rows: list[torch.Tensor] = []  # (row, q) pairs are placed at the end
     q_index: list[int] = []
-    level, logits = [-1], root_logits.unsqueeze(0)  # the nodes of the current depth, and their logits
+    level, logits = (
+        [-1],
+        root_logits.unsqueeze(0),
+    )  # the nodes of the current depth, and their logits
     for depth, k in enumerate(branching, start=1):
         if depth > 1:
             logits = expand(tokens, parents, depths, level)
@@ -99,7 +111,9 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, branching: Sequence[int
                     depths.append(depth)
                     kept.append(i * k + j)
         if len(kept) < children.numel():
-            children = children.reshape(-1)[torch.tensor(kept, dtype=torch.long, device=children.device)]
+            children = children.reshape(-1)[
+                torch.tensor(kept, dtype=torch.long, device=children.device)
+            ]
         tokens = torch.cat([tokens, children.reshape(-1)])
         level = list(range(first, len(parents)))
     q_all = None

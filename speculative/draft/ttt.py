@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from model.model import apply_rope, rope_tables
 
 
-def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
+def draft_vocabulary(
+    tokens: torch.Tensor, vocab_size: int, size: int
+) -> tuple[torch.Tensor, float]:
     """The ``size`` most frequent ids of ``tokens`` (ties: the lower id), ascending, and the
     share of ``tokens`` they cover. EAGLE-3 keeps the tokens the target writes most often."""
     counts = torch.bincount(tokens.flatten(), minlength=vocab_size).double()
@@ -50,7 +52,9 @@ def start_vocabulary(head: Any, target: Any, tokens: torch.Tensor) -> float:
     return coverage
 
 
-def _attend_chain(q: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+def _attend_chain(
+    q: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], groups: int
+) -> torch.Tensor:
     """Attention of step k's queries q [B, H, n, D] over the true inputs (past[0], causal: column
     t sees columns <= t) and the chain at its own column (past[1..k]: one key per step)."""
     k0, v0 = (x.repeat_interleave(groups, dim=1) for x in past[0])
@@ -61,14 +65,22 @@ def _attend_chain(q: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]]
     chain = [tuple(x.repeat_interleave(groups, dim=1)[:, :, :n] for x in kv) for kv in past[1:]]
     diagonal = [((q * k).sum(-1) * scale).unsqueeze(-1) for k, _ in chain]  # [B, H, n, 1] each
     weights = torch.softmax(torch.cat([scores, *diagonal], dim=-1), dim=-1)
-    out = weights[..., :k0.shape[2]] @ v0
+    out = weights[..., : k0.shape[2]] @ v0
     for j, (_, v) in enumerate(chain):
-        out = out + weights[..., k0.shape[2] + j:k0.shape[2] + j + 1] * v
+        out = out + weights[..., k0.shape[2] + j : k0.shape[2] + j + 1] * v
     return out
 
 
-def ttt_losses(head: Any, target: Any, tokens: torch.Tensor, steps: int, *, decay: float = 0.8,
-               regression: bool = False, bf16: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+def ttt_losses(
+    head: Any,
+    target: Any,
+    tokens: torch.Tensor,
+    steps: int,
+    *,
+    decay: float = 0.8,
+    regression: bool = False,
+    bf16: bool = False,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """The weighted loss of ``steps`` unrolled drafting steps on sequences [B, T], and per step
     (depth 1..steps): its loss and the alpha of its distribution against the target's,
     sum_x min(p, q) averaged over positions (the acceptance it would get at that depth
@@ -80,7 +92,9 @@ def ttt_losses(head: Any, target: Any, tokens: torch.Tensor, steps: int, *, deca
         final = target(tokens, return_hidden=True)[1].to(head.dtype) if regression else None
     with torch.no_grad():
         ids = head.target_ids()
-        p_full = F.softmax(logits.float(), dim=-1)  # p at position t: the target's law of token t + 1
+        p_full = F.softmax(
+            logits.float(), dim=-1
+        )  # p at position t: the target's law of token t + 1
         p_draft = p_full[..., ids]
         p_kept = p_draft / p_draft.sum(-1, keepdim=True).clamp_min(1e-12)
         embeddings = target.embed_tokens(tokens).to(head.dtype)
@@ -90,13 +104,15 @@ def ttt_losses(head: Any, target: Any, tokens: torch.Tensor, steps: int, *, deca
     cos_all, sin_all = rope_tables(head.config, length + steps, head.device, head.dtype)
     # bf16: the head computes in bfloat16 too (its weights and gradients stay float32)
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
-        hidden = head.project(fused[:, :-1].to(head.dtype))  # column t: the target's f_t, t = 0..T-2
+        hidden = head.project(
+            fused[:, :-1].to(head.dtype)
+        )  # column t: the target's f_t, t = 0..T-2
         past: list[tuple[torch.Tensor, torch.Tensor]] = []
         total, per_step = hidden.new_zeros(()), {"loss": [], "alpha": []}
         for k in range(min(steps, length - 1)):
             n = length - 1 - k  # columns t whose target t + k + 1 exists
-            both, residual = layer.inputs(embeddings[:, k + 1:k + 1 + n], hidden[:, :n])
-            cos, sin = cos_all[k:k + n], sin_all[k:k + n]  # column t is position t + k
+            both, residual = layer.inputs(embeddings[:, k + 1 : k + 1 + n], hidden[:, :n])
+            cos, sin = cos_all[k : k + n], sin_all[k : k + n]  # column t is position t + k
             q = attn.q_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
             key = attn.k_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
             value = attn.v_proj(both).view(batch, n, -1, attn.head_dim).transpose(1, 2)
@@ -105,14 +121,16 @@ def ttt_losses(head: Any, target: Any, tokens: torch.Tensor, steps: int, *, deca
             attended = _attend_chain(q, past, groups).transpose(1, 2).reshape(batch, n, -1)
             out = layer.finish(residual, attn.o_proj(attended))
             log_q = F.log_softmax(head.draft_logits(out).float(), dim=-1)
-            wanted = p_kept[:, k + 1:k + 1 + n]
+            wanted = p_kept[:, k + 1 : k + 1 + n]
             ce = -(wanted * log_q).sum(-1).mean()
             loss = 0.5 * ce if regression else ce
             if regression:
-                loss = loss + F.smooth_l1_loss(head.norm(out), final[:, k + 1:k + 1 + n])
-            total = total + decay ** k * loss
+                loss = loss + F.smooth_l1_loss(head.norm(out), final[:, k + 1 : k + 1 + n])
+            total = total + decay**k * loss
             with torch.no_grad():
                 per_step["loss"].append(loss.item())
-                per_step["alpha"].append(torch.minimum(p_draft[:, k + 1:k + 1 + n], log_q.exp()).sum(-1).mean().item())
+                per_step["alpha"].append(
+                    torch.minimum(p_draft[:, k + 1 : k + 1 + n], log_q.exp()).sum(-1).mean().item()
+                )
             hidden = out
     return total, per_step

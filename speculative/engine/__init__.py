@@ -15,9 +15,29 @@ from speculative.engine.generation import (
     speculative_generate,
     speculative_generate_batch,
 )
-from speculative.engine.stats import AutoregressiveStats, BatchResult, BatchStats, GenerationResult, SpeculativeStats
+from speculative.engine.stats import (
+    AutoregressiveStats,
+    BatchResult,
+    BatchStats,
+    GenerationResult,
+    SpeculativeStats,
+)
 
-__all__ = ["DEFAULT_GAMMA", "AutoGamma", "AutoregressiveStats", "BatchResult", "BatchStats", "Engine",
-           "GenerationResult", "Row", "SpeculativeStats", "autoregressive_generate", "autoregressive_generate_batch",
-           "best_gamma", "expected_speedup", "expected_tokens_per_iteration", "speculative_generate",
-           "speculative_generate_batch"]
+__all__ = [
+    "DEFAULT_GAMMA",
+    "AutoGamma",
+    "AutoregressiveStats",
+    "BatchResult",
+    "BatchStats",
+    "Engine",
+    "GenerationResult",
+    "Row",
+    "SpeculativeStats",
+    "autoregressive_generate",
+    "autoregressive_generate_batch",
+    "best_gamma",
+    "expected_speedup",
+    "expected_tokens_per_iteration",
+    "speculative_generate",
+    "speculative_generate_batch",
+]

@@ -48,7 +48,13 @@ from speculative.engine.gamma import AutoGamma, Switch
 from speculative.engine.judging import judge_rows
 from speculative.engine.logprobs import record_logprobs, record_prompts
 from speculative.engine.rows import Callback, Row, RowFailedError, cut_at_eos
-from speculative.engine.stats import BatchStats, Clock, SpeculativeStats, record_iteration, stop_reason
+from speculative.engine.stats import (
+    BatchStats,
+    Clock,
+    SpeculativeStats,
+    record_iteration,
+    stop_reason,
+)
 from speculative.engine.trees import AutoTree, check_tree_request, fit_tree, keep_path
 from speculative.inputs import (
     NonFiniteLogitsError,
@@ -88,30 +94,62 @@ class Engine:
     ``max_rows``: rows in one call at most. ``cache_len``: the KV caches' length; None sizes them at the
     first step for the rows added by then (a later row longer than that stops when the cache is full)."""
 
-    def __init__(self, target: Any, draft: Any = None, *, gamma: int | str | None = None, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, verify: str = "token",
-                 tree: Sequence[int] | str | None = None, tree_mode: str = "without_replacement", max_rows: int = 1,
-                 cache_len: int | None = None, guard: bool | tuple[float, ...] = False) -> None:
+    def __init__(
+        self,
+        target: Any,
+        draft: Any = None,
+        *,
+        gamma: int | str | None = None,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        verify: str = "token",
+        tree: Sequence[int] | str | None = None,
+        tree_mode: str = "without_replacement",
+        max_rows: int = 1,
+        cache_len: int | None = None,
+        guard: bool | tuple[float, ...] = False,
+    ) -> None:
         self.target, self.drafter = target, None if draft is None else drafter_for(target, draft)
         self.sampling = Sampling(temperature, top_k, top_p)
         if not callable(verify):
             registered(verify)  # ValueError for a name that is not registered
         self.rule, self.tree, self.tree_mode, self.tree_auto = verify, None, tree_mode, None
         if tree is not None:
-            self.tree, gamma = check_tree_request(tree, tree_mode, self.drafter, gamma, verify, max_rows)
-            self.tree_auto = AutoTree() if isinstance(tree, str) else None  # "auto": the shape by measurement
+            self.tree, gamma = check_tree_request(
+                tree, tree_mode, self.drafter, gamma, verify, max_rows
+            )
+            self.tree_auto = (
+                AutoTree() if isinstance(tree, str) else None
+            )  # "auto": the shape by measurement
         gamma = DEFAULT_GAMMA if gamma is None else gamma  # None: not given
         self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
-        recorded = None if guard is True else guard  # costs given, or timed by the clock (AutoTree has its own)
-        guarded = Switch(self.gamma_max, recorded=recorded) if guard and not self.tree_auto else None
-        self.auto = None if self.drafter is None else AutoGamma(gamma_max=self.gamma_max, parallel=trait(
-            self.drafter, "parallel")) if gamma == "auto" else guarded
+        recorded = (
+            None if guard is True else guard
+        )  # costs given, or timed by the clock (AutoTree has its own)
+        guarded = (
+            Switch(self.gamma_max, recorded=recorded) if guard and not self.tree_auto else None
+        )
+        self.auto = (
+            None
+            if self.drafter is None
+            else AutoGamma(gamma_max=self.gamma_max, parallel=trait(self.drafter, "parallel"))
+            if gamma == "auto"
+            else guarded
+        )
         self.gamma_setting = "auto" if isinstance(self.auto, AutoGamma) else self.gamma_max
-        self.limit = min(target.config.max_seq_len, trait(self.drafter, "max_seq_len") or target.config.max_seq_len)
-        self.slack = self.gamma_max if self.tree is None else len(branching_parents(self.tree))  # slots past a row
+        self.limit = min(
+            target.config.max_seq_len,
+            trait(self.drafter, "max_seq_len") or target.config.max_seq_len,
+        )
+        self.slack = (
+            self.gamma_max if self.tree is None else len(branching_parents(self.tree))
+        )  # slots past a row
         if self.tree is not None and self.slack + 1 >= self.limit:
-            raise ValueError(f"the tree {self.tree} has {self.slack} nodes, which cannot fit in the "
-                             f"{self.limit}-token context")
+            raise ValueError(
+                f"the tree {self.tree} has {self.slack} nodes, which cannot fit in the "
+                f"{self.limit}-token context"
+            )
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
         self.max_rows, self.cache_len = max_rows, cache_len
@@ -123,13 +161,24 @@ class Engine:
         self.clock: Clock | None = None
         self.pending: list[torch.Tensor] = []  # plain steps' tokens not read yet (Engine.defer)
         self.pending_finite: list[torch.Tensor] = []
-        self.policy: Callable[[Engine], int] | None = None  # gamma per iteration from outside (a server's)
+        self.policy: Callable[[Engine], int] | None = (
+            None  # gamma per iteration from outside (a server's)
+        )
 
     # ------------------------------------------------------------------------- rows in and out
-    def add(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
-            eos_id: int | Collection[int] | None = None,
-            seed: int | None = None, callback: Callback | None = None, sampling: Sampling | None = None,
-            gamma: int | None = None, logprobs: int | None = None, echo: bool = False) -> Row:
+    def add(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        *,
+        eos_id: int | Collection[int] | None = None,
+        seed: int | None = None,
+        callback: Callback | None = None,
+        sampling: Sampling | None = None,
+        gamma: int | None = None,
+        logprobs: int | None = None,
+        echo: bool = False,
+    ) -> Row:
         """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
         temperature, top-k and top-p (default: the engine's). ``gamma``: pin its drafted tokens
         per iteration (0..the engine's gamma; default: the engine's choice). ``callback(new_ids,
@@ -145,19 +194,44 @@ class Engine:
         check_max_new_tokens(max_new_tokens)
         check_seed(seed)
         prompt = check_prompt(prompt_ids, self.target.config.vocab_size, self.row_limit)
-        stats = SpeculativeStats(gamma_setting=self.gamma_setting, accepted_per_position=[0] * self.gamma_max,
-                                 tried_per_position=[0] * self.gamma_max)
+        stats = SpeculativeStats(
+            gamma_setting=self.gamma_setting,
+            accepted_per_position=[0] * self.gamma_max,
+            tried_per_position=[0] * self.gamma_max,
+        )
         if sampling is not None and not isinstance(sampling, Sampling):
-            raise ValueError(f"sampling must be a speculative.sampling.Sampling, got {type(sampling).__name__}")
-        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int)
-                                  or not 0 <= gamma <= self.gamma_max):
-            raise ValueError(f"a row's gamma must be an integer in 0..{self.gamma_max}, got {gamma!r}")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0 (the top ones to record) or None, got {logprobs!r}")
+            raise ValueError(
+                f"sampling must be a speculative.sampling.Sampling, got {type(sampling).__name__}"
+            )
+        if gamma is not None and (
+            isinstance(gamma, bool)
+            or not isinstance(gamma, int)
+            or not 0 <= gamma <= self.gamma_max
+        ):
+            raise ValueError(
+                f"a row's gamma must be an integer in 0..{self.gamma_max}, got {gamma!r}"
+            )
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
+        ):
+            raise ValueError(
+                f"logprobs must be an integer >= 0 (the top ones to record) or None, got {logprobs!r}"
+            )
         if (logprobs is not None or echo) and self.tree is not None:
             raise ValueError("logprobs are recorded for chains only, not token trees")
-        row = Row(prompt, max_new_tokens, check_stop_ids(eos_id), callback, sampling or self.sampling,
-                  make_generator(self.device, seed), stats, list(prompt), gamma=gamma, logprobs=logprobs, echo=echo)
+        row = Row(
+            prompt,
+            max_new_tokens,
+            check_stop_ids(eos_id),
+            callback,
+            sampling or self.sampling,
+            make_generator(self.device, seed),
+            stats,
+            list(prompt),
+            gamma=gamma,
+            logprobs=logprobs,
+            echo=echo,
+        )
         self.waiting.append(row)
         self.stats.prompts += 1
         self.stats.rows.append(stats)
@@ -187,7 +261,9 @@ class Engine:
     def start(self) -> None:
         """Size and set up the KV caches (once, at the first step)."""
         if self.cache_len is None:
-            longest = max((len(row.prompt) + row.max_new_tokens for row in self.waiting), default=self.limit)
+            longest = max(
+                (len(row.prompt) + row.max_new_tokens for row in self.waiting), default=self.limit
+            )
             self.cache_len = min(self.limit, longest + self.slack + 1)
         self.target.setup_cache(self.max_rows, self.cache_len)
         if self.drafter is not None:
@@ -220,7 +296,9 @@ class Engine:
         kept = [b for b, row in enumerate(self.rows) if not row.done]
         self.rows = [self.rows[b] for b in kept]
         if kept != list(range(len(kept))):  # the slots the kept rows hold, not the whole context
-            self.target.move_cache(kept, upto=min(self.cache_len, max(row.length for row in self.rows) + 1))
+            self.target.move_cache(
+                kept, upto=min(self.cache_len, max(row.length for row in self.rows) + 1)
+            )
         if self.drafter is not None:
             self.drafter.keep_rows(kept)
         return done
@@ -228,15 +306,25 @@ class Engine:
     def finish(self, row: Row, now: Any) -> None:
         row.done = True
         row.stats.new_tokens = row.produced
-        row.stats.stop_reason = "error" if row.error else "cancelled" if row.cancelled else \
-            stop_reason(row.ids[len(row.prompt):], row.stop_ids, row.max_new_tokens)
+        row.stats.stop_reason = (
+            "error"
+            if row.error
+            else "cancelled"
+            if row.cancelled
+            else stop_reason(row.ids[len(row.prompt) :], row.stop_ids, row.max_new_tokens)
+        )
         row.stats.stop_token = row.ids[-1] if row.stats.stop_reason == "eos" else None
         self.clock.add(row.stats, "decode_time_s", row.joined, now)
         self.finished.append(row)
 
     def is_done(self, row: Row) -> bool:
-        return (row.error is not None or row.cancelled or row.produced >= row.max_new_tokens
-                or row.length >= self.row_limit or (row.produced > 0 and row.ids[-1] in row.stop_ids))
+        return (
+            row.error is not None
+            or row.cancelled
+            or row.produced >= row.max_new_tokens
+            or row.length >= self.row_limit
+            or (row.produced > 0 and row.ids[-1] in row.stop_ids)
+        )
 
     @property
     def idle(self) -> bool:
@@ -256,7 +344,9 @@ class Engine:
         with torch.inference_mode():
             if self.clock is None:
                 self.start()
-            cancelled = self.retire(self.clock.mark()) if any(row.cancelled for row in self.rows) else []
+            cancelled = (
+                self.retire(self.clock.mark()) if any(row.cancelled for row in self.rows) else []
+            )
             self.admit()
             rows, clock = self.rows, self.clock
             if not rows:
@@ -267,10 +357,14 @@ class Engine:
             t1 = clock.mark()
             logits, hidden = self.score(rows, draft)  # line 4
             t2 = clock.mark()
-            steps = self.verify(rows, draft, logits)  # lines 5-9 (None: nothing drafted, tokens left on the device)
+            steps = self.verify(
+                rows, draft, logits
+            )  # lines 5-9 (None: nothing drafted, tokens left on the device)
             self.commit(rows, draft, steps, hidden)  # line 10
             t3 = clock.mark()
-            self.learn(rows, draft, steps or [Verification([], 0, [])] * len(rows), (t0, t1, t2, t3))
+            self.learn(
+                rows, draft, steps or [Verification([], 0, [])] * len(rows), (t0, t1, t2, t3)
+            )
             return cancelled + self.retire(t3)
 
     def gamma_for(self, row: Row) -> int:
@@ -279,36 +373,67 @@ class Engine:
         max_new_tokens or its context."""
         if self.drafter is None:
             return 0
-        g = row.gamma if row.gamma is not None else self.policy(self) if self.policy else \
-            self.auto.choose(self.stats.iterations) if self.auto else self.gamma_max
-        return max(0, min(g, self.gamma_max, row.max_new_tokens - row.produced - 1, self.row_limit - row.length - 1))
+        g = (
+            row.gamma
+            if row.gamma is not None
+            else self.policy(self)
+            if self.policy
+            else self.auto.choose(self.stats.iterations)
+            if self.auto
+            else self.gamma_max
+        )
+        return max(
+            0,
+            min(
+                g,
+                self.gamma_max,
+                row.max_new_tokens - row.produced - 1,
+                self.row_limit - row.length - 1,
+            ),
+        )
 
-    def verify(self, rows: list[Row], draft: Draft, logits: torch.Tensor) -> list[Verification] | None:
+    def verify(
+        self, rows: list[Row], draft: Draft, logits: torch.Tensor
+    ) -> list[Verification] | None:
         """Lines 5-9: every row's verdict (its own rule, sampling and generator), read in one copy,
         cut at the row's first end id (even inside an accepted block), and the log-probabilities of
         what it emits recorded from these logits, the target's own laws. None when nothing was drafted and
         the rows stop by their count: the tokens stay on the device (Engine.defer)."""
-        finite = finite_rows(logits)  # read with the verdicts: a row whose logits are not finite fails alone
-        verdict = judge_rows(logits, draft, [row.sampling for row in rows], self.rule,
-                             [row.generator for row in rows], finite)
+        finite = finite_rows(
+            logits
+        )  # read with the verdicts: a row whose logits are not finite fails alone
+        verdict = judge_rows(
+            logits,
+            draft,
+            [row.sampling for row in rows],
+            self.rule,
+            [row.generator for row in rows],
+            finite,
+        )
         if self.deferred(rows, draft):
             self.defer(rows, verdict.parts[0], finite)
             return None
         steps = self.read(rows, draft, verdict, finite)
         for b, (row, step) in enumerate(zip(rows, steps)):
-            if row.stop_ids and not row.stop_ids.isdisjoint(step.tokens):  # a new object only where one is cut
+            if row.stop_ids and not row.stop_ids.isdisjoint(
+                step.tokens
+            ):  # a new object only where one is cut
                 steps[b] = replace(step, tokens=cut_at_eos(step.tokens, row.stop_ids))
         if draft.tree is None and any(row.logprobs is not None for row in rows):
-            record_logprobs(rows, [step.tokens for step in steps], [g + 1 for g in draft.lengths], logits)
+            record_logprobs(
+                rows, [step.tokens for step in steps], [g + 1 for g in draft.lengths], logits
+            )
         return steps
 
-    def read(self, rows: list[Row], draft: Draft, verdict: Verdict, finite: torch.Tensor) -> list[Verification]:
+    def read(
+        self, rows: list[Row], draft: Draft, verdict: Verdict, finite: torch.Tensor
+    ) -> list[Verification]:
         """The verdicts and every logit row's finite flag in ONE copy. A row with a non-finite
         logit emits nothing and fails alone (``row.error``); the others' outcomes stand."""
         *host, flags = read_host([*verdict.parts, finite])
         steps, at = verdict.finish(*host), 0
         for b, (row, n) in enumerate(zip(rows, [g + 1 for g in draft.lengths])):
-            if not all(flags[at:at + n]):
+            if not all(flags[at : at + n]):
                 row.error, steps[b] = NonFiniteLogitsError(), Verification([], 0, [])
             at += n
         return steps
@@ -316,18 +441,34 @@ class Engine:
     def propose(self, rows: list[Row], gammas: list[int]) -> Draft:
         """Lines 1-3: a chain of up to gammas[b] tokens for every row, or a tree for one row
         that fits in the cache slots after its sequence. Nothing (a plain target step) where gamma is 0."""
-        nothing = Draft(torch.empty(len(rows), 0, dtype=torch.long, device=self.device), [0] * len(rows))
+        nothing = Draft(
+            torch.empty(len(rows), 0, dtype=torch.long, device=self.device), [0] * len(rows)
+        )
         if self.drafter is None or max(gammas) == 0:
             return nothing
         self.flush()  # the tokens of plain steps not read yet (Engine.defer): a drafter reads the sequence
         if self.tree is None:
-            return self.drafter.propose([row.ids for row in rows], gammas, [row.sampling for row in rows],
-                                        [row.generator for row in rows], self.device)
+            return self.drafter.propose(
+                [row.ids for row in rows],
+                gammas,
+                [row.sampling for row in rows],
+                [row.generator for row in rows],
+                self.device,
+            )
         row = rows[0]
-        shape = self.tree_auto.choose(self.stats.iterations, row.stats.tree_shapes) if self.tree_auto else self.tree
+        shape = (
+            self.tree_auto.choose(self.stats.iterations, row.stats.tree_shapes)
+            if self.tree_auto
+            else self.tree
+        )
         levels = fit_tree(shape, gammas[0], self.cache_len - row.length)
-        grown = self.drafter.propose_tree(row.ids, levels, self.tree_mode, row.sampling, row.generator,
-                                          self.device) if levels else None
+        grown = (
+            self.drafter.propose_tree(
+                row.ids, levels, self.tree_mode, row.sampling, row.generator, self.device
+            )
+            if levels
+            else None
+        )
         if grown is None:  # the drafter has nothing to go on yet
             return nothing
         tree, count = grown
@@ -341,36 +482,58 @@ class Engine:
         reads = trait(self.drafter, "reads_features") if self.drafter is not None else False
         starts = [row.target_next for row in rows]
         wanted = [g + 1 for g in draft.lengths]
-        if self.pending:  # plain steps, rows unchanged: each feeds its newest token, still on the device
+        if (
+            self.pending
+        ):  # plain steps, rows unchanged: each feeds its newest token, still on the device
             feed = self.pending[-1].view(-1, 1)
         else:
             unread = [row.ids[start:] for row, start in zip(rows, starts)]
             if len(rows) == 1:
-                feed = torch.cat([torch.tensor([unread[0]], device=self.device), draft.tokens], dim=1)
+                feed = torch.cat(
+                    [torch.tensor([unread[0]], device=self.device), draft.tokens], dim=1
+                )
             else:
-                feed = pad_rows(unread, self.device, max(len(u) + g for u, g in zip(unread, draft.lengths)))
-                at = [(b, len(u) + j, j) for b, (u, g) in enumerate(zip(unread, draft.lengths)) for j in range(g)]
+                feed = pad_rows(
+                    unread, self.device, max(len(u) + g for u, g in zip(unread, draft.lengths))
+                )
+                at = [
+                    (b, len(u) + j, j)
+                    for b, (u, g) in enumerate(zip(unread, draft.lengths))
+                    for j in range(g)
+                ]
                 if at:
                     index = torch.tensor(at, device=self.device).T
                     feed[index[0], index[1]] = draft.tokens[index[0], index[2]]
-        call = calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device) if draft.tree \
-            is not None else calls.ragged(starts, feed.shape[1], self.cache_len, self.device)  # a tree: nodes at depth
+        call = (
+            calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device)
+            if draft.tree is not None
+            else calls.ragged(starts, feed.shape[1], self.cache_len, self.device)
+        )  # a tree: nodes at depth
         out = self.target(feed, call, return_hidden=reads) if reads else self.target(feed, call)
         logits, hidden = out if reads else (out, None)
-        if any(row.echo and start == 0 for row, start in zip(rows, starts)):  # read from column 0 of each row
+        if any(
+            row.echo and start == 0 for row, start in zip(rows, starts)
+        ):  # read from column 0 of each row
             record_prompts(rows, starts, logits)
         if len(rows) == 1:
-            return logits[0, -wanted[0]:], hidden
+            return logits[0, -wanted[0] :], hidden
         sizes = [len(row.ids) - start + g for row, start, g in zip(rows, starts, draft.lengths)]
-        if self.pending or len(set(sizes)) == 1 and len(set(wanted)) == 1:  # every row the same shape
-            return logits[:, -wanted[0]:].reshape(-1, logits.shape[-1]), hidden
+        if (
+            self.pending or len(set(sizes)) == 1 and len(set(wanted)) == 1
+        ):  # every row the same shape
+            return logits[:, -wanted[0] :].reshape(-1, logits.shape[-1]), hidden
         at_row = [b for b, n in enumerate(wanted) for _ in range(n)]
         at_col = [size - n + j for size, n in zip(sizes, wanted) for j in range(n)]
         index = torch.tensor([at_row, at_col], device=logits.device)
         return logits[index[0], index[1]], hidden
 
-    def commit(self, rows: list[Row], draft: Draft, steps: list[Verification] | None,
-               hidden: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        rows: list[Row],
+        draft: Draft,
+        steps: list[Verification] | None,
+        hidden: torch.Tensor | None,
+    ) -> None:
         """Line 10: row b emits x_1..x_n, t (cut at an end id by verify; ``steps`` None: one token each, on the
         device) and rolls back: everything before its newest token is in the target's cache, whatever the other
         rows accepted (a tree's accepted path is first moved into place); the drafter learns the new lengths
@@ -388,15 +551,22 @@ class Engine:
             if row.callback is not None and step.tokens:
                 try:
                     row.callback(step.tokens, [i < step.accepted for i in range(len(step.tokens))])
-                except Exception as error:  # its own handler failed: it leaves at the end of this step
+                except (
+                    Exception
+                ) as error:  # its own handler failed: it leaves at the end of this step
                     row.error = RowFailedError(f"{type(error).__name__}: {error}".splitlines()[0])
 
     # ------------------------------------------------------------------------- plain steps: the target alone, or off
     def deferred(self, rows: list[Row], draft: Draft) -> bool:
         """Nothing drafted (the target alone; a drafter switched off on a CPU, where the switch's clock needs
         no host read to time an iteration) and every row stops by its count alone: no need to see the tokens yet."""
-        return draft.tokens.shape[1] == 0 and (self.drafter is None or not self.clock.events) and all(
-            not row.stop_ids and row.callback is None and row.logprobs is None for row in rows)
+        return (
+            draft.tokens.shape[1] == 0
+            and (self.drafter is None or not self.clock.events)
+            and all(
+                not row.stop_ids and row.callback is None and row.logprobs is None for row in rows
+            )
+        )
 
     def defer(self, rows: list[Row], tokens: torch.Tensor, finite: torch.Tensor) -> None:
         self.pending.append(tokens)
@@ -409,12 +579,14 @@ class Engine:
         row that met a non-finite logit fails alone and keeps none of them."""
         if not self.pending:
             return
-        tokens, flags = read_host([torch.stack(self.pending, dim=1), torch.stack(self.pending_finite, dim=1)])
+        tokens, flags = read_host(
+            [torch.stack(self.pending, dim=1), torch.stack(self.pending_finite, dim=1)]
+        )
         width = len(self.pending)
         for b, row in enumerate(self.rows):
             row.owed = 0
-            if all(flags[b * width:(b + 1) * width]):
-                row.ids.extend(tokens[b * width:(b + 1) * width])
+            if all(flags[b * width : (b + 1) * width]):
+                row.ids.extend(tokens[b * width : (b + 1) * width])
             else:
                 row.error = NonFiniteLogitsError()
         self.pending, self.pending_finite = [], []
@@ -424,16 +596,37 @@ class Engine:
         """One iteration into the records (stats.record_iteration: marks before proposing, scoring,
         verifying, after committing), gamma="auto"'s alpha and costs, and tree="auto"'s times."""
         record_iteration(self.stats, self.clock, rows, draft, steps, marks)
-        (t0, t1, t2, _), depth, clock = marks, max(draft.depth(b) for b in range(len(rows))), self.clock
-        for auto in filter(None, (self.auto, self.tree_auto)):  # whole iterations, start to start (t0..t2: pre-read)
-            auto.observe(self.stats.iterations - 1, depth, sum(len(s.tokens) for s in steps) or len(rows), t0, clock)
-        if isinstance(self.auto, AutoGamma) and depth > 0:  # the first iteration also read prompts: not timed
+        (t0, t1, t2, _), depth, clock = (
+            marks,
+            max(draft.depth(b) for b in range(len(rows))),
+            self.clock,
+        )
+        for auto in filter(
+            None, (self.auto, self.tree_auto)
+        ):  # whole iterations, start to start (t0..t2: pre-read)
+            auto.observe(
+                self.stats.iterations - 1,
+                depth,
+                sum(len(s.tokens) for s in steps) or len(rows),
+                t0,
+                clock,
+            )
+        if (
+            isinstance(self.auto, AutoGamma) and depth > 0
+        ):  # the first iteration also read prompts: not timed
             timed = self.stats.iterations > 1
-            verified = [(j + 1, o) for step in steps for j, o in enumerate(step.overlap[:step.accepted + 1])]
-            self.auto.update([o for _, o in verified],
-                             clock.seconds(t0, t1) / (draft.calls or depth) if timed else None,  # per call
-                             clock.seconds(t1, t2) if timed else None,
-                             positions=[j for j, _ in verified], width=depth + 1)
+            verified = [
+                (j + 1, o)
+                for step in steps
+                for j, o in enumerate(step.overlap[: step.accepted + 1])
+            ]
+            self.auto.update(
+                [o for _, o in verified],
+                clock.seconds(t0, t1) / (draft.calls or depth) if timed else None,  # per call
+                clock.seconds(t1, t2) if timed else None,
+                positions=[j for j, _ in verified],
+                width=depth + 1,
+            )
 
 
 def drafter_for(target: Any, draft: Any) -> Any:
@@ -442,8 +635,10 @@ def drafter_for(target: Any, draft: Any) -> Any:
     drafter = as_drafter(draft)
     check_pair(target, drafter)
     if draft is target or trait(drafter, "model") is target:
-        raise ValueError("draft and target are the same object and would share one KV cache; "
-                         "pass a copy (copy.deepcopy(model)) as the draft")
+        raise ValueError(
+            "draft and target are the same object and would share one KV cache; "
+            "pass a copy (copy.deepcopy(model)) as the draft"
+        )
     return drafter
 
 

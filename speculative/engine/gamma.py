@@ -91,9 +91,13 @@ class Switch:
     next_retry: int = 0
     last: tuple[int, int] = (-1, 0)  # (iteration, gamma) chosen: the engine asks once per row
     previous_gamma: int = 0  # the gamma of the iteration observed last
-    pending: tuple | None = None  # (iteration, gamma, tokens, start mark): timed when the next one starts
+    pending: tuple | None = (
+        None  # (iteration, gamma, tokens, start mark): timed when the next one starts
+    )
     fade: float = 0.95  # weight of the past per new speculating iteration's tokens (AutoGamma: per position's alpha)
-    emitted: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # faded count, sum, sum of squares
+    emitted: list[float] = field(
+        default_factory=lambda: [0.0, 0.0, 0.0]
+    )  # faded count, sum, sum of squares
     rows: int = 1  # the tokens of a plain iteration
     # (plain seconds a token, seconds of a speculating iteration[, the seconds the first one after plain steps costs
     # more]) measured once and recorded: the clock is not read, and a retry is charged its drafter's catching up
@@ -118,7 +122,9 @@ class Switch:
             if i - self.next_retry > 3:  # the retry was cut to nothing (a row's limits): again
                 self.next_retry = i
             return self.gamma if 0 <= i - self.next_retry < 2 else 0
-        if self.recorded is None and (i == 2 or self.plain_s is None and i > 3 or i > 0 and i % self.probe_every == 0):
+        if self.recorded is None and (
+            i == 2 or self.plain_s is None and i > 3 or i > 0 and i % self.probe_every == 0
+        ):
             return 0  # a probe: recorded costs need none
         return self.gamma
 
@@ -139,20 +145,35 @@ class Switch:
             # Recorded: an iteration that drafted fewer (prompt lookup finding a short match) cost less; what a
             # drafted token costs is linear in the count, so its tokens count as those it would have needed at
             # the full depth for the same gain over plain steps.
-            tokens += self.rows * (self.recorded[1] / self.recorded[0] - 1) * (self.gamma - gamma) / self.gamma
-        if gamma > 0:  # every speculating iteration's tokens count, clean or not: they vary, the seconds less so
+            tokens += (
+                self.rows
+                * (self.recorded[1] / self.recorded[0] - 1)
+                * (self.gamma - gamma)
+                / self.gamma
+            )
+        if (
+            gamma > 0
+        ):  # every speculating iteration's tokens count, clean or not: they vary, the seconds less so
             w, total, squares = self.emitted
-            self.emitted = [self.fade * w + 1, self.fade * total + tokens, self.fade * squares + tokens * tokens]
+            self.emitted = [
+                self.fade * w + 1,
+                self.fade * total + tokens,
+                self.fade * squares + tokens * tokens,
+            ]
         else:
             self.rows = tokens  # a plain iteration emits one token a row
-        if self.recorded is not None:  # every speculating iteration is judged, at the recorded costs
+        if (
+            self.recorded is not None
+        ):  # every speculating iteration is judged, at the recorded costs
             if gamma == 0 or self.emitted[0] == 0:
                 return
         elif not clean or seconds <= 0:
             return
         elif gamma == 0:
             self.plain_s = self._average(self.plain_s, seconds / max(tokens, 1))
-        elif self.off or self.speculating is None:  # fresh after a pause: what it costs now, not before
+        elif (
+            self.off or self.speculating is None
+        ):  # fresh after a pause: what it costs now, not before
             self.speculating = [seconds]
         else:
             self.speculating = [*self.speculating, seconds][-3:]
@@ -166,12 +187,20 @@ class Switch:
         seconds, (w, total, squares) = min(self.speculating), self.emitted
         mean = total / w
         spread = (max(squares - total * mean, 0.0) + (self.gamma * self.rows / 2) ** 2) / (w + 1)
-        lost = 2 * (seconds - (mean + math.sqrt(spread / w)) * self.plain_s)  # what a retry's two iterations lose
+        lost = 2 * (
+            seconds - (mean + math.sqrt(spread / w)) * self.plain_s
+        )  # what a retry's two iterations lose
         losing = lost > 0
-        if losing and (not self.off or gamma > 0 and iteration >= self.next_retry):  # off now, or a retry lost again
+        if losing and (
+            not self.off or gamma > 0 and iteration >= self.next_retry
+        ):  # off now, or a retry lost again
             self.retry_after = self.retry_after * 2 if self.off else 16
-            lost += self.recorded[2] if self.recorded is not None and len(self.recorded) > 2 else 0.0  # catching up
-            self.next_retry = iteration + max(self.retry_after, math.ceil(lost / (self.budget * self.plain_s) - 1e-9))
+            lost += (
+                self.recorded[2] if self.recorded is not None and len(self.recorded) > 2 else 0.0
+            )  # catching up
+            self.next_retry = iteration + max(
+                self.retry_after, math.ceil(lost / (self.budget * self.plain_s) - 1e-9)
+            )
         self.off = losing
 
 
@@ -198,8 +227,14 @@ class AutoGamma(Switch):
     by_position: dict[int, list[float]] | None = None  # parallel: position -> [S_i, N_i]
     by_width: dict[int, float] | None = None  # parallel: target call width -> its moving average
 
-    def update(self, overlaps: list[float], draft_step_s: float | None, target_call_s: float | None,
-               positions: list[int] | None = None, width: int | None = None) -> None:
+    def update(
+        self,
+        overlaps: list[float],
+        draft_step_s: float | None,
+        target_call_s: float | None,
+        positions: list[int] | None = None,
+        width: int | None = None,
+    ) -> None:
         """Feed one iteration's measurements: the acceptance probabilities of its verified
         positions (``positions``: their draft positions 1.., for a parallel drafter), and (None
         to skip) the mean time of its drafter calls and of its target call (``width``: its tokens)."""
@@ -209,7 +244,10 @@ class AutoGamma(Switch):
             if self.parallel and positions is not None:
                 self.by_position = {} if self.by_position is None else self.by_position
                 cell = self.by_position.get(positions[i], [0.0, 0.0])
-                self.by_position[positions[i]] = [self.fade * cell[0] + beta, self.fade * cell[1] + 1]
+                self.by_position[positions[i]] = [
+                    self.fade * cell[0] + beta,
+                    self.fade * cell[1] + 1,
+                ]
         if overlaps:
             self.alpha = (self.accepted_mass + 1) / (self.positions + 2)
         if draft_step_s is not None and target_call_s is not None:
@@ -219,8 +257,11 @@ class AutoGamma(Switch):
                 self.by_width = self.by_width or {}
                 self.by_width[width] = self._average(self.by_width.get(width), target_call_s)
         if self.alpha is not None and self.draft_step_s is not None and self.target_call_s:
-            self.gamma = self.best_parallel() if self.parallel else \
-                best_gamma(self.alpha, self.draft_step_s / self.target_call_s, self.gamma_max)
+            self.gamma = (
+                self.best_parallel()
+                if self.parallel
+                else best_gamma(self.alpha, self.draft_step_s / self.target_call_s, self.gamma_max)
+            )
 
     def alpha_at(self, position: int) -> float:
         """Position i's alpha, (S_i + 1) / (N_i + 2); positions never verified take the last known one's."""
@@ -238,7 +279,9 @@ class AutoGamma(Switch):
             return dict(known).get(width, known[0][1])
         below = [k for k in known if k[0] < width]
         above = [k for k in known if k[0] > width]
-        (w0, t0), (w1, t1) = (below[-1], above[0]) if below and above else known[:2] if above else known[-2:]
+        (w0, t0), (w1, t1) = (
+            (below[-1], above[0]) if below and above else known[:2] if above else known[-2:]
+        )
         return max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), 0.0)
 
     def best_parallel(self) -> int:

@@ -10,16 +10,32 @@ from typing import Any
 import torch
 
 from speculative.engine.engine import Callback, Engine
-from speculative.engine.stats import AutoregressiveStats, BatchResult, GenerationResult, SpeculativeStats
+from speculative.engine.stats import (
+    AutoregressiveStats,
+    BatchResult,
+    GenerationResult,
+    SpeculativeStats,
+)
 from speculative.inputs import check_max_new_tokens
 
 
-def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                         gamma: int | str | None = None, temperature: float = 1.0, top_k: int | None = None,
-                         top_p: float | None = None, eos_id: int | Collection[int] | None = None,
-                         seed: int | None = None, callback: Callback | None = None, verify: str = "token",
-                         tree: Sequence[int] | None = None, tree_mode: str = "without_replacement",
-                         guard: bool | tuple[float, ...] = False) -> GenerationResult[SpeculativeStats]:
+def speculative_generate(
+    target: Any,
+    draft: Any,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    gamma: int | str | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | Collection[int] | None = None,
+    seed: int | None = None,
+    callback: Callback | None = None,
+    verify: str = "token",
+    tree: Sequence[int] | None = None,
+    tree_mode: str = "without_replacement",
+    guard: bool | tuple[float, ...] = False,
+) -> GenerationResult[SpeculativeStats]:
     """Sample from ``target`` after ``prompt_ids``, with ``draft`` proposing up to ``gamma``
     tokens per target call (an int >= 1, or "auto"; None: DEFAULT_GAMMA). ``draft`` is a model of the target's
     vocabulary (wrapped in speculative.draft.ModelDrafter) or any drafter. The output has
@@ -51,8 +67,18 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     SpeculativeStats. Raises NonFiniteLogitsError if the target's logits are not finite.
     """
     wall_start = time.perf_counter()
-    engine = Engine(target, draft, gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p, verify=verify,
-                    tree=tree, tree_mode=tree_mode, guard=guard)
+    engine = Engine(
+        target,
+        draft,
+        gamma=gamma,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        verify=verify,
+        tree=tree,
+        tree_mode=tree_mode,
+        guard=guard,
+    )
     row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=callback)
     engine.run()
     if row.error is not None:
@@ -61,10 +87,17 @@ def speculative_generate(target: Any, draft: Any, prompt_ids: Sequence[int] | to
     return row.result()
 
 
-def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                            eos_id: int | Collection[int] | None = None, seed: int | None = None,
-                            callback: Callback | None = None) -> GenerationResult[AutoregressiveStats]:
+def autoregressive_generate(
+    model: Any,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | Collection[int] | None = None,
+    seed: int | None = None,
+    callback: Callback | None = None,
+) -> GenerationResult[AutoregressiveStats]:
     """The baseline: up to ``max_new_tokens`` tokens from ``model`` alone after ``prompt_ids``,
     one call per token, with the same warping and sampling as speculative decoding.
 
@@ -85,11 +118,21 @@ def autoregressive_generate(model: Any, prompt_ids: Sequence[int] | torch.Tensor
     return GenerationResult(tokens=row.result().tokens, stats=AutoregressiveStats.of(row.stats))
 
 
-def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                               gamma: int | str | None = None, temperature: float = 1.0, top_k: int | None = None,
-                               top_p: float | None = None, eos_id: int | Collection[int] | None = None,
-                               seed: int | Sequence[int] | None = None, verify: str = "token",
-                               batch_size: int | None = None, guard: bool = False) -> BatchResult:
+def speculative_generate_batch(
+    target: Any,
+    draft: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    gamma: int | str | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | Collection[int] | None = None,
+    seed: int | Sequence[int] | None = None,
+    verify: str = "token",
+    batch_size: int | None = None,
+    guard: bool = False,
+) -> BatchResult:
     """speculative_generate for every prompt of ``prompts`` (token-id lists, any lengths), at
     most ``batch_size`` rows at a time (default: all), one target call per iteration for all
     rows, every row accepting its own number of tokens (ragged acceptance, as in vLLM,
@@ -100,24 +143,64 @@ def speculative_generate_batch(target: Any, draft: Any, prompts: Sequence[Sequen
     speculative_generate(target, draft, prompts[i], seed=seed + i, ...) (seed[i] for a list)
     up to the numerics policy (speculative.engine). Token trees are not batched. ``guard``: as
     speculative_generate's, for the whole batch."""
-    return over_rows(target, draft, prompts, max_new_tokens, seed, batch_size, eos_id, SpeculativeStats,
-                     gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p, verify=verify, guard=guard)
+    return over_rows(
+        target,
+        draft,
+        prompts,
+        max_new_tokens,
+        seed,
+        batch_size,
+        eos_id,
+        SpeculativeStats,
+        gamma=gamma,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        verify=verify,
+        guard=guard,
+    )
 
 
-def autoregressive_generate_batch(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                                  eos_id: int | Collection[int] | None = None,
-                                  seed: int | Sequence[int] | None = None,
-                                  batch_size: int | None = None) -> BatchResult:
+def autoregressive_generate_batch(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | Collection[int] | None = None,
+    seed: int | Sequence[int] | None = None,
+    batch_size: int | None = None,
+) -> BatchResult:
     """autoregressive_generate for every prompt, one model call per token for all rows (each
     at its own position), at most ``batch_size`` rows at a time. Row i draws with seed + i,
     as autoregressive_generate(model, prompts[i], seed=seed + i) does alone."""
-    return over_rows(model, None, prompts, max_new_tokens, seed, batch_size, eos_id, AutoregressiveStats,
-                     temperature=temperature, top_k=top_k, top_p=top_p)
+    return over_rows(
+        model,
+        None,
+        prompts,
+        max_new_tokens,
+        seed,
+        batch_size,
+        eos_id,
+        AutoregressiveStats,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
 
 
-def over_rows(target: Any, draft: Any, prompts: Any, max_new_tokens: int, seed: Any, batch_size: Any,
-              eos_id: int | Collection[int] | None, kind: type, **settings: Any) -> BatchResult:
+def over_rows(
+    target: Any,
+    draft: Any,
+    prompts: Any,
+    max_new_tokens: int,
+    seed: Any,
+    batch_size: Any,
+    eos_id: int | Collection[int] | None,
+    kind: type,
+    **settings: Any,
+) -> BatchResult:
     """Every prompt through one engine, as rows; results in the prompts' order."""
     wall_start = time.perf_counter()
     prompts = check_prompts(prompts)
@@ -150,13 +233,23 @@ def row_seeds(seed: int | Sequence[int] | None, count: int) -> list[int | None]:
     if isinstance(seed, int) and not isinstance(seed, bool):
         return [seed + i for i in range(count)]
     seeds = list(seed) if isinstance(seed, Sequence) else None
-    if seeds is None or len(seeds) != count or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
-        raise ValueError(f"seed must be an integer, None, or a list of {count} integers (one per prompt), got {seed!r}")
+    if (
+        seeds is None
+        or len(seeds) != count
+        or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds)
+    ):
+        raise ValueError(
+            f"seed must be an integer, None, or a list of {count} integers (one per prompt), got {seed!r}"
+        )
     return seeds
 
 
 def check_prompts(prompts: Any) -> list[Any]:
-    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or isinstance(prompts, str):
+    if (
+        isinstance(prompts, torch.Tensor)
+        or not isinstance(prompts, Sequence)
+        or isinstance(prompts, str)
+    ):
         raise ValueError("prompts must be a list of prompts, each a list of token ids")
     if not prompts:
         raise ValueError("prompts is empty: give at least one prompt")
@@ -178,16 +271,17 @@ def check_batch_size(batch_size: Any, count: int) -> int:
 # What measure_acceptance's numbers mean, written next to them into a summary.json.
 ACCEPTANCE_NOTES = {
     "alpha": "alpha_greedy, alpha_t1: the paper's alpha, the probability that the target accepts a drafted token "
-             "(the mean of sum_x min(p, q) over the verified draft positions); the alpha of the cost model",
+    "(the mean of sum_x min(p, q) over the verified draft positions); the alpha of the cost model",
     "acceptance": "acceptance_greedy, acceptance_t1: accepted / drafted tokens; lower than alpha, because the "
-                  "tokens drafted after a rejection count as drafted but are never verified",
+    "tokens drafted after a rejection count as drafted but are never verified",
     "tau": "tau_greedy, tau_t1: new tokens per target call",
 }
 
 
 @torch.no_grad()
-def measure_acceptance(target: Any, draft: Any, prompts: list[list[int]], new_tokens: int, gamma: int,
-                       seed: int) -> dict[str, float]:
+def measure_acceptance(
+    target: Any, draft: Any, prompts: list[list[int]], new_tokens: int, gamma: int, seed: int
+) -> dict[str, float]:
     """Acceptance of speculative decoding on the prompts, greedy and at temperature 1 (prompt
     i sampling with ``seed`` + i), as ACCEPTANCE_NOTES describes them.
 
@@ -202,8 +296,15 @@ def measure_acceptance(target: Any, draft: Any, prompts: list[list[int]], new_to
         accepted = drafted = new = target_calls = 0
         alpha_sum = alpha_count = 0.0
         for i, prompt in enumerate(prompts):
-            out = speculative_generate(target, draft, prompt, new_tokens, gamma=gamma, temperature=temperature,
-                                       seed=seed + i)
+            out = speculative_generate(
+                target,
+                draft,
+                prompt,
+                new_tokens,
+                gamma=gamma,
+                temperature=temperature,
+                seed=seed + i,
+            )
             accepted += out.stats.accepted_draft_tokens
             drafted += out.stats.drafted_tokens
             alpha_sum += out.stats.overlap_sum
@@ -218,8 +319,15 @@ def measure_acceptance(target: Any, draft: Any, prompts: list[list[int]], new_to
 
 # ----------------------------------------------------------------------------- what the target writes
 @torch.no_grad()
-def conversations(target: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: Collection[int], seed: int,
-                  first: int = 0, rows: int = 32) -> list[list[int]]:
+def conversations(
+    target: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: Collection[int],
+    seed: int,
+    first: int = 0,
+    rows: int = 32,
+) -> list[list[int]]:
     """Each prompt followed by the target's answer to it (to its first stop id, kept, or
     ``max_new_tokens``), ``rows`` prompts at a time through the batched engine, greedy and at
     temperature 1 in turn, as it will decode. What a chat model's drafter trains on (train.py
@@ -230,9 +338,15 @@ def conversations(target: Any, prompts: list[list[int]], max_new_tokens: int, st
     at, end = first, first + len(prompts)
     while at < end:
         upto = min((at // rows + 1) * rows, end)  # to the end of item at's group in the whole list
-        chunk = prompts[at - first:upto - first]
-        result = autoregressive_generate_batch(target, chunk, max_new_tokens, eos_id=stop_ids,
-                                               temperature=0.0 if (at // rows) % 2 == 0 else 1.0, seed=seed + at)
+        chunk = prompts[at - first : upto - first]
+        result = autoregressive_generate_batch(
+            target,
+            chunk,
+            max_new_tokens,
+            eos_id=stop_ids,
+            temperature=0.0 if (at // rows) % 2 == 0 else 1.0,
+            seed=seed + at,
+        )
         out += [[*prompt, *row.tokens] for prompt, row in zip(chunk, result.results)]
         at = upto
     return out

@@ -19,8 +19,14 @@ from speculative.verify.tree import TokenTree
 from speculative.verify.verdict import Verdict, Verification, together
 
 
-def judge_rows(logits: torch.Tensor, draft: Draft, samplings: list[Sampling], rule: str | Callable,
-               generators: list[torch.Generator], finite: torch.Tensor) -> Verdict:
+def judge_rows(
+    logits: torch.Tensor,
+    draft: Draft,
+    samplings: list[Sampling],
+    rule: str | Callable,
+    generators: list[torch.Generator],
+    finite: torch.Tensor,
+) -> Verdict:
     """Lines 5-9 for every row, each with its own p, q, sampling and generator; their verdicts are read
     together. ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_rows (a
     sampled row verifies usable logits until the read checks them). Where nothing was drafted
@@ -28,22 +34,36 @@ def judge_rows(logits: torch.Tensor, draft: Draft, samplings: list[Sampling], ru
     parts, whatever B is."""
     greedy = all(s.greedy for s in samplings)
     if draft.tree is None and not any(draft.lengths):
-        tokens = logits.argmax(-1) if greedy else sample_rows(
-            warp_rows(usable_logits(logits, finite), samplings), generators)
+        tokens = (
+            logits.argmax(-1)
+            if greedy
+            else sample_rows(warp_rows(usable_logits(logits, finite), samplings), generators)
+        )
         return Verdict([tokens], lambda host: [Verification([t], 0, []) for t in host])
     if greedy and draft.tree is None and greedy_shortcut(rule):
         return verify_greedy(logits.argmax(-1), draft.tokens, draft.lengths)
     verdicts, ok = [], finite.split([g + 1 for g in draft.lengths])
-    for b, (p, generator) in enumerate(zip(logits.split([g + 1 for g in draft.lengths]), generators)):
+    for b, (p, generator) in enumerate(
+        zip(logits.split([g + 1 for g in draft.lengths]), generators)
+    ):
         g = draft.lengths[b]
         q = None if draft.q is None else draft.q[b, :g]
-        verdicts.append(judge(p, draft.tokens[b, :g], q, draft.tree, samplings[b], rule, generator, ok[b]))
+        verdicts.append(
+            judge(p, draft.tokens[b, :g], q, draft.tree, samplings[b], rule, generator, ok[b])
+        )
     return together(verdicts)
 
 
-def judge(logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None, tree: TokenTree | None,
-          sampling: Sampling, rule: str | Callable, generator: torch.Generator,
-          finite: torch.Tensor | None = None) -> Verdict:
+def judge(
+    logits: torch.Tensor,
+    drafted: torch.Tensor,
+    q: torch.Tensor | None,
+    tree: TokenTree | None,
+    sampling: Sampling,
+    rule: str | Callable,
+    generator: torch.Generator,
+    finite: torch.Tensor | None = None,
+) -> Verdict:
     """Lines 5-9 for one row by the verifier that fits its draft: a tree's walk, the comparison
     of argmaxes at temperature 0 (where the rule is registered so), or the chosen rule (a
     registered name, or a verifier of their signature, which also judges at temperature 0) on warped p and q. A

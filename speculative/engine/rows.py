@@ -37,14 +37,20 @@ class Row:
     target_next: int = 0  # the target's first cache slot not holding a token of the row
     owed: int = 0  # tokens emitted but still on the device (the target alone, see Engine.flush)
     gamma: int | None = None  # pinned: drafted per iteration whatever the engine's policy (0: none)
-    error: Exception | None = None  # it failed alone (its logits were not finite, its callback raised)
+    error: Exception | None = (
+        None  # it failed alone (its logits were not finite, its callback raised)
+    )
     cancelled: bool = False  # stopped from outside (Engine.cancel)
     done: bool = False
-    logprobs: int | None = None  # record each emitted token's log-probability and this many top ones (None: not)
+    logprobs: int | None = (
+        None  # record each emitted token's log-probability and this many top ones (None: not)
+    )
     # per emitted token: (its log p, [(id, log p) of the top ones]), p the target's own at temperature 1
     logprob_record: list[Logprob] = field(default_factory=list)
     echo: bool = False  # also record the prompt's tokens (from the call that reads the prompt)
-    prompt_record: list[Logprob | None] = field(default_factory=list)  # per prompt token; None for the first
+    prompt_record: list[Logprob | None] = field(
+        default_factory=list
+    )  # per prompt token; None for the first
 
     @property
     def length(self) -> int:
@@ -55,12 +61,12 @@ class Row:
         return self.length - len(self.prompt)
 
     def result(self) -> GenerationResult[SpeculativeStats]:
-        return GenerationResult(tokens=self.ids[len(self.prompt):], stats=self.stats)
+        return GenerationResult(tokens=self.ids[len(self.prompt) :], stats=self.stats)
 
 
 def cut_at_eos(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
     """Nothing after an emitted end-of-sequence id, even in the middle of an accepted block."""
     for i, token in enumerate(tokens):
         if token in stop_ids:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens

@@ -85,15 +85,21 @@ class SpeculativeStats:
 
     gamma_setting: int | str  # what was asked for: an int, or "auto"
     target_calls: int = 0  # target forwards = iterations (the prompt rides along with the first)
-    draft_calls: int = 0  # the drafter's forwards (one per drafted token for a model, 0 for a lookup)
+    draft_calls: int = (
+        0  # the drafter's forwards (one per drafted token for a model, 0 for a lookup)
+    )
     new_tokens: int = 0
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0  # as verified: accepted tokens cut off after an EOS still count
     # [i]: how often draft position i+1 was accepted / was verified (all earlier ones accepted)
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
-    gamma_history: list[int] = field(default_factory=list)  # positions drafted ahead per iteration (tree: depth)
-    tree_shapes: dict[tuple[int, ...], int] = field(default_factory=dict)  # tree="auto": iterations per shape
+    gamma_history: list[int] = field(
+        default_factory=list
+    )  # positions drafted ahead per iteration (tree: depth)
+    tree_shapes: dict[tuple[int, ...], int] = field(
+        default_factory=dict
+    )  # tree="auto": iterations per shape
     overlap_sum: float = 0.0  # sum over verified positions of sum_x min(p, q)
     draft_time_s: float = 0.0  # wall time drafting (draft forwards, warping, sampling)
     target_time_s: float = 0.0  # wall time in target forwards (verification is loop work)
@@ -101,12 +107,21 @@ class SpeculativeStats:
     # The first iteration also reads the prompt; decode speed leaves it out.
     first_iteration_s: float = 0.0
     first_iteration_tokens: int = 0
-    first_calls_s: float = 0.0  # the first iteration's drafter and target calls, the prompt's pass among them
+    first_calls_s: float = (
+        0.0  # the first iteration's drafter and target calls, the prompt's pass among them
+    )
     wall_time_s: float = 0.0  # the whole call, cache allocation included
     stop_reason: str | None = None  # "eos", "max_new_tokens" or "max_seq_len"
     stop_token: int | None = None  # the end-of-sequence id that ended it (a model may have several)
 
-    def record(self, gamma: int, calls: int, accepted: int, overlaps: list[float], drafted: int | None = None) -> None:
+    def record(
+        self,
+        gamma: int,
+        calls: int,
+        accepted: int,
+        overlaps: list[float],
+        drafted: int | None = None,
+    ) -> None:
         """Count one iteration that drafted `gamma` positions ahead (`drafted` tokens: more for
         a tree, whose depth is gamma) with `calls` drafter forwards and accepted `accepted`."""
         self.target_calls += 1
@@ -174,7 +189,9 @@ class SpeculativeStats:
         alpha = self.acceptance_rate
         if alpha is None or not self.gamma_history:
             return None
-        return sum(expected_tokens_per_iteration(alpha, g) for g in self.gamma_history) / len(self.gamma_history)
+        return sum(expected_tokens_per_iteration(alpha, g) for g in self.gamma_history) / len(
+            self.gamma_history
+        )
 
     @property
     def predicted_speedup(self) -> float | None:
@@ -203,12 +220,22 @@ class SpeculativeStats:
     def to_dict(self) -> dict[str, Any]:
         """Every field and derived number, JSON-friendly (undefined numbers are None)."""
         out = asdict(self)
-        for name in ("verified_positions", "acceptance_rate", "empirical_acceptance", "gamma",
-                     "tokens_per_target_call", "cost_ratio", "predicted_tokens_per_target_call",
-                     "predicted_speedup", "tokens_per_second"):
+        for name in (
+            "verified_positions",
+            "acceptance_rate",
+            "empirical_acceptance",
+            "gamma",
+            "tokens_per_target_call",
+            "cost_ratio",
+            "predicted_tokens_per_target_call",
+            "predicted_speedup",
+            "tokens_per_second",
+        ):
             out[name] = getattr(self, name)
         out["gamma_histogram"] = {str(g): n for g, n in self.gamma_histogram.items()}
-        out["tree_shapes"] = {",".join(map(str, s)) or "none": n for s, n in self.tree_shapes.items()}
+        out["tree_shapes"] = {
+            ",".join(map(str, s)) or "none": n for s, n in self.tree_shapes.items()
+        }
         return out
 
 
@@ -238,9 +265,15 @@ class AutoregressiveStats:
     @classmethod
     def of(cls, record: SpeculativeStats) -> AutoregressiveStats:
         """The baseline's view of an engine row that drafted nothing."""
-        return cls(target_calls=record.target_calls, new_tokens=record.new_tokens, target_time_s=record.decode_time_s,
-                   wall_time_s=record.wall_time_s, first_call_s=record.first_iteration_s,
-                   stop_reason=record.stop_reason, stop_token=record.stop_token)
+        return cls(
+            target_calls=record.target_calls,
+            new_tokens=record.new_tokens,
+            target_time_s=record.decode_time_s,
+            wall_time_s=record.wall_time_s,
+            first_call_s=record.first_iteration_s,
+            stop_reason=record.stop_reason,
+            stop_token=record.stop_token,
+        )
 
 
 @dataclass
@@ -310,10 +343,29 @@ class BatchStats:
         return self.new_tokens / self.row_iterations if self.row_iterations else None
 
     def to_dict(self) -> dict[str, Any]:
-        names = ("prompts", "batch_size", "seed", "iterations", "draft_calls", "row_iterations", "new_tokens",
-                 "drafted_tokens", "accepted_draft_tokens", "overlap_sum", "verified_positions", "rows_history",
-                 "draft_time_s", "target_time_s", "verify_time_s", "decode_time_s", "wall_time_s",
-                 "mean_batch", "tokens_per_second", "acceptance_rate", "tokens_per_row_iteration")
+        names = (
+            "prompts",
+            "batch_size",
+            "seed",
+            "iterations",
+            "draft_calls",
+            "row_iterations",
+            "new_tokens",
+            "drafted_tokens",
+            "accepted_draft_tokens",
+            "overlap_sum",
+            "verified_positions",
+            "rows_history",
+            "draft_time_s",
+            "target_time_s",
+            "verify_time_s",
+            "decode_time_s",
+            "wall_time_s",
+            "mean_batch",
+            "tokens_per_second",
+            "acceptance_rate",
+            "tokens_per_row_iteration",
+        )
         return {name: getattr(self, name) for name in names}
 
 
@@ -336,20 +388,33 @@ class BatchResult:
     stats: BatchStats
 
 
-def record_iteration(totals: BatchStats, clock: Clock, rows: list[Any], draft: Any, steps: list[Any],
-                     marks: tuple) -> None:
+def record_iteration(
+    totals: BatchStats, clock: Clock, rows: list[Any], draft: Any, steps: list[Any], marks: tuple
+) -> None:
     """The counts and times of one engine iteration, per row and for the engine (marks: before
     proposing, scoring and verifying, and after committing)."""
     t0, t1, t2, now = marks
     totals.iterations += 1
     totals.draft_calls += draft.calls
     totals.rows_history.append(len(rows))
-    for name, start, end in (("draft_time_s", t0, t1), ("target_time_s", t1, t2), ("verify_time_s", t2, now)):
+    for name, start, end in (
+        ("draft_time_s", t0, t1),
+        ("target_time_s", t1, t2),
+        ("verify_time_s", t2, now),
+    ):
         clock.add(totals, name, start, end)
     for b, (row, step) in enumerate(zip(rows, steps)):
-        depth, stats = (0 if row.error else draft.depth(b)), row.stats  # a failed row verified nothing
-        stats.record(depth, draft.calls if depth else 0, step.accepted, step.overlap,
-                     drafted=draft.lengths[b] if depth else 0)
+        depth, stats = (
+            (0 if row.error else draft.depth(b)),
+            row.stats,
+        )  # a failed row verified nothing
+        stats.record(
+            depth,
+            draft.calls if depth else 0,
+            step.accepted,
+            step.overlap,
+            drafted=draft.lengths[b] if depth else 0,
+        )
         clock.add(stats, "draft_time_s", t0, t1)
         clock.add(stats, "target_time_s", t1, t2)
         if stats.target_calls == 1:  # this iteration also read the prompt: timed apart

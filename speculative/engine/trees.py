@@ -19,13 +19,16 @@ from speculative.draft.trees import TREE_MODES, check_tree
 from speculative.verify.tree import branching_parents
 
 
-def keep_path(target: Any, path: list[int], length: int, target_next: int,
-              hidden: torch.Tensor | None) -> torch.Tensor | None:
+def keep_path(
+    target: Any, path: list[int], length: int, target_next: int, hidden: torch.Tensor | None
+) -> torch.Tensor | None:
     """After a tree's verification, move the accepted path's keys and values from the nodes'
     slots (L + node) to consecutive slots L.. of the target's cache, and return the target's
     features in sequence order (the call's chain part, then the path) for the drafter."""
     if path and path != list(range(len(path))):
-        target.move_cache([0], [[length + node for node in path]], [list(range(length, length + len(path)))])
+        target.move_cache(
+            [0], [[length + node for node in path]], [list(range(length, length + len(path)))]
+        )
     if hidden is None:
         return None
     prefix = length - target_next
@@ -70,25 +73,42 @@ class AutoTree:
     shapes: tuple[tuple[int, ...], ...] = AUTO_SHAPES
     window: int = 6  # clean iterations per shape in its figure
     probe_every: int = 8
-    rates: dict[tuple[int, ...], list[tuple[float, int]]] = field(default_factory=dict)  # shape -> (seconds, tokens)
-    seen: dict[tuple[int, ...], int] = field(default_factory=dict)  # shape -> iteration last measured
+    rates: dict[tuple[int, ...], list[tuple[float, int]]] = field(
+        default_factory=dict
+    )  # shape -> (seconds, tokens)
+    seen: dict[tuple[int, ...], int] = field(
+        default_factory=dict
+    )  # shape -> iteration last measured
     last: tuple[int, tuple[int, ...] | None] = (-1, None)  # (iteration, shape) chosen
-    pending: tuple | None = None  # (iteration, shape, tokens, start mark, clean): timed when the next starts
+    pending: tuple | None = (
+        None  # (iteration, shape, tokens, start mark, clean): timed when the next starts
+    )
     previous_depth: int = 0
 
     def covering(self) -> tuple[int, ...]:
         """The branching per depth that holds every candidate (the cache slots a row keeps free)."""
         depth = max(len(s) for s in self.shapes)
-        return tuple(max((s[d] for s in self.shapes if d < len(s)), default=1) for d in range(depth))
+        return tuple(
+            max((s[d] for s in self.shapes if d < len(s)), default=1) for d in range(depth)
+        )
 
     def choose(self, iteration: int, counts: dict | None = None) -> tuple[int, ...]:
         """The shape of engine iteration ``iteration``, counted once in ``counts`` (a row's
         stats.tree_shapes)."""
         if self.last[0] != iteration:
-            timing = self.pending[1] if self.pending and self.pending[4] else None  # timed when this one starts
+            timing = (
+                self.pending[1] if self.pending and self.pending[4] else None
+            )  # timed when this one starts
             untried = [s for s in self.shapes if s not in self.rates and s != timing]
-            again = self.pending and self.pending[0] == iteration - 1 and self.pending[1] and not self.pending[4]
-            if again and self.pending[0] > 0:  # a draft just after a plain step caught up: its time is next
+            again = (
+                self.pending
+                and self.pending[0] == iteration - 1
+                and self.pending[1]
+                and not self.pending[4]
+            )
+            if (
+                again and self.pending[0] > 0
+            ):  # a draft just after a plain step caught up: its time is next
                 self.last = (iteration, self.pending[1])
             elif untried or not self.rates:  # (no rates: one shape only, waiting for its time)
                 self.last = (iteration, untried[0] if untried else timing)
@@ -104,14 +124,22 @@ class AutoTree:
         """Engine iteration ``iteration`` (the depth it drafted, the tokens it emitted, its
         ``clock`` mark at its ``start``); the one before it, now timed, is counted if it was clean."""
         shape = self.last[1] if self.last[0] == iteration else None
-        clean = iteration > 0 and shape is not None and (depth > 0) == bool(shape) and not (
-            depth and not self.previous_depth)
-        pending, self.pending, self.previous_depth = self.pending, (iteration, shape, tokens, start, clean), depth
+        clean = (
+            iteration > 0
+            and shape is not None
+            and (depth > 0) == bool(shape)
+            and not (depth and not self.previous_depth)
+        )
+        pending, self.pending, self.previous_depth = (
+            self.pending,
+            (iteration, shape, tokens, start, clean),
+            depth,
+        )
         if pending is None or pending[0] != iteration - 1 or not pending[4]:
             return
         i, shape, tokens, begun, _ = pending
         if (seconds := clock.seconds(begun, start)) > 0:
-            self.rates[shape] = [*self.rates.get(shape, []), (seconds, tokens)][-self.window:]
+            self.rates[shape] = [*self.rates.get(shape, []), (seconds, tokens)][-self.window :]
             self.seen[shape] = i
 
     def rate(self, shape: tuple[int, ...]) -> float:
@@ -119,24 +147,35 @@ class AutoTree:
         return sum(n for _, n in self.rates[shape]) / sum(t for t, _ in self.rates[shape])
 
 
-def check_tree_request(tree: Sequence[int] | str, tree_mode: str, drafter: Any, gamma: Any, verify: str,
-                       max_rows: int) -> tuple[tuple[int, ...], int]:
+def check_tree_request(
+    tree: Sequence[int] | str, tree_mode: str, drafter: Any, gamma: Any, verify: str, max_rows: int
+) -> tuple[tuple[int, ...], int]:
     """The tree as a tuple (for "auto", the shape that covers every candidate), and its depth in
     gamma's place; ValueError for what cannot combine."""
     if isinstance(tree, str) and tree != "auto":
-        raise ValueError(f"tree must be the branching per depth, e.g. (3, 2, 1, 1), or \"auto\"; got {tree!r}")
+        raise ValueError(
+            f'tree must be the branching per depth, e.g. (3, 2, 1, 1), or "auto"; got {tree!r}'
+        )
     shape = AutoTree().covering() if tree == "auto" else check_tree(tree)
     if tree_mode not in TREE_MODES:
-        raise ValueError(f"tree_mode must be one of {', '.join(map(repr, TREE_MODES))}, got {tree_mode!r}")
+        raise ValueError(
+            f"tree_mode must be one of {', '.join(map(repr, TREE_MODES))}, got {tree_mode!r}"
+        )
     if drafter is None or not grows_trees(drafter):
-        raise ValueError(f"{type(drafter).__name__} cannot build token trees (a draft model or a feature head can)")
+        raise ValueError(
+            f"{type(drafter).__name__} cannot build token trees (a draft model or a feature head can)"
+        )
     if gamma is not None and gamma != len(shape):
         raise ValueError("gamma and tree both set: a tree's depth is its gamma; leave gamma alone")
     if callable(verify):
-        raise ValueError("a verifier of your own judges a chain; a tree is verified by its own walk "
-                         "(speculative.verify.tree)")
+        raise ValueError(
+            "a verifier of your own judges a chain; a tree is verified by its own walk "
+            "(speculative.verify.tree)"
+        )
     if verify != "token":
         raise ValueError(f"--verify {verify} judges a chain; a tree is verified by its own walk")
     if max_rows != 1:
-        raise ValueError("token trees are drafted for one row at a time (speculative.engine): use max_rows=1")
+        raise ValueError(
+            "token trees are drafted for one row at a time (speculative.engine): use max_rows=1"
+        )
     return shape, len(shape)

@@ -100,16 +100,76 @@ def enumerate_runs(run: Callable[[Chooser], Hashable]) -> dict[Hashable, float]:
 
 
 # ----------------------------------------------------------------------------- uniforms and draws
-COMPARISONS = {"lt": operator.lt, "__lt__": operator.lt, "less": operator.lt, "le": operator.le,
-               "__le__": operator.le, "less_equal": operator.le, "gt": operator.gt, "__gt__": operator.gt,
-               "greater": operator.gt, "ge": operator.ge, "__ge__": operator.ge, "greater_equal": operator.ge}
-METADATA = {"__get__", "size", "dim", "numel", "nelement", "ndimension", "is_floating_point", "__len__",
-            "element_size", "is_contiguous", "__repr__", "__format__", "data_ptr", "get_device"}
-IDENTITY = {"to", "double", "float", "half", "bfloat16", "cpu", "cuda", "type", "detach", "clone", "contiguous",
-            "type_as"}
-REARRANGE = {"__getitem__", "view", "reshape", "unsqueeze", "squeeze", "flatten", "expand", "expand_as", "permute",
-             "transpose", "t", "flip", "select", "narrow", "split", "chunk", "unbind", "view_as", "reshape_as",
-             "index_select", "cat", "stack", "movedim", "broadcast_to"}
+COMPARISONS = {
+    "lt": operator.lt,
+    "__lt__": operator.lt,
+    "less": operator.lt,
+    "le": operator.le,
+    "__le__": operator.le,
+    "less_equal": operator.le,
+    "gt": operator.gt,
+    "__gt__": operator.gt,
+    "greater": operator.gt,
+    "ge": operator.ge,
+    "__ge__": operator.ge,
+    "greater_equal": operator.ge,
+}
+METADATA = {
+    "__get__",
+    "size",
+    "dim",
+    "numel",
+    "nelement",
+    "ndimension",
+    "is_floating_point",
+    "__len__",
+    "element_size",
+    "is_contiguous",
+    "__repr__",
+    "__format__",
+    "data_ptr",
+    "get_device",
+}
+IDENTITY = {
+    "to",
+    "double",
+    "float",
+    "half",
+    "bfloat16",
+    "cpu",
+    "cuda",
+    "type",
+    "detach",
+    "clone",
+    "contiguous",
+    "type_as",
+}
+REARRANGE = {
+    "__getitem__",
+    "view",
+    "reshape",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "expand",
+    "expand_as",
+    "permute",
+    "transpose",
+    "t",
+    "flip",
+    "select",
+    "narrow",
+    "split",
+    "chunk",
+    "unbind",
+    "view_as",
+    "reshape_as",
+    "index_select",
+    "cat",
+    "stack",
+    "movedim",
+    "broadcast_to",
+}
 READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__", "numpy"}
 SCALE = {"mul", "__mul__", "__rmul__", "multiply"}
 DIVIDE = {"div", "__truediv__", "true_divide", "divide"}
@@ -117,10 +177,28 @@ SHIFT = {"add", "__add__", "__radd__"}
 SUBTRACT = {"sub", "__sub__", "subtract"}
 FLIP = {"__rsub__", "rsub"}
 NEGATE = {"neg", "__neg__", "negative"}
-FORBIDDEN = ["multinomial", "randint", "randn", "randperm", "bernoulli", "normal", "poisson", "randint_like",
-             "randn_like"]
-FORBIDDEN_METHODS = ["uniform_", "normal_", "exponential_", "bernoulli_", "random_", "geometric_", "cauchy_",
-                     "log_normal_", "multinomial"]
+FORBIDDEN = [
+    "multinomial",
+    "randint",
+    "randn",
+    "randperm",
+    "bernoulli",
+    "normal",
+    "poisson",
+    "randint_like",
+    "randn_like",
+]
+FORBIDDEN_METHODS = [
+    "uniform_",
+    "normal_",
+    "exponential_",
+    "bernoulli_",
+    "random_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+    "multinomial",
+]
 
 
 def plain(func: Callable, args: Sequence, kwargs: dict) -> Any:
@@ -134,8 +212,9 @@ def substitute(value: Any, field: str) -> Any:
     if isinstance(value, Uniforms):
         return getattr(value, field)
     if isinstance(value, (list, tuple)):
-        if any(isinstance(v, torch.Tensor) and not isinstance(v, Uniforms) for v in value) and \
-                any(isinstance(v, Uniforms) for v in value):
+        if any(isinstance(v, torch.Tensor) and not isinstance(v, Uniforms) for v in value) and any(
+            isinstance(v, Uniforms) for v in value
+        ):
             raise NotApplicable("it mixes its uniform draws with other tensors in one tensor")
         return type(value)(substitute(v, field) for v in value)
     return value
@@ -165,16 +244,28 @@ class Uniforms(Placeholder):
     shift: torch.Tensor
 
     @classmethod
-    def make(cls, data: torch.Tensor, branching: Branching, ids: torch.Tensor, scale: torch.Tensor,
-             shift: torch.Tensor) -> Uniforms:
+    def make(
+        cls,
+        data: torch.Tensor,
+        branching: Branching,
+        ids: torch.Tensor,
+        scale: torch.Tensor,
+        shift: torch.Tensor,
+    ) -> Uniforms:
         out = data.as_subclass(cls)
         out.branching, out.ids, out.scale, out.shift = branching, ids, scale, shift
         return out
 
     @classmethod
     def handle(cls, func: Callable, name: str, args: Sequence, kwargs: dict) -> Any:
-        u = next((a for a in list(args) + [x for a in args if isinstance(a, (list, tuple)) for x in a]
-                  if isinstance(a, Uniforms)), None)
+        u = next(
+            (
+                a
+                for a in list(args) + [x for a in args if isinstance(a, (list, tuple)) for x in a]
+                if isinstance(a, Uniforms)
+            ),
+            None,
+        )
         if u is None:
             raise NotApplicable(f"it passes its uniform draws to {name} by keyword")
         if name in COMPARISONS:
@@ -182,18 +273,26 @@ class Uniforms(Placeholder):
         if name in IDENTITY:
             return cls.make(plain(func, args, kwargs), u.branching, u.ids, u.scale, u.shift)
         if name in REARRANGE:
-            data, ids, scale, shift = (plain(func, substitute(args, f), kwargs) if f else plain(func, args, kwargs)
-                                       for f in (None, "ids", "scale", "shift"))
+            data, ids, scale, shift = (
+                plain(func, substitute(args, f), kwargs) if f else plain(func, args, kwargs)
+                for f in (None, "ids", "scale", "shift")
+            )
             if isinstance(data, (list, tuple)):
-                return type(data)(cls.make(d, u.branching, i, s, h) for d, i, s, h in zip(data, ids, scale, shift))
+                return type(data)(
+                    cls.make(d, u.branching, i, s, h) for d, i, s, h in zip(data, ids, scale, shift)
+                )
             return cls.make(data, u.branching, ids, scale, shift)
         if name in SCALE | DIVIDE | SHIFT | SUBTRACT | FLIP | NEGATE and not kwargs:
             return u.branching.affine(name, args)
         if name in READS:
-            raise NotApplicable("it reads its uniform draws as numbers (.item(), .tolist()); compare them with "
-                                "thresholds instead")
-        raise NotApplicable(f"it computes {name} of its uniform draws; only comparisons with thresholds "
-                            "(after scaling or shifting) can be followed")
+            raise NotApplicable(
+                "it reads its uniform draws as numbers (.item(), .tolist()); compare them with "
+                "thresholds instead"
+            )
+        raise NotApplicable(
+            f"it computes {name} of its uniform draws; only comparisons with thresholds "
+            "(after scaling or shifting) can be followed"
+        )
 
 
 class Pending(Placeholder):
@@ -206,7 +305,9 @@ class Pending(Placeholder):
     decided: dict[int, int]
 
     @classmethod
-    def make(cls, data: torch.Tensor, branching: Branching, deciders: list[Callable[[], int]]) -> Pending:
+    def make(
+        cls, data: torch.Tensor, branching: Branching, deciders: list[Callable[[], int]]
+    ) -> Pending:
         out = data.as_subclass(cls)
         out.branching, out.deciders, out.decided = branching, deciders, {}
         return out
@@ -218,9 +319,13 @@ class Pending(Placeholder):
 
     @classmethod
     def handle(cls, func: Callable, name: str, args: Sequence, kwargs: dict) -> Any:
-        if name in READS and isinstance(args[0], Pending):  # a read on the host decides every element
+        if name in READS and isinstance(
+            args[0], Pending
+        ):  # a read on the host decides every element
             pending = args[0]
-            values = torch.tensor([pending.value(k) for k in range(len(pending.deciders))], dtype=pending.dtype)
+            values = torch.tensor(
+                [pending.value(k) for k in range(len(pending.deciders))], dtype=pending.dtype
+            )
             return plain(func, [values.view(pending.shape)] + list(args[1:]), kwargs)
         raise NeedsEager()
 
@@ -229,7 +334,10 @@ class Lazy(Sequence):
     """The host copy of a Pending tensor: element k is decided when it is first read."""
 
     def __init__(self, pending: Pending, index: range | None = None) -> None:
-        self.pending, self.at = pending, index if index is not None else range(len(pending.deciders))
+        self.pending, self.at = (
+            pending,
+            index if index is not None else range(len(pending.deciders)),
+        )
 
     def __len__(self) -> int:
         return len(self.at)
@@ -272,7 +380,11 @@ class Branching:
 
     # -------------------------------------------------------------- install / remove
     def __enter__(self) -> Branching:
-        real = {"sample": sampling.sample, "sample_rows": sampling.sample_rows, "read_host": inputs.read_host}
+        real = {
+            "sample": sampling.sample,
+            "sample_rows": sampling.sample_rows,
+            "read_host": inputs.read_host,
+        }
         fake = {"sample": self.sample, "sample_rows": self.sample_rows, "read_host": self.read_host}
         try:
             for module in list(sys.modules.values()):
@@ -283,7 +395,11 @@ class Branching:
                     if space.get(name) is function:
                         self.patch(module, name, fake[name])
             self.patch(torch, "rand", self.rand)
-            self.patch(torch, "rand_like", lambda x, **kw: self.rand(*x.shape, dtype=kw.get("dtype", x.dtype)))
+            self.patch(
+                torch,
+                "rand_like",
+                lambda x, **kw: self.rand(*x.shape, dtype=kw.get("dtype", x.dtype)),
+            )
             for name in FORBIDDEN:
                 self.patch(torch, name, self.forbidden(f"torch.{name}"))
             for name in FORBIDDEN_METHODS:
@@ -305,14 +421,18 @@ class Branching:
     @staticmethod
     def forbidden(name: str) -> Callable:
         def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise NotApplicable(f"it draws with {name}, which the enumeration cannot follow (draw tokens with "
-                                "speculative.sampling.sample and uniforms with torch.rand)")
+            raise NotApplicable(
+                f"it draws with {name}, which the enumeration cannot follow (draw tokens with "
+                "speculative.sampling.sample and uniforms with torch.rand)"
+            )
+
         return refuse
 
     # -------------------------------------------------------------- runs
     def enumerate(self, run: Callable[[], Hashable]) -> dict[Hashable, float]:
         """The exact law of ``run()``, lazily where it allows, else with every branch decided
         where it is made."""
+
         def scripted(chooser: Chooser) -> Hashable:
             self.chooser, self.intervals = chooser, []
             return run()
@@ -329,26 +449,51 @@ class Branching:
         return self.chooser.choose(weights)
 
     # -------------------------------------------------------------- torch.rand
-    def rand(self, *size: Any, generator: Any = None, dtype: torch.dtype | None = None, device: Any = None,
-             **kwargs: Any) -> torch.Tensor:
-        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+    def rand(
+        self,
+        *size: Any,
+        generator: Any = None,
+        dtype: torch.dtype | None = None,
+        device: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        shape = (
+            tuple(size[0])
+            if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size))
+            else size
+        )
         dtype = dtype or torch.get_default_dtype()
         if self.zero:
             return torch.zeros(shape, dtype=dtype, device=device)
         count = math.prod(shape)
         ids = torch.arange(len(self.intervals), len(self.intervals) + count).view(shape)
         self.intervals += [[0.0, 1.0] for _ in range(count)]
-        return Uniforms.make(torch.full(shape, 0.5, dtype=dtype, device=device), self, ids,
-                             torch.ones(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64))
+        return Uniforms.make(
+            torch.full(shape, 0.5, dtype=dtype, device=device),
+            self,
+            ids,
+            torch.ones(shape, dtype=torch.float64),
+            torch.zeros(shape, dtype=torch.float64),
+        )
 
     def affine(self, name: str, args: Sequence) -> Uniforms:
         """scale * u + shift, scaled or shifted by a number or tensor that is not a draw."""
-        data = plain(getattr(torch.Tensor, name) if hasattr(torch.Tensor, name) else getattr(torch, name), args, {})
+        data = plain(
+            getattr(torch.Tensor, name) if hasattr(torch.Tensor, name) else getattr(torch, name),
+            args,
+            {},
+        )
         at = 0 if isinstance(args[0], Uniforms) else 1
         u = args[at]
         if len(args) > 1 and isinstance(args[1 - at], Uniforms):
-            raise NotApplicable("it combines two uniform draws; each must be compared with a threshold alone")
-        c = torch.as_tensor(args[1 - at], dtype=torch.float64).as_subclass(torch.Tensor) if len(args) > 1 else None
+            raise NotApplicable(
+                "it combines two uniform draws; each must be compared with a threshold alone"
+            )
+        c = (
+            torch.as_tensor(args[1 - at], dtype=torch.float64).as_subclass(torch.Tensor)
+            if len(args) > 1
+            else None
+        )
         scale, shift = u.scale, u.shift
         if name in SCALE:
             scale, shift = scale * c, shift * c
@@ -365,8 +510,13 @@ class Branching:
         else:
             raise NotApplicable(f"it divides by its uniform draws ({name})")
         shape = plain(torch.Tensor.size, (data,), {})
-        return Uniforms.make(data, self, torch.broadcast_to(u.ids, shape), torch.broadcast_to(scale, shape),
-                             torch.broadcast_to(shift, shape))
+        return Uniforms.make(
+            data,
+            self,
+            torch.broadcast_to(u.ids, shape),
+            torch.broadcast_to(scale, shape),
+            torch.broadcast_to(shift, shape),
+        )
 
     def compare(self, op: Callable[[float, float], bool], args: Sequence) -> torch.Tensor:
         """A comparison of draws with thresholds: one branch per element whose threshold splits
@@ -377,15 +527,26 @@ class Branching:
             raise NotApplicable("it compares two uniform draws with each other")
         data = plain(operator.lt, (u, other), {})  # only the shape and device matter
         shape = plain(torch.Tensor.size, (data,), {})
-        threshold = torch.broadcast_to(torch.as_tensor(other, dtype=torch.float64).as_subclass(torch.Tensor)
-                                       .cpu(), shape).flatten().tolist()
-        ids, scale, shift = (torch.broadcast_to(t, shape).flatten().tolist() for t in (u.ids, u.scale, u.shift))
+        threshold = (
+            torch.broadcast_to(
+                torch.as_tensor(other, dtype=torch.float64).as_subclass(torch.Tensor).cpu(), shape
+            )
+            .flatten()
+            .tolist()
+        )
+        ids, scale, shift = (
+            torch.broadcast_to(t, shape).flatten().tolist() for t in (u.ids, u.scale, u.shift)
+        )
         deciders = [self.decider(op, at, *element) for element in zip(ids, scale, shift, threshold)]
         if self.lazy:
             return Pending.make(data, self, deciders)
-        return torch.tensor([d() for d in deciders], dtype=torch.bool, device=data.device).view(shape)
+        return torch.tensor([d() for d in deciders], dtype=torch.bool, device=data.device).view(
+            shape
+        )
 
-    def decider(self, op: Callable, at: int, uid: int, scale: float, shift: float, a: float) -> Callable[[], int]:
+    def decider(
+        self, op: Callable, at: int, uid: int, scale: float, shift: float, a: float
+    ) -> Callable[[], int]:
         def decide() -> int:
             lo, hi = self.intervals[uid]
             if scale != 0:
@@ -397,6 +558,7 @@ class Branching:
                     lo, hi = self.intervals[uid]
             v = scale * (lo + hi) / 2 + shift
             return int(op(v, a) if at == 0 else op(a, v))
+
         return decide
 
     # -------------------------------------------------------------- token draws
@@ -404,7 +566,9 @@ class Branching:
         weights = row.detach().double().cpu().tolist()
         total = math.fsum(weights)
         if any(not w >= 0 or w == math.inf for w in weights) or not total > 0:
-            raise Broken(f"a law handed to the sampler is not a distribution: {[round(w, 6) for w in weights]}")
+            raise Broken(
+                f"a law handed to the sampler is not a distribution: {[round(w, 6) for w in weights]}"
+            )
         return [w / total for w in weights]
 
     def sample(self, probs: torch.Tensor, generator: Any = None) -> torch.Tensor:
@@ -413,16 +577,25 @@ class Branching:
         if self.lazy:
             deciders = [(lambda law=law: self.choose(law)) for law in laws]
             return Pending.make(flat.argmax(-1).view(probs.shape[:-1]), self, deciders)
-        return torch.tensor([self.choose(law) for law in laws], device=probs.device).view(probs.shape[:-1])
+        return torch.tensor([self.choose(law) for law in laws], device=probs.device).view(
+            probs.shape[:-1]
+        )
 
     def sample_rows(self, probs: torch.Tensor, generators: list) -> torch.Tensor:
-        return torch.tensor([self.choose(self.law(row)) if gen is not None else int(row.argmax())
-                             for row, gen in zip(probs, generators)], device=probs.device)
+        return torch.tensor(
+            [
+                self.choose(self.law(row)) if gen is not None else int(row.argmax())
+                for row, gen in zip(probs, generators)
+            ],
+            device=probs.device,
+        )
 
     # -------------------------------------------------------------- the host read
     def read_host(self, parts: Sequence[torch.Tensor], finite: torch.Tensor | None = None) -> list:
         plain_parts = [part for part in parts if not isinstance(part, Pending)]
-        host: Iterator = iter(inputs_read_host(plain_parts, finite) if plain_parts or finite is not None else [])
+        host: Iterator = iter(
+            inputs_read_host(plain_parts, finite) if plain_parts or finite is not None else []
+        )
         return [Lazy(part) if isinstance(part, Pending) else next(host) for part in parts]
 
 

@@ -58,15 +58,28 @@ class TableCase:
 
     def models(self) -> tuple[NGramModel, NGramModel]:
         target = toy_table(self.vocab, 2, self.seed, self.holes)
-        other = toy_table(self.vocab, 2, self.seed + 1000, self.holes if self.draft_holes is None else self.draft_holes)
-        same = torch.rand(self.vocab, generator=torch.Generator().manual_seed(self.seed)) < self.agree
+        other = toy_table(
+            self.vocab,
+            2,
+            self.seed + 1000,
+            self.holes if self.draft_holes is None else self.draft_holes,
+        )
+        same = (
+            torch.rand(self.vocab, generator=torch.Generator().manual_seed(self.seed)) < self.agree
+        )
         return NGramModel(target), NGramModel(torch.where(same[:, None], target, other))
 
     def __str__(self) -> str:
         q_holes = self.holes if self.draft_holes is None else self.draft_holes
-        zeros = "" if not (self.holes or q_holes) else f", zeros in {self.holes:.0%} of p and {q_holes:.0%} of q"
-        return (f"vocab {self.vocab}, gamma {self.gamma}, first {self.length} tokens, {describe(self.sampling)}"
-                f"{zeros}, n-gram tables seed {self.seed}")
+        zeros = (
+            ""
+            if not (self.holes or q_holes)
+            else f", zeros in {self.holes:.0%} of p and {q_holes:.0%} of q"
+        )
+        return (
+            f"vocab {self.vocab}, gamma {self.gamma}, first {self.length} tokens, {describe(self.sampling)}"
+            f"{zeros}, n-gram tables seed {self.seed}"
+        )
 
 
 @dataclass(frozen=True)
@@ -84,15 +97,30 @@ class LlamaCase:
     std: float = 0.6
 
     def target(self) -> torch.nn.Module:
-        return random_llama(vocab=self.vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32,
-                            max_seq_len=64, seed=self.seed, std=self.std, dtype=torch.float64)
+        return random_llama(
+            vocab=self.vocab,
+            dim=16,
+            n_layers=1,
+            n_heads=2,
+            n_kv_heads=1,
+            hidden_dim=32,
+            max_seq_len=64,
+            seed=self.seed,
+            std=self.std,
+            dtype=torch.float64,
+        )
 
     def __str__(self) -> str:
         runs = f", {self.runs} runs (seeds 0-{self.runs - 1})" if self.runs else ""
-        prompts = (f"prompt {list(self.prompts[0])}" if len(self.prompts) == 1 else
-                   f"a batch of {len(self.prompts)} rows, prompts {', '.join(str(list(p)) for p in self.prompts)}")
-        return (f"vocab {self.vocab}, gamma {self.gamma}, first {self.length} tokens, {describe(self.sampling)}, "
-                f"{prompts}, toy LLaMA seed {self.seed} (std {self.std:g}){runs}")
+        prompts = (
+            f"prompt {list(self.prompts[0])}"
+            if len(self.prompts) == 1
+            else f"a batch of {len(self.prompts)} rows, prompts {', '.join(str(list(p)) for p in self.prompts)}"
+        )
+        return (
+            f"vocab {self.vocab}, gamma {self.gamma}, first {self.length} tokens, {describe(self.sampling)}, "
+            f"{prompts}, toy LLaMA seed {self.seed} (std {self.std:g}){runs}"
+        )
 
 
 VERIFIER_CASES = [
@@ -112,8 +140,19 @@ DRAFTER_CASES = [
     LlamaCase(2, 2, 2, Sampling(temperature=0.8), seed=15, prompts=((1, 0, 1), (0, 0))),
 ]
 CHI_SQUARE_CASES = [
-    LlamaCase(8, 1, 2, Sampling(temperature=0.5, top_k=4), seed=21, prompts=((1, 5, 1),), runs=2000, std=0.4),
-    LlamaCase(8, 2, 2, Sampling(temperature=0.8, top_k=5), seed=23, prompts=((1, 5, 1),), runs=2000),
+    LlamaCase(
+        8,
+        1,
+        2,
+        Sampling(temperature=0.5, top_k=4),
+        seed=21,
+        prompts=((1, 5, 1),),
+        runs=2000,
+        std=0.4,
+    ),
+    LlamaCase(
+        8, 2, 2, Sampling(temperature=0.8, top_k=5), seed=23, prompts=((1, 5, 1),), runs=2000
+    ),
 ]
 GREEDY_PROMPTS = [(1,), (3, 7, 3), (2, 2, 9, 4, 2, 2)]
 GREEDY_GAMMAS = [1, 3, 5]
@@ -121,8 +160,10 @@ GREEDY_GAMMAS = [1, 3, 5]
 
 def quick_cases(cases: list, runs: int = 600) -> list:
     """--quick: the first half of the cases, chi-square with fewer runs."""
-    return [LlamaCase(**{**vars(c), "runs": runs}) if isinstance(c, LlamaCase) and c.runs else c
-            for c in cases[:max(1, (len(cases) + 1) // 2)]]
+    return [
+        LlamaCase(**{**vars(c), "runs": runs}) if isinstance(c, LlamaCase) and c.runs else c
+        for c in cases[: max(1, (len(cases) + 1) // 2)]
+    ]
 
 
 # ----------------------------------------------------------------------------- toy drafts

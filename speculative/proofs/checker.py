@@ -49,7 +49,13 @@ from typing import Any
 
 import torch
 
-from speculative.proofs.cases import CHI_SQUARE_CASES, DRAFTER_CASES, VERIFIER_CASES, LlamaCase, quick_cases
+from speculative.proofs.cases import (
+    CHI_SQUARE_CASES,
+    DRAFTER_CASES,
+    VERIFIER_CASES,
+    LlamaCase,
+    quick_cases,
+)
 from speculative.proofs.properties import (
     Result,
     chi_square,
@@ -93,8 +99,14 @@ VERIFIER_PROPERTIES = ("exact", "zero", "chi-square", "greedy")
 DRAFTER_PROPERTIES = ("exact", "chi-square", "greedy")
 
 
-def check(obj: Any, *, label: str | None = None, quick: bool = False, properties: Sequence[str] | None = None,
-          echo: Callable[[str], None] | None = None) -> Report:
+def check(
+    obj: Any,
+    *,
+    label: str | None = None,
+    quick: bool = False,
+    properties: Sequence[str] | None = None,
+    echo: Callable[[str], None] | None = None,
+) -> Report:
     """Check a verifier or a drafter (see the module docstring); ``properties`` chooses among
     "exact", "zero", "chi-square" and "greedy" (default: all that apply). ``echo`` sees each
     line as it is made. Raises InputError for an object that cannot be checked."""
@@ -108,8 +120,14 @@ def check(obj: Any, *, label: str | None = None, quick: bool = False, properties
         torch.set_num_threads(threads)
 
 
-def checked(obj: Any, label: str, quick: bool, properties: Sequence[str] | None, echo: Callable[[str], None],
-            start: float) -> Report:
+def checked(
+    obj: Any,
+    label: str,
+    quick: bool,
+    properties: Sequence[str] | None,
+    echo: Callable[[str], None],
+    start: float,
+) -> Report:
     s = subject(obj, label)
     wanted = properties or (VERIFIER_PROPERTIES if s.kind == "verifier" else DRAFTER_PROPERTIES)
     report = Report(label, s.kind)
@@ -118,18 +136,29 @@ def checked(obj: Any, label: str, quick: bool, properties: Sequence[str] | None,
     echo(f"checking {label}, a {s.kind}{' (--quick)' if quick else ''}")
     pick = quick_cases if quick else list
     steps = {
-        "exact": lambda: (exact_law(lambda cases, seed: verifier_laws(s.verifier, cases, s.label, seed),
-                                    pick(VERIFIER_CASES), "cases") if s.kind == "verifier" else
-                          exact_law(lambda cases, seed: [drafter_law(s, case, seed) for case in cases],
-                                    pick(DRAFTER_CASES), "cases through the engine")),
+        "exact": lambda: (
+            exact_law(
+                lambda cases, seed: verifier_laws(s.verifier, cases, s.label, seed),
+                pick(VERIFIER_CASES),
+                "cases",
+            )
+            if s.kind == "verifier"
+            else exact_law(
+                lambda cases, seed: [drafter_law(s, case, seed) for case in cases],
+                pick(DRAFTER_CASES),
+                "cases through the engine",
+            )
+        ),
         "zero": lambda: zero_draw(s, pick(VERIFIER_CASES)),
         "chi-square": lambda: chi_square(s, pick(CHI_SQUARE_CASES)),
         "greedy": lambda: greedy_identity(s),
     }
     for key in wanted:
         if key not in steps or (key == "zero" and s.kind != "verifier"):
-            raise InputError(f"no property {key!r} for a {s.kind} (properties: "
-                             f"{', '.join(VERIFIER_PROPERTIES if s.kind == 'verifier' else DRAFTER_PROPERTIES)})")
+            raise InputError(
+                f"no property {key!r} for a {s.kind} (properties: "
+                f"{', '.join(VERIFIER_PROPERTIES if s.kind == 'verifier' else DRAFTER_PROPERTIES)})"
+            )
     for key in wanted:
         report.results.append(steps[key]())
         echo(report.results[-1].line())
@@ -138,21 +167,36 @@ def checked(obj: Any, label: str, quick: bool, properties: Sequence[str] | None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m speculative.prove",
-                                     description="Check that a verification rule or a drafter is exact: exact "
-                                                 "enumeration, chi-square through the engine, greedy identity.")
-    parser.add_argument("target", metavar="MODULE:OBJECT",
-                        help="a dotted module or a .py file, then a verifier or a drafter in it; or the name of a "
-                             "registered rule or drafter")
-    parser.add_argument("--quick", action="store_true", help="half the toy cases and fewer chi-square runs")
-    parser.add_argument("--only", metavar="PROPERTIES",
-                        help="a comma-separated subset of: exact, zero (verifiers), chi-square, greedy")
+    parser = argparse.ArgumentParser(
+        prog="python -m speculative.prove",
+        description="Check that a verification rule or a drafter is exact: exact "
+        "enumeration, chi-square through the engine, greedy identity.",
+    )
+    parser.add_argument(
+        "target",
+        metavar="MODULE:OBJECT",
+        help="a dotted module or a .py file, then a verifier or a drafter in it; or the name of a "
+        "registered rule or drafter",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="half the toy cases and fewer chi-square runs"
+    )
+    parser.add_argument(
+        "--only",
+        metavar="PROPERTIES",
+        help="a comma-separated subset of: exact, zero (verifiers), chi-square, greedy",
+    )
     args = parser.parse_args(argv)
     lines: list[str] = []  # printed at the end: bad input found on the way is then the only line
     try:
         obj, label = load(args.target)
-        report = check(obj, label=label, quick=args.quick, echo=lines.append,
-                       properties=args.only.split(",") if args.only else None)
+        report = check(
+            obj,
+            label=label,
+            quick=args.quick,
+            echo=lines.append,
+            properties=args.only.split(",") if args.only else None,
+        )
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -20,8 +20,13 @@ from speculative.verify.token import verify_step
 
 
 # ----------------------------------------------------------------------------- verifiers
-def verifier_outcomes(verifier: Callable, p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,
-                      branching: Branching | None = None) -> dict[tuple[int, ...], float]:
+def verifier_outcomes(
+    verifier: Callable,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    drafted: torch.Tensor,
+    branching: Branching | None = None,
+) -> dict[tuple[int, ...], float]:
     """Every outcome (the emitted tokens) of ``verifier(p, q, drafted, generator)`` with its
     exact probability, the function itself run once per branch of its randomness. Raises
     Broken when an outcome breaks the verifier contract (the first ``accepted`` drafted tokens,
@@ -38,21 +43,37 @@ def verifier_outcomes(verifier: Callable, p: torch.Tensor, q: torch.Tensor, draf
         outcome = verdict.read()
         tokens, accepted = getattr(outcome, "tokens", None), getattr(outcome, "accepted", None)
         if tokens is None or accepted is None:
-            raise Contract(f"returned a Verdict that reads as {type(outcome).__name__}, not a "
-                           "speculative.verify.Verification")
+            raise Contract(
+                f"returned a Verdict that reads as {type(outcome).__name__}, not a "
+                "speculative.verify.Verification"
+            )
         tokens = [int(t) for t in tokens]
-        if not (isinstance(accepted, int) and 0 <= accepted <= len(xs) and len(tokens) == accepted + 1
-                and tokens[:accepted] == xs[:accepted] and all(0 <= t < vocab for t in tokens)):
-            raise Broken(f"for drafted {xs} it returned tokens {tokens} with accepted={accepted}: a verifier emits "
-                         "the first `accepted` drafted tokens, then one token of the target's own")
+        if not (
+            isinstance(accepted, int)
+            and 0 <= accepted <= len(xs)
+            and len(tokens) == accepted + 1
+            and tokens[:accepted] == xs[:accepted]
+            and all(0 <= t < vocab for t in tokens)
+        ):
+            raise Broken(
+                f"for drafted {xs} it returned tokens {tokens} with accepted={accepted}: a verifier emits "
+                "the first `accepted` drafted tokens, then one token of the target's own"
+            )
         return tuple(tokens)
 
     return branching.enumerate(run)
 
 
-def verifier_distribution(target: Any, draft: Any, prompt: tuple[int, ...], gamma: int, length: int,
-                          sampling: Sampling, verifier: Callable | None = None,
-                          branching: Branching | None = None) -> dict[tuple[int, ...], float]:
+def verifier_distribution(
+    target: Any,
+    draft: Any,
+    prompt: tuple[int, ...],
+    gamma: int,
+    length: int,
+    sampling: Sampling,
+    verifier: Callable | None = None,
+    branching: Branching | None = None,
+) -> dict[tuple[int, ...], float]:
     """Exact P(first ``length`` emitted tokens) of speculative decoding with ``verifier``
     (default speculative.verify.verify_step) judging every iteration: every drafted chain
     (x_i ~ q_i, warped by the code's warp from ``draft.next_logits``), then every outcome of the
@@ -61,7 +82,9 @@ def verifier_distribution(target: Any, draft: Any, prompt: tuple[int, ...], gamm
         verifier = verify_step
     if branching is None:
         with Branching() as fresh:
-            return verifier_distribution(target, draft, prompt, gamma, length, sampling, verifier, fresh)
+            return verifier_distribution(
+                target, draft, prompt, gamma, length, sampling, verifier, fresh
+            )
     warped: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     rest: dict[tuple[int, ...], dict[tuple[int, ...], float]] = {}
 
@@ -80,12 +103,22 @@ def verifier_distribution(target: Any, draft: Any, prompt: tuple[int, ...], gamm
         out: dict[tuple[int, ...], float] = {}
         chains = [((), 1.0)]
         for _ in range(gamma):
-            chains = [(xs + (x,), w * qx) for xs, w in chains
-                      for x, qx in enumerate(probs(draft, "q", context + xs).tolist()) if qx > 0]
+            chains = [
+                (xs + (x,), w * qx)
+                for xs, w in chains
+                for x, qx in enumerate(probs(draft, "q", context + xs).tolist())
+                if qx > 0
+            ]
         for xs, w in chains:
             p = torch.stack([probs(target, "p", context + xs[:i]) for i in range(gamma + 1)])
-            q = torch.stack([probs(draft, "q", context + xs[:i]) for i in range(gamma)]) if gamma else p[:0]
-            for tokens, v in verifier_outcomes(verifier, p, q, torch.tensor(xs, dtype=torch.long), branching).items():
+            q = (
+                torch.stack([probs(draft, "q", context + xs[:i]) for i in range(gamma)])
+                if gamma
+                else p[:0]
+            )
+            for tokens, v in verifier_outcomes(
+                verifier, p, q, torch.tensor(xs, dtype=torch.long), branching
+            ).items():
                 head = tokens[:left]
                 for tail, u in law_after(context + head).items():
                     out[head + tail] = out.get(head + tail, 0.0) + w * v * u

@@ -46,15 +46,27 @@ class Result:
         return f"{self.name:<16} {self.status:<4}  {self.measure}{where}"
 
 
-def target_law(next_logits: Callable, prompt: Sequence[int], length: int, sampling: Sampling) -> dict:
+def target_law(
+    next_logits: Callable, prompt: Sequence[int], length: int, sampling: Sampling
+) -> dict:
     """The target's own law of its first ``length`` tokens: reference warp, no cache."""
-    return sequence_distribution(lambda ctx: ref_warp(next_logits(ctx).tolist(), sampling.temperature,
-                                                      sampling.top_k, sampling.top_p), prompt, length)
+    return sequence_distribution(
+        lambda ctx: ref_warp(
+            next_logits(ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p
+        ),
+        prompt,
+        length,
+    )
 
 
 def worst(got: dict, expected: dict) -> tuple[float, tuple, float, float]:
     key = max(set(got) | set(expected), key=lambda k: abs(got.get(k, 0.0) - expected.get(k, 0.0)))
-    return abs(got.get(key, 0.0) - expected.get(key, 0.0)), key, got.get(key, 0.0), expected.get(key, 0.0)
+    return (
+        abs(got.get(key, 0.0) - expected.get(key, 0.0)),
+        key,
+        got.get(key, 0.0),
+        expected.get(key, 0.0),
+    )
 
 
 def exact_result(name: str, laws: list[tuple[Any, dict, dict]], unit: str) -> Result:
@@ -63,10 +75,17 @@ def exact_result(name: str, laws: list[tuple[Any, dict, dict]], unit: str) -> Re
     (gap, key, got, expected), case = max(gaps, key=lambda g: g[0][0])
     total = max(abs(sum(got_law.values()) - 1) for _, got_law, _ in laws)
     if gap <= TOLERANCE and total <= TOLERANCE:
-        return Result(name, "PASS", f"worst gap {gap:.1e} <= {TOLERANCE:.0e} over {len(laws)} {unit}")
+        return Result(
+            name, "PASS", f"worst gap {gap:.1e} <= {TOLERANCE:.0e} over {len(laws)} {unit}"
+        )
     number = [c for c, _, _ in laws].index(case) + 1
-    return Result(name, "FAIL", f"worst gap {gap:.3g} > {TOLERANCE:.0e}: P(first tokens {key}) is {got:.6g}, "
-                                f"the target's {expected:.6g}", f"{case} (case {number} of {len(laws)})")
+    return Result(
+        name,
+        "FAIL",
+        f"worst gap {gap:.3g} > {TOLERANCE:.0e}: P(first tokens {key}) is {got:.6g}, "
+        f"the target's {expected:.6g}",
+        f"{case} (case {number} of {len(laws)})",
+    )
 
 
 def verifier_laws(rule: Callable, cases: list[TableCase], label: str, seed: int = 0) -> list[tuple]:
@@ -74,7 +93,9 @@ def verifier_laws(rule: Callable, cases: list[TableCase], label: str, seed: int 
     for case in cases:
         target, draft = case.models()
         with Branching(seed=seed) as branching, blaming(f"the verifier {label}", case):
-            got = verifier_distribution(target, draft, (0,), case.gamma, case.length, case.sampling, rule, branching)
+            got = verifier_distribution(
+                target, draft, (0,), case.gamma, case.length, case.sampling, rule, branching
+            )
         laws.append((case, got, target_law(target.next_logits, (0,), case.length, case.sampling)))
     return laws
 
@@ -93,9 +114,11 @@ def deterministic(first: list[tuple], again: list[tuple]) -> None:
     """Two enumerations with other generators and global seeds must agree, or the code draws
     randomness that the enumeration does not see."""
     if any(max_gap(a[1], b[1]) > TOLERANCE for a, b in zip(first, again)):
-        raise NotApplicable("its outcome changes with the seeds although every draw the checker sees is the same: "
-                            "it draws randomness the enumeration cannot follow (Python's random, numpy, or a torch "
-                            "function imported by name)")
+        raise NotApplicable(
+            "its outcome changes with the seeds although every draw the checker sees is the same: "
+            "it draws randomness the enumeration cannot follow (Python's random, numpy, or a torch "
+            "function imported by name)"
+        )
 
 
 def exact_law(laws_of: Callable[[list, int], list[tuple]], cases: list, unit: str) -> Result:
@@ -124,37 +147,65 @@ def zero_draw(s: Subject, cases: list[TableCase]) -> Result:
             case = replace(case, holes=max(case.holes, 0.3), draft_holes=0.0)
             target, draft = case.models()
             with Branching(zero=True) as branching, blaming(f"the verifier {s.label}", case):
-                emitted = verifier_distribution(target, draft, (0,), case.gamma, case.length, case.sampling,
-                                                s.verifier, branching)
+                emitted = verifier_distribution(
+                    target,
+                    draft,
+                    (0,),
+                    case.gamma,
+                    case.length,
+                    case.sampling,
+                    s.verifier,
+                    branching,
+                )
             expected = target_law(target.next_logits, (0,), case.length, case.sampling)
             impossible = sorted(k for k in emitted if expected.get(k, 0.0) <= 0)
             if impossible:
-                return Result(name, "FAIL", f"with r = 0 (torch.rand can return it) it emits {impossible[0]}, of "
-                                            f"probability 0 under the target ({len(impossible)} such sequences)",
-                              str(case))
+                return Result(
+                    name,
+                    "FAIL",
+                    f"with r = 0 (torch.rand can return it) it emits {impossible[0]}, of "
+                    f"probability 0 under the target ({len(impossible)} such sequences)",
+                    str(case),
+                )
     except NotApplicable as why:
         return Result(name, "N/A", f"not applicable: {why.reason}")
     except Broken as error:
         return Result(name, "FAIL", str(error), getattr(error, "where", ""))
-    return Result(name, "PASS", f"nothing of target probability 0 emitted with r = 0, over {len(cases)} cases")
+    return Result(
+        name, "PASS", f"nothing of target probability 0 emitted with r = 0, over {len(cases)} cases"
+    )
 
 
 def drafter_law(s: Subject, case: LlamaCase, seed: int) -> tuple:
     target = case.target()
     drafter = s.drafter(target)
     sampling = case.sampling
-    settings = {"gamma": case.gamma, "temperature": sampling.temperature, "top_k": sampling.top_k,
-                "top_p": sampling.top_p, "seed": seed}
+    settings = {
+        "gamma": case.gamma,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": seed,
+    }
 
     def run() -> tuple:
         if len(case.prompts) == 1:
-            return tuple(speculative_generate(target, drafter, list(case.prompts[0]), case.length, **settings).tokens)
-        out = speculative_generate_batch(target, drafter, [list(p) for p in case.prompts], case.length, **settings)
+            return tuple(
+                speculative_generate(
+                    target, drafter, list(case.prompts[0]), case.length, **settings
+                ).tokens
+            )
+        out = speculative_generate_batch(
+            target, drafter, [list(p) for p in case.prompts], case.length, **settings
+        )
         return tuple(tuple(r.tokens) for r in out.results)
 
     with Branching(seed=seed) as branching, blaming(f"the drafter {s.label}", case):
         got = branching.enumerate(run)
-    laws = [target_law(llama_next_logits(target), prompt, case.length, sampling) for prompt in case.prompts]
+    laws = [
+        target_law(llama_next_logits(target), prompt, case.length, sampling)
+        for prompt in case.prompts
+    ]
     if len(laws) == 1:
         return case, got, laws[0]
     joint = {(): 1.0}  # the rows independent, each with the target's law
@@ -176,18 +227,35 @@ def chi_square(s: Subject, cases: list[LlamaCase]) -> Result:
         counts: Counter = Counter()
         for seed in range(case.runs):
             with blaming(f"the {s.kind} {s.label}", f"{case}, seed {seed}"):
-                out = speculative_generate(target, draft, list(case.prompts[0]), case.length, gamma=case.gamma,
-                                           temperature=sampling.temperature, top_k=sampling.top_k,
-                                           top_p=sampling.top_p, seed=seed, verify=rule)
-            counts[tuple(out.tokens[:case.length])] += 1
+                out = speculative_generate(
+                    target,
+                    draft,
+                    list(case.prompts[0]),
+                    case.length,
+                    gamma=case.gamma,
+                    temperature=sampling.temperature,
+                    top_k=sampling.top_k,
+                    top_p=sampling.top_p,
+                    seed=seed,
+                    verify=rule,
+                )
+            counts[tuple(out.tokens[: case.length])] += 1
         expected = target_law(llama_next_logits(target), case.prompts[0], case.length, sampling)
         results.append((chi_square_pvalue(counts, expected), case))
     p_value, case = min(results, key=lambda r: r[0])
     if p_value >= P_VALUE:
-        return Result(name, "PASS", f"smallest p = {p_value:.3g} >= {P_VALUE:.0e} over {len(cases)} cases "
-                                    f"({sum(c.runs for c in cases)} generations)")
-    return Result(name, "FAIL", f"p = {p_value:.3g} < {P_VALUE:.0e}: the first tokens do not follow the target's law",
-                  str(case))
+        return Result(
+            name,
+            "PASS",
+            f"smallest p = {p_value:.3g} >= {P_VALUE:.0e} over {len(cases)} cases "
+            f"({sum(c.runs for c in cases)} generations)",
+        )
+    return Result(
+        name,
+        "FAIL",
+        f"p = {p_value:.3g} < {P_VALUE:.0e}: the first tokens do not follow the target's law",
+        str(case),
+    )
 
 
 def greedy_tokens(target: torch.nn.Module, prompt: Sequence[int], count: int) -> list[int]:
@@ -196,7 +264,7 @@ def greedy_tokens(target: torch.nn.Module, prompt: Sequence[int], count: int) ->
     with torch.no_grad():
         for _ in range(count):
             seq.append(int(target(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def greedy_identity(s: Subject, vocab: int = 16, count: int = 12, seed: int = 31) -> Result:
@@ -210,12 +278,32 @@ def greedy_identity(s: Subject, vocab: int = 16, count: int = 12, seed: int = 31
         for gamma in GREEDY_GAMMAS:
             case = f"vocab {vocab}, gamma {gamma}, prompt {list(prompt)}, toy LLaMA seed {seed}"
             with blaming(f"the {s.kind} {s.label}", case):
-                out = speculative_generate(target, draft, list(prompt), count, gamma=gamma, temperature=0, seed=0,
-                                           verify=rule)
+                out = speculative_generate(
+                    target,
+                    draft,
+                    list(prompt),
+                    count,
+                    gamma=gamma,
+                    temperature=0,
+                    seed=0,
+                    verify=rule,
+                )
             runs += 1
             if out.tokens != expected:
-                at = next((i for i, (a, b) in enumerate(zip(out.tokens, expected)) if a != b), len(expected))
-                return Result(name, "FAIL", f"tokens {out.tokens} differ from the target's greedy {expected} from "
-                                            f"token {at} on", case)
-    return Result(name, "PASS", f"{runs} of {runs} generations are the target's greedy tokens "
-                                f"({count} tokens, gammas {GREEDY_GAMMAS})")
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(out.tokens, expected)) if a != b),
+                    len(expected),
+                )
+                return Result(
+                    name,
+                    "FAIL",
+                    f"tokens {out.tokens} differ from the target's greedy {expected} from "
+                    f"token {at} on",
+                    case,
+                )
+    return Result(
+        name,
+        "PASS",
+        f"{runs} of {runs} generations are the target's greedy tokens "
+        f"({count} tokens, gammas {GREEDY_GAMMAS})",
+    )

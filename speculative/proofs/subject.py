@@ -40,13 +40,21 @@ class Subject:
         try:
             drafter = self.make(target)
         except Exception as error:
-            raise InputError(f"making the drafter {self.label} raised {type(error).__name__}: {error}") from None
-        if isinstance(drafter, type) or not all(callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS):
-            raise InputError(f"{self.label} made {kind_of(drafter)}, not a drafter "
-                             f"(an object with {', '.join(DRAFTER_METHODS)})")
+            raise InputError(
+                f"making the drafter {self.label} raised {type(error).__name__}: {error}"
+            ) from None
+        if isinstance(drafter, type) or not all(
+            callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS
+        ):
+            raise InputError(
+                f"{self.label} made {kind_of(drafter)}, not a drafter "
+                f"(an object with {', '.join(DRAFTER_METHODS)})"
+            )
         if getattr(drafter, "model", None) is target:
-            raise InputError(f"{self.label} called with the toy target drafts with the target itself; pass a "
-                             "function that builds a draft for it, e.g. speculative.prove:model_drafter")
+            raise InputError(
+                f"{self.label} called with the toy target drafts with the target itself; pass a "
+                "function that builds a draft for it, e.g. speculative.prove:model_drafter"
+            )
         return drafter
 
 
@@ -71,17 +79,21 @@ def subject(obj: Any, label: str) -> Subject:
             return Subject(label, "drafter", make=lambda target: obj())
         if can_call(obj, 1):
             return Subject(label, "drafter", make=obj)
-    raise InputError(f"{label} ({kind_of(obj)}) is neither a verifier (rule(p, q, drafted, generator) -> Verdict) "
-                     "nor a drafter (an object with start/propose/commit/keep_rows, or a function or class that "
-                     "makes one from nothing or from the target)")
+    raise InputError(
+        f"{label} ({kind_of(obj)}) is neither a verifier (rule(p, q, drafted, generator) -> Verdict) "
+        "nor a drafter (an object with start/propose/commit/keep_rows, or a function or class that "
+        "makes one from nothing or from the target)"
+    )
 
 
 def kind_of(obj: Any) -> str:
     """'an int', 'a class of 2 arguments', ... for the message about the wrong kind of object."""
     if callable(obj):
         try:
-            count = sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                        for p in inspect.signature(obj).parameters.values())
+            count = sum(
+                p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                for p in inspect.signature(obj).parameters.values()
+            )
         except ValueError:
             return "a callable of unknown arguments"
         return f"a {'class' if isinstance(obj, type) else 'callable'} of {count} argument{'s' * (count != 1)}"
@@ -100,18 +112,24 @@ def load(spec: str) -> tuple[Any, str]:
         return (load(toy)[0] if isinstance(toy, str) else toy), f"drafter {spec}"
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise InputError(f"expected MODULE:OBJECT (a dotted module name or a .py file, then a name in it), or a "
-                         f"registered rule ({', '.join(RULES)}) or drafter ({', '.join(DRAFTERS)}), got {spec!r}")
+        raise InputError(
+            f"expected MODULE:OBJECT (a dotted module name or a .py file, then a name in it), or a "
+            f"registered rule ({', '.join(RULES)}) or drafter ({', '.join(DRAFTERS)}), got {spec!r}"
+        )
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():
             raise InputError(f"no file {where}")
         module_name = f"_prove_{path.stem}"
-        if str(path.resolve().parent) not in sys.path:  # its own imports of files beside it, as `python file.py`
+        if (
+            str(path.resolve().parent) not in sys.path
+        ):  # its own imports of files beside it, as `python file.py`
             sys.path.append(str(path.resolve().parent))
         loader = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = module  # so that its functions find their module (dataclasses, the patches)
+        sys.modules[module_name] = (
+            module  # so that its functions find their module (dataclasses, the patches)
+        )
         try:
             loader.loader.exec_module(module)
         except Exception as error:

@@ -56,8 +56,15 @@ class NGramModel:
         self.calls = 0
 
     @classmethod
-    def random(cls, vocab: int, order: int = 2, seed: int = 0, scale: float = 1.5, max_seq_len: int = 64,
-               dtype: torch.dtype = torch.float64) -> NGramModel:
+    def random(
+        cls,
+        vocab: int,
+        order: int = 2,
+        seed: int = 0,
+        scale: float = 1.5,
+        max_seq_len: int = 64,
+        dtype: torch.dtype = torch.float64,
+    ) -> NGramModel:
         gen = torch.Generator().manual_seed(seed)
         table = scale * torch.randn([vocab] * order, generator=gen, dtype=torch.float64)
         return cls(table.to(dtype), max_seq_len=max_seq_len)
@@ -66,7 +73,9 @@ class NGramModel:
         if max_batch_size != 1:
             raise ValueError("toy models hold one sequence")
         if max_seq_len > self.config.max_seq_len:
-            raise ValueError(f"cache length {max_seq_len} exceeds max_seq_len {self.config.max_seq_len}")
+            raise ValueError(
+                f"cache length {max_seq_len} exceeds max_seq_len {self.config.max_seq_len}"
+            )
         # order-1 slots of padding in front, then one slot per position; -1 = never written
         self.history = torch.full((self.order - 1 + max_seq_len,), -1, dtype=torch.long)
         self.history[: self.order - 1] = self.pad
@@ -83,11 +92,13 @@ class NGramModel:
             raise ValueError(f"bad input shape {tuple(tokens.shape)}")
         start = chain_start(call, length)
         if start < 0 or start + length > self.cache_len:
-            raise ValueError(f"positions {start}..{start + length - 1} outside the cache ({self.cache_len})")
+            raise ValueError(
+                f"positions {start}..{start + length - 1} outside the cache ({self.cache_len})"
+            )
         self.calls += 1
         offset = self.order - 1
-        self.history[offset + start: offset + start + length] = tokens[0]
-        window = self.history[start + 1: offset + start + length]  # contexts of the new positions
+        self.history[offset + start : offset + start + length] = tokens[0]
+        window = self.history[start + 1 : offset + start + length]  # contexts of the new positions
         contexts = window.unfold(0, self.order - 1, 1)  # [T, order-1]
         if (contexts < 0).any():
             raise RuntimeError(f"call at slot {start} reads a cache slot that was never written")
@@ -96,7 +107,7 @@ class NGramModel:
     def next_logits(self, context: Sequence[int]) -> torch.Tensor:
         """Logits of the token after ``context`` (no cache involved)."""
         padded = [self.pad] * (self.order - 1) + list(context)
-        return self.table[tuple(padded[len(padded) - (self.order - 1):])]
+        return self.table[tuple(padded[len(padded) - (self.order - 1) :])]
 
 
 def chain_start(call: CacheCall, length: int) -> int:
@@ -105,8 +116,9 @@ def chain_start(call: CacheCall, length: int) -> int:
     slots = call.slots.tolist()
     start = slots[0][0]
     chained = slots == [list(range(start, start + length))] and call.positions.tolist() == slots
-    causal = call.visible is None or call.visible.tolist() == [[[s <= start + i for s in range(call.window)]
-                                                                 for i in range(length)]]
+    causal = call.visible is None or call.visible.tolist() == [
+        [[s <= start + i for s in range(call.window)] for i in range(length)]
+    ]
     if not (chained and causal and call.window == start + length):
         raise ValueError("toy models take one-row chain calls only")
     return start
@@ -123,13 +135,29 @@ def toy_table(vocab: int, order: int, seed: int, holes: float) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- tiny LLaMAs
 @torch.no_grad()
-def random_llama(vocab: int = 8, dim: int = 16, n_layers: int = 1, n_heads: int = 2, n_kv_heads: int = 1,
-                 hidden_dim: int = 32, max_seq_len: int = 32, seed: int = 0, std: float = 0.3,
-                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def random_llama(
+    vocab: int = 8,
+    dim: int = 16,
+    n_layers: int = 1,
+    n_heads: int = 2,
+    n_kv_heads: int = 1,
+    hidden_dim: int = 32,
+    max_seq_len: int = 32,
+    seed: int = 0,
+    std: float = 0.3,
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
     """A model.Llama with every matrix N(0, std) and norm weights 1 + N(0, 0.1): logits of
     order one, so next-token distributions are far from uniform."""
-    config = ModelConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                         hidden_dim=hidden_dim, max_seq_len=max_seq_len)
+    config = ModelConfig(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        hidden_dim=hidden_dim,
+        max_seq_len=max_seq_len,
+    )
     model = Llama(config)
     gen = torch.Generator().manual_seed(seed)
     for param in model.parameters():
@@ -144,7 +172,9 @@ def noisy_copy(model: torch.nn.Module, std: float, seed: int = 0) -> torch.nn.Mo
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
     for param in twin.parameters():
-        param.add_(std * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype))
+        param.add_(
+            std * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype)
+        )
     return twin
 
 
@@ -154,14 +184,18 @@ def parallel_copy(model: torch.nn.Module, std: float, seed: int = 0) -> torch.nn
     (speculative.draft.parallel), with a random embedding: it drafts sometimes right, and the
     positions after the sequence read masks."""
     vocab = model.config.vocab_size
-    config = ModelConfig(**{**vars(model.config), "vocab_size": vocab + 1, "extra": {"pard_token": vocab}})
+    config = ModelConfig(
+        **{**vars(model.config), "vocab_size": vocab + 1, "extra": {"pard_token": vocab}}
+    )
     twin = type(model)(config).to(model.dtype)
     gen = torch.Generator().manual_seed(seed)
     own = model.state_dict()
     for name, param in twin.named_parameters():
         source = own[name]
         noise = std * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype)
-        if param.shape[0] == vocab + 1 and source.shape[0] == vocab:  # embeddings, output head: the mask's row
+        if (
+            param.shape[0] == vocab + 1 and source.shape[0] == vocab
+        ):  # embeddings, output head: the mask's row
             source = torch.cat([source, source.mean(0, keepdim=True)])
         param.copy_(source + noise)
     return twin.eval()
@@ -180,8 +214,13 @@ def random_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3) -> tor
 
 
 @torch.no_grad()
-def random_eagle3_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
-                       drop: Sequence[int] = (1,), kind: type = Eagle3Head) -> torch.nn.Module:
+def random_eagle3_head(
+    target: torch.nn.Module,
+    seed: int = 5,
+    std: float = 0.3,
+    drop: Sequence[int] = (1,),
+    kind: type = Eagle3Head,
+) -> torch.nn.Module:
     """A model.eagle3_head.Eagle3Head for the target with random weights, its draft vocabulary
     the target's less the ids in ``drop`` (a reduced vocabulary: q must be 0 on them)."""
     config = ModelConfig(**{**vars(target.config), "n_layers": 1, "extra": {}})
@@ -197,8 +236,9 @@ def random_eagle3_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
 
 
 @torch.no_grad()
-def random_peagle_head(target: torch.nn.Module, seed: int = 5, std: float = 0.3,
-                       drop: Sequence[int] = (1,)) -> torch.nn.Module:
+def random_peagle_head(
+    target: torch.nn.Module, seed: int = 5, std: float = 0.3, drop: Sequence[int] = (1,)
+) -> torch.nn.Module:
     """A model.eagle3_head.PEagleHead for the target with random weights (a random mask feature
     and mask embedding among them), its draft vocabulary the target's less ``drop``."""
     return random_eagle3_head(target, seed, std, drop, kind=PEagleHead)
@@ -215,8 +255,12 @@ def llama_next_logits(model: torch.nn.Module) -> Callable[[Sequence[int]], torch
 
 
 # ----------------------------------------------------------------------------- references
-def ref_warp(logits: Sequence[float], temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None) -> list[float]:
+def ref_warp(
+    logits: Sequence[float],
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> list[float]:
     """Temperature, then top-k, then top-p, in plain Python floats (independent of speculative.sampling)."""
     logits = [float(v) for v in logits]
     size = len(logits)
@@ -244,15 +288,16 @@ def ref_warp(logits: Sequence[float], temperature: float = 1.0, top_k: int | Non
     return probs
 
 
-def sequence_distribution(next_probs: Callable[[tuple[int, ...]], Sequence[float]], prompt: Sequence[int],
-                          length: int) -> dict[tuple[int, ...], float]:
+def sequence_distribution(
+    next_probs: Callable[[tuple[int, ...]], Sequence[float]], prompt: Sequence[int], length: int
+) -> dict[tuple[int, ...], float]:
     """Exact P(first `length` tokens) of plain sampling, where next_probs(context) gives the
     next-token distribution after a full context (prompt included)."""
     out: dict[tuple[int, ...], float] = {}
 
     def walk(context: tuple[int, ...], prob: float) -> None:
         if len(context) - len(prompt) == length:
-            out[context[len(prompt):]] = prob
+            out[context[len(prompt) :]] = prob
             return
         for token, p in enumerate(next_probs(context)):
             if p > 0:
@@ -262,8 +307,11 @@ def sequence_distribution(next_probs: Callable[[tuple[int, ...]], Sequence[float
     return out
 
 
-def chi_square_pvalue(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float],
-                      min_expected: float = 5.0) -> float:
+def chi_square_pvalue(
+    counts: dict[tuple[int, ...], int],
+    expected: dict[tuple[int, ...], float],
+    min_expected: float = 5.0,
+) -> float:
     """Pearson's chi-square goodness of fit of observed counts to exact probabilities.
 
     Cells expected fewer than ``min_expected`` times are pooled into one. An outcome of
@@ -284,8 +332,11 @@ def chi_square_pvalue(counts: dict[tuple[int, ...], int], expected: dict[tuple[i
     if dof < 1:
         return 1.0
     # survival function of chi-square(dof) = regularized upper incomplete gamma Q(dof/2, stat/2)
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
 
 
 def max_gap(a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float]) -> float:

@@ -33,7 +33,9 @@ API_KEY_ENV = "SPECULATIVE_API_KEY"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-def access_for(host: str, api_key: str | None, allowed_hosts: str | None, cors: Sequence[str]) -> Access:
+def access_for(
+    host: str, api_key: str | None, allowed_hosts: str | None, cors: Sequence[str]
+) -> Access:
     """serve.py's access: the key (given, else $SPECULATIVE_API_KEY), the Host names (given,
     comma-separated or *; else the address listened on, with localhost for a loopback one; any
     for 0.0.0.0, whose names are not known here), the CORS origins."""
@@ -51,14 +53,16 @@ def exposure_warning(host: str, access: Access) -> str | None:
     """The warning for a server that others can reach without a key."""
     if host in LOOPBACK or access.api_key:
         return None
-    return (f"warning: listening on {host} without an API key: anyone who can reach this address can use the model "
-            f"(--api-key, or ${API_KEY_ENV})")
+    return (
+        f"warning: listening on {host} without an API key: anyone who can reach this address can use the model "
+        f"(--api-key, or ${API_KEY_ENV})"
+    )
 
 
 def host_name(header: str) -> str:
     """The name of a Host header without its port ("[::1]:8000" -> "::1")."""
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
+        return header[1 : header.find("]")] if "]" in header else header
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
@@ -72,12 +76,23 @@ class Guard:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             headers, access = Headers(scope=scope), self.access
-            if access.hosts is not None and host_name(headers.get("host", "")).lower() not in access.hosts:
-                return await error_response(400, f"Host {headers.get('host', '')!r} is not one this server answers "
-                                                 "to (--allowed-hosts)", code="invalid_host")(scope, receive, send)
+            if (
+                access.hosts is not None
+                and host_name(headers.get("host", "")).lower() not in access.hosts
+            ):
+                return await error_response(
+                    400,
+                    f"Host {headers.get('host', '')!r} is not one this server answers "
+                    "to (--allowed-hosts)",
+                    code="invalid_host",
+                )(scope, receive, send)
             if access.api_key is not None and scope["path"].startswith("/v1/"):
                 given = headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {access.api_key}".encode()):
-                    return await error_response(401, "a valid API key is required: Authorization: Bearer KEY",
-                                                "authentication_error", code="invalid_api_key")(scope, receive, send)
+                    return await error_response(
+                        401,
+                        "a valid API key is required: Authorization: Bearer KEY",
+                        "authentication_error",
+                        code="invalid_api_key",
+                    )(scope, receive, send)
         await self.app(scope, receive, send)

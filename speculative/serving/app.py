@@ -36,10 +36,18 @@ from speculative.serving.metrics import prometheus
 from speculative.serving.protocol import ApiError, ChatRequest, CompletionRequest, error_response
 from speculative.serving.streaming import Exchange, answer
 from speculative.serving.text import encode_dialog
-from speculative.serving.validation import check_common, prompt_ids, too_long, unicode_text, validation_message
+from speculative.serving.validation import (
+    check_common,
+    prompt_ids,
+    too_long,
+    unicode_text,
+    validation_message,
+)
 
 
-def create_app(service: Service, access: Access | None = None, limits: Limits | None = None) -> FastAPI:
+def create_app(
+    service: Service, access: Access | None = None, limits: Limits | None = None
+) -> FastAPI:
     """The HTTP API over ``service`` (see the module docstring), open to ``access``, each
     connection within ``limits`` (speculative.serving.connections). The loop must be running."""
     access, limits = access or Access(), limits or Limits()
@@ -49,8 +57,12 @@ def create_app(service: Service, access: Access | None = None, limits: Limits | 
     if access.cors:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(access.cors),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(Guard, access=access)
 
     @app.exception_handler(ApiError)
@@ -64,10 +76,19 @@ def create_app(service: Service, access: Access | None = None, limits: Limits | 
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        message = f"no such path: {request.method} {request.url.path}" if error.status_code == 404 else \
-            f"{request.method} is not allowed on {request.url.path}" if error.status_code == 405 else str(error.detail)
-        return error_response(error.status_code, message, code="not_found" if error.status_code == 404 else None,
-                              headers=getattr(error, "headers", None))
+        message = (
+            f"no such path: {request.method} {request.url.path}"
+            if error.status_code == 404
+            else f"{request.method} is not allowed on {request.url.path}"
+            if error.status_code == 405
+            else str(error.detail)
+        )
+        return error_response(
+            error.status_code,
+            message,
+            code="not_found" if error.status_code == 404 else None,
+            headers=getattr(error, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def internal(request: Request, error: Exception) -> JSONResponse:
@@ -88,34 +109,60 @@ def create_app(service: Service, access: Access | None = None, limits: Limits | 
         try:
             too_long(service, [m.text for m in body.messages], "messages")
             turns = [(m.role, unicode_text(m.text, "messages")) for m in body.messages]
-            ids = await asyncio.to_thread(encode_dialog, service.tokenizer, turns)  # not on the event loop
+            ids = await asyncio.to_thread(
+                encode_dialog, service.tokenizer, turns
+            )  # not on the event loop
         except ValueError as error:
             raise ApiError(400, str(error), param="messages") from None
         return await answer(Exchange(service, request, ids, body, chat=True, limits=limits))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": service.model, "object": "model", "created": service.created, "owned_by": "speculative-llama",
-            "context_length": service.context,
-            "speculation": {"draft": service.draft, "gamma": service.speculation, "gamma_max": service.gamma_max}}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": service.model,
+                    "object": "model",
+                    "created": service.created,
+                    "owned_by": "speculative-llama",
+                    "context_length": service.context,
+                    "speculation": {
+                        "draft": service.draft,
+                        "gamma": service.speculation,
+                        "gamma_max": service.gamma_max,
+                    },
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health() -> JSONResponse:
         loop = service.loop
         stalled, draining = loop.stalled, loop.drain_until is not None
         ok = loop.healthy and stalled is None and not draining
-        status = "ok" if ok else "stopped" if not loop.healthy else "draining" if draining else "stalled"
-        body = {"status": status, "model": service.model, "running": loop.running, "waiting": loop.waiting}
+        status = (
+            "ok" if ok else "stopped" if not loop.healthy else "draining" if draining else "stalled"
+        )
+        body = {
+            "status": status,
+            "model": service.model,
+            "running": loop.running,
+            "waiting": loop.waiting,
+        }
         if not loop.healthy:
             body["error"] = str(loop.failure or "the engine loop is not running")
         elif stalled is not None:
-            body["error"] = f"the engine has made no progress for {stalled:.0f} s with requests in hand"
+            body["error"] = (
+                f"the engine has made no progress for {stalled:.0f} s with requests in hand"
+            )
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus(service.loop), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            prometheus(service.loop), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     return app
 

@@ -21,7 +21,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-MAX_BODY_BYTES = 4 << 20  # a request body's size at most (the longest context's text fits many times over)
+MAX_BODY_BYTES = (
+    4 << 20
+)  # a request body's size at most (the longest context's text fits many times over)
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,27 @@ class BodyTooLargeError(Exception):
 
 async def refuse(send: Any, status: int, message: str, code: str) -> None:
     """An OpenAI-style JSON error, sent as plain ASGI messages (nothing below parsed the request)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -62,19 +80,29 @@ class Bounds:
         limit = self.limits.body_bytes
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            return await refuse(send, 413, f"the request body is larger than {limit} bytes", "body_too_large")
+            return await refuse(
+                send, 413, f"the request body is larger than {limit} bytes", "body_too_large"
+            )
         try:
             body = await asyncio.wait_for(self.read(receive), self.limits.read_timeout)
         except BodyTooLargeError:
-            return await refuse(send, 413, f"the request body is larger than {limit} bytes", "body_too_large")
+            return await refuse(
+                send, 413, f"the request body is larger than {limit} bytes", "body_too_large"
+            )
         except TimeoutError:
-            return await refuse(send, 408, f"the request body did not arrive within {self.limits.read_timeout:g} s",
-                                "request_timeout")
+            return await refuse(
+                send,
+                408,
+                f"the request body did not arrive within {self.limits.read_timeout:g} s",
+                "request_timeout",
+            )
         if body is None:  # the client left while sending it
             return
         replayed = False
 
-        async def replay() -> dict:  # the body, once; then the connection's own messages (a disconnect)
+        async def replay() -> (
+            dict
+        ):  # the body, once; then the connection's own messages (a disconnect)
             nonlocal replayed
             if replayed:
                 return await receive()
@@ -83,7 +111,11 @@ class Bounds:
 
         # The write deadline: one timer per request looks at the write in progress, if any,
         # every half deadline (a timeout around every write would cost a task per SSE chunk).
-        loop, task, timeout = asyncio.get_running_loop(), asyncio.current_task(), self.limits.write_timeout
+        loop, task, timeout = (
+            asyncio.get_running_loop(),
+            asyncio.current_task(),
+            self.limits.write_timeout,
+        )
         writing: list[float] = []  # when the write in progress began
         slow = False
 
@@ -109,8 +141,12 @@ class Bounds:
             if not slow:
                 raise
             task.uncancel()
-            print(f"error: {scope.get('method')} {scope.get('path')}: the client read nothing for "
-                  f"{timeout:g} s: its connection is dropped", file=sys.stderr, flush=True)
+            print(
+                f"error: {scope.get('method')} {scope.get('path')}: the client read nothing for "
+                f"{timeout:g} s: its connection is dropped",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
             timer.cancel()
 

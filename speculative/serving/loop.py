@@ -46,8 +46,10 @@ class OverloadedError(Exception):
     """The waiting queue is full; ``retry_after`` is the estimated wait in whole seconds."""
 
     def __init__(self, waiting: int, retry_after: int) -> None:
-        super().__init__(f"the server is at capacity: {waiting} requests are waiting already; retry in "
-                         f"{retry_after} s")
+        super().__init__(
+            f"the server is at capacity: {waiting} requests are waiting already; retry in "
+            f"{retry_after} s"
+        )
         self.waiting, self.retry_after = waiting, retry_after
 
 
@@ -56,8 +58,11 @@ class DeadlineError(Exception):
     or not (it ran that long); ``seconds`` is the deadline."""
 
     def __init__(self, queue: bool, seconds: float) -> None:
-        super().__init__(f"the request waited more than {seconds:g} s for a place in the batch (--queue-timeout)"
-                         if queue else f"the request ran longer than {seconds:g} s (--request-timeout)")
+        super().__init__(
+            f"the request waited more than {seconds:g} s for a place in the batch (--queue-timeout)"
+            if queue
+            else f"the request ran longer than {seconds:g} s (--request-timeout)"
+        )
         self.queue, self.seconds = queue, seconds
 
 
@@ -74,7 +79,9 @@ class Ticket:
     seed: int | None = None
     gamma: int | None = None  # pinned gamma, or None: the policy's
     eos_id: int | frozenset[int] | None = None  # the ids that end the request (Engine.add's eos_id)
-    logprobs: int | None = None  # record the tokens' log-probabilities and this many top ones (None: not)
+    logprobs: int | None = (
+        None  # record the tokens' log-probabilities and this many top ones (None: not)
+    )
     echo: bool = False  # and the prompt's (Engine.add)
     on_tokens: Callable[[list[int]], None] = lambda ids: None
     on_done: Callable[[Ticket], None] = lambda ticket: None
@@ -84,7 +91,12 @@ class Ticket:
     done: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None  # when its latest tokens came (None: none yet)
-    seen: tuple[int, float, int, int] = (0, 0.0, 0, 0)  # the row's target calls, overlap, verified, produced
+    seen: tuple[int, float, int, int] = (
+        0,
+        0.0,
+        0,
+        0,
+    )  # the row's target calls, overlap, verified, produced
 
     @property
     def stop_reason(self) -> str | None:
@@ -104,14 +116,24 @@ class EngineLoop:
     and in all (None: no limit), after which it ends with a DeadlineError; ``tuner``: chooses
     the operators' thread count (speculative.serving.threads)."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 64, policy: Callable[[Engine], int] | None = None,
-                 log: Callable[[str], None] | None = None, stall_after: float = 60.0,
-                 queue_timeout: float | None = None, request_timeout: float | None = None,
-                 tuner: ThreadTuner | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_waiting: int = 64,
+        policy: Callable[[Engine], int] | None = None,
+        log: Callable[[str], None] | None = None,
+        stall_after: float = 60.0,
+        queue_timeout: float | None = None,
+        request_timeout: float | None = None,
+        tuner: ThreadTuner | None = None,
+    ) -> None:
         if max_waiting < 1:  # a request waits for the loop to take it: 0 would refuse every request
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine, self.max_waiting, self.policy = engine, max_waiting, policy
-        self.tuner = tuner  # the operators' thread count, chosen by measuring (speculative.serving.threads)
+        self.tuner = (
+            tuner  # the operators' thread count, chosen by measuring (speculative.serving.threads)
+        )
         self.queue_timeout, self.request_timeout = queue_timeout, request_timeout
         engine.policy = policy
         self.log = log or (lambda line: print(line, file=sys.stderr))
@@ -127,10 +149,14 @@ class EngineLoop:
         self.stall_after = stall_after
         self.step_started = time.perf_counter()
         self.beat = time.monotonic()  # the last time the loop was seen working or idle
-        self.drain_until: float | None = None  # draining (SIGTERM): new requests refused, this deadline for the rest
+        self.drain_until: float | None = (
+            None  # draining (SIGTERM): new requests refused, this deadline for the rest
+        )
         self.cut = 0  # requests still held when the drain's deadline passed
         self.last_gamma = 0
-        self.clean = False  # whether the previous iteration drafted (then the draft has nothing to catch up)
+        self.clean = (
+            False  # whether the previous iteration drafted (then the draft has nothing to catch up)
+        )
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------------------- any thread
@@ -160,8 +186,11 @@ class EngineLoop:
         with self.lock:
             self.closing = True
             self.lock.notify()
-        if self.thread.is_alive() and self.thread is not threading.current_thread() \
-                and self.thread is not threading.main_thread():
+        if (
+            self.thread.is_alive()
+            and self.thread is not threading.current_thread()
+            and self.thread is not threading.main_thread()
+        ):
             self.thread.join(timeout)
 
     @property
@@ -190,8 +219,11 @@ class EngineLoop:
         RuntimeError when the loop is not running."""
         with self.lock:
             if not self.healthy or self.drain_until is not None:
-                raise RuntimeError(f"the engine loop is not running ({self.failure or 'closed'})"
-                                   if self.drain_until is None else "the server is shutting down")
+                raise RuntimeError(
+                    f"the engine loop is not running ({self.failure or 'closed'})"
+                    if self.drain_until is None
+                    else "the server is shutting down"
+                )
             waiting = self.waiting
             if waiting >= self.max_waiting:
                 self.metrics.rejected += 1
@@ -221,7 +253,10 @@ class EngineLoop:
         try:
             while True:
                 with self.lock:
-                    while not (self.inbox or self.cancels or self.closing or self.drain_until) and self.engine.idle:
+                    while (
+                        not (self.inbox or self.cancels or self.closing or self.drain_until)
+                        and self.engine.idle
+                    ):
                         # Not forever: a process's SIGINT may be delivered to another thread, and
                         # the main thread (serve.py runs the loop there) only runs Python's
                         # handler, which raises KeyboardInterrupt, once it wakes.
@@ -231,7 +266,8 @@ class EngineLoop:
                     if self.closing:
                         break
                     if self.drain_until is not None and (
-                            time.monotonic() > self.drain_until or (self.engine.idle and not self.inbox)):
+                        time.monotonic() > self.drain_until or (self.engine.idle and not self.inbox)
+                    ):
                         self.cut = len(self.inbox) + len(self.tickets)
                         break
                     new, cancels = list(self.inbox), list(self.cancels)
@@ -252,7 +288,9 @@ class EngineLoop:
             raise
         except BaseException as error:  # a bug or the device failing: every request is told
             self.failure = error
-            self.log(f"error: the engine loop stopped: {type(error).__name__}: {error}".splitlines()[0])
+            self.log(
+                f"error: the engine loop stopped: {type(error).__name__}: {error}".splitlines()[0]
+            )
         finally:
             self.fail_all(self.failure or RuntimeError("the server is shutting down"))
 
@@ -261,12 +299,25 @@ class EngineLoop:
             self.end(ticket)
             return
         try:
-            ticket.row = self.engine.add(ticket.prompt, ticket.max_new_tokens, eos_id=ticket.eos_id, seed=ticket.seed,
-                                         sampling=ticket.sampling, gamma=ticket.gamma, logprobs=ticket.logprobs,
-                                         echo=ticket.echo, callback=lambda ids, drafted: self.tokens_out(ticket, ids))
-        except Exception as error:  # its own: a ValueError for bad input, anything else fails it alone too
-            ticket.error = error if isinstance(error, ValueError) else RowFailedError(
-                f"{type(error).__name__}: {error}".splitlines()[0])
+            ticket.row = self.engine.add(
+                ticket.prompt,
+                ticket.max_new_tokens,
+                eos_id=ticket.eos_id,
+                seed=ticket.seed,
+                sampling=ticket.sampling,
+                gamma=ticket.gamma,
+                logprobs=ticket.logprobs,
+                echo=ticket.echo,
+                callback=lambda ids, drafted: self.tokens_out(ticket, ids),
+            )
+        except (
+            Exception
+        ) as error:  # its own: a ValueError for bad input, anything else fails it alone too
+            ticket.error = (
+                error
+                if isinstance(error, ValueError)
+                else RowFailedError(f"{type(error).__name__}: {error}".splitlines()[0])
+            )
             self.end(ticket)
             return
         self.tickets[ticket.row] = ticket
@@ -281,7 +332,11 @@ class EngineLoop:
             age = now - ticket.submitted
             if ticket.cancelled or ticket.error is not None:
                 continue
-            if self.queue_timeout is not None and age > self.queue_timeout and id(ticket.row) in waiting:
+            if (
+                self.queue_timeout is not None
+                and age > self.queue_timeout
+                and id(ticket.row) in waiting
+            ):
                 ticket.error = DeadlineError(True, self.queue_timeout)
             elif self.request_timeout is not None and age > self.request_timeout:
                 ticket.error = DeadlineError(False, self.request_timeout)
@@ -306,7 +361,12 @@ class EngineLoop:
             ticket = self.tickets.get(row)
             if ticket is None:
                 continue
-            now = (row.stats.target_calls, row.stats.overlap_sum, row.stats.verified_positions, row.produced)
+            now = (
+                row.stats.target_calls,
+                row.stats.overlap_sum,
+                row.stats.verified_positions,
+                row.produced,
+            )
             if now[0] > ticket.seen[0]:
                 took_part += 1
                 prompt_read |= ticket.seen[0] == 0
@@ -317,13 +377,24 @@ class EngineLoop:
                 positions += now[2] - ticket.seen[2]
                 tokens += now[3] - ticket.seen[3]
             ticket.seen = now
-        it = Iteration(took_part, gamma, seconds, stats.draft_time_s - before[1], stats.target_time_s - before[2],
-                       tokens, overlap, positions, clean=not prompt_read and (gamma == 0 or self.last_gamma > 0))
+        it = Iteration(
+            took_part,
+            gamma,
+            seconds,
+            stats.draft_time_s - before[1],
+            stats.target_time_s - before[2],
+            tokens,
+            overlap,
+            positions,
+            clean=not prompt_read and (gamma == 0 or self.last_gamma > 0),
+        )
         self.last_gamma = gamma
         self.metrics.observe(it)
         if self.tuner is not None and it.clean:
             self.tuner.observe((took_part, gamma), seconds)
-        if hasattr(self.policy, "observe") and not probe:  # a probe's times are not the chosen count's
+        if (
+            hasattr(self.policy, "observe") and not probe
+        ):  # a probe's times are not the chosen count's
             self.policy.observe(it)
         if stats.iterations % 256 == 0:  # the engine's records of rows long gone
             stats.rows = [row.stats for row in [*engine.rows, *engine.waiting]]
@@ -363,7 +434,9 @@ class EngineLoop:
             self.tickets.clear()
         for ticket in pending:
             if not ticket.done:
-                ticket.error = RuntimeError(f"the engine loop stopped: {type(error).__name__}: {error}")
+                ticket.error = RuntimeError(
+                    f"the engine loop stopped: {type(error).__name__}: {error}"
+                )
                 self.end(ticket)
 
 
@@ -381,7 +454,9 @@ class Service:
     speculation: str
     draft: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    stop_ids: frozenset[int] | None = None  # the ids that end a request (None: the tokenizer's eos_id alone)
+    stop_ids: frozenset[int] | None = (
+        None  # the ids that end a request (None: the tokenizer's eos_id alone)
+    )
     # the model's sampling defaults for the fields a request leaves out (temperature, top_k, top_p,
     # max_new_tokens: weights.checkpoint.sampling_defaults); empty: OpenAI's
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -396,7 +471,9 @@ class Service:
         """OpenAI's ``system_fingerprint``: what, besides the request, decides the output here (the
         model served, its drafter and how gamma is chosen; the output's law is the target's either
         way, but greedy near-ties can fall otherwise with another set-up)."""
-        digest = hashlib.sha256(f"{self.model}|{self.draft}|{self.speculation}|{self.gamma_max}".encode())
+        digest = hashlib.sha256(
+            f"{self.model}|{self.draft}|{self.speculation}|{self.gamma_max}".encode()
+        )
         return "fp_" + digest.hexdigest()[:12]
 
     @cached_property
@@ -404,7 +481,10 @@ class Service:
         """The most characters one token stands for (its piece's length; a tokenizer without
         pieces: 64), so that a text of more than context x this many characters is too long
         before it is tokenized."""
-        piece, size = getattr(self.tokenizer, "piece", None), getattr(self.tokenizer, "vocab_size", None)
+        piece, size = (
+            getattr(self.tokenizer, "piece", None),
+            getattr(self.tokenizer, "vocab_size", None),
+        )
         if piece is None or not size:
             return 64
         return max(1, max(len(piece(i)) for i in range(size)))

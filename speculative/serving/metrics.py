@@ -93,12 +93,14 @@ class Metrics:
         rows = sum(it.rows for it in recent)
         positions = sum(it.positions for it in recent)
         busy = sum(it.seconds for it in recent)
-        return {"tokens_per_second": sum(it.tokens for it in recent) / WINDOW_S,
-                "busy": busy / WINDOW_S,
-                "speculation_on": sum(it.gamma > 0 for it in recent) / len(recent) if recent else 0.0,
-                "batch": rows / len(recent) if recent else 0.0,
-                "tau": sum(it.tokens for it in recent) / rows if rows else 0.0,
-                "alpha": sum(it.overlap for it in recent) / positions if positions else math.nan}
+        return {
+            "tokens_per_second": sum(it.tokens for it in recent) / WINDOW_S,
+            "busy": busy / WINDOW_S,
+            "speculation_on": sum(it.gamma > 0 for it in recent) / len(recent) if recent else 0.0,
+            "batch": rows / len(recent) if recent else 0.0,
+            "tau": sum(it.tokens for it in recent) / rows if rows else 0.0,
+            "alpha": sum(it.overlap for it in recent) / positions if positions else math.nan,
+        }
 
 
 def prometheus(loop: Any, prefix: str = "speculative_") -> str:
@@ -110,64 +112,166 @@ def prometheus(loop: Any, prefix: str = "speculative_") -> str:
         lines.append(f"# HELP {prefix}{name} {help_text}")
         lines.append(f"# TYPE {prefix}{name} {kind}")
         for labels, value in samples:
-            lines.append(f"{prefix}{name}{labels} {value:.6g}" if isinstance(value, float) else
-                         f"{prefix}{name}{labels} {value}")
+            lines.append(
+                f"{prefix}{name}{labels} {value:.6g}"
+                if isinstance(value, float)
+                else f"{prefix}{name}{labels} {value}"
+            )
 
     metric("requests_running", "gauge", "Requests in the batch now.", [("", loop.running)])
-    metric("requests_waiting", "gauge", "Requests waiting for a place in the batch.", [("", loop.waiting)])
-    metric("requests_total", "counter", "Requests that ended, by how (eos, max_new_tokens, max_seq_len, "
-           "cancelled, error) or were refused (rejected, queue full).",
-           [(f'{{outcome="{k}"}}', v) for k, v in sorted({**m.outcomes, "rejected": m.rejected}.items())])
+    metric(
+        "requests_waiting",
+        "gauge",
+        "Requests waiting for a place in the batch.",
+        [("", loop.waiting)],
+    )
+    metric(
+        "requests_total",
+        "counter",
+        "Requests that ended, by how (eos, max_new_tokens, max_seq_len, "
+        "cancelled, error) or were refused (rejected, queue full).",
+        [
+            (f'{{outcome="{k}"}}', v)
+            for k, v in sorted({**m.outcomes, "rejected": m.rejected}.items())
+        ],
+    )
     metric("batch_size", "gauge", "Rows in the batch now.", [("", loop.running)])
-    metric("batch_size_mean", "gauge", f"Mean rows per iteration over the last {WINDOW_S:g} s.",
-           [("", window["batch"])])
-    metric("tokens_per_second", "gauge", f"Tokens emitted per second, all requests, over the last {WINDOW_S:g} s.",
-           [("", window["tokens_per_second"])])
-    metric("busy_ratio", "gauge", f"Share of the last {WINDOW_S:g} s the engine spent stepping.",
-           [("", window["busy"])])
+    metric(
+        "batch_size_mean",
+        "gauge",
+        f"Mean rows per iteration over the last {WINDOW_S:g} s.",
+        [("", window["batch"])],
+    )
+    metric(
+        "tokens_per_second",
+        "gauge",
+        f"Tokens emitted per second, all requests, over the last {WINDOW_S:g} s.",
+        [("", window["tokens_per_second"])],
+    )
+    metric(
+        "busy_ratio",
+        "gauge",
+        f"Share of the last {WINDOW_S:g} s the engine spent stepping.",
+        [("", window["busy"])],
+    )
     metric("generated_tokens_total", "counter", "Tokens emitted since start.", [("", m.tokens)])
-    metric("prompt_tokens_total", "counter", "Prompt tokens read since start.", [("", m.prompt_tokens)])
-    metric("last_step_seconds", "gauge", "Seconds the engine's latest iteration took.", [("", m.last_step_s)])
+    metric(
+        "prompt_tokens_total", "counter", "Prompt tokens read since start.", [("", m.prompt_tokens)]
+    )
+    metric(
+        "last_step_seconds",
+        "gauge",
+        "Seconds the engine's latest iteration took.",
+        [("", m.last_step_s)],
+    )
     if loop.tuner is not None:
         tuner = loop.tuner
-        metric("threads", "gauge", "Threads the engine's operators use now (chosen by measuring them).",
-               [("", tuner.probing or tuner.threads)])
-        metric("thread_probes_total", "counter", "Times another thread count was tried for a few iterations.",
-               [("", tuner.probes)])
-        metric("thread_switches_total", "counter", "Times a tried thread count measured faster and was kept.",
-               [("", tuner.switches)])
+        metric(
+            "threads",
+            "gauge",
+            "Threads the engine's operators use now (chosen by measuring them).",
+            [("", tuner.probing or tuner.threads)],
+        )
+        metric(
+            "thread_probes_total",
+            "counter",
+            "Times another thread count was tried for a few iterations.",
+            [("", tuner.probes)],
+        )
+        metric(
+            "thread_switches_total",
+            "counter",
+            "Times a tried thread count measured faster and was kept.",
+            [("", tuner.switches)],
+        )
     for name, histogram, help_text in (
-            ("time_to_first_token_seconds", m.first_token, "From a request's arrival to its first tokens."),
-            ("inter_token_seconds", m.inter_token, "Between a request's tokens (an iteration's tokens share its "
-                                                   "gap)."),
-            ("queue_seconds", m.queue, "From a request's arrival to its first iteration in the batch."),
-            ("request_seconds", m.latency, "From a request's arrival to its end.")):
+        (
+            "time_to_first_token_seconds",
+            m.first_token,
+            "From a request's arrival to its first tokens.",
+        ),
+        (
+            "inter_token_seconds",
+            m.inter_token,
+            "Between a request's tokens (an iteration's tokens share its gap).",
+        ),
+        ("queue_seconds", m.queue, "From a request's arrival to its first iteration in the batch."),
+        ("request_seconds", m.latency, "From a request's arrival to its end."),
+    ):
         metric(name, "histogram", help_text, histogram.samples())
-    metric("iterations_total", "counter", "Engine iterations (one target call each) since start.",
-           [("", m.iterations)])
-    metric("speculating_iterations_total", "counter", "Iterations in which speculation was on (some row drafted).",
-           [("", m.speculating)])
-    metric("speculation_on_ratio", "gauge", f"Share of iterations with speculation on, last {WINDOW_S:g} s.",
-           [("", window["speculation_on"])])
-    metric("alpha", "gauge", f"Acceptance rate (the paper's alpha) over the last {WINDOW_S:g} s (NaN: nothing "
-           "verified).", [("", window["alpha"])])
-    metric("alpha_total", "gauge", "Acceptance rate since start.",
-           [("", m.overlap / m.positions if m.positions else math.nan)])
-    metric("tau", "gauge", f"Tokens per row and iteration (tau) over the last {WINDOW_S:g} s.", [("", window["tau"])])
-    metric("gamma", "gauge", "Gamma of the last iteration (0: speculation off).", [("", loop.last_gamma)])
+    metric(
+        "iterations_total",
+        "counter",
+        "Engine iterations (one target call each) since start.",
+        [("", m.iterations)],
+    )
+    metric(
+        "speculating_iterations_total",
+        "counter",
+        "Iterations in which speculation was on (some row drafted).",
+        [("", m.speculating)],
+    )
+    metric(
+        "speculation_on_ratio",
+        "gauge",
+        f"Share of iterations with speculation on, last {WINDOW_S:g} s.",
+        [("", window["speculation_on"])],
+    )
+    metric(
+        "alpha",
+        "gauge",
+        f"Acceptance rate (the paper's alpha) over the last {WINDOW_S:g} s (NaN: nothing "
+        "verified).",
+        [("", window["alpha"])],
+    )
+    metric(
+        "alpha_total",
+        "gauge",
+        "Acceptance rate since start.",
+        [("", m.overlap / m.positions if m.positions else math.nan)],
+    )
+    metric(
+        "tau",
+        "gauge",
+        f"Tokens per row and iteration (tau) over the last {WINDOW_S:g} s.",
+        [("", window["tau"])],
+    )
+    metric(
+        "gamma",
+        "gauge",
+        "Gamma of the last iteration (0: speculation off).",
+        [("", loop.last_gamma)],
+    )
     policy = loop.policy
     if isinstance(policy, LoadGamma):
-        metric("policy_alpha", "gauge", "The live alpha the gamma policy uses.", [("", policy.alpha)])
+        metric(
+            "policy_alpha", "gauge", "The live alpha the gamma policy uses.", [("", policy.alpha)]
+        )
         table = policy.table()
-        metric("policy_gamma", "gauge", "Gamma the cost model chooses now at each batch size (0: off).",
-               [(f'{{batch="{b}"}}', g) for b, g, _ in table])
-        metric("policy_speedup", "gauge", "The cost model's predicted speedup of that gamma over no speculation.",
-               [(f'{{batch="{b}"}}', s if s is not None else math.nan) for b, _, s in table])
+        metric(
+            "policy_gamma",
+            "gauge",
+            "Gamma the cost model chooses now at each batch size (0: off).",
+            [(f'{{batch="{b}"}}', g) for b, g, _ in table],
+        )
+        metric(
+            "policy_speedup",
+            "gauge",
+            "The cost model's predicted speedup of that gamma over no speculation.",
+            [(f'{{batch="{b}"}}', s if s is not None else math.nan) for b, _, s in table],
+        )
         cells = sorted(dict(policy.cells).items())
-        metric("step_seconds", "gauge", "Measured seconds of one iteration by batch size, gamma and part "
-               "(draft steps, target call, the rest).",
-               [(f'{{batch="{b}",gamma="{g}",part="{part}"}}', value) for (b, g), parts in cells
-                for part, value in zip(("draft", "target", "rest"), parts)])
+        metric(
+            "step_seconds",
+            "gauge",
+            "Measured seconds of one iteration by batch size, gamma and part "
+            "(draft steps, target call, the rest).",
+            [
+                (f'{{batch="{b}",gamma="{g}",part="{part}"}}', value)
+                for (b, g), parts in cells
+                for part, value in zip(("draft", "target", "rest"), parts)
+            ],
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -60,15 +60,31 @@ class LoadGamma:
     (see the module docstring). Call it as ``engine.policy``; feed it every iteration with
     :meth:`observe`."""
 
-    def __init__(self, gamma_max: int, max_rows: int, decay: float = 0.8, fade: float = 0.99,
-                 explore_every: int = 32) -> None:
+    def __init__(
+        self,
+        gamma_max: int,
+        max_rows: int,
+        decay: float = 0.8,
+        fade: float = 0.99,
+        explore_every: int = 32,
+    ) -> None:
         if gamma_max < 1 or max_rows < 1:
             raise ValueError(f"gamma_max and max_rows must be >= 1, got {gamma_max} and {max_rows}")
         self.gamma_max, self.max_rows = gamma_max, max_rows
-        self.decay, self.fade = decay, fade  # the costs' moving average; alpha's counts, per position
-        self.explore_every = explore_every  # two iterations in this many re-measure a neighbour of the choice
-        self.cells: dict[tuple[int, int], list[float]] = {}  # (B, g) -> [draft, target, rest] seconds
-        self.accepted_mass, self.positions = 0.0, 0.0  # faded sum of acceptance probabilities, and count
+        self.decay, self.fade = (
+            decay,
+            fade,
+        )  # the costs' moving average; alpha's counts, per position
+        self.explore_every = (
+            explore_every  # two iterations in this many re-measure a neighbour of the choice
+        )
+        self.cells: dict[
+            tuple[int, int], list[float]
+        ] = {}  # (B, g) -> [draft, target, rest] seconds
+        self.accepted_mass, self.positions = (
+            0.0,
+            0.0,
+        )  # faded sum of acceptance probabilities, and count
         self.chosen: tuple[int, int] = (-1, 0)  # (iteration, gamma): decided once per iteration
         self.last_gamma = gamma_max
 
@@ -99,7 +115,9 @@ class LoadGamma:
         """Seconds of one iteration of ``rows`` rows drafting ``gamma``: measured at this B, else
         interpolated linearly between the nearest measured sizes (scaled from the largest above
         them); None when nothing is known for this gamma."""
-        known = sorted(b for b, g in list(self.cells) if g == gamma)  # a copy: the loop's thread may add a cell
+        known = sorted(
+            b for b, g in list(self.cells) if g == gamma
+        )  # a copy: the loop's thread may add a cell
         if not known:
             return None
         if rows in known:
@@ -117,12 +135,18 @@ class LoadGamma:
         seconds = self.cost(rows, gamma)
         if seconds is None or seconds <= 0:
             return None
-        return expected_tokens_per_iteration(self.alpha if alpha is None else alpha, gamma) / seconds
+        return (
+            expected_tokens_per_iteration(self.alpha if alpha is None else alpha, gamma) / seconds
+        )
 
     def best(self, rows: int) -> int:
         """The gamma with the highest expected rate at ``rows`` rows (the smaller on a tie); the
         largest gamma until anything is measured."""
-        rates = [(r, -g) for g in range(self.gamma_max + 1) if (r := self.rate(max(rows, 1), g)) is not None]
+        rates = [
+            (r, -g)
+            for g in range(self.gamma_max + 1)
+            if (r := self.rate(max(rows, 1), g)) is not None
+        ]
         return -max(rates)[1] if rates else self.gamma_max
 
     def speedup(self, rows: int, gamma: int) -> float | None:
@@ -133,22 +157,34 @@ class LoadGamma:
     def observe(self, it: Iteration) -> None:
         """One iteration: its verified positions into alpha, its clean times into its (B, g) cell."""
         if it.positions:
-            faded = self.fade ** it.positions
+            faded = self.fade**it.positions
             self.accepted_mass = faded * self.accepted_mass + it.overlap
             self.positions = faded * self.positions + it.positions
         if it.clean and it.rows:
-            self.record(it.rows, it.gamma, [it.draft_s, it.target_s, max(0.0, it.seconds - it.draft_s - it.target_s)])
+            self.record(
+                it.rows,
+                it.gamma,
+                [it.draft_s, it.target_s, max(0.0, it.seconds - it.draft_s - it.target_s)],
+            )
         self.last_gamma = it.gamma
 
-    def record(self, rows: int, gamma: int, parts: Sequence[float], weight: float | None = None) -> None:
+    def record(
+        self, rows: int, gamma: int, parts: Sequence[float], weight: float | None = None
+    ) -> None:
         """Fold measured [draft, target, rest] seconds into the (rows, gamma) cell."""
         old = self.cells.get((rows, gamma))
         keep = self.decay if weight is None else 1 - weight
-        self.cells[rows, gamma] = list(parts) if old is None else [keep * o + (1 - keep) * p for o, p in
-                                                                   zip(old, parts)]
+        self.cells[rows, gamma] = (
+            list(parts) if old is None else [keep * o + (1 - keep) * p for o, p in zip(old, parts)]
+        )
 
-    def calibrate(self, engine: Engine, prompt: Sequence[int], sizes: Sequence[int] | None = None,
-                  rounds: int = 5) -> float:
+    def calibrate(
+        self,
+        engine: Engine,
+        prompt: Sequence[int],
+        sizes: Sequence[int] | None = None,
+        rounds: int = 5,
+    ) -> float:
         """Measure every gamma's iteration at each batch size in ``sizes`` (default 1, 2, 4, ...,
         max_rows) on ``engine`` itself, before it serves: B greedy rows of ``prompt`` step with
         gamma 0, 1, ..., gamma_max in turn, ``rounds`` times (so that a slow moment of a shared
@@ -157,12 +193,16 @@ class LoadGamma:
         traffic soon outweighs them). Leaves the engine idle with this policy installed, and
         returns the seconds it took."""
         start = time.perf_counter()
-        sizes = sorted(set(sizes or [*(2 ** k for k in range(max_rows_log(self.max_rows) + 1)), self.max_rows]))
+        sizes = sorted(
+            set(sizes or [*(2**k for k in range(max_rows_log(self.max_rows) + 1)), self.max_rows])
+        )
         per_row = rounds * sum(g + 2 for g in range(self.gamma_max + 1)) + 2
         count = min(per_row, engine.row_limit - len(prompt) - 1)
         if count < per_row:
-            raise ValueError(f"calibration needs {per_row} tokens after a {len(prompt)}-token prompt; the context "
-                             f"holds {engine.row_limit}")
+            raise ValueError(
+                f"calibration needs {per_row} tokens after a {len(prompt)}-token prompt; the context "
+                f"holds {engine.row_limit}"
+            )
         fixed = engine.policy = FixedGamma(0)
         try:
             for size in sizes:
@@ -175,8 +215,15 @@ class LoadGamma:
                             engine.step()  # the draft catches up on what the plain steps emitted
                         times[fixed.gamma].append(timed_step(engine))
                 for gamma, parts in times.items():
-                    self.record(size, gamma, [sorted(column)[len(column) // 2] for column in zip(*parts)], weight=1.0)
-                for row in rows:  # what the calibration verified seeds alpha (else 1/2 until traffic comes)
+                    self.record(
+                        size,
+                        gamma,
+                        [sorted(column)[len(column) // 2] for column in zip(*parts)],
+                        weight=1.0,
+                    )
+                for row in (
+                    rows
+                ):  # what the calibration verified seeds alpha (else 1/2 until traffic comes)
                     self.accepted_mass += row.stats.overlap_sum
                     self.positions += row.stats.verified_positions
                 for row in rows:
@@ -185,9 +232,14 @@ class LoadGamma:
         finally:
             engine.policy = self
             engine.finished.clear()
-        window = 1 / (1 - self.fade)  # live traffic outweighs the calibration after about this many positions
+        window = 1 / (
+            1 - self.fade
+        )  # live traffic outweighs the calibration after about this many positions
         if self.positions > window:
-            self.accepted_mass, self.positions = self.accepted_mass * window / self.positions, window
+            self.accepted_mass, self.positions = (
+                self.accepted_mass * window / self.positions,
+                window,
+            )
         return time.perf_counter() - start
 
     def table(self) -> list[tuple[int, int, float | None]]:

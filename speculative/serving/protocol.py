@@ -16,20 +16,47 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI
 class ApiError(Exception):
     """An OpenAI-style error response."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.status, self.message, self.kind, self.code, self.param = (
+            status,
+            message,
+            kind,
+            code,
+            param,
+        )
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.kind, self.code, self.param, self.headers)
+        return error_response(
+            self.status, self.message, self.kind, self.code, self.param, self.headers
+        )
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message.splitlines()[0] if message else kind, "type": kind, "param": param,
-                      "code": code}}
+def error_response(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message.splitlines()[0] if message else kind,
+            "type": kind,
+            "param": param,
+            "code": code,
+        }
+    }
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -46,12 +73,16 @@ class Options(Strict):
     """The fields both endpoints take."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo (the prompt scored, nothing made)
+    max_tokens: Annotated[int, Field(ge=0)] | None = (
+        None  # 0: only with echo (the prompt scored, nothing made)
+    )
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # None: OpenAI's default, 1
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=1)] | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=-2 ** 63, lt=2 ** 63)] | None = None  # OpenAI's int64; a negative one is folded
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = (
+        None  # OpenAI's int64; a negative one is folded
+    )
     stream: bool | None = False  # null: OpenAI's default, as for every nullable field here
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = 1
@@ -61,7 +92,7 @@ class Options(Strict):
     @classmethod
     def fold(cls, seed: int | None) -> int | None:
         """OpenAI's seeds are int64; the generators take 0..2^63 - 1: a negative one is folded there."""
-        return None if seed is None else seed % 2 ** 63
+        return None if seed is None else seed % 2**63
 
     # accepted at the value that changes nothing (refused otherwise, below): what clients send by default
     presence_penalty: float | None = None
@@ -72,8 +103,12 @@ class Options(Strict):
 
 class CompletionRequest(Options):
     prompt: str | list[str] | list[int]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # k: each token's and its top k
-    echo: bool | None = None  # the prompt before the completion, and its log-probabilities with logprobs
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = (
+        None  # k: each token's and its top k
+    )
+    echo: bool | None = (
+        None  # the prompt before the completion, and its log-probabilities with logprobs
+    )
 
 
 class TextPart(Strict):
@@ -88,7 +123,11 @@ class Message(Strict):
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(part.text for part in self.content)
+        )
 
 
 class ChatRequest(Options):
@@ -100,4 +139,3 @@ class ChatRequest(Options):
 
 def field_names(model: type[BaseModel]) -> str:
     return ", ".join(sorted(model.model_fields))
-

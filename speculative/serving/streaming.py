@@ -42,8 +42,15 @@ class Exchange:
     """One request between the event loop and the engine's thread: the ticket, the queue its
     tokens arrive on, and its text."""
 
-    def __init__(self, service: Service, request: Request, prompt: list[int], body: Options, chat: bool,
-                 limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        service: Service,
+        request: Request,
+        prompt: list[int],
+        body: Options,
+        chat: bool,
+        limits: Limits | None = None,
+    ) -> None:
         self.service, self.request, self.body, self.chat = service, request, body, chat
         self.limits = limits or Limits()
         self.prompt = prompt
@@ -79,22 +86,37 @@ class Exchange:
 
         # a field the request leaves out takes the model's default (generation_config.json), else OpenAI's
         defaults = service.defaults
-        temperature = defaults.get("temperature", 1.0) if body.temperature is None else body.temperature
+        temperature = (
+            defaults.get("temperature", 1.0) if body.temperature is None else body.temperature
+        )
         top_p = defaults.get("top_p") if body.top_p is None else body.top_p
         top_p = None if top_p is None or top_p >= 1 else top_p
         top_k = defaults.get("top_k") if body.top_k is None else body.top_k
-        self.ticket = Ticket(prompt, max_tokens_of(service, body, len(prompt), chat) or 1,  # 0: one, never shown
-                             Sampling(temperature, top_k, top_p), body.seed, body.speculative_gamma,
-                             service.stop_ids, on_tokens=tokens, on_done=done, logprobs=logprobs_of(body, chat),
-                             echo=self.echo and body.logprobs is not None)
+        self.ticket = Ticket(
+            prompt,
+            max_tokens_of(service, body, len(prompt), chat) or 1,  # 0: one, never shown
+            Sampling(temperature, top_k, top_p),
+            body.seed,
+            body.speculative_gamma,
+            service.stop_ids,
+            on_tokens=tokens,
+            on_done=done,
+            logprobs=logprobs_of(body, chat),
+            echo=self.echo and body.logprobs is not None,
+        )
         self.watcher: asyncio.Task | None = None
 
     def submit(self) -> None:
         try:
             self.service.loop.submit(self.ticket)
         except OverloadedError as error:
-            raise ApiError(429, str(error), "rate_limit_error", "queue_full",
-                           headers={"Retry-After": str(error.retry_after)}) from None
+            raise ApiError(
+                429,
+                str(error),
+                "rate_limit_error",
+                "queue_full",
+                headers={"Retry-After": str(error.retry_after)},
+            ) from None
         except RuntimeError as error:
             raise ApiError(503, str(error), "server_error", "engine_stopped") from None
         self.watcher = asyncio.ensure_future(wait_for_disconnect(self.request))
@@ -105,8 +127,11 @@ class Exchange:
         if not self.queue.empty():
             return self.queue.get_nowait()
         getting = asyncio.ensure_future(self.queue.get())
-        await asyncio.wait({getting, self.watcher}, timeout=self.limits.keepalive,
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {getting, self.watcher},
+            timeout=self.limits.keepalive,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
         if getting.done():
             return getting.result()
         getting.cancel()
@@ -141,14 +166,30 @@ class Exchange:
         if error is None:
             return None
         if isinstance(error, NonFiniteLogitsError):
-            return ApiError(500, "this request's logits turned non-finite (inf or NaN) and it was stopped; the other "
-                            "requests go on", "server_error", "non_finite_logits")
+            return ApiError(
+                500,
+                "this request's logits turned non-finite (inf or NaN) and it was stopped; the other "
+                "requests go on",
+                "server_error",
+                "non_finite_logits",
+            )
         if isinstance(error, RowFailedError):
-            return ApiError(500, f"this request failed on the server ({error}); the other requests go on",
-                            "server_error", "request_failed")
+            return ApiError(
+                500,
+                f"this request failed on the server ({error}); the other requests go on",
+                "server_error",
+                "request_failed",
+            )
         if isinstance(error, DeadlineError) and error.queue:
-            return ApiError(503, str(error), "server_error", "queue_timeout",
-                            headers={"Retry-After": str(self.service.loop.retry_after(self.service.loop.waiting))})
+            return ApiError(
+                503,
+                str(error),
+                "server_error",
+                "queue_timeout",
+                headers={
+                    "Retry-After": str(self.service.loop.retry_after(self.service.loop.waiting))
+                },
+            )
         if isinstance(error, DeadlineError):
             return ApiError(504, str(error), "server_error", "request_timeout")
         if isinstance(error, ValueError):
@@ -165,7 +206,11 @@ class Exchange:
 
     def usage(self) -> dict[str, int]:
         done = len(self.output.tokens)
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": done, "total_tokens": len(self.prompt) + done}
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": done,
+            "total_tokens": len(self.prompt) + done,
+        }
 
     def speculation(self) -> dict[str, Any]:
         """This request's speculation figures."""
@@ -174,40 +219,70 @@ class Exchange:
         pinned = self.ticket.gamma
         used = list(stats.gamma_history) if stats else []
         mode = self.service.speculation
-        return {"gamma": pinned if pinned is not None else self.service.gamma_max if mode == "on" else mode,
-                "drafted_tokens": stats.drafted_tokens if stats else 0,
-                "accepted_tokens": stats.accepted_draft_tokens if stats else 0,
-                "acceptance_rate": stats.acceptance_rate if stats else None,
-                "tokens_per_target_call": row.produced / stats.target_calls if stats and stats.target_calls else None,
-                "target_calls": stats.target_calls if stats else 0,
-                "mean_gamma": sum(used) / len(used) if used else None}
+        return {
+            "gamma": pinned
+            if pinned is not None
+            else self.service.gamma_max
+            if mode == "on"
+            else mode,
+            "drafted_tokens": stats.drafted_tokens if stats else 0,
+            "accepted_tokens": stats.accepted_draft_tokens if stats else 0,
+            "acceptance_rate": stats.acceptance_rate if stats else None,
+            "tokens_per_target_call": row.produced / stats.target_calls
+            if stats and stats.target_calls
+            else None,
+            "target_calls": stats.target_calls if stats else 0,
+            "mean_gamma": sum(used) / len(used) if used else None,
+        }
 
     def logprobs(self, start: int, ids: list[int]) -> dict[str, Any] | None:
         """OpenAI's logprobs of the kept tokens start.. (``ids``): the target's own log-probability
         of each at temperature 1, before any warping, and its top ones (speculative.engine.logprobs.record_logprobs)."""
         if self.ticket.logprobs is None or self.ticket.row is None:
             return None
-        record = self.ticket.row.logprob_record[start:start + len(ids)]
+        record = self.ticket.row.logprob_record[start : start + len(ids)]
         name = lambda token: token_text(self.service.tokenizer, token)  # noqa: E731
         if self.chat:
-            return {"content": [{"token": name(t), "logprob": v, "bytes": list(name(t).encode()),
-                                 "top_logprobs": [{"token": name(i), "logprob": w, "bytes": list(name(i).encode())}
-                                                  for i, w in tops]}
-                                for t, (v, tops) in zip(ids, record)]}
+            return {
+                "content": [
+                    {
+                        "token": name(t),
+                        "logprob": v,
+                        "bytes": list(name(t).encode()),
+                        "top_logprobs": [
+                            {"token": name(i), "logprob": w, "bytes": list(name(i).encode())}
+                            for i, w in tops
+                        ],
+                    }
+                    for t, (v, tops) in zip(ids, record)
+                ]
+            }
         return completion_logprobs(self.service.tokenizer, ids, record)
 
     def echoed(self) -> tuple[str, dict[str, Any] | None]:
         """With echo: the prompt's text and, with logprobs, the prompt tokens' log-probabilities
         under the target (the first token has none, as in OpenAI's answers)."""
-        text = self.body.prompt if isinstance(self.body.prompt, str) else \
-            self.body.prompt[0] if isinstance(self.body.prompt[0], str) else self.service.tokenizer.decode(self.prompt)
+        text = (
+            self.body.prompt
+            if isinstance(self.body.prompt, str)
+            else self.body.prompt[0]
+            if isinstance(self.body.prompt[0], str)
+            else self.service.tokenizer.decode(self.prompt)
+        )
         row = self.ticket.row
         if self.body.logprobs is None or row is None or len(row.prompt_record) != len(self.prompt):
             return text, None
         return text, completion_logprobs(self.service.tokenizer, self.prompt, row.prompt_record)
 
-    def choice(self, text: str, ids: list[int], finish: str | None, delta: bool, start: int = 0,
-               echo: bool = False) -> dict[str, Any]:
+    def choice(
+        self,
+        text: str,
+        ids: list[int],
+        finish: str | None,
+        delta: bool,
+        start: int = 0,
+        echo: bool = False,
+    ) -> dict[str, Any]:
         logprobs = self.logprobs(start, ids)
         if echo:  # the prompt in front
             before, scored = self.echoed()
@@ -217,21 +292,42 @@ class Exchange:
         if not self.chat:
             out = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         elif delta:
-            out = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                   "finish_reason": finish}
+            out = {
+                "index": 0,
+                "delta": {"content": text} if text else {},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         else:
-            out = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                   "finish_reason": finish}
+            out = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         if self.body.return_token_ids:
             out["token_ids"] = ids
         return out
 
     def document(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        if chunk and self.include_usage:  # as OpenAI: usage null on every chunk but the last, which has it
+        kind = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if self.chat
+            else "text_completion"
+        )
+        if (
+            chunk and self.include_usage
+        ):  # as OpenAI: usage null on every chunk but the last, which has it
             extra["usage"] = extra.get("usage") if not choices else None
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.service.model,
-                "system_fingerprint": self.service.fingerprint, "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.service.model,
+            "system_fingerprint": self.service.fingerprint,
+            "choices": choices,
+            **extra,
+        }
 
     # ------------------------------------------------------------------------- the two ways to answer
     async def whole(self) -> JSONResponse:
@@ -240,14 +336,20 @@ class Exchange:
             async for piece, _ in self.pieces():
                 text.append(piece)
         except ClientGoneError:
-            return error_response(499, "the client closed the request", code="client_closed")  # read by nobody
+            return error_response(
+                499, "the client closed the request", code="client_closed"
+            )  # read by nobody
         finally:
             self.close()
         failed = self.failure()
         if failed is not None:
             return failed.response()
-        choice = self.choice("".join(text), self.output.tokens, self.finish_reason, delta=False, echo=self.echo)
-        return JSONResponse(self.document([choice], chunk=False, usage=self.usage(), speculation=self.speculation()))
+        choice = self.choice(
+            "".join(text), self.output.tokens, self.finish_reason, delta=False, echo=self.echo
+        )
+        return JSONResponse(
+            self.document([choice], chunk=False, usage=self.usage(), speculation=self.speculation())
+        )
 
     async def streamed(self) -> JSONResponse | StreamingResponse:
         """Server-sent events, one per iteration that adds text. The response waits for the first
@@ -271,21 +373,42 @@ class Exchange:
         async def events() -> AsyncIterator[str]:
             try:
                 if self.chat:
-                    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None}
+                    opening = {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
                     yield sse(self.document([opening], chunk=True))
                 piece: tuple[str, list[int]] | None = first
-                sent, echoed = 0, not self.echo  # kept tokens handed out so far; the prompt, with echo
+                sent, echoed = (
+                    0,
+                    not self.echo,
+                )  # kept tokens handed out so far; the prompt, with echo
                 while piece is not None:
                     text, ids = piece
-                    if piece is IDLE:  # nothing to send for a while: a comment keeps the stream open
+                    if (
+                        piece is IDLE
+                    ):  # nothing to send for a while: a comment keeps the stream open
                         yield ": keep-alive\n\n"
                     elif not echoed and self.failure() is None:
                         echoed = True
-                        yield sse(self.document([self.choice("", [], None, delta=True, echo=True)], chunk=True))
-                    if piece is not IDLE and (text or (ids and (self.body.return_token_ids
-                                                                or self.ticket.logprobs is not None))):
-                        yield sse(self.document([self.choice(text, ids, None, delta=True, start=sent)], chunk=True))
+                        yield sse(
+                            self.document(
+                                [self.choice("", [], None, delta=True, echo=True)], chunk=True
+                            )
+                        )
+                    if piece is not IDLE and (
+                        text
+                        or (
+                            ids and (self.body.return_token_ids or self.ticket.logprobs is not None)
+                        )
+                    ):
+                        yield sse(
+                            self.document(
+                                [self.choice(text, ids, None, delta=True, start=sent)], chunk=True
+                            )
+                        )
                     sent += len(ids)
                     try:
                         piece = await anext_or_none(pieces)
@@ -293,37 +416,60 @@ class Exchange:
                         return
                 failed = self.failure()
                 if failed is not None:  # after the stream began: the stream says it, then ends
-                    yield sse({"error": {"message": failed.message, "type": failed.kind, "param": None,
-                                         "code": failed.code}})
+                    yield sse(
+                        {
+                            "error": {
+                                "message": failed.message,
+                                "type": failed.kind,
+                                "param": None,
+                                "code": failed.code,
+                            }
+                        }
+                    )
                 else:
                     extra = {"usage": self.usage(), "speculation": self.speculation()}
-                    yield sse(self.document([self.choice("", [], self.finish_reason, delta=True)], chunk=True,
-                                            **extra))
+                    yield sse(
+                        self.document(
+                            [self.choice("", [], self.finish_reason, delta=True)],
+                            chunk=True,
+                            **extra,
+                        )
+                    )
                     if self.include_usage:
                         yield sse(self.document([], chunk=True, **extra))
                 yield "data: [DONE]\n\n"
             finally:
                 self.close()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
 
-async def anext_or_none(pieces: AsyncIterator[tuple[str, list[int]]]) -> tuple[str, list[int]] | None:
+async def anext_or_none(
+    pieces: AsyncIterator[tuple[str, list[int]]],
+) -> tuple[str, list[int]] | None:
     try:
         return await pieces.__anext__()
     except StopAsyncIteration:
         return None
 
 
-def completion_logprobs(tokenizer: Any, ids: Sequence[int], records: Sequence[Any]) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Any, ids: Sequence[int], records: Sequence[Any]
+) -> dict[str, Any]:
     """A completion's logprobs in OpenAI's shape: each token's text, its log-probability and its
     top ones by text (``records``: the engine's (log p, [(id, log p)]) per token, or None where
     there is none: an echoed prompt's first token), and where each token's text begins."""
     texts = [token_text(tokenizer, t) for t in ids]
-    return {"tokens": texts, "token_logprobs": [r and r[0] for r in records],
-            "top_logprobs": [r and {token_text(tokenizer, i): w for i, w in r[1]} for r in records],
-            "text_offset": [sum(map(len, texts[:i])) for i in range(len(texts))]}
+    return {
+        "tokens": texts,
+        "token_logprobs": [r and r[0] for r in records],
+        "top_logprobs": [r and {token_text(tokenizer, i): w for i, w in r[1]} for r in records],
+        "text_offset": [sum(map(len, texts[:i])) for i in range(len(texts))],
+    }
 
 
 def join_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
@@ -331,9 +477,12 @@ def join_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[st
     if then is None:
         return first
     shift = sum(map(len, first["tokens"]))
-    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] +
-            then["token_logprobs"], "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
-            "text_offset": first["text_offset"] + [shift + offset for offset in then["text_offset"]]}
+    return {
+        "tokens": first["tokens"] + then["tokens"],
+        "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+        "text_offset": first["text_offset"] + [shift + offset for offset in then["text_offset"]],
+    }
 
 
 def sse(document: dict[str, Any]) -> str:
@@ -357,7 +506,11 @@ def logprobs_of(body: Options, chat: bool) -> int | None:
 def token_text(tokenizer: Any, token: int) -> str:
     """A token's own text: its SentencePiece piece with the word-boundary mark as a space."""
     piece = getattr(tokenizer, "piece", None)
-    return piece(int(token)).replace("\u2581", " ") if piece is not None else tokenizer.decode([int(token)])
+    return (
+        piece(int(token)).replace("\u2581", " ")
+        if piece is not None
+        else tokenizer.decode([int(token)])
+    )
 
 
 async def answer(exchange: Exchange) -> Any:

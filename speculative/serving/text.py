@@ -24,11 +24,15 @@ class NoChatTemplateError(ValueError):
     """A conversation for a model that has no chat format (a base model)."""
 
 
-def encode_prompt(tokenizer: Any, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, prompt: str, chat: bool = False, system: str | None = None
+) -> list[int]:
     """The prompt's ids with BOS; with ``chat``, one user turn (after ``system``, when given) in the
     model's chat format (:func:`encode_dialog`)."""
     if chat:
-        return encode_dialog(tokenizer, ([("system", system)] if system else []) + [("user", prompt)])
+        return encode_dialog(
+            tokenizer, ([("system", system)] if system else []) + [("user", prompt)]
+        )
     return tokenizer.encode(prompt, bos=True)
 
 
@@ -40,8 +44,10 @@ def encode_dialog(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[i
     chat = getattr(tokenizer, "chat", None)
     if chat is None:
         name = getattr(tokenizer, "name", "the model")
-        raise NoChatTemplateError(f"{name} has no chat template (its tokenizer_config.json names none): it is a base "
-                                  "model, which continues text rather than answering turns; send it a plain prompt")
+        raise NoChatTemplateError(
+            f"{name} has no chat template (its tokenizer_config.json names none): it is a base "
+            "model, which continues text rather than answering turns; send it a plain prompt"
+        )
     return chat.encode(tokenizer, messages)
 
 
@@ -52,19 +58,25 @@ class Llama2Chat:
     ``<s>[INST] {user} [/INST] {answer} </s>``; the last is ``<s>[INST] {user} [/INST]``, with the
     system prompt inside the first [INST]. ValueError for any other order of roles."""
 
-    def encode(self, tokenizer: Any, messages: Sequence[tuple[str, str]] | Sequence[dict[str, Any]]) -> list[int]:
+    def encode(
+        self, tokenizer: Any, messages: Sequence[tuple[str, str]] | Sequence[dict[str, Any]]
+    ) -> list[int]:
         turns = [(m["role"], m["content"]) if isinstance(m, dict) else tuple(m) for m in messages]
         system = turns.pop(0)[1] if turns and turns[0][0] == "system" else None
         roles = [role for role, _ in turns]
         if not turns or roles != ["user", "assistant"] * (len(turns) // 2) + ["user"]:
-            raise ValueError("messages must be an optional system message, then user and assistant messages in "
-                             f"turn, ending with a user message; got {', '.join(roles) or 'no user message'}")
+            raise ValueError(
+                "messages must be an optional system message, then user and assistant messages in "
+                f"turn, ending with a user message; got {', '.join(roles) or 'no user message'}"
+            )
         texts = [text for _, text in turns]
         if system:
             texts[0] = B_SYS + system.strip() + E_SYS + texts[0].strip()
         ids: list[int] = []
         for user, answer in zip(texts[:-1:2], texts[1::2]):
-            ids += tokenizer.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", bos=True, eos=True)
+            ids += tokenizer.encode(
+                f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", bos=True, eos=True
+            )
         return ids + tokenizer.encode(f"{B_INST} {texts[-1].strip()} {E_INST}", bos=True)
 
 
@@ -75,7 +87,7 @@ def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], new_ids: Sequen
     """The text the new tokens add to the prompt, with the spaces SentencePiece puts between them."""
     before = tokenizer.decode(list(prompt_ids))
     full = tokenizer.decode(list(prompt_ids) + list(new_ids))
-    return full[len(before):] if full.startswith(before) else tokenizer.decode(list(new_ids))
+    return full[len(before) :] if full.startswith(before) else tokenizer.decode(list(new_ids))
 
 
 class TextStream:
@@ -96,22 +108,24 @@ class TextStream:
         self.tokenizer = tokenizer
         self.ids = [int(t) for t in prompt_ids]
         self.read = len(self.ids)  # tokens whose text is handed out (or is the prompt's)
-        self.start = max(0, self.read - 4)  # a few tokens of context: the window never starts at the new one
+        self.start = max(
+            0, self.read - 4
+        )  # a few tokens of context: the window never starts at the new one
 
     def add(self, token: int) -> str:
         """The text that is complete now that ``token`` follows ("" while a character waits)."""
         self.ids.append(int(token))
-        before = self.tokenizer.decode(self.ids[self.start:self.read])
-        ready = self.tokenizer.decode(self.ids[self.start:]).rstrip("\ufffd")
+        before = self.tokenizer.decode(self.ids[self.start : self.read])
+        ready = self.tokenizer.decode(self.ids[self.start :]).rstrip("\ufffd")
         if len(ready) <= len(before) or not ready.startswith(before):
             return ""
         self.start, self.read = self.read, len(self.ids)
-        return ready[len(before):]
+        return ready[len(before) :]
 
     def finish(self) -> str:
         """Whatever was held back at the end (a byte sequence that never completed)."""
-        before = self.tokenizer.decode(self.ids[self.start:self.read])
-        text = self.tokenizer.decode(self.ids[self.start:])[len(before):]
+        before = self.tokenizer.decode(self.ids[self.start : self.read])
+        text = self.tokenizer.decode(self.ids[self.start :])[len(before) :]
         self.start, self.read = self.read, len(self.ids)
         return text
 
@@ -190,7 +204,7 @@ class Output:
 
     def release(self, everything: bool) -> str:
         end = len(self.text) if everything else len(self.text) - self.held()
-        piece = self.text[self.sent:max(end, self.sent)]
+        piece = self.text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return piece
 

@@ -42,7 +42,9 @@ def openmp_threads() -> Callable[[int], None]:
     paths = {line.split()[-1] for line in maps.read_text().splitlines()} if maps.exists() else set()
     now = torch.get_num_threads()
     other = 2 if now == 1 else 1
-    for path in sorted(p for p in paths if any(name in Path(p).name for name in ("libgomp", "libiomp", "libomp"))):
+    for path in sorted(
+        p for p in paths if any(name in Path(p).name for name in ("libgomp", "libiomp", "libomp"))
+    ):
         try:
             apply = ctypes.CDLL(path).omp_set_num_threads
         except (OSError, AttributeError):
@@ -66,9 +68,19 @@ class ThreadTuner:
     that runs the operators: OpenMP's count is a per-thread setting). :meth:`observe` is
     called after every comparable iteration."""
 
-    def __init__(self, most: int, apply: Callable[[int], None], *, window: int = 5, first_gap: int = 32,
-                 longest_gap: int = 1024, margin: float = 0.8, abort: float = 2.0, drift: float = 1.5,
-                 log: Callable[[str], None] = lambda line: None) -> None:
+    def __init__(
+        self,
+        most: int,
+        apply: Callable[[int], None],
+        *,
+        window: int = 5,
+        first_gap: int = 32,
+        longest_gap: int = 1024,
+        margin: float = 0.8,
+        abort: float = 2.0,
+        drift: float = 1.5,
+        log: Callable[[str], None] = lambda line: None,
+    ) -> None:
         if most < 1:
             raise ValueError(f"most must be >= 1, got {most}")
         self.counts, self.apply, self.log = ladder(most), apply, log
@@ -76,8 +88,12 @@ class ThreadTuner:
         self.window, self.first_gap, self.longest_gap = window, first_gap, longest_gap
         self.margin, self.abort, self.drift = margin, abort, drift
         self.clock = 0  # iterations observed
-        self.fresh = 8 * window  # a time older than this many iterations is not compared with a probe's
-        self.recent: dict[Shape, deque[tuple[int, float]]] = {}  # the current count's latest (clock, time) by shape
+        self.fresh = (
+            8 * window
+        )  # a time older than this many iterations is not compared with a probe's
+        self.recent: dict[
+            Shape, deque[tuple[int, float]]
+        ] = {}  # the current count's latest (clock, time) by shape
         self.usual: dict[Shape, float] = {}  # a slow average of this count's times by shape
         self.gap, self.since = first_gap, 0
         self.probing: int | None = None
@@ -102,8 +118,11 @@ class ThreadTuner:
             # wake or park): it says nothing about the count.
             if self.probe_iterations > 1 and len(times) >= 2:
                 self.ratios.append(seconds / statistics.median(times))
-            if (self.ratios and self.ratios[-1] > self.abort) or len(self.ratios) >= self.window \
-                    or self.probe_iterations > 2 * self.window:
+            if (
+                (self.ratios and self.ratios[-1] > self.abort)
+                or len(self.ratios) >= self.window
+                or self.probe_iterations > 2 * self.window
+            ):
                 self.conclude()
             return
         times = self.recent.setdefault(shape, deque(maxlen=self.window))
@@ -111,8 +130,12 @@ class ThreadTuner:
         self.since += 1
         usual = self.usual.setdefault(shape, seconds)
         self.usual[shape] = usual + (seconds - usual) / (4 * self.window)
-        if len(times) == self.window and self.since >= self.first_gap and self.threads > self.counts[0] \
-                and statistics.median(t for _, t in times) > self.drift * usual:
+        if (
+            len(times) == self.window
+            and self.since >= self.first_gap
+            and self.threads > self.counts[0]
+            and statistics.median(t for _, t in times) > self.drift * usual
+        ):
             # Well above this count's usual times for a while: something else runs now, so fewer
             # threads may be faster: try them at once.
             self.usual[shape] = statistics.median(t for _, t in times)
@@ -132,8 +155,10 @@ class ThreadTuner:
     def conclude(self) -> None:
         better = len(self.ratios) >= self.window and statistics.median(self.ratios) < self.margin
         if better:  # the probed count is the choice; its own times start afresh
-            self.log(f"threads: {self.probing} now (they measured {statistics.median(self.ratios):.2f} times the "
-                     f"time of {self.threads})")
+            self.log(
+                f"threads: {self.probing} now (they measured {statistics.median(self.ratios):.2f} times the "
+                f"time of {self.threads})"
+            )
             self.threads = self.probing
             self.recent, self.usual = {}, {}
             self.gap = self.first_gap

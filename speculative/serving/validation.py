@@ -13,9 +13,13 @@ from fastapi.exceptions import RequestValidationError
 from speculative.serving.loop import Service
 from speculative.serving.protocol import ApiError, Options
 
-MAX_STOP_CHARS = 1024  # a stop string's length at most (matching is linear in the text, the table in the stop)
+MAX_STOP_CHARS = (
+    1024  # a stop string's length at most (matching is linear in the text, the table in the stop)
+)
 MAX_STOPS = 4  # as OpenAI
-COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; a chat's is what the context leaves
+COMPLETION_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; a chat's is what the context leaves
+)
 
 
 def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -24,7 +28,10 @@ def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     where = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(where) or None
     if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        return (
+            f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+            None,
+        )
     if first.get("type") == "extra_forbidden":
         return f"unknown or unsupported field {param!r}", param
     if first.get("type") == "missing":
@@ -35,12 +42,18 @@ def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
 def stops_of(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOPS:
-        raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+        raise ApiError(
+            400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop"
+        )
     if any(not s for s in stops):
         raise ApiError(400, "stop strings must not be empty", param="stop")
     if max(map(len, stops), default=0) > MAX_STOP_CHARS:
-        raise ApiError(400, f"stop strings can be at most {MAX_STOP_CHARS} characters, got one of "
-                       f"{max(map(len, stops))}", param="stop")
+        raise ApiError(
+            400,
+            f"stop strings can be at most {MAX_STOP_CHARS} characters, got one of "
+            f"{max(map(len, stops))}",
+            param="stop",
+        )
     return [unicode_text(s, "stop") for s in stops]
 
 
@@ -48,43 +61,72 @@ def max_tokens_of(service: Service, body: Options, prompt_tokens: int, chat: boo
     """The request's max_tokens, checked against what the context leaves after the prompt."""
     room = service.context - prompt_tokens
     if room < 1:
-        raise ApiError(400, f"the prompt is {prompt_tokens} tokens and {service.model}'s context is {service.context} "
-                       "tokens: it must hold the prompt and at least one new token", code="context_length_exceeded",
-                       param="messages" if chat else "prompt")
+        raise ApiError(
+            400,
+            f"the prompt is {prompt_tokens} tokens and {service.model}'s context is {service.context} "
+            "tokens: it must hold the prompt and at least one new token",
+            code="context_length_exceeded",
+            param="messages" if chat else "prompt",
+        )
     asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if asked is None:
-        default = service.defaults.get("max_new_tokens") or (None if chat else COMPLETION_MAX_TOKENS)
+        default = service.defaults.get("max_new_tokens") or (
+            None if chat else COMPLETION_MAX_TOKENS
+        )
         return room if default is None else min(default, room)
     if asked > room:
-        raise ApiError(400, f"the prompt ({prompt_tokens} tokens) and max_tokens ({asked}) exceed {service.model}'s "
-                       f"{service.context}-token context: max_tokens can be at most {room} here",
-                       code="context_length_exceeded", param="max_tokens")
+        raise ApiError(
+            400,
+            f"the prompt ({prompt_tokens} tokens) and max_tokens ({asked}) exceed {service.model}'s "
+            f"{service.context}-token context: max_tokens can be at most {room} here",
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
     return asked
 
 
 def check_common(service: Service, body: Options) -> None:
     if body.model != service.model:
-        raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves {service.model!r}",
-                       code="model_not_found", param="model")
+        raise ApiError(
+            404,
+            f"the model {body.model!r} does not exist here; this server serves {service.model!r}",
+            code="model_not_found",
+            param="model",
+        )
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0):
-            raise ApiError(400, f"{name} is not supported (it would change the target's distribution, which "
-                                "speculation reproduces exactly); only 0 or null", param=name)
+            raise ApiError(
+                400,
+                f"{name} is not supported (it would change the target's distribution, which "
+                "speculation reproduces exactly); only 0 or null",
+                param=name,
+            )
     if body.max_tokens == 0 and not getattr(body, "echo", None):
-        raise ApiError(400, "max_tokens must be >= 1 (0 only with echo: true, to score the prompt)",
-                       param="max_tokens")
+        raise ApiError(
+            400,
+            "max_tokens must be >= 1 (0 only with echo: true, to score the prompt)",
+            param="max_tokens",
+        )
     if getattr(body, "top_logprobs", None) and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if body.stream_options is not None and not body.stream:
-        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        raise ApiError(
+            400, "stream_options is only allowed with stream: true", param="stream_options"
+        )
     chat_max = getattr(body, "max_completion_tokens", None)
     if chat_max is not None and body.max_tokens is not None and chat_max != body.max_tokens:
-        raise ApiError(400, f"max_tokens ({body.max_tokens}) and max_completion_tokens ({chat_max}) differ: give one",
-                       param="max_completion_tokens")
+        raise ApiError(
+            400,
+            f"max_tokens ({body.max_tokens}) and max_completion_tokens ({chat_max}) differ: give one",
+            param="max_completion_tokens",
+        )
     gamma = body.speculative_gamma
     if gamma is not None and gamma > service.gamma_max:
-        limit = "this server has no drafter, so only 0" if service.gamma_max == 0 else \
-            f"it must lie in 0..{service.gamma_max} (the server's --gamma)"
+        limit = (
+            "this server has no drafter, so only 0"
+            if service.gamma_max == 0
+            else f"it must lie in 0..{service.gamma_max} (the server's --gamma)"
+        )
         raise ApiError(400, f"speculative_gamma {gamma}: {limit}", param="speculative_gamma")
 
 
@@ -94,8 +136,11 @@ def unicode_text(text: str, param: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ApiError(400, f"{param} is not valid Unicode text ({error.reason} at character {error.start})",
-                       param=param) from None
+        raise ApiError(
+            400,
+            f"{param} is not valid Unicode text ({error.reason} at character {error.start})",
+            param=param,
+        ) from None
     return text
 
 
@@ -105,8 +150,13 @@ def too_long(service: Service, texts: Sequence[Any], param: str) -> None:
     many times the context has more tokens than the context holds."""
     chars = sum(len(t) for t in texts if isinstance(t, str))
     if chars > service.context * service.longest_piece:
-        raise ApiError(400, f"the {param} is {chars} characters, more than {service.model}'s context of "
-                            f"{service.context} tokens can hold", code="context_length_exceeded", param=param)
+        raise ApiError(
+            400,
+            f"the {param} is {chars} characters, more than {service.model}'s context of "
+            f"{service.context} tokens can hold",
+            code="context_length_exceeded",
+            param=param,
+        )
 
 
 def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[int]:
@@ -116,10 +166,15 @@ def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[in
         raise ApiError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt[0], str):
         if len(prompt) != 1:
-            raise ApiError(400, f"one prompt per request (n = 1), got a list of {len(prompt)}", param="prompt")
+            raise ApiError(
+                400, f"one prompt per request (n = 1), got a list of {len(prompt)}", param="prompt"
+            )
         return service.tokenizer.encode(unicode_text(prompt[0], "prompt"), bos=True)
     vocab = service.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab:
-        raise ApiError(400, f"prompt token ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}",
-                       param="prompt")
+        raise ApiError(
+            400,
+            f"prompt token ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}",
+            param="prompt",
+        )
     return list(prompt)

@@ -16,5 +16,17 @@ from speculative.verify.token import (
 )
 from speculative.verify.verdict import Verdict, Verification, together
 
-__all__ = ["RULES", "Rule", "Verdict", "Verification", "acceptance_probability", "expected_acceptance",
-           "register_rule", "residual_distribution", "rule", "together", "verify_greedy", "verify_step"]
+__all__ = [
+    "RULES",
+    "Rule",
+    "Verdict",
+    "Verification",
+    "acceptance_probability",
+    "expected_acceptance",
+    "register_rule",
+    "residual_distribution",
+    "rule",
+    "together",
+    "verify_greedy",
+    "verify_step",
+]

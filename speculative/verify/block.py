@@ -66,7 +66,9 @@ def block_weights(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor) -> to
     return (running - running.cummax(0).values).exp()
 
 
-def block_residuals(p: torch.Tensor, q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_residuals(
+    p: torch.Tensor, q: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Line B2 and the distributions of line B6: (m [gamma], fallback [gamma+1, V]).
 
     m_i = sum_x max(0, w_i p_{i+1}(x) - q_{i+1}(x)) for i = 0..gamma-1; fallback[i] is the
@@ -79,8 +81,10 @@ def block_residuals(p: torch.Tensor, q: torch.Tensor, weights: torch.Tensor) -> 
     gamma = q.shape[0]
     excess = (weights[:gamma, None] * p[:gamma] - q).clamp(min=0)
     mass = excess.sum(-1)
-    residual = torch.where(mass[:, None] > 0, excess / mass[:, None], p[:gamma])  # 0/0 is never selected
-    return mass, torch.cat([residual, p[gamma:gamma + 1]])
+    residual = torch.where(
+        mass[:, None] > 0, excess / mass[:, None], p[:gamma]
+    )  # 0/0 is never selected
+    return mass, torch.cat([residual, p[gamma : gamma + 1]])
 
 
 def stop_probabilities(weights: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -128,7 +132,9 @@ def block_outcomes(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor) -> B
     return BlockOutcomes(stop=stop, accepted=torch.cat([one, stop]) * survive, fallback=fallback)
 
 
-def verify_block(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
+def verify_block(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator
+) -> Verdict:
     """Block verification of one iteration (lines B1-B7), a drop-in for speculative.verify.verify_step.
 
     p: [gamma+1, V] target distributions p_1..p_{gamma+1} (one target call);

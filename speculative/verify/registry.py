@@ -26,8 +26,11 @@ class Rule:
 
     @property
     def at_temperature_0(self) -> str:
-        return ("the comparison of argmaxes (the target's greedy tokens; the rule itself is not run)" if self.greedy
-                else "the rule itself, on one-hot p and q")
+        return (
+            "the comparison of argmaxes (the target's greedy tokens; the rule itself is not run)"
+            if self.greedy
+            else "the rule itself, on one-hot p and q"
+        )
 
 
 RULES: dict[str, Rule] = {}
@@ -44,10 +47,18 @@ def register_rule(name: str, verify: Callable, description: str, greedy: bool = 
 def rule(name: str) -> Rule:
     """The rule registered as ``name``; ValueError naming the registered ones otherwise."""
     if name not in RULES:
-        raise ValueError(f"verify must be one of {', '.join(map(repr, RULES))} or a verifier, got {name!r}")
+        raise ValueError(
+            f"verify must be one of {', '.join(map(repr, RULES))} or a verifier, got {name!r}"
+        )
     return RULES[name]
 
 
-register_rule("token", verify_step, "token-wise: Algorithm 1, lines 5-9 (Leviathan et al. 2023)", greedy=True)
-register_rule("block", verify_block, "block-wise: the whole draft judged as one block (Sun et al. 2025)",
-              greedy=True)
+register_rule(
+    "token", verify_step, "token-wise: Algorithm 1, lines 5-9 (Leviathan et al. 2023)", greedy=True
+)
+register_rule(
+    "block",
+    verify_block,
+    "block-wise: the whole draft judged as one block (Sun et al. 2025)",
+    greedy=True,
+)

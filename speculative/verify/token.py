@@ -26,7 +26,9 @@ from speculative.sampling import sample
 from speculative.verify.verdict import Verdict, Verification
 
 
-def acceptance_probability(p: torch.Tensor, q: torch.Tensor, token: torch.Tensor | int) -> torch.Tensor:
+def acceptance_probability(
+    p: torch.Tensor, q: torch.Tensor, token: torch.Tensor | int
+) -> torch.Tensor:
     """min(1, p(x) / q(x)) for the drafted token x (Algorithm 1, lines 5-6).
 
     p, q: [..., V]; token: an int, or a LongTensor shaped like p without its last dim.
@@ -56,7 +58,9 @@ def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
-def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
+def verify_step(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator
+) -> Verdict:
     """Algorithm 1, lines 5-9, for one iteration.
 
     p: [gamma+1, V] target distributions p_1..p_{gamma+1} (one target call);
@@ -83,13 +87,17 @@ def verify_step(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generat
     return Verdict([accepted, drafted, own, expected_acceptance(p[:gamma], q)], leading_passes)
 
 
-def leading_passes(flags: list[int], xs: list[int], ys: list[int], overlap: list[float]) -> Verification:
+def leading_passes(
+    flags: list[int], xs: list[int], ys: list[int], overlap: list[float]
+) -> Verification:
     """Line 6 on the host: n = the leading passes; emit x_1..x_n and the candidate at n."""
     n = flags.index(0) if 0 in flags else len(flags)
     return Verification(tokens=xs[:n] + [ys[n]], accepted=n, overlap=overlap)
 
 
-def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor, lengths: list[int] | None = None) -> Verdict:
+def verify_greedy(
+    target_choice: torch.Tensor, drafted: torch.Tensor, lengths: list[int] | None = None
+) -> Verdict:
     """Algorithm 1, lines 5-9, at temperature 0: the result of :func:`verify_step` when every
     p_i and q_i is one-hot, without building them.
 
@@ -118,7 +126,7 @@ def verify_greedy(target_choice: torch.Tensor, drafted: torch.Tensor, lengths: l
     def finish(xs: list[int], ys: list[int]) -> list[Verification]:
         out, at = [], 0
         for b, g in enumerate(lengths):
-            out.append(greedy_outcome(xs[b * width:b * width + g], ys[at:at + g + 1]))
+            out.append(greedy_outcome(xs[b * width : b * width + g], ys[at : at + g + 1]))
             at += g + 1
         return out
 

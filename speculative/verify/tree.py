@@ -61,7 +61,9 @@ def branching_parents(branching: Sequence[int]) -> list[int]:
         raise ValueError(f"branching must be a sequence of integers >= 1, got {branching!r}")
     for b in branching:
         if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
-            raise ValueError(f"branching must be a sequence of integers >= 1, got {tuple(branching)!r}")
+            raise ValueError(
+                f"branching must be a sequence of integers >= 1, got {tuple(branching)!r}"
+            )
     parents: list[int] = []
     level = [-1]  # the nodes of the current depth; -1 is the root
     for b in branching:
@@ -98,10 +100,16 @@ class TokenTree:
     q: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 1 or self.tokens.dtype != torch.long:
+        if (
+            not isinstance(self.tokens, torch.Tensor)
+            or self.tokens.dim() != 1
+            or self.tokens.dtype != torch.long
+        ):
             raise ValueError("tokens must be a 1-D LongTensor [N]")
         if isinstance(self.parents, torch.Tensor) or not isinstance(self.parents, Sequence):
-            raise ValueError(f"parents must be a list of integers, got {type(self.parents).__name__}")
+            raise ValueError(
+                f"parents must be a list of integers, got {type(self.parents).__name__}"
+            )
         self.parents = list(self.parents)
         n = len(self.parents)
         if self.tokens.shape[0] != n:
@@ -110,24 +118,41 @@ class TokenTree:
             if isinstance(parent, bool) or not isinstance(parent, Integral):
                 raise ValueError(f"parents[{j}] = {parent!r} is not an integer")
             if not -1 <= parent < j:
-                raise ValueError(f"parents[{j}] = {parent}: a node's parent must be -1 (the root) or an earlier "
-                                 f"node (0..{j - 1})")
+                raise ValueError(
+                    f"parents[{j}] = {parent}: a node's parent must be -1 (the root) or an earlier "
+                    f"node (0..{j - 1})"
+                )
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode != "deterministic":
             if not isinstance(self.q, torch.Tensor):
-                raise ValueError(f"mode {self.mode!r} needs q, the [N+1, V] distributions the children were drawn from")
+                raise ValueError(
+                    f"mode {self.mode!r} needs q, the [N+1, V] distributions the children were drawn from"
+                )
             if self.q.dim() != 2 or self.q.shape[0] != n + 1 or not self.q.is_floating_point():
-                raise ValueError(f"q must be a floating [N+1, V] = [{n + 1}, V] tensor, got {tuple(self.q.shape)} "
-                                 f"{self.q.dtype}")
+                raise ValueError(
+                    f"q must be a floating [N+1, V] = [{n + 1}, V] tensor, got {tuple(self.q.shape)} "
+                    f"{self.q.dtype}"
+                )
 
     @classmethod
-    def from_branching(cls, tokens: torch.Tensor, branching: Sequence[int], mode: str = "iid",
-                       q: torch.Tensor | None = None) -> TokenTree:
+    def from_branching(
+        cls,
+        tokens: torch.Tensor,
+        branching: Sequence[int],
+        mode: str = "iid",
+        q: torch.Tensor | None = None,
+    ) -> TokenTree:
         """The static tree of :func:`branching_parents` with the given child tokens (breadth-first)."""
         parents = branching_parents(branching)
-        if isinstance(tokens, torch.Tensor) and tokens.dim() == 1 and tokens.shape[0] != len(parents):
-            raise ValueError(f"branching {tuple(branching)} has {len(parents)} nodes, got {tokens.shape[0]} tokens")
+        if (
+            isinstance(tokens, torch.Tensor)
+            and tokens.dim() == 1
+            and tokens.shape[0] != len(parents)
+        ):
+            raise ValueError(
+                f"branching {tuple(branching)} has {len(parents)} nodes, got {tokens.shape[0]} tokens"
+            )
         return cls(tokens=tokens, parents=parents, mode=mode, q=q)
 
     @property
@@ -182,7 +207,9 @@ def passes(r: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     return r < ratio
 
 
-def child_acceptance(p_cur: torch.Tensor, q_child: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+def child_acceptance(
+    p_cur: torch.Tensor, q_child: torch.Tensor, token: torch.Tensor
+) -> torch.Tensor:
     """min(1, p_cur(x) / q_child(x)) for the child token x, where q_child is the law x was
     drawn from. p_cur, q_child: [..., V]; token: LongTensor [...].
 
@@ -204,8 +231,9 @@ def child_distribution(q_cur: torch.Tensor, token: torch.Tensor, mode: str) -> t
     return q_cur
 
 
-def reject_child(p_cur: torch.Tensor, q_child: torch.Tensor, token: torch.Tensor,
-                 mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def reject_child(
+    p_cur: torch.Tensor, q_child: torch.Tensor, token: torch.Tensor, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """After the child `token` ~ q_child was rejected: (the residual target, the law of the next sibling).
 
     The residual is norm(max(0, p_cur - q_child)) in every mode (SpecInfer): it is the law of
@@ -226,12 +254,19 @@ class NodeRules:
     """What the rule decides at M nodes, before any random draw."""
 
     ratios: torch.Tensor  # [M, K] acceptance probability of child k given children 0..k-1 were rejected; 0 past a width
-    fallback: torch.Tensor  # [M, V] law of the target's token when every child was rejected (p itself at a leaf)
+    fallback: (
+        torch.Tensor
+    )  # [M, V] law of the target's token when every child was rejected (p itself at a leaf)
     overlap: torch.Tensor  # [M] sum_x min(p(x), q_1(x)) with q_1 the first child's law; 0 at a leaf
 
 
-def node_rules(p: torch.Tensor, q: torch.Tensor | None, children: torch.Tensor, widths: Sequence[int],
-               mode: str) -> NodeRules:
+def node_rules(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    children: torch.Tensor,
+    widths: Sequence[int],
+    mode: str,
+) -> NodeRules:
     """Run the sibling rule over the children of M nodes at once.
 
     p: [M, V] the target after each node's path; q: [M, V] the draft distribution the node's
@@ -248,15 +283,25 @@ def node_rules(p: torch.Tensor, q: torch.Tensor | None, children: torch.Tensor, 
     """
     m = p.shape[0]
     widths = list(widths)
-    if len(widths) != m or any(a < b for a, b in zip(widths, widths[1:])) or (widths and widths[-1] < 0):
-        raise ValueError(f"widths must give the number of children of each of the {m} rows, non-increasing; "
-                         f"got {widths}")
+    if (
+        len(widths) != m
+        or any(a < b for a, b in zip(widths, widths[1:]))
+        or (widths and widths[-1] < 0)
+    ):
+        raise ValueError(
+            f"widths must give the number of children of each of the {m} rows, non-increasing; "
+            f"got {widths}"
+        )
     k_max = widths[0] if widths else 0
     if children.shape[0] != m or children.shape[1] < k_max:
-        raise ValueError(f"children must be [M, K] = [{m}, >= {k_max}], got {tuple(children.shape)}")
+        raise ValueError(
+            f"children must be [M, K] = [{m}, >= {k_max}], got {tuple(children.shape)}"
+        )
     p_cur = p.clone()
     q_cur = None if q is None or mode == "deterministic" else q.clone()
-    placeholder = torch.zeros_like(p[:1])  # deterministic children only need the shape and dtype of a q
+    placeholder = torch.zeros_like(
+        p[:1]
+    )  # deterministic children only need the shape and dtype of a q
     ratios = p.new_zeros(m, k_max)
     overlap = p.new_zeros(m)
     for k in range(k_max):
@@ -283,7 +328,9 @@ class TreeRules:
     ratios: torch.Tensor  # [N] acceptance probability of node j when it is tried
     stop: torch.Tensor  # [N+1, V] law of the target's token when the walk stops at row r
     overlap: torch.Tensor  # [N+1] NodeRules.overlap per row, 0 at leaves
-    node_acceptance: torch.Tensor  # [N+1] probability that some child of row r is accepted, 0 at leaves
+    node_acceptance: (
+        torch.Tensor
+    )  # [N+1] probability that some child of row r is accepted, 0 at leaves
 
 
 def check_rows(p: torch.Tensor, tree: TokenTree) -> None:
@@ -310,7 +357,9 @@ def tree_rules(p: torch.Tensor, tree: TokenTree) -> TreeRules:
     check_rows(p, tree)
     n = tree.num_nodes
     by_row = tree.children_by_row()
-    rows = sorted((r for r in range(n + 1) if by_row[r]), key=lambda r: -len(by_row[r]))  # stable: ties by row
+    rows = sorted(
+        (r for r in range(n + 1) if by_row[r]), key=lambda r: -len(by_row[r])
+    )  # stable: ties by row
     ratios = p.new_zeros(n)
     overlap = p.new_zeros(n + 1)
     node_acceptance = p.new_zeros(n + 1)
@@ -328,7 +377,11 @@ def tree_rules(p: torch.Tensor, tree: TokenTree) -> TreeRules:
     row_index = device_index(rows, device)
     flat_children = device_index([j for kids in padded for j in kids], device)
     children = tree.tokens.to(device).index_select(0, flat_children).view(len(rows), k_max)
-    q = None if tree.mode == "deterministic" else tree.q.to(device=device, dtype=p.dtype).index_select(0, row_index)
+    q = (
+        None
+        if tree.mode == "deterministic"
+        else tree.q.to(device=device, dtype=p.dtype).index_select(0, row_index)
+    )
     rules = node_rules(p.index_select(0, row_index), q, children, widths, tree.mode)
     ratios = rules.ratios.reshape(-1).index_select(0, device_index(slot, device))
     stop = p.index_copy(0, row_index, rules.fallback)
@@ -360,8 +413,12 @@ class TreeVerification(Verification):
     node_acceptance: list[float]
 
 
-def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
-                uniforms: torch.Tensor | None = None) -> Verdict:
+def verify_tree(
+    p: torch.Tensor,
+    tree: TokenTree,
+    generator: torch.Generator,
+    uniforms: torch.Tensor | None = None,
+) -> Verdict:
     """Verify a drafted tree: walk from the root with multi-draft rejection sampling
     (module docstring), emitting the accepted path and one target token.
 
@@ -391,8 +448,14 @@ def verify_tree(p: torch.Tensor, tree: TokenTree, generator: torch.Generator,
     return Verdict(parts, lambda *host: walk(tree, *host))
 
 
-def walk(tree: TokenTree, flags: list[int], candidates: list[int], node_tokens: list[int], overlaps: list[float],
-         acceptances: list[float]) -> TreeVerification:
+def walk(
+    tree: TokenTree,
+    flags: list[int],
+    candidates: list[int],
+    node_tokens: list[int],
+    overlaps: list[float],
+    acceptances: list[float],
+) -> TreeVerification:
     """verify_tree on the host: from the root, follow the first child that passes; where none
     does (or at a leaf), emit that row's candidate."""
     by_row = tree.children_by_row()
@@ -410,8 +473,13 @@ def walk(tree: TokenTree, flags: list[int], candidates: list[int], node_tokens: 
         path.append(chosen)
         row = chosen + 1
     tokens = [node_tokens[c] for c in path] + [candidates[row]]
-    return TreeVerification(tokens=tokens, accepted=len(path), overlap=overlap, path=path,
-                            node_acceptance=node_acceptance)
+    return TreeVerification(
+        tokens=tokens,
+        accepted=len(path),
+        overlap=overlap,
+        path=path,
+        node_acceptance=node_acceptance,
+    )
 
 
 def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree) -> Verdict:
@@ -428,8 +496,13 @@ def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree) -> Verdict:
     """
     n = tree.num_nodes
     if target_choice.shape != (n + 1,):
-        raise ValueError(f"target_choice must be [N+1] = [{n + 1}], got {tuple(target_choice.shape)}")
-    return Verdict([tree.tokens.to(target_choice.device), target_choice], lambda *host: greedy_walk(tree, *host))
+        raise ValueError(
+            f"target_choice must be [N+1] = [{n + 1}], got {tuple(target_choice.shape)}"
+        )
+    return Verdict(
+        [tree.tokens.to(target_choice.device), target_choice],
+        lambda *host: greedy_walk(tree, *host),
+    )
 
 
 def greedy_walk(tree: TokenTree, node_tokens: list[int], choice: list[int]) -> TreeVerification:
@@ -446,5 +519,10 @@ def greedy_walk(tree: TokenTree, node_tokens: list[int], choice: list[int]) -> T
         path.append(chosen)
         row = chosen + 1
     tokens = [node_tokens[c] for c in path] + [choice[row]]
-    return TreeVerification(tokens=tokens, accepted=len(path), overlap=overlap, path=path,
-                            node_acceptance=node_acceptance)
+    return TreeVerification(
+        tokens=tokens,
+        accepted=len(path),
+        overlap=overlap,
+        path=path,
+        node_acceptance=node_acceptance,
+    )

@@ -45,10 +45,8 @@ def together(verdicts: Sequence[Verdict]) -> Verdict:
     def finish(*host: list) -> list:
         out, at = [], 0
         for verdict, size in zip(verdicts, sizes):
-            out.append(verdict.finish(*host[at:at + size]))
+            out.append(verdict.finish(*host[at : at + size]))
             at += size
         return out
 
     return Verdict([part for v in verdicts for part in v.parts], finish)
-
-

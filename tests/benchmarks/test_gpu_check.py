@@ -22,13 +22,24 @@ def load_script():
 
 def test_imports_and_has_its_checks() -> None:
     module = load_script()
-    for name in ("main", "run_pytest", "measure_bandwidth", "check_7b_decode", "check_shipped_pair"):
+    for name in (
+        "main",
+        "run_pytest",
+        "measure_bandwidth",
+        "check_7b_decode",
+        "check_shipped_pair",
+    ):
         assert callable(getattr(module, name))
 
 
 def test_help_runs() -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--out" in proc.stdout and "pytest -m cuda" in proc.stdout
 
@@ -42,14 +53,18 @@ def test_without_a_gpu_it_says_so(tmp_path: Path) -> None:
 
 def test_decode_check_smoke_on_cpu() -> None:
     """The 7B decode check's code path, with a tiny config on the CPU: both dtypes measured, int8 half the bytes."""
-    config = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=64, max_seq_len=256)
+    config = ModelConfig(
+        vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=64, max_seq_len=256
+    )
     result = load_script().check_7b_decode(1e9, config=config, device="cpu", steps=4)
     assert result["bfloat16"]["tokens_per_second"] > 0 and result["int8"]["tokens_per_second"] > 0
     # Per layer: q, k, v, o are 32x32, gate/up 64x32, down 32x64 = 10240 weights in 288 output rows.
     # Read per token: those, lm_head (64x32), 3 norms of 32, and one 32-wide embedding row.
     assert result["bfloat16"]["weight_bytes_read_per_token"] == (10240 + 2048 + 96 + 32) * 2
     assert result["int8"]["weight_bytes_read_per_token"] == 10240 + 288 * 2 + (2048 + 96 + 32) * 2
-    assert result["int8"]["bandwidth_bound_tokens_per_second"] == 1e9 / (10240 + 288 * 2 + (2048 + 96 + 32) * 2)
+    assert result["int8"]["bandwidth_bound_tokens_per_second"] == 1e9 / (
+        10240 + 288 * 2 + (2048 + 96 + 32) * 2
+    )
 
 
 def test_dry_run_runs_the_compiled_and_speculative_sections(tmp_path: Path) -> None:

@@ -40,4 +40,6 @@ def test_one_call_by_default() -> None:
 def test_the_median_and_its_default() -> None:
     assert median([3.0, 1.0, 2.0]) == 2.0 and median(iter([1.0, 2.0])) == 1.5
     assert median([]) is None and math.isnan(median([], NAN))
-    assert per_prompt([[1.0, 5.0], [3.0, 2.0]]) == 4.0  # the best round per prompt (3, 5), then their median
+    assert (
+        per_prompt([[1.0, 5.0], [3.0, 2.0]]) == 4.0
+    )  # the best round per prompt (3, 5), then their median

@@ -20,9 +20,13 @@ def test_the_rendered_requests_are_the_drafters_benchmark_prompts() -> None:
     target = str(smollm2_gguf())
     tokenizer = load_tokenizer(target)
     rendered = chat_requests_for(target, 3)
-    assert [tokenizer.encode_special(text) for _, text in rendered] == chat_prompts([str(VALID)], tokenizer, 3, 0)
+    assert [tokenizer.encode_special(text) for _, text in rendered] == chat_prompts(
+        [str(VALID)], tokenizer, 3, 0
+    )
     request, text = rendered[0]
-    assert request in text and text.endswith("<|im_start|>assistant\n")  # ready for the assistant's answer
+    assert request in text and text.endswith(
+        "<|im_start|>assistant\n"
+    )  # ready for the assistant's answer
 
 
 def test_transformers_assisted_generation_is_timed_from_the_first_new_token(tmp_path: Path) -> None:
@@ -31,12 +35,22 @@ def test_transformers_assisted_generation_is_timed_from_the_first_new_token(tmp_
     pytest.importorskip("transformers", reason="transformers (the peer) is in the [test] extras")
     from benchmarks.llama_cpp import transformers_chat
 
-    args = SimpleNamespace(threads=1, transformers=ROOT / "weights" / "tiny-target",
-                           transformers_draft=ROOT / "weights" / "tiny-draft", gamma=3, max_new_tokens=12)
-    speeds = [transformers_chat("Once upon a time", 0, t, draft, args) for draft, t in ((False, 0.0), (True, 1.0))]
+    args = SimpleNamespace(
+        threads=1,
+        transformers=ROOT / "weights" / "tiny-target",
+        transformers_draft=ROOT / "weights" / "tiny-draft",
+        gamma=3,
+        max_new_tokens=12,
+    )
+    speeds = [
+        transformers_chat("Once upon a time", 0, t, draft, args)
+        for draft, t in ((False, 0.0), (True, 1.0))
+    ]
     assert all(0 < s < 1e6 for s in speeds)
     with pytest.raises(SystemExit, match="transformers failed"):
-        transformers_chat("Once", 0, 0.0, True, SimpleNamespace(**{**vars(args), "transformers_draft": tmp_path}))
+        transformers_chat(
+            "Once", 0, 0.0, True, SimpleNamespace(**{**vars(args), "transformers_draft": tmp_path})
+        )
 
 
 def test_ours_runs_each_dtype_and_int4_in_a_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,5 +67,8 @@ def test_ours_runs_each_dtype_and_int4_in_a_dtype(monkeypatch: pytest.MonkeyPatc
     def flag(cmd: list[str], name: str) -> str | None:
         return cmd[cmd.index(name) + 1] if name in cmd else None
 
-    assert [(flag(c, "--dtype"), flag(c, "--quantize")) for c in seen] == [("float32", None), ("bfloat16", "int4")]
+    assert [(flag(c, "--dtype"), flag(c, "--quantize")) for c in seen] == [
+        ("float32", None),
+        ("bfloat16", "int4"),
+    ]
     assert all(flag(c, "--cache-dir") == "CACHE" and "--no-draft" in c for c in seen)

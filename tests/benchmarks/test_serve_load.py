@@ -24,8 +24,14 @@ def test_a_request_names_the_model_it_is_given_and_counts_the_streamed_tokens() 
     async def one() -> dict:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             args = argparse.Namespace(max_tokens=3, temperature=0.0, timeout=5.0)
-            return await serve_load.one_request(client, "http://127.0.0.1:1", "Once", args, "SmolLM2.Q4_1.gguf")
+            return await serve_load.one_request(
+                client, "http://127.0.0.1:1", "Once", args, "SmolLM2.Q4_1.gguf"
+            )
 
     figures = asyncio.run(one())
-    assert seen[0]["model"] == "SmolLM2.Q4_1.gguf" and seen[0]["prompt"] == "Once" and seen[0]["stream"] is True
+    assert (
+        seen[0]["model"] == "SmolLM2.Q4_1.gguf"
+        and seen[0]["prompt"] == "Once"
+        and seen[0]["stream"] is True
+    )
     assert figures["tokens"] == 3 and len(figures["itl"]) == 1

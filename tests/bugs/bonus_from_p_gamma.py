@@ -12,15 +12,27 @@ fills, so the bonus token repeats a position's law one place too late.
 import torch
 
 from speculative.sampling import sample
-from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.token import (
+    acceptance_probability,
+    expected_acceptance,
+    leading_passes,
+    residual_distribution,
+)
 from speculative.verify.verdict import Verdict
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
+def verify(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator
+) -> Verdict:
     gamma = drafted.shape[0]
     ratio = acceptance_probability(p[:gamma], q, drafted)
     r = torch.rand(gamma, generator=generator, dtype=ratio.dtype, device=ratio.device)
     accepted = r < ratio
-    bonus = p[max(gamma - 1, 0):max(gamma - 1, 0) + 1]  # the bug: must be p[gamma:], the row p_{gamma+1}
+    bonus = p[
+        max(gamma - 1, 0) : max(gamma - 1, 0) + 1
+    ]  # the bug: must be p[gamma:], the row p_{gamma+1}
     fallback = torch.cat([residual_distribution(p[:gamma], q), bonus])
-    return Verdict([accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)], leading_passes)
+    return Verdict(
+        [accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)],
+        leading_passes,
+    )

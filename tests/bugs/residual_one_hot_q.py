@@ -13,15 +13,27 @@ import torch
 import torch.nn.functional as F
 
 from speculative.sampling import sample
-from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.token import (
+    acceptance_probability,
+    expected_acceptance,
+    leading_passes,
+    residual_distribution,
+)
 from speculative.verify.verdict import Verdict
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
+def verify(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator
+) -> Verdict:
     gamma = drafted.shape[0]
     ratio = acceptance_probability(p[:gamma], q, drafted)
     r = torch.rand(gamma, generator=generator, dtype=ratio.dtype, device=ratio.device)
     accepted = r < ratio
     one_hot = F.one_hot(drafted, p.shape[-1]).to(p.dtype)
-    fallback = torch.cat([residual_distribution(p[:gamma], one_hot), p[gamma:]])  # the bug: must be q
-    return Verdict([accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)], leading_passes)
+    fallback = torch.cat(
+        [residual_distribution(p[:gamma], one_hot), p[gamma:]]
+    )  # the bug: must be q
+    return Verdict(
+        [accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)],
+        leading_passes,
+    )

@@ -12,14 +12,24 @@ test can see it, only a draw of exactly 0 can.
 import torch
 
 from speculative.sampling import sample
-from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.token import (
+    acceptance_probability,
+    expected_acceptance,
+    leading_passes,
+    residual_distribution,
+)
 from speculative.verify.verdict import Verdict
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
+def verify(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator
+) -> Verdict:
     gamma = drafted.shape[0]
     ratio = acceptance_probability(p[:gamma], q, drafted)
     r = torch.rand(gamma, generator=generator, dtype=ratio.dtype, device=ratio.device)
     accepted = r <= ratio  # the bug: must be r < ratio
     fallback = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])
-    return Verdict([accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)], leading_passes)
+    return Verdict(
+        [accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)],
+        leading_passes,
+    )

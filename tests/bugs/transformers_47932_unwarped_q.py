@@ -40,15 +40,25 @@ class NoCacheDrafter:
 
     def handed(self, logits: torch.Tensor, warped: torch.Tensor) -> torch.Tensor:
         """The q handed to the verifier for a token drawn from ``warped``."""
-        return torch.softmax(logits, -1)  # the bug: must be `warped`, the law the token was drawn from
+        return torch.softmax(
+            logits, -1
+        )  # the bug: must be `warped`, the law the token was drawn from
 
     @torch.no_grad()
-    def propose(self, ids: list[list[int]], gammas: list[int], samplings: list[Sampling],
-                generators: list[torch.Generator], device: torch.device) -> Draft:
+    def propose(
+        self,
+        ids: list[list[int]],
+        gammas: list[int],
+        samplings: list[Sampling],
+        generators: list[torch.Generator],
+        device: torch.device,
+    ) -> Draft:
         width = max(gammas, default=0)
         tokens = torch.zeros(len(ids), width, dtype=torch.long, device=device)
         q = torch.zeros(len(ids), width, self.vocab_size, dtype=torch.float64, device=device)
-        for b, (row, gamma, sampling, generator) in enumerate(zip(ids, gammas, samplings, generators)):
+        for b, (row, gamma, sampling, generator) in enumerate(
+            zip(ids, gammas, samplings, generators)
+        ):
             sequence = list(row)
             for i in range(gamma):
                 logits = self.model(torch.tensor([sequence], device=device))[0, -1].double()

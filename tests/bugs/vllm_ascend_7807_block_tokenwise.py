@@ -13,15 +13,27 @@ expected number of accepted tokens (tests/speculative/verify/test_block.py measu
 import torch
 
 from speculative.sampling import sample
-from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.token import (
+    acceptance_probability,
+    expected_acceptance,
+    leading_passes,
+    residual_distribution,
+)
 from speculative.verify.verdict import Verdict
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
+def verify(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator
+) -> Verdict:
     """Called where verify_block would be: the token-wise rule, position by position."""
     gamma = drafted.shape[0]
     ratio = acceptance_probability(p[:gamma], q, drafted)
     eta = torch.rand(gamma, generator=generator, dtype=ratio.dtype, device=ratio.device)
-    kept = eta < ratio  # w_i would be min(1, w_{i-1} * ratio_i); the token-wise test keeps each on its own
+    kept = (
+        eta < ratio
+    )  # w_i would be min(1, w_{i-1} * ratio_i); the token-wise test keeps each on its own
     fallback = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])
-    return Verdict([kept, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)], leading_passes)
+    return Verdict(
+        [kept, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)],
+        leading_passes,
+    )

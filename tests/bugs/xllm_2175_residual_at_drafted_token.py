@@ -13,15 +13,27 @@ import torch
 import torch.nn.functional as F
 
 from speculative.sampling import sample
-from speculative.verify.token import acceptance_probability, expected_acceptance, leading_passes, residual_distribution
+from speculative.verify.token import (
+    acceptance_probability,
+    expected_acceptance,
+    leading_passes,
+    residual_distribution,
+)
 from speculative.verify.verdict import Verdict
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator) -> Verdict:
+def verify(
+    p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator: torch.Generator
+) -> Verdict:
     gamma = drafted.shape[0]
     ratio = acceptance_probability(p[:gamma], q, drafted)
     r = torch.rand(gamma, generator=generator, dtype=ratio.dtype, device=ratio.device)
     accepted = r < ratio
-    at_token = q * F.one_hot(drafted, p.shape[-1]).to(q.dtype)  # the bug: q(x) e_x, must be all of q
+    at_token = q * F.one_hot(drafted, p.shape[-1]).to(
+        q.dtype
+    )  # the bug: q(x) e_x, must be all of q
     fallback = torch.cat([residual_distribution(p[:gamma], at_token), p[gamma:]])
-    return Verdict([accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)], leading_passes)
+    return Verdict(
+        [accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)],
+        leading_passes,
+    )

@@ -27,8 +27,12 @@ def sources() -> list[Path]:
     files = [ROOT / "README.md", *ROOT.glob("*.py")]
     for folder in PACKAGES:
         files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md")]
-    return sorted(p for p in files if not set(p.relative_to(ROOT).parts) & set(IGNORED)
-                  and not (p.parts[len(ROOT.parts)] == "tests" and p.name.startswith("test_")))
+    return sorted(
+        p
+        for p in files
+        if not set(p.relative_to(ROOT).parts) & set(IGNORED)
+        and not (p.parts[len(ROOT.parts)] == "tests" and p.name.startswith("test_"))
+    )
 
 
 def missing_citations(text: str, root: Path = ROOT) -> list[str]:
@@ -58,13 +62,20 @@ def test_the_checks_find_what_is_missing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_cited_paths_exist(path: Path) -> None:
-    assert missing_citations(path.read_text()) == [], f"{path.relative_to(ROOT)} cites paths that do not exist"
+    assert missing_citations(path.read_text()) == [], (
+        f"{path.relative_to(ROOT)} cites paths that do not exist"
+    )
 
 
-@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path",
+    [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_relative_links_resolve(path: Path) -> None:
-    assert broken_links(path.read_text(), path.parent) == [], f"{path.relative_to(ROOT)} has broken links"
+    assert broken_links(path.read_text(), path.parent) == [], (
+        f"{path.relative_to(ROOT)} has broken links"
+    )
 
 
 # ----------------------------------------------------------------------------- one machine per page
@@ -84,14 +95,23 @@ def machines(text: str) -> set[str]:
         elif zen:
             found.add(f"Zen {zen}")
         else:
-            found.add(f"Zen {ZEN[family, model]}" if (family, model) in ZEN else f"family {family} model {model}")
+            found.add(
+                f"Zen {ZEN[family, model]}"
+                if (family, model) in ZEN
+                else f"family {family} model {model}"
+            )
     return found
 
 
 def cited_pages(text: str, folder: Path, root: Path = ROOT) -> set[Path]:
     """The pages under docs/ that ``text`` links to (relative links) or names (docs/....md)."""
-    pages = {(folder / target.split("#", 1)[0]).resolve() for target in LINK.findall(text)
-             if not re.match(r"[a-z]+:", target) and not target.startswith("#") and target.split("#", 1)[0]}
+    pages = {
+        (folder / target.split("#", 1)[0]).resolve()
+        for target in LINK.findall(text)
+        if not re.match(r"[a-z]+:", target)
+        and not target.startswith("#")
+        and target.split("#", 1)[0]
+    }
     pages |= {(root / path).resolve() for path in CITED.findall(text)}
     return {p for p in pages if p.suffix == ".md" and p.is_file() and (root / "docs") in p.parents}
 
@@ -106,9 +126,11 @@ def mixed_machines(page: Path, root: Path = ROOT) -> list[str]:
     if not here:
         return []
     (name,) = here
-    return [f"cites {p.relative_to(root)} ({', '.join(sorted(machines(p.read_text())))}) from a page of {name}"
-            for p in sorted(cited_pages(text, page.parent, root))
-            if machines(p.read_text()) and machines(p.read_text()) != here]
+    return [
+        f"cites {p.relative_to(root)} ({', '.join(sorted(machines(p.read_text())))}) from a page of {name}"
+        for p in sorted(cited_pages(text, page.parent, root))
+        if machines(p.read_text()) and machines(p.read_text()) != here
+    ]
 
 
 def test_the_machine_check_finds_a_page_that_mixes_machines(tmp_path: Path) -> None:
@@ -120,24 +142,42 @@ def test_the_machine_check_finds_a_page_that_mixes_machines(tmp_path: Path) -> N
     mixed = tmp_path / "docs" / "mixed.md"
     mixed.write_text("On this Zen 4 ... and on the Zen 5 (cpu family 26, model 2) ...")
     citing = tmp_path / "docs" / "citing.md"
-    citing.write_text("Measured on a Zen 5: [zen4](results/zen4.md), [plain](plain.md), docs/results/zen5.md.")
+    citing.write_text(
+        "Measured on a Zen 5: [zen4](results/zen4.md), [plain](plain.md), docs/results/zen5.md."
+    )
     same = tmp_path / "docs" / "same.md"
     same.write_text("On a Zen 4 (see [the run](results/zen4.md#setup)).")
-    assert machines(zen4.read_text()) == {"Zen 4"} and machines("cpu family 26, model 9") == {"family 26 model 9"}
+    assert machines(zen4.read_text()) == {"Zen 4"} and machines("cpu family 26, model 9") == {
+        "family 26 model 9"
+    }
     assert mixed_machines(mixed, tmp_path) == ["names 2 machines: Zen 4, Zen 5"]
-    assert mixed_machines(citing, tmp_path) == ["cites docs/results/zen4.md (Zen 4) from a page of Zen 5"]
-    assert mixed_machines(same, tmp_path) == [] and mixed_machines(tmp_path / "docs" / "plain.md", tmp_path) == []
+    assert mixed_machines(citing, tmp_path) == [
+        "cites docs/results/zen4.md (Zen 4) from a page of Zen 5"
+    ]
+    assert (
+        mixed_machines(same, tmp_path) == []
+        and mixed_machines(tmp_path / "docs" / "plain.md", tmp_path) == []
+    )
 
 
-@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
-                                  *sorted((ROOT / "weights").glob("*/README.md"))],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path",
+    [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+        *sorted((ROOT / "weights").glob("*/README.md")),
+    ],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_every_page_is_one_machines_run(path: Path) -> None:
     assert mixed_machines(path) == [], f"{path.relative_to(ROOT)} mixes machines"
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "docs" / "results").glob("*.md") if p.name != "README.md"),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in (ROOT / "docs" / "results").glob("*.md") if p.name != "README.md"),
+    ids=lambda p: p.name,
+)
 def test_every_results_page_names_its_machine_and_date(path: Path) -> None:
     text = path.read_text()
     assert len(machines(text)) == 1, f"{path.name} names no machine, or several"

@@ -82,15 +82,31 @@ def variant(name: str) -> Llama:
     stacked projections (model/fast/fuse.py) in float64, prepacked ones (model/fast/prepack.py) in
     float32 on a model large enough for its layers to pass prepacking's size threshold."""
     if name in ("plain", "stacked"):
-        model = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
-                             max_seq_len=32, seed=3, dtype=torch.float64)
+        model = random_llama(
+            vocab=16,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            hidden_dim=48,
+            max_seq_len=32,
+            seed=3,
+            dtype=torch.float64,
+        )
         if name == "stacked":
             assert fuse_projections(model) == 2 * model.config.n_layers
         return model
     if not prepack_supported():
         pytest.skip("this PyTorch build lacks the oneDNN prepacking operators")
-    config = ModelConfig(dim=384, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=512, hidden_dim=1024,
-                         max_seq_len=32)
+    config = ModelConfig(
+        dim=384,
+        n_layers=2,
+        n_heads=6,
+        n_kv_heads=2,
+        vocab_size=512,
+        hidden_dim=1024,
+        max_seq_len=32,
+    )
     model = randomize_(Llama(config), seed=0, std=0.08).eval()
     if name == "stacked+prepacked":
         assert fuse_projections(model) == 2 * config.n_layers
@@ -109,7 +125,9 @@ def tolerance(model: torch.nn.Module) -> float:
 @functools.cache
 def head() -> FeatureHead:
     """A feature head with grouped-query heads and random weights of order one (as random_llama's)."""
-    config = ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=48, max_seq_len=32)
+    config = ModelConfig(
+        vocab_size=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=48, max_seq_len=32
+    )
     net = FeatureHead(config)
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -128,19 +146,30 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def node_call(batch: int, prefix_len: int, positions: torch.Tensor, mask: torch.Tensor) -> CacheCall:
+def node_call(
+    batch: int, prefix_len: int, positions: torch.Tensor, mask: torch.Tensor
+) -> CacheCall:
     """T new tokens at slots P..P+T-1 of each of ``batch`` rows, rotated as ``positions`` [T],
     each seeing the P cached slots and the new tokens that ``mask`` [T, T] allows: a CacheCall
     spelled out by hand, not by model.call."""
     T = mask.shape[0]
     slots = torch.arange(prefix_len, prefix_len + T).repeat(batch, 1)
-    visible = torch.cat([torch.ones(T, prefix_len, dtype=torch.bool), mask], dim=1).repeat(batch, 1, 1)
+    visible = torch.cat([torch.ones(T, prefix_len, dtype=torch.bool), mask], dim=1).repeat(
+        batch, 1, 1
+    )
     top = max(prefix_len + T - 1, int(positions.max()))
     return CacheCall(slots, positions.repeat(batch, 1), visible, prefix_len + T, top)
 
 
-def tree_call(model: Llama, parents: list[int], prefix_len: int, seed: int, batch: int = 2,
-              positions: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+def tree_call(
+    model: Llama,
+    parents: list[int],
+    prefix_len: int,
+    seed: int,
+    batch: int = 2,
+    positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+):
     """Prefill a random prefix, then one call on a random tree's nodes (depth positions and the
     tree mask unless told otherwise). Returns (tokens [B, P+T], the tree call's logits)."""
     T = len(parents)
@@ -155,13 +184,16 @@ def tree_call(model: Llama, parents: list[int], prefix_len: int, seed: int, batc
     return tokens, logits
 
 
-def worst_node(model: Llama, parents: list[int], prefix_len: int, tokens: torch.Tensor,
-               logits: torch.Tensor) -> float:
+def worst_node(
+    model: Llama, parents: list[int], prefix_len: int, tokens: torch.Tensor, logits: torch.Tensor
+) -> float:
     """The largest difference, over nodes, from a plain forward over prefix + the node's path."""
     worst = 0.0
     with torch.inference_mode():
         for i in range(len(parents)):
-            sequence = torch.cat([tokens[:, :prefix_len], tokens[:, prefix_len:][:, path(parents, i)]], dim=1)
+            sequence = torch.cat(
+                [tokens[:, :prefix_len], tokens[:, prefix_len:][:, path(parents, i)]], dim=1
+            )
             worst = max(worst, max_diff(logits[:, i], model(sequence)[:, -1]))
     return worst
 
@@ -177,8 +209,9 @@ def keep_path(net: Llama | FeatureHead, batch: int, prefix_len: int, kept: list[
 # ----------------------------------------------------------------------------- (a) defaults
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("seq", [1, 2, 5])
-def test_explicit_chain_positions_and_causal_visibility_equal_the_chain_call_bit_for_bit(name: str,
-                                                                                        seq: int) -> None:
+def test_explicit_chain_positions_and_causal_visibility_equal_the_chain_call_bit_for_bit(
+    name: str, seq: int
+) -> None:
     """calls.chain against the same call spelled out: positions given or defaulted to the slots,
     causal visibility given or defaulted, and for one token no mask at all."""
     model = variant(name)
@@ -186,8 +219,14 @@ def test_explicit_chain_positions_and_causal_visibility_equal_the_chain_call_bit
     tokens = random_tokens(model, 2, prefix_len + seq, seed=seq)
     new = tokens[:, prefix_len:]
     slots = torch.arange(prefix_len, prefix_len + seq).repeat(2, 1)
-    chain = torch.arange(prefix_len, prefix_len + seq).repeat(2, 1)  # positions, a tensor of its own
-    causal = torch.ones(seq, prefix_len + seq, dtype=torch.bool).tril(diagonal=prefix_len).repeat(2, 1, 1)
+    chain = torch.arange(prefix_len, prefix_len + seq).repeat(
+        2, 1
+    )  # positions, a tensor of its own
+    causal = (
+        torch.ones(seq, prefix_len + seq, dtype=torch.bool)
+        .tril(diagonal=prefix_len)
+        .repeat(2, 1, 1)
+    )
     window, top = prefix_len + seq, prefix_len + seq - 1
     spelled_out = {
         "positions and visible": CacheCall(slots, chain, causal, window, top),
@@ -210,8 +249,9 @@ def test_explicit_chain_positions_and_causal_visibility_equal_the_chain_call_bit
 @pytest.mark.parametrize("name", VARIANTS)
 @settings(max_examples=30, derandomize=True, deadline=None)
 @given(parents=trees(), prefix_len=st.integers(0, 6), seed=st.integers(0, 2**16))
-def test_a_tree_call_gives_every_node_the_logits_of_its_path(name: str, parents: list[int], prefix_len: int,
-                                                             seed: int) -> None:
+def test_a_tree_call_gives_every_node_the_logits_of_its_path(
+    name: str, parents: list[int], prefix_len: int, seed: int
+) -> None:
     model = variant(name)
     tokens, logits = tree_call(model, parents, prefix_len, seed)
     assert logits.shape == (2, len(parents), model.config.vocab_size)
@@ -242,9 +282,15 @@ def ordered_trees(draw: st.DrawFn, max_nodes: int = 8) -> list[int]:
 
 
 @settings(max_examples=40, derandomize=True, deadline=None)
-@given(parents=ordered_trees(), cached=st.integers(0, 4), prefix=st.integers(0, 3), seed=st.integers(0, 2**16))
+@given(
+    parents=ordered_trees(),
+    cached=st.integers(0, 4),
+    prefix=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_calls_tree_gives_its_chain_tokens_and_every_node_the_logits_of_their_sequences(
-        parents: list[int], cached: int, prefix: int, seed: int) -> None:
+    parents: list[int], cached: int, prefix: int, seed: int
+) -> None:
     """The builder the loops use: after ``cached`` tokens in the cache, calls.tree(cached, prefix,
     tree) places ``prefix`` chain tokens (the last one the root, or the last cached token when
     there are none) and then the tree's nodes. Every chain token gets the logits of the sequence
@@ -253,7 +299,7 @@ def test_calls_tree_gives_its_chain_tokens_and_every_node_the_logits_of_their_se
         cached = 1  # the root must be somewhere
     model, T = variant("plain"), len(parents)
     tokens = random_tokens(model, 1, cached + prefix + T, seed)
-    tree = TokenTree(tokens=tokens[0, cached + prefix:], parents=parents, mode="deterministic")
+    tree = TokenTree(tokens=tokens[0, cached + prefix :], parents=parents, mode="deterministic")
     model.setup_cache(1, cached + prefix + T)
     with torch.inference_mode():
         if cached:
@@ -262,7 +308,7 @@ def test_calls_tree_gives_its_chain_tokens_and_every_node_the_logits_of_their_se
         assert logits.shape == (1, prefix + T, model.config.vocab_size)
         root = cached + prefix  # tokens[:, :root] is the sequence up to the root
         for i in range(prefix):
-            assert max_diff(logits[:, i], model(tokens[:, :cached + i + 1])[:, -1]) <= EXACT
+            assert max_diff(logits[:, i], model(tokens[:, : cached + i + 1])[:, -1]) <= EXACT
         for i in range(T):
             sequence = torch.cat([tokens[:, :root], tokens[:, root:][:, path(parents, i)]], dim=1)
             assert max_diff(logits[:, prefix + i], model(sequence)[:, -1]) <= EXACT
@@ -270,10 +316,16 @@ def test_calls_tree_gives_its_chain_tokens_and_every_node_the_logits_of_their_se
 
 # ----------------------------------------------------------------------------- (c) move_cache
 @settings(max_examples=40, derandomize=True, deadline=None)
-@given(parents=trees(), prefix_len=st.integers(0, 6), seed=st.integers(0, 2**16), pick=st.integers(0, 7),
-       extra=st.integers(1, 2))
-def test_move_cache_moves_a_path_into_place(parents: list[int], prefix_len: int, seed: int, pick: int,
-                                            extra: int) -> None:
+@given(
+    parents=trees(),
+    prefix_len=st.integers(0, 6),
+    seed=st.integers(0, 2**16),
+    pick=st.integers(0, 7),
+    extra=st.integers(1, 2),
+)
+def test_move_cache_moves_a_path_into_place(
+    parents: list[int], prefix_len: int, seed: int, pick: int, extra: int
+) -> None:
     """After a tree call, keep one node's path at slots P.. and continue with `extra` new tokens
     by an ordinary cached call: the logits of a plain forward over prefix + path + those tokens."""
     model = variant("plain")
@@ -281,7 +333,9 @@ def test_move_cache_moves_a_path_into_place(parents: list[int], prefix_len: int,
     kept = path(parents, pick % len(parents))
     following = random_tokens(model, 2, extra, seed + 1)
     keep_path(model, 2, prefix_len, kept)
-    sequence = torch.cat([tokens[:, :prefix_len], tokens[:, prefix_len:][:, kept], following], dim=1)
+    sequence = torch.cat(
+        [tokens[:, :prefix_len], tokens[:, prefix_len:][:, kept], following], dim=1
+    )
     with torch.inference_mode():
         got = model(following, calls.chain(prefix_len + len(kept), extra, model.device, rows=2))
         expected = model(sequence)[:, -extra:]
@@ -295,7 +349,9 @@ def test_the_keep_check_sees_a_path_left_where_it_was() -> None:
     following = random_tokens(model, 2, 1, seed=7)
     for keep in (False, True):  # a fresh tree call each time: the continuation overwrites slot P+3
         tokens, _ = tree_call(model, BRANCHY, prefix_len, seed=6)
-        sequence = torch.cat([tokens[:, :prefix_len], tokens[:, prefix_len:][:, kept], following], dim=1)
+        sequence = torch.cat(
+            [tokens[:, :prefix_len], tokens[:, prefix_len:][:, kept], following], dim=1
+        )
         if keep:
             keep_path(model, 2, prefix_len, kept)
         with torch.inference_mode():
@@ -315,13 +371,17 @@ def test_move_cache_gathers_before_it_writes(slots: list[int], dst: int) -> None
     for layer in model.layers:
         for buffer in (layer.self_attn.cache.k, layer.self_attn.cache.v):
             buffer.copy_(torch.randn(buffer.shape, generator=gen, dtype=buffer.dtype))
-    before = [(layer.self_attn.cache.k.clone(), layer.self_attn.cache.v.clone()) for layer in model.layers]
+    before = [
+        (layer.self_attn.cache.k.clone(), layer.self_attn.cache.v.clone()) for layer in model.layers
+    ]
     destinations = list(range(dst, dst + len(slots)))
     if dst + len(slots) > 12:
         with pytest.raises(ValueError, match=r"must be ints in 0\.\.11"):
             model.move_cache([0, 1], [slots, slots], [destinations, destinations])
         for layer, (k, v) in zip(model.layers, before):  # refused before anything moved
-            assert torch.equal(layer.self_attn.cache.k, k) and torch.equal(layer.self_attn.cache.v, v)
+            assert torch.equal(layer.self_attn.cache.k, k) and torch.equal(
+                layer.self_attn.cache.v, v
+            )
         return
     model.move_cache([0, 1], [slots, slots], [destinations, destinations])
     for layer, (k, v) in zip(model.layers, before):
@@ -346,13 +406,22 @@ def test_the_gather_check_sees_a_copy_slot_by_slot() -> None:
 def head_inputs(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, length, head().config.dim)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64),
-            torch.randn(shape, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(shape, generator=gen, dtype=torch.float64),
+        torch.randn(shape, generator=gen, dtype=torch.float64),
+    )
 
 
 @settings(max_examples=30, derandomize=True, deadline=None)
-@given(parents=trees(), prefix_len=st.integers(0, 6), seed=st.integers(0, 2**16), pick=st.integers(0, 7))
-def test_feature_head_tree_call_and_move_cache(parents: list[int], prefix_len: int, seed: int, pick: int) -> None:
+@given(
+    parents=trees(),
+    prefix_len=st.integers(0, 6),
+    seed=st.integers(0, 2**16),
+    pick=st.integers(0, 7),
+)
+def test_feature_head_tree_call_and_move_cache(
+    parents: list[int], prefix_len: int, seed: int, pick: int
+) -> None:
     """The head's tree call gives every node the output of a plain forward over prefix + its path;
     after move_cache a cached call continues one path as if it had been fed alone."""
     net, T = head(), len(parents)
@@ -360,22 +429,34 @@ def test_feature_head_tree_call_and_move_cache(parents: list[int], prefix_len: i
     net.setup_cache(2, prefix_len + T + 1)
 
     def rows(x: torch.Tensor, nodes: list[int]) -> torch.Tensor:  # prefix + the given nodes
-        return torch.cat([x[:, :prefix_len], x[:, prefix_len:prefix_len + T][:, nodes]], dim=1)
+        return torch.cat([x[:, :prefix_len], x[:, prefix_len : prefix_len + T][:, nodes]], dim=1)
 
     with torch.inference_mode():
         if prefix_len:
-            net(features[:, :prefix_len], embeddings[:, :prefix_len], calls.chain(0, prefix_len, net.device, rows=2))
-        got = net(features[:, prefix_len:-1], embeddings[:, prefix_len:-1],
-                  node_call(2, prefix_len, prefix_len + depths(parents), tree_mask(parents)))
+            net(
+                features[:, :prefix_len],
+                embeddings[:, :prefix_len],
+                calls.chain(0, prefix_len, net.device, rows=2),
+            )
+        got = net(
+            features[:, prefix_len:-1],
+            embeddings[:, prefix_len:-1],
+            node_call(2, prefix_len, prefix_len + depths(parents), tree_mask(parents)),
+        )
         for i in range(T):
             nodes = path(parents, i)
-            assert max_diff(got[:, i], net(rows(features, nodes), rows(embeddings, nodes))[:, -1]) <= EXACT
+            assert (
+                max_diff(got[:, i], net(rows(features, nodes), rows(embeddings, nodes))[:, -1])
+                <= EXACT
+            )
         kept = path(parents, pick % T)
         keep_path(net, 2, prefix_len, kept)
         last_f, last_e = features[:, -1:], embeddings[:, -1:]
         continued = net(last_f, last_e, calls.chain(prefix_len + len(kept), 1, net.device, rows=2))
-        expected = net(torch.cat([rows(features, kept), last_f], dim=1),
-                       torch.cat([rows(embeddings, kept), last_e], dim=1))[:, -1:]
+        expected = net(
+            torch.cat([rows(features, kept), last_f], dim=1),
+            torch.cat([rows(embeddings, kept), last_e], dim=1),
+        )[:, -1:]
     assert max_diff(continued, expected) <= EXACT
 
 
@@ -384,14 +465,25 @@ def test_feature_head_tree_check_sees_chain_positions() -> None:
     features, embeddings = head_inputs(1, prefix_len + T, seed=2)
     net.setup_cache(1, prefix_len + T)
     with torch.inference_mode():
-        net(features[:, :prefix_len], embeddings[:, :prefix_len], calls.chain(0, prefix_len, net.device))
+        net(
+            features[:, :prefix_len],
+            embeddings[:, :prefix_len],
+            calls.chain(0, prefix_len, net.device),
+        )
         new_f, new_e = features[:, prefix_len:], embeddings[:, prefix_len:]
-        right = net(new_f, new_e, node_call(1, prefix_len, prefix_len + depths(BRANCHY), tree_mask(BRANCHY)))
-        chain = net(new_f, new_e, node_call(1, prefix_len, torch.arange(prefix_len, prefix_len + T),
-                                            tree_mask(BRANCHY)))
+        right = net(
+            new_f, new_e, node_call(1, prefix_len, prefix_len + depths(BRANCHY), tree_mask(BRANCHY))
+        )
+        chain = net(
+            new_f,
+            new_e,
+            node_call(1, prefix_len, torch.arange(prefix_len, prefix_len + T), tree_mask(BRANCHY)),
+        )
         nodes = path(BRANCHY, 5)
-        expected = net(torch.cat([features[:, :prefix_len], new_f[:, nodes]], dim=1),
-                       torch.cat([embeddings[:, :prefix_len], new_e[:, nodes]], dim=1))[:, -1]
+        expected = net(
+            torch.cat([features[:, :prefix_len], new_f[:, nodes]], dim=1),
+            torch.cat([embeddings[:, :prefix_len], new_e[:, nodes]], dim=1),
+        )[:, -1]
     assert max_diff(right[:, 5], expected) <= EXACT
     assert max_diff(chain[:, 5], expected) > 1e-3
 
@@ -420,21 +512,43 @@ SEE = torch.tensor([[[True] * 5 + [False], [True] * 6]])  # causal, window 6
 LONG_SHAPE = r"positions must be a LongTensor of the slots' shape \(1, 2\)"
 BOOL_SHAPE = r"visible must be a BoolTensor \(1, 2, 6\) \(rows, tokens, window\)"
 BAD_CALLS = {
-    "positions [1, 3]": (lambda: CacheCall(SLOTS, torch.tensor([[4, 5, 6]]), SEE, 6, 6), LONG_SHAPE),
+    "positions [1, 3]": (
+        lambda: CacheCall(SLOTS, torch.tensor([[4, 5, 6]]), SEE, 6, 6),
+        LONG_SHAPE,
+    ),
     "positions [T]": (lambda: CacheCall(SLOTS, torch.tensor([4, 5]), SEE, 6, 5), LONG_SHAPE),
-    "positions [2, 2]": (lambda: CacheCall(SLOTS, torch.tensor([[4, 5], [4, 5]]), SEE, 6, 5), LONG_SHAPE),
-    "positions float": (lambda: CacheCall(SLOTS, torch.tensor([[4.0, 5.0]]), SEE, 6, 5), LONG_SHAPE),
+    "positions [2, 2]": (
+        lambda: CacheCall(SLOTS, torch.tensor([[4, 5], [4, 5]]), SEE, 6, 5),
+        LONG_SHAPE,
+    ),
+    "positions float": (
+        lambda: CacheCall(SLOTS, torch.tensor([[4.0, 5.0]]), SEE, 6, 5),
+        LONG_SHAPE,
+    ),
     "positions list": (lambda: CacheCall(SLOTS, [[4, 5]], SEE, 6, 5), LONG_SHAPE),
     "position -1": (lambda: CacheCall.of(SLOTS, torch.tensor([[4, -1]])), r"must be >= 0, got -1"),
-    "position 9": (lambda: CacheCall.of(SLOTS, torch.tensor([[4, 9]])), r"up to 9 fall outside the KV cache"),
+    "position 9": (
+        lambda: CacheCall.of(SLOTS, torch.tensor([[4, 9]])),
+        r"up to 9 fall outside the KV cache",
+    ),
     "slot 9": (lambda: CacheCall.of(torch.tensor([[4, 9]])), r"up to 9 fall outside the KV cache"),
-    "slots float": (lambda: CacheCall(SLOTS.double(), SLOTS, SEE, 6, 5), r"slots must be a LongTensor \[B, T\]"),
-    "slots [T]": (lambda: CacheCall(SLOTS[0], SLOTS[0], None, 6, 5), r"slots must be a LongTensor \[B, T\]"),
-    "slots for 3 tokens": (lambda: CacheCall.of(torch.tensor([[4, 5, 6]])),
-                           r"the call places \(1, 3\) tokens, the input has \(1, 2\)"),
+    "slots float": (
+        lambda: CacheCall(SLOTS.double(), SLOTS, SEE, 6, 5),
+        r"slots must be a LongTensor \[B, T\]",
+    ),
+    "slots [T]": (
+        lambda: CacheCall(SLOTS[0], SLOTS[0], None, 6, 5),
+        r"slots must be a LongTensor \[B, T\]",
+    ),
+    "slots for 3 tokens": (
+        lambda: CacheCall.of(torch.tensor([[4, 5, 6]])),
+        r"the call places \(1, 3\) tokens, the input has \(1, 2\)",
+    ),
     "window 0": (lambda: CacheCall(SLOTS, SLOTS, None, 0, 5), "reads at least one slot"),
-    "window 9": (lambda: CacheCall(SLOTS, SLOTS, torch.ones(1, 2, 9, dtype=torch.bool), 9, 5),
-                 r"up to 8 fall outside the KV cache"),
+    "window 9": (
+        lambda: CacheCall(SLOTS, SLOTS, torch.ones(1, 2, 9, dtype=torch.bool), 9, 5),
+        r"up to 8 fall outside the KV cache",
+    ),
     "visible [1, 2, 5]": (lambda: CacheCall(SLOTS, SLOTS, SEE[:, :, :5], 6, 5), BOOL_SHAPE),
     "visible [2, 6]": (lambda: CacheCall(SLOTS, SLOTS, SEE[0], 6, 5), BOOL_SHAPE),
     "visible float": (lambda: CacheCall(SLOTS, SLOTS, SEE.double(), 6, 5), BOOL_SHAPE),
@@ -464,30 +578,39 @@ def test_a_cached_call_needs_a_cache_and_a_cache_call() -> None:
     llama, net = random_llama(max_seq_len=8), FeatureHead(head().config)  # fresh: no cache yet
     tokens, inputs = random_tokens(llama, 1, 2, seed=0), head_inputs(1, 2, seed=0)
     for forward, args in ((llama, (tokens,)), (net, tuple(x.to(net.dtype) for x in inputs))):
-        with pytest.raises(RuntimeError, match=r"needs setup_cache\(...\) first"), torch.inference_mode():
+        with (
+            pytest.raises(RuntimeError, match=r"needs setup_cache\(...\) first"),
+            torch.inference_mode(),
+        ):
             forward(*args, calls.chain(4, 2, "cpu"))
         forward.setup_cache(1, 8)
         for not_a_call in (torch.arange(4, 6), 4):
-            with pytest.raises(TypeError, match="a cached call takes a CacheCall"), torch.inference_mode():
+            with (
+                pytest.raises(TypeError, match="a cached call takes a CacheCall"),
+                torch.inference_mode(),
+            ):
                 forward(*args, not_a_call)
 
 
-@pytest.mark.parametrize("rows, src, dst, message", [
-    ([0], [[0, 8]], [[0, 1]], r"must be ints in 0\.\.7, got \[\[0, 8\]\]"),
-    ([0], [[-1]], [[0]], r"must be ints in 0\.\.7, got \[\[-1\]\]"),
-    ([0], [[0, 1]], [[7, 8]], r"must be ints in 0\.\.7, got \[\[7, 8\]\]"),
-    ([0], [[0]], [[-1]], r"must be ints in 0\.\.7, got \[\[-1\]\]"),
-    ([0], [[1.0]], [[0]], r"must be ints in 0\.\.7, got \[\[1\.0\]\]"),
-    ([0], [[[0, 1]]], [[[2, 3]]], r"must be ints in 0\.\.7, got \[\[\[0, 1\]\]\]"),
-    ([0], [0, 1], [2, 3], "src and dst go together"),  # one row's slots not wrapped in a list
-    ([0], [1], [2], "src and dst go together"),
-    ([0], [[0, 1]], [[2]], "src and dst go together"),
-    ([0], [[0]], None, "src and dst go together"),
-    ([0], None, [[0]], "src and dst go together"),
-    ([0], [[0], [1]], [[2], [3]], "src and dst go together"),  # two lists for one row
-    ([1], None, None, r"rows to keep must be ints in 0\.\.0, got \[1\]"),
-    ([-1], [[0]], [[1]], r"rows to keep must be ints in 0\.\.0, got \[-1\]"),
-])
+@pytest.mark.parametrize(
+    "rows, src, dst, message",
+    [
+        ([0], [[0, 8]], [[0, 1]], r"must be ints in 0\.\.7, got \[\[0, 8\]\]"),
+        ([0], [[-1]], [[0]], r"must be ints in 0\.\.7, got \[\[-1\]\]"),
+        ([0], [[0, 1]], [[7, 8]], r"must be ints in 0\.\.7, got \[\[7, 8\]\]"),
+        ([0], [[0]], [[-1]], r"must be ints in 0\.\.7, got \[\[-1\]\]"),
+        ([0], [[1.0]], [[0]], r"must be ints in 0\.\.7, got \[\[1\.0\]\]"),
+        ([0], [[[0, 1]]], [[[2, 3]]], r"must be ints in 0\.\.7, got \[\[\[0, 1\]\]\]"),
+        ([0], [0, 1], [2, 3], "src and dst go together"),  # one row's slots not wrapped in a list
+        ([0], [1], [2], "src and dst go together"),
+        ([0], [[0, 1]], [[2]], "src and dst go together"),
+        ([0], [[0]], None, "src and dst go together"),
+        ([0], None, [[0]], "src and dst go together"),
+        ([0], [[0], [1]], [[2], [3]], "src and dst go together"),  # two lists for one row
+        ([1], None, None, r"rows to keep must be ints in 0\.\.0, got \[1\]"),
+        ([-1], [[0]], [[1]], r"rows to keep must be ints in 0\.\.0, got \[-1\]"),
+    ],
+)
 def test_bad_move_cache_raises(rows: list, src, dst, message: str) -> None:
     for net in (random_llama(max_seq_len=8), FeatureHead(head().config)):  # fresh: no cache yet
         with pytest.raises(RuntimeError, match=r"move_cache\(...\) needs setup_cache"):

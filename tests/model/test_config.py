@@ -27,46 +27,167 @@ LLAMA3_EOS = (128001, 128008, 128009)  # <|end_of_text|>, <|eom_id|>, <|eot_id|>
 
 
 def _llama3(factor: float) -> dict[str, Any]:
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
 
 
 # The published shapes: layers, hidden, heads, kv heads, head_dim, MLP width, vocab, context, rope, ids, tying.
 FACTS: dict[str, dict[str, Any]] = {
-    "Llama-2-7b-hf": dict(n_layers=32, dim=4096, n_heads=32, n_kv_heads=32, head_dim=128, hidden_dim=11008,
-                          vocab_size=32000, max_seq_len=4096, rope_theta=10000.0, rope_scaling=None,
-                          bos_id=1, eos_ids=(2,), tie_word_embeddings=False),
-    "Llama-2-70b-chat-hf": dict(n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, head_dim=128, hidden_dim=28672,
-                                vocab_size=32000, max_seq_len=4096, rope_theta=10000.0, rope_scaling=None,
-                                bos_id=1, eos_ids=(2,), tie_word_embeddings=False),
-    "CodeLlama-7b-hf": dict(n_layers=32, dim=4096, n_heads=32, n_kv_heads=32, head_dim=128, hidden_dim=11008,
-                            vocab_size=32016, max_seq_len=16384, rope_theta=1000000.0, rope_scaling=None,
-                            bos_id=1, eos_ids=(2,), tie_word_embeddings=False),
-    "Llama-3.1-8B-Instruct": dict(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, hidden_dim=14336,
-                                  vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
-                                  rope_scaling=_llama3(8.0), bos_id=128000, eos_ids=LLAMA3_EOS,
-                                  tie_word_embeddings=False),
-    "Llama-3.2-1B-Instruct": dict(n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, hidden_dim=8192,
-                                  vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
-                                  rope_scaling=_llama3(32.0), bos_id=128000, eos_ids=LLAMA3_EOS,
-                                  tie_word_embeddings=True),
-    "Llama-3.3-70B-Instruct": dict(n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, head_dim=128, hidden_dim=28672,
-                                   vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
-                                   rope_scaling=_llama3(8.0), bos_id=128000, eos_ids=LLAMA3_EOS,
-                                   tie_word_embeddings=False),
-    "DeepSeek-R1-Distill-Llama-8B": dict(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, head_dim=128,
-                                         hidden_dim=14336, vocab_size=128256, max_seq_len=131072,
-                                         rope_theta=500000.0, rope_scaling=_llama3(8.0), bos_id=128000,
-                                         eos_ids=(128001,), tie_word_embeddings=False),
-    "TinyLlama-1.1B-Chat-v1.0": dict(n_layers=22, dim=2048, n_heads=32, n_kv_heads=4, head_dim=64, hidden_dim=5632,
-                                     vocab_size=32000, max_seq_len=2048, rope_theta=10000.0, rope_scaling=None,
-                                     bos_id=1, eos_ids=(2,), tie_word_embeddings=False),
-    "SmolLM2-135M-Instruct": dict(n_layers=30, dim=576, n_heads=9, n_kv_heads=3, head_dim=64, hidden_dim=1536,
-                                  vocab_size=49152, max_seq_len=8192, rope_theta=100000.0, rope_scaling=None,
-                                  bos_id=1, eos_ids=(2,), tie_word_embeddings=True),
-    "SmolLM2-1.7B-Instruct": dict(n_layers=24, dim=2048, n_heads=32, n_kv_heads=32, head_dim=64, hidden_dim=8192,
-                                  vocab_size=49152, max_seq_len=8192, rope_theta=130000.0, rope_scaling=None,
-                                  bos_id=1, eos_ids=(2,), tie_word_embeddings=True),
+    "Llama-2-7b-hf": dict(
+        n_layers=32,
+        dim=4096,
+        n_heads=32,
+        n_kv_heads=32,
+        head_dim=128,
+        hidden_dim=11008,
+        vocab_size=32000,
+        max_seq_len=4096,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        bos_id=1,
+        eos_ids=(2,),
+        tie_word_embeddings=False,
+    ),
+    "Llama-2-70b-chat-hf": dict(
+        n_layers=80,
+        dim=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=128,
+        hidden_dim=28672,
+        vocab_size=32000,
+        max_seq_len=4096,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        bos_id=1,
+        eos_ids=(2,),
+        tie_word_embeddings=False,
+    ),
+    "CodeLlama-7b-hf": dict(
+        n_layers=32,
+        dim=4096,
+        n_heads=32,
+        n_kv_heads=32,
+        head_dim=128,
+        hidden_dim=11008,
+        vocab_size=32016,
+        max_seq_len=16384,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        bos_id=1,
+        eos_ids=(2,),
+        tie_word_embeddings=False,
+    ),
+    "Llama-3.1-8B-Instruct": dict(
+        n_layers=32,
+        dim=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        hidden_dim=14336,
+        vocab_size=128256,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3(8.0),
+        bos_id=128000,
+        eos_ids=LLAMA3_EOS,
+        tie_word_embeddings=False,
+    ),
+    "Llama-3.2-1B-Instruct": dict(
+        n_layers=16,
+        dim=2048,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        hidden_dim=8192,
+        vocab_size=128256,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3(32.0),
+        bos_id=128000,
+        eos_ids=LLAMA3_EOS,
+        tie_word_embeddings=True,
+    ),
+    "Llama-3.3-70B-Instruct": dict(
+        n_layers=80,
+        dim=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=128,
+        hidden_dim=28672,
+        vocab_size=128256,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3(8.0),
+        bos_id=128000,
+        eos_ids=LLAMA3_EOS,
+        tie_word_embeddings=False,
+    ),
+    "DeepSeek-R1-Distill-Llama-8B": dict(
+        n_layers=32,
+        dim=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        hidden_dim=14336,
+        vocab_size=128256,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rope_scaling=_llama3(8.0),
+        bos_id=128000,
+        eos_ids=(128001,),
+        tie_word_embeddings=False,
+    ),
+    "TinyLlama-1.1B-Chat-v1.0": dict(
+        n_layers=22,
+        dim=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=64,
+        hidden_dim=5632,
+        vocab_size=32000,
+        max_seq_len=2048,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        bos_id=1,
+        eos_ids=(2,),
+        tie_word_embeddings=False,
+    ),
+    "SmolLM2-135M-Instruct": dict(
+        n_layers=30,
+        dim=576,
+        n_heads=9,
+        n_kv_heads=3,
+        head_dim=64,
+        hidden_dim=1536,
+        vocab_size=49152,
+        max_seq_len=8192,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        bos_id=1,
+        eos_ids=(2,),
+        tie_word_embeddings=True,
+    ),
+    "SmolLM2-1.7B-Instruct": dict(
+        n_layers=24,
+        dim=2048,
+        n_heads=32,
+        n_kv_heads=32,
+        head_dim=64,
+        hidden_dim=8192,
+        vocab_size=49152,
+        max_seq_len=8192,
+        rope_theta=130000.0,
+        rope_scaling=None,
+        bos_id=1,
+        eos_ids=(2,),
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -80,8 +201,12 @@ def _mismatches(config: ModelConfig, facts: dict[str, Any]) -> dict[str, tuple[A
 
 def test_the_real_configs_are_there() -> None:
     # Three at least: a Llama-2-shaped one, a Llama-3.1 one with three end ids, a tied Llama-3.2 one.
-    assert {"Llama-3.1-8B-Instruct", "Llama-3.2-1B-Instruct", "TinyLlama-1.1B-Chat-v1.0"} <= set(CONFIGS)
-    assert set(CONFIGS) <= set(FACTS), f"write the published facts of {sorted(set(CONFIGS) - set(FACTS))}"
+    assert {"Llama-3.1-8B-Instruct", "Llama-3.2-1B-Instruct", "TinyLlama-1.1B-Chat-v1.0"} <= set(
+        CONFIGS
+    )
+    assert set(CONFIGS) <= set(FACTS), (
+        f"write the published facts of {sorted(set(CONFIGS) - set(FACTS))}"
+    )
 
 
 # ----------------------------------------------------------------------------- the real files
@@ -103,16 +228,38 @@ def test_shape_check_can_fail(name: str) -> None:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_real_config_matches_transformers(name: str) -> None:
     """transformers' LlamaConfig reading the same file: the same shape, rope and end ids."""
-    transformers = pytest.importorskip("transformers", reason="transformers (the reference) is in the [test] extras")
-    theirs = transformers.LlamaConfig.from_dict(_real(name))  # a copy of its own: LlamaConfig writes into rope_scaling
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers (the reference) is in the [test] extras"
+    )
+    theirs = transformers.LlamaConfig.from_dict(
+        _real(name)
+    )  # a copy of its own: LlamaConfig writes into rope_scaling
     ours = ModelConfig.from_hf(_real(name))
-    assert (ours.n_layers, ours.dim, ours.n_heads, ours.n_kv_heads, ours.head_dim, ours.hidden_dim, ours.vocab_size,
-            ours.max_seq_len, ours.tie_word_embeddings) == (
-        theirs.num_hidden_layers, theirs.hidden_size, theirs.num_attention_heads, theirs.num_key_value_heads,
-        theirs.head_dim, theirs.intermediate_size, theirs.vocab_size, theirs.max_position_embeddings,
-        theirs.tie_word_embeddings)
+    assert (
+        ours.n_layers,
+        ours.dim,
+        ours.n_heads,
+        ours.n_kv_heads,
+        ours.head_dim,
+        ours.hidden_dim,
+        ours.vocab_size,
+        ours.max_seq_len,
+        ours.tie_word_embeddings,
+    ) == (
+        theirs.num_hidden_layers,
+        theirs.hidden_size,
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+        theirs.head_dim,
+        theirs.intermediate_size,
+        theirs.vocab_size,
+        theirs.max_position_embeddings,
+        theirs.tie_word_embeddings,
+    )
     assert ours.norm_eps == theirs.rms_norm_eps
-    rope = dict(theirs.rope_parameters)  # transformers 5 folds rope_theta and rope_scaling into one dict
+    rope = dict(
+        theirs.rope_parameters
+    )  # transformers 5 folds rope_theta and rope_scaling into one dict
     assert ours.rope_theta == rope.pop("rope_theta")
     rope_type = rope.pop("rope_type", "default")
     assert (ours.rope_scaling or {"rope_type": "default"}) == {"rope_type": rope_type, **rope}
@@ -126,27 +273,51 @@ def test_real_config_round_trips(name: str) -> None:
     """to_hf writes what from_hf reads back to the same config, the end-id list included."""
     config = ModelConfig.from_hf(_real(name))
     written = config.to_hf()
-    assert written["eos_token_id"] == (list(config.eos_ids) if len(config.eos_ids) > 1 else config.eos_ids[0])
+    assert written["eos_token_id"] == (
+        list(config.eos_ids) if len(config.eos_ids) > 1 else config.eos_ids[0]
+    )
     assert ModelConfig.from_hf(written) == config
 
 
 # ----------------------------------------------------------------------------- refusals and notes
-BASE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 172,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "eos_token_id": 2}
+BASE = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 172,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "eos_token_id": 2,
+}
 
 REFUSED = {
     "attention_bias": ({"attention_bias": True}, "attention_bias=True; only False is implemented"),
     "attention_bias as 1": ({"attention_bias": 1}, "attention_bias=1; only False is implemented"),
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True; only False is implemented"),
-    "hidden_act": ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act='gelu_pytorch_tanh'; only 'silu' is implemented"),
-    "rope_interleaved": ({"rope_interleaved": True}, "rope_interleaved=True; only False is implemented"),
+    "hidden_act": (
+        {"hidden_act": "gelu_pytorch_tanh"},
+        "hidden_act='gelu_pytorch_tanh'; only 'silu' is implemented",
+    ),
+    "rope_interleaved": (
+        {"rope_interleaved": True},
+        "rope_interleaved=True; only False is implemented",
+    ),
     "sliding_window": ({"sliding_window": 4096}, "sliding_window=4096; only None is implemented"),
-    "use_sliding_window": ({"use_sliding_window": True}, "use_sliding_window=True; only False is implemented"),
+    "use_sliding_window": (
+        {"use_sliding_window": True},
+        "use_sliding_window=True; only False is implemented",
+    ),
     "yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not implemented"),
-    "longrope": ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "'longrope' is not implemented"),
+    "longrope": (
+        {"rope_scaling": {"type": "longrope", "factor": 4.0}},
+        "'longrope' is not implemented",
+    ),
     "qk_layernorm": ({"qk_layernorm": True}, "fields this model does not implement: qk_layernorm"),
-    "partial_rotary_factor": ({"partial_rotary_factor": 0.5},
-                              "fields this model does not implement: partial_rotary_factor"),
+    "partial_rotary_factor": (
+        {"partial_rotary_factor": 0.5},
+        "fields this model does not implement: partial_rotary_factor",
+    ),
 }
 
 
@@ -160,10 +331,17 @@ def test_forward_field_at_an_unimplemented_value_is_refused(case: str) -> None:
 
 def test_smollm2_fields_are_accepted_as_metadata() -> None:
     """What nanotron and transformers.js leave in SmolLM2's config.json: no refusal, nothing unclassified."""
-    config = ModelConfig.from_hf({
-        **BASE, "is_llama_config": True, "rope_interleaved": False, "unk_token_id": 0, "pad_token_id": 2,
-        "pretraining_tp": 1, "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
-    })
+    config = ModelConfig.from_hf(
+        {
+            **BASE,
+            "is_llama_config": True,
+            "rope_interleaved": False,
+            "unk_token_id": 0,
+            "pad_token_id": 2,
+            "pretraining_tp": 1,
+            "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+        }
+    )
     assert config.unclassified == ()
     assert config.extra["transformers.js_config"]["kv_cache_dtype"]["fp16"] == "float16"
 
@@ -182,14 +360,19 @@ def test_unknown_field_is_recorded_not_refused() -> None:
 
 
 # ----------------------------------------------------------------------------- end-of-sequence ids
-@pytest.mark.parametrize(("value", "eos_id", "eos_ids", "written"), [
-    (2, 2, (2,), 2),
-    ([128001, 128008, 128009], 128001, LLAMA3_EOS, [128001, 128008, 128009]),
-    ([7], 7, (7,), 7),
-    (None, None, (), None),
-    ("absent", None, (), None),
-])
-def test_eos_token_id_forms(value: Any, eos_id: int | None, eos_ids: tuple[int, ...], written: Any) -> None:
+@pytest.mark.parametrize(
+    ("value", "eos_id", "eos_ids", "written"),
+    [
+        (2, 2, (2,), 2),
+        ([128001, 128008, 128009], 128001, LLAMA3_EOS, [128001, 128008, 128009]),
+        ([7], 7, (7,), 7),
+        (None, None, (), None),
+        ("absent", None, (), None),
+    ],
+)
+def test_eos_token_id_forms(
+    value: Any, eos_id: int | None, eos_ids: tuple[int, ...], written: Any
+) -> None:
     hf = {k: v for k, v in BASE.items() if k != "eos_token_id"}
     if value != "absent":
         hf["eos_token_id"] = value
@@ -200,7 +383,9 @@ def test_eos_token_id_forms(value: Any, eos_id: int | None, eos_ids: tuple[int, 
 
 @pytest.mark.parametrize("bad", [True, "2", -1, [128001, "128009"], [False], 2.0])
 def test_bad_eos_token_id_is_refused(bad: Any) -> None:
-    with pytest.raises(ConfigError, match=r"^eos_token_id must be a non-negative integer or a list of them, got "):
+    with pytest.raises(
+        ConfigError, match=r"^eos_token_id must be a non-negative integer or a list of them, got "
+    ):
         ModelConfig.from_hf({**BASE, "eos_token_id": bad})
 
 
@@ -231,7 +416,9 @@ def test_field_table_lists_every_field_of_every_real_config() -> None:
         for key in _real(name):
             carried.setdefault(key, []).append(name)
     rows = _doc_rows()
-    assert set(rows) == set(carried), "docs/checkpoint_fields.md is out of date with tests/data/configs"
+    assert set(rows) == set(carried), (
+        "docs/checkpoint_fields.md is out of date with tests/data/configs"
+    )
     for key, (checkpoints, kind, handling) in rows.items():
         assert kind == FIELDS[key].kind, key
         assert handling == FIELDS[key].handling, key

@@ -35,7 +35,9 @@ def test_the_old_name_still_works_and_warns(new: str, monkeypatch: pytest.Monkey
         assert setting(new) == "from-the-old-name"
     monkeypatch.setenv(new, "from-the-new-name")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new name set: read first, and nothing said of the old one
+        warnings.simplefilter(
+            "error"
+        )  # the new name set: read first, and nothing said of the old one
         assert setting(new) == "from-the-new-name"
     monkeypatch.setenv(new, "")  # empty is unset, as `VAR= command` means
     with pytest.warns(FutureWarning):
@@ -47,11 +49,19 @@ def test_a_variable_of_another_prefix_is_refused() -> None:
         setting("SPECDEC_WEIGHTS")
 
 
-READERS: dict[str, Callable[[str], bool]] = {  # each reader of a renamed variable: whether it took ``value``
+READERS: dict[
+    str, Callable[[str], bool]
+] = {  # each reader of a renamed variable: whether it took ``value``
     ENV_VAR: lambda value: Path(value) in search_dirs(),
     ENV: lambda value: default_dir() == Path(value),
-    MODE_ENV: lambda value: default_mode(random_llama(vocab=8, dim=8, n_layers=1, n_heads=1, n_kv_heads=1,
-                                                      hidden_dim=8, max_seq_len=8)) == value,
+    MODE_ENV: lambda value: (
+        default_mode(
+            random_llama(
+                vocab=8, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, hidden_dim=8, max_seq_len=8
+            )
+        )
+        == value
+    ),
 }
 
 
@@ -60,7 +70,9 @@ def test_every_renamed_variable_has_a_reader() -> None:
 
 
 @pytest.mark.parametrize("new", sorted(READERS))
-def test_each_reader_takes_both_names(new: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_each_reader_takes_both_names(
+    new: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     value = "default" if new == MODE_ENV else str(tmp_path)
     monkeypatch.setenv(RENAMED[new], value)
     with pytest.warns(FutureWarning, match=new):
@@ -96,7 +108,10 @@ Features\t: fp
 
 def test_cpuinfo_is_read_for_its_first_processor() -> None:
     x86 = parse_cpuinfo(X86)
-    assert x86["model name"] == "Intel(R) Xeon(R) Platinum 8480+" and x86["flags"] == "fpu avx2 avx512f amx_tile"
+    assert (
+        x86["model name"] == "Intel(R) Xeon(R) Platinum 8480+"
+        and x86["flags"] == "fpu avx2 avx512f amx_tile"
+    )
     assert x86["vmx flags"] == "vnmi" and x86["model"] == "143"
     arm = parse_cpuinfo(ARM)  # a blank line before the first processor is not its end
     assert arm["Features"] == "fp asimd sve" and "model name" not in arm
@@ -107,12 +122,21 @@ def test_the_cache_keys_entries_by_the_one_description() -> None:
     assert cpu.name and device_name(torch.device("cpu")).startswith(f"{cpu.name} ")
     if Path("/proc/cpuinfo").exists():
         assert cpu.flags and cpu.cpuinfo
-    assert describe_cpu().lscpu == {}  # lscpu is a subprocess: run only when asked (the benchmarks' pages)
+    assert (
+        describe_cpu().lscpu == {}
+    )  # lscpu is a subprocess: run only when asked (the benchmarks' pages)
 
 
-@pytest.mark.parametrize(("flags", "native"), [
-    ("fpu avx2 avx512f avx512_bf16", True), ("fpu avx512f amx_bf16", True), ("fp asimd bf16", True),
-    ("fpu avx2 avx512f avx512bw", False), ("", False)])
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ("fpu avx2 avx512f avx512_bf16", True),
+        ("fpu avx512f amx_bf16", True),
+        ("fp asimd bf16", True),
+        ("fpu avx2 avx512f avx512bw", False),
+        ("", False),
+    ],
+)
 def test_native_bfloat16_is_read_from_the_flags(flags: str, native: bool) -> None:
     """AVX512-BF16, AMX-BF16 (x86) and ARM's BF16 compute bfloat16; AVX-512 without them only emulates it."""
     from model.host import CPU

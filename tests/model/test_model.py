@@ -17,7 +17,9 @@ from model.model import apply_rope, rope_cos_sin
 from tests.support.hf import HF_CONFIGS, hf_config, hf_logits, hf_model, random_tokens, randomize_
 from weights import load_model, save_model
 
-transformers = pytest.importorskip("transformers", reason="transformers (the reference) is in the [test] extras")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (the reference) is in the [test] extras"
+)
 
 PARITY_ATOL = 1e-5  # float32, max abs logits difference
 SEQ = 48  # below the scaled configs' original_max_position_embeddings, above every rope wavelength that matters
@@ -90,8 +92,14 @@ def test_greedy_generation_matches_transformers_generate(tmp_path) -> None:
     ours = load_model(tmp_path)
     prompt = random_tokens(2, 6, config["vocab_size"], seed=5).clamp(min=3)
     new_tokens = 50
-    expected = reference.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
+    expected = reference.generate(
+        prompt,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     ours.setup_cache(max_batch_size=2, max_seq_len=prompt.shape[1] + new_tokens)
     tokens, gaps = prompt, []
     with torch.no_grad():
@@ -123,7 +131,9 @@ def test_cached_decoding_equals_uncached_forward(name: str) -> None:
         model.setup_cache(max_batch_size=2, max_seq_len=32)
         steps = [(0, 7)] + [(p, p + 1) for p in range(7, 15)] + [(15, 20), (20, 25), (25, 30)]
         for start, end in steps:
-            got = model(tokens[:, start:end], calls.chain(start, end - start, tokens.device, rows=2))
+            got = model(
+                tokens[:, start:end], calls.chain(start, end - start, tokens.device, rows=2)
+            )
             assert got.shape == (2, end - start, model.config.vocab_size)
             diff = _max_diff(got, full[:, start:end])
             assert diff <= PARITY_ATOL, f"positions {start}..{end - 1}: {diff:.3g}"
@@ -143,7 +153,7 @@ def test_rollback_overwrites_stale_cache_entries() -> None:
         # Roll back to 10: three new tokens in a chunk (masked call), then single tokens
         # (unmasked call) while stale entries of `first` still sit at 13..15.
         got = [model(second[:, 10:13], calls.chain(10, 3, "cpu"))]
-        got += [model(second[:, p:p + 1], calls.chain(p, 1, "cpu")) for p in range(13, 15)]
+        got += [model(second[:, p : p + 1], calls.chain(p, 1, "cpu")) for p in range(13, 15)]
         got.append(model(second[:, 15:20], calls.chain(15, 5, "cpu")))
     diff = _max_diff(torch.cat(got, dim=1), expected[:, 10:20])
     assert diff <= PARITY_ATOL
@@ -187,7 +197,9 @@ def test_going_past_the_cache_raises() -> None:
         with pytest.raises(ValueError, match=_outside(17)):
             model(tokens[:, :8], calls.chain(10, 8, "cpu"))
         with pytest.raises(ValueError, match=_outside(16)):
-            model(tokens[:, :1], calls.chain(16, 1, "cpu"))  # slot 16 is the scratch slot, never a token's
+            model(
+                tokens[:, :1], calls.chain(16, 1, "cpu")
+            )  # slot 16 is the scratch slot, never a token's
         with pytest.raises(ValueError, match="max_batch_size"):
             model(random_tokens(2, 1, model.config.vocab_size), calls.chain(10, 1, "cpu", rows=2))
         model(tokens[:, :6], calls.chain(10, 6, "cpu"))  # exactly filling the cache is fine
@@ -204,18 +216,30 @@ def test_a_bad_cache_call_raises_one_clear_error() -> None:
     see_all = torch.ones(1, 3, 7, dtype=torch.bool)
     with torch.no_grad():
         with pytest.raises(ValueError, match=_outside(17)):
-            model(x, CacheCall.of(torch.tensor([[4, 5, 17]])))  # a slot past the cache (16 is the scratch slot)
+            model(
+                x, CacheCall.of(torch.tensor([[4, 5, 17]]))
+            )  # a slot past the cache (16 is the scratch slot)
         with pytest.raises(ValueError, match=_outside(17)):
-            model(x, CacheCall.of(slots, positions=torch.tensor([[4, 5, 17]])))  # a position past it
+            model(
+                x, CacheCall.of(slots, positions=torch.tensor([[4, 5, 17]]))
+            )  # a position past it
         with pytest.raises(ValueError, match=_outside(16)):
-            model(x, CacheCall(slots, slots, torch.ones(1, 3, 17, dtype=torch.bool), 17, 6))  # a window past it
-        with pytest.raises(ValueError, match=r"visible must be a BoolTensor \(1, 3, 7\) \(rows, tokens, window\)"):
+            model(
+                x, CacheCall(slots, slots, torch.ones(1, 3, 17, dtype=torch.bool), 17, 6)
+            )  # a window past it
+        with pytest.raises(
+            ValueError, match=r"visible must be a BoolTensor \(1, 3, 7\) \(rows, tokens, window\)"
+        ):
             CacheCall(slots, slots, torch.ones(1, 3, 6, dtype=torch.bool), 7, 6)
         with pytest.raises(ValueError, match=r"visible must be a BoolTensor \(1, 3, 7\)"):
             CacheCall(slots, slots, see_all.float(), 7, 6)
-        with pytest.raises(ValueError, match=r"positions must be a LongTensor of the slots' shape \(1, 3\)"):
+        with pytest.raises(
+            ValueError, match=r"positions must be a LongTensor of the slots' shape \(1, 3\)"
+        ):
             CacheCall(slots, torch.tensor([[4, 5]]), see_all, 7, 6)
-        with pytest.raises(ValueError, match=r"positions must be a LongTensor of the slots' shape \(1, 3\)"):
+        with pytest.raises(
+            ValueError, match=r"positions must be a LongTensor of the slots' shape \(1, 3\)"
+        ):
             CacheCall(slots, slots.int(), see_all, 7, 6)
         with pytest.raises(ValueError, match=r"slots must be a LongTensor \[B, T\]"):
             CacheCall(slots[0], slots[0], None, 7, 6)
@@ -223,11 +247,17 @@ def test_a_bad_cache_call_raises_one_clear_error() -> None:
             CacheCall(slots, slots, None, 0, 6)
         with pytest.raises(ValueError, match="must be >= 0"):
             CacheCall.of(torch.tensor([[-1, 0, 1]]))
-        with pytest.raises(ValueError, match=r"the call places \(1, 2\) tokens, the input has \(1, 3\)"):
+        with pytest.raises(
+            ValueError, match=r"the call places \(1, 2\) tokens, the input has \(1, 3\)"
+        ):
             model(x, calls.chain(4, 2, "cpu"))
         with pytest.raises(TypeError, match="takes a CacheCall"):
             model(x, 4)
-        assert model(x, CacheCall(slots, slots, see_all, 7, 6)).shape == (1, 3, model.config.vocab_size)  # well formed
+        assert model(x, CacheCall(slots, slots, see_all, 7, 6)).shape == (
+            1,
+            3,
+            model.config.vocab_size,
+        )  # well formed
 
 
 def test_cache_and_uncached_forward_respect_max_position_embeddings() -> None:
@@ -247,12 +277,36 @@ def test_cached_call_without_setup_raises() -> None:
 # ----------------------------------------------------------------------------- sizes
 # The published Llama-2 config.json files (meta-llama/Llama-2-{7b,13b,70b}-hf), written out here.
 LLAMA2_CONFIGS = {
-    "7b": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=32), 6_738_415_616),
-    "13b": (dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                 num_key_value_heads=40), 13_015_864_320),
-    "70b": (dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                 num_key_value_heads=8), 68_976_648_192),
+    "7b": (
+        dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+        ),
+        6_738_415_616,
+    ),
+    "13b": (
+        dict(
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=40,
+        ),
+        13_015_864_320,
+    ),
+    "70b": (
+        dict(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+        ),
+        68_976_648_192,
+    ),
 }
 
 
@@ -261,11 +315,23 @@ def test_llama2_parameter_counts(size: str) -> None:
     """The real Llama-2 shapes, built on the meta device, have exactly the published sizes."""
     shape, expected = LLAMA2_CONFIGS[size]
     hf = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-        "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
-        "pretraining_tp": 1, "tie_word_embeddings": False, "rope_scaling": None, "torch_dtype": "float16",
-        "use_cache": True, "transformers_version": "4.31.0.dev0", **shape,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": False,
+        "rope_scaling": None,
+        "torch_dtype": "float16",
+        "use_cache": True,
+        "transformers_version": "4.31.0.dev0",
+        **shape,
     }
     config = ModelConfig.from_hf(hf)
     with torch.device("meta"):
@@ -285,7 +351,7 @@ def test_rolled_rope_is_the_rotate_half_formula_bit_for_bit() -> None:
     angles = positions.float()[:, None] * inv_freq[None, :]
     sin = torch.cat((angles, angles), dim=-1).sin()
     x = torch.randn(2, 3, 40, head_dim, generator=torch.Generator().manual_seed(0))
-    x1, x2 = x[..., :head_dim // 2], x[..., head_dim // 2:]
+    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
     expected = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     assert torch.equal(apply_rope(x, cos, signed_sin), expected)
     # and the check can fail: the sign on the wrong half is a rotation the other way

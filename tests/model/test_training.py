@@ -30,10 +30,19 @@ torch.set_num_threads(1)
 
 # ----------------------------------------------------------------------------- model/training.py
 def test_the_schedule_by_hand() -> None:
-    assert [lr_at(s, 1.0, 4, 104) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # linear warmup to the peak
+    assert [lr_at(s, 1.0, 4, 104) for s in range(4)] == [
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+    ]  # linear warmup to the peak
     assert lr_at(4, 1.0, 4, 104) == pytest.approx(1.0)  # the cosine starts at the peak,
-    assert lr_at(54, 1.0, 4, 104) == pytest.approx(0.1 + 0.9 * 0.5)  # is halfway down at the middle,
-    assert lr_at(104, 1.0, 4, 104) == pytest.approx(0.1) == lr_at(500, 1.0, 4, 104)  # and stays at 10%
+    assert lr_at(54, 1.0, 4, 104) == pytest.approx(
+        0.1 + 0.9 * 0.5
+    )  # is halfway down at the middle,
+    assert (
+        lr_at(104, 1.0, 4, 104) == pytest.approx(0.1) == lr_at(500, 1.0, 4, 104)
+    )  # and stays at 10%
 
 
 def test_random_windows_are_next_token_pairs_of_the_stream() -> None:
@@ -53,7 +62,9 @@ def test_initialisation_scales_the_residual_outputs() -> None:
     up = torch.cat([layer.mlp.up_proj.weight.flatten() for layer in model.layers])
     assert up.std().item() == pytest.approx(0.02, rel=0.05)
     assert down.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert all(torch.equal(p, norms[name]) for name, p in model.named_parameters() if p.dim() == 1)  # left alone
+    assert all(
+        torch.equal(p, norms[name]) for name, p in model.named_parameters() if p.dim() == 1
+    )  # left alone
     head = torch.nn.Linear(4, 4)
     init_weights(head, 1)
     assert torch.equal(head.bias, torch.zeros(4))
@@ -72,7 +83,9 @@ def test_the_held_out_loss_reads_the_same_windows_every_time() -> None:
     model = random_llama(vocab=16, dim=16, max_seq_len=64).train()
     data = np.random.default_rng(0).integers(0, 16, 500).astype(np.uint16)
     first = evaluate(model, data, 16, batches=3, batch=2)
-    assert evaluate(model, data, 16, batches=3, batch=2) == first and model.training  # left in training mode
+    assert (
+        evaluate(model, data, 16, batches=3, batch=2) == first and model.training
+    )  # left in training mode
     one = evaluate(model, data, 16, batches=1, batch=2)  # the first of the three batches
     gen = torch.Generator().manual_seed(1234)
     assert one == pytest.approx(next_token_loss(model, *random_batch(data, 2, 16, gen)).item())
@@ -107,32 +120,70 @@ def test_fit_lowers_the_loss_logs_every_step_and_saves_on_schedule() -> None:
         return next_token_loss(model, x, y), {"seen": step}, x.numel()
 
     rng = random.Random(0)
-    last = fit(model, optimizer, gen, run, start=3, steps=40, lr=1e-2, warmup=5, batch_loss=batch_loss,
-               after=lambda step: {"even": True} if step % 2 == 0 else {}, save_every=10, title="t", desc="d",
-               progress=False, rng=rng)
+    last = fit(
+        model,
+        optimizer,
+        gen,
+        run,
+        start=3,
+        steps=40,
+        lr=1e-2,
+        warmup=5,
+        batch_loss=batch_loss,
+        after=lambda step: {"even": True} if step % 2 == 0 else {},
+        save_every=10,
+        title="t",
+        desc="d",
+        progress=False,
+        rng=rng,
+    )
     assert last == 40 and [row["step"] for row in run.rows] == list(range(4, 41))
     assert list(run.rows[0]) == ["step", "loss", "seen", "tokens_per_s", "even"]  # step 4: even
     assert list(run.rows[1]) == ["step", "loss", "seen", "tokens_per_s"]
-    assert [row["seen"] for row in run.rows] == list(range(3, 40))  # batch_loss sees the step before it is taken
+    assert [row["seen"] for row in run.rows] == list(
+        range(3, 40)
+    )  # batch_loss sees the step before it is taken
     assert run.saved == [10, 20, 30, 40] and run.plots == ["t"] * 4
-    assert all(saved is rng for saved in run.rngs)  # the batch order's generator is saved with the state
+    assert all(
+        saved is rng for saved in run.rngs
+    )  # the batch order's generator is saved with the state
     assert optimizer.param_groups[0]["lr"] == lr_at(39, 1e-2, 5, 40)
     assert sum(r["loss"] for r in run.rows[-5:]) / 5 < run.rows[0]["loss"] - 0.5
-    assert fit(model, optimizer, gen, run, start=40, steps=40, lr=1e-2, warmup=5, batch_loss=batch_loss,
-               save_every=10, title="t", desc="d", progress=False) == 40  # nothing left to do
+    assert (
+        fit(
+            model,
+            optimizer,
+            gen,
+            run,
+            start=40,
+            steps=40,
+            lr=1e-2,
+            warmup=5,
+            batch_loss=batch_loss,
+            save_every=10,
+            title="t",
+            desc="d",
+            progress=False,
+        )
+        == 40
+    )  # nothing left to do
 
 
 def test_only_the_matrices_decay() -> None:
     model = random_llama(vocab=8, dim=16)
     decay, no_decay = decay_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert all(p.dim() == 2 for p in decay["params"]) and all(
+        p.dim() == 1 for p in no_decay["params"]
+    )
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
 def test_the_progress_bar_shows_what_the_row_logs() -> None:
     assert progress_fields({"loss": 2.0, "tokens_per_s": 99.6}) == {"loss": "2.000", "tok_s": "100"}
-    assert progress_fields({"loss": 1.0, "regression": 0.5, "classification": 0.25, "tokens_per_s": 1.0}) == {
-        "reg": "0.5000", "cls": "0.250", "tok_s": "1"}
-    assert progress_fields({"loss": 1.0, "alpha_by_depth": [0.9, 0.5, 0.25], "tokens_per_s": 1.0}) == {
-        "loss": "1.000", "a1": "0.90", "a_last": "0.25", "tok_s": "1"}
+    assert progress_fields(
+        {"loss": 1.0, "regression": 0.5, "classification": 0.25, "tokens_per_s": 1.0}
+    ) == {"reg": "0.5000", "cls": "0.250", "tok_s": "1"}
+    assert progress_fields(
+        {"loss": 1.0, "alpha_by_depth": [0.9, 0.5, 0.25], "tokens_per_s": 1.0}
+    ) == {"loss": "1.000", "a1": "0.90", "a_last": "0.25", "tok_s": "1"}

@@ -41,14 +41,28 @@ GREEDY = ["--json", "--temperature", "0", "--max-new-tokens", "24", "--dtype", "
 
 def env() -> dict[str, str]:
     full = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    for name in ("NO_COLOR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in (
+        "NO_COLOR",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         full.pop(name, None)
     return full
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
-                          env=env(), cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
 
 
 def torchrun() -> list[str]:
@@ -67,8 +81,14 @@ def run_json(*args: str) -> dict[str, Any]:
 @needs_pair
 def test_torchrun_two_ranks_equals_one_process() -> None:
     single = run_json(*GREEDY)
-    proc = subprocess.run([*torchrun(), "--standalone", "--nproc-per-node", "2", str(ROOT / "generate.py"), *GREEDY],
-                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [*torchrun(), "--standalone", "--nproc-per-node", "2", str(ROOT / "generate.py"), *GREEDY],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout  # rank 0 alone prints
@@ -97,8 +117,19 @@ def test_int4_runs_the_int4_target_and_speculation_reproduces_it() -> None:
     """--quantize int4 (a CPU, float32) is another target: generate.py's greedy tokens are those of
     the shipped target with its block weights quantized by model.scale.quantize, decoded here by a
     plain forward with no cache; speculation reproduces them."""
-    args = ["--quantize", "int4", "--json", "--temperature", "0", "--max-new-tokens", "16", "--device", "cpu",
-            "--prompt", "Once upon a time"]
+    args = [
+        "--quantize",
+        "int4",
+        "--json",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--device",
+        "cpu",
+        "--prompt",
+        "Once upon a time",
+    ]
     with_draft, alone = run_json(*args), run_json(*args, "--no-draft")
     assert with_draft["settings"]["quantize"] == "int4" and with_draft["stats"]["draft_calls"] > 0
     assert with_draft["tokens"] == alone["tokens"]
@@ -113,7 +144,8 @@ def test_int4_runs_the_int4_target_and_speculation_reproduces_it() -> None:
     proc = cli(*args, "--dtype", "float16")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not cpu in "
-        "float16: add --device cpu, or drop --dtype"]
+        "float16: add --device cpu, or drop --dtype"
+    ]
 
 
 @needs_pair
@@ -122,25 +154,58 @@ def test_int4_in_bfloat16_quantizes_the_checkpoints_values() -> None:
     their rounding to bfloat16), the scales and zeros and every other weight then in bfloat16. generate.py's
     greedy tokens are those of that model decoded here by a plain forward, up to bfloat16's near-ties (the
     comparison stops at the first step whose top two logits are within 0.1), and speculation reproduces them."""
-    args = ["--quantize", "int4", "--dtype", "bfloat16", "--json", "--temperature", "0", "--max-new-tokens", "16",
-            "--device", "cpu", "--prompt", "Once upon a time"]
+    args = [
+        "--quantize",
+        "int4",
+        "--dtype",
+        "bfloat16",
+        "--json",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--device",
+        "cpu",
+        "--prompt",
+        "Once upon a time",
+    ]
     with_draft, alone = run_json(*args), run_json(*args, "--no-draft")
     assert with_draft["settings"]["dtype"] == "bfloat16" and with_draft["stats"]["draft_calls"] > 0
     assert with_draft["tokens"] == alone["tokens"]
-    model, exact = load_model(TARGET, dtype=torch.bfloat16).eval(), load_model(TARGET, dtype=torch.float32)
+    model, exact = (
+        load_model(TARGET, dtype=torch.bfloat16).eval(),
+        load_model(TARGET, dtype=torch.float32),
+    )
     for name, layer in list(model.layers.named_modules()):
         if isinstance(layer, torch.nn.Linear):
             parent, _, child = name.rpartition(".")
             weight = exact.layers.get_submodule(name).weight.detach()
-            setattr(model.layers.get_submodule(parent), child, Int4Linear.from_float(weight, 32).to(torch.bfloat16))
-    loaded = dict(load_model_tp(TARGET, dtype=torch.bfloat16, quantize="int4").layers.named_modules())
-    built = [(name, layer) for name, layer in model.layers.named_modules() if isinstance(layer, Int4Linear)]
+            setattr(
+                model.layers.get_submodule(parent),
+                child,
+                Int4Linear.from_float(weight, 32).to(torch.bfloat16),
+            )
+    loaded = dict(
+        load_model_tp(TARGET, dtype=torch.bfloat16, quantize="int4").layers.named_modules()
+    )
+    built = [
+        (name, layer)
+        for name, layer in model.layers.named_modules()
+        if isinstance(layer, Int4Linear)
+    ]
     assert len(built) == 7 * exact.config.n_layers
-    assert all(torch.equal(loaded[name].weight, layer.weight) and torch.equal(loaded[name].scales_and_zeros,
-                                                                              layer.scales_and_zeros)
-               for name, layer in built)
-    rounded_first = [Int4Linear.from_float(exact.layers.get_submodule(name).weight.bfloat16(), 32) for name, _ in built]
-    assert any(not torch.equal(r.weight, layer.weight) for r, (_, layer) in zip(rounded_first, built))  # its power
+    assert all(
+        torch.equal(loaded[name].weight, layer.weight)
+        and torch.equal(loaded[name].scales_and_zeros, layer.scales_and_zeros)
+        for name, layer in built
+    )
+    rounded_first = [
+        Int4Linear.from_float(exact.layers.get_submodule(name).weight.bfloat16(), 32)
+        for name, _ in built
+    ]
+    assert any(
+        not torch.equal(r.weight, layer.weight) for r, (_, layer) in zip(rounded_first, built)
+    )  # its power
     seq = load_tokenizer(TARGET).encode("Once upon a time", bos=True)
     prompt, compared = len(seq), 0
     with torch.inference_mode():
@@ -163,10 +228,12 @@ BF16 = 2
 
 def test_plan_70b_over_two_gpus_by_hand() -> None:
     tp = 2
-    per_layer = (DIM * HEADS * HEAD_DIM            # q_proj
-                 + 2 * DIM * KV_HEADS * HEAD_DIM   # k_proj, v_proj
-                 + HEADS * HEAD_DIM * DIM          # o_proj
-                 + 3 * DIM * HIDDEN)               # gate, up, down
+    per_layer = (
+        DIM * HEADS * HEAD_DIM  # q_proj
+        + 2 * DIM * KV_HEADS * HEAD_DIM  # k_proj, v_proj
+        + HEADS * HEAD_DIM * DIM  # o_proj
+        + 3 * DIM * HIDDEN
+    )  # gate, up, down
     block_bytes = LAYERS * per_layer * BF16 // tp
     replicated_bytes = (2 * VOCAB * DIM + (2 * LAYERS + 1) * DIM) * BF16  # embed, lm_head, norms
     kv_bytes = 2 * LAYERS * (KV_HEADS // tp) * HEAD_DIM * CONTEXT * BF16
@@ -190,9 +257,12 @@ def test_plan_70b_over_two_gpus_by_hand() -> None:
 
 
 # ----------------------------------------------------------------------------- bad --tp
-@pytest.mark.parametrize(("argv", "fragment"), [
-    (["--plan", "--tp", "0"], "--tp must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--plan", "--tp", "0"], "--tp must be >= 1"),
+    ],
+)
 def test_bad_tp_exits_2_with_one_line(argv: list[str], fragment: str) -> None:
     proc = cli(*argv, timeout=120)
     assert proc.returncode == 2, proc.stderr

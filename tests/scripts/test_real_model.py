@@ -30,8 +30,11 @@ from weights.sharded import load_model_tp
 pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.xdist_group("test_real_model")]
 
 IM_END = 2  # <|im_end|>: the end of a turn, and SmolLM2's eos_token_id
-PROMPTS = ["What is the capital of France? Answer in one word.", "Write a haiku about the sea.",
-           "List three primary colours."]
+PROMPTS = [
+    "What is the capital of France? Answer in one word.",
+    "Write a haiku about the sea.",
+    "List three primary colours.",
+]
 NEW = 40
 
 
@@ -43,21 +46,36 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def theirs(folder: Path) -> SimpleNamespace:
-    transformers = pytest.importorskip("transformers", reason="transformers (the oracle) is in the [test] extras")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()
-    return SimpleNamespace(model=model, tokenizer=transformers.AutoTokenizer.from_pretrained(str(folder)))
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers (the oracle) is in the [test] extras"
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), torch_dtype=torch.float32
+    ).eval()
+    return SimpleNamespace(
+        model=model, tokenizer=transformers.AutoTokenizer.from_pretrained(str(folder))
+    )
 
 
 def their_greedy(theirs: SimpleNamespace, prompt: list[int], count: int) -> list[int]:
     with torch.no_grad():  # generation_config.json gives the end id, as it does ours
-        out = theirs.model.generate(torch.tensor([prompt]), max_new_tokens=count, do_sample=False, top_p=None,
-                                    temperature=None, top_k=None, pad_token_id=IM_END)
-    return out[0, len(prompt):].tolist()
+        out = theirs.model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=count,
+            do_sample=False,
+            top_p=None,
+            temperature=None,
+            top_k=None,
+            pad_token_id=IM_END,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_the_logits_agree_with_transformers(folder: Path, theirs: SimpleNamespace) -> None:
     ours = load_model(folder)
-    tokens = torch.tensor([load_tokenizer(folder).encode("The quick brown fox jumps over the lazy dog. Then it")])
+    tokens = torch.tensor(
+        [load_tokenizer(folder).encode("The quick brown fox jumps over the lazy dog. Then it")]
+    )
     with torch.no_grad():
         got, expected = ours(tokens), theirs.model(tokens).logits
     assert (got - expected).abs().max().item() < 2e-3
@@ -65,10 +83,21 @@ def test_the_logits_agree_with_transformers(folder: Path, theirs: SimpleNamespac
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_chat_tokens_and_text_equal_transformers(folder: Path, theirs: SimpleNamespace, prompt: str) -> None:
+def test_greedy_chat_tokens_and_text_equal_transformers(
+    folder: Path, theirs: SimpleNamespace, prompt: str
+) -> None:
     ids = chat_ids(theirs.tokenizer, [{"role": "user", "content": prompt}])
-    out = cli("--target", str(folder), "--no-draft", "--chat", "--prompt", prompt, "--max-new-tokens", str(NEW),
-              "--json")
+    out = cli(
+        "--target",
+        str(folder),
+        "--no-draft",
+        "--chat",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(NEW),
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["prompt_tokens"] == len(ids)
@@ -81,17 +110,33 @@ def test_greedy_chat_tokens_and_text_equal_transformers(folder: Path, theirs: Si
 
 
 def test_a_short_answer_ends_at_the_end_of_its_turn(folder: Path) -> None:
-    out = cli("--target", str(folder), "--no-draft", "--chat", "--prompt", PROMPTS[0], "--max-new-tokens", "64",
-              "--json")
+    out = cli(
+        "--target",
+        str(folder),
+        "--no-draft",
+        "--chat",
+        "--prompt",
+        PROMPTS[0],
+        "--max-new-tokens",
+        "64",
+        "--json",
+    )
     doc = json.loads(out.stdout)
-    assert doc["tokens"][-1] == IM_END and doc["stats"]["stop_reason"] == "eos" and len(doc["tokens"]) < 64
+    assert (
+        doc["tokens"][-1] == IM_END
+        and doc["stats"]["stop_reason"] == "eos"
+        and len(doc["tokens"]) < 64
+    )
     assert "<|im_end|>" not in doc["text"] and "Paris" in doc["text"]
 
 
 def test_the_gguf_file_runs_as_it_is(folder: Path) -> None:
     """--target FILE.gguf: the same tokens as the folder converted from it."""
     args = ["--no-draft", "--chat", "--prompt", PROMPTS[1], "--max-new-tokens", "16", "--json"]
-    from_file, from_folder = cli("--target", str(smollm2_gguf()), *args), cli("--target", str(folder), *args)
+    from_file, from_folder = (
+        cli("--target", str(smollm2_gguf()), *args),
+        cli("--target", str(folder), *args),
+    )
     assert from_file.returncode == 0, from_file.stderr
     assert json.loads(from_file.stdout)["tokens"] == json.loads(from_folder.stdout)["tokens"]
 
@@ -103,23 +148,44 @@ def test_int4_on_the_q4_1_file_is_the_file_s_own_codes(folder: Path) -> None:
     exact = load_model(folder, dtype=torch.float32).eval()
     int4 = load_model_tp(folder, dtype=torch.float32, quantize="int4").eval()
     coarser = quantize_int4(load_model(folder, dtype=torch.float32).eval(), group_size=64)
-    tokens = torch.randint(0, exact.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, exact.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0)
+    )
     with torch.inference_mode():
         want, got, far = (model(tokens).double() for model in (exact, int4, coarser))
     assert float((got - want).norm() / want.norm()) < 1e-4
     assert float((far - want).norm() / want.norm()) > 1e-2
 
 
-def test_serve_py_answers_a_chat_with_the_model_s_template_and_stops_at_im_end(folder: Path) -> None:
-    reference = json.loads(cli("--target", str(folder), "--no-draft", "--chat", "--prompt", PROMPTS[0],
-                               "--max-new-tokens", "64", "--json").stdout)
-    args = serve.build_parser().parse_args(["--target", str(folder), "--no-draft", "--port", "0", "--max-batch", "2"])
+def test_serve_py_answers_a_chat_with_the_model_s_template_and_stops_at_im_end(
+    folder: Path,
+) -> None:
+    reference = json.loads(
+        cli(
+            "--target",
+            str(folder),
+            "--no-draft",
+            "--chat",
+            "--prompt",
+            PROMPTS[0],
+            "--max-new-tokens",
+            "64",
+            "--json",
+        ).stdout
+    )
+    args = serve.build_parser().parse_args(
+        ["--target", str(folder), "--no-draft", "--port", "0", "--max-batch", "2"]
+    )
     serve.validate(args)
     service = serve.start(args)
     assert service.stop_ids == frozenset({IM_END})
     with listening(service) as url:
         answer = client(url).chat.completions.create(
-            model=str(folder), messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=64, temperature=0)
+            model=str(folder),
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=64,
+            temperature=0,
+        )
     choice = answer.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.content == reference["text"]

@@ -66,9 +66,13 @@ NEW = 48  # tokens per reference request
 @contextlib.contextmanager
 def listening(service: Service, access=None) -> Iterator[str]:
     """The API over ``service`` on 127.0.0.1 at a free port, in a thread; its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
+    sock = socket.socket(
+        socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service, access), log_level="error", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service, access), log_level="error", timeout_graceful_shutdown=1)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -100,15 +104,32 @@ class Letters:
 
 
 @contextlib.contextmanager
-def toy_server(target, draft, *, policy=None, max_rows: int = 4, max_waiting: int = 64, gamma: int = 3,
-               step_delay: float = 0.0, stall_after: float = 60.0, access=None) -> Iterator[SimpleNamespace]:
+def toy_server(
+    target,
+    draft,
+    *,
+    policy=None,
+    max_rows: int = 4,
+    max_waiting: int = 64,
+    gamma: int = 3,
+    step_delay: float = 0.0,
+    stall_after: float = 60.0,
+    access=None,
+) -> Iterator[SimpleNamespace]:
     """A float64 toy pair served in-process; ``step_delay`` makes every engine step that slow."""
-    engine = Engine(target, draft, gamma=gamma, max_rows=max_rows, cache_len=target.config.max_seq_len)
+    engine = Engine(
+        target, draft, gamma=gamma, max_rows=max_rows, cache_len=target.config.max_seq_len
+    )
     if step_delay:
         step = engine.step
         engine.step = lambda: (time.sleep(step_delay), step())[1]
-    loop = EngineLoop(engine, max_waiting=max_waiting, policy=policy, log=lambda line: None,
-                      stall_after=stall_after).start()
+    loop = EngineLoop(
+        engine,
+        max_waiting=max_waiting,
+        policy=policy,
+        log=lambda line: None,
+        stall_after=stall_after,
+    ).start()
     service = Service(loop, Letters(), "toy", target.config.max_seq_len, gamma, "load")
     with listening(service, access) as url:
         yield SimpleNamespace(url=url, loop=loop, engine=engine, client=client(url))
@@ -118,12 +139,15 @@ def toy_server(target, draft, *, policy=None, max_rows: int = 4, max_waiting: in
 def shipped(chat_target: Path) -> Iterator[SimpleNamespace]:
     """The shipped pair as ``serve.py --max-batch 4`` starts it: speculation by load, calibrated; its
     target as a chat model of Llama-2's format (conftest's chat_target), served as tiny-target."""
-    args = serve.build_parser().parse_args(["--target", str(chat_target), "--name", "tiny-target", "--max-batch", "4",
-                                            "--port", "0"])
+    args = serve.build_parser().parse_args(
+        ["--target", str(chat_target), "--name", "tiny-target", "--max-batch", "4", "--port", "0"]
+    )
     serve.validate(args)
     service = serve.start(args)
     with listening(service) as url:
-        yield SimpleNamespace(url=url, service=service, client=client(url), tokenizer=service.tokenizer)
+        yield SimpleNamespace(
+            url=url, service=service, client=client(url), tokenizer=service.tokenizer
+        )
 
 
 def run_generate(*argv: str) -> dict:
@@ -140,16 +164,29 @@ def references(shipped: SimpleNamespace, chat_target: Path) -> dict:
     --gamma 2 --seed 7 --no-guard; the greedy ones are checked to be far from any near-tie (so that a batch's
     float32 rounding cannot flip them and equality is the test)."""
     refs = {p: run_generate("--prompt", p) for p in GREEDY_PROMPTS}
-    refs["chat"] = run_generate("--target", str(chat_target), "--prompt", "Tell me a story", "--chat")
-    refs["pinned"] = run_generate("--prompt", GREEDY_PROMPTS[0], "--temperature", "1", "--seed", "7", "--gamma", "2",
-                                  "--no-guard")  # a pinned gamma drafts every iteration: so does this one
+    refs["chat"] = run_generate(
+        "--target", str(chat_target), "--prompt", "Tell me a story", "--chat"
+    )
+    refs["pinned"] = run_generate(
+        "--prompt",
+        GREEDY_PROMPTS[0],
+        "--temperature",
+        "1",
+        "--seed",
+        "7",
+        "--gamma",
+        "2",
+        "--no-guard",
+    )  # a pinned gamma drafts every iteration: so does this one
     target, tokenizer = shipped.service.loop.engine.target, shipped.tokenizer
     with torch.inference_mode():
         for prompt in GREEDY_PROMPTS:
             ids = tokenizer.encode(prompt, bos=True) + refs[prompt]["tokens"]
-            logits = target(torch.tensor([ids]))[0, -NEW - 1:-1].double()
+            logits = target(torch.tensor([ids]))[0, -NEW - 1 : -1].double()
             top2 = logits.topk(2, dim=-1).values
-            assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3, f"{prompt!r} meets a near-tie: choose another"
+            assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3, (
+                f"{prompt!r} meets a near-tie: choose another"
+            )
     return refs
 
 
@@ -160,8 +197,12 @@ def ids_of(choice) -> list[int]:
 def completion(shipped: SimpleNamespace, prompt: str, **options):
     extra = options.pop("extra_body", {})
     options.setdefault("max_tokens", NEW)
-    return shipped.client.completions.create(model="tiny-target", prompt=prompt,
-                                             extra_body={"return_token_ids": True, **extra}, **options)
+    return shipped.client.completions.create(
+        model="tiny-target",
+        prompt=prompt,
+        extra_body={"return_token_ids": True, **extra},
+        **options,
+    )
 
 
 def streamed(stream) -> tuple[str, list[int], list]:
@@ -170,7 +211,11 @@ def streamed(stream) -> tuple[str, list[int], list]:
     text, ids = "", []
     for chunk in chunks:
         for choice in chunk.choices:
-            text += getattr(choice, "text", None) or getattr(getattr(choice, "delta", None), "content", None) or ""
+            text += (
+                getattr(choice, "text", None)
+                or getattr(getattr(choice, "delta", None), "content", None)
+                or ""
+            )
             ids += (choice.model_extra or {}).get("token_ids", [])
     return text, ids, chunks
 
@@ -182,15 +227,22 @@ def test_greedy_completions_are_generate_pys_streamed_or_not(shipped, references
         finish = "stop" if ref["stats"]["stop_reason"] == "eos" else "length"
         whole = completion(shipped, prompt, temperature=0)
         assert ids_of(whole.choices[0]) == ref["tokens"] and whole.choices[0].text == ref["text"]
-        assert whole.choices[0].finish_reason == finish and whole.usage.completion_tokens == len(ref["tokens"])
-        text, ids, chunks = streamed(completion(shipped, prompt, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}))
+        assert whole.choices[0].finish_reason == finish and whole.usage.completion_tokens == len(
+            ref["tokens"]
+        )
+        text, ids, chunks = streamed(
+            completion(
+                shipped, prompt, temperature=0, stream=True, stream_options={"include_usage": True}
+            )
+        )
         assert ids == ref["tokens"] and text == ref["text"]
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref["tokens"])
         assert chunks[-2].choices[0].finish_reason == finish
 
 
-def test_a_temperature_too_small_to_divide_by_is_greedy_and_stops_nothing(shipped, references) -> None:
+def test_a_temperature_too_small_to_divide_by_is_greedy_and_stops_nothing(
+    shipped, references
+) -> None:
     """temperature 1e-300 made every warped probability NaN, a token id past the vocabulary, and
     the engine's failure ended serve.py (exit 0) for every client: it is greedy's limit now."""
     ref = references[GREEDY_PROMPTS[0]]
@@ -202,34 +254,63 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_and_stops_nothing(shippe
 def test_a_chat_is_generate_pys_chat_streamed_or_not(shipped, references) -> None:
     ref = references["chat"]
     messages = [{"role": "user", "content": "Tell me a story"}]
-    whole = shipped.client.chat.completions.create(model="tiny-target", messages=messages, max_tokens=NEW,
-                                                   temperature=0, extra_body={"return_token_ids": True})
+    whole = shipped.client.chat.completions.create(
+        model="tiny-target",
+        messages=messages,
+        max_tokens=NEW,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     assert ids_of(whole.choices[0]) == ref["tokens"]
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == shipped.tokenizer.decode(ref["tokens"])
-    text, ids, chunks = streamed(shipped.client.chat.completions.create(
-        model="tiny-target", messages=messages, max_tokens=NEW, temperature=0, stream=True,
-        extra_body={"return_token_ids": True}))
+    text, ids, chunks = streamed(
+        shipped.client.chat.completions.create(
+            model="tiny-target",
+            messages=messages,
+            max_tokens=NEW,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )
     assert ids == ref["tokens"] and text == whole.choices[0].message.content
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    assert (
+        chunks[0].choices[0].delta.role == "assistant"
+        and chunks[-1].choices[0].finish_reason == "length"
+    )
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def test_a_pinned_seed_gets_generate_pys_tokens_alone_and_among_concurrent_requests(shipped, references) -> None:
+def test_a_pinned_seed_gets_generate_pys_tokens_alone_and_among_concurrent_requests(
+    shipped, references
+) -> None:
     """speculative_gamma 2 and seed 7 give generate.py --gamma 2 --seed 7's tokens, alone and while
     greedy and sampled requests share the batch; every greedy request stays generate.py's."""
     ref = references["pinned"]["tokens"]
-    assert shipped.service.loop.engine.rule == "block"  # serve.py's default, generate.py's for a sampled chain
+    assert (
+        shipped.service.loop.engine.rule == "block"
+    )  # serve.py's default, generate.py's for a sampled chain
 
     def pinned():
-        return ids_of(completion(shipped, GREEDY_PROMPTS[0], temperature=1, seed=7,
-                                 extra_body={"speculative_gamma": 2}).choices[0])
+        return ids_of(
+            completion(
+                shipped,
+                GREEDY_PROMPTS[0],
+                temperature=1,
+                seed=7,
+                extra_body={"speculative_gamma": 2},
+            ).choices[0]
+        )
 
     assert pinned() == ref
-    jobs = [pinned, pinned] + [lambda p=p: ids_of(completion(shipped, p, temperature=0).choices[0])
-                               for p in GREEDY_PROMPTS]
-    noise = [lambda i=i: completion(shipped, "Lily and Tom", temperature=1.0, max_tokens=40 + 10 * i)
-             for i in range(4)]
+    jobs = [pinned, pinned] + [
+        lambda p=p: ids_of(completion(shipped, p, temperature=0).choices[0]) for p in GREEDY_PROMPTS
+    ]
+    noise = [
+        lambda i=i: completion(shipped, "Lily and Tom", temperature=1.0, max_tokens=40 + 10 * i)
+        for i in range(4)
+    ]
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(job) for job in noise[:2] + jobs + noise[2:]]
         results = [f.result(timeout=120) for f in futures]
@@ -237,10 +318,13 @@ def test_a_pinned_seed_gets_generate_pys_tokens_alone_and_among_concurrent_reque
     assert results[4:6] == [references[p]["tokens"] for p in GREEDY_PROMPTS]
 
 
-@proof("a sampled request through the server follows the target's law while other requests share the batch "
-       "and gamma follows the load", "chi-square (p > 1e-3) of 1,000 requests of 3 tokens at T = 0.8, top-k 4, "
-       "float64, against the exact law; the draft's law is rejected (p < 1e-6)",
-       rejects=("the server drops top_k", "unseeded requests seeded alike"))
+@proof(
+    "a sampled request through the server follows the target's law while other requests share the batch "
+    "and gamma follows the load",
+    "chi-square (p > 1e-3) of 1,000 requests of 3 tokens at T = 0.8, top-k 4, "
+    "float64, against the exact law; the draft's law is rejected (p < 1e-6)",
+    rejects=("the server drops top_k", "unseeded requests seeded alike"),
+)
 def test_the_sampled_law_under_concurrent_traffic() -> None:
     target = random_llama(vocab=5, dim=16, max_seq_len=64, seed=3, dtype=torch.float64)
     draft = noisy_copy(target, std=0.5, seed=4)
@@ -249,14 +333,25 @@ def test_the_sampled_law_under_concurrent_traffic() -> None:
     policy.calibrate(engine_for_calibration, [0, 1], rounds=1)
     prompt, count = [1, 2, 0], 1000
     with toy_server(target, draft, policy=policy) as server:
+
         def sampled(_: int) -> tuple[int, ...]:
-            answer = server.client.completions.create(model="toy", prompt=prompt, max_tokens=3, temperature=0.8,
-                                                      extra_body={"top_k": 4, "return_token_ids": True})
+            answer = server.client.completions.create(
+                model="toy",
+                prompt=prompt,
+                max_tokens=3,
+                temperature=0.8,
+                extra_body={"top_k": 4, "return_token_ids": True},
+            )
             return tuple(ids_of(answer.choices[0]))
 
         def other(i: int) -> None:
-            server.client.completions.create(model="toy", prompt=[i % 5, 3], max_tokens=5 + i % 20,
-                                             temperature=[0, 1.0, 0.5][i % 3], seed=i)
+            server.client.completions.create(
+                model="toy",
+                prompt=[i % 5, 3],
+                max_tokens=5 + i % 20,
+                temperature=[0, 1.0, 0.5][i % 3],
+                seed=i,
+            )
 
         with ThreadPoolExecutor(10) as pool:
             background = [pool.submit(other, i) for i in range(60)]
@@ -268,7 +363,9 @@ def test_the_sampled_law_under_concurrent_traffic() -> None:
 
     def law(model):
         logits = llama_next_logits(model)
-        return sequence_distribution(lambda ctx: ref_warp(logits(ctx).tolist(), 0.8, top_k=4), prompt, 3)
+        return sequence_distribution(
+            lambda ctx: ref_warp(logits(ctx).tolist(), 0.8, top_k=4), prompt, 3
+        )
 
     assert chi_square_pvalue(samples, law(target)) > 1e-3
     assert chi_square_pvalue(samples, law(draft)) < 1e-6  # the test tells the target from its draft
@@ -278,21 +375,27 @@ def test_the_sampled_law_under_concurrent_traffic() -> None:
 def test_stop_strings_end_the_text_before_them(shipped, references) -> None:
     ref = references[GREEDY_PROMPTS[0]]
     full = ref["text"]
-    stop = full[len(full) // 2: len(full) // 2 + 6]
-    cut = full[:full.index(stop)]
+    stop = full[len(full) // 2 : len(full) // 2 + 6]
+    cut = full[: full.index(stop)]
     whole = completion(shipped, GREEDY_PROMPTS[0], temperature=0, stop=[stop, "never there"])
     assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
     kept = ids_of(whole.choices[0])
-    assert kept == ref["tokens"][:len(kept)] and whole.usage.completion_tokens == len(kept) < NEW
+    assert kept == ref["tokens"][: len(kept)] and whole.usage.completion_tokens == len(kept) < NEW
     assert stop in shipped.tokenizer.decode(shipped.tokenizer.encode(GREEDY_PROMPTS[0]) + kept)
-    text, ids, chunks = streamed(completion(shipped, GREEDY_PROMPTS[0], temperature=0, stop=stop, stream=True))
+    text, ids, chunks = streamed(
+        completion(shipped, GREEDY_PROMPTS[0], temperature=0, stop=stop, stream=True)
+    )
     assert text == cut and ids == kept and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_every_answer_has_usage_and_its_speculation_figures(shipped) -> None:
     plain = completion(shipped, "Lily and Tom", temperature=0, extra_body={"speculative_gamma": 0})
     figures = plain.model_extra["speculation"]
-    assert figures["gamma"] == 0 and figures["drafted_tokens"] == 0 and figures["acceptance_rate"] is None
+    assert (
+        figures["gamma"] == 0
+        and figures["drafted_tokens"] == 0
+        and figures["acceptance_rate"] is None
+    )
     made = plain.usage.completion_tokens
     assert figures["target_calls"] == made and figures["tokens_per_target_call"] == 1.0
     assert plain.usage.prompt_tokens == len(shipped.tokenizer.encode("Lily and Tom"))
@@ -309,9 +412,13 @@ def test_every_answer_has_usage_and_its_speculation_figures(shipped) -> None:
 
 
 def test_models_health_and_metrics(shipped) -> None:
-    completion(shipped, "Once upon a time", temperature=0)  # tokens to count, whichever tests ran before on this server
+    completion(
+        shipped, "Once upon a time", temperature=0
+    )  # tokens to count, whichever tests ran before on this server
     models = shipped.client.models.list()
-    assert [m.id for m in models.data] == ["tiny-target"] and models.data[0].model_extra["context_length"] == 512
+    assert [m.id for m in models.data] == ["tiny-target"] and models.data[0].model_extra[
+        "context_length"
+    ] == 512
     health = httpx.get(f"{shipped.url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
     metrics = httpx.get(f"{shipped.url}/metrics", timeout=10)
@@ -321,11 +428,24 @@ def test_models_health_and_metrics(shipped) -> None:
         if not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    for name in ("tokens_per_second", "requests_running", "requests_waiting", "batch_size", "alpha", "tau",
-                 "speculation_on_ratio", "speculating_iterations_total", "gamma", "policy_alpha"):
+    for name in (
+        "tokens_per_second",
+        "requests_running",
+        "requests_waiting",
+        "batch_size",
+        "alpha",
+        "tau",
+        "speculation_on_ratio",
+        "speculating_iterations_total",
+        "gamma",
+        "policy_alpha",
+    ):
         assert f"speculative_{name}" in values, name
     assert {f'speculative_policy_gamma{{batch="{b}"}}' for b in range(1, 5)} <= set(values)
-    assert values["speculative_generated_tokens_total"] > 0 and values["speculative_iterations_total"] > 0
+    assert (
+        values["speculative_generated_tokens_total"] > 0
+        and values["speculative_iterations_total"] > 0
+    )
     assert all(0 <= values[f'speculative_policy_gamma{{batch="{b}"}}'] <= 4 for b in range(1, 5))
 
 
@@ -334,13 +454,19 @@ def test_a_client_that_disconnects_frees_its_row_at_once() -> None:
     """A streamed request closed after two chunks and a plain one whose client times out: both
     rows are cancelled (not run to their 400 tokens), and the batch empties."""
     target = random_llama(vocab=16, dim=16, max_seq_len=512, seed=0, dtype=torch.float64)
-    with toy_server(target, noisy_copy(target, std=0.3, seed=1), policy=FixedGamma(0), step_delay=0.01) as server:
-        stream = server.client.completions.create(model="toy", prompt=[1, 2], max_tokens=400, stream=True)
+    with toy_server(
+        target, noisy_copy(target, std=0.3, seed=1), policy=FixedGamma(0), step_delay=0.01
+    ) as server:
+        stream = server.client.completions.create(
+            model="toy", prompt=[1, 2], max_tokens=400, stream=True
+        )
         for _, _chunk in zip(range(2), stream):
             pass
         stream.close()
         with pytest.raises(openai.APITimeoutError):
-            client(server.url, timeout=0.3).completions.create(model="toy", prompt=[3, 4], max_tokens=400)
+            client(server.url, timeout=0.3).completions.create(
+                model="toy", prompt=[3, 4], max_tokens=400
+            )
         deadline = time.monotonic() + 10
         while server.loop.metrics.outcomes.get("cancelled", 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -355,64 +481,110 @@ def error_of(call) -> tuple[int, dict, httpx.Headers]:
     return raised.value.status_code, raised.value.body, raised.value.response.headers
 
 
-@pytest.mark.parametrize("options, status, words", [
-    ({"temperature": 3}, 400, "temperature"),
-    ({"top_p": 0}, 400, "top_p"),
-    ({"max_tokens": 0}, 400, "0 only with echo"),
-    ({"n": 2}, 400, "n:"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
-    ({"stop": ["x" * 1025]}, 400, "at most 1024 characters"),  # four 1 MB stops stalled the event loop
-    ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
-    ({"logprobs": 21}, 400, "logprobs"),
-    ({"stream_options": {"include_usage": True}}, 400, "only allowed with stream: true"),  # it was ignored
-    ({"extra_body": {"top_k": 0}}, 400, "top_k"),
-    ({"extra_body": {"logit_bias": {"5": 1}}}, 400, "unknown or unsupported field 'logit_bias'"),
-    ({"extra_body": {"speculative_gamma": 9}}, 400, "0..4"),
-    ({"prompt": [1, 5000]}, 400, "[0, 2048)"),
-    ({"prompt": [1] * 600}, 400, "context is 512 tokens"),
-    ({"max_tokens": 511}, 400, "max_tokens can be at most 510"),  # "Once" is 2 tokens with BOS
-    ({"model": "gpt-4"}, 404, "this server serves 'tiny-target'"),
-])
+@pytest.mark.parametrize(
+    "options, status, words",
+    [
+        ({"temperature": 3}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"max_tokens": 0}, 400, "0 only with echo"),
+        ({"n": 2}, 400, "n:"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+        (
+            {"stop": ["x" * 1025]},
+            400,
+            "at most 1024 characters",
+        ),  # four 1 MB stops stalled the event loop
+        ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+        ({"logprobs": 21}, 400, "logprobs"),
+        (
+            {"stream_options": {"include_usage": True}},
+            400,
+            "only allowed with stream: true",
+        ),  # it was ignored
+        ({"extra_body": {"top_k": 0}}, 400, "top_k"),
+        (
+            {"extra_body": {"logit_bias": {"5": 1}}},
+            400,
+            "unknown or unsupported field 'logit_bias'",
+        ),
+        ({"extra_body": {"speculative_gamma": 9}}, 400, "0..4"),
+        ({"prompt": [1, 5000]}, 400, "[0, 2048)"),
+        ({"prompt": [1] * 600}, 400, "context is 512 tokens"),
+        ({"max_tokens": 511}, 400, "max_tokens can be at most 510"),  # "Once" is 2 tokens with BOS
+        ({"model": "gpt-4"}, 404, "this server serves 'tiny-target'"),
+    ],
+)
 def test_bad_requests_get_one_line_openai_errors(shipped, options, status, words) -> None:
     extra = options.pop("extra_body", {})
     request = {"model": "tiny-target", "prompt": "Once", "max_tokens": 8, **options}
     code, body, _ = error_of(lambda: shipped.client.completions.create(**request, extra_body=extra))
     assert code == status and words in body["message"] and "\n" not in body["message"]
-    assert set(body) == {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+    assert (
+        set(body) == {"message", "type", "param", "code"}
+        and body["type"] == "invalid_request_error"
+    )
 
 
 def test_bad_bodies_paths_and_chats_get_json_errors(shipped) -> None:
-    post = lambda path, content: httpx.post(f"{shipped.url}{path}", content=content,  # noqa: E731
-                                            headers={"Content-Type": "application/json"}, timeout=10)
+    def post(path: str, content: bytes) -> httpx.Response:
+        return httpx.post(
+            f"{shipped.url}{path}",
+            content=content,
+            headers={"Content-Type": "application/json"},
+            timeout=10,
+        )
+
     for answer, status, words in [
         (post("/v1/completions", b"{not json"), 400, "not valid JSON"),
         # a lone surrogate is valid JSON and not valid Unicode text: it was a 500 from the tokenizer
-        (post("/v1/completions", b'{"model": "tiny-target", "prompt": "Once \\ud800"}'), 400,
-         "prompt is not valid Unicode text"),
-        (post("/v1/chat/completions", b'{"model": "tiny-target", "messages": [{"role": "user", "content": '
-                                      b'"\\udfff"}]}'), 400, "messages is not valid Unicode text"),
+        (
+            post("/v1/completions", b'{"model": "tiny-target", "prompt": "Once \\ud800"}'),
+            400,
+            "prompt is not valid Unicode text",
+        ),
+        (
+            post(
+                "/v1/chat/completions",
+                b'{"model": "tiny-target", "messages": [{"role": "user", "content": "\\udfff"}]}',
+            ),
+            400,
+            "messages is not valid Unicode text",
+        ),
         (post("/v1/completions", b'{"prompt": "x"}'), 400, "model is required"),
-        (post("/v1/chat/completions", b'{"model": "tiny-target", "messages": [{"role": "assistant", "content": '
-                                      b'"hi"}]}'), 400, "ending with a user message"),
+        (
+            post(
+                "/v1/chat/completions",
+                b'{"model": "tiny-target", "messages": [{"role": "assistant", "content": "hi"}]}',
+            ),
+            400,
+            "ending with a user message",
+        ),
         (httpx.get(f"{shipped.url}/v2/everything", timeout=10), 404, "no such path"),
         (httpx.get(f"{shipped.url}/v1/completions", timeout=10), 405, "not allowed"),
     ]:
-        assert answer.status_code == status and words in answer.json()["error"]["message"], answer.text
+        assert answer.status_code == status and words in answer.json()["error"]["message"], (
+            answer.text
+        )
         assert "Traceback" not in answer.text
 
 
 def test_a_full_queue_answers_429_with_retry_after() -> None:
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
-    with toy_server(target, noisy_copy(target, std=0.3, seed=1), max_rows=1, max_waiting=1) as server:
+    with toy_server(
+        target, noisy_copy(target, std=0.3, seed=1), max_rows=1, max_waiting=1
+    ) as server:
         gate, step = threading.Event(), server.engine.step
         server.engine.step = lambda: (gate.wait(10), step())[1]
         with ThreadPoolExecutor(1) as pool:
-            held = pool.submit(server.client.completions.create, model="toy", prompt=[1, 2], max_tokens=5)
+            held = pool.submit(
+                server.client.completions.create, model="toy", prompt=[1, 2], max_tokens=5
+            )
             deadline = time.monotonic() + 10
             while server.loop.waiting < 1 and time.monotonic() < deadline:
                 time.sleep(0.005)
-            code, body, headers = error_of(lambda: server.client.completions.create(model="toy", prompt=[3],
-                                                                                     max_tokens=5))
+            code, body, headers = error_of(
+                lambda: server.client.completions.create(model="toy", prompt=[3], max_tokens=5)
+            )
             gate.set()
             assert held.result(timeout=30).usage.completion_tokens == 5
         assert code == 429 and int(headers["retry-after"]) >= 1 and body["code"] == "queue_full"
@@ -420,8 +592,11 @@ def test_a_full_queue_answers_429_with_retry_after() -> None:
         assert server.loop.metrics.rejected == 1
 
 
-@proof("a request whose logits turn non-finite fails alone through the server, and the others keep their own "
-       "tokens", "exact identity, float64, greedy, a NaN embedding read by one request only")
+@proof(
+    "a request whose logits turn non-finite fails alone through the server, and the others keep their own "
+    "tokens",
+    "exact identity, float64, greedy, a NaN embedding read by one request only",
+)
 def test_a_request_whose_logits_turn_non_finite_fails_alone_with_500() -> None:
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
     draft = noisy_copy(target, std=0.3, seed=1)
@@ -433,14 +608,32 @@ def test_a_request_whose_logits_turn_non_finite_fails_alone_with_500() -> None:
     assert 15 not in expected
     with toy_server(broken, draft, policy=FixedGamma(3)) as server:
         with ThreadPoolExecutor(3) as pool:
-            fine = pool.submit(server.client.completions.create, model="toy", prompt=healthy, max_tokens=20,
-                               temperature=0, extra_body={"return_token_ids": True})
-            code, body, _ = error_of(lambda: server.client.completions.create(model="toy", prompt=[3, 15, 4],
-                                                                               max_tokens=20, temperature=0))
-            streamed_code, _, _ = error_of(lambda: list(server.client.completions.create(
-                model="toy", prompt=[15], max_tokens=20, stream=True)))
+            fine = pool.submit(
+                server.client.completions.create,
+                model="toy",
+                prompt=healthy,
+                max_tokens=20,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+            code, body, _ = error_of(
+                lambda: server.client.completions.create(
+                    model="toy", prompt=[3, 15, 4], max_tokens=20, temperature=0
+                )
+            )
+            streamed_code, _, _ = error_of(
+                lambda: list(
+                    server.client.completions.create(
+                        model="toy", prompt=[15], max_tokens=20, stream=True
+                    )
+                )
+            )
             assert ids_of(fine.result(timeout=30).choices[0]) == expected
-        assert code == streamed_code == 500 and body["code"] == "non_finite_logits" and body["type"] == "server_error"
+        assert (
+            code == streamed_code == 500
+            and body["code"] == "non_finite_logits"
+            and body["type"] == "server_error"
+        )
         assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
         assert server.loop.metrics.outcomes["error"] == 2
 
@@ -449,7 +642,9 @@ def test_a_stopped_engine_answers_503() -> None:
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
     with toy_server(target, None) as server:
         server.loop.close()
-        code, body, _ = error_of(lambda: server.client.completions.create(model="toy", prompt=[1], max_tokens=2))
+        code, body, _ = error_of(
+            lambda: server.client.completions.create(model="toy", prompt=[1], max_tokens=2)
+        )
         assert code == 503 and body["code"] == "engine_stopped"
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
 
@@ -463,7 +658,9 @@ def test_a_stuck_engine_turns_health_to_503_and_back() -> None:
         server.engine.step = lambda: (gate.wait(20), step())[1]
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
         with ThreadPoolExecutor(1) as pool:
-            held = pool.submit(server.client.completions.create, model="toy", prompt=[1, 2], max_tokens=3)
+            held = pool.submit(
+                server.client.completions.create, model="toy", prompt=[1, 2], max_tokens=3
+            )
             deadline, health = time.monotonic() + 10, None
             while time.monotonic() < deadline:
                 health = httpx.get(f"{server.url}/health", timeout=10)
@@ -481,22 +678,45 @@ def test_an_api_key_a_host_allow_list_and_cors_only_when_asked() -> None:
     """There was no way to require a key, any Host was answered (a page on another name that
     resolves to 127.0.0.1 could use the model: DNS rebinding), and no CORS choice."""
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
-    access = Access(api_key="s3cret", hosts=frozenset({"127.0.0.1", "localhost"}), cors=("http://app.example",))
+    access = Access(
+        api_key="s3cret", hosts=frozenset({"127.0.0.1", "localhost"}), cors=("http://app.example",)
+    )
     with toy_server(target, None, access=access) as server:
-        code, body, _ = error_of(lambda: server.client.completions.create(model="toy", prompt=[1], max_tokens=2))
-        assert code == 401 and body["code"] == "invalid_api_key" and body["type"] == "authentication_error"
-        keyed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0, timeout=30)
-        assert keyed.completions.create(model="toy", prompt=[1], max_tokens=2).usage.completion_tokens == 2
-        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # probes need no key
+        code, body, _ = error_of(
+            lambda: server.client.completions.create(model="toy", prompt=[1], max_tokens=2)
+        )
+        assert (
+            code == 401
+            and body["code"] == "invalid_api_key"
+            and body["type"] == "authentication_error"
+        )
+        keyed = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0, timeout=30
+        )
+        assert (
+            keyed.completions.create(model="toy", prompt=[1], max_tokens=2).usage.completion_tokens
+            == 2
+        )
+        assert (
+            httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        )  # probes need no key
         rebound = httpx.get(f"{server.url}/health", headers={"Host": "evil.example:80"}, timeout=10)
         assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
-        asked = httpx.get(f"{server.url}/health", headers={"Origin": "http://app.example"}, timeout=10)
-        other = httpx.get(f"{server.url}/health", headers={"Origin": "http://evil.example"}, timeout=10)
+        asked = httpx.get(
+            f"{server.url}/health", headers={"Origin": "http://app.example"}, timeout=10
+        )
+        other = httpx.get(
+            f"{server.url}/health", headers={"Origin": "http://evil.example"}, timeout=10
+        )
         assert asked.headers.get("access-control-allow-origin") == "http://app.example"
         assert "access-control-allow-origin" not in other.headers
     with toy_server(target, None) as server:  # the default: no key, any Host, no CORS headers
-        assert httpx.get(f"{server.url}/health", headers={"Origin": "http://app.example"},
-                         timeout=10).headers.get("access-control-allow-origin") is None
+        assert (
+            httpx.get(
+                f"{server.url}/health", headers={"Origin": "http://app.example"}, timeout=10
+            ).headers.get("access-control-allow-origin")
+            is None
+        )
 
 
 def test_serve_py_s_access_defaults_and_its_warning(monkeypatch) -> None:
@@ -504,20 +724,29 @@ def test_serve_py_s_access_defaults_and_its_warning(monkeypatch) -> None:
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     local = access_for("127.0.0.1", None, None, [])
-    assert local.api_key is None and local.hosts == {"127.0.0.1", "::1", "localhost"} and local.cors == ()
+    assert (
+        local.api_key is None
+        and local.hosts == {"127.0.0.1", "::1", "localhost"}
+        and local.cors == ()
+    )
     assert exposure_warning("127.0.0.1", local) is None
     everywhere = access_for("0.0.0.0", None, None, [])
-    assert everywhere.hosts is None and "without an API key" in exposure_warning("0.0.0.0", everywhere)
+    assert everywhere.hosts is None and "without an API key" in exposure_warning(
+        "0.0.0.0", everywhere
+    )
     monkeypatch.setenv(API_KEY_ENV, "k")
     keyed = access_for("10.0.0.5", None, "api.example, 10.0.0.5", [])
     assert keyed.api_key == "k" and keyed.hosts == {"api.example", "10.0.0.5"}
     assert exposure_warning("10.0.0.5", keyed) is None
     assert access_for("127.0.0.1", None, "*", []).hosts is None
-    assert serve.build_parser().parse_args(["--cors-origin", "http://a", "--cors-origin", "http://b"]).cors_origin \
-        == ["http://a", "http://b"]
+    assert serve.build_parser().parse_args(
+        ["--cors-origin", "http://a", "--cors-origin", "http://b"]
+    ).cors_origin == ["http://a", "http://b"]
 
 
-def test_bodies_past_the_limit_get_413_and_text_too_long_for_the_context_400_before_tokenizing(shipped) -> None:
+def test_bodies_past_the_limit_get_413_and_text_too_long_for_the_context_400_before_tokenizing(
+    shipped,
+) -> None:
     """There was no limit on the body, and the whole prompt was tokenized on the event loop before
     its length was checked."""
     url = f"{shipped.url}/v1/completions"
@@ -531,32 +760,73 @@ def test_bodies_past_the_limit_get_413_and_text_too_long_for_the_context_400_bef
             yield b"a" * (64 << 10)
         yield b'"}'
 
-    streamed = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"}, timeout=30)
+    streamed = httpx.post(
+        url, content=chunks(), headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "body_too_large"
     longest = max(len(shipped.tokenizer.piece(i)) for i in range(shipped.tokenizer.vocab_size))
     code, body, _ = error_of(lambda: completion(shipped, "a" * (512 * longest + 1)))
-    assert code == 400 and body["code"] == "context_length_exceeded" and "characters" in body["message"]
+    assert (
+        code == 400
+        and body["code"] == "context_length_exceeded"
+        and "characters" in body["message"]
+    )
     assert httpx.get(f"{shipped.url}/health", timeout=10).status_code == 200
 
 
-def test_openai_valid_nulls_and_negative_seeds_are_accepted_with_a_system_fingerprint(shipped) -> None:
+def test_openai_valid_nulls_and_negative_seeds_are_accepted_with_a_system_fingerprint(
+    shipped,
+) -> None:
     """null for n, stream, logprobs and the penalties, penalties of 0 and negative seeds (all valid
     OpenAI requests, what some clients send by default) got 400."""
     url = f"{shipped.url}/v1/completions"
-    body = {"model": "tiny-target", "prompt": "Once", "max_tokens": 6, "n": None, "stream": None, "logprobs": None,
-            "echo": False, "presence_penalty": 0, "frequency_penalty": None, "seed": -5, "temperature": 1,
-            "speculative_gamma": 2}  # a pinned seed reproduces with a pinned gamma (docs/serving.md, Exactness)
+    body = {
+        "model": "tiny-target",
+        "prompt": "Once",
+        "max_tokens": 6,
+        "n": None,
+        "stream": None,
+        "logprobs": None,
+        "echo": False,
+        "presence_penalty": 0,
+        "frequency_penalty": None,
+        "seed": -5,
+        "temperature": 1,
+        "speculative_gamma": 2,
+    }  # a pinned seed reproduces with a pinned gamma (docs/serving.md, Exactness)
     first, again = (httpx.post(url, json=body, timeout=30) for _ in range(2))
     assert first.status_code == 200, first.text
-    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]  # a pinned seed, folded
+    assert (
+        first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+    )  # a pinned seed, folded
     assert first.json()["system_fingerprint"].startswith("fp_")
-    chat = httpx.post(f"{shipped.url}/v1/chat/completions", timeout=30, json={
-        "model": "tiny-target", "messages": [{"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 4,
-        "max_completion_tokens": 4, "logprobs": False, "top_logprobs": None, "n": 1})
-    assert chat.status_code == 200 and chat.json()["system_fingerprint"] == first.json()["system_fingerprint"]
-    both = httpx.post(f"{shipped.url}/v1/chat/completions", timeout=30, json={
-        "model": "tiny-target", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-        "max_completion_tokens": 5})
+    chat = httpx.post(
+        f"{shipped.url}/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": "tiny-target",
+            "messages": [{"role": "user", "content": "Hi", "name": "ann"}],
+            "max_tokens": 4,
+            "max_completion_tokens": 4,
+            "logprobs": False,
+            "top_logprobs": None,
+            "n": 1,
+        },
+    )
+    assert (
+        chat.status_code == 200
+        and chat.json()["system_fingerprint"] == first.json()["system_fingerprint"]
+    )
+    both = httpx.post(
+        f"{shipped.url}/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": "tiny-target",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "max_completion_tokens": 5,
+        },
+    )
     assert both.status_code == 400 and "differ" in both.json()["error"]["message"]
 
 
@@ -569,7 +839,11 @@ def test_metrics_have_latency_histograms_and_token_counters() -> None:
         for prompt in prompts:
             server.client.completions.create(model="toy", prompt=prompt, max_tokens=6)
         text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if not line.startswith("#")
+    }
     assert values["speculative_prompt_tokens_total"] == sum(map(len, prompts))
     assert values["speculative_last_step_seconds"] > 0
     for name in ("time_to_first_token_seconds", "queue_seconds", "request_seconds"):
@@ -590,31 +864,50 @@ def test_logprobs_are_the_target_s_own_streamed_or_not(speculate: bool) -> None:
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
     draft = noisy_copy(target, std=0.2, seed=1) if speculate else None
     with toy_server(target, draft) as server:
+
         def own(prompt: list[int], ids: list[int]) -> torch.Tensor:
             with torch.no_grad():
                 logp = torch.log_softmax(target(torch.tensor([prompt + ids]))[0], dim=-1)
-            return logp[len(prompt) - 1:len(prompt) - 1 + len(ids)]
+            return logp[len(prompt) - 1 : len(prompt) - 1 + len(ids)]
 
         prompt = [1, 2, 3]
-        whole = server.client.completions.create(model="toy", prompt=prompt, max_tokens=10, temperature=0.8, seed=4,
-                                                 logprobs=3, extra_body={"return_token_ids": True})
+        whole = server.client.completions.create(
+            model="toy",
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0.8,
+            seed=4,
+            logprobs=3,
+            extra_body={"return_token_ids": True},
+        )
         ids = whole.choices[0].model_extra["token_ids"]
         expected = own(prompt, ids)
         lp = whole.choices[0].logprobs
         assert lp.tokens == [chr(97 + t) for t in ids]
-        assert lp.token_logprobs == pytest.approx([float(expected[j, t]) for j, t in enumerate(ids)], abs=1e-6)
+        assert lp.token_logprobs == pytest.approx(
+            [float(expected[j, t]) for j, t in enumerate(ids)], abs=1e-6
+        )
         for j, tops in enumerate(lp.top_logprobs):
             best = expected[j].topk(3)
             assert list(tops) == [chr(97 + t) for t in best.indices.tolist()]
             assert list(tops.values()) == pytest.approx(best.values.tolist(), abs=1e-6)
-        stream = server.client.completions.create(model="toy", prompt=prompt, max_tokens=10, temperature=0.8,
-                                                  seed=4, logprobs=3, stream=True,
-                                                  extra_body={"return_token_ids": True})
+        stream = server.client.completions.create(
+            model="toy",
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0.8,
+            seed=4,
+            logprobs=3,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
         pieces = [c.choices[0] for c in stream if c.choices]
         streamed = [t for p in pieces for t in (p.model_extra or {}).get("token_ids", [])]
         values = [v for p in pieces if p.logprobs for v in p.logprobs.token_logprobs]
         expected = own(prompt, streamed)
-        assert values == pytest.approx([float(expected[j, t]) for j, t in enumerate(streamed)], abs=1e-6)
+        assert values == pytest.approx(
+            [float(expected[j, t]) for j, t in enumerate(streamed)], abs=1e-6
+        )
 
 
 @pytest.mark.parametrize("speculate", [False, True])
@@ -630,27 +923,50 @@ def test_echo_scores_the_prompt_with_the_target_s_own_logprobs(speculate: bool) 
         own = torch.log_softmax(target(torch.tensor([prompt]))[0], dim=-1)
     expected = [None] + [float(own[i, t]) for i, t in enumerate(prompt[1:])]
     with toy_server(target, draft) as server:
-        scored = server.client.completions.create(model="toy", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+        scored = server.client.completions.create(
+            model="toy", prompt=prompt, max_tokens=0, echo=True, logprobs=2
+        )
         choice = scored.choices[0]
-        assert choice.text == "bcdhf" and scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+        assert (
+            choice.text == "bcdhf"
+            and scored.usage.completion_tokens == 0
+            and choice.finish_reason == "length"
+        )
         assert choice.logprobs.tokens == list("bcdhf")
         assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
         assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-9)
         for i, tops in enumerate(choice.logprobs.top_logprobs[1:]):
             assert list(tops) == [chr(97 + t) for t in own[i].topk(2).indices.tolist()]
-        plain = server.client.completions.create(model="toy", prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
-        both = server.client.completions.create(model="toy", prompt=prompt, max_tokens=6, temperature=0, logprobs=1,
-                                                echo=True)
+        plain = server.client.completions.create(
+            model="toy", prompt=prompt, max_tokens=6, temperature=0, logprobs=1
+        )
+        both = server.client.completions.create(
+            model="toy", prompt=prompt, max_tokens=6, temperature=0, logprobs=1, echo=True
+        )
         assert both.choices[0].text == "bcdhf" + plain.choices[0].text
         assert both.choices[0].logprobs.token_logprobs == pytest.approx(
-            expected + plain.choices[0].logprobs.token_logprobs, abs=1e-9)
+            expected + plain.choices[0].logprobs.token_logprobs, abs=1e-9
+        )
         assert both.choices[0].logprobs.text_offset == list(range(11))
-        chunks = list(server.client.completions.create(model="toy", prompt=prompt, max_tokens=6, temperature=0,
-                                                       logprobs=1, echo=True, stream=True))
+        chunks = list(
+            server.client.completions.create(
+                model="toy",
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0,
+                logprobs=1,
+                echo=True,
+                stream=True,
+            )
+        )
         assert chunks[0].choices[0].text == "bcdhf"
-        assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-9)
+        assert chunks[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+            expected[1:], abs=1e-9
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == both.choices[0].text
-        unscored = server.client.completions.create(model="toy", prompt="bcd", max_tokens=2, temperature=0, echo=True)
+        unscored = server.client.completions.create(
+            model="toy", prompt="bcd", max_tokens=2, temperature=0, echo=True
+        )
         assert unscored.choices[0].text.startswith("bcd") and unscored.choices[0].logprobs is None
 
 
@@ -659,9 +975,16 @@ def test_stream_usage_comes_as_openai_sends_it() -> None:
     usage in one last chunk without choices; the chunks had no usage field but the last two."""
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
     with toy_server(target, None) as server:
-        body = {"model": "toy", "prompt": [1, 2], "max_tokens": 5, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        body = {
+            "model": "toy",
+            "prompt": [1, 2],
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, timeout=30
+        ) as response:
             lines = [line for line in response.iter_lines() if line.startswith("data: {")]
         chunks = [json.loads(line[6:]) for line in lines]
         assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
@@ -673,15 +996,36 @@ def test_chat_logprobs_in_openai_s_shape_are_the_shipped_target_s_own(shipped) -
     from speculative.serving.text import encode_dialog
     from weights import load_model
 
-    chunks = list(shipped.client.chat.completions.create(
-        model="tiny-target", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=12, temperature=0,
-        stream=True, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True}))
-    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
-    content = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    chunks = list(
+        shipped.client.chat.completions.create(
+            model="tiny-target",
+            messages=[{"role": "user", "content": "Tell me a story"}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={"return_token_ids": True},
+        )
+    )
+    ids = [
+        t
+        for c in chunks
+        if c.choices
+        for t in (c.choices[0].model_extra or {}).get("token_ids", [])
+    ]
+    content = [
+        item
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for item in c.choices[0].logprobs.content
+    ]
     assert len(content) == len(ids) == 12
     prompt = encode_dialog(shipped.tokenizer, [("user", "Tell me a story")])
     with torch.no_grad():
-        logp = torch.log_softmax(load_model("tiny-target")(torch.tensor([prompt + ids]))[0].double(), dim=-1)
+        logp = torch.log_softmax(
+            load_model("tiny-target")(torch.tensor([prompt + ids]))[0].double(), dim=-1
+        )
     for j, (item, token) in enumerate(zip(content, ids)):
         assert item.logprob == pytest.approx(float(logp[len(prompt) - 1 + j, token]), abs=1e-4)
         assert item.top_logprobs[0].token == item.token  # greedy: the emitted token is the best one
@@ -701,16 +1045,16 @@ def test_output_holds_back_what_may_start_a_stop_string_and_cuts_at_its_token() 
     for block in (1, 3, len(new)):
         output, handed, held = Output(tokenizer, prompt, ["girl named X"]), "", set()
         for i in range(0, len(new), block):
-            handed += output.add(new[i:i + block])
+            handed += output.add(new[i : i + block])
             seen = tokenizer.decode(prompt + output.tokens)[shown:]
-            assert seen.startswith(handed) and "girl named X".startswith(seen[len(handed):])
-            held.add(seen[len(handed):])
+            assert seen.startswith(handed) and "girl named X".startswith(seen[len(handed) :])
+            held.add(seen[len(handed) :])
         assert handed + output.finish() == full and not output.stopped and output.tokens == new
         assert block > 1 or {"g", "girl", "girl named"} & held  # something waited on the way
         output, handed = Output(tokenizer, prompt, ["Lily.", "never"]), ""
         for i in range(0, len(new), block):
-            handed += output.add(new[i:i + block])
-        assert handed + output.finish() == full[:full.index("Lily.")] and output.stopped
+            handed += output.add(new[i : i + block])
+        assert handed + output.finish() == full[: full.index("Lily.")] and output.stopped
         assert "Lily." in tokenizer.decode(prompt + output.tokens)
         assert "Lily." not in tokenizer.decode(prompt + output.tokens[:-1])
 
@@ -720,14 +1064,19 @@ def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    for argv, words in [(["--max-batch", "0"], "--max-batch must be >= 1"),
-                        (["--gamma", "40"], "at most 16"),
-                        (["--max-waiting", "0"], "--max-waiting must be >= 1"),  # it refused every request
-                        (["--stall-after", "0"], "--stall-after must be > 0"),
-                        (["--max-connections", "0"], "--max-connections must be >= 1"),
-                        (["--compile", "--setup", "plain"], "both choose"),
-                        (["--quantize", "int4", "--dtype", "float16"], "--quantize int4 runs on a CPU in float32 or"),
-                        (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1")]:
+    for argv, words in [
+        (["--max-batch", "0"], "--max-batch must be >= 1"),
+        (["--gamma", "40"], "at most 16"),
+        (["--max-waiting", "0"], "--max-waiting must be >= 1"),  # it refused every request
+        (["--stall-after", "0"], "--stall-after must be > 0"),
+        (["--max-connections", "0"], "--max-connections must be >= 1"),
+        (["--compile", "--setup", "plain"], "both choose"),
+        (
+            ["--quantize", "int4", "--dtype", "float16"],
+            "--quantize int4 runs on a CPU in float32 or",
+        ),
+        (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1"),
+    ]:
         assert serve.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
@@ -744,9 +1093,23 @@ def test_serve_py_starts_on_127_0_0_1_and_answers_the_openai_client() -> None:
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
-    process = subprocess.Popen([sys.executable, "serve.py", "--port", str(port), "--max-batch", "2", "--speculation",
-                                "on"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "serve.py",
+            "--port",
+            str(port),
+            "--max-batch",
+            "2",
+            "--speculation",
+            "on",
+        ],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         refused: list[bool] = []
 
@@ -769,11 +1132,14 @@ def test_serve_py_starts_on_127_0_0_1_and_answers_the_openai_client() -> None:
         knocker.join(10)
         # the last knocks may meet the ready server, between its listening and our reading its line
         assert len(refused) >= 3 and refused[0] and sum(refused) >= len(refused) - 2, refused
-        assert lines[-1].startswith("serving tiny-target (draft tiny-draft, speculation on, gamma 4"), lines
+        assert lines[-1].startswith(
+            "serving tiny-target (draft tiny-draft, speculation on, gamma 4"
+        ), lines
         assert "http://127.0.0.1:" in lines[-1] and "no authentication" in lines[-1]
         url = lines[-1].split(" on ")[1].split()[0]
-        answer = client(url).completions.create(model="tiny-target", prompt="Once upon a time", max_tokens=8,
-                                                temperature=0)
+        answer = client(url).completions.create(
+            model="tiny-target", prompt="Once upon a time", max_tokens=8, temperature=0
+        )
         assert answer.usage.completion_tokens == 8 and answer.choices[0].text
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0

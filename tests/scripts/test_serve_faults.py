@@ -24,7 +24,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.faulty_serve import ENGINE_FAULT, GATE, GATE_FILE, LOAD_GATE_FILE, ROW_FAULT, STALL, STALL_S
+from tests.support.faulty_serve import (
+    ENGINE_FAULT,
+    GATE,
+    GATE_FILE,
+    LOAD_GATE_FILE,
+    ROW_FAULT,
+    STALL,
+    STALL_S,
+)
 from tests.support.paths import ROOT
 
 # Under pytest -n, the module's server starts once, on one worker (pyproject.toml: --dist loadgroup).
@@ -60,7 +68,9 @@ class Served:
         """The check after every fault: healthy, and a greedy request gets its 8 tokens."""
         assert self.health().status_code == 200, self.health().text
         answer = self.post()
-        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8, answer.text
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8, (
+            answer.text
+        )
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -74,15 +84,41 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(*flags: str, port: int | None = None, faults: bool = True, wait: bool = True,
-           gate: Path | None = None, load_gate: Path | None = None) -> Served:
+def launch(
+    *flags: str,
+    port: int | None = None,
+    faults: bool = True,
+    wait: bool = True,
+    gate: Path | None = None,
+    load_gate: Path | None = None,
+) -> Served:
     """serve.py (with the faults' launcher) in its own process; with ``wait``, once it serves;
     ``gate``: the file whose creation releases a request that holds the GATE marker."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **({GATE_FILE: str(gate)} if gate else {}),
-           **({LOAD_GATE_FILE: str(load_gate)} if load_gate else {})}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        **({GATE_FILE: str(gate)} if gate else {}),
+        **({LOAD_GATE_FILE: str(load_gate)} if load_gate else {}),
+    }
     program = ["-m", "tests.support.faulty_serve"] if faults else ["serve.py"]
-    process = subprocess.Popen([sys.executable, *program, "--port", str(port or 0), "--speculation", "off",
-                                "--threads", "1", *flags], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            *program,
+            "--port",
+            str(port or 0),
+            "--speculation",
+            "off",
+            "--threads",
+            "1",
+            *flags,
+        ],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     served = Served(process)
     started = threading.Event()
 
@@ -104,9 +140,26 @@ def launch(*flags: str, port: int | None = None, faults: bool = True, wait: bool
 def server() -> Iterator[Served]:
     """One process for the tests that leave it running: one row, three waiting at most, short
     deadlines, a keep-alive comment every 0.3 s, 8 connections at most."""
-    served = launch("--max-batch", "1", "--max-waiting", "3", "--queue-timeout", "1", "--request-timeout", "2",
-                    "--read-timeout", "1", "--write-timeout", "1", "--stall-after", "1", "--keepalive", "0.3",
-                    "--max-connections", "8")
+    served = launch(
+        "--max-batch",
+        "1",
+        "--max-waiting",
+        "3",
+        "--queue-timeout",
+        "1",
+        "--request-timeout",
+        "2",
+        "--read-timeout",
+        "1",
+        "--write-timeout",
+        "1",
+        "--stall-after",
+        "1",
+        "--keepalive",
+        "0.3",
+        "--max-connections",
+        "8",
+    )
     try:
         yield served
     finally:
@@ -139,7 +192,8 @@ def test_a_queue_of_zero_is_refused_at_start_up_in_one_line() -> None:
     assert served.process.wait(60) == 2
     time.sleep(0.1)
     assert [line for line in served.log if line.startswith("error:")] == [
-        "error: --max-waiting must be >= 1 (a request waits for the engine's loop to take it), got 0"], served.log
+        "error: --max-waiting must be >= 1 (a request waits for the engine's loop to take it), got 0"
+    ], served.log
 
 
 def test_an_exception_outside_any_row_fails_what_is_in_flight_turns_health_and_exits_1() -> None:
@@ -148,14 +202,17 @@ def test_an_exception_outside_any_row_fails_what_is_in_flight_turns_health_and_e
         answer = served.post([1, ENGINE_FAULT, 261])
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_stopped"
         assert served.process.wait(30) == 1
-        assert any("engine failed" in line for line in served.log) and not any("Traceback" in line
-                                                                               for line in served.log)
+        assert any("engine failed" in line for line in served.log) and not any(
+            "Traceback" in line for line in served.log
+        )
     finally:
         served.stop()
 
 
 @pytest.mark.parametrize("grace, status", [(60.0, 0), (0.3, 3)])
-def test_sigterm_lets_requests_in_hand_finish_within_the_grace_then_cuts_them(grace: float, status: int) -> None:
+def test_sigterm_lets_requests_in_hand_finish_within_the_grace_then_cuts_them(
+    grace: float, status: int
+) -> None:
     """SIGTERM ended the loop at once with status 0, cutting every request in flight. Now: no new
     requests (503, /health 503 'draining'), those in hand finish within --grace, and the status
     says whether they all did (0) or some were cut (3)."""
@@ -172,7 +229,9 @@ def test_sigterm_lets_requests_in_hand_finish_within_the_grace_then_cuts_them(gr
                 health = served.health()
                 assert health.status_code == 503 and health.json()["status"] == "draining"
                 late = served.post("Hi", 10, max_tokens=2)
-                assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+                assert (
+                    late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+                )
             answer = long.result(timeout=60)
         if status == 0:
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
@@ -192,11 +251,21 @@ def test_bad_input_is_a_4xx_and_stops_nothing(server: Served) -> None:
     tiny = server.post(temperature=1e-300)  # stopped the server, exit 0
     assert tiny.status_code == 200
     assert tiny.json()["choices"][0]["text"] == server.post().json()["choices"][0]["text"]
-    surrogate = httpx.post(f"{server.url}/v1/completions", timeout=30, headers={"Content-Type": "application/json"},
-                           content='{"model": "tiny-target", "prompt": "\\ud800"}')  # JSON allows it
-    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt"  # was a 500
+    surrogate = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=30,
+        headers={"Content-Type": "application/json"},
+        content='{"model": "tiny-target", "prompt": "\\ud800"}',
+    )  # JSON allows it
+    assert (
+        surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt"
+    )  # was a 500
     cases = [
-        ({"stop": ["x" * 1_000_000] * 4}, 400, None),  # four 1 MB stops: quadratic work on the event loop
+        (
+            {"stop": ["x" * 1_000_000] * 4},
+            400,
+            None,
+        ),  # four 1 MB stops: quadratic work on the event loop
         ({"prompt": "a" * (3 << 20)}, 400, "context_length_exceeded"),  # refused before tokenizing
         ({"prompt": "a" * (5 << 20)}, 413, "body_too_large"),  # no limit on the body
         ({"presence_penalty": 0.5}, 400, None),
@@ -206,7 +275,11 @@ def test_bad_input_is_a_4xx_and_stops_nothing(server: Served) -> None:
         answer = server.post(**fields)
         assert answer.status_code == status, (fields.keys(), answer.text[:200])
         error = answer.json()["error"]
-        assert error["message"] and "\n" not in error["message"] and (code is None or error["code"] == code)
+        assert (
+            error["message"]
+            and "\n" not in error["message"]
+            and (code is None or error["code"] == code)
+        )
     server.answers_correctly()
 
 
@@ -214,14 +287,25 @@ def test_a_burst_beyond_the_queue_gets_429s_with_retry_after_and_no_5xx(tmp_path
     """One row, three places to wait: while a request holds the row (held by the GATE until the test
     lets it go, so that no deadline or speed decides anything), five more come; three wait, two are
     refused at once with Retry-After; once the row is free, all four are answered."""
-    served = launch("--max-batch", "1", "--max-waiting", "3", "--queue-timeout", "0", "--request-timeout", "0",
-                    gate=tmp_path / "open")
+    served = launch(
+        "--max-batch",
+        "1",
+        "--max-waiting",
+        "3",
+        "--queue-timeout",
+        "0",
+        "--request-timeout",
+        "0",
+        gate=tmp_path / "open",
+    )
     try:
         with ThreadPoolExecutor(6) as pool:
             held = pool.submit(served.post, [1, GATE, 261], max_tokens=40)
             until(lambda: served.health().json()["running"] == 1)
             burst = [pool.submit(served.post, max_tokens=40) for _ in range(5)]
-            until(lambda: sum(f.done() for f in burst) == 2 and served.health().json()["waiting"] == 3)
+            until(
+                lambda: sum(f.done() for f in burst) == 2 and served.health().json()["waiting"] == 3
+            )
             refused = [f.result() for f in burst if f.done()]
             waiting = [f for f in burst if not f.done()]
             (tmp_path / "open").touch()
@@ -249,7 +333,9 @@ def test_a_stream_abandoned_midway_frees_its_row(server: Served) -> None:
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-    deadline = time.monotonic() + 1.5  # the request timeout (2 s) would call it an error, not a cancel
+    deadline = (
+        time.monotonic() + 1.5
+    )  # the request timeout (2 s) would call it an error, not a cancel
     while server.metric("requests_running") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.metric("requests_running") == 0
@@ -257,14 +343,18 @@ def test_a_stream_abandoned_midway_frees_its_row(server: Served) -> None:
     server.answers_correctly()
 
 
-def test_slow_headers_and_slow_bodies_are_cut_off_so_idle_sockets_cannot_lock_everyone_out(server: Served) -> None:
+def test_slow_headers_and_slow_bodies_are_cut_off_so_idle_sockets_cannot_lock_everyone_out(
+    server: Served,
+) -> None:
     """Slow headers held a socket forever (with a connection limit, eight such sockets locked
     everyone out) and a slow body held its task; now each gets --read-timeout (1 s)."""
     host, port = server.url.removeprefix("http://").split(":")
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(8)]
     idle[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
     try:
-        assert server.health().status_code == 503  # a ninth connection: --max-connections answers at once
+        assert (
+            server.health().status_code == 503
+        )  # a ninth connection: --max-connections answers at once
         started = time.monotonic()
         for sock in idle:
             assert sock.recv(1024) == b""  # closed by the server
@@ -273,8 +363,10 @@ def test_slow_headers_and_slow_bodies_are_cut_off_so_idle_sockets_cannot_lock_ev
         for sock in idle:
             sock.close()
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"model\"")  # 8 of 100 bytes
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model"'
+        )  # 8 of 100 bytes
         reply = b""
         while chunk := sock.recv(4096):  # to the end: the server closes the connection
             reply += chunk
@@ -288,10 +380,14 @@ def test_a_slow_reader_holds_up_no_one(tmp_path: Path) -> None:
     served = launch("--max-batch", "2", "--queue-timeout", "0", "--write-timeout", "30")
     try:
         host, port = served.url.removeprefix("http://").split(":")
-        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}).encode()
+        body = json.dumps(
+            {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+        ).encode()
         with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             until(lambda: served.health().json()["running"] == 1)
             served.answers_correctly()  # while the slow reader has read nothing
             received = b""
@@ -314,7 +410,9 @@ def test_an_exception_in_one_row_fails_that_request_alone(server: Served) -> Non
         fine = pool.submit(server.post, max_tokens=40)
         failed = server.post([1, ROW_FAULT, 261], max_tokens=40)
         fine = fine.result(timeout=30)
-    assert failed.status_code == 500 and failed.json()["error"]["code"] == "request_failed", failed.text
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "request_failed", (
+        failed.text
+    )
     assert "planted" in failed.json()["error"]["message"]
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 40
     server.answers_correctly()
@@ -342,9 +440,17 @@ def test_a_stuck_engine_shows_in_health_and_the_deadlines_answer_for_it(server: 
             time.sleep(0.05)
             health = server.health()
         assert health.status_code == 503 and health.json()["status"] == "stalled", health.text
-        stuck, waiting, lines = stuck.result(timeout=30), waiting.result(timeout=30), streamed.result(timeout=30)
-    assert stuck.status_code == 504 and stuck.json()["error"]["code"] == "request_timeout", stuck.text
-    assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "queue_timeout", waiting.text
+        stuck, waiting, lines = (
+            stuck.result(timeout=30),
+            waiting.result(timeout=30),
+            streamed.result(timeout=30),
+        )
+    assert stuck.status_code == 504 and stuck.json()["error"]["code"] == "request_timeout", (
+        stuck.text
+    )
+    assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "queue_timeout", (
+        waiting.text
+    )
     assert waiting.headers["retry-after"].isdigit()
     assert lines.count(": keep-alive") >= 2 and lines[-1] == "data: [DONE]", lines
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "queue_timeout"

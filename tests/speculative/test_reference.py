@@ -82,7 +82,9 @@ class Enumerator:
         return out
 
     def choose(self, options: list[tuple[Any, float]]) -> Any:
-        options = [(value, weight) for value, weight in options if weight > 0]  # impossible branches: not run
+        options = [
+            (value, weight) for value, weight in options if weight > 0
+        ]  # impossible branches: not run
         depth = len(self.path)
         pick = self.prefix[depth] if depth < len(self.prefix) else 0
         self.path.append(pick)
@@ -111,7 +113,9 @@ class Uniform:
         a = min(1.0, max(0.0, float(ratio)))
         return self.enumerator.choose([(True, a), (False, 1.0 - a)])
 
-    __le__ = __lt__  # the same probability for a continuous r: see test_a_token_the_target_rules_out_...
+    __le__ = (
+        __lt__  # the same probability for a continuous r: see test_a_token_the_target_rules_out_...
+    )
 
 
 class TorchWithRand:
@@ -126,17 +130,33 @@ class TorchWithRand:
 
 def truncating_warp(setting: Sampling) -> Callable[[torch.Tensor, Sampling], torch.Tensor]:
     """warp with the reference's temperature and the setting's top-k and top-p, for both models."""
-    return lambda logits, sampling: warp(logits, Sampling(sampling.temperature, setting.top_k, setting.top_p))
+    return lambda logits, sampling: warp(
+        logits, Sampling(sampling.temperature, setting.top_k, setting.top_p)
+    )
 
 
-def decode_distribution(module: types.ModuleType, target: Any, draft: Any, prompt: tuple[int, ...], length: int,
-                        gamma: int, sampling: Sampling) -> dict[tuple[int, ...], float]:
+def decode_distribution(
+    module: types.ModuleType,
+    target: Any,
+    draft: Any,
+    prompt: tuple[int, ...],
+    length: int,
+    gamma: int,
+    sampling: Sampling,
+) -> dict[tuple[int, ...], float]:
     """Exact P(the `length` tokens) of ``module.speculative_decode``, by running every path."""
     enumerator = Enumerator()
 
     def run() -> tuple[int, ...]:
-        tokens = module.speculative_decode(target, draft, list(prompt), length, gamma=gamma,
-                                           temperature=sampling.temperature, seed=0)
+        tokens = module.speculative_decode(
+            target,
+            draft,
+            list(prompt),
+            length,
+            gamma=gamma,
+            temperature=sampling.temperature,
+            seed=0,
+        )
         assert len(tokens) == length
         return tuple(tokens)
 
@@ -157,34 +177,63 @@ def test_the_enumerator_runs_every_path() -> None:
     def run() -> tuple[int, ...]:
         first = enumerator.choose([(0, 0.5), (1, 0.5)])
         second = enumerator.choose([(0, 0.25), (1, 0.75), (2, 0.0)])
-        return (first, second) if first == 0 else (first, second, enumerator.choose([(0, 0.5), (1, 0.5)]))
+        return (
+            (first, second)
+            if first == 0
+            else (first, second, enumerator.choose([(0, 0.5), (1, 0.5)]))
+        )
 
     got = enumerator.explore(run)
     assert enumerator.runs == 6
-    assert got == {(0, 0): 0.125, (0, 1): 0.375, (1, 0, 0): 0.0625, (1, 0, 1): 0.0625,
-                   (1, 1, 0): 0.1875, (1, 1, 1): 0.1875}
+    assert got == {
+        (0, 0): 0.125,
+        (0, 1): 0.375,
+        (1, 0, 0): 0.0625,
+        (1, 0, 1): 0.0625,
+        (1, 1, 0): 0.1875,
+        (1, 1, 1): 0.1875,
+    }
 
 
 # ----------------------------------------------------------------------------- exactness
-@proof("speculative/reference.py (Algorithm 1 alone) emits exactly the target's law",
-       'exact enumeration, float64, to 1e-12, every random choice of the function enumerated')
+@proof(
+    "speculative/reference.py (Algorithm 1 alone) emits exactly the target's law",
+    "exact enumeration, float64, to 1e-12, every random choice of the function enumerated",
+)
 @settings(max_examples=100, derandomize=True, deadline=None)
-@given(vocab=st.integers(2, 4), gamma=st.integers(1, 4), orders=st.sampled_from([(2, 2), (3, 2), (2, 3)]),
-       seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]), relation=st.sampled_from(["other", "same"]),
-       sampling=samplings)
-def test_reference_emits_exactly_the_target_distribution(vocab: int, gamma: int, orders: tuple[int, int], seed: int,
-                                                         holes: float, relation: str, sampling: Sampling) -> None:
+@given(
+    vocab=st.integers(2, 4),
+    gamma=st.integers(1, 4),
+    orders=st.sampled_from([(2, 2), (3, 2), (2, 3)]),
+    seed=st.integers(0, 10_000),
+    holes=st.sampled_from([0.0, 0.3]),
+    relation=st.sampled_from(["other", "same"]),
+    sampling=samplings,
+)
+def test_reference_emits_exactly_the_target_distribution(
+    vocab: int,
+    gamma: int,
+    orders: tuple[int, int],
+    seed: int,
+    holes: float,
+    relation: str,
+    sampling: Sampling,
+) -> None:
     target = NGramModel(toy_table(vocab, orders[0], seed, holes))
     other = toy_table(vocab, orders[1], seed + 1, holes)
-    draft = NGramModel(target.table if relation == "same" else other)  # "same": a second object, its own cache
+    draft = NGramModel(
+        target.table if relation == "same" else other
+    )  # "same": a second object, its own cache
     # long enough that the first iteration drafts all gamma tokens, short enough to enumerate quickly
     prompt, length = (1 % vocab,), 1 + min(gamma, {2: 4, 3: 3, 4: 2}[vocab])
     got = decode_distribution(reference, target, draft, prompt, length, gamma, sampling)
     assert max_gap(got, target_distribution(target, prompt, length, sampling)) < TOL
 
 
-@proof('reference.py is exact when every token comes from the residual',
-       'exact enumeration, float64, to 1e-12')
+@proof(
+    "reference.py is exact when every token comes from the residual",
+    "exact enumeration, float64, to 1e-12",
+)
 def test_disjoint_supports() -> None:
     """The draft proposes only tokens the target never emits: every token comes from the residual."""
     neg = -math.inf
@@ -202,14 +251,25 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     "inverted ratio": [("p[n][xs[n]] / q[n][xs[n]]", "q[n][xs[n]] / p[n][xs[n]]")],
     "residual is p": [("residual = (p[n] - q[n]).clamp(min=0)", "residual = p[n]")],
     # when all g are accepted, t from the draft's next distribution (x_g fed to the draft) instead of p_{g+1}
-    "bonus from the draft": [("p_prime = p[n] ", "p_prime = p[n] if n < g or g == 0 else "
-                              "warp(call(draft, seq + xs, len(seq) + g - 1, device)[-1], sampling) ")],
+    "bonus from the draft": [
+        (
+            "p_prime = p[n] ",
+            "p_prime = p[n] if n < g or g == 0 else "
+            "warp(call(draft, seq + xs, len(seq) + g - 1, device)[-1], sampling) ",
+        )
+    ],
     # drafted from the tempered q, judged with the untempered one (transformers #47932, vLLM #10198)
-    "temperature on p only": [("q.append(warp(logits, sampling))", "q.append(torch.softmax(logits, -1))"),
-                              ("sample(q[-1], generator)", "sample(warp(logits, sampling), generator)")],
+    "temperature on p only": [
+        ("q.append(warp(logits, sampling))", "q.append(torch.softmax(logits, -1))"),
+        ("sample(q[-1], generator)", "sample(warp(logits, sampling), generator)"),
+    ],
     # the residual subtracts a one-hot q on the drafted token (a wiring slip, as in xLLM #2175)
-    "residual against a one-hot q": [("(p[n] - q[n])", "(p[n] - torch.nn.functional.one_hot("
-                                      "torch.tensor(xs[n], device=device), p.shape[-1]))")],
+    "residual against a one-hot q": [
+        (
+            "(p[n] - q[n])",
+            "(p[n] - torch.nn.functional.one_hot(torch.tensor(xs[n], device=device), p.shape[-1]))",
+        )
+    ],
 }
 
 
@@ -218,12 +278,22 @@ def mutant(name: str) -> types.ModuleType:
     return mutated(reference, *MUTANTS.get(name, []))
 
 
-ENUMERATED_MUTANTS = [name for name in MUTANTS if name != "r <= ratio"]  # measure zero: see the forced-r test
+ENUMERATED_MUTANTS = [
+    name for name in MUTANTS if name != "r <= ratio"
+]  # measure zero: see the forced-r test
 
 
-@proof('the enumeration of reference.py can fail',
-       'exact, source-level mutants of reference.py',
-       rejects=('ratio inverted', 'residual = p', 'bonus from the draft', 'temperature on p only', 'stale q'))
+@proof(
+    "the enumeration of reference.py can fail",
+    "exact, source-level mutants of reference.py",
+    rejects=(
+        "ratio inverted",
+        "residual = p",
+        "bonus from the draft",
+        "temperature on p only",
+        "stale q",
+    ),
+)
 @pytest.mark.parametrize("name", ["unmodified"] + ENUMERATED_MUTANTS)
 def test_enumeration_rejects_each_mutant(name: str) -> None:
     """Temperature 0.5 (where "temperature on p only" is not a no-op), gamma 2, three tokens: the
@@ -245,21 +315,27 @@ def forced_zero_violations(module: types.ModuleType) -> int:
     neg = -math.inf
     target = NGramModel(torch.tensor([[0.0, 0.5, neg]] * 3, dtype=torch.float64))
     draft = NGramModel(torch.tensor([[neg, neg, 0.0]] * 3, dtype=torch.float64))
-    zeros = TorchWithRand(lambda *size, **kwargs: torch.zeros(*size, dtype=kwargs.get("dtype"),
-                                                               device=kwargs.get("device")))
+    zeros = TorchWithRand(
+        lambda *size, **kwargs: torch.zeros(
+            *size, dtype=kwargs.get("dtype"), device=kwargs.get("device")
+        )
+    )
     emitted = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, "torch", zeros)
         for gamma in (1, 2, 4):
             for temperature in (1.0, 0.7):
-                emitted += module.speculative_decode(target, draft, [0], 10, gamma=gamma, temperature=temperature,
-                                                     seed=gamma)
+                emitted += module.speculative_decode(
+                    target, draft, [0], 10, gamma=gamma, temperature=temperature, seed=gamma
+                )
     return emitted.count(2)
 
 
-@proof('reference.py never accepts a token of target probability 0',
-       'exact: r forced to 0',
-       rejects=('r <= p/q (SGLang #35771)',))
+@proof(
+    "reference.py never accepts a token of target probability 0",
+    "exact: r forced to 0",
+    rejects=("r <= p/q (SGLang #35771)",),
+)
 def test_a_token_the_target_rules_out_is_never_accepted_even_at_r_zero() -> None:
     """SGLang #35771: accepting on r <= p/q keeps a token of target probability 0 when r = 0."""
     assert forced_zero_violations(reference) == 0
@@ -285,36 +361,57 @@ TOP = Sampling(temperature=0.8, top_k=2, top_p=0.8)
 @pytest.fixture(scope="module")
 def toy_pair() -> tuple[NGramModel, NGramModel]:
     """The statistical tests' bigram pair over 3 tokens (tests/speculative/engine/test_generation_statistical.py)."""
-    return NGramModel.random(3, 2, seed=10, scale=1.0), NGramModel.random(3, 2, seed=1010, scale=1.0)
+    return NGramModel.random(3, 2, seed=10, scale=1.0), NGramModel.random(
+        3, 2, seed=1010, scale=1.0
+    )
 
 
-def sampled_pvalue(module: types.ModuleType, pair: tuple[NGramModel, NGramModel], sampling: Sampling,
-                   runs: int) -> float:
+def sampled_pvalue(
+    module: types.ModuleType, pair: tuple[NGramModel, NGramModel], sampling: Sampling, runs: int
+) -> float:
     """Chi-square p-value of the first 3 tokens of ``runs`` seeded runs (gamma 2) against the target's."""
     target, draft = pair
     with pytest.MonkeyPatch.context() as mp:
         if sampling.top_k is not None or sampling.top_p is not None:
             mp.setattr(module, "warp", truncating_warp(sampling))
-        counts = Counter(tuple(module.speculative_decode(target, draft, [0], 3, gamma=2,
-                                                         temperature=sampling.temperature, seed=seed))
-                         for seed in range(runs))
+        counts = Counter(
+            tuple(
+                module.speculative_decode(
+                    target, draft, [0], 3, gamma=2, temperature=sampling.temperature, seed=seed
+                )
+            )
+            for seed in range(runs)
+        )
     return chi_square_pvalue(counts, target_distribution(target, (0,), 3, sampling))
 
 
-@proof("reference.py's sampled runs follow the target's law",
-       'chi-square, p > 1e-3, 2000 seeded runs')
+@proof(
+    "reference.py's sampled runs follow the target's law", "chi-square, p > 1e-3, 2000 seeded runs"
+)
 @pytest.mark.parametrize("sampling", [Sampling(), TOP], ids=["temperature-1", "top-k-top-p"])
-def test_sampled_runs_pass_the_chi_square_test(toy_pair: tuple[NGramModel, NGramModel], sampling: Sampling) -> None:
+def test_sampled_runs_pass_the_chi_square_test(
+    toy_pair: tuple[NGramModel, NGramModel], sampling: Sampling
+) -> None:
     assert sampled_pvalue(reference, toy_pair, sampling, TOY_RUNS) > P_VALUE
 
 
-@proof('the chi-square test of reference.py has power',
-       'chi-square, p > 1e-3 rejected, 1000 runs per mutant',
-       rejects=('each enumerated mutant',))
-@pytest.mark.parametrize("name, sampling", [
-    pytest.param(name, TOP if name == "temperature on p only" else Sampling(), id=name)  # a no-op at temperature 1
-    for name in ENUMERATED_MUTANTS])
-def test_chi_square_rejects_mutants(toy_pair: tuple[NGramModel, NGramModel], name: str, sampling: Sampling) -> None:
+@proof(
+    "the chi-square test of reference.py has power",
+    "chi-square, p > 1e-3 rejected, 1000 runs per mutant",
+    rejects=("each enumerated mutant",),
+)
+@pytest.mark.parametrize(
+    "name, sampling",
+    [
+        pytest.param(
+            name, TOP if name == "temperature on p only" else Sampling(), id=name
+        )  # a no-op at temperature 1
+        for name in ENUMERATED_MUTANTS
+    ],
+)
+def test_chi_square_rejects_mutants(
+    toy_pair: tuple[NGramModel, NGramModel], name: str, sampling: Sampling
+) -> None:
     p_value = sampled_pvalue(mutant(name), toy_pair, sampling, MUTANT_RUNS)
     assert p_value < P_VALUE, f"the chi-square test did not catch {name!r} (p = {p_value:.3g})"
 
@@ -325,40 +422,57 @@ def toy_greedy(target: NGramModel, prompt: list[int], count: int) -> list[int]:
     seq = list(prompt)
     for _ in range(count):
         seq.append(ref_warp(target.next_logits(seq).tolist(), 0.0).index(1.0))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
-@proof("at temperature 0 reference.py gives the engine's tokens and the target's greedy tokens, call for call",
-       'exact identity, toy models')
+@proof(
+    "at temperature 0 reference.py gives the engine's tokens and the target's greedy tokens, call for call",
+    "exact identity, toy models",
+)
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 @pytest.mark.parametrize("kind", ["independent", "close", "same"])
 def test_greedy_toy_is_the_engine_and_the_target(gamma: int, kind: str) -> None:
     """Token for token, and call for call: the reference feeds both models exactly what the engine feeds them."""
     table = toy_table(5, 3, 11, 0.3)
-    noise = 0.3 * torch.randn(table.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
-    draft_table = {"independent": toy_table(5, 2, 13, 0.0), "close": table + noise, "same": table}[kind]
+    noise = 0.3 * torch.randn(
+        table.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64
+    )
+    draft_table = {"independent": toy_table(5, 2, 13, 0.0), "close": table + noise, "same": table}[
+        kind
+    ]
     prompt, count = [1, 4], 30
     ours = [Recording(NGramModel(table)), Recording(NGramModel(draft_table))]
     engine = [Recording(NGramModel(table)), Recording(NGramModel(draft_table))]
     tokens = reference.speculative_decode(*ours, prompt, count, gamma=gamma, temperature=0, seed=1)
-    assert tokens == speculative_generate(*engine, prompt, count, gamma=gamma, temperature=0, seed=2).tokens
+    assert (
+        tokens
+        == speculative_generate(*engine, prompt, count, gamma=gamma, temperature=0, seed=2).tokens
+    )
     assert tokens == toy_greedy(NGramModel(table), prompt, count)
     assert [model.calls for model in ours] == [model.calls for model in engine]
 
 
 SHIPPED = [ROOT / "weights" / "tiny-target", ROOT / "weights" / "tiny-draft"]
-needs_shipped = pytest.mark.skipif(not all((path / "model.safetensors").is_file() for path in SHIPPED),
-                                   reason="the shipped pair weights/tiny-target + weights/tiny-draft is absent")
+needs_shipped = pytest.mark.skipif(
+    not all((path / "model.safetensors").is_file() for path in SHIPPED),
+    reason="the shipped pair weights/tiny-target + weights/tiny-draft is absent",
+)
 TEXTS = ["Once upon a time", "The little dog ran to the park and", "Lily had a red ball. One day"]
 
 
 def shipped_pair(dtype: torch.dtype) -> tuple[Any, Any, list[list[int]]]:
     tokenizer = load_tokenizer(SHIPPED[0])
-    return load_model(SHIPPED[0], dtype=dtype), load_model(SHIPPED[1], dtype=dtype), list(map(tokenizer.encode, TEXTS))
+    return (
+        load_model(SHIPPED[0], dtype=dtype),
+        load_model(SHIPPED[1], dtype=dtype),
+        list(map(tokenizer.encode, TEXTS)),
+    )
 
 
-@proof("on the shipped pair, reference.py, the engine and the target's greedy decoding agree",
-       'exact identity in float64; float32 up to near-ties')
+@proof(
+    "on the shipped pair, reference.py, the engine and the target's greedy decoding agree",
+    "exact identity in float64; float32 up to near-ties",
+)
 @needs_shipped
 def test_greedy_shipped_pair_is_the_engine_and_the_target() -> None:
     """float64: the reference, the engine and the target's own greedy decoding (the plain
@@ -369,15 +483,23 @@ def test_greedy_shipped_pair_is_the_engine_and_the_target() -> None:
     count = 40
     target, draft, prompts = shipped_pair(torch.float64)
     for i, (prompt, gamma) in enumerate(zip(prompts, (4, 2, 5))):
-        ours = reference.speculative_decode(target, draft, prompt, count, gamma=gamma, temperature=0)
-        assert ours == speculative_generate(target, draft, prompt, count, gamma=gamma, temperature=0).tokens
+        ours = reference.speculative_decode(
+            target, draft, prompt, count, gamma=gamma, temperature=0
+        )
+        assert (
+            ours
+            == speculative_generate(target, draft, prompt, count, gamma=gamma, temperature=0).tokens
+        )
         assert ours == autoregressive_generate(target, prompt, count, temperature=0).tokens
         if i == 0:
             assert ours == reference_greedy(target, prompt, count)
     target, draft, prompts = shipped_pair(torch.float32)
     for prompt in prompts:
         ours = reference.speculative_decode(target, draft, prompt, count, gamma=4, temperature=0)
-        assert ours == speculative_generate(target, draft, prompt, count, gamma=4, temperature=0).tokens
+        assert (
+            ours
+            == speculative_generate(target, draft, prompt, count, gamma=4, temperature=0).tokens
+        )
 
 
 # ----------------------------------------------------------------------------- stopping and bad input
@@ -387,12 +509,24 @@ def test_stops_at_max_new_tokens_and_max_seq_len(temperature: float) -> None:
     draft = NGramModel.random(4, 2, seed=4, max_seq_len=10)  # the smaller max_seq_len is the limit
     for gamma in (1, 2, 5):
         for max_new in range(8):
-            tokens = reference.speculative_decode(target, draft, [1, 2], max_new, gamma=gamma,
-                                                  temperature=temperature, seed=max_new)
+            tokens = reference.speculative_decode(
+                target, draft, [1, 2], max_new, gamma=gamma, temperature=temperature, seed=max_new
+            )
             assert len(tokens) == max_new and all(0 <= t < 4 for t in tokens)
-        assert len(reference.speculative_decode(target, draft, [1, 2, 3], 50, gamma=gamma,
-                                                temperature=temperature, seed=0)) == 10 - 3
-        assert reference.speculative_decode(target, draft, [1] * 10, 5, gamma=gamma, temperature=temperature) == []
+        assert (
+            len(
+                reference.speculative_decode(
+                    target, draft, [1, 2, 3], 50, gamma=gamma, temperature=temperature, seed=0
+                )
+            )
+            == 10 - 3
+        )
+        assert (
+            reference.speculative_decode(
+                target, draft, [1] * 10, 5, gamma=gamma, temperature=temperature
+            )
+            == []
+        )
 
 
 def test_same_seed_same_output() -> None:
@@ -401,24 +535,31 @@ def test_same_seed_same_output() -> None:
     assert runs[0] == runs[1] != runs[2]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"gamma": 0}, "gamma must be an integer >= 1"),
-    ({"gamma": -2}, "gamma must be an integer >= 1"),
-    ({"gamma": 2.5}, "gamma must be an integer >= 1"),
-    ({"gamma": "auto"}, "gamma must be an integer >= 1"),
-    ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0"),
-    ({"max_new_tokens": 3.0}, "max_new_tokens must be an integer >= 0"),
-    ({"prompt_ids": []}, "the prompt is empty"),
-    ({"prompt_ids": [0, 4]}, r"prompt ids must lie in \[0, 4\)"),
-    ({"prompt_ids": [-1]}, r"prompt ids must lie in \[0, 4\)"),
-    ({"prompt_ids": [0] * 65}, "more than max_seq_len"),
-    ({"temperature": -1.0}, "temperature must be a finite number"),
-    ({"draft": "vocab"}, "vocabulary has 5 tokens but the target's has 4"),
-    ({"draft": "target"}, "the same object"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"gamma": 0}, "gamma must be an integer >= 1"),
+        ({"gamma": -2}, "gamma must be an integer >= 1"),
+        ({"gamma": 2.5}, "gamma must be an integer >= 1"),
+        ({"gamma": "auto"}, "gamma must be an integer >= 1"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0"),
+        ({"max_new_tokens": 3.0}, "max_new_tokens must be an integer >= 0"),
+        ({"prompt_ids": []}, "the prompt is empty"),
+        ({"prompt_ids": [0, 4]}, r"prompt ids must lie in \[0, 4\)"),
+        ({"prompt_ids": [-1]}, r"prompt ids must lie in \[0, 4\)"),
+        ({"prompt_ids": [0] * 65}, "more than max_seq_len"),
+        ({"temperature": -1.0}, "temperature must be a finite number"),
+        ({"draft": "vocab"}, "vocabulary has 5 tokens but the target's has 4"),
+        ({"draft": "target"}, "the same object"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(kwargs: dict, match: str) -> None:
     target = NGramModel.random(4, 2, seed=0)
-    drafts = {"vocab": NGramModel.random(5, 2, seed=1), "target": target, None: NGramModel.random(4, 2, seed=1)}
+    drafts = {
+        "vocab": NGramModel.random(5, 2, seed=1),
+        "target": target,
+        None: NGramModel.random(4, 2, seed=1),
+    }
     args = {"prompt_ids": [0], "max_new_tokens": 4, **kwargs, "draft": drafts[kwargs.get("draft")]}
     with pytest.raises(ValueError, match=match):
         reference.speculative_decode(target, **args)
@@ -429,8 +570,15 @@ def test_bad_input_is_a_clear_value_error(kwargs: dict, match: str) -> None:
 def test_docs_show_reference_verbatim() -> None:
     """docs/algorithm.md shows reference.py whole, in the one ```python block that defines speculative_decode."""
     docs = (ROOT / "docs" / "algorithm.md").read_text()
-    blocks = [block for block in re.findall(r"^```python\n(.*?)^```$", docs, flags=re.S | re.M)
-              if "def speculative_decode(" in block]
-    assert len(blocks) == 1, f"{len(blocks)} python blocks of docs/algorithm.md define speculative_decode"
+    blocks = [
+        block
+        for block in re.findall(r"^```python\n(.*?)^```$", docs, flags=re.S | re.M)
+        if "def speculative_decode(" in block
+    ]
+    assert len(blocks) == 1, (
+        f"{len(blocks)} python blocks of docs/algorithm.md define speculative_decode"
+    )
     # byte for byte, up to the file's trailing newline (the block ends with exactly one)
-    assert blocks[0] == SOURCE.rstrip("\n") + "\n", "docs/algorithm.md's copy of reference.py has drifted"
+    assert blocks[0] == SOURCE.rstrip("\n") + "\n", (
+        "docs/algorithm.md's copy of reference.py has drifted"
+    )

@@ -37,12 +37,17 @@ def test_temperature_sharpens_and_flattens() -> None:
     # logits log(1, 2, 3) / 0.5 -> weights 1, 4, 9; / 2 -> weights 1, sqrt 2, sqrt 3
     assert close(warp(logits_of(1, 2, 3), Sampling(temperature=0.5)), [1 / 14, 4 / 14, 9 / 14])
     s = 1 + math.sqrt(2) + math.sqrt(3)
-    assert close(warp(logits_of(1, 2, 3), Sampling(temperature=2.0)), [1 / s, math.sqrt(2) / s, math.sqrt(3) / s])
+    assert close(
+        warp(logits_of(1, 2, 3), Sampling(temperature=2.0)),
+        [1 / s, math.sqrt(2) / s, math.sqrt(3) / s],
+    )
 
 
 def test_temperature_zero_is_one_hot_argmax_first_on_ties() -> None:
     assert close(warp(logits_of(1, 3, 2), Sampling(temperature=0)), [0, 1, 0], tol=0)
-    assert close(warp(torch.tensor([0.5, 2.0, 2.0, -1.0]), Sampling(temperature=0)), [0, 1, 0, 0], tol=0)
+    assert close(
+        warp(torch.tensor([0.5, 2.0, 2.0, -1.0]), Sampling(temperature=0)), [0, 1, 0, 0], tol=0
+    )
 
 
 def test_a_temperature_too_small_to_divide_by_gives_its_limit_not_nan() -> None:
@@ -51,9 +56,17 @@ def test_a_temperature_too_small_to_divide_by_gives_its_limit_not_nan() -> None:
     for dtype in (torch.float32, torch.float64):
         tiny = Sampling(temperature=1e-300)
         assert close(warp(logits_of(1, 3, 2, dtype=dtype), tiny), [0, 1, 0], tol=0)
-        assert close(warp(torch.tensor([0.5, 2.0, 2.0, -1.0], dtype=dtype), tiny), [0, 0.5, 0.5, 0], tol=0)
-        assert close(warp(torch.tensor([[-3e38, 1.0], [1.0, 3e38]], dtype=dtype), tiny).flatten(), [0, 1, 0, 1], tol=0)
-        token = sample(warp(logits_of(1, 3, 2, dtype=dtype), tiny), torch.Generator().manual_seed(0))
+        assert close(
+            warp(torch.tensor([0.5, 2.0, 2.0, -1.0], dtype=dtype), tiny), [0, 0.5, 0.5, 0], tol=0
+        )
+        assert close(
+            warp(torch.tensor([[-3e38, 1.0], [1.0, 3e38]], dtype=dtype), tiny).flatten(),
+            [0, 1, 0, 1],
+            tol=0,
+        )
+        token = sample(
+            warp(logits_of(1, 3, 2, dtype=dtype), tiny), torch.Generator().manual_seed(0)
+        )
         assert int(token) == 1
 
 
@@ -61,7 +74,9 @@ def test_top_k() -> None:
     assert close(warp(logits_of(1, 2, 3), Sampling(top_k=2)), [0, 2 / 5, 3 / 5])
     assert close(warp(logits_of(1, 2, 3), Sampling(top_k=1)), [0, 0, 1])
     assert close(warp(logits_of(1, 2, 3), Sampling(top_k=3)), [1 / 6, 2 / 6, 3 / 6])
-    assert close(warp(logits_of(1, 2, 3), Sampling(top_k=50)), [1 / 6, 2 / 6, 3 / 6])  # k > V keeps all
+    assert close(
+        warp(logits_of(1, 2, 3), Sampling(top_k=50)), [1 / 6, 2 / 6, 3 / 6]
+    )  # k > V keeps all
     # ties with the k-th largest logit are kept (documented), as in transformers' TopKLogitsWarper
     assert close(warp(logits_of(2, 2, 1), Sampling(top_k=1)), [0.5, 0.5, 0])
 
@@ -74,7 +89,9 @@ def test_top_p() -> None:
     assert close(warp(p, Sampling(top_p=0.75)), [0, 2 / 9, 3 / 9, 4 / 9])
     assert close(warp(p, Sampling(top_p=0.95)), [0.1, 0.2, 0.3, 0.4])
     assert close(warp(p, Sampling(top_p=1.0)), [0.1, 0.2, 0.3, 0.4])
-    assert close(warp(p, Sampling(top_p=1e-9)), [0, 0, 0, 1])  # the most likely token always survives
+    assert close(
+        warp(p, Sampling(top_p=1e-9)), [0, 0, 0, 1]
+    )  # the most likely token always survives
 
 
 def test_order_is_temperature_then_top_k_then_top_p() -> None:
@@ -83,7 +100,9 @@ def test_order_is_temperature_then_top_k_then_top_p() -> None:
     # temperature 0.5 squares the weights: 1 4 9 16 (/30). top_p=.5 keeps 16/30 (mass before it 0)
     # and drops 9/30 (mass before it 16/30 >= .5); top_p=.55 keeps 9/30 too (16/30 < .55)
     assert close(warp(logits_of(1, 2, 3, 4), Sampling(temperature=0.5, top_p=0.5)), [0, 0, 0, 1])
-    assert close(warp(logits_of(1, 2, 3, 4), Sampling(temperature=0.5, top_p=0.55)), [0, 0, 9 / 25, 16 / 25])
+    assert close(
+        warp(logits_of(1, 2, 3, 4), Sampling(temperature=0.5, top_p=0.55)), [0, 0, 9 / 25, 16 / 25]
+    )
 
 
 def test_minus_infinity_logits_get_probability_zero() -> None:
@@ -102,12 +121,15 @@ def test_dtype_and_shape_are_kept(dtype: torch.dtype) -> None:
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)
-@given(logits=st.lists(st.floats(-6, 6), min_size=2, max_size=8),
-       temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]),
-       top_k=st.one_of(st.none(), st.integers(1, 8)),
-       top_p=st.one_of(st.none(), st.floats(0.05, 1.0)))
-def test_warp_matches_the_reference(logits: list[float], temperature: float, top_k: int | None,
-                                    top_p: float | None) -> None:
+@given(
+    logits=st.lists(st.floats(-6, 6), min_size=2, max_size=8),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]),
+    top_k=st.one_of(st.none(), st.integers(1, 8)),
+    top_p=st.one_of(st.none(), st.floats(0.05, 1.0)),
+)
+def test_warp_matches_the_reference(
+    logits: list[float], temperature: float, top_k: int | None, top_p: float | None
+) -> None:
     """Against the plain-Python reference, away from top-p boundaries (where rounding decides)."""
     if top_p is not None:
         after_k = ref_warp(logits, temperature, top_k)
@@ -163,18 +185,21 @@ def test_generator_seeding() -> None:
 
 
 # ----------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("kwargs, match", [
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"),
-    ({"temperature": "1"}, "temperature"),
-    ({"top_k": 0}, "top_k"),
-    ({"top_k": 2.5}, "top_k"),
-    ({"top_k": True}, "top_k"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.01}, "top_p"),
-    ({"top_p": float("nan")}, "top_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+    ],
+)
 def test_invalid_settings(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Sampling(**kwargs)

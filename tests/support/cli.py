@@ -17,8 +17,20 @@ import generate
 from speculative.cli import options as cmdline
 from tests.support.paths import DRAFT, ROOT, TARGET
 
-__all__ = ["DRAFT", "PAIR", "ROOT", "TARGET", "assert_one_error_line", "assert_unused_flags", "cli", "main_error",
-           "main_json", "main_ok", "needs_pair", "warnings_in"]
+__all__ = [
+    "DRAFT",
+    "PAIR",
+    "ROOT",
+    "TARGET",
+    "assert_one_error_line",
+    "assert_unused_flags",
+    "cli",
+    "main_error",
+    "main_json",
+    "main_ok",
+    "needs_pair",
+    "warnings_in",
+]
 
 PAIR = ["--target", str(TARGET), "--draft", str(DRAFT)]
 needs_pair = pytest.mark.skipif(
@@ -27,13 +39,20 @@ needs_pair = pytest.mark.skipif(
 )
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Run generate.py in a subprocess with one CPU thread."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
     full_env.pop("NO_COLOR", None)
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
-                          env=full_env, cwd=ROOT, timeout=timeout)
-
+    return subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        timeout=timeout,
+    )
 
 
 def assert_one_error_line(status: int, stderr: str, stdout: str, *fragments: str) -> None:
@@ -47,7 +66,6 @@ def assert_one_error_line(status: int, stderr: str, stdout: str, *fragments: str
     assert stdout == ""
 
 
-
 def main_error(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
     """generate.main(argv) in-process: must return 2 with one error line naming ``fragments``."""
     status = generate.main(argv)
@@ -56,8 +74,9 @@ def main_error(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: 
     return out.err
 
 
-
-def main_ok(capsys: pytest.CaptureFixture[str], argv: list[str], status: int = 0) -> tuple[str, list[str]]:
+def main_ok(
+    capsys: pytest.CaptureFixture[str], argv: list[str], status: int = 0
+) -> tuple[str, list[str]]:
     """generate.main(argv) in-process: the status, then (stdout, stderr lines); never a traceback."""
     got = generate.main(argv)
     out = capsys.readouterr()
@@ -66,16 +85,15 @@ def main_ok(capsys: pytest.CaptureFixture[str], argv: list[str], status: int = 0
     return out.out, out.err.strip("\n").splitlines()
 
 
-
-def main_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+def main_json(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> tuple[dict[str, Any], list[str]]:
     out, err = main_ok(capsys, [*argv, "--json"])
     return json.loads(out), err
 
 
-
 def warnings_in(err: list[str]) -> list[str]:
     return [line for line in err if line.startswith("warning: ")]
-
 
 
 def assert_unused_flags(argv: list[str], expected: list[str]) -> None:
@@ -85,4 +103,3 @@ def assert_unused_flags(argv: list[str], expected: list[str]) -> None:
     assert len(got) == len(expected), got
     for line, fragment in zip(got, expected):
         assert line.startswith(fragment), (line, fragment)
-

@@ -19,7 +19,9 @@ def tensor_ranges(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
-    ranges = {name: tuple(info["data_offsets"]) for name, info in header.items() if name != "__metadata__"}
+    ranges = {
+        name: tuple(info["data_offsets"]) for name, info in header.items() if name != "__metadata__"
+    }
     return 8 + header_len, ranges
 
 

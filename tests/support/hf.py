@@ -50,9 +50,14 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         },
     },
-    "linear-rope": {"max_position_embeddings": 512, "rope_scaling": {"type": "linear", "factor": 4.0}},
+    "linear-rope": {
+        "max_position_embeddings": 512,
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+    },
     "tied": {"tie_word_embeddings": True},
-    "head-dim": {"head_dim": 32},  # head_dim * heads != hidden_size, as some Llama-family configs have
+    "head-dim": {
+        "head_dim": 32
+    },  # head_dim * heads != hidden_size, as some Llama-family configs have
 }
 
 
@@ -85,7 +90,10 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> torc
 
 def hf_model(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """A randomly initialised transformers ``LlamaForCausalLM`` for ``config``."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # the reference oracle: heavy, only for these tests
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+    )  # the reference oracle: heavy, only for these tests
 
     model = LlamaForCausalLM(LlamaConfig(**config))
     return randomize_(model, seed).to(dtype).eval()

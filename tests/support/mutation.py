@@ -33,11 +33,15 @@ def mutated(module: types.ModuleType, *replacements: tuple[str, str]) -> types.M
     source = inspect.getsource(module)
     for old, new in replacements:
         if source.count(old) != 1:
-            raise AssertionError(f"mutant of {module.__name__}: {old!r} occurs {source.count(old)} times, not once")
+            raise AssertionError(
+                f"mutant of {module.__name__}: {old!r} occurs {source.count(old)} times, not once"
+            )
         source = source.replace(old, new)
     mutant = types.ModuleType(f"{module.__name__}_mutant{next(_COUNT)}")
     mutant.__file__ = module.__file__
-    sys.modules[mutant.__name__] = mutant  # dataclasses look their module up while the class is made
+    sys.modules[mutant.__name__] = (
+        mutant  # dataclasses look their module up while the class is made
+    )
     exec(compile(source, f"<mutant of {module.__name__}>", "exec"), mutant.__dict__)
     return mutant
 
@@ -56,56 +60,108 @@ class Bug:
 
 
 CATALOGUE = [
-    Bug("r <= p/q", "speculative/verify/token.py", "accepted = r < ratio", "accepted = r <= ratio",
-        "SGLang #35771: a token the target rules out is accepted when r = 0"),
-    Bug("q unwarped", "speculative/draft/protocol.py", "    probs.append(q)\n    return sample_rows(",
+    Bug(
+        "r <= p/q",
+        "speculative/verify/token.py",
+        "accepted = r < ratio",
+        "accepted = r <= ratio",
+        "SGLang #35771: a token the target rules out is accepted when r = 0",
+    ),
+    Bug(
+        "q unwarped",
+        "speculative/draft/protocol.py",
+        "    probs.append(q)\n    return sample_rows(",
         "    probs.append(torch.softmax(logits, -1))\n    return sample_rows(",
-        "transformers #47932 / vLLM #10198: drawn from the warped q, judged with the raw softmax"),
-    Bug("residual against a one-hot q", "speculative/verify/token.py",
+        "transformers #47932 / vLLM #10198: drawn from the warped q, judged with the raw softmax",
+    ),
+    Bug(
+        "residual against a one-hot q",
+        "speculative/verify/token.py",
         "fallback = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])",
         "fallback = torch.cat([residual_distribution(p[:gamma], torch.nn.functional.one_hot(drafted, p.shape[-1])"
         ".to(p.dtype)), p[gamma:]])",
-        "a wiring slip: the residual of a deterministic drafter used for a sampled one"),
-    Bug("block done token-wise", "speculative/verify/block.py", "    return (running - running.cummax(0).values).exp()",
+        "a wiring slip: the residual of a deterministic drafter used for a sampled one",
+    ),
+    Bug(
+        "block done token-wise",
+        "speculative/verify/block.py",
+        "    return (running - running.cummax(0).values).exp()",
         "    return F.pad(ratio.clamp(max=1), (1, 0), value=1.0).cumprod(0)",
-        "vllm-ascend #7807: block verification computed with the token-wise rule (exact, accepts less)"),
-    Bug("wrong block stop rule", "speculative/verify/block.py",
+        "vllm-ascend #7807: block verification computed with the token-wise rule (exact, accepts less)",
+    ),
+    Bug(
+        "wrong block stop rule",
+        "speculative/verify/block.py",
         "inner = torch.where(denominator > 0, inner_mass / denominator, 0.0)",
         "inner = torch.where(denominator > 0, inner_mass, 0.0)",
-        "h_i = m_i instead of m_i / (m_i + 1 - w_i)"),
-    Bug("siblings tested against the original p", "speculative/verify/tree.py",
-        "    p_next = residual_distribution(p_cur, q_child)", "    p_next = p_cur",
-        "xLLM #2175: the residual not updated between siblings of a tree"),
-    Bug("without-replacement q not renormalised", "speculative/verify/tree.py",
-        "    return p_next, torch.where(mass > 0, removed / mass, removed)", "    return p_next, removed",
-        "siblings drawn without replacement judged with the removed q left unnormalised (not a law)"),
-    Bug("another row's q", "speculative/engine/judging.py", "q = None if draft.q is None else draft.q[b, :g]",
+        "h_i = m_i instead of m_i / (m_i + 1 - w_i)",
+    ),
+    Bug(
+        "siblings tested against the original p",
+        "speculative/verify/tree.py",
+        "    p_next = residual_distribution(p_cur, q_child)",
+        "    p_next = p_cur",
+        "xLLM #2175: the residual not updated between siblings of a tree",
+    ),
+    Bug(
+        "without-replacement q not renormalised",
+        "speculative/verify/tree.py",
+        "    return p_next, torch.where(mass > 0, removed / mass, removed)",
+        "    return p_next, removed",
+        "siblings drawn without replacement judged with the removed q left unnormalised (not a law)",
+    ),
+    Bug(
+        "another row's q",
+        "speculative/engine/judging.py",
+        "q = None if draft.q is None else draft.q[b, :g]",
         "q = None if draft.q is None else draft.q[b - 1, :g]",
-        "a batch bug: row b judged with the q of row b - 1"),
-    Bug("another row's cache position", "speculative/engine/engine.py",
+        "a batch bug: row b judged with the q of row b - 1",
+    ),
+    Bug(
+        "another row's cache position",
+        "speculative/engine/engine.py",
         "        for row in rows:\n            row.target_next = row.length - 1\n",
         "        for b, row in enumerate(rows):\n            row.target_next = row.length - 1 - steps[b].accepted"
         " + steps[(b + 1) % len(rows)].accepted\n",
-        "a batch bug: a row's position advanced by another row's count"),
-    Bug("the bonus drawn from p_gamma", "speculative/verify/token.py",
+        "a batch bug: a row's position advanced by another row's count",
+    ),
+    Bug(
+        "the bonus drawn from p_gamma",
+        "speculative/verify/token.py",
         "residual_distribution(p[:gamma], q), p[gamma:]])",
         "residual_distribution(p[:gamma], q), p[max(gamma - 1, 0):max(gamma - 1, 0) + 1]])",
-        "an off-by-one in the bonus row: all accepted, t drawn from p_gamma"),
-    Bug("greedy off by one", "speculative/verify/token.py", "matches = [x == y for x, y in zip(xs, ys)]",
+        "an off-by-one in the bonus row: all accepted, t drawn from p_gamma",
+    ),
+    Bug(
+        "greedy off by one",
+        "speculative/verify/token.py",
+        "matches = [x == y for x, y in zip(xs, ys)]",
         "matches = [x == y for x, y in zip(xs, ys[1:])]",
-        "x_i compared with the target's choice one position later"),
-    Bug("the server drops top_k", "speculative/serving/streaming.py", "Sampling(temperature, top_k, top_p), body.seed",
-        "Sampling(temperature, None, top_p), body.seed",
-        "a server that accepts a sampling field and does not apply it: not the law asked for"),
-    Bug("unseeded requests seeded alike", "speculative/serving/streaming.py",
-        "top_p), body.seed, body.speculative_gamma",
-        "top_p), 0 if body.seed is None else body.seed, body.speculative_gamma",
+        "x_i compared with the target's choice one position later",
+    ),
+    Bug(
+        "the server drops top_k",
+        "speculative/serving/streaming.py",
+        "Sampling(temperature, top_k, top_p),\n            body.seed,",
+        "Sampling(temperature, None, top_p),\n            body.seed,",
+        "a server that accepts a sampling field and does not apply it: not the law asked for",
+    ),
+    Bug(
+        "unseeded requests seeded alike",
+        "speculative/serving/streaming.py",
+        "top_p),\n            body.seed,\n            body.speculative_gamma,",
+        "top_p),\n            0 if body.seed is None else body.seed,\n            body.speculative_gamma,",
         "a server that gives every request without a seed the same one: each answer is one sample of the law, "
-        "all of them the same sample"),
-    Bug("lookup's first occurrence", "speculative/draft/lookup.py", "                table[tuple(ids[i:i + n])] = i",
-        "                table.setdefault(tuple(ids[i:i + n]), i)",
+        "all of them the same sample",
+    ),
+    Bug(
+        "lookup's first occurrence",
+        "speculative/draft/lookup.py",
+        "                table[tuple(ids[i : i + n])] = i",
+        "                table.setdefault(tuple(ids[i : i + n]), i)",
         "prompt lookup copies after the first occurrence, not the latest: slower drafts, still exact",
-        exactness=False),
+        exactness=False,
+    ),
 ]
 
 
@@ -123,7 +179,9 @@ def _ignored(root: Path):
     return ignore
 
 
-def run_catalogue(root: Path, names: list[str] | None, timeout: float) -> list[tuple[Bug, str, str, float]]:
+def run_catalogue(
+    root: Path, names: list[str] | None, timeout: float
+) -> list[tuple[Bug, str, str, float]]:
     """Write each bug into a fresh copy of the repository and run ``pytest -m proof -x`` there.
     Returns (bug, "caught" / "survived", the first failing test, seconds) per bug."""
     results = []
@@ -136,16 +194,35 @@ def run_catalogue(root: Path, names: list[str] | None, timeout: float) -> list[t
             (copy / "weights").symlink_to(root / "weights")  # read-only data, the largest part
             source = (copy / bug.path).read_text()
             if source.count(bug.old) != 1:
-                raise SystemExit(f"error: bug {bug.name!r}: its line occurs {source.count(bug.old)} times in "
-                                 f"{bug.path}, not once (the source moved: update the catalogue)")
+                raise SystemExit(
+                    f"error: bug {bug.name!r}: its line occurs {source.count(bug.old)} times in "
+                    f"{bug.path}, not once (the source moved: update the catalogue)"
+                )
             (copy / bug.path).write_text(source.replace(bug.old, bug.new))
             start = time.perf_counter()
             env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
             try:
-                command = [sys.executable, "-m", "pytest", "-m", "proof", "-x", "-q", "-p", "no:cacheprovider", "tests"]
-                out = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+                command = [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-m",
+                    "proof",
+                    "-x",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "tests",
+                ]
+                out = subprocess.run(
+                    command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout
+                )
                 failed = re.search(r"^FAILED (\S+)", out.stdout, re.MULTILINE)
-                first = failed.group(1) if failed else ("" if out.returncode == 0 else out.stdout.strip()[-200:])
+                first = (
+                    failed.group(1)
+                    if failed
+                    else ("" if out.returncode == 0 else out.stdout.strip()[-200:])
+                )
                 verdict = "survived" if out.returncode == 0 else "caught"
             except subprocess.TimeoutExpired:
                 first, verdict = f"timed out after {timeout:.0f} s", "survived"
@@ -155,9 +232,13 @@ def run_catalogue(root: Path, names: list[str] | None, timeout: float) -> list[t
 
 def main(argv: list[str] | None = None) -> int:
     """python tests/support/mutation.py [--bug NAME ...]: the maintained mutation run (minutes per bug)."""
-    parser = argparse.ArgumentParser(description="Write each catalogued bug into a copy of the source and run the "
-                                                 "proofs (pytest -m proof) against it.")
-    parser.add_argument("--bug", action="append", help="run only this bug (repeatable); default: all")
+    parser = argparse.ArgumentParser(
+        description="Write each catalogued bug into a copy of the source and run the "
+        "proofs (pytest -m proof) against it."
+    )
+    parser.add_argument(
+        "--bug", action="append", help="run only this bug (repeatable); default: all"
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per bug")
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parents[2]  # tests/support/mutation.py -> the repository

@@ -43,7 +43,10 @@ SECTIONS = {
     ],
     "Greedy identity": ["tests/speculative/engine/test_generation_greedy.py"],
     "Block verification": ["tests/speculative/verify/test_block.py"],
-    "Token trees": ["tests/speculative/verify/test_tree.py", "tests/speculative/engine/test_generation_trees.py"],
+    "Token trees": [
+        "tests/speculative/verify/test_tree.py",
+        "tests/speculative/engine/test_generation_trees.py",
+    ],
     "Drafters": [
         "tests/speculative/draft/test_drafted_q.py",
         "tests/speculative/draft/test_protocol.py",
@@ -103,7 +106,9 @@ def marked_tests(path: Path) -> list[tuple[str, dict]]:
         for decorator in node.decorator_list:
             if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "proof":
                 claim, how = (ast.literal_eval(a) for a in decorator.args)
-                rejects = {k.arg: ast.literal_eval(k.value) for k in decorator.keywords}.get("rejects", ())
+                rejects = {k.arg: ast.literal_eval(k.value) for k in decorator.keywords}.get(
+                    "rejects", ()
+                )
                 found.append((node.name, {"claim": claim, "how": how, "rejects": tuple(rejects)}))
     return found
 
@@ -115,11 +120,17 @@ def cell(text: str) -> str:
 def page() -> str:
     lines = [HEADER]
     for section, files in SECTIONS.items():
-        lines += [f"\n## {section}\n", "| claim | test | how | mutants it rejects |", "|---|---|---|---|"]
+        lines += [
+            f"\n## {section}\n",
+            "| claim | test | how | mutants it rejects |",
+            "|---|---|---|---|",
+        ]
         for name in files:
             for test, mark in marked_tests(ROOT / name):
                 rejects = "; ".join(cell(r) for r in mark["rejects"]) or "—"
-                lines.append(f"| {cell(mark['claim'])} | `{name}::{test}` | {cell(mark['how'])} | {rejects} |")
+                lines.append(
+                    f"| {cell(mark['claim'])} | `{name}::{test}` | {cell(mark['how'])} | {rejects} |"
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -12,8 +12,16 @@ from tests.support.paths import ROOT
 
 PAGE = ROOT / "docs" / "layout.md"
 BLOCK = re.compile(r"(<!-- registry:begin[^>]*-->\n)(.*?)(<!-- registry:end -->)", re.S)
-MEMORY = {"none": "nothing", "own": "its own config", "target-block": "one block of the target's shape"}
-FILES = {None: "none (named by `--draft NAME`)", "checkpoint": "a Llama checkpoint", "head": "a head's folder"}
+MEMORY = {
+    "none": "nothing",
+    "own": "its own config",
+    "target-block": "one block of the target's shape",
+}
+FILES = {
+    None: "none (named by `--draft NAME`)",
+    "checkpoint": "a Llama checkpoint",
+    "head": "a head's folder",
+}
 
 
 def tables() -> str:

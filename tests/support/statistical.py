@@ -74,15 +74,19 @@ def temperature_on_p_only(mp: pytest.MonkeyPatch, setting: Setting) -> None:
     assert t not in (0, 1) and setting.sampling.top_k is None and setting.sampling.top_p is None
 
     def step(p, q, drafted, generator):
-        raw = q ** t  # softmax(l / t) ** t is proportional to softmax(l): the untempered q
+        raw = q**t  # softmax(l / t) ** t is proportional to softmax(l): the untempered q
         return real_verify_step(p, raw / raw.sum(-1, keepdim=True), drafted, generator)
 
     set_verify_step(mp, step)
 
 
 def q_of_next_position(mp: pytest.MonkeyPatch, setting: Setting) -> None:
-    set_verify_step(mp, lambda p, q, drafted, generator: real_verify_step(p, torch.cat([q[1:], q[-1:]]), drafted,
-                                                                          generator))
+    set_verify_step(
+        mp,
+        lambda p, q, drafted, generator: real_verify_step(
+            p, torch.cat([q[1:], q[-1:]]), drafted, generator
+        ),
+    )
 
 
 def ratio_without_min(mp: pytest.MonkeyPatch, setting: Setting) -> None:
@@ -108,15 +112,29 @@ def no_bonus_token(mp: pytest.MonkeyPatch, setting: Setting) -> None:
     set_verify_step(mp, step)
 
 
-BUGS = {"inverted-ratio": inverted_ratio, "residual-from-p": residual_from_p, "bonus-from-draft": bonus_from_draft,
-        "temperature-on-p-only": temperature_on_p_only, "q-of-next-position": q_of_next_position}
-NOT_BUGS = {"correct": None, "ratio-without-min": ratio_without_min, "no-bonus-token": no_bonus_token,
-            "gamma-auto": None, "guard-recorded": None}
+BUGS = {
+    "inverted-ratio": inverted_ratio,
+    "residual-from-p": residual_from_p,
+    "bonus-from-draft": bonus_from_draft,
+    "temperature-on-p-only": temperature_on_p_only,
+    "q-of-next-position": q_of_next_position,
+}
+NOT_BUGS = {
+    "correct": None,
+    "ratio-without-min": ratio_without_min,
+    "no-bonus-token": no_bonus_token,
+    "gamma-auto": None,
+    "guard-recorded": None,
+}
 
 
 # ----------------------------------------------------------------------------- harness
-def window_distribution(next_probs: Callable[[tuple[int, ...]], Sequence[float]], prompt: Sequence[int],
-                        skip: int, length: int) -> dict[tuple[int, ...], float]:
+def window_distribution(
+    next_probs: Callable[[tuple[int, ...]], Sequence[float]],
+    prompt: Sequence[int],
+    skip: int,
+    length: int,
+) -> dict[tuple[int, ...], float]:
     """Exact joint distribution of output tokens skip .. skip+length-1 of plain sampling."""
     out: dict[tuple[int, ...], float] = {}
     for seq, prob in sequence_distribution(next_probs, prompt, skip + length).items():
@@ -124,5 +142,7 @@ def window_distribution(next_probs: Callable[[tuple[int, ...]], Sequence[float]]
     return out
 
 
-def sample_counts(generate: Callable[[int], list[int]], runs: int, skip: int, length: int) -> Counter:
-    return Counter(tuple(generate(seed)[skip:skip + length]) for seed in range(runs))
+def sample_counts(
+    generate: Callable[[int], list[int]], runs: int, skip: int, length: int
+) -> Counter:
+    return Counter(tuple(generate(seed)[skip : skip + length]) for seed in range(runs))

@@ -55,6 +55,8 @@ samplings = st.one_of(
     st.just(Sampling()),
     st.builds(Sampling, temperature=st.sampled_from([0.0, 0.5, 1.6])),
     st.builds(Sampling, temperature=st.sampled_from([0.7, 1.0]), top_k=st.integers(1, 3)),
-    st.builds(Sampling, temperature=st.sampled_from([0.7, 1.0]), top_p=st.sampled_from([0.3, 0.61, 0.87])),
+    st.builds(
+        Sampling, temperature=st.sampled_from([0.7, 1.0]), top_p=st.sampled_from([0.3, 0.61, 0.87])
+    ),
     st.builds(Sampling, top_k=st.just(3), top_p=st.just(0.77)),
 )

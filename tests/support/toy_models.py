@@ -72,7 +72,7 @@ def reference_greedy(model: torch.nn.Module, prompt: Sequence[int], count: int) 
     seq = list(prompt)
     for _ in range(count):
         seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 NEAR_TIE = 1e-4  # docs/algorithm.md, numerics policy: float32 greedy may differ from the argmax only this close
@@ -80,7 +80,9 @@ NEAR_TIE_16 = 1e-2  # the same in 16 bits, relative to the largest logit (8 bits
 
 
 @torch.no_grad()
-def far_from_argmax(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> list[tuple[int, float]]:
+def far_from_argmax(
+    model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]
+) -> list[tuple[int, float]]:
     """(index, gap) of every emitted token whose logit is more than NEAR_TIE below the
     model's maximum logit after the emitted prefix (no-cache forward): [] for greedy output
     that is the model's own up to the numerics policy's near-ties. A 16-bit model's near-tie
@@ -101,12 +103,17 @@ def reference_greedy_toy(model: NGramModel, prompt: list[int], count: int) -> li
     seq = list(prompt)
     for _ in range(count):
         seq.append(int(model.next_logits(seq).argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
-def target_distribution(target: NGramModel, prompt: tuple[int, ...], length: int,
-                        sampling: Sampling) -> dict[tuple[int, ...], float]:
+def target_distribution(
+    target: NGramModel, prompt: tuple[int, ...], length: int, sampling: Sampling
+) -> dict[tuple[int, ...], float]:
     """The target's own autoregressive distribution, with the reference warp."""
     return sequence_distribution(
-        lambda ctx: ref_warp(target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p),
-        prompt, length)
+        lambda ctx: ref_warp(
+            target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p
+        ),
+        prompt,
+        length,
+    )

@@ -12,22 +12,37 @@ from pathlib import Path
 import pytest
 
 from speculative.serving.text import LLAMA2_CHAT, NoChatTemplateError, encode_dialog, encode_prompt
-from tests.support.checkpoints import FAMILY, TEMPLATES, chat_ids, template_folder, transformers_tokenizer
+from tests.support.checkpoints import (
+    FAMILY,
+    TEMPLATES,
+    chat_ids,
+    template_folder,
+    transformers_tokenizer,
+)
 from tests.support.paths import TARGET
 from weights import CheckpointError, load_tokenizer
 from weights.chat import ChatTemplate, ChatTemplateError
 
 CONVERSATIONS = {
     "one user turn": [{"role": "user", "content": "What is the capital of France?"}],
-    "system and user": [{"role": "system", "content": "You are terse."},
-                        {"role": "user", "content": "Name three colours."}],
-    "answered turns": [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello. How can I help?"},
-                       {"role": "user", "content": "Tell me a joke about cats."}],
-    "system and answered turns": [{"role": "system", "content": "Answer in French."},
-                                  {"role": "user", "content": "Good morning"},
-                                  {"role": "assistant", "content": "Bonjour !"},
-                                  {"role": "user", "content": "And good night?"}],
-    "unicode and spacing": [{"role": "user", "content": "  Café, naïve, 東京, 🙂 — and\ttabs\n\nnew lines  "}],
+    "system and user": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colours."},
+    ],
+    "answered turns": [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello. How can I help?"},
+        {"role": "user", "content": "Tell me a joke about cats."},
+    ],
+    "system and answered turns": [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Good morning"},
+        {"role": "assistant", "content": "Bonjour !"},
+        {"role": "user", "content": "And good night?"},
+    ],
+    "unicode and spacing": [
+        {"role": "user", "content": "  Café, naïve, 東京, 🙂 — and\ttabs\n\nnew lines  "}
+    ],
 }
 
 
@@ -52,9 +67,13 @@ def test_ids_equal_transformers_apply_chat_template(folder: Path, conversation: 
     rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if ours.kind == "sentencepiece":
         assert ours.chat.render(messages) == rendered
-        if conversation == "unicode and spacing":  # runs of spaces: transformers' converted Llama tokenizer
-            pytest.skip("differs from SentencePiece itself there (tests/weights/test_tokenizer.py: ours is "
-                        "SentencePiece's, as Meta's reference is); the rendered text is equal")
+        if (
+            conversation == "unicode and spacing"
+        ):  # runs of spaces: transformers' converted Llama tokenizer
+            pytest.skip(
+                "differs from SentencePiece itself there (tests/weights/test_tokenizer.py: ours is "
+                "SentencePiece's, as Meta's reference is); the rendered text is equal"
+            )
     else:
         assert ours.chat.render(messages) == rendered
     got = encode_dialog(ours, [(m["role"], m["content"]) for m in messages])
@@ -68,10 +87,16 @@ def test_generate_and_the_server_use_the_template(folder: Path) -> None:
     """--chat's one user turn, with and without --system, is the template's conversation."""
     ours = load_tokenizer(folder)
     theirs = transformers_tokenizer(folder)
-    assert encode_prompt(ours, "Hello there", chat=True) == chat_ids(theirs, [{"role": "user",
-                                                                                 "content": "Hello there"}])
-    with_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    assert encode_prompt(ours, "Hello there", chat=True, system="Be brief.") == chat_ids(theirs, with_system)
+    assert encode_prompt(ours, "Hello there", chat=True) == chat_ids(
+        theirs, [{"role": "user", "content": "Hello there"}]
+    )
+    with_system = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there"},
+    ]
+    assert encode_prompt(ours, "Hello there", chat=True, system="Be brief.") == chat_ids(
+        theirs, with_system
+    )
 
 
 def test_a_llama2_chat_model_without_a_template_gets_llama2_s_format(tmp_path: Path) -> None:
@@ -86,10 +111,14 @@ def test_a_llama2_chat_model_without_a_template_gets_llama2_s_format(tmp_path: P
     bare = load_tokenizer(folder)
     assert bare.chat is LLAMA2_CHAT and templated.chat is not LLAMA2_CHAT
     turns = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")]
-    assert encode_dialog(bare, turns) == bare.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! ",
-                                                     eos=True) + bare.encode("[INST] Bye [/INST]")
+    assert encode_dialog(bare, turns) == bare.encode(
+        "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! ", eos=True
+    ) + bare.encode("[INST] Bye [/INST]")
     first = encode_dialog(templated, turns)
-    assert first[:2] == [1, bare.token_id("[")] and encode_dialog(bare, turns)[:2] == [1, bare.token_id("▁[")]
+    assert first[:2] == [1, bare.token_id("[")] and encode_dialog(bare, turns)[:2] == [
+        1,
+        bare.token_id("▁["),
+    ]
 
 
 def test_a_base_model_without_a_template_is_refused_in_one_line() -> None:
@@ -102,7 +131,9 @@ def test_a_base_model_without_a_template_is_refused_in_one_line() -> None:
 
 def test_the_template_file_beside_the_config_comes_first(tmp_path: Path) -> None:
     folder = template_folder("Llama-3.1-8B-Instruct", tmp_path / "llama")
-    (folder / "chat_template.jinja").write_text("{{ bos_token }}Q: {{ messages[-1]['content'] }}\nA:")
+    (folder / "chat_template.jinja").write_text(
+        "{{ bos_token }}Q: {{ messages[-1]['content'] }}\nA:"
+    )
     tokenizer = load_tokenizer(folder)
     ids = encode_dialog(tokenizer, [("user", "two plus two?")])
     assert ids == [128000] + tokenizer.encode_special("Q: two plus two?\nA:")
@@ -113,30 +144,57 @@ def template(source: str) -> ChatTemplate:
 
 
 def test_raise_exception_tojson_strftime_and_whitespace_control() -> None:
-    refusing = template("{% if messages[0]['role'] != 'user' %}{{ raise_exception('users speak first') }}{% endif %}ok")
+    refusing = template(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('users speak first') }}{% endif %}ok"
+    )
     with pytest.raises(ChatTemplateError, match="^users speak first$"):
         refusing.render([{"role": "assistant", "content": "hi"}])
     assert refusing.render([{"role": "user", "content": "hi"}]) == "ok"
-    assert template("{{ messages | tojson }}").render([{"role": "user", "content": "é\""}]) == \
-        '[{"role": "user", "content": "é\\""}]'
-    assert template('{{ {"b": 1, "a": [1, 2]} | tojson(indent=2) }}').render([]) == \
-        '{\n  "b": 1,\n  "a": [\n    1,\n    2\n  ]\n}'
+    assert (
+        template("{{ messages | tojson }}").render([{"role": "user", "content": 'é"'}])
+        == '[{"role": "user", "content": "é\\""}]'
+    )
+    assert (
+        template('{{ {"b": 1, "a": [1, 2]} | tojson(indent=2) }}').render([])
+        == '{\n  "b": 1,\n  "a": [\n    1,\n    2\n  ]\n}'
+    )
     assert template("{{ strftime_now('%Y') }}").render([]) == str(datetime.now().year)
     # trim_blocks drops the newline after a block tag, lstrip_blocks the indentation before one
-    assert template("{% for m in messages %}\n    {% if true %}\n[{{ m['content'] }}]\n    {% endif %}\n"
-                    "{% endfor %}").render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == \
-        "[a]\n[b]\n"
-    assert template("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}"
-                    "{% endfor %}").render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a"
-    assert template("{% if add_generation_prompt %}GO{% endif %}{{ eos_token }}").render([]) == "GO</s>"
-    assert template("{% if add_generation_prompt %}GO{% endif %}").render([], add_generation_prompt=False) == ""
+    assert (
+        template(
+            "{% for m in messages %}\n    {% if true %}\n[{{ m['content'] }}]\n    {% endif %}\n"
+            "{% endfor %}"
+        ).render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+        == "[a]\n[b]\n"
+    )
+    assert (
+        template(
+            "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}"
+            "{% endfor %}"
+        ).render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+        == "a"
+    )
+    assert (
+        template("{% if add_generation_prompt %}GO{% endif %}{{ eos_token }}").render([])
+        == "GO</s>"
+    )
+    assert (
+        template("{% if add_generation_prompt %}GO{% endif %}").render(
+            [], add_generation_prompt=False
+        )
+        == ""
+    )
 
 
 def test_a_template_cannot_reach_python_or_change_its_messages() -> None:
     """A template is code from a download: the sandbox refuses attributes that lead out of it, and the
     immutable one refuses changing the messages (both one ChatTemplateError line)."""
-    for source in ("{{ messages.__class__.__mro__ }}", "{{ ''.__class__.__subclasses__() }}",
-                   "{{ messages.append({'role': 'user'}) }}", "{% set x = messages.pop() %}"):
+    for source in (
+        "{{ messages.__class__.__mro__ }}",
+        "{{ ''.__class__.__subclasses__() }}",
+        "{{ messages.append({'role': 'user'}) }}",
+        "{% set x = messages.pop() %}",
+    ):
         with pytest.raises(ChatTemplateError) as error:
             template(source).render([{"role": "user", "content": "hi"}])
         assert "\n" not in str(error.value)
@@ -158,10 +216,15 @@ def test_llama2_chat_s_template_renders_the_text_recorded_for_it() -> None:
     """The rendered text that text-generation-inference's test of chat templates records for
     meta-llama/Llama-2-13b-chat-hf (tests/data/SOURCES.md) for these six messages."""
     source = (TEMPLATES / "Llama-2-7b-chat-hf.jinja").read_text()
-    messages = [{"role": "system", "content": "You are a helpful assistant"}, {"role": "user", "content": "Hello"},
-                {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "Who are you"},
-                {"role": "assistant", "content": "   I am an assistant   "},
-                {"role": "user", "content": "Another question"}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant"},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi there"},
+        {"role": "user", "content": "Who are you"},
+        {"role": "assistant", "content": "   I am an assistant   "},
+        {"role": "user", "content": "Another question"},
+    ]
     assert template(source).render(messages) == (
         "<s>[INST] <<SYS>>\nYou are a helpful assistant\n<</SYS>>\n\nHello [/INST] Hi there </s><s>[INST] Who are you "
-        "[/INST] I am an assistant </s><s>[INST] Another question [/INST]")
+        "[/INST] I am an assistant </s><s>[INST] Another question [/INST]"
+    )

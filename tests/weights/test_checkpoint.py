@@ -53,7 +53,9 @@ def test_save_load_round_trip_is_exact(tmp_path: Path) -> None:
     model = _saved(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     loaded = load_model(tmp_path)
-    for (name, p), (name2, q) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+    for (name, p), (name2, q) in zip(
+        model.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
         assert name == name2 and torch.equal(p, q), name
     assert _same_logits(model, loaded)
 
@@ -99,13 +101,17 @@ def test_rotary_inv_freq_tensors_are_ignored(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     tensors = load_file(path)
     for i in range(model.config.n_layers):
-        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(model.config.head_dim // 2)
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(
+            model.config.head_dim // 2
+        )
     save_file(tensors, path)
     assert _same_logits(model, load_model(tmp_path))
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 0.0), (torch.float64, 1e-4),
-                                                  (torch.float16, 0.02), (torch.bfloat16, 0.08)])
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [(torch.float32, 0.0), (torch.float64, 1e-4), (torch.float16, 0.02), (torch.bfloat16, 0.08)],
+)
 def test_load_dtypes(tmp_path: Path, dtype: torch.dtype, tolerance: float) -> None:
     """Every supported dtype loads, runs (cached and not) and stays close to float32.
 
@@ -120,8 +126,13 @@ def test_load_dtypes(tmp_path: Path, dtype: torch.dtype, tolerance: float) -> No
         expected = reference(tokens)
         got = model(tokens)
         model.setup_cache(max_batch_size=2, max_seq_len=24)
-        cached = torch.cat([model(tokens[:, :20], chain(0, 20, "cpu", rows=2)),
-                            model(tokens[:, 20:], chain(20, 4, "cpu", rows=2))], dim=1)
+        cached = torch.cat(
+            [
+                model(tokens[:, :20], chain(0, 20, "cpu", rows=2)),
+                model(tokens[:, 20:], chain(20, 4, "cpu", rows=2)),
+            ],
+            dim=1,
+        )
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     scale = expected.abs().max().item()
     assert (got.double() - expected.double()).abs().max().item() <= tolerance * scale
@@ -136,14 +147,19 @@ def test_unsupported_dtype_is_refused(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- broken checkpoints
 def test_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(UnknownCheckpointError, match=f"checkpoint directory {tmp_path / 'nope'} does not exist"):
+    with pytest.raises(
+        UnknownCheckpointError, match=f"checkpoint directory {tmp_path / 'nope'} does not exist"
+    ):
         load_model(tmp_path / "nope")
 
 
 def test_missing_config_json(tmp_path: Path) -> None:
     _saved(tmp_path)
     (tmp_path / "config.json").unlink()
-    with pytest.raises(CheckpointError, match=r"config\.json is missing: an HF-layout checkpoint needs a config\.json"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"config\.json is missing: an HF-layout checkpoint needs a config\.json",
+    ):
         load_model(tmp_path)
 
 
@@ -157,8 +173,10 @@ def test_invalid_config_json(tmp_path: Path) -> None:
 def test_no_weights_at_all(tmp_path: Path) -> None:
     _saved(tmp_path)
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError,
-                       match="has no model.safetensors, model.safetensors.index.json or pytorch_model.bin"):
+    with pytest.raises(
+        CheckpointError,
+        match="has no model.safetensors, model.safetensors.index.json or pytorch_model.bin",
+    ):
         load_model(tmp_path)
 
 
@@ -166,8 +184,12 @@ def test_shard_named_in_index_is_missing(tmp_path: Path) -> None:
     _saved(tmp_path, max_shard_bytes=40_000)
     shard = sorted(tmp_path.glob("model-*-of-*.safetensors"))[1]
     shard.unlink()
-    with pytest.raises(CheckpointError, match=re.escape(f"shard {shard.name} named in model.safetensors.index.json "
-                                                        f"is missing from {tmp_path}")):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            f"shard {shard.name} named in model.safetensors.index.json is missing from {tmp_path}"
+        ),
+    ):
         load_model(tmp_path)
 
 
@@ -177,7 +199,9 @@ def test_truncated_or_corrupt_single_file(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * 16 + data[16:])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors is not a readable safetensors file"
+    ):
         load_model(tmp_path)
 
 
@@ -190,7 +214,9 @@ def test_truncated_shard(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("save_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_corrupted_data_is_refused_naming_file_and_tensor(tmp_path: Path, save_dtype: torch.dtype) -> None:
+def test_corrupted_data_is_refused_naming_file_and_tensor(
+    tmp_path: Path, save_dtype: torch.dtype
+) -> None:
     """Header intact, data overwritten in the middle: the file opens and every shape checks out,
     so only the values betray it. Both loaders refuse it (the tensor-parallel one, here with one
     rank, is what --quantize uses)."""
@@ -218,7 +244,9 @@ def test_an_infinity_saved_on_purpose_is_refused(tmp_path: Path) -> None:
     with torch.no_grad():
         model.norm.weight[3] = float("inf")
     save_model(model, tmp_path)
-    with pytest.raises(NonFiniteWeightsError, match=r"tensor model\.norm\.weight holds 1 non-finite values"):
+    with pytest.raises(
+        NonFiniteWeightsError, match=r"tensor model\.norm\.weight holds 1 non-finite values"
+    ):
         load_model(tmp_path)
 
 
@@ -229,8 +257,11 @@ def test_a_value_that_overflows_the_load_dtype_is_refused(tmp_path: Path) -> Non
         model.layers[1].mlp.down_proj.weight[0, 0] = 1e6
     save_model(model, tmp_path)
     assert load_model(tmp_path, dtype=torch.float32) is not None
-    with pytest.raises(NonFiniteWeightsError, match=r"tensor model\.layers\.1\.mlp\.down_proj\.weight has values "
-                                                     r"up to 1e\+06, which overflow float16; load it in float32"):
+    with pytest.raises(
+        NonFiniteWeightsError,
+        match=r"tensor model\.layers\.1\.mlp\.down_proj\.weight has values "
+        r"up to 1e\+06, which overflow float16; load it in float32",
+    ):
         load_model(tmp_path, dtype=torch.float16)
 
 
@@ -251,8 +282,11 @@ def test_saved_files_get_the_usual_permissions(tmp_path: Path) -> None:
 def test_shape_contradicts_config(tmp_path: Path) -> None:
     _saved(tmp_path)
     _edit_config(tmp_path, intermediate_size=180)
-    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.\d\.mlp\.\w+_proj\.weight has shape "
-                                              r"\[\d+, \d+\] but config\.json implies \[\d+, \d+\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor model\.layers\.\d\.mlp\.\w+_proj\.weight has shape "
+        r"\[\d+, \d+\] but config\.json implies \[\d+, \d+\]",
+    ):
         load_model(tmp_path)
 
 
@@ -262,8 +296,10 @@ def test_unknown_tensor_names(tmp_path: Path) -> None:
     tensors = load_file(path)
     tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)  # a Qwen3-style extra
     save_file(tensors, path)
-    with pytest.raises(CheckpointError,
-                       match=r"unknown tensors not in a Llama model: model\.layers\.0\.self_attn\.q_norm\.weight"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"unknown tensors not in a Llama model: model\.layers\.0\.self_attn\.q_norm\.weight",
+    ):
         load_model(tmp_path)
 
 
@@ -273,13 +309,17 @@ def test_missing_tensors(tmp_path: Path) -> None:
     tensors = load_file(path)
     del tensors["model.layers.1.mlp.up_proj.weight"], tensors["lm_head.weight"]
     save_file(tensors, path)
-    with pytest.raises(CheckpointError,
-                       match=r"missing tensors: lm_head\.weight, model\.layers\.1\.mlp\.up_proj\.weight$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing tensors: lm_head\.weight, model\.layers\.1\.mlp\.up_proj\.weight$",
+    ):
         load_model(tmp_path)
 
 
 def test_unknown_short_name() -> None:
-    with pytest.raises(UnknownCheckpointError, match="unknown checkpoint 'llama-9000b': use one of 7b, 13b, 70b"):
+    with pytest.raises(
+        UnknownCheckpointError, match="unknown checkpoint 'llama-9000b': use one of 7b, 13b, 70b"
+    ):
         load_model("llama-9000b")
 
 
@@ -308,23 +348,40 @@ def test_registry_finds_a_checkpoint_under_the_env_folder(tmp_path: Path, monkey
 
 def test_load_tokenizer_without_tokenizer_model(tmp_path: Path) -> None:
     _saved(tmp_path)
-    with pytest.raises(CheckpointError, match=r"has no tokenizer: neither a SentencePiece tokenizer\.model nor a "):
+    with pytest.raises(
+        CheckpointError, match=r"has no tokenizer: neither a SentencePiece tokenizer\.model nor a "
+    ):
         load_tokenizer(tmp_path)
 
 
 # ----------------------------------------------------------------------------- unsupported configs
 UNSUPPORTED = {
-    "yarn (v4 rope_scaling)": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                 "original_max_position_embeddings": 64}}, "'yarn' is not implemented"),
-    "dynamic (v4 rope_scaling)": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
-                                  "'dynamic' is not implemented"),
-    "yarn (v5 rope_parameters)": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
-                                  "'yarn' is not implemented"),
+    "yarn (v4 rope_scaling)": (
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+        "'yarn' is not implemented",
+    ),
+    "dynamic (v4 rope_scaling)": (
+        {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        "'dynamic' is not implemented",
+    ),
+    "yarn (v5 rope_parameters)": (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+        "'yarn' is not implemented",
+    ),
     "attention_bias": ({"attention_bias": True}, "attention_bias=True; only False is implemented"),
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True; only False is implemented"),
     "sliding_window": ({"sliding_window": 4096}, "sliding_window=4096; only None is implemented"),
     "hidden_act": ({"hidden_act": "gelu"}, "hidden_act='gelu'; only 'silu' is implemented"),
-    "model_type": ({"model_type": "mistral"}, "model_type is 'mistral'; only 'llama' checkpoints are supported"),
+    "model_type": (
+        {"model_type": "mistral"},
+        "model_type is 'mistral'; only 'llama' checkpoints are supported",
+    ),
     "unknown field": ({"qk_layernorm": True}, "fields this model does not implement: qk_layernorm"),
 }
 
@@ -338,7 +395,10 @@ def test_unsupported_config_raises_config_error(case: str, tmp_path: Path) -> No
     # Through load_model the same sentence comes back, prefixed with the config.json it is in.
     _saved(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'config.json'}: ") + ".*" + re.escape(message)):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"{tmp_path / 'config.json'}: ") + ".*" + re.escape(message),
+    ):
         load_model(tmp_path)
 
 
@@ -360,22 +420,35 @@ def test_a_folder_of_pytorch_model_bin_loads_as_its_safetensors_would(tmp_path: 
     (bins / "config.json").write_text((saved / "config.json").read_text())
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for name, shard in index["weight_map"].items():
-        shards.setdefault(shard.replace("model-", "pytorch_model-").replace(".safetensors", ".bin"), {})[name] = \
-            reference.state_dict()[name.removeprefix("model.")]
+        shards.setdefault(
+            shard.replace("model-", "pytorch_model-").replace(".safetensors", ".bin"), {}
+        )[name] = reference.state_dict()[name.removeprefix("model.")]
     for shard, tensors in shards.items():
         torch.save({k: v.clone() for k, v in tensors.items()}, bins / shard)
-    (bins / "pytorch_model.bin.index.json").write_text(json.dumps(
-        {"weight_map": {name: shard for shard, tensors in shards.items() for name in tensors}}))
+    (bins / "pytorch_model.bin.index.json").write_text(
+        json.dumps(
+            {"weight_map": {name: shard for shard, tensors in shards.items() for name in tensors}}
+        )
+    )
     loaded = load_model(bins)
     for name, tensor in reference.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     one = tmp_path / "one"
     one.mkdir()
     (one / "config.json").write_text((saved / "config.json").read_text())
-    torch.save({"model." + k if not k.startswith("lm_head") else k: v for k, v in reference.state_dict().items()},
-               one / "pytorch_model.bin")
+    torch.save(
+        {
+            "model." + k if not k.startswith("lm_head") else k: v
+            for k, v in reference.state_dict().items()
+        },
+        one / "pytorch_model.bin",
+    )
     assert torch.equal(load_model(one).lm_head.weight, reference.lm_head.weight)
-    torch.save({"weights": reference.state_dict(), "hook": print}, one / "pytorch_model.bin")  # not only tensors
-    with pytest.raises(CheckpointError, match="pytorch_model.bin is not a readable PyTorch weights file") as error:
+    torch.save(
+        {"weights": reference.state_dict(), "hook": print}, one / "pytorch_model.bin"
+    )  # not only tensors
+    with pytest.raises(
+        CheckpointError, match="pytorch_model.bin is not a readable PyTorch weights file"
+    ) as error:
         load_model(one)
     assert "\n" not in str(error.value)

@@ -33,25 +33,44 @@ def shipped_for_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     save_eagle3_head(head, tmp_path / "weights" / "head", target, target_name="tiny-target")
     monkeypatch.setattr(weights.load, "WEIGHTS_DIR", tmp_path / "weights")
     monkeypatch.setattr(weights.load, "FOR_OTHER_TARGETS", ("head",))
-    monkeypatch.setattr(weights.registry, "WEIGHTS_DIR", tmp_path / "weights")  # where names are found
+    monkeypatch.setattr(
+        weights.registry, "WEIGHTS_DIR", tmp_path / "weights"
+    )  # where names are found
     monkeypatch.setattr(weights.registry, "SHIPPED", ("head",))
     return tmp_path
 
 
 def args_for(target: str | Path, **given: object) -> SimpleNamespace:
-    return SimpleNamespace(**{"target": str(target), "draft": None, "no_draft": False, "quantize": None,
-                              "setup": "default", "no_fuse": False, "no_prepack": False, "cache_dir": None,
-                              "gamma": 4, "gamma_given": False, **given})
+    return SimpleNamespace(
+        **{
+            "target": str(target),
+            "draft": None,
+            "no_draft": False,
+            "quantize": None,
+            "setup": "default",
+            "no_fuse": False,
+            "no_prepack": False,
+            "cache_dir": None,
+            "gamma": 4,
+            "gamma_given": False,
+            **given,
+        }
+    )
 
 
-def test_a_target_of_the_head_s_shape_gets_the_head_and_others_the_pair_s_draft(shipped_for_tiny: Path) -> None:
+def test_a_target_of_the_head_s_shape_gets_the_head_and_others_the_pair_s_draft(
+    shipped_for_tiny: Path,
+) -> None:
     assert default_draft(WEIGHTS_DIR / "tiny-target") == "head"
     assert default_draft(WEIGHTS_DIR / "tiny-draft") == DEFAULT_DRAFT  # another shape
-    assert default_draft(shipped_for_tiny / "missing") == DEFAULT_DRAFT  # the pair's reading says what is wrong
+    assert (
+        default_draft(shipped_for_tiny / "missing") == DEFAULT_DRAFT
+    )  # the pair's reading says what is wrong
 
 
 def test_the_default_head_for_another_model_of_its_shape_is_refused_naming_the_default(
-        shipped_for_tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped_for_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     other = copy.deepcopy(load_model(WEIGHTS_DIR / "tiny-target"))
     with torch.no_grad():
         other.norm.weight.mul_(1.5)  # the same shape, other weights
@@ -62,11 +81,22 @@ def test_the_default_head_for_another_model_of_its_shape_is_refused_naming_the_d
     args = args_for(folder)
     with pytest.raises(CheckpointError, match="fingerprint mismatch.*--draft defaulted to head"):
         spec = read_named_pair(args)
-        load_named_pair(args, spec, torch.device("cpu"), torch.float32, positions=32, rows=1, gamma=4, gamma_max=4,
-                        flag="--setup")
+        load_named_pair(
+            args,
+            spec,
+            torch.device("cpu"),
+            torch.float32,
+            positions=32,
+            rows=1,
+            gamma=4,
+            gamma_max=4,
+            flag="--setup",
+        )
 
 
-def test_the_default_head_brings_its_own_draft_length_unless_one_is_given(shipped_for_tiny: Path) -> None:
+def test_the_default_head_brings_its_own_draft_length_unless_one_is_given(
+    shipped_for_tiny: Path,
+) -> None:
     """speculators' proposal_methods[0].speculative_tokens (what vLLM drafts by default) is --gamma's default
     for the default head; a --gamma given, or a head named, keeps --gamma."""
     config = shipped_for_tiny / "weights" / "head" / "config.json"

@@ -24,21 +24,28 @@ def test_feature_head_round_trip_and_load_drafter(tmp_path) -> None:
     loaded = load_feature_head(tmp_path / "head", target)
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    assert (tmp_path / "head" / "model.safetensors").stat().st_mode & 0o044  # readable by others, like config.json
+    assert (
+        tmp_path / "head" / "model.safetensors"
+    ).stat().st_mode & 0o044  # readable by others, like config.json
     assert isinstance(load_drafter(tmp_path / "head", target), FeatureDrafter)
     assert isinstance(load_drafter("lookup", target), PromptLookupDrafter)
 
 
-@pytest.mark.parametrize("other, what", [
-    ({"dim": 32, "n_heads": 2}, "hidden_size"),
-    ({"vocab": 9}, "vocab_size"),
-    ({"n_layers": 3}, "num_hidden_layers"),
-    ({"seed": 11}, "fingerprint"),
-])
+@pytest.mark.parametrize(
+    "other, what",
+    [
+        ({"dim": 32, "n_heads": 2}, "hidden_size"),
+        ({"vocab": 9}, "vocab_size"),
+        ({"n_layers": 3}, "num_hidden_layers"),
+        ({"seed": 11}, "fingerprint"),
+    ],
+)
 def test_a_head_trained_for_another_target_is_refused(tmp_path, other: dict, what: str) -> None:
     shape = {"vocab": 8, "dim": 16, "n_layers": 2, "n_heads": 2, "seed": 0}
     trained_for = random_llama(vocab=8, dim=16, n_layers=2, n_heads=2, seed=0)
-    save_feature_head(random_head(trained_for), tmp_path / "head", trained_for, target_name="target-a")
+    save_feature_head(
+        random_head(trained_for), tmp_path / "head", trained_for, target_name="target-a"
+    )
     another = random_llama(**{**shape, **other})
     with pytest.raises(CheckpointError, match=f"target-a.*{what}|{what}.*target-a") as err:
         load_feature_head(tmp_path / "head", another, "target-b")

@@ -22,7 +22,15 @@ from tests.support.toy_models import random_eagle3_head, random_llama
 from weights import CheckpointError, load_drafter
 from weights.eagle3 import load_eagle3_head, save_eagle3_head
 
-SHAPE = {"vocab": 16, "dim": 32, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "hidden_dim": 64, "max_seq_len": 64}
+SHAPE = {
+    "vocab": 16,
+    "dim": 32,
+    "n_layers": 6,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "hidden_dim": 64,
+    "max_seq_len": 64,
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +45,33 @@ def logits_of(head: torch.nn.Module, target: torch.nn.Module) -> torch.Tensor:
         return head.draft_logits(head(head.project(fused), target.embed_tokens(tokens)))
 
 
-@pytest.mark.parametrize("layout, prefix", [("speculators", "layers.0."), ("official", "midlayer.")])
-def test_both_layouts_round_trip_to_the_same_logits(tmp_path, target, layout: str, prefix: str) -> None:
+@pytest.mark.parametrize(
+    "layout, prefix", [("speculators", "layers.0."), ("official", "midlayer.")]
+)
+def test_both_layouts_round_trip_to_the_same_logits(
+    tmp_path, target, layout: str, prefix: str
+) -> None:
     head = random_eagle3_head(target, drop=(2, 11))
     save_eagle3_head(head, tmp_path / "head", target, target_name="toy", layout=layout)
     names = set(load_file(tmp_path / "head" / "model.safetensors"))
-    assert {f"{prefix}hidden_norm.weight", f"{prefix}self_attn.q_proj.weight", "fc.weight", "lm_head.weight",
-            "d2t", "t2d"} <= names
+    assert {
+        f"{prefix}hidden_norm.weight",
+        f"{prefix}self_attn.q_proj.weight",
+        "fc.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= names
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     if layout == "speculators":
         assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 14
         assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
         assert config["transformer_layer_config"]["vocab_size"] == 16
     else:
-        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 14
+        assert (
+            config["architectures"] == ["LlamaForCausalLMEagle3"]
+            and config["draft_vocab_size"] == 14
+        )
     loaded = load_eagle3_head(tmp_path / "head", target)
     torch.testing.assert_close(logits_of(loaded, target), logits_of(head, target), rtol=0, atol=0)
     assert loaded.target_ids().tolist() == [i for i in range(16) if i not in (2, 11)]
@@ -64,19 +85,26 @@ def test_an_official_head_without_layer_ids_reads_the_default_layers(tmp_path, t
     config = json.loads(path.read_text())
     del config["eagle_config"]
     path.write_text(json.dumps(config))
-    state = load_file(tmp_path / "head" / "model.safetensors")  # the official files are often torch pickles
+    state = load_file(
+        tmp_path / "head" / "model.safetensors"
+    )  # the official files are often torch pickles
     torch.save(state, tmp_path / "head" / "pytorch_model.bin")
     (tmp_path / "head" / "model.safetensors").unlink()
     assert load_eagle3_head(tmp_path / "head", target).target_layers == (2, 3, 3)
 
 
-@pytest.mark.parametrize("other, message", [
-    ({"dim": 48, "n_heads": 4}, "hidden size 32, target-b has 48"),
-    ({"vocab": 20}, "vocabulary 16, target-b has 20"),
-    ({"n_layers": 3}, "reads target layers \\[2, 3, 3\\], target-b has 3"),
-    ({"seed": 11}, "trained for another target"),
-])
-def test_a_head_that_does_not_fit_the_target_is_refused(tmp_path, target, other: dict, message: str) -> None:
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        ({"dim": 48, "n_heads": 4}, "hidden size 32, target-b has 48"),
+        ({"vocab": 20}, "vocabulary 16, target-b has 20"),
+        ({"n_layers": 3}, "reads target layers \\[2, 3, 3\\], target-b has 3"),
+        ({"seed": 11}, "trained for another target"),
+    ],
+)
+def test_a_head_that_does_not_fit_the_target_is_refused(
+    tmp_path, target, other: dict, message: str
+) -> None:
     save_eagle3_head(random_eagle3_head(target), tmp_path / "head", target, target_name="target-a")
     another = random_llama(**{**SHAPE, "seed": 3, **other})
     with pytest.raises(CheckpointError, match=message):
@@ -108,7 +136,13 @@ def test_generate_takes_an_eagle3_folder_and_refuses_one_for_another_target(tmp_
     save_eagle3_head(head, tmp_path / "head", shipped, target_name="tiny-target")
     out = cli("--draft", str(tmp_path / "head"), "--max-new-tokens", "8", "--no-color")
     assert out.returncode == 0, out.stderr
-    other = random_llama(vocab=2048, dim=384, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1024, seed=1)
+    other = random_llama(
+        vocab=2048, dim=384, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1024, seed=1
+    )
     save_eagle3_head(random_eagle3_head(other), tmp_path / "other", other, target_name="elsewhere")
     out = cli("--draft", str(tmp_path / "other"), "--max-new-tokens", "8", "--no-color")
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "trained for another target" in out.stderr
+    assert (
+        out.returncode == 2
+        and out.stderr.count("\n") == 1
+        and "trained for another target" in out.stderr
+    )

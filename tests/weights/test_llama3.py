@@ -30,14 +30,24 @@ from weights.checkpoint import hf_name
 from weights.eagle3 import save_eagle3_head
 
 EOT, END_OF_TEXT = 128009, 128001
-TEXTS = ["Hello world", " leading space", "The year 2024 had 366 days; 1234567 is a number.",
-         "Café naïve 東京 🙂 ünïcödé", "def f(x):\n    return x ** 2  # square\n\n\n", "<|eot_id|> inside text",
-         "Hello , world . I 'm here and you 're not", "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"]
+TEXTS = [
+    "Hello world",
+    " leading space",
+    "The year 2024 had 366 days; 1234567 is a number.",
+    "Café naïve 東京 🙂 ünïcödé",
+    "def f(x):\n    return x ** 2  # square\n\n\n",
+    "<|eot_id|> inside text",
+    "Hello , world . I 'm here and you 're not",
+    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>",
+]
 
 
 def write_weights(folder: Path, model: Llama) -> Path:
-    save_file({hf_name(n): p.detach().contiguous() for n, p in model.named_parameters()},
-              folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {hf_name(n): p.detach().contiguous() for n, p in model.named_parameters()},
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return folder
 
 
@@ -62,7 +72,9 @@ def stopper_folder(tmp_path_factory: pytest.TempPathFactory, random_folder: Path
     model = load_model(random_folder)
     prompt, answer = chain_ids(folder)
     with torch.no_grad():
-        for layer in model.layers:  # every block adds nothing: the last hidden state is the token's embedding
+        for layer in (
+            model.layers
+        ):  # every block adds nothing: the last hidden state is the token's embedding
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.norm.weight.fill_(1.0)
@@ -95,32 +107,66 @@ def test_the_pair_reads_every_end_id_and_the_sampling_defaults(random_folder: Pa
 
 def transformers_greedy(folder: Path, prompt: list[int], count: int) -> list[int]:
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), torch_dtype=torch.float32
+    ).eval()
     with torch.no_grad():  # its generation_config.json gives the end ids, as it does ours
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=count, do_sample=False, top_p=None,
-                             temperature=None, pad_token_id=END_OF_TEXT)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=count,
+            do_sample=False,
+            top_p=None,
+            temperature=None,
+            pad_token_id=END_OF_TEXT,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_tokens_equal_transformers_on_a_random_model(random_folder: Path) -> None:
     tokenizer = load_tokenizer(random_folder)
     # float32 as transformers runs here: the folder is stored in bfloat16, as Llama-3's are, which a CPU that
     # computes bfloat16 natively runs in bfloat16 by default (another target)
-    out = cli("--target", str(random_folder), "--no-draft", "--prompt", "The capital of France is",
-              "--max-new-tokens", "12", "--json", "--dtype", "float32")
+    out = cli(
+        "--target",
+        str(random_folder),
+        "--no-draft",
+        "--prompt",
+        "The capital of France is",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--dtype",
+        "float32",
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["tokens"] == transformers_greedy(random_folder, tokenizer.encode("The capital of France is"), 12)
-    assert "generation_config.json suggests --temperature 0.6, --top-p 0.9" not in out.stderr  # --json: no notes
+    assert doc["tokens"] == transformers_greedy(
+        random_folder, tokenizer.encode("The capital of France is"), 12
+    )
+    assert (
+        "generation_config.json suggests --temperature 0.6, --top-p 0.9" not in out.stderr
+    )  # --json: no notes
     out = cli("--target", str(random_folder), "--no-draft", "--max-new-tokens", "2")
-    assert "note: " in out.stderr and "generation_config.json suggests --temperature 0.6, --top-p 0.9" in out.stderr
+    assert (
+        "note: " in out.stderr
+        and "generation_config.json suggests --temperature 0.6, --top-p 0.9" in out.stderr
+    )
 
 
 def test_a_chat_stops_at_the_end_of_its_turn_as_transformers_does(stopper_folder: Path) -> None:
     prompt, answer = chain_ids(stopper_folder)
     assert transformers_greedy(stopper_folder, prompt, 10) == answer
-    out = cli("--target", str(stopper_folder), "--no-draft", "--chat", "--prompt", "What is the capital of France?",
-              "--max-new-tokens", "10", "--json")
+    out = cli(
+        "--target",
+        str(stopper_folder),
+        "--no-draft",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "10",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["prompt_tokens"] == len(prompt) and doc["tokens"] == answer
@@ -129,17 +175,32 @@ def test_a_chat_stops_at_the_end_of_its_turn_as_transformers_does(stopper_folder
 
 
 @pytest.mark.parametrize("layout", ["speculators", "official"])
-def test_an_eagle3_head_in_either_layout_speculates_for_it_end_to_end(tmp_path: Path, stopper_folder: Path,
-                                                                      layout: str) -> None:
+def test_an_eagle3_head_in_either_layout_speculates_for_it_end_to_end(
+    tmp_path: Path, stopper_folder: Path, layout: str
+) -> None:
     """A head of Llama-3's vocabulary reduced to 32,000 ids, as the published heads are, found from its
     folder alone; greedy speculation gives the target's own tokens and stops at <|eot_id|>."""
     target = load_model(stopper_folder)
     prompt, answer = chain_ids(stopper_folder)
     kept = sorted(set(range(32000 - len(answer))) | set(answer))
     head = random_eagle3_head(target, drop=sorted(set(range(target.config.vocab_size)) - set(kept)))
-    save_eagle3_head(head, tmp_path / "head", target, target_name=str(stopper_folder), layout=layout)
-    out = cli("--target", str(stopper_folder), "--draft", str(tmp_path / "head"), "--chat", "--prompt",
-              "What is the capital of France?", "--max-new-tokens", "10", "--gamma", "3", "--json")
+    save_eagle3_head(
+        head, tmp_path / "head", target, target_name=str(stopper_folder), layout=layout
+    )
+    out = cli(
+        "--target",
+        str(stopper_folder),
+        "--draft",
+        str(tmp_path / "head"),
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "10",
+        "--gamma",
+        "3",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["tokens"] == answer and doc["stats"]["stop_token"] == EOT
@@ -157,7 +218,9 @@ def test_streamed_byte_level_text_never_holds_half_a_character(random_folder: Pa
     tokenizer = load_tokenizer(random_folder)
     prompt = tokenizer.encode("Once upon a time")
     new = tokenizer.encode(" the café said 🙂🙂 and 東京 smiled.<|eot_id|>", bos=False)
-    assert any("\ufffd" in tokenizer.decode([t]) for t in new)  # some tokens are parts of a character
+    assert any(
+        "\ufffd" in tokenizer.decode([t]) for t in new
+    )  # some tokens are parts of a character
     stream = TextStream(tokenizer, prompt)
     pieces = [stream.add(token) for token in new]
     assert not any("\ufffd" in piece for piece in pieces) and "" in pieces

@@ -27,9 +27,11 @@ from weights import UnknownCheckpointError, load_model, load_pair, read_pair
 from weights.load import draft_kind, plan_configs
 from weights.registry import WEIGHTS_DIR, marked_for_chat
 
-needs_pair = pytest.mark.skipif(not (WEIGHTS_DIR / "tiny-target" / "config.json").is_file()
-                                or not (WEIGHTS_DIR / "tiny-eagle" / "config.json").is_file(),
-                                reason="the shipped models are absent")
+needs_pair = pytest.mark.skipif(
+    not (WEIGHTS_DIR / "tiny-target" / "config.json").is_file()
+    or not (WEIGHTS_DIR / "tiny-eagle" / "config.json").is_file(),
+    reason="the shipped models are absent",
+)
 
 
 def config_json(name: str) -> dict:
@@ -49,7 +51,9 @@ def test_a_loaded_pair_unpacks_and_decodes_as_its_target_alone() -> None:
     prompt = tokenizer.encode("Once upon a time")
     with torch.inference_mode():
         fast = speculative_generate(target, draft, prompt, 24, gamma=3, temperature=0)
-        alone = autoregressive_generate(load_model("tiny-target", dtype=torch.float64), prompt, 24, temperature=0)
+        alone = autoregressive_generate(
+            load_model("tiny-target", dtype=torch.float64), prompt, 24, temperature=0
+        )
     assert [int(t) for t in fast.tokens] == [int(t) for t in alone.tokens]
     assert fast.stats.draft_calls > 0
 
@@ -58,13 +62,25 @@ def test_a_loaded_pair_unpacks_and_decodes_as_its_target_alone() -> None:
 def test_each_draft_name_means_its_drafter() -> None:
     assert read_pair("tiny-target").kind is None and load_pair("tiny-target").draft is None
     lookup = load_pair("tiny-target", "lookup")
-    assert lookup.kind == "lookup" and isinstance(lookup.draft, PromptLookupDrafter) and lookup.head is None
+    assert (
+        lookup.kind == "lookup"
+        and isinstance(lookup.draft, PromptLookupDrafter)
+        and lookup.head is None
+    )
     head = load_pair("tiny-target", "tiny-eagle")
-    assert head.kind == "head" and isinstance(head.draft, FeatureDrafter) and head.draft.target is head.target
+    assert (
+        head.kind == "head"
+        and isinstance(head.draft, FeatureDrafter)
+        and head.draft.target is head.target
+    )
     assert head.draft_model is None and head.head is head.draft.head
     model = read_pair("tiny-target", "tiny-draft")
     assert model.kind == "model" and model.draft_config is not None
-    assert draft_kind("tiny-eagle") == "head" and draft_kind("tiny-draft") == "model" and draft_kind(None) is None
+    assert (
+        draft_kind("tiny-eagle") == "head"
+        and draft_kind("tiny-draft") == "model"
+        and draft_kind(None) is None
+    )
     with pytest.raises(UnknownCheckpointError):
         read_pair("tiny-target", "no-such-draft")
 
@@ -91,17 +107,30 @@ def test_a_mismatched_pair_is_refused_before_loading_naming_both(tmp_path: Path)
     config = json.loads((draft / "config.json").read_text())
     config["vocab_size"] += 64
     (draft / "config.json").write_text(json.dumps(config))
-    with pytest.raises(PairMismatchError, match=f"draft {draft} cannot speculate for target tiny-target: .*vocabulary"):
+    with pytest.raises(
+        PairMismatchError,
+        match=f"draft {draft} cannot speculate for target tiny-target: .*vocabulary",
+    ):
         read_pair("tiny-target", draft)
 
 
 @needs_pair
 def test_the_models_are_set_up_to_decode_unless_asked_not_to() -> None:
-    layers = config_json("tiny-target")["num_hidden_layers"] + config_json("tiny-draft")["num_hidden_layers"]
+    layers = (
+        config_json("tiny-target")["num_hidden_layers"]
+        + config_json("tiny-draft")["num_hidden_layers"]
+    )
     ready = load_pair("tiny-target", "tiny-draft")
-    assert ready.fused == 2 * layers and stacked(ready.target) and stacked(ready.draft)  # attention and MLP
+    assert (
+        ready.fused == 2 * layers and stacked(ready.target) and stacked(ready.draft)
+    )  # attention and MLP
     plain = read_pair("tiny-target", "tiny-draft").load(prepare_models=False)
-    assert plain.fused == 0 and plain.prepacked == 0 and not stacked(plain.target) and not stacked(plain.draft)
+    assert (
+        plain.fused == 0
+        and plain.prepacked == 0
+        and not stacked(plain.target)
+        and not stacked(plain.draft)
+    )
     assert not stacked(read_pair("tiny-target").load(stack=False).target)
     # a feature head too is left as loaded, for Pair.set_up (compiled with its target, or prepared)
     head = read_pair("tiny-target", "tiny-eagle").load(prepare_models=False)
@@ -123,7 +152,9 @@ def test_with_models_builds_a_new_drafter_and_leaves_the_old_pair_alone() -> Non
     assert lookup.with_models(new_target).draft is lookup.draft
 
 
-def test_plan_configs_know_the_published_shapes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_plan_configs_know_the_published_shapes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("SPECULATIVE_WEIGHTS", str(tmp_path))  # nothing downloaded there
     if (WEIGHTS_DIR / "Llama-2-70b-hf").is_dir() or (WEIGHTS_DIR / "Llama-2-7b-hf").is_dir():
         pytest.skip("Llama-2 checkpoints are present here")
@@ -135,7 +166,9 @@ def test_plan_configs_know_the_published_shapes(monkeypatch: pytest.MonkeyPatch,
 @needs_pair
 def test_plan_configs_count_a_head_as_one_block_of_its_target() -> None:
     target, head = plan_configs("tiny-target", "tiny-eagle")
-    assert head.n_layers == 1 and head.dim == target.dim == config_json("tiny-target")["hidden_size"]
+    assert (
+        head.n_layers == 1 and head.dim == target.dim == config_json("tiny-target")["hidden_size"]
+    )
 
 
 # ----------------------------------------------------------------------------- weights/registry.py
@@ -144,7 +177,9 @@ def test_what_marks_a_checkpoint_for_chat(tmp_path: Path) -> None:
     base.mkdir()
     (base / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Llama-2-7b-hf"}))
     assert not marked_for_chat(base)
-    (base / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct"}))
+    (base / "config.json").write_text(
+        json.dumps({"_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct"})
+    )
     assert marked_for_chat(base)
     (base / "config.json").write_text("{}")
     (base / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))

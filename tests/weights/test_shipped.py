@@ -32,8 +32,12 @@ def test_model_card_matches_the_files(name: str) -> None:
     tokenizer = load_tokenizer(name)
     n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     assert card_figure(name, "Parameters") == n_params == model.config.num_parameters()
-    masks = 1 if "pard_token" in model.config.extra else 0  # a parallel draft's mask id, after the tokenizer's
-    assert card_figure(name, "Vocabulary") == model.config.vocab_size == tokenizer.vocab_size + masks
+    masks = (
+        1 if "pard_token" in model.config.extra else 0
+    )  # a parallel draft's mask id, after the tokenizer's
+    assert (
+        card_figure(name, "Vocabulary") == model.config.vocab_size == tokenizer.vocab_size + masks
+    )
     assert model.config.extra.get("pard_token", tokenizer.vocab_size) == tokenizer.vocab_size
     assert model.config.bos_id == tokenizer.bos_id and model.config.eos_id == tokenizer.eos_id
 
@@ -57,7 +61,9 @@ def test_the_smollm2_head_loads_for_its_target_and_is_its_default_draft() -> Non
     what --draft means under that target when none is named; the shipped target keeps its draft."""
     check_head_card("smollm2-eagle3", load_model(smollm2_gguf()), "SmolLM2-135M-Instruct")
     assert default_draft(smollm2_gguf()) == "smollm2-eagle3"
-    assert proposal_length(WEIGHTS_DIR / "smollm2-eagle3") == 4  # the draft length measured fastest (its card)
+    assert (
+        proposal_length(WEIGHTS_DIR / "smollm2-eagle3") == 4
+    )  # the draft length measured fastest (its card)
     assert default_draft("tiny-target") == "tiny-draft"
 
 
@@ -77,8 +83,12 @@ def test_target_shape_allows_two_way_tensor_parallelism() -> None:
 def test_shipped_checkpoint_loads_in_transformers_with_equal_logits(name: str) -> None:
     transformers = pytest.importorskip("transformers")
     ours = load_model(name)
-    theirs = transformers.LlamaForCausalLM.from_pretrained(Path(WEIGHTS_DIR / name), torch_dtype=torch.float32).eval()
-    tokens = torch.tensor([load_tokenizer(name).encode("Once upon a time, there was a little dog named Max.")])
+    theirs = transformers.LlamaForCausalLM.from_pretrained(
+        Path(WEIGHTS_DIR / name), torch_dtype=torch.float32
+    ).eval()
+    tokens = torch.tensor(
+        [load_tokenizer(name).encode("Once upon a time, there was a little dog named Max.")]
+    )
     with torch.no_grad():
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff < 1e-4, f"{name}: logits differ by {diff}"
@@ -90,8 +100,31 @@ def test_target_greedy_story_is_english() -> None:
     model, tokenizer = load_model("tiny-target"), load_tokenizer("tiny-target")
     out = autoregressive_generate(model, tokenizer.encode("Once upon a time"), 60, temperature=0)
     words = re.findall(r"[a-z]+", tokenizer.decode(out.tokens).lower())
-    common = {"the", "a", "was", "and", "she", "he", "to", "her", "his", "they", "there", "little", "named",
-              "one", "day", "with", "play", "loved", "of", "in", "it", "saw", "said"}
+    common = {
+        "the",
+        "a",
+        "was",
+        "and",
+        "she",
+        "he",
+        "to",
+        "her",
+        "his",
+        "they",
+        "there",
+        "little",
+        "named",
+        "one",
+        "day",
+        "with",
+        "play",
+        "loved",
+        "of",
+        "in",
+        "it",
+        "saw",
+        "said",
+    }
     assert len(words) > 30
     assert sum(w in common for w in words) / len(words) > 0.25, words
 
@@ -104,7 +137,10 @@ def test_transformers_autotokenizer_loads_the_folder_as_it_is(name: str) -> None
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoTokenizer.from_pretrained(WEIGHTS_DIR / name)
     ours = load_tokenizer(name)
-    for text in ["Once upon a time, there was a little dog.", "Tom said: \"Look!\"\nThen 123 cats ran away."]:
+    for text in [
+        "Once upon a time, there was a little dog.",
+        'Tom said: "Look!"\nThen 123 cats ran away.',
+    ]:
         assert theirs(text).input_ids == ours.encode(text, bos=True)
         assert theirs.decode(ours.encode(text, bos=False)) == text
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)

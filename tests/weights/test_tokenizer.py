@@ -78,8 +78,23 @@ WHITESPACE_RUNS = {
     "  ": ([1, 1678], ["<s>", "▁▁▁"]),
     "    def f(x):\n        return x  # c\n": (
         [1, 268, 822, 285, 29898, 29916, 1125, 13, 4706, 736, 921, 29871, 396, 274, 13],
-        ["<s>", "▁▁▁▁", "▁def", "▁f", "(", "x", "):", "<0x0A>", "▁▁▁▁▁▁▁", "▁return", "▁x", "▁", "▁#", "▁c",
-         "<0x0A>"],
+        [
+            "<s>",
+            "▁▁▁▁",
+            "▁def",
+            "▁f",
+            "(",
+            "x",
+            "):",
+            "<0x0A>",
+            "▁▁▁▁▁▁▁",
+            "▁return",
+            "▁x",
+            "▁",
+            "▁#",
+            "▁c",
+            "<0x0A>",
+        ],
     ),
 }
 
@@ -91,8 +106,12 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf_tok(tmp_path_factory):
-    transformers = pytest.importorskip("transformers", reason="transformers (the reference) is in the [test] extras")
-    pytest.importorskip("google.protobuf", reason="protobuf (in the [test] extras) converts tokenizer.model")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers (the reference) is in the [test] extras"
+    )
+    pytest.importorskip(
+        "google.protobuf", reason="protobuf (in the [test] extras) converts tokenizer.model"
+    )
     folder = tmp_path_factory.mktemp("llama2_tokenizer")
     os.symlink(LLAMA2_TOKENIZER, folder / "tokenizer.model")
     return transformers.LlamaTokenizer.from_pretrained(folder, add_bos_token=True, legacy=False)
@@ -141,7 +160,9 @@ def test_load_tokenizer_from_a_checkpoint_folder(tmp_path: Path) -> None:
     assert loaded.serialized() == LLAMA2_TOKENIZER.read_bytes()
     assert loaded.encode("Hello world") == [1, 15043, 3186]
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="has no tokenizer: neither a SentencePiece tokenizer.model nor a "):
+    with pytest.raises(
+        CheckpointError, match="has no tokenizer: neither a SentencePiece tokenizer.model nor a "
+    ):
         load_tokenizer(tmp_path / "empty")
 
 
@@ -152,14 +173,18 @@ def test_tok512() -> None:
     assert tok.encode("Once upon a time", bos=True) == [1, 403, 407, 261, 378]
 
 
-def test_the_model_without_its_dummy_prefix_encodes_text_as_it_follows_a_special_token(tok: Tokenizer) -> None:
+def test_the_model_without_its_dummy_prefix_encodes_text_as_it_follows_a_special_token(
+    tok: Tokenizer,
+) -> None:
     """The wire-format edit of weights.tokenizer.without_dummy_prefix: the same pieces, no space in front
     ("▁Hello" becomes "Hello"'s own pieces), and the model's other settings kept (byte fallback)."""
     import sentencepiece as spm
 
     from weights.tokenizer import without_dummy_prefix
 
-    bare = spm.SentencePieceProcessor(model_proto=without_dummy_prefix(LLAMA2_TOKENIZER.read_bytes()))
+    bare = spm.SentencePieceProcessor(
+        model_proto=without_dummy_prefix(LLAMA2_TOKENIZER.read_bytes())
+    )
     assert bare.vocab_size() == tok.vocab_size
     assert [tok.piece(i) for i in tok.encode("Hello world", bos=False)] == ["▁Hello", "▁world"]
     assert [bare.id_to_piece(i) for i in bare.encode("Hello world")] == ["Hello", "▁world"]

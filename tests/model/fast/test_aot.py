@@ -54,13 +54,21 @@ MODE = "default"
 RUN = ["--no-draft", "--prompt", "Once upon a time", "--max-new-tokens", "8", "--json"]
 
 
-def subprocess_cli(*args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+def subprocess_cli(
+    *args: str, env: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess[str]:
     """generate.py in a process of its own, one thread, Inductor's default mode; ``env`` values of
     None remove the variable."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", MODE_ENV: MODE, **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True,
-                          env=full_env, cwd=ROOT, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,17 +77,36 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if not (TARGET / "tokenizer.model").is_file():
         pytest.skip("the shipped tokenizer is absent")
     folder = tmp_path_factory.mktemp("tiny")
-    save_model(random_llama(vocab=2048, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64,
-                            max_seq_len=128, seed=3), folder)
+    save_model(
+        random_llama(
+            vocab=2048,
+            dim=32,
+            n_layers=1,
+            n_heads=2,
+            n_kv_heads=1,
+            hidden_dim=64,
+            max_seq_len=128,
+            seed=3,
+        ),
+        folder,
+    )
     shutil.copy(TARGET / "tokenizer.model", folder)
     cache = tmp_path_factory.mktemp("cache")
-    proc = subprocess_cli("--target", str(folder), *RUN, "--compile", "force", "--cache-dir", str(cache))
+    proc = subprocess_cli(
+        "--target", str(folder), *RUN, "--compile", "force", "--cache-dir", str(cache)
+    )
     assert proc.returncode == 0, proc.stderr
     (entry,) = StepCache(cache).entries()
     (records,) = StepCache(cache).measurements().values()
     (record,) = records.values()
-    assert record["model"] == "target" and record["compiled_ms"] > 0 and record["eager_ms"]["prepacked"] > 0
-    mark_measured(StepCache(cache), faster=True)  # what a real model measures; the tests below check the decision
+    assert (
+        record["model"] == "target"
+        and record["compiled_ms"] > 0
+        and record["eager_ms"]["prepacked"] > 0
+    )
+    mark_measured(
+        StepCache(cache), faster=True
+    )  # what a real model measures; the tests below check the decision
     return {"folder": folder, "cache": cache, "first": json.loads(proc.stdout), "entry": entry}
 
 
@@ -104,11 +131,24 @@ def fresh_copy(built: dict[str, Any], tmp_path: Path) -> tuple[StepCache, dict[s
     return StepCache(tmp_path / "cache"), built["entry"].key
 
 
-def load(folder: Path, store: StepCache, key: dict[str, Any], build: bool = False,
-         notes: list[str] | None = None) -> torch.nn.Module:
+def load(
+    folder: Path,
+    store: StepCache,
+    key: dict[str, Any],
+    build: bool = False,
+    notes: list[str] | None = None,
+) -> torch.nn.Module:
     model = stacked(folder)
-    compile_for_decoding(model, (key["width"],), (key["rows"],), 16, mode=MODE, store=store,
-                         build=build, note=(notes if notes is not None else []).append)
+    compile_for_decoding(
+        model,
+        (key["width"],),
+        (key["rows"],),
+        16,
+        mode=MODE,
+        store=store,
+        build=build,
+        note=(notes if notes is not None else []).append,
+    )
     return model
 
 
@@ -122,21 +162,32 @@ def test_a_later_process_loads_the_entry_and_decodes_the_same_tokens(built: dict
     (the setup: line says so) and decodes the first's tokens."""
     first = built["first"]
     (line,) = first["settings"]["setup"]
-    assert line.startswith("target: prepacked ") and " ms per step at each decode width (compiled in" in line
+    assert (
+        line.startswith("target: prepacked ")
+        and " ms per step at each decode width (compiled in" in line
+    )
     assert line.endswith("kept in the cache) -> compiled (forced)"), line
-    proc = subprocess_cli("--target", str(built["folder"]), *RUN, "--cache-dir", str(built["cache"]))
+    proc = subprocess_cli(
+        "--target", str(built["folder"]), *RUN, "--cache-dir", str(built["cache"])
+    )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     later = json.loads(proc.stdout)
     (line,) = later["settings"]["setup"]
-    assert "the default: measured faster here" in line and "loaded from the compiled-step cache in" in line, line
+    assert (
+        "the default: measured faster here" in line
+        and "loaded from the compiled-step cache in" in line
+    ), line
     assert later["tokens"] == first["tokens"]
 
 
 @pytest.mark.parametrize("record", ["slower", "none"])
-def test_the_default_stays_eager_unless_the_steps_measured_faster(built: dict[str, Any], tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str],
-                                                                  monkeypatch: pytest.MonkeyPatch,
-                                                                  record: str) -> None:
+def test_the_default_stays_eager_unless_the_steps_measured_faster(
+    built: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    record: str,
+) -> None:
     """The same cached entry, with a record that says the compiled steps were slower here, or
     with no record at all: the default run decodes eagerly, and says why."""
     store, _ = fresh_copy(built, tmp_path)
@@ -145,16 +196,31 @@ def test_the_default_stays_eager_unless_the_steps_measured_faster(built: dict[st
     else:
         (store.root / "measured.json").unlink()
     monkeypatch.setenv(MODE_ENV, MODE)
-    out, _ = main_ok(capsys, ["--target", str(built["folder"]), *RUN, "--cache-dir", str(store.root)])
+    out, _ = main_ok(
+        capsys, ["--target", str(built["folder"]), *RUN, "--cache-dir", str(store.root)]
+    )
     setup = json.loads(out)["settings"]["setup"]
     if record == "slower":
         (line,) = setup
-        assert line.startswith("target: prepacked (the default: the compiled steps measured slower here"), line
+        assert line.startswith(
+            "target: prepacked (the default: the compiled steps measured slower here"
+        ), line
     else:
         assert setup == "default"
-        _, err = main_ok(capsys, ["--target", str(built["folder"]), *RUN[:-1], "--no-color", "--cache-dir",
-                                  str(store.root)])
-        assert any("`--compile` builds them once" in line for line in err if line.startswith("note: ")), err
+        _, err = main_ok(
+            capsys,
+            [
+                "--target",
+                str(built["folder"]),
+                *RUN[:-1],
+                "--no-color",
+                "--cache-dir",
+                str(store.root),
+            ],
+        )
+        assert any(
+            "`--compile` builds them once" in line for line in err if line.startswith("note: ")
+        ), err
     assert json.loads(out)["tokens"] == built["first"]["tokens"]
 
 
@@ -168,7 +234,9 @@ def test_one_build_serves_every_length(built: dict[str, Any], tmp_path: Path) ->
     prompt = [1, 5, 9]
     tokens = autoregressive_generate(loaded, prompt, 128 - len(prompt), temperature=0).tokens
     assert len(tokens) == 128 - len(prompt) and loaded.compiled.built == 0
-    assert loaded.layers[0].self_attn.cache.k.shape[2] == 129  # grown to the context, and its scratch slot
+    assert (
+        loaded.layers[0].self_attn.cache.k.shape[2] == 129
+    )  # grown to the context, and its scratch slot
     assert far_from_argmax(stacked(built["folder"]), prompt, tokens) == []
 
 
@@ -181,13 +249,18 @@ def test_loaded_steps_are_the_fresh_compile_s(built: dict[str, Any], tmp_path: P
     assert far_from_argmax(eager, [1, 5, 9], tokens) == []
 
 
-def test_compile_cache_lists_and_clears(built: dict[str, Any], tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_compile_cache_lists_and_clears(
+    built: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     store, key = fresh_copy(built, tmp_path)
     out, _ = main_ok(capsys, ["--compile-cache", "--cache-dir", str(store.root)])
     lines = out.splitlines()
     assert lines[0].startswith(f"{store.root}: 1 entries") and len(lines) == 5
-    assert f"width {key['width']}" in lines[1] and f"model {key['model']}" in lines[1] and " MB " in lines[1]
+    assert (
+        f"width {key['width']}" in lines[1]
+        and f"model {key['model']}" in lines[1]
+        and " MB " in lines[1]
+    )
     assert lines[2].startswith("measured: 1 models on 1 machines") and lines[3].startswith("  on ")
     assert lines[4].startswith(f"    target {key['model'][:12]} torch.float32 {MODE}: prepacked ")
     assert "(faster: the default uses them); built in" in lines[4], lines[4]
@@ -195,22 +268,55 @@ def test_compile_cache_lists_and_clears(built: dict[str, Any], tmp_path: Path,
     assert out.startswith("removed 1 entries") and store.entries() == []
 
 
-def test_compile_at_the_model_s_full_context(built: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_at_the_model_s_full_context(
+    built: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The regression of issue 37: `--compile --max-new-tokens 300` on a model of 128 positions,
     with a draft model (whose verification calls widen the cache a run needs past the context),
     measures, compiles and decodes to the end of the context, as eager and `--setup measure` do,
     with the same tokens; a later default run at full context loads what it built."""
     draft = tmp_path / "draft"
-    save_model(random_llama(vocab=2048, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=128,
-                            seed=4), draft)
+    save_model(
+        random_llama(
+            vocab=2048,
+            dim=16,
+            n_layers=1,
+            n_heads=2,
+            n_kv_heads=1,
+            hidden_dim=32,
+            max_seq_len=128,
+            seed=4,
+        ),
+        draft,
+    )
     shutil.copy(TARGET / "tokenizer.model", draft)
     monkeypatch.setenv(MODE_ENV, MODE)
-    argv = ["--target", str(built["folder"]), "--draft", str(draft), "--prompt", "Once upon a time",
-            "--max-new-tokens", "300", "--json", "--cache-dir", str(tmp_path / "cache"), "--gamma", "2"]
+    argv = [
+        "--target",
+        str(built["folder"]),
+        "--draft",
+        str(draft),
+        "--prompt",
+        "Once upon a time",
+        "--max-new-tokens",
+        "300",
+        "--json",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--gamma",
+        "2",
+    ]
     runs = {}
-    for name, flags in {"eager": [], "measure": ["--setup", "measure"], "compile": ["--compile"],
-                        "force": ["--compile", "force"], "later": []}.items():
+    for name, flags in {
+        "eager": [],
+        "measure": ["--setup", "measure"],
+        "compile": ["--compile"],
+        "force": ["--compile", "force"],
+        "later": [],
+    }.items():
         out, _ = main_ok(capsys, argv + flags)
         runs[name] = json.loads(out)
     assert runs["eager"]["prompt_tokens"] + len(runs["eager"]["tokens"]) == 128  # the whole context
@@ -224,15 +330,27 @@ def test_shared_packages_hold_no_weights_and_read_the_model_s_own(tmp_path: Path
     weights, handed the model's own tensors at load. Its file is smaller than the weights, it
     agrees with the eager step, and it reads the model's tensors where they are: a weight
     changed in place after loading changes the package's output as it changes the eager one's."""
-    model = random_llama(vocab=2048, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=64,
-                         seed=5, std=0.05)  # 8 MB of weights: more than a package's code
+    model = random_llama(
+        vocab=2048,
+        dim=256,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=512,
+        max_seq_len=64,
+        seed=5,
+        std=0.05,
+    )  # 8 MB of weights: more than a package's code
     fuse_projections(model)
     reference = copy.deepcopy(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     store = StepCache(tmp_path)
     steps = compile_for_decoding(model, (1, 3), cache_len=16, mode="shared", store=store)
     assert steps.built == 2 and steps.dynamic
-    assert all(entry.size < weights for entry in store.entries()), (weights, [e.size for e in store.entries()])
+    assert all(entry.size < weights for entry in store.entries()), (
+        weights,
+        [e.size for e in store.entries()],
+    )
     tokens = greedy(model)
     assert far_from_argmax(reference, [1, 5, 9], tokens) == []
     aot_runner = model.compiled.fn.runners[1, 1]
@@ -278,9 +396,18 @@ def damage(folder: Path, how: str) -> None:
         manifest.write_text(json.dumps(content))
 
 
-@pytest.mark.parametrize("how, reason", [("truncated", "truncated or replaced"), ("damaged", "hash"),
-                                         ("manifest", "does not parse"), ("foreign", "names another torch")])
-def test_a_broken_entry_is_one_note_then_eager(built: dict[str, Any], tmp_path: Path, how: str, reason: str) -> None:
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("truncated", "truncated or replaced"),
+        ("damaged", "hash"),
+        ("manifest", "does not parse"),
+        ("foreign", "names another torch"),
+    ],
+)
+def test_a_broken_entry_is_one_note_then_eager(
+    built: dict[str, Any], tmp_path: Path, how: str, reason: str
+) -> None:
     store, key = fresh_copy(built, tmp_path)
     damage(store.folder(key), how)
     with pytest.raises(EntryError, match=reason.split()[0]):
@@ -292,8 +419,9 @@ def test_a_broken_entry_is_one_note_then_eager(built: dict[str, Any], tmp_path: 
     assert not store.folder(key).exists()  # discarded, to be rebuilt by the next --compile
 
 
-def test_a_broken_entry_is_rebuilt_when_building(built: dict[str, Any], tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_broken_entry_is_rebuilt_when_building(
+    built: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With build, a truncated entry is compiled again (here: the good file copied back, as a build
     would write it) and then used."""
     store, key = fresh_copy(built, tmp_path)
@@ -320,25 +448,38 @@ def test_an_entry_whose_probe_disagrees_is_refused(built: dict[str, Any], tmp_pa
     store.build(other_key, lambda path: shutil.copy(store.folder(key) / PAYLOAD, path))
     notes: list[str] = []
     with pytest.raises(NotCachedError):
-        compile_for_decoding(other, (1,), cache_len=16, mode=MODE, store=store, build=False,
-                             note=notes.append)
+        compile_for_decoding(
+            other, (1,), cache_len=16, mode=MODE, store=store, build=False, note=notes.append
+        )
     assert len(notes) == 1 and "its probe call differs from the eager step" in notes[0], notes
     assert store.find(other_key) is None
 
 
-def test_the_default_run_notes_a_broken_entry_and_decodes_eagerly(built: dict[str, Any], tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_run_notes_a_broken_entry_and_decodes_eagerly(
+    built: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     store, key = fresh_copy(built, tmp_path)
     damage(store.folder(key), "truncated")
     monkeypatch.setenv(MODE_ENV, MODE)
     argv = ["--target", str(built["folder"]), *RUN[:-1], "--cache-dir", str(store.root)]
     _, err = main_ok(capsys, argv + ["--no-color"])
     notes = [line for line in err if line.startswith("note: ")]
-    assert len(notes) == 2 and "refused (its file has" in notes[0] and notes[0].endswith("; decoding eagerly")
+    assert (
+        len(notes) == 2
+        and "refused (its file has" in notes[0]
+        and notes[0].endswith("; decoding eagerly")
+    )
     assert "`--compile` builds them again" in notes[1]  # and how to have them back
-    out, _ = main_ok(capsys, argv + ["--json"])  # the broken entry is gone: eager, the compiled run's tokens
-    assert json.loads(out)["settings"]["setup"] == "default" and json.loads(out)["tokens"] == built["first"]["tokens"]
+    out, _ = main_ok(
+        capsys, argv + ["--json"]
+    )  # the broken entry is gone: eager, the compiled run's tokens
+    assert (
+        json.loads(out)["settings"]["setup"] == "default"
+        and json.loads(out)["tokens"] == built["first"]["tokens"]
+    )
 
 
 # ----------------------------------------------------------------------------- concurrent builders
@@ -369,9 +510,16 @@ BUILDER = textwrap.dedent("""
 def test_two_builders_of_one_entry_leave_one_whole_entry(tmp_path: Path) -> None:
     cache, flags = tmp_path / "cache", tmp_path / "flags"
     flags.mkdir()
-    script = BUILDER.format(module=str(ROOT / "weights" / "step_cache.py"), cache=str(cache),
-                            ready=str(flags / "ready-"), go=str(flags / "go"))
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    script = BUILDER.format(
+        module=str(ROOT / "weights" / "step_cache.py"),
+        cache=str(cache),
+        ready=str(flags / "ready-"),
+        go=str(flags / "go"),
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     while len(list(flags.glob("ready-*"))) < 2 and all(proc.poll() is None for proc in procs):
         time.sleep(0.01)
     (flags / "go").touch()
@@ -379,7 +527,10 @@ def test_two_builders_of_one_entry_leave_one_whole_entry(tmp_path: Path) -> None
     tmp_path = cache
     assert all(proc.returncode == 0 for proc in procs)
     assert [r[0] for r in results] == [str(20 * 256 * 400)] * 2  # each got the whole file
-    assert sorted(r[1] for r in results) == ["0", "1"]  # one built, the other waited for it and read it
+    assert sorted(r[1] for r in results) == [
+        "0",
+        "1",
+    ]  # one built, the other waited for it and read it
     store = StepCache(tmp_path)
     (entry,) = store.entries()
     assert entry.problem == "" and store.find({"model": "m", "width": 1}) is not None
@@ -387,20 +538,31 @@ def test_two_builders_of_one_entry_leave_one_whole_entry(tmp_path: Path) -> None
 
 
 # ----------------------------------------------------------------------------- a compile that cannot happen
-def test_a_broken_compiler_drops_the_compiled_candidate_in_one_line(built: dict[str, Any], tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture[str],
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_broken_compiler_drops_the_compiled_candidate_in_one_line(
+    built: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     argv = ["--target", str(built["folder"]), *RUN, "--cache-dir", str(tmp_path)]
-    with torch._inductor.config.patch({"cpp.cxx": (None, "/bin/false")}):  # what CXX=/bin/false sets
+    with torch._inductor.config.patch(
+        {"cpp.cxx": (None, "/bin/false")}
+    ):  # what CXX=/bin/false sets
         out, err = main_ok(capsys, argv + ["--compile"])
         (line,) = json.loads(out)["settings"]["setup"]
         assert "compiled dropped: no working C++ compiler: /bin/false does not run" in line
         assert json.loads(out)["tokens"] == built["first"]["tokens"]
-        main_error(capsys, argv + ["--compile", "force"], "--compile force", "no working C++ compiler")
+        main_error(
+            capsys, argv + ["--compile", "force"], "--compile force", "no working C++ compiler"
+        )
 
 
-def test_an_inductor_error_is_one_line(built: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_inductor_error_is_one_line(
+    built: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def broken(*args: Any) -> None:
         raise RuntimeError("Inductor went wrong\n" + "  a long traceback\n" * 500)
 
@@ -409,30 +571,55 @@ def test_an_inductor_error_is_one_line(built: dict[str, Any], tmp_path: Path, ca
     argv = ["--target", str(built["folder"]), *RUN, "--cache-dir", str(tmp_path)]
     out, _ = main_ok(capsys, argv + ["--compile"])
     (line,) = json.loads(out)["settings"]["setup"]
-    assert "compiled dropped: compiling the Llama float32 step, 1 x 1 tokens failed (RuntimeError: Inductor went " \
-           "wrong)" in line
+    assert (
+        "compiled dropped: compiling the Llama float32 step, 1 x 1 tokens failed (RuntimeError: Inductor went "
+        "wrong)" in line
+    )
     main_error(capsys, argv + ["--compile", "force"], "RuntimeError: Inductor went wrong")
 
 
-def test_without_a_compiler_force_exits_2_in_one_line(built: dict[str, Any], tmp_path: Path) -> None:
+def test_without_a_compiler_force_exits_2_in_one_line(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
     """A PATH without g++, in a real process: exit status 2, one line, no traceback."""
-    proc = subprocess_cli("--target", str(built["folder"]), *RUN, "--cache-dir", str(tmp_path), "--compile", "force",
-                          env={"PATH": str(tmp_path), "CXX": None})
+    proc = subprocess_cli(
+        "--target",
+        str(built["folder"]),
+        *RUN,
+        "--cache-dir",
+        str(tmp_path),
+        "--compile",
+        "force",
+        env={"PATH": str(tmp_path), "CXX": None},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == ["error: --compile force: no working C++ compiler: g++ does not run "
-                                                "(install g++, or set CXX)"]
-    with torch._inductor.config.patch({"cpp.cxx": (None, str(tmp_path / "g++"))}), \
-            pytest.raises(CompileError, match="no working C.. compiler"):  # what a library caller gets
+    assert proc.stderr.strip().splitlines() == [
+        "error: --compile force: no working C++ compiler: g++ does not run "
+        "(install g++, or set CXX)"
+    ]
+    with (
+        torch._inductor.config.patch({"cpp.cxx": (None, str(tmp_path / "g++"))}),
+        pytest.raises(CompileError, match="no working C.. compiler"),
+    ):  # what a library caller gets
         compile_for_decoding(stacked(built["folder"]), (1,), cache_len=16, mode=MODE)
 
 
-def test_serve_py_builds_the_steps_once_and_a_later_start_loads_them(built: dict[str, Any], tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_py_builds_the_steps_once_and_a_later_start_loads_them(
+    built: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """serve.py sets the pair up as generate.py does: --compile force keeps the server's steps
     (every batch size and width it calls) in the cache, and a later default start loads them
     and decodes the eager step's tokens."""
     monkeypatch.setenv(MODE_ENV, MODE)
-    argv = ["--target", str(built["folder"]), "--no-draft", "--max-batch", "1", "--cache-dir", str(tmp_path)]
+    argv = [
+        "--target",
+        str(built["folder"]),
+        "--no-draft",
+        "--max-batch",
+        "1",
+        "--cache-dir",
+        str(tmp_path),
+    ]
 
     def start(*extra: str) -> tuple[Any, Any]:
         args = serve.build_parser().parse_args([*argv, *extra])
@@ -454,18 +641,26 @@ def test_packages_that_return_three_layers_inputs_load_again(tmp_path: Path) -> 
     """The steps an EAGLE-3 head's target runs return the inputs of the layers it reads (a tuple
     of ids, JSON's list in the manifest): built once, found again by a later run, and equal
     to the eager call."""
-    model = random_llama(vocab=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64, seed=4)
+    model = random_llama(
+        vocab=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64, seed=4
+    )
     eager = copy.deepcopy(model)
     layers = (2, 2, 1)
-    compile_for_decoding(model, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=True)
+    compile_for_decoding(
+        model, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=True
+    )
     again = copy.deepcopy(eager)
-    steps = compile_for_decoding(again, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=False)
+    steps = compile_for_decoding(
+        again, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=False
+    )
     assert steps.loaded and not steps.built
     tokens = torch.tensor([[5, 9, 2]])
     with torch.no_grad():
         for m in (again, eager):
             m.setup_cache(1, 32)
-        got, want = (m(tokens, calls.chain(0, 3, "cpu"), return_hidden=layers) for m in (again, eager))
+        got, want = (
+            m(tokens, calls.chain(0, 3, "cpu"), return_hidden=layers) for m in (again, eager)
+        )
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
     assert got[1].shape == (1, 3, 96)
@@ -475,10 +670,14 @@ def test_a_plain_call_runs_through_steps_compiled_with_features(tmp_path: Path) 
     """A feature head's target is compiled to return features too; a plain call (the target alone,
     as --compare's baseline runs it) goes through the same compiled step and drops them, rather
     than running eagerly on weights left unpacked, and gives the eager call's logits."""
-    model = random_llama(vocab=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64, seed=4)
+    model = random_llama(
+        vocab=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64, seed=4
+    )
     eager = copy.deepcopy(model)
     layers = (2, 2, 1)
-    compile_for_decoding(model, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=True)
+    compile_for_decoding(
+        model, (3,), (1,), 64, layers, "default", store=StepCache(tmp_path), build=True
+    )
     calls_made = []
     real = model.compiled.fn
     model.compiled.fn = lambda *args: calls_made.append(args[-1]) or real(*args)
@@ -487,6 +686,8 @@ def test_a_plain_call_runs_through_steps_compiled_with_features(tmp_path: Path) 
         for m in (model, eager):
             m.setup_cache(1, 32)
         got, want = (m(tokens, calls.chain(0, 3, "cpu")) for m in (model, eager))
-    assert calls_made == [layers]  # through the compiled step, asked for the features it was built with
+    assert calls_made == [
+        layers
+    ]  # through the compiled step, asked for the features it was built with
     assert got.shape == want.shape == (1, 3, 64)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -50,9 +50,20 @@ pytestmark = pytest.mark.xdist_group("test_compile")
 torch.set_num_threads(1)
 
 
-def pair(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
-    target = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64,
-                          seed=seed, dtype=dtype)
+def pair(
+    dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    target = random_llama(
+        vocab=16,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=64,
+        max_seq_len=64,
+        seed=seed,
+        dtype=dtype,
+    )
     return target, noisy_copy(target, std=0.05, seed=seed + 1)
 
 
@@ -63,8 +74,16 @@ def test_the_step_is_the_cached_forward() -> None:
     compiled dispatcher passes it (the window the whole cache, its scratch slot included but
     never visible): the logits of the plain forward over each row, after a ragged prefix
     and over stale cache entries; the public ragged call gives the same."""
-    model = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, seed=1,
-                         dtype=torch.float64)
+    model = random_llama(
+        vocab=16,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=32,
+        seed=1,
+        dtype=torch.float64,
+    )
     reference = copy.deepcopy(model)
     rows = [[1, 2, 3, 4, 5], [6, 7, 8]]
     model.setup_cache(2, 24)
@@ -73,14 +92,16 @@ def test_the_step_is_the_cached_forward() -> None:
     slots = torch.tensor([[5, 6, 7], [3, 4, 5]])
     window = model.layers[0].self_attn.cache.k.shape[2]
     assert window == 25  # 24 slots and the scratch slot
-    visible = torch.arange(window) <= slots.unsqueeze(-1)  # each token sees its row up to its own slot
+    visible = torch.arange(window) <= slots.unsqueeze(
+        -1
+    )  # each token sees its row up to its own slot
     tokens = torch.tensor([[9, 10, 11], [12, 13, 0]])
     out = model.step(tokens, slots, slots, visible, window, False)
     again = model(tokens, calls.ragged([5, 3], 3, 24, "cpu"))  # rewrites the same entries
     for b, new in enumerate([[9, 10, 11], [12, 13]]):
-        alone = reference(torch.tensor([rows[b] + new]))[0, -len(new):]
-        assert torch.allclose(out[b, :len(new)], alone, atol=1e-12, rtol=0)
-        assert torch.allclose(again[b, :len(new)], alone, atol=1e-12, rtol=0)
+        alone = reference(torch.tensor([rows[b] + new]))[0, -len(new) :]
+        assert torch.allclose(out[b, : len(new)], alone, atol=1e-12, rtol=0)
+        assert torch.allclose(again[b, : len(new)], alone, atol=1e-12, rtol=0)
 
 
 # ----------------------------------------------------------------------------- compiled
@@ -93,7 +114,9 @@ def compiled_pair() -> dict:
     widths = decode_widths("auto", GAMMA_MAX)
     # Inductor's default mode: what these tests check does not depend on the kernels, and the
     # 12 shapes compile in a fraction of autotune's time (a CLI test below runs autotune).
-    steps = [compile_for_decoding(m, widths, cache_len=64, mode="default") for m in (ctarget, cdraft)]
+    steps = [
+        compile_for_decoding(m, widths, cache_len=64, mode="default") for m in (ctarget, cdraft)
+    ]
     return {"target": target, "draft": draft, "ctarget": ctarget, "cdraft": cdraft, "steps": steps}
 
 
@@ -109,22 +132,43 @@ def test_a_compiled_run_never_recompiles(compiled_pair: dict, gamma: int | str) 
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed, prompt in enumerate([[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], [2, 2]]):
             for temperature in (0.0, 1.0):
-                out = speculative_generate(compiled_pair["ctarget"], compiled_pair["cdraft"], prompt, 30,
-                                           gamma=gamma, temperature=temperature, seed=seed, eos_id=3)
+                out = speculative_generate(
+                    compiled_pair["ctarget"],
+                    compiled_pair["cdraft"],
+                    prompt,
+                    30,
+                    gamma=gamma,
+                    temperature=temperature,
+                    seed=seed,
+                    eos_id=3,
+                )
                 assert out.stats.target_calls > 1
-            autoregressive_generate(compiled_pair["ctarget"], prompt, 12, temperature=1.0, seed=seed)
+            autoregressive_generate(
+                compiled_pair["ctarget"], prompt, 12, temperature=1.0, seed=seed
+            )
     assert graphs() == before
 
 
 @pytest.mark.parametrize("gamma", [1, 4, "auto"])
-def test_compiled_greedy_is_the_target_up_to_near_ties(compiled_pair: dict, gamma: int | str) -> None:
+def test_compiled_greedy_is_the_target_up_to_near_ties(
+    compiled_pair: dict, gamma: int | str
+) -> None:
     differ = 0
     for seed in range(5):
-        prompt = torch.randint(0, 16, (1 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        compiled = speculative_generate(compiled_pair["ctarget"], compiled_pair["cdraft"], prompt, 24, gamma=gamma,
-                                        temperature=0)
-        eager = speculative_generate(compiled_pair["target"], compiled_pair["draft"], prompt, 24, gamma=gamma,
-                                     temperature=0)
+        prompt = torch.randint(
+            0, 16, (1 + seed,), generator=torch.Generator().manual_seed(seed)
+        ).tolist()
+        compiled = speculative_generate(
+            compiled_pair["ctarget"],
+            compiled_pair["cdraft"],
+            prompt,
+            24,
+            gamma=gamma,
+            temperature=0,
+        )
+        eager = speculative_generate(
+            compiled_pair["target"], compiled_pair["draft"], prompt, 24, gamma=gamma, temperature=0
+        )
         assert far_from_argmax(compiled_pair["target"], prompt, compiled.tokens) == []
         differ += compiled.tokens != eager.tokens
     assert differ <= 1  # a near-tie may fall the other way; never more than rarely
@@ -132,8 +176,12 @@ def test_compiled_greedy_is_the_target_up_to_near_ties(compiled_pair: dict, gamm
 
 def test_the_near_tie_check_sees_a_wrong_compiled_model(compiled_pair: dict) -> None:
     """The check above can fail: a compiled model of other weights is caught."""
-    other = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64, seed=9)
-    out = speculative_generate(compiled_pair["ctarget"], compiled_pair["cdraft"], [1, 2], 24, gamma=4, temperature=0)
+    other = random_llama(
+        vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64, seed=9
+    )
+    out = speculative_generate(
+        compiled_pair["ctarget"], compiled_pair["cdraft"], [1, 2], 24, gamma=4, temperature=0
+    )
     assert far_from_argmax(other, [1, 2], out.tokens) != []
 
 
@@ -144,8 +192,15 @@ def test_compiled_runs_have_the_target_distribution(compiled_pair: dict) -> None
     law = sequence_distribution(lambda ctx: ref_warp(logits(ctx).tolist(), 0.9), [1, 5], 2)
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(runs):
-        out = speculative_generate(compiled_pair["ctarget"], compiled_pair["cdraft"], [1, 5], 2, gamma=2,
-                                   temperature=0.9, seed=seed)
+        out = speculative_generate(
+            compiled_pair["ctarget"],
+            compiled_pair["cdraft"],
+            [1, 5],
+            2,
+            gamma=2,
+            temperature=0.9,
+            seed=seed,
+        )
         key = tuple(out.tokens)
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_pvalue(counts, law) > 1e-3
@@ -162,7 +217,11 @@ def count_compiled_calls(model: torch.nn.Module, counts: Counter) -> None:
     real = model.compiled.fn
 
     def counted(*args, _real=real):
-        where, visible, window = args[-5], args[-3], args[-2]  # (*inputs, slots, positions, visible, window, hidden)
+        where, visible, window = (
+            args[-5],
+            args[-3],
+            args[-2],
+        )  # (*inputs, slots, positions, visible, window, hidden)
         rows, width = where.shape
         counts[f"rows{rows}"] += 1
         written = where < window - 1  # padding writes the scratch slot, the last one
@@ -184,10 +243,22 @@ def bucketed_pair() -> dict:
     ctarget, cdraft = copy.deepcopy(target), copy.deepcopy(draft)
     # Inductor's default mode: the buckets are the same whatever the kernels, and it compiles
     # these 18 shapes in a fraction of autotune's time (a CLI test runs autotune)
-    compile_for_decoding(ctarget, decode_widths(4, 4), rows=(1, 2, 4), cache_len=64,
-                         tree_widths=(len(branching_parents(TREE)) + 1,), mode="default")
-    compile_for_decoding(cdraft, (1, 2), rows=(1, 2, 4), cache_len=64,
-                         tree_widths=[len(branching_parents(TREE[:d])) for d in range(1, len(TREE))], mode="default")
+    compile_for_decoding(
+        ctarget,
+        decode_widths(4, 4),
+        rows=(1, 2, 4),
+        cache_len=64,
+        tree_widths=(len(branching_parents(TREE)) + 1,),
+        mode="default",
+    )
+    compile_for_decoding(
+        cdraft,
+        (1, 2),
+        rows=(1, 2, 4),
+        cache_len=64,
+        tree_widths=[len(branching_parents(TREE[:d])) for d in range(1, len(TREE))],
+        mode="default",
+    )
     counts: Counter = Counter()
     for model in (ctarget, cdraft):
         count_compiled_calls(model, counts)
@@ -201,27 +272,52 @@ def test_batch_and_tree_runs_use_their_buckets_and_never_recompile(bucketed_pair
     """Batches of 3 (padded to 4, then 2 and 1 as rows finish at EOS or their budget) and token
     trees, greedy and sampled: the compiled shapes are what runs (a tree's call through the
     same compiled step, padded to a compiled tree width), and nothing recompiles."""
-    ctarget, cdraft, calls = bucketed_pair["ctarget"], bucketed_pair["cdraft"], bucketed_pair["calls"]
+    ctarget, cdraft, calls = (
+        bucketed_pair["ctarget"],
+        bucketed_pair["cdraft"],
+        bucketed_pair["calls"],
+    )
     before = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for temperature in (0.0, 1.0):
-            speculative_generate_batch(ctarget, cdraft, PROMPTS, 20, gamma=4, temperature=temperature, seed=1,
-                                       eos_id=3, batch_size=3)
+            speculative_generate_batch(
+                ctarget,
+                cdraft,
+                PROMPTS,
+                20,
+                gamma=4,
+                temperature=temperature,
+                seed=1,
+                eos_id=3,
+                batch_size=3,
+            )
             for seed, prompt in enumerate(PROMPTS):
-                speculative_generate(ctarget, cdraft, prompt, 20, temperature=temperature, seed=seed, tree=TREE)
+                speculative_generate(
+                    ctarget, cdraft, prompt, 20, temperature=temperature, seed=seed, tree=TREE
+                )
     assert graphs() == before
     assert calls["rows4"] > 0 and calls["rows2"] > 0 and calls["rows1"] > 0 and calls["tree"] > 0
-    assert calls["tree11"] > 0 and calls["tree2"] > 0 and calls["tree6"] > 0  # the target's and the draft's
+    assert (
+        calls["tree11"] > 0 and calls["tree2"] > 0 and calls["tree6"] > 0
+    )  # the target's and the draft's
 
 
 def test_compiled_batch_and_tree_greedy_is_the_target_up_to_near_ties(bucketed_pair: dict) -> None:
     target = bucketed_pair["target"]
-    batch = speculative_generate_batch(bucketed_pair["ctarget"], bucketed_pair["cdraft"], PROMPTS, 24, gamma=4,
-                                       temperature=0, batch_size=3)
+    batch = speculative_generate_batch(
+        bucketed_pair["ctarget"],
+        bucketed_pair["cdraft"],
+        PROMPTS,
+        24,
+        gamma=4,
+        temperature=0,
+        batch_size=3,
+    )
     for prompt, row in zip(PROMPTS, batch.results):
         assert len(row.tokens) == 24 and far_from_argmax(target, prompt, row.tokens) == []
-        tree = speculative_generate(bucketed_pair["ctarget"], bucketed_pair["cdraft"], prompt, 24, temperature=0,
-                                    tree=TREE)
+        tree = speculative_generate(
+            bucketed_pair["ctarget"], bucketed_pair["cdraft"], prompt, 24, temperature=0, tree=TREE
+        )
         assert len(tree.tokens) == 24 and far_from_argmax(target, prompt, tree.tokens) == []
 
 
@@ -234,14 +330,23 @@ def test_a_compiled_tree_call_uses_its_mask() -> None:
     counts: Counter = Counter()
     count_compiled_calls(model, counts)
     eager.setup_cache(1, 32)
-    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
-                        dtype=torch.bool)
+    mask = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+        dtype=torch.bool,
+    )
     slots, positions = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[5, 6, 6, 7, 7]])
-    visible = torch.ones(1, 5, 10, dtype=torch.bool)  # every cached slot 0..4, then the mask over the nodes
+    visible = torch.ones(
+        1, 5, 10, dtype=torch.bool
+    )  # every cached slot 0..4, then the mask over the nodes
     visible[0, :, 5:] = mask
     call = CacheCall(slots, positions, visible, 10, 9)
     # the builder makes this call for the tree with these parents (root at slot 4, nodes from 5)
-    built = calls.tree(5, 0, TokenTree(torch.tensor([6, 7, 8, 9, 10]), [-1, 0, 0, 1, 2], mode="deterministic"), "cpu")
+    built = calls.tree(
+        5,
+        0,
+        TokenTree(torch.tensor([6, 7, 8, 9, 10]), [-1, 0, 0, 1, 2], mode="deterministic"),
+        "cpu",
+    )
     assert torch.equal(built.slots, slots) and torch.equal(built.positions, positions)
     assert torch.equal(built.visible, visible) and (built.window, built.top) == (10, 9)
     with torch.inference_mode():
@@ -251,7 +356,9 @@ def test_a_compiled_tree_call_uses_its_mask() -> None:
         got = model(nodes, call)
         assert counts["tree6"] == 1  # it ran compiled, padded to width 6
         assert torch.allclose(got, eager(nodes, call), atol=1e-5)
-        causal = model(nodes, CacheCall(slots, positions, torch.arange(10) <= slots.unsqueeze(-1), 10, 9))
+        causal = model(
+            nodes, CacheCall(slots, positions, torch.arange(10) <= slots.unsqueeze(-1), 10, 9)
+        )
         assert not torch.allclose(got, causal, atol=1e-3)
 
 
@@ -259,14 +366,24 @@ def test_compile_reports_what_it_compiled(compiled_pair: dict) -> None:
     steps = compiled_pair["steps"][0]
     assert steps.widths == decode_widths("auto", GAMMA_MAX) and steps.rows == (1,)
     assert steps.widths[-1] == GAMMA_MAX + 1 and steps.widths[:3] == (1, 2, 3)
-    assert steps.compile_s > 0 and steps.shape_for(1, 3) == (1, 3) and steps.shape_for(1, 4) == (1, 5)
+    assert (
+        steps.compile_s > 0 and steps.shape_for(1, 3) == (1, 3) and steps.shape_for(1, 4) == (1, 5)
+    )
     assert steps.shape_for(1, GAMMA_MAX + 2) is None and steps.shape_for(2, 1) is None
     with pytest.raises(ValueError, match="compiled for at most 1 rows and 64 positions"):
         compiled_pair["ctarget"].setup_cache(2, 10)
 
 
-@pytest.mark.parametrize("gamma, gamma_max, widths", [(4, 8, (1, 2, 5)), (1, 8, (1, 2)), ("auto", 8, (1, 2, 3, 5, 9)),
-                                                      ("auto", 4, (1, 2, 3, 5)), ("auto", 12, (1, 2, 3, 5, 9, 13))])
+@pytest.mark.parametrize(
+    "gamma, gamma_max, widths",
+    [
+        (4, 8, (1, 2, 5)),
+        (1, 8, (1, 2)),
+        ("auto", 8, (1, 2, 3, 5, 9)),
+        ("auto", 4, (1, 2, 3, 5)),
+        ("auto", 12, (1, 2, 3, 5, 9, 13)),
+    ],
+)
 def test_decode_widths(gamma: int | str, gamma_max: int, widths: tuple[int, ...]) -> None:
     assert decode_widths(gamma, gamma_max) == widths
 
@@ -277,22 +394,29 @@ def test_a_prepacked_model_compiles_with_its_packed_products() -> None:
     """A prepacked layer is one opaque operator in the graph (model/fast/prepack.py): the compiled
     prepacked model gives the eager prepacked model's logits, over a run of steps, and the
     packed weights are still what runs (a changed packed weight changes the output)."""
-    model = random_llama(vocab=16, dim=512, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=32)
+    model = random_llama(
+        vocab=16, dim=512, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=32
+    )
     if not prepack_linears(model, min_elements=1):
         pytest.skip("nothing was prepacked on this machine")
     eager = copy.deepcopy(model)
     compile_for_decoding(model, (1, 3), cache_len=24, mode="default")
     eager.setup_cache(1, 24)
     with torch.inference_mode():
-        feeds = [(torch.tensor([[1, 2, 3, 4]]), 0), (torch.tensor([[5]]), 4), (torch.tensor([[6, 7, 8]]), 5),
-                 (torch.tensor([[9]]), 8)]
+        feeds = [
+            (torch.tensor([[1, 2, 3, 4]]), 0),
+            (torch.tensor([[5]]), 4),
+            (torch.tensor([[6, 7, 8]]), 5),
+            (torch.tensor([[9]]), 8),
+        ]
         for tokens, start in feeds:
             call = calls.chain(start, tokens.shape[1], "cpu")
             assert torch.allclose(model(tokens, call), eager(tokens, call), atol=1e-4, rtol=1e-4)
         layer = model.layers[0].mlp.down_proj
         before = model(torch.tensor([[3]]), calls.chain(9, 1, "cpu"))
-        layer.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(layer.out_features, layer.in_features),
-                                                               None)
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(
+            torch.zeros(layer.out_features, layer.in_features), None
+        )
         assert not torch.allclose(model(torch.tensor([[3]]), calls.chain(9, 1, "cpu")), before)
 
 
@@ -302,17 +426,33 @@ def test_an_int4_model_compiles_with_its_packed_codes(dtype: torch.dtype) -> Non
     the graph as any weight: the compiled int4 model gives the eager int4 model's logits over a run
     of steps, in float32 and in bfloat16, the codes still run (zeroed scales and zeros change the
     output), and its steps may be kept in the compiled-step cache (int8's may not)."""
-    model = quantize_int4(random_llama(vocab=16, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=128,
-                                       max_seq_len=32, dtype=dtype))
+    model = quantize_int4(
+        random_llama(
+            vocab=16,
+            dim=64,
+            n_layers=1,
+            n_heads=4,
+            n_kv_heads=2,
+            hidden_dim=128,
+            max_seq_len=32,
+            dtype=dtype,
+        )
+    )
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 and cacheable(model)
     assert model.layers[0].mlp.down_proj.scales_and_zeros.dtype == dtype
     eager = copy.deepcopy(model)
     compile_for_decoding(model, (1, 3), cache_len=24, mode="default")
     eager.setup_cache(1, 24)
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bfloat16: its rounding, fused differently
+    tolerance = (
+        1e-5 if dtype == torch.float32 else 3e-2
+    )  # bfloat16: its rounding, fused differently
     with torch.inference_mode():
-        feeds = [(torch.tensor([[1, 2, 3, 4]]), 0), (torch.tensor([[5]]), 4), (torch.tensor([[6, 7, 8]]), 5),
-                 (torch.tensor([[9]]), 8)]
+        feeds = [
+            (torch.tensor([[1, 2, 3, 4]]), 0),
+            (torch.tensor([[5]]), 4),
+            (torch.tensor([[6, 7, 8]]), 5),
+            (torch.tensor([[9]]), 8),
+        ]
         for tokens, start in feeds:
             call = calls.chain(start, tokens.shape[1], "cpu")
             got, want = model(tokens, call), eager(tokens, call)
@@ -320,7 +460,9 @@ def test_an_int4_model_compiles_with_its_packed_codes(dtype: torch.dtype) -> Non
         before = model(torch.tensor([[3]]), calls.chain(9, 1, "cpu"))
         model.layers[0].mlp.down_proj.scales_and_zeros.zero_()
         after = model(torch.tensor([[3]]), calls.chain(9, 1, "cpu"))
-        assert float((after.float() - before.float()).norm() / before.float().norm()) > 10 * tolerance
+        assert (
+            float((after.float() - before.float()).norm() / before.float().norm()) > 10 * tolerance
+        )
 
 
 def test_bad_widths_are_refused() -> None:
@@ -332,7 +474,9 @@ def test_bad_widths_are_refused() -> None:
 
 
 # ----------------------------------------------------------------------------- generate.py --compile
-def test_cli_compile_refuses_what_it_cannot_compile(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+def test_cli_compile_refuses_what_it_cannot_compile(
+    capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
     main_error(capsys, PAIR + ["--compile", "--quantize", "int8"], "--compile", "int8")
     main_error(capsys, PAIR + ["--compile", "sometimes"], "--compile")
     main_error(capsys, PAIR + ["--compile", "--setup", "plain"], "--compile", "--setup plain")
@@ -341,8 +485,9 @@ def test_cli_compile_refuses_what_it_cannot_compile(capsys: pytest.CaptureFixtur
 
 
 @needs_pair
-def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_compile_measures_chooses_and_keeps_the_tokens(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--compile force in the CPU's default mode (autotune: the one test that builds it, end to end):
     the target compiled and timed against the fixed eager set-up (the record the default run reads),
     the choice and compile time on stderr, and the greedy tokens of the eager run (numerics policy: the
@@ -355,18 +500,26 @@ def test_cli_compile_measures_chooses_and_keeps_the_tokens(capsys: pytest.Captur
     monkeypatch.delenv(MODE_ENV, raising=False)
     base = ["--target", PAIR[1], "--no-draft", "--no-color"]
     eager, _ = main_ok(capsys, base + ["--max-new-tokens", "24", "--json"])
-    compiled, err = main_ok(capsys, base + ["--max-new-tokens", "24", "--json", "--compile", "force"])
+    compiled, err = main_ok(
+        capsys, base + ["--max-new-tokens", "24", "--json", "--compile", "force"]
+    )
     eager, compiled = json.loads(eager), json.loads(compiled)
     lines = compiled["settings"]["setup"]
     assert [line.split(":")[0] for line in lines] == ["target"]
-    assert all(" ms per step at each decode width (compiled in" in line and line.endswith("-> compiled (forced)")
-               for line in lines), lines
+    assert all(
+        " ms per step at each decode width (compiled in" in line
+        and line.endswith("-> compiled (forced)")
+        for line in lines
+    ), lines
     assert compiled["tokens"] == eager["tokens"]
     out, err = main_ok(capsys, base + ["--max-new-tokens", "8", "--compile"])
     timed = [line for line in err if line.startswith("setup: ")]
     assert [line.split(":")[1].strip() for line in timed] == ["target"]
     for line in timed:  # every set-up timed, and the fastest kept
-        times = dict(part.rsplit(" ", 1) for part in line.split(": ", 2)[2].split(" ms per step")[0].split(", "))
+        times = dict(
+            part.rsplit(" ", 1)
+            for part in line.split(": ", 2)[2].split(" ms per step")[0].split(", ")
+        )
         assert sorted(times) == ["compiled", "plain", "prepacked", "stacked"]
         assert line.endswith("-> " + min(times, key=lambda k: float(times[k])))
         # the width-1 step that --compile force kept: loaded, so no compile time to win back
@@ -385,17 +538,22 @@ def test_cli_setup_forced_and_measured(capsys: pytest.CaptureFixture[str]) -> No
     for setup in ("plain", "stacked", "prepacked"):
         forced = json.loads(main_ok(capsys, base + ["--setup", setup])[0])
         assert forced["tokens"] == default["tokens"]
-        assert forced["settings"]["setup"] == [f"target: {setup} (the only set-up asked for)",
-                                               f"draft: {setup} (the only set-up asked for)"]
+        assert forced["settings"]["setup"] == [
+            f"target: {setup} (the only set-up asked for)",
+            f"draft: {setup} (the only set-up asked for)",
+        ]
     measured = json.loads(main_ok(capsys, base + ["--setup", "measure"])[0])
     for line in measured["settings"]["setup"]:
-        assert "plain" in line and "stacked" in line and "prepacked" in line and "compiled" not in line
+        assert (
+            "plain" in line and "stacked" in line and "prepacked" in line and "compiled" not in line
+        )
     assert measured["tokens"] == default["tokens"]
 
 
 @needs_pair
-def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str], tmp_path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_compiled_batch_keeps_the_tokens(
+    capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--setup compiled with --prompts-file: the target compiled for batch sizes 1 and 2,
     the greedy tokens of every prompt those of the eager batch (in Inductor's default mode: the
     buckets and tokens are the same whatever the kernels). The steps go to a cache of this
@@ -404,8 +562,18 @@ def test_cli_compiled_batch_keeps_the_tokens(capsys: pytest.CaptureFixture[str],
     monkeypatch.setenv(MODE_ENV, "default")
     prompts = tmp_path / "p.txt"
     prompts.write_text("Once upon a time\nThe dog ran\nA little girl\n")
-    base = ["--target", str(PAIR[1]), "--no-draft", "--max-new-tokens", "8", "--json", "--prompts-file",
-            str(prompts), "--batch-size", "2"]
+    base = [
+        "--target",
+        str(PAIR[1]),
+        "--no-draft",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--prompts-file",
+        str(prompts),
+        "--batch-size",
+        "2",
+    ]
     eager = json.loads(main_ok(capsys, base)[0])
     compiled = json.loads(main_ok(capsys, base + ["--setup", "compiled"])[0])
     assert [p["tokens"] for p in compiled["prompts"]] == [p["tokens"] for p in eager["prompts"]]
@@ -420,8 +588,14 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
     target = pair(seed=6)[0]
     head, chead = random_head(target), None
     chead = copy.deepcopy(head)
-    compile_for_decoding(chead, decode_widths(4, 4), rows=(1, 2, 4), cache_len=64, mode="default",
-                         tree_widths=[len(branching_parents(TREE[:d])) for d in range(1, len(TREE))])
+    compile_for_decoding(
+        chead,
+        decode_widths(4, 4),
+        rows=(1, 2, 4),
+        cache_len=64,
+        mode="default",
+        tree_widths=[len(branching_parents(TREE[:d])) for d in range(1, len(TREE))],
+    )
     counts: Counter = Counter()
     count_compiled_calls(chead, counts)
     with torch.inference_mode():
@@ -437,10 +611,23 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
     before = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in PROMPTS:
-            out = speculative_generate(target, FeatureDrafter(chead, target), prompt, 20, temperature=0)
+            out = speculative_generate(
+                target, FeatureDrafter(chead, target), prompt, 20, temperature=0
+            )
             assert far_from_argmax(target, prompt, out.tokens) == []
-            speculative_generate(target, FeatureDrafter(chead, target), prompt, 12, temperature=1.0, seed=1,
-                                 tree=TREE)
-        speculative_generate_batch(target, FeatureDrafter(chead, target), PROMPTS, 12, temperature=0, batch_size=3)
+            speculative_generate(
+                target,
+                FeatureDrafter(chead, target),
+                prompt,
+                12,
+                temperature=1.0,
+                seed=1,
+                tree=TREE,
+            )
+        speculative_generate_batch(
+            target, FeatureDrafter(chead, target), PROMPTS, 12, temperature=0, batch_size=3
+        )
     assert graphs() == before
-    assert counts["rows1"] > 0 and counts["tree"] > 0 and (counts["rows4"] > 0 or counts["rows2"] > 0)
+    assert (
+        counts["rows1"] > 0 and counts["tree"] > 0 and (counts["rows4"] > 0 or counts["rows2"] > 0)
+    )

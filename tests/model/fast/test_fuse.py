@@ -24,11 +24,14 @@ from tests.support.hf import randomize_
 from weights import save_model
 
 # Grouped-query attention (6 query heads, 2 KV heads), so that the split of the stack matters.
-CONFIG = ModelConfig(dim=384, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=512, hidden_dim=1024,
-                     max_seq_len=64)
+CONFIG = ModelConfig(
+    dim=384, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=512, hidden_dim=1024, max_seq_len=64
+)
 
 
-def random_model(config: ModelConfig = CONFIG, seed: int = 0, dtype: torch.dtype = torch.float64) -> Llama:
+def random_model(
+    config: ModelConfig = CONFIG, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> Llama:
     """Weights N(0, 0.08), sharper than init, so that logits spread and disagreements show."""
     return randomize_(Llama(config), seed=seed, std=0.08).to(dtype).eval()
 
@@ -41,7 +44,10 @@ def max_difference(a: Llama, b: Llama, tokens: torch.Tensor) -> float:
             model.setup_cache(tokens.shape[0], CONFIG.max_seq_len)
         for start, end in ((0, 30), (30, 35), (35, 36), (36, 40)):
             call = chain(start, end - start, tokens.device, rows=tokens.shape[0])
-            worst = max(worst, (a(tokens[:, start:end], call) - b(tokens[:, start:end], call)).abs().max().item())
+            worst = max(
+                worst,
+                (a(tokens[:, start:end], call) - b(tokens[:, start:end], call)).abs().max().item(),
+            )
     return worst
 
 
@@ -51,7 +57,9 @@ TOKENS = torch.randint(0, CONFIG.vocab_size, (2, 40), generator=torch.Generator(
 def test_fused_logits_equal_plain_ones() -> None:
     plain = random_model()
     fused = copy.deepcopy(plain)
-    assert fuse_projections(fused) == 2 * CONFIG.n_layers  # one attention and one MLP group per block
+    assert (
+        fuse_projections(fused) == 2 * CONFIG.n_layers
+    )  # one attention and one MLP group per block
     attention, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
     assert attention.q_proj is None and attention.k_proj is None and mlp.gate_proj is None
     assert attention.qkv_proj.weight.shape == ((6 + 2 * 2) * CONFIG.head_dim, CONFIG.dim)
@@ -59,7 +67,9 @@ def test_fused_logits_equal_plain_ones() -> None:
     with torch.inference_mode():
         assert plain(TOKENS).abs().max() > 1.0
     assert max_difference(plain, fused, TOKENS) < 1e-12
-    assert fused.layers[0].self_attn.cache.k.shape[1] == 2  # the cache reads the KV head count from the stack
+    assert (
+        fused.layers[0].self_attn.cache.k.shape[1] == 2
+    )  # the cache reads the KV head count from the stack
     assert fuse_projections(fused) == 0  # nothing left to fuse
 
 
@@ -73,8 +83,8 @@ def test_the_comparison_sees_a_wrong_stack(swap: str) -> None:
     with torch.no_grad():
         if swap == "k and v":
             w = fused.layers[1].self_attn.qkv_proj.weight
-            k, v = w[-2 * kv_rows:-kv_rows].clone(), w[-kv_rows:].clone()
-            w[-2 * kv_rows:-kv_rows], w[-kv_rows:] = v, k
+            k, v = w[-2 * kv_rows : -kv_rows].clone(), w[-kv_rows:].clone()
+            w[-2 * kv_rows : -kv_rows], w[-kv_rows:] = v, k
         else:
             w = fused.layers[1].mlp.gate_up_proj.weight
             w.copy_(torch.cat(w.chunk(2)[::-1]))
@@ -83,17 +93,24 @@ def test_the_comparison_sees_a_wrong_stack(swap: str) -> None:
 
 def test_only_plain_layers_are_stacked() -> None:
     model = random_model(dtype=torch.float32)
-    model.layers[0].self_attn.k_proj = nn.Linear(CONFIG.dim, CONFIG.n_kv_heads * CONFIG.head_dim, bias=True)
+    model.layers[0].self_attn.k_proj = nn.Linear(
+        CONFIG.dim, CONFIG.n_kv_heads * CONFIG.head_dim, bias=True
+    )
     second = model.layers[1]  # int8 layers are not plain nn.Linear
     second.self_attn.q_proj = Int8Linear.from_float(second.self_attn.q_proj.weight.detach())
     second.mlp.up_proj = Int8Linear.from_float(second.mlp.up_proj.weight.detach())
     assert fuse_projections(model) == 1  # only the first block's MLP
     assert getattr(model.layers[0].mlp, "gate_up_proj", None) is not None
     assert getattr(model.layers[0].self_attn, "qkv_proj", None) is None
-    assert getattr(second.self_attn, "qkv_proj", None) is None and getattr(second.mlp, "gate_up_proj", None) is None
+    assert (
+        getattr(second.self_attn, "qkv_proj", None) is None
+        and getattr(second.mlp, "gate_up_proj", None) is None
+    )
 
 
-@pytest.mark.skipif(not prepack_supported(), reason="this PyTorch build lacks the oneDNN prepacking operators")
+@pytest.mark.skipif(
+    not prepack_supported(), reason="this PyTorch build lacks the oneDNN prepacking operators"
+)
 def test_fused_then_prepacked_float32_logits_equal_plain_ones() -> None:
     plain = random_model(dtype=torch.float32)
     fast = copy.deepcopy(plain)

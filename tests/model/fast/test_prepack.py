@@ -17,20 +17,30 @@ from torch import nn
 from model import Llama, ModelConfig
 from model.call import chain
 from model.fast import prepack
-from model.fast.prepack import MIN_ELEMENTS, PrepackedLinear, packable, prepack_linears, prepack_supported
+from model.fast.prepack import (
+    MIN_ELEMENTS,
+    PrepackedLinear,
+    packable,
+    prepack_linears,
+    prepack_supported,
+)
 from speculative import autoregressive_generate, speculative_generate
 from tests.support.hf import randomize_
 from weights import save_model
 
-needs_onednn = pytest.mark.skipif(not prepack_supported(),
-                                  reason="this PyTorch build lacks the oneDNN prepacking operators")
+needs_onednn = pytest.mark.skipif(
+    not prepack_supported(), reason="this PyTorch build lacks the oneDNN prepacking operators"
+)
 
 # Big enough that the MLP and attention projections pass MIN_ELEMENTS, small enough to be fast.
-CONFIG = ModelConfig(dim=384, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=512, hidden_dim=1024,
-                     max_seq_len=64)
+CONFIG = ModelConfig(
+    dim=384, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=512, hidden_dim=1024, max_seq_len=64
+)
 
 
-def random_model(config: ModelConfig = CONFIG, seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama:
+def random_model(
+    config: ModelConfig = CONFIG, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Llama:
     """Weights N(0, 0.08), sharper than init, so that logits spread and disagreements show."""
     return randomize_(Llama(config), seed=seed, std=0.08).to(dtype).eval()
 
@@ -44,7 +54,9 @@ def test_prepacked_logits_equal_plain_ones() -> None:
     assert count == 2 * 5 + 1
     assert isinstance(packed.layers[0].mlp.up_proj, PrepackedLinear)
     assert type(packed.layers[0].self_attn.k_proj) is nn.Linear
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, CONFIG.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)
+    )
     with torch.inference_mode():
         expected, got = plain(tokens), packed(tokens)
         assert expected.abs().max() > 1.0
@@ -68,7 +80,9 @@ def test_the_comparison_can_fail() -> None:
     wrong = plain.layers[1].mlp.down_proj.weight.detach().clone()
     wrong[0] += 0.01  # one output feature off by a hundredth per weight
     packed.layers[1].mlp.down_proj = PrepackedLinear(wrong)
-    tokens = torch.randint(0, CONFIG.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(
+        0, CONFIG.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2)
+    )
     with torch.inference_mode():
         assert (plain(tokens) - packed(tokens)).abs().max().item() > 1e-3
 
@@ -89,16 +103,23 @@ def test_only_plain_large_float32_cpu_layers_are_swapped() -> None:
     assert (holder.big.in_features, holder.big.out_features) == (512, 512)
     assert type(holder.small) is nn.Linear and type(holder.biased) is nn.Linear
     assert type(holder.subclass) is AllReduceLinear
-    assert prepack_linears(random_model(dtype=torch.float64)) == 0  # PyTorch does not repack per call for it
-    assert prepack_linears(random_model(dtype=torch.float16)) == 0  # not prepacked: see model/fast/prepack.py
-    bf16 = random_model(dtype=torch.bfloat16)  # oneDNN reorders bfloat16 at every call: packed where native
+    assert (
+        prepack_linears(random_model(dtype=torch.float64)) == 0
+    )  # PyTorch does not repack per call for it
+    assert (
+        prepack_linears(random_model(dtype=torch.float16)) == 0
+    )  # not prepacked: see model/fast/prepack.py
+    bf16 = random_model(
+        dtype=torch.bfloat16
+    )  # oneDNN reorders bfloat16 at every call: packed where native
     assert (prepack_linears(bf16) > 0) == packable(torch.bfloat16)
 
 
 @needs_onednn
 @pytest.mark.parametrize("cache", [None, 1 << 30, 384 * 512 * 4 - 1])
 def test_a_tied_output_head_is_packed_only_where_it_outgrows_the_cpu_cache(
-        cache: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A packed copy of a head tied to the embeddings sits beside the original the embeddings
     read: more memory, and for a head that fits in the last-level cache a slower step. Only a
     head larger than that cache (here 384 x 512 float32 weights against a cache one byte

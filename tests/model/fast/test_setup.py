@@ -42,7 +42,9 @@ def kinds(model: torch.nn.Module) -> set[str]:
 
 
 def small() -> torch.nn.Module:
-    return random_llama(vocab=16, dim=512, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=32)
+    return random_llama(
+        vocab=16, dim=512, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=512, max_seq_len=32
+    )
 
 
 def test_each_setup_is_what_its_name_says() -> None:
@@ -58,7 +60,9 @@ def test_each_setup_is_what_its_name_says() -> None:
 
 
 @pytest.mark.parametrize("fastest", ["plain", "stacked", "prepacked"])
-def test_the_fastest_measured_candidate_is_kept(fastest: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fastest_measured_candidate_is_kept(
+    fastest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """step_ms is replaced by a clock that makes ``fastest`` the fastest: the chooser must keep
     that set-up's model (seen in its structure) and report every time it took."""
     if fastest == "prepacked" and not prepack_supported():
@@ -75,7 +79,12 @@ def test_the_fastest_measured_candidate_is_kept(fastest: str, monkeypatch: pytes
     monkeypatch.setattr(setup_lib, "step_ms", fake_step_ms)
     model, choice = choose_setup(small(), ("plain", "stacked", "prepacked"), (1, 3), 24)
     assert choice.chosen == fastest and choice.times_ms == times and choice.widths == 2
-    assert kinds(model) == {"plain": {"separate"}, "stacked": {"stacked"}, "prepacked": {"stacked", "packed"}}[fastest]
+    assert (
+        kinds(model)
+        == {"plain": {"separate"}, "stacked": {"stacked"}, "prepacked": {"stacked", "packed"}}[
+            fastest
+        ]
+    )
     assert choice.line("target").endswith(f"-> {fastest}")
     with torch.inference_mode():  # the kept model decodes
         model.setup_cache(1, 24)
@@ -83,16 +92,24 @@ def test_the_fastest_measured_candidate_is_kept(fastest: str, monkeypatch: pytes
 
 
 def test_one_candidate_or_a_large_model_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(setup_lib, "step_ms", lambda *a, **k: pytest.fail("nothing should be timed"))
+    monkeypatch.setattr(
+        setup_lib, "step_ms", lambda *a, **k: pytest.fail("nothing should be timed")
+    )
     model, choice = choose_setup(small(), ("stacked",), (1,), 24)
-    assert choice.chosen == "stacked" and not choice.times_ms and "only set-up asked for" in choice.line("draft")
+    assert (
+        choice.chosen == "stacked"
+        and not choice.times_ms
+        and "only set-up asked for" in choice.line("draft")
+    )
     monkeypatch.setattr(setup_lib, "MAX_COPY_BYTES", 1)
     model, choice = choose_setup(small(), ("plain", "stacked"), (1,), 24)
     assert choice.chosen == "stacked" and "too large to time copies" in choice.why
 
 
 def test_a_setup_that_does_not_apply_is_refused() -> None:
-    model = random_llama(vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32, dtype=torch.float64)
+    model = random_llama(
+        vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32, dtype=torch.float64
+    )
     with pytest.raises(ValueError, match="prepacked set-up does not apply"):
         choose_setup(model, ("prepacked",), (1,), 24)
     assert set(SETUPS) == {"plain", "stacked", "prepacked", "compiled"}
@@ -105,7 +122,9 @@ def test_row_buckets_and_tree_sizes_by_hand() -> None:
     assert tree_sizes((3, 2, 1, 1)) == [3, 9, 15, 21]  # 3, then 2 after each, then 1 and 1
     assert tree_sizes((2,)) == [2] and tree_sizes(()) == []
     for shape in ((3, 2, 1, 1), (4, 2, 1, 1, 1), (1, 3, 2)):  # the tree module's own count agrees
-        assert tree_sizes(shape) == [len(branching_parents(shape[:d])) for d in range(1, len(shape) + 1)]
+        assert tree_sizes(shape) == [
+            len(branching_parents(shape[:d])) for d in range(1, len(shape) + 1)
+        ]
 
 
 def test_what_a_setup_request_names() -> None:
@@ -120,10 +139,16 @@ def test_the_compile_note_weighs_the_compile_time_against_the_run() -> None:
     setups = Setups(None, None, [("target", target), ("draft", draft)])
     assert target.compile_saving_s() == pytest.approx(1e-3) and draft.compile_saving_s() == 0
     note = setups.compile_note(1000)  # saves 1.0 s < 2.0 s
-    assert note.startswith("compiling took 2.0s and saves at most 1.0s over 1000 tokens: this run does not pay")
+    assert note.startswith(
+        "compiling took 2.0s and saves at most 1.0s over 1000 tokens: this run does not pay"
+    )
     assert setups.compile_note(3000) is None  # saves 3 s
-    assert Setups(None, None, [("target", SetupChoice("stacked", {"plain": 1.0, "stacked": 0.5}))]).compile_note(1) \
-        is None  # nothing compiled
+    assert (
+        Setups(
+            None, None, [("target", SetupChoice("stacked", {"plain": 1.0, "stacked": 0.5}))]
+        ).compile_note(1)
+        is None
+    )  # nothing compiled
     assert setups.lines == [target.line("target"), draft.line("draft")]
 
 
@@ -138,34 +163,51 @@ def test_choose_setups_returns_the_models_to_decode_with(monkeypatch: pytest.Mon
         return 1.0 if stacked else 2.0  # stacking wins
 
     monkeypatch.setattr(setup_lib, "step_ms", fake_step_ms)
-    target, draft = small(), random_llama(vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    target, draft = (
+        small(),
+        random_llama(vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32),
+    )
     setups = choose_setups(target, ("plain", "stacked"), (1, 2, 5), 24, draft=draft, batch=3)
-    assert setups.target is not target and setups.draft is not draft  # the timed copies, not patched models
-    assert kinds(setups.target) == kinds(setups.draft) == {"stacked"} and kinds(target) == {"separate"}
+    assert (
+        setups.target is not target and setups.draft is not draft
+    )  # the timed copies, not patched models
+    assert kinds(setups.target) == kinds(setups.draft) == {"stacked"} and kinds(target) == {
+        "separate"
+    }
     assert [name for name, _ in setups.choices] == ["target", "draft"]
     assert timed == [(512, (1, 2, 5), False)] * 2 + [(32, (1, 2), False)] * 2
     alone = choose_setups(target, ("stacked",), (1,), 24)
-    assert alone.draft is None and alone.target is target and kinds(target) == {"stacked"}  # one set-up: applied
+    assert (
+        alone.draft is None and alone.target is target and kinds(target) == {"stacked"}
+    )  # one set-up: applied
     assert alone.lines == ["target: stacked (the only set-up asked for)"]
 
 
-def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """compile_for_decoding replaced by a recorder: the target is compiled for its widths with
     features, the rows' buckets and the whole tree's call; the head, untimed, for the same widths
     and the drafter's tree calls. An eager target leaves the head alone."""
 
     compiled = []
 
-    def fake_compile(model, widths, rows=(1,), cache_len=None, hidden=False, mode=None, tree_widths=(), **store):
-        compiled.append((type(model).__name__, tuple(widths), tuple(rows), hidden, tuple(tree_widths)))
+    def fake_compile(
+        model, widths, rows=(1,), cache_len=None, hidden=False, mode=None, tree_widths=(), **store
+    ):
+        compiled.append(
+            (type(model).__name__, tuple(widths), tuple(rows), hidden, tuple(tree_widths))
+        )
         return SimpleNamespace(compile_s=0.5)
 
     monkeypatch.setattr(setup_lib, "compile_for_decoding", fake_compile)
     target = random_llama(vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64)
     head = random_head(target)
     setups = choose_setups(target, ("compiled",), (1, 2, 5), 40, head=head, batch=3, tree=(3, 2, 1))
-    assert compiled == [("Llama", (1, 2, 5), (1, 2, 3), True, (16,)), ("FeatureHead", (1, 2, 5), (1, 2, 3), False,
-                                                                         (3, 9))]
+    assert compiled == [
+        ("Llama", (1, 2, 5), (1, 2, 3), True, (16,)),
+        ("FeatureHead", (1, 2, 5), (1, 2, 3), False, (3, 9)),
+    ]
     assert [name for name, _ in setups.choices] == ["target", "head"] and setups.draft is None
     assert setups.choices[1][1].line("head") == "head: compiled (as its target; compiled in 0.5s)"
     compiled.clear()
@@ -173,18 +215,28 @@ def test_a_feature_head_is_compiled_with_its_target_for_the_drafter_s_calls(monk
     assert compiled == []
 
 
-@pytest.mark.skipif(not prepack_supported(), reason="this PyTorch build cannot prepack float32 weights here")
-def test_a_compiled_eagle3_head_prepacks_the_products_outside_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.skipif(
+    not prepack_supported(), reason="this PyTorch build cannot prepack float32 weights here"
+)
+def test_a_compiled_eagle3_head_prepacks_the_products_outside_its_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An EAGLE-3 head compiled with its target: its fc (the features' projection) and output layer run
     eagerly at every draft step and are prepacked; the block's products, which the compiled step holds,
     stay plain, however large."""
-    monkeypatch.setattr(setup_lib, "compile_for_decoding", lambda *args, **kwargs: SimpleNamespace(compile_s=0.5))
-    target = random_llama(vocab=1024, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=1024, max_seq_len=64)
+    monkeypatch.setattr(
+        setup_lib, "compile_for_decoding", lambda *args, **kwargs: SimpleNamespace(compile_s=0.5)
+    )
+    target = random_llama(
+        vocab=1024, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=1024, max_seq_len=64
+    )
     head = random_eagle3_head(target)
     choose_setups(target, ("compiled",), (1, 2, 5), 40, head=head)
     assert isinstance(head.fc, PrepackedLinear) and isinstance(head.lm_head, PrepackedLinear)
     block = [m for m in head.layers.modules() if isinstance(m, (torch.nn.Linear, PrepackedLinear))]
-    assert any(m.weight.numel() >= MIN_ELEMENTS for m in block) and all(type(m) is torch.nn.Linear for m in block)
+    assert any(m.weight.numel() >= MIN_ELEMENTS for m in block) and all(
+        type(m) is torch.nn.Linear for m in block
+    )
 
 
 def test_int8_and_tensor_parallel_models_are_told_apart_without_their_classes() -> None:
@@ -193,7 +245,9 @@ def test_int8_and_tensor_parallel_models_are_told_apart_without_their_classes() 
     itself made. Neither is kept in the compiled-step cache, and a shard is not compiled."""
     assert cacheable(small())
     assert not cacheable(quantize_int8(small()))
-    shard = parallelize(small(), 2)  # this rank's layers, built and never called: no process group needed
+    shard = parallelize(
+        small(), 2
+    )  # this rank's layers, built and never called: no process group needed
     assert not cacheable(shard)
     with pytest.raises(CompileError, match="tensor-parallel models are not compiled"):
         compile_for_decoding(shard, (1,))

@@ -27,8 +27,12 @@ from model.scale.quantize import (
 from model.scale.tensor_parallel import weight_bytes
 from speculative import autoregressive_generate, speculative_generate
 
-CONFIG = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=160, max_seq_len=64)
-DRAFT = ModelConfig(vocab_size=96, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64)
+CONFIG = ModelConfig(
+    vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=160, max_seq_len=64
+)
+DRAFT = ModelConfig(
+    vocab_size=96, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=64
+)
 PROMPT = [1, 4, 9, 16, 25, 36, 49]
 # Whole-model bound on max |logits(int8) - logits(float32)|, as a fraction of the logits'
 # standard deviation. Rounding moves each weight uniformly within +-s/2 with s = absmax/127,
@@ -73,7 +77,11 @@ def test_int8_linear_stays_within_the_analytic_bound() -> None:
 
 def test_int8_halves_the_bytes_of_bfloat16_block_weights() -> None:
     model = random_model(CONFIG, 0, torch.bfloat16)
-    before = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith("layers.") and "proj" in n)
+    before = sum(
+        p.numel() * 2
+        for n, p in model.named_parameters()
+        if n.startswith("layers.") and "proj" in n
+    )
     total_before = weight_bytes(model)
     quantize_int8(model)
     linears = [m for m in model.layers.modules() if isinstance(m, Int8Linear)]
@@ -103,14 +111,26 @@ def test_int8_with_cache_and_lm_head() -> None:
     with torch.inference_mode():
         full = model(tokens)
         model.setup_cache(1, 16)  # counts KV heads from k_proj.weight, which Int8Linear keeps
-        cached = torch.cat([model(tokens[:, :4], chain(0, 4, "cpu")),
-                            model(tokens[:, 4:], chain(4, tokens.shape[1] - 4, "cpu"))], dim=1)
+        cached = torch.cat(
+            [
+                model(tokens[:, :4], chain(0, 4, "cpu")),
+                model(tokens[:, 4:], chain(4, tokens.shape[1] - 4, "cpu")),
+            ],
+            dim=1,
+        )
     assert (cached - full).abs().max().item() < 1e-4
 
 
 def test_tied_head_is_never_quantized() -> None:
-    config = ModelConfig(vocab_size=96, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=64,
-                         tie_word_embeddings=True)
+    config = ModelConfig(
+        vocab_size=96,
+        dim=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        hidden_dim=64,
+        tie_word_embeddings=True,
+    )
     model = quantize_int8(random_model(config, 4), include_lm_head=True)
     assert model.lm_head.weight is model.embed_tokens.weight
 
@@ -182,7 +202,9 @@ def test_int4_linear_is_its_dequantised_matmul() -> None:
     assert got.shape == (3, 7, 96)
     assert (got.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
     swapped = x.double() @ dequantize_int4_weight(codes, scale.flip(1), zero.flip(1)).double().t()
-    assert (swapped - reference).abs().max() > 0.05 * reference.abs().max()  # what the check would catch
+    assert (
+        swapped - reference
+    ).abs().max() > 0.05 * reference.abs().max()  # what the check would catch
     with pytest.raises(TypeError, match="computes torch.float32 on a CPU, got torch.bfloat16"):
         layer(x.bfloat16())
 
@@ -200,8 +222,11 @@ def test_int4_linear_in_bfloat16_is_its_dequantised_matmul_to_bfloat16_rounding(
     reference = x.double() @ dequantize_int4_weight(codes, *rounded).double().t()
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (3, 7, 96)
-    assert float((got.double() - reference).norm() / reference.norm()) < 2 ** -8
-    swapped = x.double() @ dequantize_int4_weight(codes, rounded[0].flip(1), rounded[1].flip(1)).double().t()
+    assert float((got.double() - reference).norm() / reference.norm()) < 2**-8
+    swapped = (
+        x.double()
+        @ dequantize_int4_weight(codes, rounded[0].flip(1), rounded[1].flip(1)).double().t()
+    )
     assert float((swapped - reference).norm() / reference.norm()) > 0.05
     with pytest.raises(TypeError, match="computes torch.bfloat16 on a CPU, got torch.float32"):
         layer(x.float())

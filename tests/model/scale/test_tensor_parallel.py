@@ -36,8 +36,12 @@ pytestmark = pytest.mark.xdist_group("test_tensor_parallel")
 WORLD = 2
 # Grouped-query attention (4 query heads sharing 2 KV heads) so that a rank holds
 # 2 query heads and 1 KV head, and the query -> KV head pairing is exercised.
-TARGET = ModelConfig(vocab_size=80, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=64)
-DRAFT = ModelConfig(vocab_size=80, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=48, max_seq_len=64)
+TARGET = ModelConfig(
+    vocab_size=80, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=64
+)
+DRAFT = ModelConfig(
+    vocab_size=80, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=48, max_seq_len=64
+)
 PROMPT = [1, 5, 9, 17, 33, 2, 40]
 NEW_TOKENS = 24
 
@@ -45,7 +49,9 @@ NEW_TOKENS = 24
 def random_model(config: ModelConfig, seed: int) -> Llama:
     torch.manual_seed(seed)
     model = Llama(config)
-    with torch.no_grad():  # RMSNorm weights start at 1; randomise them so a mis-sliced norm would show
+    with (
+        torch.no_grad()
+    ):  # RMSNorm weights start at 1; randomise them so a mis-sliced norm would show
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
@@ -60,7 +66,11 @@ def rank_main(directory: str) -> None:
     """What each rank computes (runs in a spawned process)."""
     torch.set_num_threads(1)
     info = init_distributed("cpu")
-    out: dict[str, object] = {"rank": info.rank, "world_size": info.world_size, "backend": info.backend}
+    out: dict[str, object] = {
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "backend": info.backend,
+    }
     ckpt, draft_ckpt = Path(directory) / "target", Path(directory) / "draft"
     with torch.inference_mode():
         model = load_model_tp(ckpt, "cpu", torch.float32)
@@ -73,29 +83,40 @@ def rank_main(directory: str) -> None:
         out["bytes"] = weight_bytes(model)
         # What the rank really keeps alive: the storages behind its tensors (a view of a whole
         # row-major tensor would hold all of it).
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in model.state_dict().values()}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in model.state_dict().values()
+        }
         out["storage_bytes"] = sum(storages.values())
-        out["sharded_bytes"] = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" in n)
+        out["sharded_bytes"] = sum(
+            p.numel() * p.element_size() for n, p in model.named_parameters() if "proj" in n
+        )
         out["seed"] = broadcast_seed(None)
         draft = load_model_tp(draft_ckpt, "cpu", torch.float32, shard=False)
         out["draft_logits"], out["draft_bytes"] = draft(tokens()), weight_bytes(draft)
         # sync_logits: rank 1 computes from different inputs but must return rank 0's logits.
-        out["synced"] = sync_logits(load_model(ckpt, "cpu", torch.float32))(tokens() if info.rank == 0 else
-                                                                             tokens().flip(1))
+        out["synced"] = sync_logits(load_model(ckpt, "cpu", torch.float32))(
+            tokens() if info.rank == 0 else tokens().flip(1)
+        )
 
         quantized = load_model_tp(ckpt, "cpu", torch.float32, quantize="int8")
         out["int8_logits"] = quantized(tokens())
         out["int8_bytes"] = weight_bytes(quantized)
 
         target64 = load_model_tp(ckpt, "cpu", torch.float64)
-        draft64 = load_model_tp(draft_ckpt, "cpu", torch.float64, shard=False)  # replicated, rank 0's logits
-        out["spec_greedy"] = speculative_generate(target64, draft64, PROMPT, NEW_TOKENS, gamma=3,
-                                                  temperature=0.0).tokens
-        out["target_greedy"] = autoregressive_generate(target64, PROMPT, NEW_TOKENS, temperature=0.0).tokens
+        draft64 = load_model_tp(
+            draft_ckpt, "cpu", torch.float64, shard=False
+        )  # replicated, rank 0's logits
+        out["spec_greedy"] = speculative_generate(
+            target64, draft64, PROMPT, NEW_TOKENS, gamma=3, temperature=0.0
+        ).tokens
+        out["target_greedy"] = autoregressive_generate(
+            target64, PROMPT, NEW_TOKENS, temperature=0.0
+        ).tokens
         # Sampling: the same seed and rank 0's logits everywhere -> the same draws on every rank.
-        out["spec_sampled"] = speculative_generate(target64, draft64, PROMPT, NEW_TOKENS, gamma=3,
-                                                   temperature=1.0, seed=1234).tokens
+        out["spec_sampled"] = speculative_generate(
+            target64, draft64, PROMPT, NEW_TOKENS, gamma=3, temperature=1.0, seed=1234
+        ).tokens
     torch.save(out, Path(directory) / f"rank{info.rank}.pt")
 
 
@@ -105,11 +126,19 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     torch.set_num_threads(1)
     directory = tmp_path_factory.mktemp("tp")
     target, draft = random_model(TARGET, 0), random_model(DRAFT, 1)
-    save_model(target, directory / "target", max_shard_bytes=40_000)  # several shards: slices cross files
+    save_model(
+        target, directory / "target", max_shard_bytes=40_000
+    )  # several shards: slices cross files
     save_model(draft, directory / "draft")
     launch_local(rank_main, WORLD, str(directory), timeout=150)
-    return {"dir": directory, "target": target, "draft": draft,
-            "results": [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]}
+    return {
+        "dir": directory,
+        "target": target,
+        "draft": draft,
+        "results": [
+            torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(WORLD)
+        ],
+    }
 
 
 def test_ranks_joined_one_gloo_group(ranks: dict) -> None:
@@ -130,18 +159,24 @@ def test_cached_decode_equals_single_process(ranks: dict) -> None:
     with torch.inference_mode():
         reference = load_model(ranks["dir"] / "target", "cpu", torch.float32)(tokens()[:, :7])
     for result in ranks["results"]:
-        assert result["kv_heads"] == TARGET.n_kv_heads // WORLD  # each rank caches only its KV heads
+        assert (
+            result["kv_heads"] == TARGET.n_kv_heads // WORLD
+        )  # each rank caches only its KV heads
         assert (result["cached"] - reference).abs().max().item() < 1e-5
 
 
 def test_each_rank_holds_half_the_sharded_weights(ranks: dict) -> None:
     full = ranks["target"]
     sharded = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "proj" in n)
-    replicated = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "proj" not in n)
+    replicated = sum(
+        p.numel() * p.element_size() for n, p in full.named_parameters() if "proj" not in n
+    )
     for result in ranks["results"]:
         assert result["sharded_bytes"] * WORLD == sharded
         assert result["bytes"] == sharded // WORLD + replicated
-        assert result["storage_bytes"] == result["bytes"]  # no slice keeps its whole source tensor alive
+        assert (
+            result["storage_bytes"] == result["bytes"]
+        )  # no slice keeps its whole source tensor alive
 
 
 def test_replicated_draft_is_whole_on_every_rank(ranks: dict) -> None:
@@ -156,7 +191,9 @@ def test_sync_logits_hands_rank_0s_logits_to_every_rank(ranks: dict) -> None:
     first, second = (r["synced"] for r in ranks["results"])
     assert torch.equal(first, second)
     with torch.inference_mode():
-        assert torch.equal(first, load_model(ranks["dir"] / "target", "cpu", torch.float32)(tokens()))
+        assert torch.equal(
+            first, load_model(ranks["dir"] / "target", "cpu", torch.float32)(tokens())
+        )
 
 
 def test_all_ranks_share_one_seed(ranks: dict) -> None:
@@ -167,7 +204,9 @@ def test_all_ranks_share_one_seed(ranks: dict) -> None:
 def test_int8_tensor_parallel_close_and_half_the_bytes(ranks: dict) -> None:
     with torch.inference_mode():
         reference = load_model(ranks["dir"] / "target", "cpu", torch.float32)(tokens())
-    bound = 0.025 * reference.std().item()  # LOGIT_BOUND of tests/model/scale/test_quantize.py, justified there
+    bound = (
+        0.025 * reference.std().item()
+    )  # LOGIT_BOUND of tests/model/scale/test_quantize.py, justified there
     for result in ranks["results"]:
         assert (result["int8_logits"] - reference).abs().max().item() < bound
         # float32 -> int8 is 4x smaller for the block weights; embeddings/norms stay float32.
@@ -178,7 +217,9 @@ def test_speculative_greedy_on_two_ranks_equals_single_process(ranks: dict) -> N
     with torch.inference_mode():
         target = load_model(ranks["dir"] / "target", "cpu", torch.float64)
         draft = load_model(ranks["dir"] / "draft", "cpu", torch.float64)
-        expected = speculative_generate(target, draft, PROMPT, NEW_TOKENS, gamma=3, temperature=0.0).tokens
+        expected = speculative_generate(
+            target, draft, PROMPT, NEW_TOKENS, gamma=3, temperature=0.0
+        ).tokens
     assert len(expected) == NEW_TOKENS
     for result in ranks["results"]:
         assert result["spec_greedy"] == expected  # float64: no rounding ties, so exact identity
@@ -196,16 +237,28 @@ def test_indivisible_heads_are_a_clear_error() -> None:
     with pytest.raises(TensorParallelError, match="num_key_value_heads=2 is not divisible by 4"):
         check_divisible(gqa, 4)
     mha = ModelConfig(vocab_size=80, dim=96, n_layers=1, n_heads=6, n_kv_heads=6, hidden_dim=96)
-    with pytest.raises(TensorParallelError, match="num_attention_heads=6, num_key_value_heads=6 are not divisible"):
+    with pytest.raises(
+        TensorParallelError, match="num_attention_heads=6, num_key_value_heads=6 are not divisible"
+    ):
         check_divisible(mha, 4)
     check_divisible(gqa, 2)  # 8 and 2 heads over 2 ranks is fine
     with pytest.raises(TensorParallelError, match="not divisible by 16"):
-        shard_config(ModelConfig(vocab_size=80, dim=128, n_layers=1, n_heads=64, n_kv_heads=8, hidden_dim=64), 16)
+        shard_config(
+            ModelConfig(
+                vocab_size=80, dim=128, n_layers=1, n_heads=64, n_kv_heads=8, hidden_dim=64
+            ),
+            16,
+        )
 
 
 def test_shard_config_and_slices_cover_the_matrix() -> None:
     local = shard_config(TARGET, 2)
-    assert (local.n_heads, local.n_kv_heads, local.hidden_dim, local.head_dim) == (2, 1, 48, TARGET.head_dim)
+    assert (local.n_heads, local.n_kv_heads, local.hidden_dim, local.head_dim) == (
+        2,
+        1,
+        48,
+        TARGET.head_dim,
+    )
     q_shape, o_shape = (64, 64), (64, 64)
     rows = [shard_index("model.layers.0.self_attn.q_proj.weight", q_shape, r, 2) for r in range(2)]
     cols = [shard_index("model.layers.0.self_attn.o_proj.weight", o_shape, r, 2) for r in range(2)]
@@ -225,7 +278,9 @@ def test_single_process_load_is_the_whole_model(tmp_path: Path) -> None:
     save_model(model, tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     for i in range(TARGET.n_layers):
-        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(TARGET.head_dim // 2)
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(
+            TARGET.head_dim // 2
+        )
     save_file(tensors, tmp_path / "model.safetensors")
     with torch.inference_mode():
         ours = load_model_tp(tmp_path, "cpu", torch.float32)(tokens())
@@ -244,7 +299,9 @@ def test_cuda_tensor_parallel_logits(tmp_path: Path) -> None:
         reference = load_model(tmp_path / "target", "cuda", torch.float32)(tokens().cuda()).cpu()
     for r in range(WORLD):
         logits = torch.load(tmp_path / f"rank{r}.pt")
-        assert (logits - reference).abs().max().item() < 1e-4  # TF32-free float32, different summation order
+        assert (
+            logits - reference
+        ).abs().max().item() < 1e-4  # TF32-free float32, different summation order
 
 
 def cuda_rank_main(directory: str) -> None:

@@ -18,7 +18,9 @@ from tests.support.toy_models import random_head, random_llama, reference_greedy
 
 
 def logits(seed: int, shape: tuple[int, ...] = (3, 5, 11)) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+    return (
+        torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+    )
 
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tv"])
@@ -67,15 +69,21 @@ def test_the_distillation_loss_is_the_divergence_over_the_generated_positions() 
     loss = distill_loss("tv", target, draft, seqs, prompt_tokens=4)
     p = F.softmax(target(seqs)[:, 3:-1], -1)
     q = F.softmax(draft(seqs)[:, 3:-1], -1)
-    assert loss.item() == pytest.approx((0.5 * (p - q).abs().sum(-1)).mean().item())  # positions 4..9 predicted
+    assert loss.item() == pytest.approx(
+        (0.5 * (p - q).abs().sum(-1)).mean().item()
+    )  # positions 4..9 predicted
     loss.backward()
     assert all(param.grad is None for param in target.parameters())
-    assert any(param.grad is not None and param.grad.abs().sum() > 0 for param in draft.parameters())
+    assert any(
+        param.grad is not None and param.grad.abs().sum() > 0 for param in draft.parameters()
+    )
     assert distill_loss("tv", target, target, seqs, 4).item() == pytest.approx(0.0, abs=1e-12)
 
 
 def test_eagle_losses_train_the_head_only() -> None:
-    target = random_llama(vocab=16, dim=32, max_seq_len=64, n_heads=4, n_kv_heads=2).requires_grad_(False)
+    target = random_llama(vocab=16, dim=32, max_seq_len=64, n_heads=4, n_kv_heads=2).requires_grad_(
+        False
+    )
     head = random_head(target).train()
     tokens = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(0))
     regression, classification = eagle_losses(head, target, tokens, 0.0, torch.Generator())
@@ -84,20 +92,30 @@ def test_eagle_losses_train_the_head_only() -> None:
         predicted = head(feats[:, :-1], target.embed_tokens(tokens[:, 1:]))
         wanted = F.softmax(target.lm_head(feats[:, 1:]), -1)
         log_q = F.log_softmax(target.lm_head(predicted), -1)
-    assert regression.item() == pytest.approx(F.smooth_l1_loss(predicted, feats[:, 1:]).item(), rel=1e-5)
+    assert regression.item() == pytest.approx(
+        F.smooth_l1_loss(predicted, feats[:, 1:]).item(), rel=1e-5
+    )
     assert classification.item() == pytest.approx(-(wanted * log_q).sum(-1).mean().item(), rel=1e-5)
     (regression + classification).backward()
-    assert all(p.grad is not None for p in head.parameters()) and all(p.grad is None for p in target.parameters())
+    assert all(p.grad is not None for p in head.parameters()) and all(
+        p.grad is None for p in target.parameters()
+    )
     noisy = eagle_losses(head, target, tokens, 0.5, torch.Generator().manual_seed(1))[0]
     assert noisy.item() != regression.item()
 
 
 def test_a_draft_equal_to_its_target_is_always_accepted() -> None:
     target = random_llama(vocab=16, dim=32, max_seq_len=64, dtype=torch.float64)
-    twin = random_llama(vocab=16, dim=32, max_seq_len=64, dtype=torch.float64)  # the same weights, another cache
+    twin = random_llama(
+        vocab=16, dim=32, max_seq_len=64, dtype=torch.float64
+    )  # the same weights, another cache
     got = measure_acceptance(target, twin, [[1, 2, 3], [4, 5]], new_tokens=10, gamma=3, seed=0)
-    assert set(got) == {f"{k}_{t}" for k in ("alpha", "acceptance", "tau") for t in ("greedy", "t1")}
+    assert set(got) == {
+        f"{k}_{t}" for k in ("alpha", "acceptance", "tau") for t in ("greedy", "t1")
+    }
     for name in ("greedy", "t1"):
-        assert got[f"alpha_{name}"] == pytest.approx(1.0) and got[f"acceptance_{name}"] == pytest.approx(1.0)
+        assert got[f"alpha_{name}"] == pytest.approx(1.0) and got[
+            f"acceptance_{name}"
+        ] == pytest.approx(1.0)
         assert got[f"tau_{name}"] > 3  # gamma + 1 per call, less where the output ends
     json.dumps(got)

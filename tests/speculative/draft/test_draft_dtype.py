@@ -40,18 +40,35 @@ CASES = [("correct", "head"), ("correct", "model"), ("inverted-ratio", "head")]
 
 @pytest.fixture(scope="module")
 def small() -> dict:
-    target = random_llama(vocab=8, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0)
-    return {"target": target, "logits": llama_next_logits(target),
-            "head": random_eagle3_head(target, drop=(1, 6)).to(torch.bfloat16),
-            "model": random_llama(vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=7,
-                                  dtype=torch.bfloat16)}
+    target = random_llama(
+        vocab=8, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0
+    )
+    return {
+        "target": target,
+        "logits": llama_next_logits(target),
+        "head": random_eagle3_head(target, drop=(1, 6)).to(torch.bfloat16),
+        "model": random_llama(
+            vocab=8,
+            dim=16,
+            n_layers=1,
+            n_heads=2,
+            n_kv_heads=1,
+            hidden_dim=32,
+            seed=7,
+            dtype=torch.bfloat16,
+        ),
+    }
 
 
-@proof("a bfloat16 drafter (an EAGLE-3 head, a draft model) beside a float32 target keeps the target's law",
-       "chi-square, p > 1e-3, 1000 seeded runs", rejects=("inverted ratio",))
+@proof(
+    "a bfloat16 drafter (an EAGLE-3 head, a draft model) beside a float32 target keeps the target's law",
+    "chi-square, p > 1e-3, 1000 seeded runs",
+    rejects=("inverted ratio",),
+)
 @pytest.mark.parametrize("variant, kind", CASES, ids=[f"{v}-{k}" for v, k in CASES])
-def test_a_bfloat16_drafter_keeps_a_float32_targets_law(small: dict, variant: str, kind: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bfloat16_drafter_keeps_a_float32_targets_law(
+    small: dict, variant: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sampling = Sampling(temperature=0.9)
     if variant in BUGS:
         BUGS[variant](monkeypatch, Setting(sampling, draft_after=lambda drafted: None))
@@ -59,29 +76,59 @@ def test_a_bfloat16_drafter_keeps_a_float32_targets_law(small: dict, variant: st
     drafter = FeatureDrafter(small["head"], target) if kind == "head" else small["model"]
 
     def run(seed: int) -> list[int]:
-        return speculative_generate(target, drafter, [1, 5], 4, gamma=2, temperature=0.9, seed=seed).tokens
+        return speculative_generate(
+            target, drafter, [1, 5], 4, gamma=2, temperature=0.9, seed=seed
+        ).tokens
 
     counts = sample_counts(run, RUNS, 1, 2)
-    p_value = chi_square_pvalue(counts, window_distribution(
-        lambda ctx: ref_warp(small["logits"](ctx).tolist(), 0.9, None, None), [1, 5], 1, 2))
+    p_value = chi_square_pvalue(
+        counts,
+        window_distribution(
+            lambda ctx: ref_warp(small["logits"](ctx).tolist(), 0.9, None, None), [1, 5], 1, 2
+        ),
+    )
     if variant in BUGS:
         assert p_value < P_VALUE, f"the test did not catch {variant} (p = {p_value:.3g})"
     else:
         assert p_value > P_VALUE, f"{variant} rejected (p = {p_value:.3g})"
 
 
-@proof("a drafter in another dtype than its float64 target gives the target's greedy output, in chains and trees",
-       "exact identity")
-@pytest.mark.parametrize("shape", [{"gamma": 3}, {"gamma": 5}, {"tree": (2, 2)}, {"tree": (3, 1, 1)}])
+@proof(
+    "a drafter in another dtype than its float64 target gives the target's greedy output, in chains and trees",
+    "exact identity",
+)
+@pytest.mark.parametrize(
+    "shape", [{"gamma": 3}, {"gamma": 5}, {"tree": (2, 2)}, {"tree": (3, 1, 1)}]
+)
 @pytest.mark.parametrize("kind", ["head", "model"])
 def test_a_drafter_in_another_dtype_gives_the_targets_greedy_output(kind: str, shape: dict) -> None:
-    target = random_llama(vocab=16, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64,
-                          seed=3, dtype=torch.float64)
+    target = random_llama(
+        vocab=16,
+        dim=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=64,
+        max_seq_len=64,
+        seed=3,
+        dtype=torch.float64,
+    )
     if kind == "head":
-        drafter = FeatureDrafter(random_eagle3_head(target, std=0.2, drop=(3, 9)).to(torch.float32), target)
+        drafter = FeatureDrafter(
+            random_eagle3_head(target, std=0.2, drop=(3, 9)).to(torch.float32), target
+        )
     else:
-        drafter = random_llama(vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64,
-                               seed=4, dtype=torch.bfloat16)
+        drafter = random_llama(
+            vocab=16,
+            dim=32,
+            n_layers=1,
+            n_heads=4,
+            n_kv_heads=2,
+            hidden_dim=64,
+            max_seq_len=64,
+            seed=4,
+            dtype=torch.bfloat16,
+        )
     for prompt in ([1], [4, 2, 9], [7, 7, 7, 1, 0]):
         out = speculative_generate(target, drafter, prompt, 20, temperature=0, **shape)
         assert out.tokens == reference_greedy(target, prompt, 20)
@@ -98,13 +145,19 @@ def bf16_copy(tmp_path: Path, name: str) -> Path:
 
 @pytest.mark.parametrize("name", ["tiny-eagle3", "tiny-draft"])
 def test_a_drafter_stored_in_bfloat16_runs_in_it_where_the_cpu_computes_it(
-        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = bf16_copy(tmp_path, name)
-    for flags, want in ((("avx512f", "avx512_bf16"), torch.bfloat16), (("avx512f", "avx512bw"), torch.float32)):
+    for flags, want in (
+        (("avx512f", "avx512_bf16"), torch.bfloat16),
+        (("avx512f", "avx512bw"), torch.float32),
+    ):
         monkeypatch.setattr(weights_load, "describe_cpu", lambda flags=flags: CPU("a cpu", flags))
         spec = read_pair(TARGET, folder)
         assert spec.draft_dtype("cpu", torch.float32) == want
-        assert spec.draft_dtype("cuda", torch.float16) == torch.float16  # a GPU: the target's, as before
+        assert (
+            spec.draft_dtype("cuda", torch.float16) == torch.float16
+        )  # a GPU: the target's, as before
         assert read_pair(TARGET, WEIGHTS / name).draft_dtype("cpu", torch.float32) == torch.float32
         assert read_pair(TARGET, "lookup").draft_dtype("cpu", torch.float32) == torch.float32
     pair = read_pair(TARGET, folder).load(dtype=torch.float32, draft_dtype=torch.bfloat16)
@@ -114,13 +167,18 @@ def test_a_drafter_stored_in_bfloat16_runs_in_it_where_the_cpu_computes_it(
 
 
 def test_generate_says_the_drafters_dtype_and_draft_dtype_overrides_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = bf16_copy(tmp_path, "tiny-eagle3")
-    monkeypatch.setattr(weights_load, "describe_cpu", lambda: CPU("a cpu", ("avx512f", "avx512_bf16")))
+    monkeypatch.setattr(
+        weights_load, "describe_cpu", lambda: CPU("a cpu", ("avx512f", "avx512_bf16"))
+    )
 
     def run(*flags: str) -> tuple[dict, str]:
         capsys.readouterr()
-        assert generate.main(["--draft", str(folder), "--max-new-tokens", "4", "--json", *flags]) == 0
+        assert (
+            generate.main(["--draft", str(folder), "--max-new-tokens", "4", "--json", *flags]) == 0
+        )
         assert generate.main(["--draft", str(folder), "--max-new-tokens", "4", *flags]) == 0
         out = capsys.readouterr()
         return json.loads(out.out.splitlines()[0])["settings"], out.err.splitlines()[0]

@@ -25,9 +25,22 @@ from speculative import PromptLookupDrafter, speculative_generate
 from speculative.draft.lookup import NgramIndex
 from speculative.sampling import Sampling, warp
 from tests.support.proofs import proof
-from tests.support.statistical import BUGS, NOT_BUGS, P_VALUE, Setting, sample_counts, window_distribution
+from tests.support.statistical import (
+    BUGS,
+    NOT_BUGS,
+    P_VALUE,
+    Setting,
+    sample_counts,
+    window_distribution,
+)
 from tests.support.strategies import max_gap, samplings, toy_table
-from tests.support.toy_models import NGramModel, chi_square_pvalue, ref_warp, reference_greedy_toy, target_distribution
+from tests.support.toy_models import (
+    NGramModel,
+    chi_square_pvalue,
+    ref_warp,
+    reference_greedy_toy,
+    target_distribution,
+)
 
 verify = importlib.import_module("speculative.verify.token")
 
@@ -38,27 +51,35 @@ TOL = 1e-12
 def brute_force_lookup(ids: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Scan every earlier occurrence of every suffix, longest first, latest first."""
     for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
-        suffix = ids[len(ids) - n:]
+        suffix = ids[len(ids) - n :]
         for start in range(len(ids) - n - 1, -1, -1):  # a match needs a token after it
-            if ids[start:start + n] == suffix:
-                return ids[start + n:start + n + gamma]
+            if ids[start : start + n] == suffix:
+                return ids[start + n : start + n + gamma]
     return []
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
-@given(ids=st.lists(st.integers(0, 3), min_size=1, max_size=40), gamma=st.integers(1, 6),
-       ngrams=st.sampled_from([(3, 1), (2, 2), (4, 2), (1, 1)]), split=st.integers(1, 40))
-def test_lookup_matches_a_brute_force_scan(ids: list[int], gamma: int, ngrams: tuple[int, int], split: int) -> None:
+@given(
+    ids=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    gamma=st.integers(1, 6),
+    ngrams=st.sampled_from([(3, 1), (2, 2), (4, 2), (1, 1)]),
+    split=st.integers(1, 40),
+)
+def test_lookup_matches_a_brute_force_scan(
+    ids: list[int], gamma: int, ngrams: tuple[int, int], split: int
+) -> None:
     """Also when the sequence grows between calls (the index is updated incrementally)."""
     drafter = NgramIndex(*ngrams)
-    first = ids[:min(split, len(ids))]
+    first = ids[: min(split, len(ids))]
     assert drafter.lookup(first, gamma) == brute_force_lookup(first, gamma, *ngrams)
     assert drafter.lookup(ids, gamma) == brute_force_lookup(ids, gamma, *ngrams)
 
 
-@proof('prompt lookup copies after the latest occurrence',
-       'exact, by hand',
-       rejects=("lookup's first occurrence (behaviour, not exactness)",))
+@proof(
+    "prompt lookup copies after the latest occurrence",
+    "exact, by hand",
+    rejects=("lookup's first occurrence (behaviour, not exactness)",),
+)
 def test_lookup_by_hand() -> None:
     drafter = NgramIndex(max_ngram=3, min_ngram=1)
     assert drafter.lookup([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # "5 6 7" followed by 8 9 5
@@ -68,10 +89,16 @@ def test_lookup_by_hand() -> None:
     assert NgramIndex(max_ngram=2, min_ngram=2).lookup([3, 1, 2, 3], 2) == []  # 1-grams not allowed
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_ngram": 0}, "max_ngram"), ({"min_ngram": 0}, "min_ngram"), ({"max_ngram": 2, "min_ngram": 3}, "exceed"),
-    ({"max_ngram": 2.5}, "max_ngram"), ({"min_ngram": True}, "min_ngram"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_ngram": 0}, "max_ngram"),
+        ({"min_ngram": 0}, "min_ngram"),
+        ({"max_ngram": 2, "min_ngram": 3}, "exceed"),
+        ({"max_ngram": 2.5}, "max_ngram"),
+        ({"min_ngram": True}, "min_ngram"),
+    ],
+)
 def test_lookup_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PromptLookupDrafter(**kwargs)
@@ -83,16 +110,24 @@ def test_lookup_copies_a_repeated_text_and_stays_exact_greedy() -> None:
     for a in range(6):
         table[a, (a + 1) % 6] = 5.0
     target = NGramModel(table)
-    out = speculative_generate(target, PromptLookupDrafter(), [0, 1, 2, 3, 4, 5, 0], 24, gamma=4, temperature=0)
+    out = speculative_generate(
+        target, PromptLookupDrafter(), [0, 1, 2, 3, 4, 5, 0], 24, gamma=4, temperature=0
+    )
     assert out.tokens == reference_greedy_toy(target, [0, 1, 2, 3, 4, 5, 0], 24)
     assert out.stats.accepted_draft_tokens == out.stats.drafted_tokens > 0
     assert out.stats.draft_calls == 0 and out.stats.tokens_per_target_call > 4
 
 
 # ----------------------------------------------------------------------------- exact, deterministic drafter
-def lookup_distribution(target: NGramModel, prompt: tuple[int, ...], gamma: int, length: int, sampling: Sampling,
-                        acceptance=verify.acceptance_probability,
-                        residual=verify.residual_distribution) -> dict[tuple[int, ...], float]:
+def lookup_distribution(
+    target: NGramModel,
+    prompt: tuple[int, ...],
+    gamma: int,
+    length: int,
+    sampling: Sampling,
+    acceptance=verify.acceptance_probability,
+    residual=verify.residual_distribution,
+) -> dict[tuple[int, ...], float]:
     """Exact P(first `length` emitted tokens) of Algorithm 1 with prompt lookup as the drafter:
     each iteration's block is the real drafter's proposal for the sequence so far (possibly
     shorter than gamma, or empty), q_i is one-hot on x_i, and every accept/reject outcome
@@ -105,7 +140,7 @@ def lookup_distribution(target: NGramModel, prompt: tuple[int, ...], gamma: int,
     def emit(context: tuple[int, ...], prob: float) -> bool:
         if len(context) - len(prompt) < length:
             return False
-        key = context[len(prompt):len(prompt) + length]
+        key = context[len(prompt) : len(prompt) + length]
         out[key] = out.get(key, 0.0) + prob
         return True
 
@@ -140,14 +175,26 @@ def lookup_distribution(target: NGramModel, prompt: tuple[int, ...], gamma: int,
     return out
 
 
-@proof("prompt lookup emits exactly the target's law",
-       'exact enumeration, float64, to 1e-12')
+@proof("prompt lookup emits exactly the target's law", "exact enumeration, float64, to 1e-12")
 @settings(max_examples=120, derandomize=True, deadline=None)
-@given(vocab=st.integers(2, 4), gamma=st.integers(1, 3), order=st.sampled_from([2, 3]),
-       seed=st.integers(0, 10_000), holes=st.sampled_from([0.0, 0.3]),
-       prompt=st.lists(st.integers(0, 3), min_size=1, max_size=5), sampling=samplings)
-def test_lookup_emits_exactly_the_target_distribution(vocab: int, gamma: int, order: int, seed: int, holes: float,
-                                                      prompt: list[int], sampling: Sampling) -> None:
+@given(
+    vocab=st.integers(2, 4),
+    gamma=st.integers(1, 3),
+    order=st.sampled_from([2, 3]),
+    seed=st.integers(0, 10_000),
+    holes=st.sampled_from([0.0, 0.3]),
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+    sampling=samplings,
+)
+def test_lookup_emits_exactly_the_target_distribution(
+    vocab: int,
+    gamma: int,
+    order: int,
+    seed: int,
+    holes: float,
+    prompt: list[int],
+    sampling: Sampling,
+) -> None:
     target = NGramModel(toy_table(vocab, order, seed, holes))
     prompt = tuple(t % vocab for t in prompt)
     got = lookup_distribution(target, prompt, gamma, 3, sampling)
@@ -160,14 +207,23 @@ def always_accept(p: torch.Tensor, q: torch.Tensor, token: int) -> torch.Tensor:
     return (p[token] > 0).to(p.dtype)
 
 
-@proof('the lookup enumeration can fail',
-       'exact',
-       rejects=('residual from p', 'always accept', 'ratio inverted'))
-@pytest.mark.parametrize("name, acceptance, residual", [
-    ("residual-from-p", verify.acceptance_probability, lambda p, q: p),
-    ("always-accept", always_accept, verify.residual_distribution),
-    ("inverted-ratio", lambda p, q, x: verify.acceptance_probability(q, p, x), verify.residual_distribution),
-])
+@proof(
+    "the lookup enumeration can fail",
+    "exact",
+    rejects=("residual from p", "always accept", "ratio inverted"),
+)
+@pytest.mark.parametrize(
+    "name, acceptance, residual",
+    [
+        ("residual-from-p", verify.acceptance_probability, lambda p, q: p),
+        ("always-accept", always_accept, verify.residual_distribution),
+        (
+            "inverted-ratio",
+            lambda p, q, x: verify.acceptance_probability(q, p, x),
+            verify.residual_distribution,
+        ),
+    ],
+)
 def test_lookup_enumeration_catches_broken_rules(name: str, acceptance, residual) -> None:
     target = NGramModel(toy_table(3, 2, 5, 0.0))
     prompt = (0, 1, 2, 0, 1)  # lookup proposes from the first iteration on
@@ -179,7 +235,11 @@ def test_lookup_enumeration_catches_broken_rules(name: str, acceptance, residual
 LOOKUP_RUNS = 2000
 LOOKUP_PROMPT = [0, 1, 2, 0, 1]
 LOOKUP_SAMPLING = Sampling(temperature=0.7)
-LOOKUP_BUGS = ["inverted-ratio", "residual-from-p", "q-of-next-position"]  # the others need a draft model's q
+LOOKUP_BUGS = [
+    "inverted-ratio",
+    "residual-from-p",
+    "q-of-next-position",
+]  # the others need a draft model's q
 
 
 @pytest.fixture(scope="module")
@@ -193,12 +253,17 @@ def lookup_toy() -> dict:
     return {"target": target, "next_probs": next_probs}
 
 
-@proof("the engine with prompt lookup follows the target's law",
-       'chi-square, p > 1e-3, 2000 seeded runs',
-       rejects=('ratio inverted', 'residual from p', 'q of the next position'))
-@pytest.mark.parametrize("variant", ["correct", "gamma-auto", "ratio-without-min", "no-bonus-token"] + LOOKUP_BUGS)
-def test_lookup_first_tokens_have_the_target_distribution(lookup_toy: dict, variant: str,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+@proof(
+    "the engine with prompt lookup follows the target's law",
+    "chi-square, p > 1e-3, 2000 seeded runs",
+    rejects=("ratio inverted", "residual from p", "q of the next position"),
+)
+@pytest.mark.parametrize(
+    "variant", ["correct", "gamma-auto", "ratio-without-min", "no-bonus-token"] + LOOKUP_BUGS
+)
+def test_lookup_first_tokens_have_the_target_distribution(
+    lookup_toy: dict, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     patch = BUGS.get(variant) or NOT_BUGS[variant]
     if patch is not None:
         patch(monkeypatch, Setting(LOOKUP_SAMPLING, draft_after=lambda drafted: None))
@@ -208,14 +273,23 @@ def test_lookup_first_tokens_have_the_target_distribution(lookup_toy: dict, vari
 
     def generate(seed: int) -> list[int]:
         nonlocal drafted
-        out = speculative_generate(lookup_toy["target"], PromptLookupDrafter(), LOOKUP_PROMPT, 3, gamma=gamma,
-                                   temperature=s.temperature, seed=seed)
+        out = speculative_generate(
+            lookup_toy["target"],
+            PromptLookupDrafter(),
+            LOOKUP_PROMPT,
+            3,
+            gamma=gamma,
+            temperature=s.temperature,
+            seed=seed,
+        )
         drafted += out.stats.drafted_tokens
         return out.tokens
 
     counts = sample_counts(generate, LOOKUP_RUNS, 0, 3)
     assert drafted >= LOOKUP_RUNS  # the lookup did propose
-    p_value = chi_square_pvalue(counts, window_distribution(lookup_toy["next_probs"], LOOKUP_PROMPT, 0, 3))
+    p_value = chi_square_pvalue(
+        counts, window_distribution(lookup_toy["next_probs"], LOOKUP_PROMPT, 0, 3)
+    )
     if variant in BUGS:
         assert p_value < P_VALUE, f"the test did not catch {variant} (p = {p_value:.3g})"
     else:

@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative import Draft, FeatureDrafter, ModelDrafter, PromptLookupDrafter, as_drafter, speculative_generate
+from speculative import (
+    Draft,
+    FeatureDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    as_drafter,
+    speculative_generate,
+)
 from tests.support.proofs import proof
 from tests.support.toy_models import NGramModel, random_head, random_llama, reference_greedy_toy
 
@@ -17,9 +24,12 @@ from tests.support.toy_models import NGramModel, random_head, random_llama, refe
 def test_a_plain_model_and_its_model_drafter_are_the_same_run() -> None:
     target, draft = NGramModel.random(5, 2, seed=1), NGramModel.random(5, 2, seed=2)
     for temperature in (0.0, 0.8):
-        plain = speculative_generate(target, draft, [1, 2], 30, gamma=3, temperature=temperature, seed=4)
-        wrapped = speculative_generate(target, ModelDrafter(draft), [1, 2], 30, gamma=3, temperature=temperature,
-                                       seed=4)
+        plain = speculative_generate(
+            target, draft, [1, 2], 30, gamma=3, temperature=temperature, seed=4
+        )
+        wrapped = speculative_generate(
+            target, ModelDrafter(draft), [1, 2], 30, gamma=3, temperature=temperature, seed=4
+        )
         assert plain.tokens == wrapped.tokens
         assert plain.stats.gamma_history == wrapped.stats.gamma_history
 
@@ -40,8 +50,7 @@ def test_a_drafter_for_another_vocabulary_is_refused() -> None:
         speculative_generate(target, FeatureDrafter(head, random_llama(vocab=9)), [1], 4)
 
 
-@proof('a drafter that proposes fewer tokens, or none, stays exact',
-       'exact identity, greedy')
+@proof("a drafter that proposes fewer tokens, or none, stays exact", "exact identity, greedy")
 def test_a_drafter_may_propose_fewer_tokens_or_none() -> None:
     """A drafter that proposes nothing turns every iteration into a plain target step; one
     that proposes a single token gets it verified like any block."""
@@ -56,8 +65,12 @@ def test_a_drafter_may_propose_fewer_tokens_or_none() -> None:
             pass
 
         def propose(self, ids, gammas, sampling, generators, device):
-            return Draft(torch.tensor([self.block[:g] for g in gammas], dtype=torch.long).view(len(gammas), -1),
-                         [len(self.block[:g]) for g in gammas])
+            return Draft(
+                torch.tensor([self.block[:g] for g in gammas], dtype=torch.long).view(
+                    len(gammas), -1
+                ),
+                [len(self.block[:g]) for g in gammas],
+            )
 
         def commit(self, lengths, hidden=None, hidden_starts=None):
             pass

@@ -38,7 +38,13 @@ from speculative.proofs.branching import enumerate_runs as enumerate_law
 from speculative.sampling import Sampling
 from tests.support.proofs import proof
 from tests.support.statistical import set_verify_step
-from tests.support.toy_models import chi_square_pvalue, llama_next_logits, random_llama, ref_warp, sequence_distribution
+from tests.support.toy_models import (
+    chi_square_pvalue,
+    llama_next_logits,
+    random_llama,
+    ref_warp,
+    sequence_distribution,
+)
 
 torch.set_num_threads(1)
 batch = importlib.import_module("speculative.engine.engine")
@@ -74,7 +80,9 @@ def position_of_other_row(mp: pytest.MonkeyPatch) -> None:
 
     def commit(self, rows, draft, steps, hidden):
         real(self, rows, draft, steps, hidden)
-        for b, row in enumerate(rows if steps is not None else []):  # None: plain steps left on the device
+        for b, row in enumerate(
+            rows if steps is not None else []
+        ):  # None: plain steps left on the device
             other = steps[(b + 1) % len(steps)]
             row.target_next = row.length - 1 - steps[b].accepted + other.accepted
 
@@ -98,7 +106,10 @@ def cut_to_shortest(mp: pytest.MonkeyPatch) -> None:
         def finish(*host):
             steps = verdict.finish(*host)
             keep = min(len(step.tokens) for step in steps)
-            return [verify.Verification(step.tokens[:keep], min(step.accepted, keep), step.overlap) for step in steps]
+            return [
+                verify.Verification(step.tokens[:keep], min(step.accepted, keep), step.overlap)
+                for step in steps
+            ]
 
         return verify.Verdict(verdict.parts, finish)
 
@@ -129,11 +140,15 @@ def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
     engine's plain step where no row drafted (sample_rows in speculative.engine.judging)."""
 
     def sample_rows(probs: torch.Tensor, generators: list) -> torch.Tensor:
-        picks = [box["now"].choose(row.tolist()) if gen is not None else int(row.argmax())
-                 for row, gen in zip(probs, generators)]
+        picks = [
+            box["now"].choose(row.tolist()) if gen is not None else int(row.argmax())
+            for row, gen in zip(probs, generators)
+        ]
         return torch.tensor(picks)
 
-    def enumerated_verify(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator) -> verify.Verdict:
+    def enumerated_verify(
+        p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor, generator
+    ) -> verify.Verdict:
         tokens, chooser = [], box["now"]
         for i, x in enumerate(drafted.tolist()):
             a = float(verify.acceptance_probability(p[i], q[i], x))
@@ -144,20 +159,44 @@ def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
         y = chooser.choose(p[len(tokens)].tolist())  # all accepted: the bonus token
         return decided(verify.Verification(tokens + [y], len(tokens), [0.0] * len(drafted)))
 
-    def decided(outcome: verify.Verification) -> verify.Verdict:  # decided on the host already: nothing to copy
+    def decided(
+        outcome: verify.Verification,
+    ) -> verify.Verdict:  # decided on the host already: nothing to copy
         return verify.Verdict([], lambda: outcome)
 
     mp.setattr(drafter_module, "sample_rows", sample_rows)
-    mp.setattr(judging, "sample_rows", sample_rows)  # an iteration where no row drafted: t ~ p_1 per row
+    mp.setattr(
+        judging, "sample_rows", sample_rows
+    )  # an iteration where no row drafted: t ~ p_1 per row
     set_verify_step(mp, enumerated_verify)
 
 
 def make_pair(vocab: int) -> dict:
     """A float64 LLaMA target and an independent draft (low acceptance, so every branch has weight)."""
-    target = random_llama(vocab=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16, max_seq_len=32,
-                          seed=11, std=0.6, dtype=torch.float64)
-    draft = random_llama(vocab=vocab, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16, max_seq_len=32,
-                         seed=12, std=0.6, dtype=torch.float64)
+    target = random_llama(
+        vocab=vocab,
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        hidden_dim=16,
+        max_seq_len=32,
+        seed=11,
+        std=0.6,
+        dtype=torch.float64,
+    )
+    draft = random_llama(
+        vocab=vocab,
+        dim=8,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        hidden_dim=16,
+        max_seq_len=32,
+        seed=12,
+        std=0.6,
+        dtype=torch.float64,
+    )
     return {"target": target, "draft": draft, "logits": llama_next_logits(target)}
 
 
@@ -171,20 +210,37 @@ PROMPTS = [[1], [0, 0, 1, 1]]  # two rows of different prompt lengths
 
 def product_law(pair: dict, sampling: Sampling, length: int) -> dict[tuple, float]:
     """The target's own law for each row, independently, from no-cache logits and the reference warp."""
-    laws = [sequence_distribution(lambda ctx: ref_warp(pair["logits"](ctx).tolist(), sampling.temperature,
-                                                       sampling.top_k, sampling.top_p), prompt, length)
-            for prompt in PROMPTS]
+    laws = [
+        sequence_distribution(
+            lambda ctx: ref_warp(
+                pair["logits"](ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p
+            ),
+            prompt,
+            length,
+        )
+        for prompt in PROMPTS
+    ]
     return {(a, b): pa * pb for a, pa in laws[0].items() for b, pb in laws[1].items()}
 
 
-def batch_law(pair: dict, sampling: Sampling, gamma: int, length: int, mp: pytest.MonkeyPatch) -> dict[tuple, float]:
+def batch_law(
+    pair: dict, sampling: Sampling, gamma: int, length: int, mp: pytest.MonkeyPatch
+) -> dict[tuple, float]:
     box: dict = {}
     install_chooser(mp, box)
 
     def run() -> list[list[int]]:
-        out = speculative_generate_batch(pair["target"], pair["draft"], PROMPTS, length, gamma=gamma,
-                                         temperature=sampling.temperature, top_k=sampling.top_k,
-                                         top_p=sampling.top_p, seed=0)
+        out = speculative_generate_batch(
+            pair["target"],
+            pair["draft"],
+            PROMPTS,
+            length,
+            gamma=gamma,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=0,
+        )
         return [r.tokens for r in out.results]
 
     return enumerate_runs(run, box)
@@ -195,23 +251,40 @@ def gap(a: dict[tuple, float], b: dict[tuple, float]) -> float:
 
 
 # (vocab, sampling, gamma, tokens per row): the branches multiply across rows, so the cases stay small
-CASES = [(2, Sampling(), 2, 3), (3, Sampling(temperature=0.7, top_k=2), 2, 3),
-         (3, Sampling(temperature=1.3, top_p=0.95), 1, 2)]
+CASES = [
+    (2, Sampling(), 2, 3),
+    (3, Sampling(temperature=0.7, top_k=2), 2, 3),
+    (3, Sampling(temperature=1.3, top_p=0.95), 1, 2),
+]
 
 
-@proof("rows of a batch are independent and each exact: the joint law of two rows is the product of the target's laws",
-       'exact enumeration of the real engine, float64, to 1e-10, rows of different lengths')
+@proof(
+    "rows of a batch are independent and each exact: the joint law of two rows is the product of the target's laws",
+    "exact enumeration of the real engine, float64, to 1e-10, rows of different lengths",
+)
 @pytest.mark.parametrize("vocab, sampling, gamma, length", CASES)
-def test_exact_law_of_two_rows_is_the_product_of_target_laws(pairs: dict, vocab: int, sampling: Sampling, gamma: int,
-                                                              length: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exact_law_of_two_rows_is_the_product_of_target_laws(
+    pairs: dict,
+    vocab: int,
+    sampling: Sampling,
+    gamma: int,
+    length: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     got = batch_law(pairs[vocab], sampling, gamma, length, monkeypatch)
     assert math.isclose(sum(got.values()), 1.0, abs_tol=TOL)
     assert gap(got, product_law(pairs[vocab], sampling, length)) < TOL
 
 
 @pytest.mark.parametrize("vocab, sampling, gamma, length", CASES)
-def test_a_look_alike_that_only_cuts_rows_short_stays_exact(pairs: dict, vocab: int, sampling: Sampling, gamma: int,
-                                                            length: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_look_alike_that_only_cuts_rows_short_stays_exact(
+    pairs: dict,
+    vocab: int,
+    sampling: Sampling,
+    gamma: int,
+    length: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """cut-to-shortest is slower, not wrong: the enumeration must not reject it (it is not a
     proof of exactness, so ``pytest -m proof`` leaves it to the full suite)."""
     cut_to_shortest(monkeypatch)
@@ -219,11 +292,15 @@ def test_a_look_alike_that_only_cuts_rows_short_stays_exact(pairs: dict, vocab: 
     assert gap(got, product_law(pairs[vocab], sampling, length)) < TOL
 
 
-@proof('the batch enumeration can fail',
-       'exact',
-       rejects=("another row's q", "another row's cache position"))
+@proof(
+    "the batch enumeration can fail",
+    "exact",
+    rejects=("another row's q", "another row's cache position"),
+)
 @pytest.mark.parametrize("variant", list(BUGS))
-def test_exact_law_catches_broken_batching(pairs: dict, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exact_law_catches_broken_batching(
+    pairs: dict, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     BUGS[variant](monkeypatch)
     got = batch_law(pairs[2], Sampling(), 2, 3, monkeypatch)
     assert gap(got, product_law(pairs[2], Sampling(), 3)) > 1e-3
@@ -237,7 +314,11 @@ def test_chooser_search_visits_every_branch_once() -> None:
         return [[box["now"].choose([0.5, 0.25, 0.25]), box["now"].choose([1 / 3, 0.0, 2 / 3])]]
 
     law = enumerate_runs(run, box)
-    expected = {((a, b),): pa * pb for a, pa in enumerate([0.5, 0.25, 0.25]) for b, pb in ((0, 1 / 3), (2, 2 / 3))}
+    expected = {
+        ((a, b),): pa * pb
+        for a, pa in enumerate([0.5, 0.25, 0.25])
+        for b, pb in ((0, 1 / 3), (2, 2 / 3))
+    }
     assert gap(law, expected) < 1e-15 and len(law) == 6
 
 
@@ -248,27 +329,48 @@ RUNS = 1200
 @pytest.fixture(scope="module")
 def llama8() -> dict:
     """float32 target and draft over 8 tokens, as in test_generation_statistical.py."""
-    target = random_llama(vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0)
+    target = random_llama(
+        vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0
+    )
     draft = random_llama(vocab=8, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16, seed=1)
     return {"target": target, "draft": draft, "logits": llama_next_logits(target)}
 
 
 def row_law(pair: dict, prompt: list[int], sampling: Sampling, length: int) -> dict[tuple, float]:
-    return sequence_distribution(lambda ctx: ref_warp(pair["logits"](ctx).tolist(), sampling.temperature,
-                                                      sampling.top_k, sampling.top_p), prompt, length)
+    return sequence_distribution(
+        lambda ctx: ref_warp(
+            pair["logits"](ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p
+        ),
+        prompt,
+        length,
+    )
 
 
-def batch_samples(pair: dict, prompts: list[list[int]], sampling: Sampling, length: int) -> list[Counter]:
+def batch_samples(
+    pair: dict, prompts: list[list[int]], sampling: Sampling, length: int
+) -> list[Counter]:
     """Per row, the first ``length`` tokens of RUNS batched runs; run r seeds its rows with
     2r + i, so no seed is used twice."""
     counts = [Counter() for _ in prompts] + [Counter()]
     for run in range(RUNS):
         try:
-            out = speculative_generate_batch(pair["target"], pair["draft"], prompts, length, gamma=2,
-                                             temperature=sampling.temperature, top_k=sampling.top_k,
-                                             top_p=sampling.top_p, seed=len(prompts) * run)
+            out = speculative_generate_batch(
+                pair["target"],
+                pair["draft"],
+                prompts,
+                length,
+                gamma=2,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                seed=len(prompts) * run,
+            )
             rows = [tuple(r.tokens[:length]) for r in out.results]
-        except (ValueError, IndexError, RuntimeError):  # a broken variant may crash: an impossible outcome
+        except (
+            ValueError,
+            IndexError,
+            RuntimeError,
+        ):  # a broken variant may crash: an impossible outcome
             rows = [(-1,) * length for _ in prompts]
         for counter, row in zip(counts, rows):
             counter[row] += 1
@@ -276,11 +378,15 @@ def batch_samples(pair: dict, prompts: list[list[int]], sampling: Sampling, leng
     return counts
 
 
-@proof("each row of a batch follows the target's law",
-       'chi-square, p > 1e-3, 1200 seeded runs, 64 cells per row',
-       rejects=("another row's q", "another row's cache position"))
+@proof(
+    "each row of a batch follows the target's law",
+    "chi-square, p > 1e-3, 1200 seeded runs, 64 cells per row",
+    rejects=("another row's q", "another row's cache position"),
+)
 @pytest.mark.parametrize("variant", ["correct", "shared-uniforms", *BUGS])
-def test_each_row_has_the_target_distribution(llama8: dict, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_row_has_the_target_distribution(
+    llama8: dict, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two rows of different prompts, the first 2 tokens of each (64 cells per row)."""
     if variant == "shared-uniforms":
         shared_uniforms(monkeypatch)
@@ -288,16 +394,20 @@ def test_each_row_has_the_target_distribution(llama8: dict, variant: str, monkey
         BUGS[variant](monkeypatch)
     sampling, prompts = Sampling(temperature=0.8), [[1, 5], [3, 3, 6, 2, 7]]
     counts = batch_samples(llama8, prompts, sampling, 2)
-    p_values = [chi_square_pvalue(counts[i], row_law(llama8, prompts[i], sampling, 2)) for i in range(2)]
+    p_values = [
+        chi_square_pvalue(counts[i], row_law(llama8, prompts[i], sampling, 2)) for i in range(2)
+    ]
     if variant in BUGS:
         assert min(p_values) < P_VALUE, f"{variant} not caught (p = {p_values})"
     else:  # shared uniforms leave each row's marginal exact: only the joint test below sees them
         assert min(p_values) > P_VALUE, f"{variant} rejected (p = {p_values})"
 
 
-@proof('rows with the same prompt are independent',
-       'chi-square, p > 1e-3 on the joint law',
-       rejects=('every row seeded alike',))
+@proof(
+    "rows with the same prompt are independent",
+    "chi-square, p > 1e-3 on the joint law",
+    rejects=("every row seeded alike",),
+)
 @pytest.mark.parametrize("variant", ["correct", "shared-uniforms"])
 def test_rows_are_independent(llama8: dict, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two rows with the same prompt: the joint law of their first tokens is the product of

@@ -37,32 +37,66 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
 @pytest.fixture(scope="module")
 def pair() -> dict:
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
-    head = FeatureHead(ModelConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32,
-                                   max_seq_len=64)).to(torch.float64)
+    head = FeatureHead(
+        ModelConfig(
+            vocab_size=16,
+            dim=16,
+            n_layers=1,
+            n_heads=2,
+            n_kv_heads=1,
+            hidden_dim=32,
+            max_seq_len=64,
+        )
+    ).to(torch.float64)
     return {"target": target, "draft": noisy_copy(target, std=0.3, seed=1), "head": head}
 
 
 def drafter_of(pair: dict, kind: str):
-    return {"model": pair["draft"], "feature": FeatureDrafter(pair["head"], pair["target"]), "none": None}[kind]
+    return {
+        "model": pair["draft"],
+        "feature": FeatureDrafter(pair["head"], pair["target"]),
+        "none": None,
+    }[kind]
 
 
-def alone(pair: dict, kind: str, prompt: list[int], seed: int, temperature: float, count: int) -> list[int]:
+def alone(
+    pair: dict, kind: str, prompt: list[int], seed: int, temperature: float, count: int
+) -> list[int]:
     if kind == "none":
-        return autoregressive_generate(pair["target"], prompt, count, temperature=temperature, seed=seed).tokens
-    return speculative_generate(pair["target"], drafter_of(pair, kind), prompt, count, gamma=3,
-                                temperature=temperature, seed=seed).tokens
+        return autoregressive_generate(
+            pair["target"], prompt, count, temperature=temperature, seed=seed
+        ).tokens
+    return speculative_generate(
+        pair["target"],
+        drafter_of(pair, kind),
+        prompt,
+        count,
+        gamma=3,
+        temperature=temperature,
+        seed=seed,
+    ).tokens
 
 
-@proof('a row that joins the engine between iterations gets the tokens it would get alone',
-       'exact identity, float64, greedy and sampled, three drafters')
+@proof(
+    "a row that joins the engine between iterations gets the tokens it would get alone",
+    "exact identity, float64, greedy and sampled, three drafters",
+)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("kind", ["model", "feature", "none"])
-def test_rows_that_join_later_get_their_own_tokens(pair: dict, kind: str, temperature: float) -> None:
+def test_rows_that_join_later_get_their_own_tokens(
+    pair: dict, kind: str, temperature: float
+) -> None:
     """Rows added between steps, at most 2 at a time, with different lengths: each one's
     tokens are those of its prompt alone with its seed; the engine empties and the rows
     leave in the order they finished."""
-    engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, temperature=temperature, max_rows=2,
-                    cache_len=64)
+    engine = Engine(
+        pair["target"],
+        drafter_of(pair, kind),
+        gamma=3,
+        temperature=temperature,
+        max_rows=2,
+        cache_len=64,
+    )
     counts = [12, 5, 9, 7]
     rows = [engine.add(PROMPTS[0], counts[0], seed=10)]
     seen_finished = []
@@ -70,21 +104,31 @@ def test_rows_that_join_later_get_their_own_tokens(pair: dict, kind: str, temper
         if step == 2:
             rows.append(engine.add(PROMPTS[1], counts[1], seed=11))
         if step == 3:  # waits for a place: the batch holds two rows
-            rows += [engine.add(PROMPTS[2], counts[2], seed=12), engine.add(PROMPTS[3], counts[3], seed=13)]
+            rows += [
+                engine.add(PROMPTS[2], counts[2], seed=12),
+                engine.add(PROMPTS[3], counts[3], seed=13),
+            ]
         seen_finished += engine.step()
         assert len(engine.rows) <= 2
         if step > 3 and engine.idle:
             break
-    assert engine.idle and seen_finished == engine.finished and set(map(id, seen_finished)) == set(map(id, rows))
+    assert (
+        engine.idle
+        and seen_finished == engine.finished
+        and set(map(id, seen_finished)) == set(map(id, rows))
+    )
     for i, row in enumerate(rows):
-        assert row.done and row.result().tokens == alone(pair, kind, PROMPTS[i], 10 + i, temperature, counts[i])
+        assert row.done and row.result().tokens == alone(
+            pair, kind, PROMPTS[i], 10 + i, temperature, counts[i]
+        )
         assert row.stats.stop_reason == "max_new_tokens" and row.stats.new_tokens == counts[i]
 
 
-@proof("a greedy row is the target's greedy output whatever joins",
-       'exact identity, float64')
+@proof("a greedy row is the target's greedy output whatever joins", "exact identity, float64")
 def test_a_greedy_row_is_the_target_greedy_output_whatever_joins(pair: dict) -> None:
-    engine = Engine(pair["target"], pair["draft"], gamma=4, temperature=0.0, max_rows=3, cache_len=64)
+    engine = Engine(
+        pair["target"], pair["draft"], gamma=4, temperature=0.0, max_rows=3, cache_len=64
+    )
     first = engine.add(PROMPTS[2], 20)
     engine.step()
     others = [engine.add(p, 6) for p in PROMPTS[:2]]
@@ -95,23 +139,35 @@ def test_a_greedy_row_is_the_target_greedy_output_whatever_joins(pair: dict) -> 
         assert row.result().tokens == reference_greedy(pair["target"], prompt, 6)
 
 
-@proof("a row cancelled from outside leaves before the next iteration, and the rows that stay or join keep their "
-       "own tokens", "exact identity, float64, sampled, draft model and nothing drafted")
+@proof(
+    "a row cancelled from outside leaves before the next iteration, and the rows that stay or join keep their "
+    "own tokens",
+    "exact identity, float64, sampled, draft model and nothing drafted",
+)
 @pytest.mark.parametrize("kind", ["model", "none"])
 def test_a_cancelled_row_leaves_at_once_and_the_others_go_on(pair: dict, kind: str) -> None:
     """Cancelling a row in the batch: at the next step it leaves before anything is computed
     for it (no more target calls, its tokens a prefix of its run alone), and a waiting row
     takes its place in that step. Cancelling a waiting row drops it at once; cancelling a row
     that is done changes nothing. The other rows are their runs alone, token for token."""
-    engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, temperature=1.0, max_rows=2, cache_len=64)
+    engine = Engine(
+        pair["target"], drafter_of(pair, kind), gamma=3, temperature=1.0, max_rows=2, cache_len=64
+    )
     counts = [30, 10, 9, 7]
-    going, staying, joining, dropped = (engine.add(PROMPTS[i], counts[i], seed=10 + i) for i in range(4))
+    going, staying, joining, dropped = (
+        engine.add(PROMPTS[i], counts[i], seed=10 + i) for i in range(4)
+    )
     engine.step()
     engine.step()
-    calls, produced = going.stats.target_calls, going.produced  # nothing drafted: its tokens may be on the device
+    calls, produced = (
+        going.stats.target_calls,
+        going.produced,
+    )  # nothing drafted: its tokens may be on the device
     engine.cancel(going)
     engine.cancel(dropped)  # still waiting: dropped at once
-    assert dropped.done and dropped.stats.stop_reason == "cancelled" and dropped.result().tokens == []
+    assert (
+        dropped.done and dropped.stats.stop_reason == "cancelled" and dropped.result().tokens == []
+    )
     assert all(row is not dropped for row in engine.waiting) and engine.finished == [dropped]
     finished = engine.step()
     assert finished[0] is going and going.done and going.stats.stop_reason == "cancelled"
@@ -119,7 +175,10 @@ def test_a_cancelled_row_leaves_at_once_and_the_others_go_on(pair: dict, kind: s
     assert going.stats.target_calls == calls and len(so_far) == produced
     assert [row is joining or row is staying for row in engine.rows] == [True, True]
     engine.run()  # the models' caches are the engine's until then: the runs alone come after
-    assert so_far == alone(pair, kind, PROMPTS[0], 10, 1.0, counts[0])[:len(so_far)] and len(so_far) < counts[0]
+    assert (
+        so_far == alone(pair, kind, PROMPTS[0], 10, 1.0, counts[0])[: len(so_far)]
+        and len(so_far) < counts[0]
+    )
     for i, row in ((1, staying), (2, joining)):
         assert row.result().tokens == alone(pair, kind, PROMPTS[i], 10 + i, 1.0, counts[i])
         assert row.stats.stop_reason == "max_new_tokens"
@@ -134,7 +193,7 @@ def test_a_row_stops_at_its_eos_while_others_go_on(pair: dict) -> None:
     stopping = engine.add(PROMPTS[0], 10, eos_id=eos)
     going = engine.add(PROMPTS[1], 10)
     engine.run()
-    assert stopping.result().tokens == greedy[:greedy.index(eos) + 1]
+    assert stopping.result().tokens == greedy[: greedy.index(eos) + 1]
     assert stopping.stats.stop_reason == "eos" and going.stats.new_tokens == 10
     assert engine.finished[0] is stopping
 
@@ -144,7 +203,9 @@ def test_a_row_longer_than_the_cache_stops_at_its_end(pair: dict) -> None:
     engine = Engine(pair["target"], pair["draft"], temperature=0.0, max_rows=1, cache_len=16)
     row = engine.add(PROMPTS[0], 40)
     engine.run()
-    assert len(PROMPTS[0]) + len(row.result().tokens) == 16 and row.stats.stop_reason == "max_seq_len"
+    assert (
+        len(PROMPTS[0]) + len(row.result().tokens) == 16 and row.stats.stop_reason == "max_seq_len"
+    )
 
 
 def test_batched_trees_are_refused_with_one_line(pair: dict) -> None:
@@ -153,11 +214,14 @@ def test_batched_trees_are_refused_with_one_line(pair: dict) -> None:
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_rows": 0}, "max_rows"),
-    ({"verify": "tree"}, "verify must be one of"),
-    ({"gamma": 0}, "gamma"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_rows": 0}, "max_rows"),
+        ({"verify": "tree"}, "verify must be one of"),
+        ({"gamma": 0}, "gamma"),
+    ],
+)
 def test_bad_settings(pair: dict, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Engine(pair["target"], pair["draft"], **kwargs)
@@ -172,21 +236,43 @@ def test_bad_requests(pair: dict) -> None:
     assert engine.idle
 
 
-@proof("rows with their own temperature, top-k and top-p share a batch, each getting the tokens it would get alone",
-       "exact identity, float64, greedy, T = 1 and top-k/top-p rows in one call")
+@proof(
+    "rows with their own temperature, top-k and top-p share a batch, each getting the tokens it would get alone",
+    "exact identity, float64, greedy, T = 1 and top-k/top-p rows in one call",
+)
 @pytest.mark.parametrize("kind", ["model", "feature", "none"])
 def test_rows_with_their_own_sampling_are_their_single_runs(pair: dict, kind: str) -> None:
-    settings = [Sampling(temperature=0), Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)]
+    settings = [
+        Sampling(temperature=0),
+        Sampling(temperature=1.0),
+        Sampling(temperature=0.7, top_k=5, top_p=0.9),
+    ]
     engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, max_rows=3, cache_len=64)
     rows = [engine.add(PROMPTS[i], 10, seed=20 + i, sampling=s) for i, s in enumerate(settings)]
     engine.run()
     for i, (row, s) in enumerate(zip(rows, settings)):
         if kind == "none":
-            single = autoregressive_generate(pair["target"], PROMPTS[i], 10, temperature=s.temperature, top_k=s.top_k,
-                                             top_p=s.top_p, seed=20 + i).tokens
+            single = autoregressive_generate(
+                pair["target"],
+                PROMPTS[i],
+                10,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                seed=20 + i,
+            ).tokens
         else:
-            single = speculative_generate(pair["target"], drafter_of(pair, kind), PROMPTS[i], 10, gamma=3,
-                                          temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=20 + i).tokens
+            single = speculative_generate(
+                pair["target"],
+                drafter_of(pair, kind),
+                PROMPTS[i],
+                10,
+                gamma=3,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                seed=20 + i,
+            ).tokens
         assert row.result().tokens == single, s
     with pytest.raises(ValueError, match="Sampling"):
         engine.add([1], 4, sampling={"temperature": 1})
@@ -205,7 +291,10 @@ def test_a_row_whose_logits_turn_non_finite_fails_alone(pair: dict) -> None:
         engine = Engine(broken, draft, temperature=0.0, max_rows=2, cache_len=64)
         poisoned, fine = engine.add([3, 15, 4], 8), engine.add(PROMPTS[1], 8)
         engine.run()
-        assert isinstance(poisoned.error, NonFiniteLogitsError) and poisoned.stats.stop_reason == "error"
+        assert (
+            isinstance(poisoned.error, NonFiniteLogitsError)
+            and poisoned.stats.stop_reason == "error"
+        )
         assert poisoned.result().tokens == [] and fine.error is None
         assert fine.result().tokens == healthy
 
@@ -213,14 +302,21 @@ def test_a_row_whose_logits_turn_non_finite_fails_alone(pair: dict) -> None:
 def test_a_pinned_gamma_and_the_engines_policy(pair: dict) -> None:
     """A row's pinned gamma is what it drafts (0: nothing), whatever the engine's policy; the
     policy sets the others'. A pinned row's tokens are the single call's with that gamma."""
-    engine = Engine(pair["target"], pair["draft"], gamma=4, temperature=1.0, max_rows=3, cache_len=64)
+    engine = Engine(
+        pair["target"], pair["draft"], gamma=4, temperature=1.0, max_rows=3, cache_len=64
+    )
     engine.policy = lambda e: 1
-    off, two, free = engine.add(PROMPTS[0], 12, seed=1, gamma=0), engine.add(PROMPTS[1], 12, seed=2, gamma=2), \
-        engine.add(PROMPTS[2], 12, seed=3)
+    off, two, free = (
+        engine.add(PROMPTS[0], 12, seed=1, gamma=0),
+        engine.add(PROMPTS[1], 12, seed=2, gamma=2),
+        engine.add(PROMPTS[2], 12, seed=3),
+    )
     engine.run()
     assert set(off.stats.gamma_history) == {0} and off.stats.drafted_tokens == 0
     assert max(two.stats.gamma_history) == 2 and set(free.stats.gamma_history) <= {0, 1}
-    alone = speculative_generate(pair["target"], pair["draft"], PROMPTS[1], 12, gamma=2, temperature=1.0, seed=2)
+    alone = speculative_generate(
+        pair["target"], pair["draft"], PROMPTS[1], 12, gamma=2, temperature=1.0, seed=2
+    )
     assert two.result().tokens == alone.tokens
     with pytest.raises(ValueError, match="gamma must be an integer in 0..4"):
         engine.add([1], 4, gamma=5)
@@ -232,13 +328,17 @@ def test_logprobs_are_the_target_s_own_with_and_without_speculation(speculate: b
     temperature 1 (a no-cache forward over the final sequence), whatever was drafted and
     accepted, for rows of a batch sampled at their own temperatures."""
     target = random_llama(vocab=16, dim=16, n_layers=2, max_seq_len=64, seed=0, dtype=torch.float64)
-    engine = Engine(target, noisy_copy(target, std=0.2, seed=1) if speculate else None, gamma=3, max_rows=2)
-    rows = [engine.add([1, 2, 3], 12, seed=0, sampling=Sampling(temperature=0.7), logprobs=3),
-            engine.add([4, 5], 10, seed=1, sampling=Sampling(temperature=0), logprobs=0),
-            engine.add([6], 8, seed=2)]
+    engine = Engine(
+        target, noisy_copy(target, std=0.2, seed=1) if speculate else None, gamma=3, max_rows=2
+    )
+    rows = [
+        engine.add([1, 2, 3], 12, seed=0, sampling=Sampling(temperature=0.7), logprobs=3),
+        engine.add([4, 5], 10, seed=1, sampling=Sampling(temperature=0), logprobs=0),
+        engine.add([6], 8, seed=2),
+    ]
     engine.run()
     for row in rows[:2]:
-        new = row.ids[len(row.prompt):]
+        new = row.ids[len(row.prompt) :]
         assert len(row.logprob_record) == len(new) > 0
         with torch.no_grad():
             logp = torch.log_softmax(target(torch.tensor([row.ids]))[0], dim=-1)
@@ -260,9 +360,15 @@ def test_echo_records_the_prompt_s_logprobs_from_the_call_that_reads_it(speculat
     different lengths read in one call (each from column 0 of its own row); the first gets
     None; a one-token prompt has nothing else to record."""
     target = random_llama(vocab=16, dim=16, n_layers=2, max_seq_len=64, seed=0, dtype=torch.float64)
-    engine = Engine(target, noisy_copy(target, std=0.2, seed=1) if speculate else None, gamma=3, max_rows=4)
-    rows = [engine.add([1, 2, 3, 4, 5], 4, seed=0, logprobs=2, echo=True), engine.add([7, 8], 4, seed=1, echo=True),
-            engine.add([9], 3, seed=2, echo=True), engine.add([3, 3, 3], 3, seed=3, logprobs=1)]
+    engine = Engine(
+        target, noisy_copy(target, std=0.2, seed=1) if speculate else None, gamma=3, max_rows=4
+    )
+    rows = [
+        engine.add([1, 2, 3, 4, 5], 4, seed=0, logprobs=2, echo=True),
+        engine.add([7, 8], 4, seed=1, echo=True),
+        engine.add([9], 3, seed=2, echo=True),
+        engine.add([3, 3, 3], 3, seed=3, logprobs=1),
+    ]
     engine.step()  # the four are read together
     assert all(row.stats.target_calls == 1 for row in rows)
     engine.run()
@@ -274,7 +380,9 @@ def test_echo_records_the_prompt_s_logprobs_from_the_call_that_reads_it(speculat
             assert value == pytest.approx(float(logp[i, row.prompt[i + 1]]), abs=1e-9)
             best = logp[i].topk(row.logprobs or 1)
             assert [t for t, _ in tops] == (best.indices.tolist() if row.logprobs else [])
-            assert [v for _, v in tops] == pytest.approx(best.values.tolist() if row.logprobs else [], abs=1e-9)
+            assert [v for _, v in tops] == pytest.approx(
+                best.values.tolist() if row.logprobs else [], abs=1e-9
+            )
     assert rows[2].prompt_record == [None] and rows[3].prompt_record == []
 
 
@@ -288,7 +396,9 @@ def test_a_row_whose_callback_raises_fails_alone() -> None:
         raise KeyError("its handler failed")
 
     bad = engine.add([1, 2], 12, callback=broken, sampling=Sampling(temperature=0))
-    good = engine.add([4, 5], 12, callback=lambda ids, drafted: None, sampling=Sampling(temperature=0))
+    good = engine.add(
+        [4, 5], 12, callback=lambda ids, drafted: None, sampling=Sampling(temperature=0)
+    )
     engine.run()
     assert isinstance(bad.error, RowFailedError) and "its handler failed" in str(bad.error)
     assert bad.stats.stop_reason == "error" and bad.produced < 12
@@ -299,8 +409,13 @@ def test_auto_gamma_off_and_on_again_is_still_the_target_s_greedy_output(pair: d
     """gamma="auto" turned off (gamma 0: plain steps) and back on within one run, the drafter catching up
     on what the plain steps emitted: the tokens are still the target's greedy ones, and the iterations
     off drafted nothing."""
-    engine = Engine(pair["target"], pair["draft"], gamma="auto", temperature=0.0, max_rows=1, cache_len=64)
-    engine.auto.off, engine.auto.next_retry = True, 5  # plain steps from the start, speculating from iteration 5
+    engine = Engine(
+        pair["target"], pair["draft"], gamma="auto", temperature=0.0, max_rows=1, cache_len=64
+    )
+    engine.auto.off, engine.auto.next_retry = (
+        True,
+        5,
+    )  # plain steps from the start, speculating from iteration 5
     row = engine.add(PROMPTS[1], 24)
     engine.run()
     history = row.stats.gamma_history
@@ -309,13 +424,26 @@ def test_auto_gamma_off_and_on_again_is_still_the_target_s_greedy_output(pair: d
 
 
 @pytest.mark.parametrize("tree", [None, (2, 1)])
-def test_a_guarded_gamma_or_tree_off_and_on_again_is_still_the_target_s_greedy_output(pair: dict, tree) -> None:
+def test_a_guarded_gamma_or_tree_off_and_on_again_is_still_the_target_s_greedy_output(
+    pair: dict, tree
+) -> None:
     """guard=True: a fixed gamma (or a named tree, its depth) turned off and back on by its switch: the
     iterations draft the asked length or nothing, and the tokens are the target's greedy ones."""
-    engine = Engine(pair["target"], pair["draft"], gamma=None if tree else 3, tree=tree, temperature=0.0,
-                    max_rows=1, cache_len=64, guard=True)
+    engine = Engine(
+        pair["target"],
+        pair["draft"],
+        gamma=None if tree else 3,
+        tree=tree,
+        temperature=0.0,
+        max_rows=1,
+        cache_len=64,
+        guard=True,
+    )
     depth = 3 if tree is None else 2
-    engine.auto.off, engine.auto.next_retry = True, 5  # plain steps from the start, a retry at iterations 5 and 6
+    engine.auto.off, engine.auto.next_retry = (
+        True,
+        5,
+    )  # plain steps from the start, a retry at iterations 5 and 6
     row = engine.add(PROMPTS[1], 24)
     engine.run()
     history = row.stats.gamma_history
@@ -328,8 +456,9 @@ def test_a_guarded_gamma_or_tree_off_and_on_again_is_still_the_target_s_greedy_o
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("kind", ["model", "feature"])
-def test_plain_steps_of_a_drafter_switched_off_stay_on_the_device(pair: dict, kind: str, temperature: float,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_steps_of_a_drafter_switched_off_stay_on_the_device(
+    pair: dict, kind: str, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """While a guarded drafter is off, rows that stop by their count keep their tokens on the device, as the
     target alone does (no host read per token); the drafter reads them when it drafts again. The tokens,
     what was drafted and what was accepted are those of the same run whose callback reads every token."""
@@ -338,14 +467,29 @@ def test_plain_steps_of_a_drafter_switched_off_stay_on_the_device(pair: dict, ki
     monkeypatch.setattr(engine_module, "read_host", lambda parts: reads.append(1) or real(parts))
 
     def run(callback) -> tuple[list[int], list[int], int, int]:
-        engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, temperature=temperature, max_rows=1,
-                        cache_len=64, guard=True)
+        engine = Engine(
+            pair["target"],
+            drafter_of(pair, kind),
+            gamma=3,
+            temperature=temperature,
+            max_rows=1,
+            cache_len=64,
+            guard=True,
+        )
         # the switch's answers, without its clock: plain for six iterations, then drafting again
-        engine.auto.choose, engine.auto.observe = (lambda i: 0 if i < 6 else 3), (lambda *args: None)
+        engine.auto.choose, engine.auto.observe = (
+            (lambda i: 0 if i < 6 else 3),
+            (lambda *args: None),
+        )
         reads.clear()
         row = engine.add(PROMPTS[2], 20, seed=4, callback=callback)
         engine.run()
-        return row.result().tokens, row.stats.gamma_history, row.stats.accepted_draft_tokens, len(reads)
+        return (
+            row.result().tokens,
+            row.stats.gamma_history,
+            row.stats.accepted_draft_tokens,
+            len(reads),
+        )
 
     quiet, seen = run(None), run(lambda ids, from_draft: None)
     assert quiet[:3] == seen[:3] and quiet[1][:6] == [0] * 6 and quiet[1][6] == 3
@@ -355,13 +499,17 @@ def test_plain_steps_of_a_drafter_switched_off_stay_on_the_device(pair: dict, ki
 
 
 @pytest.mark.parametrize("kind", ["model", "feature"])
-def test_a_sampled_run_guarded_by_recorded_costs_does_not_follow_the_clock(pair: dict, kind: str,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sampled_run_guarded_by_recorded_costs_does_not_follow_the_clock(
+    pair: dict, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """guard=(plain seconds a token, seconds a speculating iteration): the switch reads no clock, so a sampled
     run's tokens are the same whatever the clock says, which --seed promises, and they are what the costs say:
     every iteration drafts where they pay, plain steps after the first drafting one where they lose. The timed
     guard under the same two clocks drafts differently (the test's power)."""
-    class Paced(engine_module.Clock):  # a CPU clock whose marks are 1 ms apart, or 100 ms for the first ten
+
+    class Paced(
+        engine_module.Clock
+    ):  # a CPU clock whose marks are 1 ms apart, or 100 ms for the first ten
         def __init__(self, device: torch.device) -> None:
             super().__init__(device)
             self.now, self.marks, self.slow_start = 0.0, 0, next(starts)
@@ -376,8 +524,15 @@ def test_a_sampled_run_guarded_by_recorded_costs_does_not_follow_the_clock(pair:
     def run(guard: object, slow_start: bool) -> tuple[list[int], list[int]]:
         nonlocal starts
         starts = iter([slow_start])
-        engine = Engine(pair["target"], drafter_of(pair, kind), gamma=3, temperature=1.0, max_rows=1, cache_len=64,
-                        guard=guard)
+        engine = Engine(
+            pair["target"],
+            drafter_of(pair, kind),
+            gamma=3,
+            temperature=1.0,
+            max_rows=1,
+            cache_len=64,
+            guard=guard,
+        )
         row = engine.add(PROMPTS[2], 40, seed=4)
         engine.run()
         return row.result().tokens, row.stats.gamma_history
@@ -390,7 +545,9 @@ def test_a_sampled_run_guarded_by_recorded_costs_does_not_follow_the_clock(pair:
     paying, losing = run((1.0, 0.5), False)[1], run((1.0, 100.0), False)[1]
     assert 0 not in paying[1:-4], paying
     assert sum(g > 0 for g in losing) == 1, losing  # the retry waits far past these 40 tokens
-    if kind == "model":  # timed: the slow start makes its first speculating iterations look dear (a head's are later)
+    if (
+        kind == "model"
+    ):  # timed: the slow start makes its first speculating iterations look dear (a head's are later)
         assert run(True, False)[1] != run(True, True)[1]
 
 

@@ -16,10 +16,14 @@ from speculative.inputs import GAMMA_MAX
 
 # ----------------------------------------------------------------------------- cost model and gamma="auto"
 def test_expected_tokens_per_iteration_by_hand() -> None:
-    assert expected_tokens_per_iteration(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096, abs=1e-12)
+    assert expected_tokens_per_iteration(0.8, 4) == pytest.approx(
+        1 + 0.8 + 0.64 + 0.512 + 0.4096, abs=1e-12
+    )
     assert expected_tokens_per_iteration(0.5, 1) == pytest.approx(1.5, abs=1e-12)
     assert expected_tokens_per_iteration(1.0, 4) == 5.0  # the limit gamma + 1
-    assert expected_tokens_per_iteration(1 - 1e-13, 4) == pytest.approx(5.0, abs=1e-9)  # no cancellation
+    assert expected_tokens_per_iteration(1 - 1e-13, 4) == pytest.approx(
+        5.0, abs=1e-9
+    )  # no cancellation
     assert expected_tokens_per_iteration(0.0, 7) == 1.0
 
 
@@ -31,7 +35,7 @@ def test_expected_speedup_by_hand() -> None:
 
 
 def brute_force_speedup(alpha: float, gamma: int, c: float) -> float:
-    return sum(alpha ** k for k in range(gamma + 1)) / (gamma * c + 1)
+    return sum(alpha**k for k in range(gamma + 1)) / (gamma * c + 1)
 
 
 def brute_force_best_gamma(alpha: float, c: float) -> int:
@@ -62,7 +66,7 @@ def test_auto_gamma_starts_at_4_then_follows_the_estimates() -> None:
     assert auto.gamma == 4
     auto.update([0.8], draft_step_s=0.005, target_call_s=0.1)
     # Laplace's rule on counts fading by 0.95 per position: S = 0.95^2 0.9 + 0.95 0.9 + 0.8
-    mass, count = 0.95 ** 2 * 0.9 + 0.95 * 0.9 + 0.8, 0.95 ** 2 + 0.95 + 1
+    mass, count = 0.95**2 * 0.9 + 0.95 * 0.9 + 0.8, 0.95**2 + 0.95 + 1
     assert auto.alpha == pytest.approx((mass + 1) / (count + 2))
     assert auto.gamma == brute_force_best_gamma((mass + 1) / (count + 2), 0.05)
     for _ in range(200):
@@ -96,8 +100,14 @@ class Clock:
         return end - start
 
 
-def run(auto: Switch, iterations: int, first: int, now: float, spec: tuple[float | list[float], float | list[float]],
-        plain_s: float) -> tuple[list[int], float]:
+def run(
+    auto: Switch,
+    iterations: int,
+    first: int,
+    now: float,
+    spec: tuple[float | list[float], float | list[float]],
+    plain_s: float,
+) -> tuple[list[int], float]:
     """Drive ``auto`` as the engine does for ``iterations`` iterations from index ``first``: each
     chosen gamma takes its seconds (speculating: spec = (seconds, tokens), each a number or a list that
     the speculating iterations take in turn; plain: plain_s for one token). Returns the gammas chosen
@@ -134,11 +144,15 @@ def test_speculation_is_turned_off_where_plain_steps_are_faster(kind: type) -> N
     # up, one clean), then plain until the second is timed
     first = retries(chosen[off:])[0] + off
     assert first == off - 2 + 16 and chosen[off:first] == [0] * (first - off)
-    assert chosen[first:first + 4] == [4, 4, 0, 0]
-    assert retries(chosen)[-1] == first + 1 + 32 or retries(chosen)[-1] == first  # lost again: doubled
+    assert chosen[first : first + 4] == [4, 4, 0, 0]
+    assert (
+        retries(chosen)[-1] == first + 1 + 32 or retries(chosen)[-1] == first
+    )  # lost again: doubled
     later, _ = run(auto, 400, 120, now, (0.010, 1.8), 0.005)
     gaps = [b - a for a, b in zip(retries(later), retries(later)[1:])]
-    assert gaps and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > 100  # it backs off while it loses
+    assert (
+        gaps and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > 100
+    )  # it backs off while it loses
     assert sum(g > 0 for g in later) <= 2 * (len(gaps) + 1)  # two speculating iterations a retry
 
 
@@ -150,7 +164,9 @@ def test_a_drafter_that_loses_much_is_retried_seldom_and_costs_little() -> None:
     auto = Switch(gamma=5)
     chosen, now = run(auto, 700, 0, 0.0, (0.020, 1), 0.005)
     assert chosen[:5] == [5, 5, 0, 5, 0]  # off from iteration 4, the probe's time known
-    assert retries(chosen)[0] == 3 and 380 <= retries(chosen)[1] <= 400 and len(retries(chosen)) == 2
+    assert (
+        retries(chosen)[0] == 3 and 380 <= retries(chosen)[1] <= 400 and len(retries(chosen)) == 2
+    )
     speculating = sum(g > 0 for g in chosen)
     assert speculating == 5
     # 700 tokens at a plain step's 5 ms would take 3.5 s: the run is within 2.5% of it
@@ -165,7 +181,15 @@ def test_an_unlucky_start_is_not_taken_for_a_loss(kind: type) -> None:
     of so few iterations explains the loss, so it stays on (plain steps only for the probes)."""
     auto = kind()
     chosen, _ = run(auto, 200, 0, 0.0, (0.009, [1, 1, 5, 3, 4, 2, 5, 4, 1, 5]), 0.005)
-    assert [i for i, g in enumerate(chosen) if g == 0] == [2, 32, 64, 96, 128, 160, 192] and not auto.off
+    assert [i for i, g in enumerate(chosen) if g == 0] == [
+        2,
+        32,
+        64,
+        96,
+        128,
+        160,
+        192,
+    ] and not auto.off
 
 
 @pytest.mark.parametrize("kind", [Switch, AutoGamma])
@@ -175,17 +199,29 @@ def test_one_iteration_slowed_by_a_neighbour_is_not_taken_for_a_loss(kind: type)
     (a moving average of the seconds, as the switch kept before, turned it off at the first burst)."""
     auto = kind()
     chosen, _ = run(auto, 200, 0, 0.0, ([0.008] * 19 + [0.080], 2), 0.005)
-    assert [i for i, g in enumerate(chosen) if g == 0] == [2, 32, 64, 96, 128, 160, 192] and not auto.off
+    assert [i for i, g in enumerate(chosen) if g == 0] == [
+        2,
+        32,
+        64,
+        96,
+        128,
+        160,
+        192,
+    ] and not auto.off
 
 
 @pytest.mark.parametrize("kind", [Switch, AutoGamma])
-def test_speculation_stays_on_where_it_pays_and_comes_back_when_it_starts_paying(kind: type) -> None:
+def test_speculation_stays_on_where_it_pays_and_comes_back_when_it_starts_paying(
+    kind: type,
+) -> None:
     auto = kind()
     chosen, now = run(auto, 100, 0, 0.0, (0.010, 4), 0.005)  # 400 tokens/s against 200
     assert not auto.off
     assert [i for i, g in enumerate(chosen) if g == 0] == [2, 32, 64, 96]  # a plain probe in 32
     broke = kind()
-    chosen, now = run(broke, 30, 0, 0.0, (0.010, 1), 0.005)  # loses: off, a retry after 2 x 34 ms lost / 1%
+    chosen, now = run(
+        broke, 30, 0, 0.0, (0.010, 1), 0.005
+    )  # loses: off, a retry after 2 x 34 ms lost / 1%
     assert broke.off
     chosen, now = run(broke, 150, 30, now, (0.010, 4), 0.005)  # now it pays: on at the next retry
     assert not broke.off and chosen[-10:].count(0) <= 1 and retries(chosen)[0] == 36 - 30
@@ -203,13 +239,17 @@ def test_the_switch_keeps_its_gamma_and_auto_moves_its_own() -> None:
 
 def test_a_broken_on_off_rule_is_caught() -> None:
     """Power: the rule with its comparison reversed keeps speculating where it loses."""
+
     class Reversed(Switch):
         def _observe(self, iteration: int, gamma: int, seconds: float, tokens: int) -> None:
             super()._observe(iteration, gamma, seconds, tokens)
             if self.plain_s is not None and self.speculating is not None:
                 self.off = not self.off
+
     chosen, _ = run(Reversed(), 40, 0, 0.0, (0.010, 1.5), 0.005)
-    assert sum(g > 0 for g in chosen[5:]) > 20  # the first test's rule would speculate in at most a few of these
+    assert (
+        sum(g > 0 for g in chosen[5:]) > 20
+    )  # the first test's rule would speculate in at most a few of these
 
 
 # ----------------------------------------------------------------------------- recorded costs: generate.py's guard
@@ -229,7 +269,9 @@ def decide(auto: Switch, tokens: list[int], clock: NoisyClock) -> list[int]:
     for i in range(len(tokens)):
         gamma = auto.choose(i)
         chosen.append(gamma)
-        auto.observe(i, gamma, tokens[sum(g > 0 for g in chosen[:-1])] if gamma else 1, float(i), clock)
+        auto.observe(
+            i, gamma, tokens[sum(g > 0 for g in chosen[:-1])] if gamma else 1, float(i), clock
+        )
     return chosen
 
 
@@ -241,7 +283,9 @@ def test_recorded_costs_decide_without_the_clock() -> None:
     first = decide(Switch(gamma=4, recorded=(0.005, 0.012)), tokens, NoisyClock(0))
     assert first == decide(Switch(gamma=4, recorded=(0.005, 0.012)), tokens, NoisyClock(1))
     assert 0 in first and 4 in first
-    assert decide(Switch(gamma=4), tokens, NoisyClock(0)) != decide(Switch(gamma=4), tokens, NoisyClock(1))
+    assert decide(Switch(gamma=4), tokens, NoisyClock(0)) != decide(
+        Switch(gamma=4), tokens, NoisyClock(1)
+    )
 
 
 def test_recorded_costs_by_hand() -> None:
@@ -255,9 +299,15 @@ def test_recorded_costs_by_hand() -> None:
     assert chosen[0] == 4 and chosen[1:118] == [0] * 117 and chosen[118:120] == [4, 0]
     assert retries(chosen) == [118, 352] and auto.off
     # a drafter that catches up in 10 ms more after plain steps: each retry is charged them, (5.86 + 10) / 0.05
-    assert retries(decide(Switch(gamma=4, recorded=(0.005, 0.015, 0.010)), [1] * 400, NoisyClock(0))) == [318]
-    paying = Switch(gamma=4, recorded=(0.005, 0.012))  # 3 tokens a 12 ms iteration: 15 ms of plain steps
-    assert decide(paying, [3] * 100, NoisyClock(0)) == [4] * 100  # never off, and no plain probe needed
+    assert retries(
+        decide(Switch(gamma=4, recorded=(0.005, 0.015, 0.010)), [1] * 400, NoisyClock(0))
+    ) == [318]
+    paying = Switch(
+        gamma=4, recorded=(0.005, 0.012)
+    )  # 3 tokens a 12 ms iteration: 15 ms of plain steps
+    assert (
+        decide(paying, [3] * 100, NoisyClock(0)) == [4] * 100
+    )  # never off, and no plain probe needed
 
 
 def test_recorded_costs_charge_a_short_draft_in_proportion() -> None:

@@ -37,7 +37,14 @@ import torch
 from speculative import autoregressive_generate, speculative_generate
 from speculative.sampling import Sampling, warp
 from tests.support.proofs import proof
-from tests.support.statistical import BUGS, NOT_BUGS, P_VALUE, Setting, sample_counts, window_distribution
+from tests.support.statistical import (
+    BUGS,
+    NOT_BUGS,
+    P_VALUE,
+    Setting,
+    sample_counts,
+    window_distribution,
+)
 from tests.support.toy_models import (
     NGramModel,
     chi_square_pvalue,
@@ -72,25 +79,45 @@ def toy() -> dict:
     return {"target": target, "draft": draft, "next_probs": next_probs, "setting": setting}
 
 
-@proof("the engine's sampled tokens follow the target's law (toy models, gamma 2 and auto)",
-       'chi-square, p > 1e-3, 2000 seeded runs, 27 cells',
-       rejects=('ratio inverted', 'residual from p', 'bonus from the draft',
-                'temperature on p only (transformers #47932)', 'q of the next position'))
+@proof(
+    "the engine's sampled tokens follow the target's law (toy models, gamma 2 and auto)",
+    "chi-square, p > 1e-3, 2000 seeded runs, 27 cells",
+    rejects=(
+        "ratio inverted",
+        "residual from p",
+        "bonus from the draft",
+        "temperature on p only (transformers #47932)",
+        "q of the next position",
+    ),
+)
 @pytest.mark.parametrize("variant", list(NOT_BUGS) + list(BUGS))
-def test_toy_first_tokens_have_the_target_distribution(toy: dict, variant: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_toy_first_tokens_have_the_target_distribution(
+    toy: dict, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """gamma 2, the first 3 tokens jointly (27 cells); gamma-auto and guard-recorded: tokens 6..8 of 8 (a
     speculating iteration costs 2.2 plain steps there: on or off by the tokens each run's iterations emitted)."""
     patch = BUGS.get(variant) or NOT_BUGS[variant]
     if patch is not None:
         patch(monkeypatch, toy["setting"])
-    gamma, max_new, skip = {"gamma-auto": ("auto", 8, 5), "guard-recorded": (2, 8, 5)}.get(variant, (2, 3, 0))
+    gamma, max_new, skip = {"gamma-auto": ("auto", 8, 5), "guard-recorded": (2, 8, 5)}.get(
+        variant, (2, 3, 0)
+    )
     guard = (1.0, 2.2) if variant == "guard-recorded" else False
     s = TOY_SAMPLING
 
     def generate(seed: int) -> list[int]:
-        return speculative_generate(toy["target"], toy["draft"], [0], max_new, gamma=gamma, guard=guard,
-                                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed).tokens
+        return speculative_generate(
+            toy["target"],
+            toy["draft"],
+            [0],
+            max_new,
+            gamma=gamma,
+            guard=guard,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=seed,
+        ).tokens
 
     counts = sample_counts(generate, TOY_RUNS, skip, 3)
     p_value = chi_square_pvalue(counts, window_distribution(toy["next_probs"], [0], skip, 3))
@@ -100,12 +127,22 @@ def test_toy_first_tokens_have_the_target_distribution(toy: dict, variant: str,
         assert p_value > P_VALUE, f"{variant} rejected (p = {p_value:.3g})"
 
 
-@proof("the baseline (the target alone) follows the target's law",
-       'chi-square, p > 1e-3, 2000 seeded runs')
+@proof(
+    "the baseline (the target alone) follows the target's law",
+    "chi-square, p > 1e-3, 2000 seeded runs",
+)
 def test_toy_baseline_has_the_target_distribution(toy: dict) -> None:
     s = TOY_SAMPLING
-    counts = sample_counts(lambda seed: autoregressive_generate(toy["target"], [0], 3, temperature=s.temperature,
-                                                                seed=seed).tokens, TOY_RUNS, 0, 3)
+    counts = sample_counts(
+        lambda seed: (
+            autoregressive_generate(
+                toy["target"], [0], 3, temperature=s.temperature, seed=seed
+            ).tokens
+        ),
+        TOY_RUNS,
+        0,
+        3,
+    )
     assert chi_square_pvalue(counts, window_distribution(toy["next_probs"], [0], 0, 3)) > P_VALUE
 
 
@@ -126,17 +163,27 @@ LLAMA_CASES = [
 @pytest.fixture(scope="module")
 def llama() -> dict:
     """A model.Llama target and a smaller random draft over 8 tokens (float32)."""
-    target = random_llama(vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0)
+    target = random_llama(
+        vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0
+    )
     draft = random_llama(vocab=8, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16, seed=1)
-    return {"target": target, "draft": draft, "copy": copy.deepcopy(target), "logits": llama_next_logits(target)}
+    return {
+        "target": target,
+        "draft": draft,
+        "copy": copy.deepcopy(target),
+        "logits": llama_next_logits(target),
+    }
 
 
-@proof("the engine's sampled tokens follow the target's law on a LLaMA (temperature, top-k, top-p)",
-       'chi-square, p > 1e-3, 1000 seeded runs, 64 cells',
-       rejects=('the same bugs as the toy test',))
+@proof(
+    "the engine's sampled tokens follow the target's law on a LLaMA (temperature, top-k, top-p)",
+    "chi-square, p > 1e-3, 1000 seeded runs, 64 cells",
+    rejects=("the same bugs as the toy test",),
+)
 @pytest.mark.parametrize("variant, sampling", LLAMA_CASES, ids=[f"{v}-{s}" for v, s in LLAMA_CASES])
-def test_llama_first_tokens_have_the_target_distribution(llama: dict, variant: str, sampling: Sampling,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_first_tokens_have_the_target_distribution(
+    llama: dict, variant: str, sampling: Sampling, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """gamma 2, the first 2 tokens jointly (64 cells)."""
     if variant in BUGS:
         BUGS[variant](monkeypatch, Setting(sampling, draft_after=lambda drafted: None))
@@ -145,8 +192,17 @@ def test_llama_first_tokens_have_the_target_distribution(llama: dict, variant: s
 
     def generate(seed: int) -> list[int]:
         nonlocal drafted, accepted
-        out = speculative_generate(llama["target"], draft, [1, 5], 3, gamma=2, temperature=sampling.temperature,
-                                   top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+        out = speculative_generate(
+            llama["target"],
+            draft,
+            [1, 5],
+            3,
+            gamma=2,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=seed,
+        )
         drafted += out.stats.drafted_tokens
         accepted += out.stats.accepted_draft_tokens
         return out.tokens
@@ -154,33 +210,47 @@ def test_llama_first_tokens_have_the_target_distribution(llama: dict, variant: s
     counts = sample_counts(generate, LLAMA_RUNS, 0, 2)
 
     def next_probs(ctx: tuple[int, ...]) -> list[float]:
-        return ref_warp(llama["logits"](ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p)
+        return ref_warp(
+            llama["logits"](ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p
+        )
 
     p_value = chi_square_pvalue(counts, window_distribution(next_probs, [1, 5], 0, 2))
     if variant in BUGS:
         assert p_value < P_VALUE, f"the test did not catch {variant} (p = {p_value:.3g})"
     else:
         assert p_value > P_VALUE, f"{variant} rejected (p = {p_value:.3g})"
-    if variant == "draft-is-target-copy":  # float32: verify and draft round differently, ratios ~ 1 +- 1e-6
+    if (
+        variant == "draft-is-target-copy"
+    ):  # float32: verify and draft round differently, ratios ~ 1 +- 1e-6
         assert accepted >= 0.999 * drafted
 
 
 # ----------------------------------------------------------------------------- draft = target
 def test_draft_equal_to_target_accepts_everything_float64() -> None:
-    target = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64,
-                          seed=7, dtype=torch.float64)
+    target = random_llama(
+        vocab=16,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=64,
+        max_seq_len=64,
+        seed=7,
+        dtype=torch.float64,
+    )
     twin = copy.deepcopy(target)
     for seed in range(10):
         out = speculative_generate(target, twin, [1, 2, 3], 24, gamma=3, temperature=1.0, seed=seed)
         assert out.stats.accepted_draft_tokens == out.stats.drafted_tokens > 0
         assert out.stats.acceptance_rate == pytest.approx(1.0, abs=1e-9)
-        assert out.stats.tokens_per_target_call > 3  # gamma + 1 per call, but for the shrunk last ones
+        assert (
+            out.stats.tokens_per_target_call > 3
+        )  # gamma + 1 per call, but for the shrunk last ones
     greedy = speculative_generate(target, twin, [1, 2, 3], 24, gamma=3, temperature=0)
     assert greedy.tokens == reference_greedy(target, [1, 2, 3], 24)
 
 
-@proof('a draft equal to the target accepts every token',
-       'exact counts')
+@proof("a draft equal to the target accepts every token", "exact counts")
 def test_draft_equal_to_target_toy_is_exact() -> None:
     target = NGramModel.random(4, 3, seed=3)
     twin = NGramModel(target.table.clone())

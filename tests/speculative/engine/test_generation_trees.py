@@ -46,18 +46,25 @@ RUNS = 1000
 
 def residual_not_updated(mp: pytest.MonkeyPatch) -> None:
     """a. every sibling judged against the node's first p (xLLM-style residual bookkeeping bug)."""
-    mp.setattr(tree_module, "reject_child", lambda p_cur, q_child, token, mode: (p_cur, real_reject(
-        p_cur, q_child, token, mode)[1]))
+    mp.setattr(
+        tree_module,
+        "reject_child",
+        lambda p_cur, q_child, token, mode: (p_cur, real_reject(p_cur, q_child, token, mode)[1]),
+    )
 
 
 def q_not_renormalised(mp: pytest.MonkeyPatch) -> None:
     """b. siblings drawn without replacement, but q kept as it was."""
-    mp.setattr(tree_module, "reject_child", lambda p_cur, q_child, token, mode: (real_reject(
-        p_cur, q_child, token, mode)[0], q_child))
+    mp.setattr(
+        tree_module,
+        "reject_child",
+        lambda p_cur, q_child, token, mode: (real_reject(p_cur, q_child, token, mode)[0], q_child),
+    )
 
 
 def bonus_from_parent(mp: pytest.MonkeyPatch) -> None:
     """g. at an accepted leaf, the bonus token drawn from the parent's row of p."""
+
     def rules(p, tree):
         out = real_tree_rules(p, tree)
         by_row = tree.children_by_row()
@@ -69,17 +76,40 @@ def bonus_from_parent(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(tree_module, "tree_rules", rules)
 
 
-MUTANTS = {"residual-not-updated": residual_not_updated, "q-not-renormalised": q_not_renormalised,
-           "bonus-from-parent": bonus_from_parent}
+MUTANTS = {
+    "residual-not-updated": residual_not_updated,
+    "q-not-renormalised": q_not_renormalised,
+    "bonus-from-parent": bonus_from_parent,
+}
 
 
 @pytest.fixture(scope="module")
 def pair() -> dict:
-    target = random_llama(vocab=6, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, seed=0,
-                          dtype=torch.float64)
-    return {"target": target, "draft": random_llama(vocab=6, dim=8, n_layers=1, n_heads=2, n_kv_heads=1,
-                                                    hidden_dim=16, seed=1, dtype=torch.float64),
-            "head": random_head(target), "logits": llama_next_logits(target)}
+    target = random_llama(
+        vocab=6,
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        hidden_dim=32,
+        seed=0,
+        dtype=torch.float64,
+    )
+    return {
+        "target": target,
+        "draft": random_llama(
+            vocab=6,
+            dim=8,
+            n_layers=1,
+            n_heads=2,
+            n_kv_heads=1,
+            hidden_dim=16,
+            seed=1,
+            dtype=torch.float64,
+        ),
+        "head": random_head(target),
+        "logits": llama_next_logits(target),
+    }
 
 
 CASES = [
@@ -94,12 +124,17 @@ CASES = [
 ]
 
 
-@proof("the engine with token trees follows the target's law (draft model and feature head)",
-       'chi-square, p > 1e-3, 1000 seeded runs',
-       rejects=('residual not updated (xLLM #2175)', 'q not renormalised'))
-@pytest.mark.parametrize("drafter, mode, mutant", CASES, ids=[f"{d}-{m}-{b or 'correct'}" for d, m, b in CASES])
-def test_tree_first_tokens_have_the_target_distribution(pair: dict, drafter: str, mode: str, mutant: str | None,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+@proof(
+    "the engine with token trees follows the target's law (draft model and feature head)",
+    "chi-square, p > 1e-3, 1000 seeded runs",
+    rejects=("residual not updated (xLLM #2175)", "q not renormalised"),
+)
+@pytest.mark.parametrize(
+    "drafter, mode, mutant", CASES, ids=[f"{d}-{m}-{b or 'correct'}" for d, m, b in CASES]
+)
+def test_tree_first_tokens_have_the_target_distribution(
+    pair: dict, drafter: str, mode: str, mutant: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Tree (3, 2) at temperature 1 over 6 tokens, two tokens jointly: tokens 1-2 for the draft
     model, 2-3 for the feature drafter (whose first iteration is a plain step, so its first
     tree decides token 2 onwards)."""
@@ -112,7 +147,9 @@ def test_tree_first_tokens_have_the_target_distribution(pair: dict, drafter: str
 
     def generate(seed: int) -> list[int]:
         nonlocal drafted
-        out = speculative_generate(target, draft, [1, 4], 3, temperature=1.0, seed=seed, tree=(3, 2), tree_mode=mode)
+        out = speculative_generate(
+            target, draft, [1, 4], 3, temperature=1.0, seed=seed, tree=(3, 2), tree_mode=mode
+        )
         drafted += out.stats.drafted_tokens
         return out.tokens
 
@@ -132,16 +169,30 @@ def test_tree_first_tokens_have_the_target_distribution(pair: dict, drafter: str
 
 @pytest.fixture(scope="module")
 def llama64() -> dict:
-    target = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64,
-                          seed=3, dtype=torch.float64)
-    return {"target": target, "close": noisy_copy(target, 0.05), "head": random_head(target, std=0.2)}
+    target = random_llama(
+        vocab=16,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=64,
+        max_seq_len=64,
+        seed=3,
+        dtype=torch.float64,
+    )
+    return {
+        "target": target,
+        "close": noisy_copy(target, 0.05),
+        "head": random_head(target, std=0.2),
+    }
 
 
-@proof("greedy trees give the target's greedy output",
-       'exact identity')
+@proof("greedy trees give the target's greedy output", "exact identity")
 @pytest.mark.parametrize("shape", [(1,), (2,), (3, 2, 1, 1), (2, 2, 2), (4, 1, 1, 1, 1)])
 @pytest.mark.parametrize("kind", ["close", "feature"])
-def test_greedy_trees_give_the_target_greedy_output(llama64: dict, shape: tuple[int, ...], kind: str) -> None:
+def test_greedy_trees_give_the_target_greedy_output(
+    llama64: dict, shape: tuple[int, ...], kind: str
+) -> None:
     target = llama64["target"]
     draft = llama64["close"] if kind == "close" else FeatureDrafter(llama64["head"], target)
     for prompt in ([1], [3, 1, 4, 1, 5]):
@@ -162,31 +213,48 @@ def test_a_tree_accepts_more_than_its_chain(llama64: dict) -> None:
 def test_trees_shrink_at_the_limits_and_the_stats_add_up(llama64: dict) -> None:
     target, draft = llama64["target"], llama64["close"]
     for max_new in (1, 2, 5, 13):
-        out = speculative_generate(target, draft, [1, 2], max_new, temperature=1.0, seed=max_new, tree=(2, 2, 2))
+        out = speculative_generate(
+            target, draft, [1, 2], max_new, temperature=1.0, seed=max_new, tree=(2, 2, 2)
+        )
         assert len(out.tokens) == max_new and out.stats.stop_reason == "max_new_tokens"
-        assert max(out.stats.gamma_history) <= 3 and out.stats.drafted_tokens >= sum(out.stats.gamma_history)
-    long = speculative_generate(target, draft, list(range(1, 16)) * 3, 100, temperature=0, tree=(2, 2, 2))
+        assert max(out.stats.gamma_history) <= 3 and out.stats.drafted_tokens >= sum(
+            out.stats.gamma_history
+        )
+    long = speculative_generate(
+        target, draft, list(range(1, 16)) * 3, 100, temperature=0, tree=(2, 2, 2)
+    )
     assert 45 + len(long.tokens) == 64 and long.stats.stop_reason == "max_seq_len"
     assert long.tokens == reference_greedy(target, list(range(1, 16)) * 3, len(long.tokens))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"tree": (0, 2)}, "integers >= 1"),
-    ({"tree": ()}, "at least one depth"),
-    ({"tree": (2, 2), "tree_mode": "topk"}, "tree_mode must be one of"),
-    ({"tree": (2, 2), "verify": "block"}, "--verify block judges a chain"),
-    ({"tree": (2, 2), "verify": lambda p, q, drafted, generator: None}, "a verifier of your own judges a chain"),
-    ({"tree": (2, 2), "gamma": 7}, "leave gamma alone"),
-    ({"tree": (2, 2), "gamma": 4}, "leave gamma alone"),  # the default's value, given: still two settings
-    ({"tree": (8, 8)}, "cannot fit"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"tree": (0, 2)}, "integers >= 1"),
+        ({"tree": ()}, "at least one depth"),
+        ({"tree": (2, 2), "tree_mode": "topk"}, "tree_mode must be one of"),
+        ({"tree": (2, 2), "verify": "block"}, "--verify block judges a chain"),
+        (
+            {"tree": (2, 2), "verify": lambda p, q, drafted, generator: None},
+            "a verifier of your own judges a chain",
+        ),
+        ({"tree": (2, 2), "gamma": 7}, "leave gamma alone"),
+        (
+            {"tree": (2, 2), "gamma": 4},
+            "leave gamma alone",
+        ),  # the default's value, given: still two settings
+        ({"tree": (8, 8)}, "cannot fit"),
+    ],
+)
 def test_bad_tree_requests(llama64: dict, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         speculative_generate(llama64["target"], llama64["close"], [1], 5, **kwargs)
 
 
 def test_a_tree_with_its_own_depth_as_gamma_is_one_setting(llama64: dict) -> None:
-    out = speculative_generate(llama64["target"], llama64["close"], [1], 5, temperature=0, tree=(2, 2), gamma=2)
+    out = speculative_generate(
+        llama64["target"], llama64["close"], [1], 5, temperature=0, tree=(2, 2), gamma=2
+    )
     assert len(out.tokens) == 5
 
 
@@ -204,8 +272,14 @@ class Clock:
         return end - start
 
 
-def drive(auto: AutoTree, iterations: int, cost: dict, first: int = 0, now: float = 0.0,
-          limited: Callable[[int], bool] = lambda i: False) -> tuple[list[tuple[int, ...]], float]:
+def drive(
+    auto: AutoTree,
+    iterations: int,
+    cost: dict,
+    first: int = 0,
+    now: float = 0.0,
+    limited: Callable[[int], bool] = lambda i: False,
+) -> tuple[list[tuple[int, ...]], float]:
     """Run the engine's side of ``auto`` for ``iterations``: iteration i uses the shape chosen,
     takes cost[shape] = (seconds, tokens), or cost[shape](i) (a plain step after a drafted one is
     clean; the one after a plain step costs twice, as a drafter catching up), or drafts nothing
@@ -239,7 +313,9 @@ def test_auto_tries_every_shape_then_keeps_the_fastest_and_probes_the_others() -
     assert chosen[4:] == [(2, 1), (2, 1)] and set(auto.rates) == set(shapes)
     chosen, now = drive(auto, 18, cost, first=6, now=now)
     probes = [i for i, shape in enumerate(chosen, start=6) if shape != (2, 1)]
-    assert probes == [8, 16] and chosen[8 - 6] == (1, 1) and chosen[16 - 6] == ()  # the longest unseen first
+    assert (
+        probes == [8, 16] and chosen[8 - 6] == (1, 1) and chosen[16 - 6] == ()
+    )  # the longest unseen first
     # The plain step gets faster than (2, 1): once its probes show it, it is the one kept.
     chosen, _ = drive(auto, 120, {**cost, (): (0.2, 1)}, first=24, now=now)
     assert chosen[-8:].count(()) >= 6  # a probe now takes two iterations: catching up, then timed
@@ -268,14 +344,23 @@ def test_auto_covers_every_candidate() -> None:
     covering = AutoTree().covering()
     assert covering == (3, 2, 1, 1)
     from speculative.verify.tree import branching_parents
-    assert all(len(branching_parents(s)) <= len(branching_parents(covering)) for s in AUTO_SHAPES if s)
+
+    assert all(
+        len(branching_parents(s)) <= len(branching_parents(covering)) for s in AUTO_SHAPES if s
+    )
 
 
-@proof("tree=\"auto\" follows the target's law while its shape changes from one iteration to the next",
-       'chi-square, p > 1e-3, 1000 seeded runs', rejects=('residual not updated (xLLM #2175)',))
-@pytest.mark.parametrize("mutant", [None, "residual-not-updated"], ids=["correct", "residual-not-updated"])
-def test_auto_tree_tokens_have_the_target_distribution(pair: dict, mutant: str | None,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@proof(
+    'tree="auto" follows the target\'s law while its shape changes from one iteration to the next',
+    "chi-square, p > 1e-3, 1000 seeded runs",
+    rejects=("residual not updated (xLLM #2175)",),
+)
+@pytest.mark.parametrize(
+    "mutant", [None, "residual-not-updated"], ids=["correct", "residual-not-updated"]
+)
+def test_auto_tree_tokens_have_the_target_distribution(
+    pair: dict, mutant: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Tokens 3-4 jointly at temperature 1, the first iterations' shapes a chain of one, twice (the
     prompt's iteration is not timed), then (2, 1, 1): what auto tries first does not depend on the
     clock, so the window spans a change of shape in most runs."""
@@ -285,7 +370,9 @@ def test_auto_tree_tokens_have_the_target_distribution(pair: dict, mutant: str |
     target, sampling, shapes = pair["target"], Sampling(temperature=1.0), []
 
     def generate(seed: int) -> list[int]:
-        out = speculative_generate(target, pair["draft"], [1, 4], 6, temperature=1.0, seed=seed, tree="auto")
+        out = speculative_generate(
+            target, pair["draft"], [1, 4], 6, temperature=1.0, seed=seed, tree="auto"
+        )
         shapes.append(tuple(out.stats.tree_shapes))
         return out.tokens
 
@@ -303,7 +390,9 @@ def test_auto_tree_tokens_have_the_target_distribution(pair: dict, mutant: str |
 
 
 @pytest.mark.parametrize("kind", ["close", "feature"])
-def test_greedy_auto_gives_the_target_greedy_output_and_says_what_it_chose(llama64: dict, kind: str) -> None:
+def test_greedy_auto_gives_the_target_greedy_output_and_says_what_it_chose(
+    llama64: dict, kind: str
+) -> None:
     target = llama64["target"]
     draft = llama64["close"] if kind == "close" else FeatureDrafter(llama64["head"], target)
     out = speculative_generate(target, draft, [3, 1, 4, 1, 5], 40, temperature=0, tree="auto")

@@ -52,21 +52,31 @@ def count_reads(fn: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
-    target = random_llama(vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=128)
+    target = random_llama(
+        vocab=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=128
+    )
     return target, noisy_copy(target, std=0.05, seed=1)
 
 
 @pytest.mark.parametrize("verify", ["token", "block"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_chain(pair: tuple, temperature: float, verify: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chain(
+    pair: tuple, temperature: float, verify: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One read per iteration, greedy or sampled, either verifier: the verification's copy of
     its outcome (decisions, tokens, overlaps) carries the non-finite check of the logits."""
-    out, reads = count_reads(lambda: speculative_generate(*pair, [1, 2, 3], 40, gamma=4, temperature=temperature,
-                                                          seed=0, verify=verify), monkeypatch)
+    out, reads = count_reads(
+        lambda: speculative_generate(
+            *pair, [1, 2, 3], 40, gamma=4, temperature=temperature, seed=0, verify=verify
+        ),
+        monkeypatch,
+    )
     assert reads == out.stats.target_calls
 
 
-@pytest.mark.parametrize("temperature, mode", [(0.0, "deterministic"), (1.0, "deterministic"), (1.0, "iid")])
+@pytest.mark.parametrize(
+    "temperature, mode", [(0.0, "deterministic"), (1.0, "deterministic"), (1.0, "iid")]
+)
 def test_tree(pair: tuple, temperature: float, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A token tree: the walk's one copy (with the check) per iteration, and nothing more: the
     accepted path is moved into place in the cache from host lists, which the model checks on
@@ -82,19 +92,29 @@ def test_tree(pair: tuple, temperature: float, mode: str, monkeypatch: pytest.Mo
         return real(self, rows, src, dst, upto)
 
     monkeypatch.setattr(type(pair[0]), "move_cache", move_cache)
-    out, reads = count_reads(lambda: speculative_generate(*pair, [1, 2, 3], 40, temperature=temperature, seed=0,
-                                                          tree=(2, 2, 1), tree_mode=mode), monkeypatch)
+    out, reads = count_reads(
+        lambda: speculative_generate(
+            *pair, [1, 2, 3], 40, temperature=temperature, seed=0, tree=(2, 2, 1), tree_mode=mode
+        ),
+        monkeypatch,
+    )
     assert reads == out.stats.target_calls
-    assert moved and all(isinstance(rows, list) and all(isinstance(slots, list) for slots in src + dst)
-                         for rows, src, dst in moved)  # host lists: the model checks them without a read
+    assert moved and all(
+        isinstance(rows, list) and all(isinstance(slots, list) for slots in src + dst)
+        for rows, src, dst in moved
+    )  # host lists: the model checks them without a read
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_batch(pair: tuple, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """1 per iteration whatever the batch size, greedy or sampled: every row's verdict (its
     verifier's device tensors) and the check travel in one copy."""
-    out, reads = count_reads(lambda: speculative_generate_batch(*pair, [[1, 2, 3], [4, 5], [6]], 40, gamma=4,
-                                                                temperature=temperature, seed=0), monkeypatch)
+    out, reads = count_reads(
+        lambda: speculative_generate_batch(
+            *pair, [[1, 2, 3], [4, 5], [6]], 40, gamma=4, temperature=temperature, seed=0
+        ),
+        monkeypatch,
+    )
     assert reads == out.stats.iterations < out.stats.row_iterations
 
 
@@ -103,19 +123,27 @@ def test_target_alone(pair: tuple, eos: int | None, monkeypatch: pytest.MonkeyPa
     """Without EOS (and no callback) the tokens stay on the device until the end: ONE read in
     all, of the tokens and the non-finite flag kept on the device; with EOS one read per step,
     of the token and the check together."""
-    out, reads = count_reads(lambda: autoregressive_generate(pair[0], [1, 2, 3], 30, temperature=1.0, seed=0,
-                                                             eos_id=eos), monkeypatch)
+    out, reads = count_reads(
+        lambda: autoregressive_generate(
+            pair[0], [1, 2, 3], 30, temperature=1.0, seed=0, eos_id=eos
+        ),
+        monkeypatch,
+    )
     assert reads == (1 if eos is None else out.stats.target_calls)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_target_alone_batched_reads_when_the_rows_change(pair: tuple, temperature: float,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_target_alone_batched_reads_when_the_rows_change(
+    pair: tuple, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The batched baseline reads its tokens only when a row leaves: two rows finish together,
     the third takes a place (one read), and it finishes (one more), out of 60 calls."""
-    out, reads = count_reads(lambda: autoregressive_generate_batch(pair[0], [[1, 2], [3], [4, 5, 6]], 30,
-                                                                   temperature=temperature, seed=0, batch_size=2),
-                             monkeypatch)
+    out, reads = count_reads(
+        lambda: autoregressive_generate_batch(
+            pair[0], [[1, 2], [3], [4, 5, 6]], 30, temperature=temperature, seed=0, batch_size=2
+        ),
+        monkeypatch,
+    )
     assert reads == 2 and out.stats.iterations == 60
 
 
@@ -131,26 +159,44 @@ def broken_pair(pair: tuple) -> tuple[torch.nn.Module, torch.nn.Module]:
 RUNS = {
     "chain-greedy": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=0.0),
     "chain-token": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=1.0, seed=0),
-    "chain-block": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=1.0, seed=0, verify="block"),
-    "tree-greedy": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=0.0, tree=(2, 1)),
-    "tree-sampled": lambda t, d: speculative_generate(t, d, [1, 2, 3], 20, temperature=1.0, seed=0, tree=(2, 1)),
-    "batch-greedy": lambda t, d: speculative_generate_batch(t, d, [[1, 2], [3]], 20, temperature=0.0),
-    "batch-sampled": lambda t, d: speculative_generate_batch(t, d, [[1, 2], [3]], 20, temperature=1.0, seed=0),
-    "alone-per-token": lambda t, d: autoregressive_generate(t, [1, 2, 3], 20, temperature=1.0, seed=0, eos_id=15),
-    "alone-deferred": lambda t, d: autoregressive_generate(t, [1, 2, 3], 20, temperature=1.0, seed=0),
+    "chain-block": lambda t, d: speculative_generate(
+        t, d, [1, 2, 3], 20, temperature=1.0, seed=0, verify="block"
+    ),
+    "tree-greedy": lambda t, d: speculative_generate(
+        t, d, [1, 2, 3], 20, temperature=0.0, tree=(2, 1)
+    ),
+    "tree-sampled": lambda t, d: speculative_generate(
+        t, d, [1, 2, 3], 20, temperature=1.0, seed=0, tree=(2, 1)
+    ),
+    "batch-greedy": lambda t, d: speculative_generate_batch(
+        t, d, [[1, 2], [3]], 20, temperature=0.0
+    ),
+    "batch-sampled": lambda t, d: speculative_generate_batch(
+        t, d, [[1, 2], [3]], 20, temperature=1.0, seed=0
+    ),
+    "alone-per-token": lambda t, d: autoregressive_generate(
+        t, [1, 2, 3], 20, temperature=1.0, seed=0, eos_id=15
+    ),
+    "alone-deferred": lambda t, d: autoregressive_generate(
+        t, [1, 2, 3], 20, temperature=1.0, seed=0
+    ),
 }
 
 
 @pytest.mark.parametrize("run", RUNS)
-def test_the_check_that_rides_in_the_copies_still_stops_nan_logits(broken_pair: tuple, run: str) -> None:
+def test_the_check_that_rides_in_the_copies_still_stops_nan_logits(
+    broken_pair: tuple, run: str
+) -> None:
     """The non-finite check has no read of its own any more: it must still fire in every loop."""
     with pytest.raises(NonFiniteLogitsError):
         RUNS[run](*broken_pair)
 
 
 def test_read_host_one_copy_ints_floats_and_the_flag() -> None:
-    ints, floats, flags = read_host([torch.tensor([3, 128255]), torch.tensor([0.25, 1.0]), torch.tensor([True, False])],
-                                    torch.tensor(True))
+    ints, floats, flags = read_host(
+        [torch.tensor([3, 128255]), torch.tensor([0.25, 1.0]), torch.tensor([True, False])],
+        torch.tensor(True),
+    )
     assert ints == [3, 128255] and floats == [0.25, 1.0] and flags == [1, 0]
     assert all(isinstance(v, int) for v in ints + flags)
     with pytest.raises(NonFiniteLogitsError):
@@ -174,7 +220,9 @@ class FakeEvent:
 
     def elapsed_time(self, end: FakeEvent) -> float:
         if not (self.complete and end.complete):
-            raise RuntimeError("CUDA error: device not ready (an event the host has not waited for)")
+            raise RuntimeError(
+                "CUDA error: device not ready (an event the host has not waited for)"
+            )
         return (end.time - self.time) * 1000
 
     @staticmethod
@@ -217,20 +265,34 @@ def count_waits(fn: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple
 
 TIMED = {
     "chain-greedy": lambda t, d: speculative_generate(t, d, [1, 2, 3], 30, temperature=0.0),
-    "chain-auto-gamma": lambda t, d: speculative_generate(t, d, [1, 2, 3], 30, gamma="auto", temperature=1.0, seed=0),
-    "tree-sampled": lambda t, d: speculative_generate(t, d, [1, 2, 3], 30, temperature=1.0, seed=0, tree=(2, 1)),
-    "batch-greedy": lambda t, d: speculative_generate_batch(t, d, [[1, 2], [3], [4, 5, 6]], 30, temperature=0.0,
-                                                             batch_size=2),
-    "batch-auto-gamma": lambda t, d: speculative_generate_batch(t, d, [[1, 2], [3]], 30, gamma="auto",
-                                                                 temperature=1.0, seed=0),
-    "alone-batch": lambda t, d: autoregressive_generate_batch(t, [[1, 2], [3]], 30, temperature=1.0, seed=0),
-    "alone-deferred": lambda t, d: autoregressive_generate(t, [1, 2, 3], 30, temperature=1.0, seed=0),
-    "alone-per-token": lambda t, d: autoregressive_generate(t, [1, 2, 3], 30, temperature=1.0, seed=0, eos_id=15),
+    "chain-auto-gamma": lambda t, d: speculative_generate(
+        t, d, [1, 2, 3], 30, gamma="auto", temperature=1.0, seed=0
+    ),
+    "tree-sampled": lambda t, d: speculative_generate(
+        t, d, [1, 2, 3], 30, temperature=1.0, seed=0, tree=(2, 1)
+    ),
+    "batch-greedy": lambda t, d: speculative_generate_batch(
+        t, d, [[1, 2], [3], [4, 5, 6]], 30, temperature=0.0, batch_size=2
+    ),
+    "batch-auto-gamma": lambda t, d: speculative_generate_batch(
+        t, d, [[1, 2], [3]], 30, gamma="auto", temperature=1.0, seed=0
+    ),
+    "alone-batch": lambda t, d: autoregressive_generate_batch(
+        t, [[1, 2], [3]], 30, temperature=1.0, seed=0
+    ),
+    "alone-deferred": lambda t, d: autoregressive_generate(
+        t, [1, 2, 3], 30, temperature=1.0, seed=0
+    ),
+    "alone-per-token": lambda t, d: autoregressive_generate(
+        t, [1, 2, 3], 30, temperature=1.0, seed=0, eos_id=15
+    ),
 }
 
 
 @pytest.mark.parametrize("run", TIMED)
-def test_timing_never_waits_for_the_device(pair: tuple, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_timing_never_waits_for_the_device(
+    pair: tuple, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On CUDA the loops time with events: no synchronize inside the loop, one after it (to
     sum the durations that end after the last read), and no duration read before the device
     passed both its marks (the fake event raises then, as CUDA does). The host reads are the
@@ -266,6 +328,7 @@ def test_timing_never_waits_for_the_device(pair: tuple, run: str, monkeypatch: p
 
 def test_a_clock_that_synchronizes_is_counted(pair: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """The count can fail: the old clock (synchronize, then perf_counter) at every mark."""
+
     def waiting_mark(self: Clock) -> float:
         torch.cuda.synchronize()
         return time.perf_counter()

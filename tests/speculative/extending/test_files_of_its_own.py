@@ -28,16 +28,20 @@ def installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     DRAFTERS.pop("unigram", None)
     point = importlib.metadata.EntryPoint("unigram", f"{MODULE}:KIND", "speculative_llama.drafters")
     real = importlib.metadata.entry_points
-    monkeypatch.setattr(importlib.metadata, "entry_points",
-                        lambda **kw: [point] if kw.get("group") == "speculative_llama.drafters" else real(**kw))
+    monkeypatch.setattr(
+        importlib.metadata,
+        "entry_points",
+        lambda **kw: [point] if kw.get("group") == "speculative_llama.drafters" else real(**kw),
+    )
     yield
     DRAFTERS.pop("unigram", None)
     sys.modules.pop(MODULE, None)
 
 
 @needs_pair
-def test_its_folder_runs_through_the_command_line(installed: None, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_its_folder_runs_through_the_command_line(
+    installed: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from weights import load_model
 
     vocab = load_model("tiny-target").config.vocab_size
@@ -50,8 +54,9 @@ def test_its_folder_runs_through_the_command_line(installed: None, tmp_path: Pat
     alone, _ = main_json(capsys, [*argv, "--no-draft"])
     drafted, _ = main_json(capsys, [*argv, "--draft", str(folder), "--gamma", "2"])
     assert drafted["tokens"] == alone["tokens"] and drafted["stats"]["drafted_tokens"] > 0
-    sampled, _ = main_json(capsys, [*argv, "--draft", str(folder), "--temperature", "1",
-                                    "--seed", "2"])
+    sampled, _ = main_json(
+        capsys, [*argv, "--draft", str(folder), "--temperature", "1", "--seed", "2"]
+    )
     assert len(sampled["tokens"]) == 16
 
 

@@ -23,10 +23,18 @@ class RepeatDrafter:
     def start(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
         pass
 
-    def propose(self, ids: list[list[int]], gammas: list[int], samplings: Any, generators: Any,
-                device: torch.device) -> Draft:
+    def propose(
+        self,
+        ids: list[list[int]],
+        gammas: list[int],
+        samplings: Any,
+        generators: Any,
+        device: torch.device,
+    ) -> Draft:
         rows = [[row[-1]] * g for row, g in zip(ids, gammas)]
-        return Draft(pad_rows(rows, device, max(gammas, default=0)), list(gammas))  # q None: one-hot
+        return Draft(
+            pad_rows(rows, device, max(gammas, default=0)), list(gammas)
+        )  # q None: one-hot
 
     def commit(self, lengths: list[int], hidden: Any = None, hidden_starts: Any = None) -> None:
         pass
@@ -35,5 +43,11 @@ class RepeatDrafter:
         pass
 
 
-register_drafter(DrafterKind("repeat", "the row's last token again (an example of a drafter of one's own)",
-                             build=lambda network, target: RepeatDrafter(), toy=lambda target: RepeatDrafter()))
+register_drafter(
+    DrafterKind(
+        "repeat",
+        "the row's last token again (an example of a drafter of one's own)",
+        build=lambda network, target: RepeatDrafter(),
+        toy=lambda target: RepeatDrafter(),
+    )
+)

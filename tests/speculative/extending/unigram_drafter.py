@@ -31,8 +31,14 @@ class UnigramDrafter:
     def start(self, max_rows: int, cache_len: int, target: Any) -> None:
         self.logits = self.logits.to(target.embed_tokens.weight.device)
 
-    def propose(self, ids: list[list[int]], gammas: list[int], samplings: Any, generators: Any,
-                device: torch.device) -> Draft:
+    def propose(
+        self,
+        ids: list[list[int]],
+        gammas: list[int],
+        samplings: Any,
+        generators: Any,
+        device: torch.device,
+    ) -> Draft:
         tokens, probs = [], []
         for step in range(max(gammas)):
             drawing = [g if step < gamma else None for g, gamma in zip(generators, gammas)]
@@ -48,25 +54,39 @@ class UnigramDrafter:
 
 def save(logits: torch.Tensor, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": MODEL_TYPE, "vocab_size": logits.shape[0]}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": MODEL_TYPE, "vocab_size": logits.shape[0]})
+    )
     save_file({"logits": logits.contiguous()}, folder / "table.safetensors")
     return folder
 
 
-def read(folder: Path, target: Any, target_name: str, device: Any, dtype: torch.dtype) -> torch.Tensor:
+def read(
+    folder: Path, target: Any, target_name: str, device: Any, dtype: torch.dtype
+) -> torch.Tensor:
     logits = load_file(folder / "table.safetensors")["logits"]
     if logits.shape[0] != target.config.vocab_size:
-        raise ValueError(f"{folder}: a table of {logits.shape[0]} ids for {target_name}'s {target.config.vocab_size}")
+        raise ValueError(
+            f"{folder}: a table of {logits.shape[0]} ids for {target_name}'s {target.config.vocab_size}"
+        )
     return logits.to(device=device, dtype=torch.float32)
 
 
 def toy(target: Any) -> UnigramDrafter:
     """For the checker: a table drawn once, uneven enough that q differs from every p."""
     generator = torch.Generator().manual_seed(3)
-    return UnigramDrafter(torch.randn(target.config.vocab_size, generator=generator, dtype=torch.float64) * 2)
+    return UnigramDrafter(
+        torch.randn(target.config.vocab_size, generator=generator, dtype=torch.float64) * 2
+    )
 
 
-KIND = register_drafter(DrafterKind(
-    "unigram", "one fixed distribution over the vocabulary (an example of a drafter with files of its own)",
-    build=lambda logits, target: UnigramDrafter(logits), toy=toy, loader=read,
-    recognizes=lambda config: config.get("model_type") == MODEL_TYPE))
+KIND = register_drafter(
+    DrafterKind(
+        "unigram",
+        "one fixed distribution over the vocabulary (an example of a drafter with files of its own)",
+        build=lambda logits, target: UnigramDrafter(logits),
+        toy=toy,
+        loader=read,
+        recognizes=lambda config: config.get("model_type") == MODEL_TYPE,
+    )
+)

@@ -16,7 +16,12 @@ import torch
 
 from speculative.draft.lookup import PromptLookupDrafter
 from speculative.proofs.branching import Branching
-from speculative.proofs.cases import eagle3_drafter, feature_drafter, model_drafter, parallel_drafter
+from speculative.proofs.cases import (
+    eagle3_drafter,
+    feature_drafter,
+    model_drafter,
+    parallel_drafter,
+)
 from speculative.proofs.checker import check, main
 from speculative.proofs.exact import verifier_outcomes
 from speculative.proofs.subject import load
@@ -35,6 +40,7 @@ def statuses(report) -> dict[str, str]:
 # ----------------------------------------------------------------------------- the enumeration, by hand
 def test_uniforms_branch_at_their_thresholds_even_scaled() -> None:
     """u_1 < 0.3 and 2 u_2 - 0.5 > 0.9 (u_2 > 0.7): four outcomes of probability 0.3 / 0.7 each."""
+
     def run() -> tuple[bool, bool]:
         u = torch.rand(2)
         return bool(u[0] < 0.3), bool(2 * u[1] - 0.5 > 0.9)
@@ -52,9 +58,14 @@ def test_one_verification_has_the_law_worked_out_by_hand() -> None:
     p = torch.tensor([[0.5, 0.5], [0.2, 0.8]], dtype=torch.float64)
     q = torch.tensor([[0.8, 0.2]], dtype=torch.float64)
     expected = {(0, 0): 5 / 8 * 0.2, (0, 1): 5 / 8 * 0.8, (1,): 3 / 8}
-    for rule in (verify_step, verify_block):  # one drafted token: block verification is the same rule
+    for rule in (
+        verify_step,
+        verify_block,
+    ):  # one drafted token: block verification is the same rule
         got = verifier_outcomes(rule, p, q, torch.tensor([0]))
-        assert got.keys() == expected.keys() and all(abs(got[k] - expected[k]) < 1e-15 for k in expected)
+        assert got.keys() == expected.keys() and all(
+            abs(got[k] - expected[k]) < 1e-15 for k in expected
+        )
 
 
 def test_a_zero_draw_keeps_a_ruled_out_token_only_with_r_le_ratio() -> None:
@@ -65,33 +76,50 @@ def test_a_zero_draw_keeps_a_ruled_out_token_only_with_r_le_ratio() -> None:
     lenient, _ = load(f"{BUGS / 'sglang_35771_r_le_ratio.py'}:verify")
     with Branching(zero=True) as branching:
         assert set(verifier_outcomes(verify_step, p, q, torch.tensor([0]), branching)) == {(1,)}
-        assert set(verifier_outcomes(lenient, p, q, torch.tensor([0]), branching)) == {(0, 0), (0, 1)}
+        assert set(verifier_outcomes(lenient, p, q, torch.tensor([0]), branching)) == {
+            (0, 0),
+            (0, 1),
+        }
 
 
 # ----------------------------------------------------------------------------- the built-ins pass
 @pytest.mark.parametrize("rule", [verify_step, verify_block], ids=["verify_step", "verify_block"])
 def test_the_built_in_verifiers_pass(rule) -> None:
     report = check(rule, quick=True, properties=["exact", "zero", "greedy"])
-    assert report.ok and statuses(report) == {"exact law": "PASS", "zero draw": "PASS", "greedy identity": "PASS"}
+    assert report.ok and statuses(report) == {
+        "exact law": "PASS",
+        "zero draw": "PASS",
+        "greedy identity": "PASS",
+    }
 
 
-@pytest.mark.parametrize("drafter", [model_drafter, PromptLookupDrafter, feature_drafter, eagle3_drafter,
-                                     parallel_drafter], ids=["model", "prompt-lookup", "feature", "eagle3", "parallel"])
+@pytest.mark.parametrize(
+    "drafter",
+    [model_drafter, PromptLookupDrafter, feature_drafter, eagle3_drafter, parallel_drafter],
+    ids=["model", "prompt-lookup", "feature", "eagle3", "parallel"],
+)
 def test_the_built_in_drafters_pass(drafter) -> None:
     report = check(drafter, quick=True, properties=["exact", "greedy"])
     assert report.ok and statuses(report) == {"exact law": "PASS", "greedy identity": "PASS"}
 
 
-@pytest.mark.parametrize("spec, status", [("speculative.verify:verify_step", "PASS"),
-                                          ("speculative.prove:model_drafter", "PASS"),
-                                          ("tests/bugs/bonus_from_p_gamma.py:verify", "FAIL"),
-                                          ("tests/bugs/transformers_47932_unwarped_q.py:drafter", "FAIL")])
+@pytest.mark.parametrize(
+    "spec, status",
+    [
+        ("speculative.verify:verify_step", "PASS"),
+        ("speculative.prove:model_drafter", "PASS"),
+        ("tests/bugs/bonus_from_p_gamma.py:verify", "FAIL"),
+        ("tests/bugs/transformers_47932_unwarped_q.py:drafter", "FAIL"),
+    ],
+)
 def test_chi_square_through_the_engine(spec: str, status: str) -> None:
     obj, label = load(str(ROOT / spec) if spec.startswith("tests/") else spec)
     result = check(obj, label=label, quick=True, properties=["chi-square"]).results[0]
     assert result.status == status, result.line()
     if status == "FAIL":
-        assert "p = " in result.measure and "vocab 8" in result.where and "seeds 0-599" in result.where
+        assert (
+            "p = " in result.measure and "vocab 8" in result.where and "seeds 0-599" in result.where
+        )
 
 
 # ----------------------------------------------------------------------------- the public bugs
@@ -101,7 +129,10 @@ EXAMPLES = {  # file: object, and the status each property must have
     "xllm_2175_residual_at_drafted_token.py": ("verify", {"exact": "FAIL", "greedy": "PASS"}),
     "bonus_from_p_gamma.py": ("verify", {"exact": "FAIL", "greedy": "FAIL"}),
     "transformers_47932_unwarped_q.py": ("drafter", {"exact": "FAIL", "greedy": "PASS"}),
-    "vllm_ascend_7807_block_tokenwise.py": ("verify", {"exact": "PASS", "zero": "PASS", "greedy": "PASS"}),
+    "vllm_ascend_7807_block_tokenwise.py": (
+        "verify",
+        {"exact": "PASS", "zero": "PASS", "greedy": "PASS"},
+    ),
 }
 
 
@@ -120,8 +151,9 @@ def test_each_example_fails_on_its_property(name: str) -> None:
     assert {key: result.status for key, result in got.items()} == wanted, report.results
     for result in got.values():
         if result.status == "FAIL":
-            assert "vocab" in result.where and ("gap" in result.measure or "r = 0" in result.measure
-                                                or "differ" in result.measure), result.line()
+            assert "vocab" in result.where and (
+                "gap" in result.measure or "r = 0" in result.measure or "differ" in result.measure
+            ), result.line()
     assert report.ok == ("FAIL" not in wanted.values())
 
 
@@ -139,7 +171,7 @@ def test_the_unwarped_q_drafter_passes_once_it_hands_over_the_q_it_drew_from() -
 
 
 # ----------------------------------------------------------------------------- what cannot be followed
-RULES = '''
+RULES = """
 import random
 import torch
 from speculative.sampling import sample
@@ -180,7 +212,7 @@ def two(a, b):
 
 
 NUMBER = 3
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -190,10 +222,13 @@ def rules(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name, reason", [("multinomial", "torch.multinomial"),
-                                          ("python_random", "changes with the seeds")])
-def test_randomness_it_cannot_follow_is_not_applicable(rules: Path, name: str, reason: str,
-                                                       capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "name, reason",
+    [("multinomial", "torch.multinomial"), ("python_random", "changes with the seeds")],
+)
+def test_randomness_it_cannot_follow_is_not_applicable(
+    rules: Path, name: str, reason: str, capsys: pytest.CaptureFixture
+) -> None:
     assert main([f"{rules}:{name}", "--quick", "--only", "exact,greedy"]) == 1
     out = capsys.readouterr().out
     assert "exact law        N/A" in out and reason in out and "greedy identity  PASS" in out
@@ -203,28 +238,40 @@ def test_randomness_it_cannot_follow_is_not_applicable(rules: Path, name: str, r
 # ----------------------------------------------------------------------------- exit statuses and bad input
 def test_exit_0_when_every_property_holds(capsys: pytest.CaptureFixture) -> None:
     assert main(["speculative.verify:verify_step", "--quick", "--only", "exact,zero,greedy"]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("PASS: all 3 properties hold")
+    assert (
+        capsys.readouterr().out.strip().splitlines()[-1].startswith("PASS: all 3 properties hold")
+    )
 
 
 def test_exit_1_names_the_property_the_case_and_the_gap(capsys: pytest.CaptureFixture) -> None:
     assert main([f"{BUGS / 'bonus_from_p_gamma.py'}:verify", "--quick", "--only", "exact"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[1].startswith("exact law        FAIL  worst gap") and "vocab 2, gamma 1" in lines[1]
+    assert (
+        lines[1].startswith("exact law        FAIL  worst gap") and "vocab 2, gamma 1" in lines[1]
+    )
     assert lines[-1].startswith("FAIL: exact law")
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("tests/bugs/no_such_file.py:verify", "no file tests/bugs/no_such_file.py"),
-    ("speculative.verify:no_such_rule", "speculative.verify has no 'no_such_rule'"),
-    ("speculative.verify", "expected MODULE:OBJECT"),
-    ("{rules}:NUMBER", "(an int) is neither a verifier"),
-    ("{rules}:two", "(a callable of 2 arguments) is neither a verifier"),
-    ("speculative.draft.eagle:FeatureDrafter", "(a class of 2 arguments) is neither a verifier"),
-    ("speculative.draft:ModelDrafter", "drafts with the target itself"),
-    ("{rules}:returns_a_list", "returned list, not a speculative.verify.Verdict"),
-    ("{rules}:raises", "raised ZeroDivisionError: division by zero (vocab 2, gamma 1"),
-])
-def test_bad_input_is_one_line_and_exit_2(rules: Path, spec: str, message: str, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("tests/bugs/no_such_file.py:verify", "no file tests/bugs/no_such_file.py"),
+        ("speculative.verify:no_such_rule", "speculative.verify has no 'no_such_rule'"),
+        ("speculative.verify", "expected MODULE:OBJECT"),
+        ("{rules}:NUMBER", "(an int) is neither a verifier"),
+        ("{rules}:two", "(a callable of 2 arguments) is neither a verifier"),
+        (
+            "speculative.draft.eagle:FeatureDrafter",
+            "(a class of 2 arguments) is neither a verifier",
+        ),
+        ("speculative.draft:ModelDrafter", "drafts with the target itself"),
+        ("{rules}:returns_a_list", "returned list, not a speculative.verify.Verdict"),
+        ("{rules}:raises", "raised ZeroDivisionError: division by zero (vocab 2, gamma 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    rules: Path, spec: str, message: str, capsys: pytest.CaptureFixture
+) -> None:
     assert main([spec.format(rules=rules), "--only", "exact"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -232,10 +279,20 @@ def test_bad_input_is_one_line_and_exit_2(rules: Path, spec: str, message: str, 
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], captured.err
 
 
-@pytest.mark.parametrize("spec, message", [("no_such_module:rule", "error: no module named 'no_such_module'"),
-                                           ("{rules}:raises", "error: the verifier")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_such_module:rule", "error: no module named 'no_such_module'"),
+        ("{rules}:raises", "error: the verifier"),
+    ],
+)
 def test_the_command_line_on_bad_input(rules: Path, spec: str, message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "speculative.prove", spec.format(rules=rules)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "speculative.prove", spec.format(rules=rules)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(message), done.stderr

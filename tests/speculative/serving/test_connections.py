@@ -14,7 +14,9 @@ from speculative.serving.connections import Bounds, Limits
 LIMITS = Limits(body_bytes=100, read_timeout=0.2, write_timeout=0.2)
 
 
-def run(messages: list[dict], send_blocks: bool = False, headers=()) -> tuple[list[dict], list[bytes], float]:
+def run(
+    messages: list[dict], send_blocks: bool = False, headers=()
+) -> tuple[list[dict], list[bytes], float]:
     """Call Bounds(an app that reads and answers) with ``messages`` to receive (then nothing, forever); returns what it
     sent, the bodies the app read, and the seconds it took."""
     sent: list[dict] = []
@@ -40,7 +42,12 @@ def run(messages: list[dict], send_blocks: bool = False, headers=()) -> tuple[li
                 await asyncio.sleep(3600)  # a client that reads nothing
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": list(headers)}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": list(headers),
+        }
         start = time.perf_counter()
         await asyncio.wait_for(Bounds(inner, LIMITS)(scope, receive, send), 5)
         return time.perf_counter() - start
@@ -54,8 +61,10 @@ def status_and_code(sent: list[dict]) -> tuple[int, str]:
 
 
 def test_a_body_within_the_limit_reaches_the_app_whole_however_it_was_sent() -> None:
-    chunks = [{"type": "http.request", "body": b"ab", "more_body": True},
-              {"type": "http.request", "body": b"cd", "more_body": False}]
+    chunks = [
+        {"type": "http.request", "body": b"ab", "more_body": True},
+        {"type": "http.request", "body": b"cd", "more_body": False},
+    ]
     sent, read, _ = run(chunks)
     assert read == [b"abcd"] and sent[0]["status"] == 200
 

@@ -35,10 +35,12 @@ def pair() -> dict:
 
 def tau(alpha: float, gamma: int) -> float:
     """Expected tokens per iteration, written out: 1 + alpha + ... + alpha^gamma."""
-    return sum(alpha ** i for i in range(gamma + 1))
+    return sum(alpha**i for i in range(gamma + 1))
 
 
-def policy_with(costs: dict[tuple[int, int], float], alpha: float, gamma_max: int = 4, max_rows: int = 16) -> LoadGamma:
+def policy_with(
+    costs: dict[tuple[int, int], float], alpha: float, gamma_max: int = 4, max_rows: int = 16
+) -> LoadGamma:
     """A policy with these iteration costs (all in the target call) and this alpha, as if measured."""
     policy = LoadGamma(gamma_max, max_rows)
     for (rows, gamma), seconds in costs.items():
@@ -52,10 +54,17 @@ def batching_costs() -> dict[tuple[int, int], float]:
     costs about the same up to 4 rows; a verification of B rows x (g + 1) tokens grows towards
     g + 1 steps as B grows; each draft step costs c(B) = 0.12..0.28 of a plain step."""
     costs = {}
-    for rows, step, verify_slope, c in [(1, 5.3, 0.03, 0.12), (2, 5.3, 0.08, 0.14), (4, 5.4, 0.19, 0.21),
-                                        (8, 7.5, 0.45, 0.25), (16, 12.0, 0.7, 0.28)]:
+    for rows, step, verify_slope, c in [
+        (1, 5.3, 0.03, 0.12),
+        (2, 5.3, 0.08, 0.14),
+        (4, 5.4, 0.19, 0.21),
+        (8, 7.5, 0.45, 0.25),
+        (16, 12.0, 0.7, 0.28),
+    ]:
         for gamma in range(5):
-            costs[rows, gamma] = step * (1 + verify_slope * gamma) + gamma * c * step if gamma else step
+            costs[rows, gamma] = (
+                step * (1 + verify_slope * gamma) + gamma * c * step if gamma else step
+            )
     return costs
 
 
@@ -68,16 +77,21 @@ def test_the_policy_picks_the_cost_models_best_gamma_at_each_batch_size() -> Non
         expected = max(range(5), key=lambda g: (tau(alpha, g) / costs[rows, g], -g))
         assert policy.best(rows) == expected
     assert policy.best(1) >= 3 and policy.best(16) == 0
-    assert policy.speedup(1, policy.best(1)) == pytest.approx(tau(alpha, policy.best(1)) * costs[1, 0]
-                                                             / costs[1, policy.best(1)])
+    assert policy.speedup(1, policy.best(1)) == pytest.approx(
+        tau(alpha, policy.best(1)) * costs[1, 0] / costs[1, policy.best(1)]
+    )
 
 
 def test_the_crossover_moves_with_alpha_no_threshold_is_set() -> None:
     """The same costs with a better draft keep speculation on at batch sizes where a worse one
     turns it off: the crossover is the cost model's, not a number set by hand."""
     costs = batching_costs()
-    off_at = {alpha: min((b for b in (1, 2, 4, 8, 16) if policy_with(costs, alpha).best(b) == 0), default=None)
-              for alpha in (0.5, 0.8, 0.97)}
+    off_at = {
+        alpha: min(
+            (b for b in (1, 2, 4, 8, 16) if policy_with(costs, alpha).best(b) == 0), default=None
+        )
+        for alpha in (0.5, 0.8, 0.97)
+    }
     assert off_at[0.5] is not None and off_at[0.5] < (off_at[0.8] or 99) <= (off_at[0.97] or 99)
     assert off_at[0.97] is None or off_at[0.97] > off_at[0.5]
 
@@ -89,7 +103,14 @@ def test_two_iterations_in_32_re_measure_a_neighbouring_gamma() -> None:
     best = policy.best(2)
     assert 1 < best < 4
     chosen = [policy.choose(2, i) for i in range(128)]
-    assert [chosen[i] for i in (0, 1, 32, 33, 64, 96)] == [best + 1, best + 1, best - 1, best - 1, best + 1, best - 1]
+    assert [chosen[i] for i in (0, 1, 32, 33, 64, 96)] == [
+        best + 1,
+        best + 1,
+        best - 1,
+        best - 1,
+        best + 1,
+        best - 1,
+    ]
     assert all(g == best for i, g in enumerate(chosen) if i % 32 > 1)
     assert policy.best(16) == 0 and {policy.choose(16, i) for i in range(64)} == {0, 1}
     assert [policy.choose(16, i) for i in (0, 1, 2, 32, 33)] == [1, 1, 0, 1, 1]
@@ -109,12 +130,34 @@ def test_observe_updates_alpha_and_only_clean_iterations_update_costs() -> None:
     policy = policy_with({(2, 3): 10.0}, 0.5)
     policy.accepted_mass = policy.positions = 0.0
     assert policy.alpha == 0.5  # (0 + 1) / (0 + 2): nothing verified yet
-    policy.observe(Iteration(rows=2, gamma=3, seconds=20.0, draft_s=2.0, target_s=16.0, tokens=6, overlap=5.4,
-                             positions=6, clean=True))
+    policy.observe(
+        Iteration(
+            rows=2,
+            gamma=3,
+            seconds=20.0,
+            draft_s=2.0,
+            target_s=16.0,
+            tokens=6,
+            overlap=5.4,
+            positions=6,
+            clean=True,
+        )
+    )
     assert policy.alpha == pytest.approx((5.4 + 1) / (6 + 2))
     assert policy.cost(2, 3) == pytest.approx(0.8 * 10.0 + 0.2 * 20.0)
-    policy.observe(Iteration(rows=2, gamma=3, seconds=90.0, draft_s=50.0, target_s=30.0, tokens=6, overlap=0.0,
-                             positions=0, clean=False))  # a prompt was read: not an iteration's cost
+    policy.observe(
+        Iteration(
+            rows=2,
+            gamma=3,
+            seconds=90.0,
+            draft_s=50.0,
+            target_s=30.0,
+            tokens=6,
+            overlap=0.0,
+            positions=0,
+            clean=False,
+        )
+    )  # a prompt was read: not an iteration's cost
     assert policy.cost(2, 3) == pytest.approx(0.8 * 10.0 + 0.2 * 20.0)
 
 
@@ -127,14 +170,19 @@ def test_calibration_measures_every_gamma_and_leaves_the_engine_as_new(pair: dic
     assert seconds > 0 and engine.idle and engine.policy is policy and not engine.finished
     assert set(policy.cells) == {(b, g) for b in (1, 2, 4) for g in range(4)}
     assert all(sum(parts) > 0 for parts in policy.cells.values())
-    assert all(policy.cells[b, g][0] > 0 for b in (1, 2, 4) for g in (1, 2, 3))  # drafting was timed
+    assert all(
+        policy.cells[b, g][0] > 0 for b in (1, 2, 4) for g in (1, 2, 3)
+    )  # drafting was timed
     row = engine.add(PROMPTS[0], 12, seed=5, sampling=Sampling(1.0), gamma=2)
     engine.run()
-    alone = speculative_generate(pair["target"], pair["draft"], PROMPTS[0], 12, gamma=2, temperature=1.0, seed=5)
+    alone = speculative_generate(
+        pair["target"], pair["draft"], PROMPTS[0], 12, gamma=2, temperature=1.0, seed=5
+    )
     assert row.result().tokens == alone.tokens
     with pytest.raises(ValueError, match="calibration needs"):
-        LoadGamma(3, 1).calibrate(Engine(pair["target"], pair["draft"], gamma=3, cache_len=24), PROMPTS[0])
-
+        LoadGamma(3, 1).calibrate(
+            Engine(pair["target"], pair["draft"], gamma=3, cache_len=24), PROMPTS[0]
+        )
 
 
 def test_calibration_seeds_alpha_from_what_it_verified(pair: dict) -> None:
@@ -143,11 +191,20 @@ def test_calibration_seeds_alpha_from_what_it_verified(pair: dict) -> None:
     1 / (1 - fade) positions: a draft identical to the target gives alpha near 1."""
     twin = copy.deepcopy(pair["target"])
     policy = LoadGamma(3, 2)
-    policy.calibrate(Engine(pair["target"], twin, gamma=3, max_rows=2, cache_len=160), PROMPTS[2], rounds=2)
+    policy.calibrate(
+        Engine(pair["target"], twin, gamma=3, max_rows=2, cache_len=160), PROMPTS[2], rounds=2
+    )
     assert 0 < policy.positions <= 1 / (1 - policy.fade) and policy.alpha > 0.95
     policy = LoadGamma(3, 4)
-    policy.calibrate(Engine(pair["target"], pair["draft"], gamma=3, max_rows=4, cache_len=160), PROMPTS[2], rounds=5)
-    assert policy.positions == pytest.approx(1 / (1 - policy.fade)) and policy.alpha != 0.5  # more than the window
+    policy.calibrate(
+        Engine(pair["target"], pair["draft"], gamma=3, max_rows=4, cache_len=160),
+        PROMPTS[2],
+        rounds=5,
+    )
+    assert (
+        policy.positions == pytest.approx(1 / (1 - policy.fade)) and policy.alpha != 0.5
+    )  # more than the window
+
 
 class Collector:
     """A ticket's callbacks: its tokens by iteration and the moment it ended."""
@@ -157,7 +214,13 @@ class Collector:
         self.ended = threading.Event()
 
     def ticket(self, prompt: list[int], count: int, **options) -> Ticket:
-        return Ticket(prompt, count, on_tokens=self.tokens.extend, on_done=lambda t: self.ended.set(), **options)
+        return Ticket(
+            prompt,
+            count,
+            on_tokens=self.tokens.extend,
+            on_done=lambda t: self.ended.set(),
+            **options,
+        )
 
 
 def gated(engine: Engine) -> threading.Event:
@@ -179,14 +242,27 @@ def test_the_loop_serves_tickets_exactly_and_counts_them(pair: dict) -> None:
     loop = EngineLoop(engine, policy=FixedGamma(3)).start()
     try:
         collectors = [Collector() for _ in PROMPTS]
-        tickets = [loop.submit(c.ticket(p, 10, sampling=Sampling(1.0), seed=30 + i, gamma=i % 4))
-                   for i, (c, p) in enumerate(zip(collectors, PROMPTS))]
+        tickets = [
+            loop.submit(c.ticket(p, 10, sampling=Sampling(1.0), seed=30 + i, gamma=i % 4))
+            for i, (c, p) in enumerate(zip(collectors, PROMPTS))
+        ]
         assert all(c.ended.wait(20) for c in collectors)
     finally:
         loop.close()
     for i, (collector, ticket) in enumerate(zip(collectors, tickets)):
-        alone = speculative_generate(pair["target"], pair["draft"], PROMPTS[i], 10, gamma=max(i % 4, 1),
-                                     temperature=1.0, seed=30 + i) if i % 4 else None
+        alone = (
+            speculative_generate(
+                pair["target"],
+                pair["draft"],
+                PROMPTS[i],
+                10,
+                gamma=max(i % 4, 1),
+                temperature=1.0,
+                seed=30 + i,
+            )
+            if i % 4
+            else None
+        )
         assert ticket.done and ticket.stop_reason == "max_new_tokens" and ticket.error is None
         assert collector.tokens == ticket.row.result().tokens
         if alone is not None:
@@ -203,7 +279,9 @@ def test_a_full_queue_refuses_with_retry_after_and_a_cancel_frees_a_row(pair: di
         first, second, third = Collector(), Collector(), Collector()
         running = loop.submit(first.ticket(PROMPTS[0], 100))
         deadline = time.monotonic() + 5
-        while loop.inbox and time.monotonic() < deadline:  # the loop takes it, then waits at the gate
+        while (
+            loop.inbox and time.monotonic() < deadline
+        ):  # the loop takes it, then waits at the gate
             time.sleep(0.001)
         waiting = loop.submit(second.ticket(PROMPTS[1], 5))
         assert loop.waiting == 2
@@ -235,7 +313,11 @@ def test_a_failing_engine_ends_every_request_with_an_error(pair: dict) -> None:
     loop = EngineLoop(engine, log=lambda line: None).start()
     collector = Collector()
     ticket = loop.submit(collector.ticket(PROMPTS[0], 5))
-    assert collector.ended.wait(5) and ticket.stop_reason == "error" and "device lost" in str(ticket.error)
+    assert (
+        collector.ended.wait(5)
+        and ticket.stop_reason == "error"
+        and "device lost" in str(ticket.error)
+    )
     loop.thread.join(5)
     assert not loop.healthy
     with pytest.raises(RuntimeError, match="not running"):
@@ -247,9 +329,12 @@ def test_a_dialog_in_the_llama2_chat_template() -> None:
     closed by EOS and each turn opens with BOS; roles out of turn are refused in one line."""
     tokenizer = load_tokenizer("tiny-target")
     tokenizer.chat = LLAMA2_CHAT  # what a Llama-2 chat model without a template gets
-    assert encode_dialog(tokenizer, [("user", "Hi there")]) == encode_prompt(tokenizer, "Hi there", chat=True)
-    assert encode_dialog(tokenizer, [("system", "Be brief."), ("user", " Hi ")]) == \
-        encode_prompt(tokenizer, "Hi", chat=True, system="Be brief.")
+    assert encode_dialog(tokenizer, [("user", "Hi there")]) == encode_prompt(
+        tokenizer, "Hi there", chat=True
+    )
+    assert encode_dialog(tokenizer, [("system", "Be brief."), ("user", " Hi ")]) == encode_prompt(
+        tokenizer, "Hi", chat=True, system="Be brief."
+    )
     ids = encode_dialog(tokenizer, [("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")])
     first = tokenizer.encode("[INST] Hi [/INST] Hello! ", bos=True, eos=True)
     assert ids == first + tokenizer.encode("[INST] Bye [/INST]", bos=True)

@@ -34,22 +34,32 @@ def test_the_llama2_chat_format_by_hand(tokenizer, monkeypatch) -> None:
         encode_prompt(tokenizer, "Hi.", chat=True)
     assert "\n" not in str(error.value)
     monkeypatch.setattr(tokenizer, "chat", LLAMA2_CHAT)
-    assert encode_prompt(tokenizer, "Tell me a story.") == tokenizer.encode("Tell me a story.", bos=True)
-    assert encode_prompt(tokenizer, " Hi. ", chat=True) == tokenizer.encode("[INST] Hi. [/INST]", bos=True)
+    assert encode_prompt(tokenizer, "Tell me a story.") == tokenizer.encode(
+        "Tell me a story.", bos=True
+    )
+    assert encode_prompt(tokenizer, " Hi. ", chat=True) == tokenizer.encode(
+        "[INST] Hi. [/INST]", bos=True
+    )
     with_system = encode_prompt(tokenizer, "Hi.", chat=True, system=" Be brief. ")
-    assert with_system == tokenizer.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi. [/INST]", bos=True)
+    assert with_system == tokenizer.encode(
+        "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi. [/INST]", bos=True
+    )
 
 
 def test_a_text_stream_hands_out_the_whole_text_and_never_half_a_character(tokenizer) -> None:
     prompt = tokenizer.encode("Once upon a time")
     new = tokenizer.encode(" the café said 🙂 and Ünal smiled.", bos=False)
-    assert any(tokenizer.piece(t).startswith("<0x") for t in new)  # byte-fallback pieces are in there
+    assert any(
+        tokenizer.piece(t).startswith("<0x") for t in new
+    )  # byte-fallback pieces are in there
     stream = TextStream(tokenizer, prompt)
     pieces = [stream.add(token) for token in new]
     assert "" in pieces  # a character's first bytes wait for the rest
     assert not any("\ufffd" in piece for piece in pieces)
-    expected = tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
-    assert "".join(pieces) + stream.finish() == expected == continuation_text(tokenizer, prompt, new)
+    expected = tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)) :]
+    assert (
+        "".join(pieces) + stream.finish() == expected == continuation_text(tokenizer, prompt, new)
+    )
     assert stream.finish() == ""  # nothing twice
 
 
@@ -59,7 +69,7 @@ def test_finish_hands_out_what_never_completed(tokenizer) -> None:
     stream = TextStream(tokenizer, prompt)
     assert stream.add(first_byte) == ""
     rest = stream.finish()
-    assert rest and rest == tokenizer.decode(prompt + [first_byte])[len(tokenizer.decode(prompt)):]
+    assert rest and rest == tokenizer.decode(prompt + [first_byte])[len(tokenizer.decode(prompt)) :]
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)
@@ -70,7 +80,7 @@ def test_any_tokens_stream_to_the_whole_text(tokenizer, new: list[int], prompt_l
     prompt = tokenizer.encode("Once upon a time, there was a dog")[:prompt_len]
     stream = TextStream(tokenizer, prompt)
     pieces = [stream.add(token) for token in new]
-    expected = tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
+    expected = tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)) :]
     assert "".join(pieces) + stream.finish() == expected
 
 
@@ -88,7 +98,7 @@ def test_each_token_decodes_a_window_not_the_whole_sequence(tokenizer) -> None:
     ids = tokenizer.encode(text, bos=False)
     stream = TextStream(Counting(), tokenizer.encode("Once", bos=True))
     out = "".join(stream.add(t) for t in ids) + stream.finish()
-    assert out == tokenizer.decode(tokenizer.encode("Once", bos=True) + ids)[len("Once"):]
+    assert out == tokenizer.decode(tokenizer.encode("Once", bos=True) + ids)[len("Once") :]
     assert len(ids) > 600 and max(decoded) <= 12
 
 
@@ -98,21 +108,27 @@ def naive_first_stop(text: str, stops: list[str], start: int) -> int | None:
 
 
 def naive_held(text: str, stops: list[str]) -> int:
-    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    return max(
+        (k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0
+    )
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
-@given(text=st.text("abc", max_size=40), stops=st.lists(st.text("abc", min_size=1, max_size=5), min_size=1,
-                                                         max_size=4), cuts=st.lists(st.integers(1, 6), max_size=20))
-def test_stop_strings_are_found_as_a_search_of_the_text_would_find_them(text: str, stops: list[str],
-                                                                        cuts: list[int]) -> None:
+@given(
+    text=st.text("abc", max_size=40),
+    stops=st.lists(st.text("abc", min_size=1, max_size=5), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(1, 6), max_size=20),
+)
+def test_stop_strings_are_found_as_a_search_of_the_text_would_find_them(
+    text: str, stops: list[str], cuts: list[int]
+) -> None:
     """Fed in chunks, the automata report the earliest start of a stop completed in each chunk and
     hold back as much as could begin one: what searching the whole text and comparing every
     prefix of every stop (the quadratic way this replaced) says."""
     matcher, seen = StopStrings(stops), ""
     chunks, at = [], 0
     for cut in cuts + [len(text)]:
-        chunks.append(text[at:at + cut])
+        chunks.append(text[at : at + cut])
         at += cut
     for chunk in chunks:
         if not chunk:

@@ -24,13 +24,20 @@ class Cpu:
     def set(self, threads: int) -> None:
         self.threads = threads
 
-    def iterate(self, tuner: ThreadTuner, times: int, shape: tuple[int, int] | None = (1, 4),
-                noise: float = 0.05) -> None:
+    def iterate(
+        self,
+        tuner: ThreadTuner,
+        times: int,
+        shape: tuple[int, int] | None = (1, 4),
+        noise: float = 0.05,
+    ) -> None:
         """``times`` iterations of ``shape``, or (None) of a busy server's changing shapes: 6 to 8
         rows, gamma 3 to 5, each costing in proportion to its tokens."""
         for _ in range(times):
             at = shape or (self.random.randint(6, 8), self.random.randint(3, 5))
-            scale = self.random.uniform(1 - noise, 1 + noise) * (at[0] * (at[1] + 1) / 5 if shape is None else 1)
+            scale = self.random.uniform(1 - noise, 1 + noise) * (
+                at[0] * (at[1] + 1) / 5 if shape is None else 1
+            )
             seconds = self.conditions[self.threads] * scale
             self.all_threads += self.conditions[2] * scale
             self.spent += seconds
@@ -52,7 +59,9 @@ def test_alone_it_keeps_every_thread_and_its_probes_cost_under_one_per_cent() ->
     assert cpu.spent / (5000 * ALONE[2]) < 1.01
 
 
-def test_a_neighbour_moves_it_to_one_thread_within_a_few_iterations_and_its_leaving_moves_it_back() -> None:
+def test_a_neighbour_moves_it_to_one_thread_within_a_few_iterations_and_its_leaving_moves_it_back() -> (
+    None
+):
     cpu = Cpu(ALONE)
     tuner = ThreadTuner(2, cpu.set)
     cpu.iterate(tuner, 2000)
@@ -68,7 +77,9 @@ def test_a_neighbour_moves_it_to_one_thread_within_a_few_iterations_and_its_leav
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_under_changing_shapes_and_noise_it_holds_its_choice_and_still_finds_the_neighbour(seed: int) -> None:
+def test_under_changing_shapes_and_noise_it_holds_its_choice_and_still_finds_the_neighbour(
+    seed: int,
+) -> None:
     cpu = Cpu({2: 1.0, 1: 1.3}, seed)  # two threads 30% faster alone: a close call under 25% noise
     tuner = ThreadTuner(2, cpu.set)
     cpu.iterate(tuner, 4000, None, noise=0.25)

@@ -40,7 +40,9 @@ from tests.support.toy_models import NGramModel, chi_square_pvalue, ref_warp, se
 torch.set_num_threads(1)
 
 TOL = 1e-12
-Law = list[tuple[tuple[int, ...], float]]  # drafted children (in the order tried) and their probability
+Law = list[
+    tuple[tuple[int, ...], float]
+]  # drafted children (in the order tried) and their probability
 Dist = dict[tuple[int, ...], float]
 
 # the real functions, kept before any monkeypatching so that mutants can call them
@@ -61,7 +63,9 @@ def children_law(q: list[float], b: int, mode: str) -> Law:
         return [((), 1.0)]
     support = [x for x, w in enumerate(q) if w > 0]
     if mode == "iid":
-        return [(kids, math.prod(q[x] for x in kids)) for kids in itertools.product(support, repeat=b)]
+        return [
+            (kids, math.prod(q[x] for x in kids)) for kids in itertools.product(support, repeat=b)
+        ]
     if mode == "without_replacement":
         out: Law = []
 
@@ -79,18 +83,26 @@ def children_law(q: list[float], b: int, mode: str) -> Law:
     return [(tuple(sorted(range(len(q)), key=lambda x: (-q[x], x))[:b]), 1.0)]
 
 
-def node_outcome(p: torch.Tensor, q: torch.Tensor | None, mode: str, law: Law) -> tuple[list[float], list[float]]:
+def node_outcome(
+    p: torch.Tensor, q: torch.Tensor | None, mode: str, law: Law
+) -> tuple[list[float], list[float]]:
     """(move, stop) at one node: move[x] = P(the walk accepts a child of token x), stop[y] =
     P(every child is rejected and the target's token is y), over the drafting law and the
     rule's accept/reject branches. All drafted tuples go through one node_rules call."""
     vocab, m = p.shape[-1], len(law)
     law = sorted(law, key=lambda entry: -len(entry[0]))  # node_rules wants the widest first
     k = len(law[0][0])
-    children = torch.tensor([list(kids) + [0] * (k - len(kids)) for kids, _ in law], dtype=torch.long).view(m, k)
+    children = torch.tensor(
+        [list(kids) + [0] * (k - len(kids)) for kids, _ in law], dtype=torch.long
+    ).view(m, k)
     q_rows = None if mode == "deterministic" else q.expand(m, vocab)
-    rules = tree.node_rules(p.expand(m, vocab), q_rows, children, [len(kids) for kids, _ in law], mode)
+    rules = tree.node_rules(
+        p.expand(m, vocab), q_rows, children, [len(kids) for kids, _ in law], mode
+    )
     move, stop = [0.0] * vocab, [0.0] * vocab
-    for (kids, weight), ratios, fallback in zip(law, rules.ratios.tolist(), rules.fallback.tolist()):
+    for (kids, weight), ratios, fallback in zip(
+        law, rules.ratios.tolist(), rules.fallback.tolist()
+    ):
         reach = weight
         for x, a in zip(kids, ratios):
             move[x] += reach * a
@@ -100,19 +112,26 @@ def node_outcome(p: torch.Tensor, q: torch.Tensor | None, mode: str, law: Law) -
     return move, stop
 
 
-def node_gap(p: torch.Tensor, q: torch.Tensor, mode: str, b: int, draft_q: torch.Tensor | None = None) -> float:
+def node_gap(
+    p: torch.Tensor, q: torch.Tensor, mode: str, b: int, draft_q: torch.Tensor | None = None
+) -> float:
     """max_x |P(token chosen at the node = x) - p(x)|, children drawn from draft_q (default q)."""
     law = children_law((q if draft_q is None else draft_q).tolist(), b, mode)
     move, stop = node_outcome(p, q, mode, law)
     return max(abs(a + s - t) for a, s, t in zip(move, stop, p.tolist()))
 
 
-@proof('one tree node (any number of children, every mode) emits exactly p',
-       'exact enumeration, float64, to 1e-12')
+@proof(
+    "one tree node (any number of children, every mode) emits exactly p",
+    "exact enumeration, float64, to 1e-12",
+)
 @settings(max_examples=300, derandomize=True, deadline=None)
-@given(pair=distribution_pairs(), mode=st.sampled_from(tree.MODES), b=st.integers(1, 3), data=st.data())
-def test_one_node_emits_exactly_p(pair: tuple[torch.Tensor, torch.Tensor], mode: str, b: int,
-                                  data: st.DataObject) -> None:
+@given(
+    pair=distribution_pairs(), mode=st.sampled_from(tree.MODES), b=st.integers(1, 3), data=st.data()
+)
+def test_one_node_emits_exactly_p(
+    pair: tuple[torch.Tensor, torch.Tensor], mode: str, b: int, data: st.DataObject
+) -> None:
     p, q = pair
     if mode == "deterministic":  # any fixed children, repeats and zero-probability tokens included
         kids = tuple(data.draw(st.lists(st.integers(0, p.shape[0] - 1), min_size=b, max_size=b)))
@@ -121,17 +140,22 @@ def test_one_node_emits_exactly_p(pair: tuple[torch.Tensor, torch.Tensor], mode:
         move, stop = node_outcome(p, q, mode, children_law(q.tolist(), b, mode))
     got = torch.tensor(move, dtype=torch.float64) + torch.tensor(stop, dtype=torch.float64)
     assert torch.allclose(got, p, atol=TOL, rtol=0), (p, q, mode, b, got)
-    assert all(m == 0 for m, t in zip(move, p.tolist()) if t == 0)  # a token p rules out is never accepted
+    assert all(
+        m == 0 for m, t in zip(move, p.tolist()) if t == 0
+    )  # a token p rules out is never accepted
 
 
 # ----------------------------------------------------------------------------- several iterations
-def toy_pair(vocab: int, orders: tuple[int, int], seed: int, holes: float,
-             relation: str) -> tuple[NGramModel, NGramModel]:
+def toy_pair(
+    vocab: int, orders: tuple[int, int], seed: int, holes: float, relation: str
+) -> tuple[NGramModel, NGramModel]:
     target = NGramModel(toy_table(vocab, orders[0], seed, holes))
     if relation == "same":
         return target, target
     draft_table = toy_table(vocab, orders[1], seed + 1, holes)
-    if relation == "disjoint":  # the target only emits tokens < cut, the draft only proposes tokens >= cut
+    if (
+        relation == "disjoint"
+    ):  # the target only emits tokens < cut, the draft only proposes tokens >= cut
         cut = max(1, vocab // 2)
         target_table = toy_table(vocab, orders[0], seed, 0.0)
         target_table[..., cut:] = -math.inf
@@ -141,9 +165,16 @@ def toy_pair(vocab: int, orders: tuple[int, int], seed: int, holes: float,
     return target, NGramModel(draft_table)
 
 
-def tree_decoding_distribution(target: NGramModel, draft: NGramModel, prompt: tuple[int, ...],
-                               branching: tuple[int, ...], mode: str, length: int, sampling: Sampling,
-                               judge: Sampling | None = None) -> Dist:
+def tree_decoding_distribution(
+    target: NGramModel,
+    draft: NGramModel,
+    prompt: tuple[int, ...],
+    branching: tuple[int, ...],
+    mode: str,
+    length: int,
+    sampling: Sampling,
+    judge: Sampling | None = None,
+) -> Dist:
     """Exact P(first `length` emitted tokens) of tree speculative decoding with a static shape.
 
     The output only depends on the nodes the walk visits, and each node's children are
@@ -155,7 +186,9 @@ def tree_decoding_distribution(target: NGramModel, draft: NGramModel, prompt: tu
     ones its children were drawn with (mutant e)."""
     cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
-    def probs(model: NGramModel, name: str, context: tuple[int, ...], how: Sampling) -> torch.Tensor:
+    def probs(
+        model: NGramModel, name: str, context: tuple[int, ...], how: Sampling
+    ) -> torch.Tensor:
         if (name, context) not in cache:
             cache[name, context] = warp(model.next_logits(context), how)
         return cache[name, context]
@@ -164,15 +197,19 @@ def tree_decoding_distribution(target: NGramModel, draft: NGramModel, prompt: tu
 
     def law(context: tuple[int, ...], depth: int) -> Dist:
         if len(context) - len(prompt) >= length:
-            return {context[len(prompt):len(prompt) + length]: 1.0}
+            return {context[len(prompt) : len(prompt) + length]: 1.0}
         if (context, depth) not in memo:
             b = branching[depth] if depth < len(branching) else 0
             p = probs(target, "p", context, sampling)
             q = probs(draft, "q", context, sampling)
             q_judged = q if judge is None else probs(draft, "judge", context, judge)
             move, stop = node_outcome(p, q_judged, mode, children_law(q.tolist(), b, mode))
-            branches = [(w, context + (x,), depth + 1) for x, w in enumerate(move)]  # a child accepted
-            branches += [(w, context + (y,), 0) for y, w in enumerate(stop)]  # the target's token: next iteration
+            branches = [
+                (w, context + (x,), depth + 1) for x, w in enumerate(move)
+            ]  # a child accepted
+            branches += [
+                (w, context + (y,), 0) for y, w in enumerate(stop)
+            ]  # the target's token: next iteration
             out: Dist = {}
             for w, nxt, d in branches:
                 if w > 0:
@@ -184,23 +221,42 @@ def tree_decoding_distribution(target: NGramModel, draft: NGramModel, prompt: tu
     return law(prompt, 0)
 
 
-def reference_next(target: NGramModel, sampling: Sampling) -> Callable[[tuple[int, ...]], list[float]]:
+def reference_next(
+    target: NGramModel, sampling: Sampling
+) -> Callable[[tuple[int, ...]], list[float]]:
     """The target's next-token distribution with the plain-Python reference warp."""
-    return lambda ctx: ref_warp(target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k,
-                                sampling.top_p)
+    return lambda ctx: ref_warp(
+        target.next_logits(ctx).tolist(), sampling.temperature, sampling.top_k, sampling.top_p
+    )
 
 
-@proof("tree decoding emits exactly the target's law, in every mode",
-       'exact enumeration, float64, to 1e-12, whole decodings on toy models')
+@proof(
+    "tree decoding emits exactly the target's law, in every mode",
+    "exact enumeration, float64, to 1e-12, whole decodings on toy models",
+)
 @pytest.mark.parametrize("mode", tree.MODES)
 @settings(max_examples=100, derandomize=True, deadline=None)
-@given(vocab=st.integers(2, 4), branching=st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple),
-       orders=st.sampled_from([(2, 2), (3, 2), (2, 3)]), seed=st.integers(0, 10_000),
-       holes=st.sampled_from([0.0, 0.3]), relation=st.sampled_from(["other", "other", "same", "disjoint"]),
-       sampling=samplings, length=st.integers(2, 3))
-def test_tree_decoding_emits_exactly_the_target_distribution(mode: str, vocab: int, branching: tuple[int, ...],
-                                                             orders: tuple[int, int], seed: int, holes: float,
-                                                             relation: str, sampling: Sampling, length: int) -> None:
+@given(
+    vocab=st.integers(2, 4),
+    branching=st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple),
+    orders=st.sampled_from([(2, 2), (3, 2), (2, 3)]),
+    seed=st.integers(0, 10_000),
+    holes=st.sampled_from([0.0, 0.3]),
+    relation=st.sampled_from(["other", "other", "same", "disjoint"]),
+    sampling=samplings,
+    length=st.integers(2, 3),
+)
+def test_tree_decoding_emits_exactly_the_target_distribution(
+    mode: str,
+    vocab: int,
+    branching: tuple[int, ...],
+    orders: tuple[int, int],
+    seed: int,
+    holes: float,
+    relation: str,
+    sampling: Sampling,
+    length: int,
+) -> None:
     target, draft = toy_pair(vocab, orders, seed, holes, relation)
     prompt = (1 % vocab,)
     got = tree_decoding_distribution(target, draft, prompt, branching, mode, length, sampling)
@@ -210,30 +266,55 @@ def test_tree_decoding_emits_exactly_the_target_distribution(mode: str, vocab: i
 
 
 # ----------------------------------------------------------------------------- whole trees, through tree_rules
-def drafted_trees(target_p: Callable, draft_q: Callable, prompt: tuple[int, ...], branching: tuple[int, ...],
-                  mode: str):
+def drafted_trees(
+    target_p: Callable,
+    draft_q: Callable,
+    prompt: tuple[int, ...],
+    branching: tuple[int, ...],
+    mode: str,
+):
     """Every drafted tree of a static shape, breadth-first, with its probability: rows are
     expanded in order and their children appended, so parents always come first."""
 
-    def expand(tokens: list[int], parents: list[int], contexts: list[tuple[int, ...]], depths: list[int],
-               row: int, weight_: float):
+    def expand(
+        tokens: list[int],
+        parents: list[int],
+        contexts: list[tuple[int, ...]],
+        depths: list[int],
+        row: int,
+        weight_: float,
+    ):
         if row == len(contexts):
             p = torch.stack([target_p(c) for c in contexts])
             q = torch.stack([draft_q(c) for c in contexts])
-            yield TokenTree(torch.tensor(tokens, dtype=torch.long), parents, mode,
-                            None if mode == "deterministic" else q), p, weight_
+            yield (
+                TokenTree(
+                    torch.tensor(tokens, dtype=torch.long),
+                    parents,
+                    mode,
+                    None if mode == "deterministic" else q,
+                ),
+                p,
+                weight_,
+            )
             return
         b = branching[depths[row]] if depths[row] < len(branching) else 0
         for kids, w in children_law(draft_q(contexts[row]).tolist(), b, mode):
-            yield from expand(tokens + list(kids), parents + [row - 1] * len(kids),
-                              contexts + [contexts[row] + (x,) for x in kids], depths + [depths[row] + 1] * len(kids),
-                              row + 1, weight_ * w)
+            yield from expand(
+                tokens + list(kids),
+                parents + [row - 1] * len(kids),
+                contexts + [contexts[row] + (x,) for x in kids],
+                depths + [depths[row] + 1] * len(kids),
+                row + 1,
+                weight_ * w,
+            )
 
     yield from expand([], [], [prompt], [0], 0, 1.0)
 
 
-def walk_law(token_tree: TokenTree, ratios: list[float], stop: list[list[float]]) -> dict[tuple[tuple[int, ...], int],
-                                                                                          float]:
+def walk_law(
+    token_tree: TokenTree, ratios: list[float], stop: list[list[float]]
+) -> dict[tuple[tuple[int, ...], int], float]:
     """Exact law of the walk's outcome (accepted path, target token) given the per-node
     acceptance probabilities and per-row stop distributions: children tried in order,
     the first that passes is taken, and the token is drawn where the walk stops."""
@@ -253,8 +334,14 @@ def walk_law(token_tree: TokenTree, ratios: list[float], stop: list[list[float]]
     return out
 
 
-def one_iteration_distribution(target: NGramModel, draft: NGramModel, prompt: tuple[int, ...],
-                               branching: tuple[int, ...], mode: str, sampling: Sampling) -> Dist:
+def one_iteration_distribution(
+    target: NGramModel,
+    draft: NGramModel,
+    prompt: tuple[int, ...],
+    branching: tuple[int, ...],
+    mode: str,
+    sampling: Sampling,
+) -> Dist:
     """Exact law of one tree iteration's tokens, through tree_rules on every drafted tree,
     each outcome then finished by the target's own sampling to len(branching) + 1 tokens:
     if the iteration is exact, that is the target's law of those tokens."""
@@ -268,11 +355,14 @@ def one_iteration_distribution(target: NGramModel, draft: NGramModel, prompt: tu
         return cache[name, context]
 
     emitted: Dist = {}
-    for token_tree, p, w in drafted_trees(lambda c: probs(target, "p", c), lambda c: probs(draft, "q", c), prompt,
-                                          branching, mode):
+    for token_tree, p, w in drafted_trees(
+        lambda c: probs(target, "p", c), lambda c: probs(draft, "q", c), prompt, branching, mode
+    ):
         rules = tree.tree_rules(p, token_tree)
         tokens = token_tree.tokens.tolist()
-        for (path, y), prob in walk_law(token_tree, rules.ratios.tolist(), rules.stop.tolist()).items():
+        for (path, y), prob in walk_law(
+            token_tree, rules.ratios.tolist(), rules.stop.tolist()
+        ).items():
             key = tuple(tokens[c] for c in path) + (y,)
             emitted[key] = emitted.get(key, 0.0) + w * prob
     out: Dist = {}
@@ -282,12 +372,18 @@ def one_iteration_distribution(target: NGramModel, draft: NGramModel, prompt: tu
     return out
 
 
-@proof('one iteration over whole trees of several shapes is exact',
-       'exact enumeration, float64, to 1e-12')
+@proof(
+    "one iteration over whole trees of several shapes is exact",
+    "exact enumeration, float64, to 1e-12",
+)
 @pytest.mark.parametrize("mode", tree.MODES)
 @pytest.mark.parametrize("branching", [(2, 2), (3, 1), (1, 2, 1)])
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_k=2)], ids=["T1", "top-k2"])
-def test_whole_trees_one_iteration_exact(mode: str, branching: tuple[int, ...], sampling: Sampling) -> None:
+@pytest.mark.parametrize(
+    "sampling", [Sampling(), Sampling(temperature=0.8, top_k=2)], ids=["T1", "top-k2"]
+)
+def test_whole_trees_one_iteration_exact(
+    mode: str, branching: tuple[int, ...], sampling: Sampling
+) -> None:
     target, draft = toy_pair(3, (2, 2), 11, 0.0, "other")
     got = one_iteration_distribution(target, draft, (0,), branching, mode, sampling)
     expected = sequence_distribution(reference_next(target, sampling), (0,), len(branching) + 1)
@@ -299,8 +395,15 @@ def test_whole_trees_one_iteration_exact(mode: str, branching: tuple[int, ...], 
 # each of their children is accepted and all are rejected with probability >= 0.15, zeros in
 # p and q included; the leaves' rows differ from their parents' (a bonus drawn from the wrong
 # row shows), and their q rows are zeros: they must never be read.
-FIXED_P = [[0.2, 0.35, 0.1, 0.35], [0.45, 0.35, 0.2, 0.0], [0.55, 0.05, 0.2, 0.2],
-           [0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1], [0.1, 0.1, 0.7, 0.1], [0.25, 0.25, 0.0, 0.5]]
+FIXED_P = [
+    [0.2, 0.35, 0.1, 0.35],
+    [0.45, 0.35, 0.2, 0.0],
+    [0.55, 0.05, 0.2, 0.2],
+    [0.7, 0.1, 0.1, 0.1],
+    [0.1, 0.7, 0.1, 0.1],
+    [0.1, 0.1, 0.7, 0.1],
+    [0.25, 0.25, 0.0, 0.5],
+]
 FIXED_Q = [[0.45, 0.3, 0.0, 0.25], [0.2, 0.3, 0.4, 0.1], [0.0, 0.3, 0.55, 0.15]] + [[0.0] * 4] * 4
 FIXED_TOKENS = [0, 1, 2, 1, 2, 3]  # the root's children, then node 0's, then node 1's
 
@@ -311,7 +414,9 @@ def fixed_case(mode: str) -> tuple[TokenTree, torch.Tensor]:
     return TokenTree.from_branching(torch.tensor(FIXED_TOKENS), (2, 2), mode, q), p
 
 
-def expected_outcomes(token_tree: TokenTree, p: torch.Tensor) -> dict[tuple[tuple[int, ...], int], float]:
+def expected_outcomes(
+    token_tree: TokenTree, p: torch.Tensor
+) -> dict[tuple[tuple[int, ...], int], float]:
     """The exact outcome law from node_rules applied row by row, independently of tree_rules'
     batching and row placement."""
     n = token_tree.num_nodes
@@ -319,8 +424,10 @@ def expected_outcomes(token_tree: TokenTree, p: torch.Tensor) -> dict[tuple[tupl
     ratios, stop = [0.0] * n, p.tolist()
     for row, kids in enumerate(token_tree.children_by_row()):
         if kids:
-            q = None if token_tree.mode == "deterministic" else token_tree.q[row:row + 1]
-            rules = tree.node_rules(p[row:row + 1], q, tokens[kids].view(1, -1), [len(kids)], token_tree.mode)
+            q = None if token_tree.mode == "deterministic" else token_tree.q[row : row + 1]
+            rules = tree.node_rules(
+                p[row : row + 1], q, tokens[kids].view(1, -1), [len(kids)], token_tree.mode
+            )
             for c, a in zip(kids, rules.ratios[0].tolist()):
                 ratios[c] = a
             stop[row] = rules.fallback[0].tolist()
@@ -335,19 +442,22 @@ def sampled_outcomes(token_tree: TokenTree, p: torch.Tensor, draws: int, seed: i
         out = verify_tree(p, token_tree, gen).read()
         assert out.accepted == len(out.path) == len(out.tokens) - 1
         assert out.tokens[:-1] == [node_tokens[c] for c in out.path]
-        assert out.path == (token_tree.path_to(out.path[-1]) if out.path else [])  # a root-to-node chain
+        assert out.path == (
+            token_tree.path_to(out.path[-1]) if out.path else []
+        )  # a root-to-node chain
         counts[tuple(out.path), out.tokens[-1]] += 1
     return counts
 
 
-@proof("verify_tree's sampled walk follows the exact law",
-       'chi-square, p > 1e-3')
+@proof("verify_tree's sampled walk follows the exact law", "chi-square, p > 1e-3")
 @pytest.mark.parametrize("mode", tree.MODES)
 def test_verify_tree_walk_matches_the_exact_law(mode: str) -> None:
     token_tree, p = fixed_case(mode)
     expected = expected_outcomes(token_tree, p)
     assert math.isclose(sum(expected.values()), 1.0, abs_tol=TOL)
-    assert sum(v > 0.01 for v in expected.values()) >= 10  # a walk with many likely outcomes, not a few
+    assert (
+        sum(v > 0.01 for v in expected.values()) >= 10
+    )  # a walk with many likely outcomes, not a few
     counts = sampled_outcomes(token_tree, p, 3000, seed=1)
     assert chi_square_pvalue(counts, expected) > 1e-3
 
@@ -361,8 +471,12 @@ def test_verify_tree_in_float32_leaves_its_inputs_alone() -> None:
         gen = torch.Generator().manual_seed(0)
         for _ in range(50):
             out = verify_tree(p, token_tree, gen).read()
-            assert isinstance(out, verify.Verification)  # the loop reads tokens, accepted, overlap as from verify_step
-            assert p[out.path[-1] + 1 if out.path else 0, out.tokens[-1]] > 0  # a token the target allows
+            assert isinstance(
+                out, verify.Verification
+            )  # the loop reads tokens, accepted, overlap as from verify_step
+            assert (
+                p[out.path[-1] + 1 if out.path else 0, out.tokens[-1]] > 0
+            )  # a token the target allows
         assert all(torch.equal(a, b) for a, b in zip(before, (p, token_tree.q, token_tree.tokens)))
 
 
@@ -370,7 +484,9 @@ def test_verify_tree_in_float32_leaves_its_inputs_alone() -> None:
 def random_parents(n: int, gen: torch.Generator, max_children: int | None = None) -> list[int]:
     parents: list[int] = []
     for j in range(n):
-        options = [c for c in range(-1, j) if max_children is None or parents.count(c) < max_children]
+        options = [
+            c for c in range(-1, j) if max_children is None or parents.count(c) < max_children
+        ]
         parents.append(options[int(torch.randint(0, len(options), (1,), generator=gen))])
     return parents
 
@@ -380,9 +496,11 @@ def shifted_greedy(target_choice: torch.Tensor, token_tree: TokenTree) -> verify
     return verify_tree_greedy(torch.cat([target_choice[1:], target_choice[-1:]]), token_tree)
 
 
-@proof('at temperature 0 the greedy walk is verify_tree on one-hot p and q',
-       'exact, ties included',
-       rejects=('the greedy walk broken on purpose',))
+@proof(
+    "at temperature 0 the greedy walk is verify_tree on one-hot p and q",
+    "exact, ties included",
+    rejects=("the greedy walk broken on purpose",),
+)
 @pytest.mark.parametrize("broken", [False, True])
 def test_verify_tree_greedy_is_verify_tree_on_one_hot_distributions(broken: bool) -> None:
     """Integer logits, so ties occur; p and q one-hot by warp at temperature 0. Random
@@ -396,7 +514,9 @@ def test_verify_tree_greedy_is_verify_tree_on_one_hot_distributions(broken: bool
         parents = random_parents(n, gen, max_children=1 if mode == "without_replacement" else None)
         target_logits = torch.randint(0, 3, (n + 1, vocab), generator=gen).double()
         draft_logits = torch.randint(0, 3, (n + 1, vocab), generator=gen).double()
-        agree = torch.rand(n + 1, generator=gen) < 0.7  # a draft that often agrees, so that paths get long
+        agree = (
+            torch.rand(n + 1, generator=gen) < 0.7
+        )  # a draft that often agrees, so that paths get long
         draft_logits[agree] = target_logits[agree]
         p, q = warp(target_logits, greedy), warp(draft_logits, greedy)
         if mode == "deterministic":  # any children: top choices, repeats, anything
@@ -405,7 +525,9 @@ def test_verify_tree_greedy_is_verify_tree_on_one_hot_distributions(broken: bool
                 if torch.rand(1, generator=gen) < 0.5:
                     tokens[j] = target_logits[parent + 1].argmax()
         else:
-            tokens = torch.tensor([int(q[parent + 1].argmax()) for parent in parents], dtype=torch.long)
+            tokens = torch.tensor(
+                [int(q[parent + 1].argmax()) for parent in parents], dtype=torch.long
+            )
         token_tree = TokenTree(tokens, parents, mode, q)
         expected = verify_tree(p, token_tree, torch.Generator().manual_seed(case)).read()
         got = check(target_logits.argmax(-1), token_tree).read()
@@ -414,7 +536,9 @@ def test_verify_tree_greedy_is_verify_tree_on_one_hot_distributions(broken: bool
 
 
 # ----------------------------------------------------------------------------- a chain is Algorithm 1
-def chain_case(gamma: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chain_case(
+    gamma: int, vocab: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = torch.softmax(1.5 * torch.randn(gamma + 1, vocab, generator=gen, dtype=torch.float64), -1)
     q = torch.softmax(1.5 * torch.randn(gamma, vocab, generator=gen, dtype=torch.float64), -1)
     holes = torch.rand(gamma + 1, vocab, generator=gen) < 0.25
@@ -427,11 +551,12 @@ def chain_case(gamma: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tens
 
 def chain_tree(q: torch.Tensor, drafted: torch.Tensor) -> TokenTree:
     """Branching 1 everywhere, mode iid; q's row gamma (the leaf's) is never read."""
-    return TokenTree.from_branching(drafted, (1,) * drafted.shape[0], "iid", torch.cat([q, torch.zeros_like(q[:1])]))
+    return TokenTree.from_branching(
+        drafted, (1,) * drafted.shape[0], "iid", torch.cat([q, torch.zeros_like(q[:1])])
+    )
 
 
-@proof('a tree that is a chain is verify_step, draw for draw',
-       'exact coupling')
+@proof("a tree that is a chain is verify_step, draw for draw", "exact coupling")
 def test_chain_is_verify_step_draw_for_draw() -> None:
     """A coupling: verify_tree on a chain draws its uniforms and its candidate tokens in the
     same order and shapes as verify_step, so with the same seed the outcomes are identical,
@@ -448,8 +573,7 @@ def test_chain_is_verify_step_draw_for_draw() -> None:
         assert got.overlap == expected.overlap[:verified]
 
 
-@proof("a chain-shaped tree has verify_step's outcome law",
-       'exact enumeration, float64, to 1e-12')
+@proof("a chain-shaped tree has verify_step's outcome law", "exact enumeration, float64, to 1e-12")
 def test_chain_has_verify_steps_outcome_law() -> None:
     gen = torch.Generator().manual_seed(1)
     for case in range(30):
@@ -466,7 +590,9 @@ def test_chain_has_verify_steps_outcome_law() -> None:
         token_tree = chain_tree(q, drafted)
         rules = tree.tree_rules(p, token_tree)
         got = walk_law(token_tree, rules.ratios.tolist(), rules.stop.tolist())
-        assert max(abs(got.get(k, 0.0) - expected.get(k, 0.0)) for k in set(got) | set(expected)) < TOL
+        assert (
+            max(abs(got.get(k, 0.0) - expected.get(k, 0.0)) for k in set(got) | set(expected)) < TOL
+        )
 
 
 # ----------------------------------------------------------------------------- the tree itself, and bad input
@@ -488,22 +614,31 @@ def test_tree_helpers() -> None:
     assert verify_tree_greedy(torch.tensor([2]), empty).read().tokens == [2]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: TokenTree(torch.tensor([1, 2]), [-1, 1], "deterministic"), "parent must be"),
-    (lambda: TokenTree(torch.tensor([1, 2]), [-1, -2], "deterministic"), "parent must be"),
-    (lambda: TokenTree(torch.tensor([1, 2]), [-1], "deterministic"), "2 tokens but 1 parents"),
-    (lambda: TokenTree(torch.tensor([1.0]), [-1], "deterministic"), "LongTensor"),
-    (lambda: TokenTree(torch.tensor([[1]]), [-1], "deterministic"), "LongTensor"),
-    (lambda: TokenTree(torch.tensor([1]), [-1], "top-k"), "mode must be one of"),
-    (lambda: TokenTree(torch.tensor([1]), [-1], "iid"), "needs q"),
-    (lambda: TokenTree(torch.tensor([1]), [-1], "iid", torch.ones(1, 3)), r"\[N\+1, V\] = \[2, V\]"),
-    (lambda: TokenTree(torch.tensor([1]), [0.5], "deterministic"), "not an integer"),
-    (lambda: TokenTree.from_branching(torch.arange(3), (2, 0)), "integers >= 1"),
-    (lambda: TokenTree.from_branching(torch.arange(3), (True,)), "integers >= 1"),
-    (lambda: TokenTree.from_branching(torch.arange(3), "21"), "sequence of integers"),
-    (lambda: TokenTree.from_branching(torch.arange(3), (2, 2)), "has 6 nodes, got 3 tokens"),
-    (lambda: TokenTree.from_branching(torch.arange(3), (3,), "deterministic").path_to(3), "not in a tree"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: TokenTree(torch.tensor([1, 2]), [-1, 1], "deterministic"), "parent must be"),
+        (lambda: TokenTree(torch.tensor([1, 2]), [-1, -2], "deterministic"), "parent must be"),
+        (lambda: TokenTree(torch.tensor([1, 2]), [-1], "deterministic"), "2 tokens but 1 parents"),
+        (lambda: TokenTree(torch.tensor([1.0]), [-1], "deterministic"), "LongTensor"),
+        (lambda: TokenTree(torch.tensor([[1]]), [-1], "deterministic"), "LongTensor"),
+        (lambda: TokenTree(torch.tensor([1]), [-1], "top-k"), "mode must be one of"),
+        (lambda: TokenTree(torch.tensor([1]), [-1], "iid"), "needs q"),
+        (
+            lambda: TokenTree(torch.tensor([1]), [-1], "iid", torch.ones(1, 3)),
+            r"\[N\+1, V\] = \[2, V\]",
+        ),
+        (lambda: TokenTree(torch.tensor([1]), [0.5], "deterministic"), "not an integer"),
+        (lambda: TokenTree.from_branching(torch.arange(3), (2, 0)), "integers >= 1"),
+        (lambda: TokenTree.from_branching(torch.arange(3), (True,)), "integers >= 1"),
+        (lambda: TokenTree.from_branching(torch.arange(3), "21"), "sequence of integers"),
+        (lambda: TokenTree.from_branching(torch.arange(3), (2, 2)), "has 6 nodes, got 3 tokens"),
+        (
+            lambda: TokenTree.from_branching(torch.arange(3), (3,), "deterministic").path_to(3),
+            "not in a tree",
+        ),
+    ],
+)
 def test_bad_trees_are_refused(make: Callable, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
@@ -540,7 +675,9 @@ def siblings_judged_against_p(p, q, children, widths, mode):
     for k in range(ratios.shape[1]):
         live = sum(1 for w in widths if w > k)
         token = children[:live, k]
-        ratios[:live, k] = tree.child_acceptance(p[:live], tree.child_distribution(base[:live], token, mode), token)
+        ratios[:live, k] = tree.child_acceptance(
+            p[:live], tree.child_distribution(base[:live], token, mode), token
+        )
     return tree.NodeRules(ratios=ratios, fallback=real.fallback, overlap=real.overlap)
 
 
@@ -551,13 +688,17 @@ def q_not_updated(p_cur, q_child, token, mode):
 
 def q_not_renormalised(p_cur, q_child, token, mode):
     """b'. the rejected token removed from q, the rest not renormalised."""
-    return verify.residual_distribution(p_cur, q_child), q_child.scatter(-1, token.unsqueeze(-1), 0.0)
+    return verify.residual_distribution(p_cur, q_child), q_child.scatter(
+        -1, token.unsqueeze(-1), 0.0
+    )
 
 
 def residual_at_drafted_token_only(p_cur, q_child, token, mode):
     """c. xLLM #2175: the residual subtracts q only at the drafted token, max(0, p - q(x) e_x)."""
     at_token = q_child * torch.nn.functional.one_hot(token, q_child.shape[-1]).to(q_child.dtype)
-    return verify.residual_distribution(p_cur, at_token), REAL_REJECT_CHILD(p_cur, q_child, token, mode)[1]
+    return verify.residual_distribution(p_cur, at_token), REAL_REJECT_CHILD(
+        p_cur, q_child, token, mode
+    )[1]
 
 
 def bonus_from_parent(p, token_tree):
@@ -574,37 +715,64 @@ def bonus_from_parent(p, token_tree):
 NODE_P, NODE_Q = distribution([1, 2, 3, 4, 0.5]), distribution([4, 1, 1, 2, 3])
 
 
-@proof('the tree identities can fail',
-       'exact',
-       rejects=('siblings tested against the original p (xLLM #2175)', 'siblings judged against p',
-                'without-replacement q not updated', 'without-replacement q not renormalised'))
-@pytest.mark.parametrize("mutant, name, modes", [
-    (residual_not_updated, "reject_child", ["iid", "without_replacement", "deterministic"]),
-    (siblings_judged_against_p, "node_rules", ["iid", "deterministic"]),
-    (q_not_updated, "reject_child", ["without_replacement"]),
-    (q_not_renormalised, "reject_child", ["without_replacement"]),
-    (residual_at_drafted_token_only, "reject_child", ["iid", "without_replacement"]),
-], ids=["a-residual-not-updated", "a-siblings-judged-against-p", "b-q-not-updated", "b-q-not-renormalised",
-        "c-xllm-2175-residual-at-drafted-token"])
-def test_mutants_break_the_node_identity_and_tree_decoding(monkeypatch: pytest.MonkeyPatch, mutant: Callable,
-                                                           name: str, modes: list[str]) -> None:
+@proof(
+    "the tree identities can fail",
+    "exact",
+    rejects=(
+        "siblings tested against the original p (xLLM #2175)",
+        "siblings judged against p",
+        "without-replacement q not updated",
+        "without-replacement q not renormalised",
+    ),
+)
+@pytest.mark.parametrize(
+    "mutant, name, modes",
+    [
+        (residual_not_updated, "reject_child", ["iid", "without_replacement", "deterministic"]),
+        (siblings_judged_against_p, "node_rules", ["iid", "deterministic"]),
+        (q_not_updated, "reject_child", ["without_replacement"]),
+        (q_not_renormalised, "reject_child", ["without_replacement"]),
+        (residual_at_drafted_token_only, "reject_child", ["iid", "without_replacement"]),
+    ],
+    ids=[
+        "a-residual-not-updated",
+        "a-siblings-judged-against-p",
+        "b-q-not-updated",
+        "b-q-not-renormalised",
+        "c-xllm-2175-residual-at-drafted-token",
+    ],
+)
+def test_mutants_break_the_node_identity_and_tree_decoding(
+    monkeypatch: pytest.MonkeyPatch, mutant: Callable, name: str, modes: list[str]
+) -> None:
     target, draft = toy_pair(3, (2, 2), 5, 0.0, "other")
     for mode in modes:
         assert node_gap(NODE_P, NODE_Q, mode, 3) < TOL  # the real rule, on the same case
-        assert max_gap(tree_decoding_distribution(target, draft, (0,), (3, 2), mode, 3, Sampling()),
-                       sequence_distribution(reference_next(target, Sampling()), (0,), 3)) < TOL
+        assert (
+            max_gap(
+                tree_decoding_distribution(target, draft, (0,), (3, 2), mode, 3, Sampling()),
+                sequence_distribution(reference_next(target, Sampling()), (0,), 3),
+            )
+            < TOL
+        )
     monkeypatch.setattr(tree, name, mutant)
     for mode in modes:
         assert node_gap(NODE_P, NODE_Q, mode, 3) > 1e-3, mode
         got = tree_decoding_distribution(target, draft, (0,), (3, 2), mode, 3, Sampling())
-        assert max_gap(got, sequence_distribution(reference_next(target, Sampling()), (0,), 3)) > 1e-3, mode
+        assert (
+            max_gap(got, sequence_distribution(reference_next(target, Sampling()), (0,), 3)) > 1e-3
+        ), mode
 
 
-@proof('a child of target probability 0 is never accepted, even at r = 0',
-       'exact: r forced to 0',
-       rejects=('r <= ratio (SGLang #35771)',))
+@proof(
+    "a child of target probability 0 is never accepted, even at r = 0",
+    "exact: r forced to 0",
+    rejects=("r <= ratio (SGLang #35771)",),
+)
 @pytest.mark.parametrize("mode", ["iid", "without_replacement", "deterministic"])
-def test_zero_probability_child_is_never_accepted_even_at_r_0(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+def test_zero_probability_child_is_never_accepted_even_at_r_0(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     """d. SGLang #35771: accepting when r <= ratio takes a child the target gives
     probability 0 when the uniform draw is exactly 0 (torch.rand can return 0). No
     probability calculation sees it (P(r <= a) = P(r < a)), so the uniforms are forced to 0."""
@@ -619,9 +787,11 @@ def test_zero_probability_child_is_never_accepted_even_at_r_0(monkeypatch: pytes
     assert broken.path == [0] and broken.tokens[0] == 0  # an impossible token emitted
 
 
-@proof('children judged with another q than they were drawn from are caught',
-       'exact',
-       rejects=('raw q (transformers #47932 / vLLM #10198)',))
+@proof(
+    "children judged with another q than they were drawn from are caught",
+    "exact",
+    rejects=("raw q (transformers #47932 / vLLM #10198)",),
+)
 @pytest.mark.parametrize("mode", ["iid", "without_replacement"])
 def test_children_drawn_from_warped_q_but_judged_with_raw_q_are_caught(mode: str) -> None:
     """e. transformers #47932, vLLM #10198: the draft samples from its top-k/temperature-
@@ -635,14 +805,19 @@ def test_children_drawn_from_warped_q_but_judged_with_raw_q_are_caught(mode: str
     assert node_gap(NODE_P, q_raw, mode, 2, draft_q=q_warped) > 1e-3
     target, draft = toy_pair(4, (2, 2), 9, 0.0, "other")
     expected = sequence_distribution(reference_next(target, warped), (0,), 3)
-    assert max_gap(tree_decoding_distribution(target, draft, (0,), (2, 2), mode, 3, warped), expected) < TOL
+    assert (
+        max_gap(tree_decoding_distribution(target, draft, (0,), (2, 2), mode, 3, warped), expected)
+        < TOL
+    )
     got = tree_decoding_distribution(target, draft, (0,), (2, 2), mode, 3, warped, judge=raw)
     assert max_gap(got, expected) > 1e-3
 
 
-@proof("the bonus at an accepted leaf comes from the leaf's own p",
-       'exact and sampled',
-       rejects=("bonus from the parent's p",))
+@proof(
+    "the bonus at an accepted leaf comes from the leaf's own p",
+    "exact and sampled",
+    rejects=("bonus from the parent's p",),
+)
 @pytest.mark.parametrize("mode", tree.MODES)
 def test_bonus_from_the_parents_p_is_caught(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """g. the bonus token at an accepted leaf drawn from its parent's p instead of the
@@ -652,5 +827,8 @@ def test_bonus_from_the_parents_p_is_caught(monkeypatch: pytest.MonkeyPatch, mod
     token_tree, p = fixed_case(mode)
     outcomes = expected_outcomes(token_tree, p)
     monkeypatch.setattr(tree, "tree_rules", bonus_from_parent)
-    assert max_gap(one_iteration_distribution(target, draft, (0,), (2, 2), mode, Sampling()), expected) > 1e-3
+    assert (
+        max_gap(one_iteration_distribution(target, draft, (0,), (2, 2), mode, Sampling()), expected)
+        > 1e-3
+    )
     assert chi_square_pvalue(sampled_outcomes(token_tree, p, 1500, seed=2), outcomes) < 1e-3
