@@ -18,6 +18,7 @@ import torch
 import train
 from model import training
 from speculative import FeatureDrafter
+from speculative.cli.training import COMMANDS, build_parser
 from tests.support.paths import SHARED_DATA
 from tests.support.toy_models import random_eagle3_head, random_llama
 from weights import CheckpointError, load_drafter, load_model, load_tokenizer
@@ -249,8 +250,12 @@ def test_exported_files_and_loss_names(corpus: dict[str, Path], tmp_path: Path) 
     assert abs(summary["held_out_loss"] - evals[-1]["eval_loss"]) < 0.5
 
 
+def test_every_training_command_has_its_recipe() -> None:
+    assert list(train.RECIPES) == list(COMMANDS)
+
+
 def test_every_option_has_help_and_a_default() -> None:
-    parser = train.build_parser()
+    parser = build_parser(train.__doc__)
     subparsers = next(
         a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
     ).choices
@@ -526,9 +531,8 @@ def test_a_draft_adapts_to_parallel_drafting_and_resumes(
     draft_dir = pretrain(corpus, tmp_path / "draft", steps=60, dim=32, layers=2, seed=1) / "hf"
     first = parallel(target_dir, draft_dir, corpus, tmp_path / "par", steps=10)
     written = (tmp_path / "par" / "data.pt").stat().st_mtime_ns
-    summary = parallel(
-        target_dir, draft_dir, corpus, tmp_path / "par", steps=80
-    )  # resumes at step 10
+    # resumes at step 10
+    summary = parallel(target_dir, draft_dir, corpus, tmp_path / "par", steps=80)
     assert (tmp_path / "par" / "data.pt").stat().st_mtime_ns == written
     rows = [json.loads(line) for line in (tmp_path / "par" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 81)) and summary["steps"] == 80
@@ -656,9 +660,8 @@ def chat_model(target: Path, tmp_path: Path) -> Path:
 
 def continuations(out: Path) -> torch.Tensor:
     saved = torch.load(out / "data.pt", weights_only=False)
-    return (
-        saved["tokens"] if isinstance(saved, dict) else saved
-    )  # an older version saved the bare tensor
+    # an older version saved the bare tensor
+    return saved["tokens"] if isinstance(saved, dict) else saved
 
 
 @needs_shared
@@ -797,9 +800,8 @@ def test_a_chat_model_s_drafter_trains_on_its_answers_to_requests(
     stream = continuations(tmp_path / "e3").tolist()
     tokenizer, model = load_tokenizer(chat_target), load_model(chat_target)
     (request, *_) = chat_requests([corpus["train"]], 4, seed=1)  # the run's seed + 1
-    prompt = tokenizer.encode(
-        f"user: {request}\nassistant:", bos=False
-    )  # the template writes no BOS
+    # the template writes no BOS
+    prompt = tokenizer.encode(f"user: {request}\nassistant:", bos=False)
     assert stream[: len(prompt)] == prompt
     answer = []  # the target's greedy answer, by a plain forward with no cache: up to 24 - 8 tokens
     with torch.no_grad():
@@ -865,9 +867,8 @@ def test_answers_another_device_wrote_are_read_here_and_a_p_eagle_head_trains_on
     train.main(args)
     grown = torch.load(tmp_path / "pe" / "data.pt", weights_only=True)
     assert grown["made_from"]["rows"] == 512 and len(grown["ends"]) == 6
-    assert torch.equal(
-        grown["tokens"][: saved["ends"][3]], tokens
-    )  # the first four as they were, the marked one too
+    # the first four as they were, the marked one too
+    assert torch.equal(grown["tokens"][: saved["ends"][3]], tokens)
     summary = json.loads((tmp_path / "pe" / "summary.json").read_text())
     assert summary["data"] == "chat" and summary["steps"] == 2
 
