@@ -84,9 +84,8 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if sampling.top_p is not None and sampling.top_p < 1:
-        sorted_probs, order = probs.sort(
-            dim=-1, descending=True, stable=True
-        )  # ties: lower id first
+        # stable: ties keep the lower id first
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         mass_before = F.pad(sorted_probs.cumsum(-1)[..., :-1], (1, 0))
         drop_sorted = mass_before >= sampling.top_p
         drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
@@ -109,6 +108,13 @@ def warp_rows(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
     return torch.stack([warp(row, s) for row, s in zip(logits, samplings)])
 
 
+def cdf_dtype(probs: torch.Tensor) -> torch.dtype:
+    """The dtype of the running sums of probs: float64 for float64 probs, float32 otherwise."""
+    if probs.dtype == torch.float64:
+        return torch.float64
+    return torch.float32
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per distribution: probs [..., V] -> LongTensor [...].
 
@@ -117,19 +123,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
     On a CPU this draws by inverse CDF: with C the running sum of probs and u uniform on
     [0, C[-1]), the token is the first j with C[j] > u, which happens with probability
-    probs[j] / C[-1]. torch.multinomial costs about 55 microseconds per draw on a CPU here,
-    6x this, and the speculative loop draws once per drafted token and once per
-    verification. Two facts make it exact in floating point: PyTorch's CPU cumsum adds
-    sequentially (in double for float32), so a zero-probability entry repeats C[j-1]
-    exactly and can never be the first C[j] > u; and u stays strictly below C[-1], since
-    torch.rand is at most 1 - 2^-mantissa and rounding x * (1 - 2^-mantissa) to nearest
-    never gives back x. A GPU's cumsum is a parallel scan whose rounding can break the
-    first fact, so other devices use torch.multinomial.
+    probs[j] / C[-1]. torch.multinomial costs several times as much per draw on a CPU, and the
+    speculative loop draws once per drafted token and once per verification. Two facts make it
+    exact in floating point: PyTorch's CPU cumsum adds sequentially (in double for float32), so
+    a zero-probability entry repeats C[j-1] exactly and can never be the first C[j] > u; and u
+    stays strictly below C[-1], since torch.rand is at most 1 - 2^-mantissa and rounding
+    x * (1 - 2^-mantissa) to nearest never gives back x. A GPU's cumsum is a parallel scan whose
+    rounding can break the first fact, so other devices use torch.multinomial.
     """
     flat = probs.reshape(-1, probs.shape[-1])
     if flat.device.type != "cpu":
         return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-    cdf = flat.cumsum(-1, dtype=torch.float64 if flat.dtype == torch.float64 else torch.float32)
+    cdf = flat.cumsum(-1, dtype=cdf_dtype(flat))
     u = torch.rand(flat.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).view(probs.shape[:-1])
 
@@ -147,17 +152,14 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -
                 for row, gen in zip(probs, generators)
             ]
         )
-    cdf = probs.cumsum(-1, dtype=torch.float64 if probs.dtype == torch.float64 else torch.float32)
+    cdf = probs.cumsum(-1, dtype=cdf_dtype(probs))
     zero = torch.zeros(1, 1, dtype=cdf.dtype)
-    u = (
-        torch.cat(
-            [
-                torch.rand(1, 1, generator=gen, dtype=cdf.dtype) if gen is not None else zero
-                for gen in generators
-            ]
-        )
-        * cdf[:, -1:]
-    )
+    # row b's uniform from its own generator; a row without one draws nothing (its argmax, below)
+    uniforms = [
+        torch.rand(1, 1, generator=gen, dtype=cdf.dtype) if gen is not None else zero
+        for gen in generators
+    ]
+    u = torch.cat(uniforms) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, u, right=True).view(-1)
     if any(gen is None for gen in generators):
         idle = torch.tensor([gen is None for gen in generators])

@@ -103,13 +103,15 @@ def target_continuations(
     ``length`` tokens the target writes after each, in chunks of 64 sequences, greedy and
     sampled at temperature 1 in turn (as it will decode). What EAGLE-3, PARD and P-EAGLE heads
     train on: the target's own text, not the corpus's."""
-    rng, gen, chunk, chunks = random.Random(seed), torch.Generator().manual_seed(seed + 1), 64, []
+    rng = random.Random(seed)  # the openings
+    gen = torch.Generator().manual_seed(seed + 1)  # the sampled tokens
+    chunk = 64
+    chunks = []
     with torch.inference_mode():
         for start in range(0, count, chunk):
             prompts = [rng.choice(openings) for _ in range(min(chunk, count - start))]
-            chunks.append(
-                sample_sequences(target, prompts, length, gen, greedy=(start // chunk) % 2 == 0)
-            )
+            greedy = (start // chunk) % 2 == 0  # greedy and sampled chunks in turn
+            chunks.append(sample_sequences(target, prompts, length, gen, greedy=greedy))
     return torch.cat(chunks)
 
 
@@ -151,9 +153,9 @@ def eagle_batch(
     kind = rng.random()
     if kind < self_mix:
         prompts = rng.sample(openings, batch)
-        return sample_sequences(
-            target, prompts, seq_len - len(prompts[0]), gen, greedy=kind < self_mix / 2
-        ), True
+        greedy = kind < self_mix / 2
+        written = sample_sequences(target, prompts, seq_len - len(prompts[0]), gen, greedy=greedy)
+        return written, True
     return random_batch(corpus, batch, seq_len, gen)[0], False
 
 

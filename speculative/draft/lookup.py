@@ -32,7 +32,8 @@ class NgramIndex:
     """The n-gram occurrences of one sequence, kept up to date as it grows."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
         self.index: dict[int, dict[tuple[int, ...], int]] = {
             n: {} for n in range(min_ngram, max_ngram + 1)
         }
@@ -71,7 +72,8 @@ class PromptLookupDrafter:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if min_ngram > max_ngram:
             raise ValueError(f"min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
         self.rows: list[NgramIndex] = []
 
     def start(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:

@@ -79,7 +79,8 @@ def cod_layout(
     x_{t+d+1}, so t <= length - 2 - d; depth d keeps a random max(keep^d, min_keep) share of
     the anchors, chosen among those kept at depth d - 1. Returns (anchors [M], depth [M]),
     depth by depth."""
-    anchors, depth = [], []
+    anchors = []  # per depth, the anchors kept
+    depth = []  # per depth, that depth once per anchor
     alive = torch.arange(length - 1)
     total = len(alive)
     for d in range(1, depths):
@@ -172,10 +173,10 @@ def parallel_losses(
     wanted = torch.cat([torch.arange(length - 1), anchors + depth])
     nodes = torch.cat([torch.arange(length - 1), length + torch.arange(len(anchors))])
     node_depth = torch.cat([torch.zeros(length - 1, dtype=torch.long), depth])
-    p_nodes, log_q_nodes = p[:, wanted], log_q[:, nodes]
-    ce = -(p_nodes * log_q_nodes.clamp_min(-1e4)).sum(
-        -1
-    )  # [B, nodes]; clamp: 0 * -inf where p has no mass
+    p_nodes = p[:, wanted]
+    log_q_nodes = log_q[:, nodes]
+    # [B, nodes]; clamp: 0 * -inf where p has no mass
+    ce = -(p_nodes * log_q_nodes.clamp_min(-1e4)).sum(-1)
     return ce.mean(), by_position(ce, p_nodes, log_q_nodes, node_depth, depths)
 
 
@@ -239,9 +240,8 @@ def peagle_losses(
     )
     hidden = layer.finish(residual, attn.o_proj(out.transpose(1, 2).reshape(batch, real + m, -1)))
     log_q = F.log_softmax(head.draft_logits(hidden).float(), dim=-1)
-    wanted = torch.cat(
-        [torch.arange(1, length), anchors + depth + 1]
-    )  # the target position whose law it learns
+    # node -> the target position whose law it learns
+    wanted = torch.cat([torch.arange(1, length), anchors + depth + 1])
     node_depth = torch.cat([torch.zeros(real, dtype=torch.long), depth])
     ce = -(p_kept[:, wanted] * log_q).sum(-1)
     return ce.mean(), by_position(ce, p_draft[:, wanted], log_q, node_depth, depths)

@@ -3,14 +3,15 @@ tree speculation; speculative.verify.tree verifies what is grown here.
 
 A shape is the branching per depth, e.g. (3, 2, 1, 1): 3 candidates after the sequence,
 2 after each of them, then one more after each: 3 + 6 + 6 + 6 = 21 nodes in breadth-first
-order (speculative.verify.tree.branching_parents). A drafter grows it one depth per call: the
-first call reads what the drafter has not seen of the sequence and gives the root's
+order (speculative.verify.token_tree.branching_parents). A drafter grows it one depth per
+call: the first call reads what the drafter has not seen of the sequence and gives the root's
 distribution; each later call scores every node drafted so far in one batch of tree
 attention (each node at its depth, seeing its ancestors) and gives the distributions of
 the newest depth's nodes. A depth-D tree costs D calls, like a chain of D tokens; the
 nodes of the deepest level are never fed, like a chain's x_gamma.
 
-How a node's children are drawn from its distribution (``mode``, speculative.verify.tree):
+How a node's children are drawn from its distribution (``TokenTree.mode``; the rule for
+each, speculative.verify.tree):
 
 * "deterministic": the k most likely tokens of the drafter's logits. The only mode at
   temperature 0, where verification follows the child equal to the target's argmax;
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from speculative.sampling import Sampling, full_width, sample, warp
-from speculative.verify.tree import TokenTree, branching_parents
+from speculative.verify.token_tree import TokenTree, branching_parents
 
 TREE_MODES = ("without_replacement", "iid", "deterministic")
 
@@ -62,14 +63,15 @@ def draw_children(
     q = warp(logits, sampling)
     if mode == "iid":
         return torch.stack([sample(q, generator) for _ in range(k)], dim=-1), q, None
-    left, picks, alive = q.clone(), [], []
+    left = q.clone()  # q without the tokens drawn so far
+    picks = []
+    alive = []
     for _ in range(k):  # without replacement: draw, remove, renormalise
         mass = left.sum(-1, keepdim=True)
         alive.append(mass[:, 0] > 0)
         left = torch.where(mass > 0, left / mass, left)
-        token = sample(
-            torch.where(mass > 0, left, q), generator
-        )  # a placeholder draw where nothing is left
+        # a placeholder draw from q where nothing is left; alive drops it
+        token = sample(torch.where(mass > 0, left, q), generator)
         picks.append(token)
         left.scatter_(-1, token[:, None], 0.0)
     return torch.stack(picks, dim=-1), q, torch.stack(alive, dim=-1).tolist()
@@ -92,10 +94,8 @@ def grow_tree(
     depths: list[int] = []
     q_rows: list[torch.Tensor] = []  # (row, q) pairs are placed at the end
     q_index: list[int] = []
-    level, logits = (
-        [-1],
-        root_logits.unsqueeze(0),
-    )  # the nodes of the current depth, and their logits
+    level = [-1]  # the nodes of the current depth; -1 is the root
+    logits = root_logits.unsqueeze(0)  # [len(level), V] their logits
     for depth, k in enumerate(branching, start=1):
         if depth > 1:
             logits = expand(tokens, parents, depths, level)
@@ -103,7 +103,8 @@ def grow_tree(
         if q is not None:
             q_rows.append(q)
             q_index.extend(node + 1 for node in level)
-        first, kept = len(parents), []
+        first = len(parents)  # this depth's first node
+        kept = []  # which of the k children of each node were drawn, flattened
         for i, node in enumerate(level):
             for j in range(k):
                 if alive is None or alive[i][j]:

@@ -58,7 +58,8 @@ def _attend_chain(
     """Attention of step k's queries q [B, H, n, D] over the true inputs (past[0], causal: column
     t sees columns <= t) and the chain at its own column (past[1..k]: one key per step)."""
     k0, v0 = (x.repeat_interleave(groups, dim=1) for x in past[0])
-    n, scale = q.shape[2], 1 / math.sqrt(q.shape[-1])
+    n = q.shape[2]
+    scale = 1 / math.sqrt(q.shape[-1])
     scores = (q @ k0.transpose(-1, -2)) * scale  # [B, H, n, n0]
     causal = torch.ones(n, k0.shape[2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
@@ -92,9 +93,8 @@ def ttt_losses(
         final = target(tokens, return_hidden=True)[1].to(head.dtype) if regression else None
     with torch.no_grad():
         ids = head.target_ids()
-        p_full = F.softmax(
-            logits.float(), dim=-1
-        )  # p at position t: the target's law of token t + 1
+        # p at position t: the target's law of token t + 1
+        p_full = F.softmax(logits.float(), dim=-1)
         p_draft = p_full[..., ids]
         p_kept = p_draft / p_draft.sum(-1, keepdim=True).clamp_min(1e-12)
         embeddings = target.embed_tokens(tokens).to(head.dtype)
@@ -104,11 +104,11 @@ def ttt_losses(
     cos_all, sin_all = rope_tables(head.config, length + steps, head.device, head.dtype)
     # bf16: the head computes in bfloat16 too (its weights and gradients stay float32)
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
-        hidden = head.project(
-            fused[:, :-1].to(head.dtype)
-        )  # column t: the target's f_t, t = 0..T-2
+        # column t: the target's f_t, t = 0..T-2
+        hidden = head.project(fused[:, :-1].to(head.dtype))
         past: list[tuple[torch.Tensor, torch.Tensor]] = []
-        total, per_step = hidden.new_zeros(()), {"loss": [], "alpha": []}
+        total = hidden.new_zeros(())
+        per_step = {"loss": [], "alpha": []}
         for k in range(min(steps, length - 1)):
             n = length - 1 - k  # columns t whose target t + k + 1 exists
             both, residual = layer.inputs(embeddings[:, k + 1 : k + 1 + n], hidden[:, :n])
@@ -123,9 +123,9 @@ def ttt_losses(
             log_q = F.log_softmax(head.draft_logits(out).float(), dim=-1)
             wanted = p_kept[:, k + 1 : k + 1 + n]
             ce = -(wanted * log_q).sum(-1).mean()
-            loss = 0.5 * ce if regression else ce
-            if regression:
-                loss = loss + F.smooth_l1_loss(head.norm(out), final[:, k + 1 : k + 1 + n])
+            loss = ce
+            if regression:  # EAGLE-1's two losses: half the cross-entropy, and the regression
+                loss = 0.5 * ce + F.smooth_l1_loss(head.norm(out), final[:, k + 1 : k + 1 + n])
             total = total + decay**k * loss
             with torch.no_grad():
                 per_step["loss"].append(loss.item())

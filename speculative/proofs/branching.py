@@ -71,7 +71,9 @@ class Chooser:
     first option with weight > 0, noting the other options so the search can visit them."""
 
     def __init__(self, script: list[int]) -> None:
-        self.script, self.path, self.prob = script, [], 1.0
+        self.script = script
+        self.path: list[int] = []  # the choices made so far
+        self.prob = 1.0  # their probability
         self.branches: list[list[int]] = []
 
     def choose(self, weights: Sequence[float]) -> int:
@@ -253,7 +255,10 @@ class Uniforms(Placeholder):
         shift: torch.Tensor,
     ) -> Uniforms:
         out = data.as_subclass(cls)
-        out.branching, out.ids, out.scale, out.shift = branching, ids, scale, shift
+        out.branching = branching
+        out.ids = ids
+        out.scale = scale
+        out.shift = shift
         return out
 
     @classmethod
@@ -309,7 +314,9 @@ class Pending(Placeholder):
         cls, data: torch.Tensor, branching: Branching, deciders: list[Callable[[], int]]
     ) -> Pending:
         out = data.as_subclass(cls)
-        out.branching, out.deciders, out.decided = branching, deciders, {}
+        out.branching = branching
+        out.deciders = deciders
+        out.decided = {}
         return out
 
     def value(self, k: int) -> int:
@@ -319,9 +326,8 @@ class Pending(Placeholder):
 
     @classmethod
     def handle(cls, func: Callable, name: str, args: Sequence, kwargs: dict) -> Any:
-        if name in READS and isinstance(
-            args[0], Pending
-        ):  # a read on the host decides every element
+        # a read on the host decides every element
+        if name in READS and isinstance(args[0], Pending):
             pending = args[0]
             values = torch.tensor(
                 [pending.value(k) for k in range(len(pending.deciders))], dtype=pending.dtype
@@ -334,10 +340,10 @@ class Lazy(Sequence):
     """The host copy of a Pending tensor: element k is decided when it is first read."""
 
     def __init__(self, pending: Pending, index: range | None = None) -> None:
-        self.pending, self.at = (
-            pending,
-            index if index is not None else range(len(pending.deciders)),
-        )
+        self.pending = pending
+        if index is None:  # the whole tensor
+            index = range(len(pending.deciders))
+        self.at = index
 
     def __len__(self) -> int:
         return len(self.at)
@@ -373,7 +379,9 @@ class Branching:
     randomness the enumeration misses)."""
 
     def __init__(self, zero: bool = False, seed: int = 0) -> None:
-        self.zero, self.lazy, self.seed = zero, True, seed
+        self.zero = zero
+        self.lazy = True
+        self.seed = seed
         self.chooser: Chooser | None = None
         self.intervals: list[list[float]] = []
         self.saved: list[tuple[Any, str, Any]] = []
@@ -434,7 +442,8 @@ class Branching:
         where it is made."""
 
         def scripted(chooser: Chooser) -> Hashable:
-            self.chooser, self.intervals = chooser, []
+            self.chooser = chooser
+            self.intervals = []
             return run()
 
         try:
@@ -457,11 +466,9 @@ class Branching:
         device: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        shape = (
-            tuple(size[0])
-            if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size))
-            else size
-        )
+        shape = size
+        if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):  # rand((2, 3))
+            shape = tuple(size[0])
         dtype = dtype or torch.get_default_dtype()
         if self.zero:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -478,22 +485,17 @@ class Branching:
 
     def affine(self, name: str, args: Sequence) -> Uniforms:
         """scale * u + shift, scaled or shifted by a number or tensor that is not a draw."""
-        data = plain(
-            getattr(torch.Tensor, name) if hasattr(torch.Tensor, name) else getattr(torch, name),
-            args,
-            {},
-        )
+        func = getattr(torch.Tensor, name) if hasattr(torch.Tensor, name) else getattr(torch, name)
+        data = plain(func, args, {})
         at = 0 if isinstance(args[0], Uniforms) else 1
         u = args[at]
         if len(args) > 1 and isinstance(args[1 - at], Uniforms):
             raise NotApplicable(
                 "it combines two uniform draws; each must be compared with a threshold alone"
             )
-        c = (
-            torch.as_tensor(args[1 - at], dtype=torch.float64).as_subclass(torch.Tensor)
-            if len(args) > 1
-            else None
-        )
+        c = None  # the number or tensor the draws are combined with; none for a negation
+        if len(args) > 1:
+            c = torch.as_tensor(args[1 - at], dtype=torch.float64).as_subclass(torch.Tensor)
         scale, shift = u.scale, u.shift
         if name in SCALE:
             scale, shift = scale * c, shift * c
@@ -593,9 +595,10 @@ class Branching:
     # -------------------------------------------------------------- the host read
     def read_host(self, parts: Sequence[torch.Tensor], finite: torch.Tensor | None = None) -> list:
         plain_parts = [part for part in parts if not isinstance(part, Pending)]
-        host: Iterator = iter(
-            inputs_read_host(plain_parts, finite) if plain_parts or finite is not None else []
-        )
+        values: list = []
+        if plain_parts or finite is not None:
+            values = inputs_read_host(plain_parts, finite)
+        host: Iterator = iter(values)
         return [Lazy(part) if isinstance(part, Pending) else next(host) for part in parts]
 
 

@@ -89,7 +89,10 @@ class Report:
         note = f"not applicable: {', '.join(skipped)}" if skipped else ""
         took = f"({self.seconds:.1f} s)"
         if self.names("FAIL"):
-            return f"FAIL: {', '.join(self.names('FAIL'))}{'; ' + note if note else ''} {took}"
+            failed = f"FAIL: {', '.join(self.names('FAIL'))}"
+            if note:
+                failed += f"; {note}"
+            return f"{failed} {took}"
         if skipped:
             return f"NOT PROVEN: {note} {took}"
         return f"PASS: all {len(self.results)} properties hold {took}"
@@ -129,36 +132,36 @@ def checked(
     start: float,
 ) -> Report:
     s = subject(obj, label)
-    wanted = properties or (VERIFIER_PROPERTIES if s.kind == "verifier" else DRAFTER_PROPERTIES)
+    known = VERIFIER_PROPERTIES if s.kind == "verifier" else DRAFTER_PROPERTIES
+    wanted = properties or known
     report = Report(label, s.kind)
     if s.kind == "drafter":
         s.drafter(LlamaCase(2, 1, 1, Sampling(), seed=0).target())  # the wrong kind is told at once
     echo(f"checking {label}, a {s.kind}{' (--quick)' if quick else ''}")
     pick = quick_cases if quick else list
-    steps = {
-        "exact": lambda: (
-            exact_law(
+
+    def exact() -> Result:
+        if s.kind == "verifier":
+            return exact_law(
                 lambda cases, seed: verifier_laws(s.verifier, cases, s.label, seed),
                 pick(VERIFIER_CASES),
                 "cases",
             )
-            if s.kind == "verifier"
-            else exact_law(
-                lambda cases, seed: [drafter_law(s, case, seed) for case in cases],
-                pick(DRAFTER_CASES),
-                "cases through the engine",
-            )
-        ),
+        return exact_law(
+            lambda cases, seed: [drafter_law(s, case, seed) for case in cases],
+            pick(DRAFTER_CASES),
+            "cases through the engine",
+        )
+
+    steps = {
+        "exact": exact,
         "zero": lambda: zero_draw(s, pick(VERIFIER_CASES)),
         "chi-square": lambda: chi_square(s, pick(CHI_SQUARE_CASES)),
         "greedy": lambda: greedy_identity(s),
     }
     for key in wanted:
         if key not in steps or (key == "zero" and s.kind != "verifier"):
-            raise InputError(
-                f"no property {key!r} for a {s.kind} (properties: "
-                f"{', '.join(VERIFIER_PROPERTIES if s.kind == 'verifier' else DRAFTER_PROPERTIES)})"
-            )
+            raise InputError(f"no property {key!r} for a {s.kind} (properties: {', '.join(known)})")
     for key in wanted:
         report.results.append(steps[key]())
         echo(report.results[-1].line())

@@ -34,14 +34,16 @@ def verifier_outcomes(
     if branching is None:
         with Branching() as fresh:
             return verifier_outcomes(verifier, p, q, drafted, fresh)
-    vocab, xs = p.shape[-1], drafted.tolist()
+    vocab = p.shape[-1]
+    xs = drafted.tolist()
 
     def run() -> tuple[int, ...]:
         verdict = verifier(p, q, drafted, torch.Generator().manual_seed(branching.seed))
         if not callable(getattr(verdict, "read", None)):
             raise Contract(f"returned {type(verdict).__name__}, not a speculative.verify.Verdict")
         outcome = verdict.read()
-        tokens, accepted = getattr(outcome, "tokens", None), getattr(outcome, "accepted", None)
+        tokens = getattr(outcome, "tokens", None)
+        accepted = getattr(outcome, "accepted", None)
         if tokens is None or accepted is None:
             raise Contract(
                 f"returned a Verdict that reads as {type(outcome).__name__}, not a "
@@ -111,11 +113,9 @@ def verifier_distribution(
             ]
         for xs, w in chains:
             p = torch.stack([probs(target, "p", context + xs[:i]) for i in range(gamma + 1)])
-            q = (
-                torch.stack([probs(draft, "q", context + xs[:i]) for i in range(gamma)])
-                if gamma
-                else p[:0]
-            )
+            q = p[:0]  # [0, V] when nothing is drafted
+            if gamma:
+                q = torch.stack([probs(draft, "q", context + xs[:i]) for i in range(gamma)])
             for tokens, v in verifier_outcomes(
                 verifier, p, q, torch.tensor(xs, dtype=torch.long), branching
             ).items():

@@ -193,9 +193,8 @@ def parallel_copy(model: torch.nn.Module, std: float, seed: int = 0) -> torch.nn
     for name, param in twin.named_parameters():
         source = own[name]
         noise = std * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype)
-        if (
-            param.shape[0] == vocab + 1 and source.shape[0] == vocab
-        ):  # embeddings, output head: the mask's row
+        # embeddings, output head: the mask's row
+        if param.shape[0] == vocab + 1 and source.shape[0] == vocab:
             source = torch.cat([source, source.mean(0, keepdim=True)])
         param.copy_(source + noise)
     return twin.eval()
@@ -277,7 +276,8 @@ def ref_warp(
     total = math.fsum(weights.values())
     probs = [weights.get(i, 0.0) / total for i in range(size)]
     if top_p is not None and top_p < 1:
-        kept, mass = [], 0.0
+        kept = []  # the most likely tokens, until they hold top_p
+        mass = 0.0  # their probability
         for i in sorted(alive, key=lambda i: -probs[i]):
             if mass >= top_p:
                 break

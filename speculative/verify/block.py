@@ -81,9 +81,8 @@ def block_residuals(
     gamma = q.shape[0]
     excess = (weights[:gamma, None] * p[:gamma] - q).clamp(min=0)
     mass = excess.sum(-1)
-    residual = torch.where(
-        mass[:, None] > 0, excess / mass[:, None], p[:gamma]
-    )  # 0/0 is never selected
+    # the 0/0 where the mass is 0 is never selected
+    residual = torch.where(mass[:, None] > 0, excess / mass[:, None], p[:gamma])
     return mass, torch.cat([residual, p[gamma : gamma + 1]])
 
 
@@ -99,7 +98,9 @@ def stop_probabilities(weights: torch.Tensor, mass: torch.Tensor) -> torch.Tenso
     gamma = mass.shape[0]
     if gamma == 0:  # nothing was drafted: there is no position to keep
         return mass
-    inner_mass, inner_weight = mass[1:], weights[1:gamma]
+    # h_1..h_{gamma-1}; h_gamma is w_gamma
+    inner_mass = mass[1:]
+    inner_weight = weights[1:gamma]
     denominator = inner_mass + (1 - inner_weight)
     # m / (m + 1 - w) with w <= 1 rounds to at most 1; the 0/0 where both vanish is never selected
     inner = torch.where(denominator > 0, inner_mass / denominator, 0.0)

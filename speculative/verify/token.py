@@ -124,7 +124,8 @@ def verify_greedy(
     width = drafted.shape[1]
 
     def finish(xs: list[int], ys: list[int]) -> list[Verification]:
-        out, at = [], 0
+        out = []
+        at = 0  # where row b's choices start in ys
         for b, g in enumerate(lengths):
             out.append(greedy_outcome(xs[b * width : b * width + g], ys[at : at + g + 1]))
             at += g + 1

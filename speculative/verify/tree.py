@@ -4,10 +4,18 @@ A chain drafts one token per position; a tree drafts several candidates per posi
 target scores every node of the tree in one call (tree attention, each node at its depth),
 and verification walks the tree from the root, keeping at most one child per node:
 
-:class:`TokenTree` holds the drafted nodes; :func:`node_rules` runs the rule for one node's
-children (:func:`child_acceptance`, :func:`reject_child`, :func:`child_distribution`,
-:func:`passes`, where the exact enumeration tests inject their mutants) over many nodes at once;
-:func:`verify_tree` walks with random draws, :func:`verify_tree_greedy` at temperature 0.
+* :class:`TokenTree` (speculative/verify/token_tree.py) -- the drafted nodes, their parents,
+  how each node's children were drawn (``mode``) and the draft distributions they were drawn
+  from (``q``).
+* :func:`child_distribution`, :func:`child_acceptance`, :func:`reject_child`, :func:`passes`
+  -- the rule for one child: the law it was drawn from, its acceptance probability, what a
+  rejection leaves for the next sibling, the comparison with the uniform draw.
+* :func:`node_rules` -- that rule run over all children of M nodes at once: each child's
+  acceptance probability given that its earlier siblings were rejected, and the
+  distribution of the target's own token when all of them were rejected. The exact
+  enumeration tests call this same function, and inject their mutants into the ones above.
+* :func:`tree_rules` -- :func:`node_rules` for every node of a tree, rows placed.
+* :func:`verify_tree` -- the walk with random draws; :func:`verify_tree_greedy` -- temperature 0.
 
 The walk. At the current node (the root first), with residual target distribution p_cur =
 p[row] and draft distribution q_cur = q[row], try the children c_1, c_2, .. in order:
@@ -42,161 +50,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 
 import torch
 import torch.nn.functional as F
 
 from speculative.sampling import sample
 from speculative.verify.token import residual_distribution
+from speculative.verify.token_tree import TokenTree
+
+# re-exported: the engine, the command line and the benchmarks import it from here
+from speculative.verify.token_tree import branching_parents as branching_parents
 from speculative.verify.verdict import Verdict, Verification
-
-MODES = ("iid", "without_replacement", "deterministic")
-
-
-def branching_parents(branching: Sequence[int]) -> list[int]:
-    """Parents of the nodes of a static tree, breadth-first: branching[d] children for every
-    node at depth d (the root's depth is 0). (3, 2, 1, 1) gives 3 + 6 + 6 + 6 = 21 nodes."""
-    if isinstance(branching, (str, bytes)) or not isinstance(branching, Sequence):
-        raise ValueError(f"branching must be a sequence of integers >= 1, got {branching!r}")
-    for b in branching:
-        if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
-            raise ValueError(
-                f"branching must be a sequence of integers >= 1, got {tuple(branching)!r}"
-            )
-    parents: list[int] = []
-    level = [-1]  # the nodes of the current depth; -1 is the root
-    for b in branching:
-        nxt = []
-        for parent in level:
-            for _ in range(b):
-                nxt.append(len(parents))
-                parents.append(parent)
-        level = nxt
-    return parents
-
-
-@dataclass
-class TokenTree:
-    """A drafted token tree, ready for verification.
-
-    tokens: [N] LongTensor, the drafted nodes. The root is the sequence's last committed
-        token and is not a node.
-    parents: the parent node of each node, -1 for the root's children. A parent always comes
-        before its children (breadth-first order by depth is one such order).
-    mode: how every node's children were drawn from that node's q: "iid" (independently),
-        "without_replacement", or "deterministic" (chosen, e.g. the top-k of q).
-    q: [N+1, V] draft distributions: row 0 the one the root's children were drawn from, row
-        j+1 the one node j's children were drawn from. Rows of leaves are never read (they
-        may be zeros). Ignored, and may be None, for "deterministic".
-
-    Row r of p and q belongs to "node r-1", row 0 to the root: the same convention as
-    verify_step's p_1 .. p_{gamma+1}.
-    """
-
-    tokens: torch.Tensor
-    parents: list[int]
-    mode: str = "iid"
-    q: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if (
-            not isinstance(self.tokens, torch.Tensor)
-            or self.tokens.dim() != 1
-            or self.tokens.dtype != torch.long
-        ):
-            raise ValueError("tokens must be a 1-D LongTensor [N]")
-        if isinstance(self.parents, torch.Tensor) or not isinstance(self.parents, Sequence):
-            raise ValueError(
-                f"parents must be a list of integers, got {type(self.parents).__name__}"
-            )
-        self.parents = list(self.parents)
-        n = len(self.parents)
-        if self.tokens.shape[0] != n:
-            raise ValueError(f"{self.tokens.shape[0]} tokens but {n} parents")
-        for j, parent in enumerate(self.parents):
-            if isinstance(parent, bool) or not isinstance(parent, Integral):
-                raise ValueError(f"parents[{j}] = {parent!r} is not an integer")
-            if not -1 <= parent < j:
-                raise ValueError(
-                    f"parents[{j}] = {parent}: a node's parent must be -1 (the root) or an earlier "
-                    f"node (0..{j - 1})"
-                )
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode != "deterministic":
-            if not isinstance(self.q, torch.Tensor):
-                raise ValueError(
-                    f"mode {self.mode!r} needs q, the [N+1, V] distributions the children were drawn from"
-                )
-            if self.q.dim() != 2 or self.q.shape[0] != n + 1 or not self.q.is_floating_point():
-                raise ValueError(
-                    f"q must be a floating [N+1, V] = [{n + 1}, V] tensor, got {tuple(self.q.shape)} "
-                    f"{self.q.dtype}"
-                )
-
-    @classmethod
-    def from_branching(
-        cls,
-        tokens: torch.Tensor,
-        branching: Sequence[int],
-        mode: str = "iid",
-        q: torch.Tensor | None = None,
-    ) -> TokenTree:
-        """The static tree of :func:`branching_parents` with the given child tokens (breadth-first)."""
-        parents = branching_parents(branching)
-        if (
-            isinstance(tokens, torch.Tensor)
-            and tokens.dim() == 1
-            and tokens.shape[0] != len(parents)
-        ):
-            raise ValueError(
-                f"branching {tuple(branching)} has {len(parents)} nodes, got {tokens.shape[0]} tokens"
-            )
-        return cls(tokens=tokens, parents=parents, mode=mode, q=q)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.parents)
-
-    def depths(self) -> list[int]:
-        """Depth of every node: 1 for the root's children. Node j sits at sequence position
-        (position of the root) + depths()[j]."""
-        depth: list[int] = []
-        for parent in self.parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-        return depth
-
-    def children(self, node: int = -1) -> list[int]:
-        """The children of a node (-1: the root), in the order verification tries them."""
-        return [j for j, parent in enumerate(self.parents) if parent == node]
-
-    def children_by_row(self) -> list[list[int]]:
-        """children_by_row()[r]: the children of row r (row 0 the root, row j+1 node j)."""
-        rows: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
-        for j, parent in enumerate(self.parents):
-            rows[parent + 1].append(j)
-        return rows
-
-    def path_to(self, node: int) -> list[int]:
-        """The nodes from the root's child down to `node`, both included."""
-        if not 0 <= node < self.num_nodes:
-            raise ValueError(f"node {node} is not in a tree of {self.num_nodes} nodes")
-        path = [node]
-        while self.parents[path[-1]] >= 0:
-            path.append(self.parents[path[-1]])
-        return path[::-1]
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """[N, N] bool: [i, j] is True when node j is node i or one of its ancestors, i.e.
-        which drafted nodes node i may attend to in the target's tree attention (on top of
-        the committed sequence, which every node sees)."""
-        n = self.num_nodes
-        mask = torch.eye(n, dtype=torch.bool)
-        for j, parent in enumerate(self.parents):
-            if parent >= 0:
-                mask[j] |= mask[parent]  # parents come first, so the parent's row is complete
-        return mask
 
 
 # ----------------------------------------------------------------------------- the rule at one node
@@ -253,11 +117,12 @@ def reject_child(
 class NodeRules:
     """What the rule decides at M nodes, before any random draw."""
 
-    ratios: torch.Tensor  # [M, K] acceptance probability of child k given children 0..k-1 were rejected; 0 past a width
-    fallback: (
-        torch.Tensor
-    )  # [M, V] law of the target's token when every child was rejected (p itself at a leaf)
-    overlap: torch.Tensor  # [M] sum_x min(p(x), q_1(x)) with q_1 the first child's law; 0 at a leaf
+    # [M, K] acceptance probability of child k given children 0..k-1 were rejected; 0 past a width
+    ratios: torch.Tensor
+    # [M, V] law of the target's token when every child was rejected (p itself at a leaf)
+    fallback: torch.Tensor
+    # [M] sum_x min(p(x), q_1(x)) with q_1 the first child's law; 0 at a leaf
+    overlap: torch.Tensor
 
 
 def node_rules(
@@ -299,9 +164,8 @@ def node_rules(
         )
     p_cur = p.clone()
     q_cur = None if q is None or mode == "deterministic" else q.clone()
-    placeholder = torch.zeros_like(
-        p[:1]
-    )  # deterministic children only need the shape and dtype of a q
+    # deterministic children only need the shape and dtype of a q
+    placeholder = torch.zeros_like(p[:1])
     ratios = p.new_zeros(m, k_max)
     overlap = p.new_zeros(m)
     for k in range(k_max):
@@ -328,9 +192,8 @@ class TreeRules:
     ratios: torch.Tensor  # [N] acceptance probability of node j when it is tried
     stop: torch.Tensor  # [N+1, V] law of the target's token when the walk stops at row r
     overlap: torch.Tensor  # [N+1] NodeRules.overlap per row, 0 at leaves
-    node_acceptance: (
-        torch.Tensor
-    )  # [N+1] probability that some child of row r is accepted, 0 at leaves
+    # [N+1] probability that some child of row r is accepted, 0 at leaves
+    node_acceptance: torch.Tensor
 
 
 def check_rows(p: torch.Tensor, tree: TokenTree) -> None:
@@ -357,9 +220,8 @@ def tree_rules(p: torch.Tensor, tree: TokenTree) -> TreeRules:
     check_rows(p, tree)
     n = tree.num_nodes
     by_row = tree.children_by_row()
-    rows = sorted(
-        (r for r in range(n + 1) if by_row[r]), key=lambda r: -len(by_row[r])
-    )  # stable: ties by row
+    # the rows with children, widest first; sorted is stable, so ties stay in row order
+    rows = sorted((r for r in range(n + 1) if by_row[r]), key=lambda r: -len(by_row[r]))
     ratios = p.new_zeros(n)
     overlap = p.new_zeros(n + 1)
     node_acceptance = p.new_zeros(n + 1)
@@ -377,11 +239,9 @@ def tree_rules(p: torch.Tensor, tree: TokenTree) -> TreeRules:
     row_index = device_index(rows, device)
     flat_children = device_index([j for kids in padded for j in kids], device)
     children = tree.tokens.to(device).index_select(0, flat_children).view(len(rows), k_max)
-    q = (
-        None
-        if tree.mode == "deterministic"
-        else tree.q.to(device=device, dtype=p.dtype).index_select(0, row_index)
-    )
+    q = None
+    if tree.mode != "deterministic":
+        q = tree.q.to(device=device, dtype=p.dtype).index_select(0, row_index)
     rules = node_rules(p.index_select(0, row_index), q, children, widths, tree.mode)
     ratios = rules.ratios.reshape(-1).index_select(0, device_index(slot, device))
     stop = p.index_copy(0, row_index, rules.fallback)
@@ -463,7 +323,10 @@ def walk(
         for kids in by_row:
             if len({node_tokens[c] for c in kids}) < len(kids):
                 raise ValueError("a without_replacement tree has two siblings with the same token")
-    row, path, overlap, node_acceptance = 0, [], [], []
+    row = 0  # the current node's row: 0 is the root
+    path: list[int] = []
+    overlap: list[float] = []
+    node_acceptance: list[float] = []
     while by_row[row]:
         overlap.append(overlaps[row])
         node_acceptance.append(acceptances[row])
@@ -508,7 +371,10 @@ def verify_tree_greedy(target_choice: torch.Tensor, tree: TokenTree) -> Verdict:
 def greedy_walk(tree: TokenTree, node_tokens: list[int], choice: list[int]) -> TreeVerification:
     """verify_tree_greedy on the host."""
     by_row = tree.children_by_row()
-    row, path, overlap, node_acceptance = 0, [], [], []
+    row = 0  # the current node's row: 0 is the root
+    path: list[int] = []
+    overlap: list[float] = []
+    node_acceptance: list[float] = []
     while by_row[row]:
         kids = by_row[row]
         overlap.append(float(node_tokens[kids[0]] == choice[row]))

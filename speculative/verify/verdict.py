@@ -43,7 +43,8 @@ def together(verdicts: Sequence[Verdict]) -> Verdict:
     sizes = [len(v.parts) for v in verdicts]
 
     def finish(*host: list) -> list:
-        out, at = [], 0
+        out = []
+        at = 0  # where this verdict's parts start in host
         for verdict, size in zip(verdicts, sizes):
             out.append(verdict.finish(*host[at : at + size]))
             at += size

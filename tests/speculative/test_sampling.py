@@ -74,9 +74,8 @@ def test_top_k() -> None:
     assert close(warp(logits_of(1, 2, 3), Sampling(top_k=2)), [0, 2 / 5, 3 / 5])
     assert close(warp(logits_of(1, 2, 3), Sampling(top_k=1)), [0, 0, 1])
     assert close(warp(logits_of(1, 2, 3), Sampling(top_k=3)), [1 / 6, 2 / 6, 3 / 6])
-    assert close(
-        warp(logits_of(1, 2, 3), Sampling(top_k=50)), [1 / 6, 2 / 6, 3 / 6]
-    )  # k > V keeps all
+    # k > V keeps all
+    assert close(warp(logits_of(1, 2, 3), Sampling(top_k=50)), [1 / 6, 2 / 6, 3 / 6])
     # ties with the k-th largest logit are kept (documented), as in transformers' TopKLogitsWarper
     assert close(warp(logits_of(2, 2, 1), Sampling(top_k=1)), [0.5, 0.5, 0])
 
@@ -89,9 +88,8 @@ def test_top_p() -> None:
     assert close(warp(p, Sampling(top_p=0.75)), [0, 2 / 9, 3 / 9, 4 / 9])
     assert close(warp(p, Sampling(top_p=0.95)), [0.1, 0.2, 0.3, 0.4])
     assert close(warp(p, Sampling(top_p=1.0)), [0.1, 0.2, 0.3, 0.4])
-    assert close(
-        warp(p, Sampling(top_p=1e-9)), [0, 0, 0, 1]
-    )  # the most likely token always survives
+    # the most likely token always survives
+    assert close(warp(p, Sampling(top_p=1e-9)), [0, 0, 0, 1])
 
 
 def test_order_is_temperature_then_top_k_then_top_p() -> None:

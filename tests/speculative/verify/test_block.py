@@ -80,9 +80,8 @@ def tokenwise_rule(
     residual norm(max(0, p - q)). Also mutant f: "block verification" computed with this rule."""
     gamma = drafted.shape[0]
     keep = verify.acceptance_probability(p[:gamma], q, drafted)
-    before = torch.cat(
-        [torch.ones(1, dtype=p.dtype), keep.cumprod(0)]
-    )  # P(the first n are all kept)
+    # P(the first n are all kept)
+    before = torch.cat([torch.ones(1, dtype=p.dtype), keep.cumprod(0)])
     law = before * torch.cat([1 - keep, torch.ones(1, dtype=p.dtype)])
     return law, torch.cat([verify.residual_distribution(p[:gamma], q), p[gamma:]])
 
@@ -417,9 +416,8 @@ def test_block_verification_is_never_worse_and_often_better() -> None:
             assert block == pytest.approx(token, abs=TOL), name
         gains[name] = block - token
     strict = [name for name, gain in gains.items() if gain > 1e-6]
-    assert strict == [name for name in gains if not name.endswith("gamma=1")], (
-        gains
-    )  # every gamma >= 2 gains
+    # every gamma >= 2 gains
+    assert strict == [name for name in gains if not name.endswith("gamma=1")], gains
 
 
 @proof("the block rule dominates token-wise prefix by prefix", "exact")
@@ -470,9 +468,8 @@ def test_mutant_f_tokenwise_rule_is_exact_but_accepts_less() -> None:
     expected = sequence_distribution(lambda ctx: target(ctx).tolist(), (), 3)
     block_law, block_mean = iteration_law(target, draft, (), 2, block_rule)
     token_law, token_mean = iteration_law(target, draft, (), 2, tokenwise_rule)
-    assert (
-        max_gap(continue_with_target(token_law, target, 3), expected) < TOL
-    )  # invisible to exactness
+    # invisible to exactness
+    assert max_gap(continue_with_target(token_law, target, 3), expected) < TOL
     assert max_gap(continue_with_target(block_law, target, 3), expected) < TOL
     assert block_mean == pytest.approx(1.0, abs=TOL) and token_mean == pytest.approx(0.75, abs=TOL)
     assert block_mean - token_mean > 0.2

@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 import speculative.verify.token as verify
 import speculative.verify.tree as tree
 from speculative.sampling import Sampling, warp
-from speculative.verify.tree import TokenTree, verify_tree, verify_tree_greedy
+from speculative.verify.token_tree import MODES, TokenTree, branching_parents
+from speculative.verify.tree import verify_tree, verify_tree_greedy
 from tests.support.proofs import proof
 from tests.support.strategies import distribution, distribution_pairs, max_gap, samplings, toy_table
 from tests.support.toy_models import NGramModel, chi_square_pvalue, ref_warp, sequence_distribution
@@ -126,9 +127,7 @@ def node_gap(
     "exact enumeration, float64, to 1e-12",
 )
 @settings(max_examples=300, derandomize=True, deadline=None)
-@given(
-    pair=distribution_pairs(), mode=st.sampled_from(tree.MODES), b=st.integers(1, 3), data=st.data()
-)
+@given(pair=distribution_pairs(), mode=st.sampled_from(MODES), b=st.integers(1, 3), data=st.data())
 def test_one_node_emits_exactly_p(
     pair: tuple[torch.Tensor, torch.Tensor], mode: str, b: int, data: st.DataObject
 ) -> None:
@@ -140,9 +139,8 @@ def test_one_node_emits_exactly_p(
         move, stop = node_outcome(p, q, mode, children_law(q.tolist(), b, mode))
     got = torch.tensor(move, dtype=torch.float64) + torch.tensor(stop, dtype=torch.float64)
     assert torch.allclose(got, p, atol=TOL, rtol=0), (p, q, mode, b, got)
-    assert all(
-        m == 0 for m, t in zip(move, p.tolist()) if t == 0
-    )  # a token p rules out is never accepted
+    # a token p rules out is never accepted
+    assert all(m == 0 for m, t in zip(move, p.tolist()) if t == 0)
 
 
 # ----------------------------------------------------------------------------- several iterations
@@ -153,9 +151,8 @@ def toy_pair(
     if relation == "same":
         return target, target
     draft_table = toy_table(vocab, orders[1], seed + 1, holes)
-    if (
-        relation == "disjoint"
-    ):  # the target only emits tokens < cut, the draft only proposes tokens >= cut
+    # the target only emits tokens < cut, the draft only proposes tokens >= cut
+    if relation == "disjoint":
         cut = max(1, vocab // 2)
         target_table = toy_table(vocab, orders[0], seed, 0.0)
         target_table[..., cut:] = -math.inf
@@ -234,7 +231,7 @@ def reference_next(
     "tree decoding emits exactly the target's law, in every mode",
     "exact enumeration, float64, to 1e-12, whole decodings on toy models",
 )
-@pytest.mark.parametrize("mode", tree.MODES)
+@pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=100, derandomize=True, deadline=None)
 @given(
     vocab=st.integers(2, 4),
@@ -376,7 +373,7 @@ def one_iteration_distribution(
     "one iteration over whole trees of several shapes is exact",
     "exact enumeration, float64, to 1e-12",
 )
-@pytest.mark.parametrize("mode", tree.MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("branching", [(2, 2), (3, 1), (1, 2, 1)])
 @pytest.mark.parametrize(
     "sampling", [Sampling(), Sampling(temperature=0.8, top_k=2)], ids=["T1", "top-k2"]
@@ -442,41 +439,37 @@ def sampled_outcomes(token_tree: TokenTree, p: torch.Tensor, draws: int, seed: i
         out = verify_tree(p, token_tree, gen).read()
         assert out.accepted == len(out.path) == len(out.tokens) - 1
         assert out.tokens[:-1] == [node_tokens[c] for c in out.path]
-        assert out.path == (
-            token_tree.path_to(out.path[-1]) if out.path else []
-        )  # a root-to-node chain
+        # a root-to-node chain
+        assert out.path == (token_tree.path_to(out.path[-1]) if out.path else [])
         counts[tuple(out.path), out.tokens[-1]] += 1
     return counts
 
 
 @proof("verify_tree's sampled walk follows the exact law", "chi-square, p > 1e-3")
-@pytest.mark.parametrize("mode", tree.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_verify_tree_walk_matches_the_exact_law(mode: str) -> None:
     token_tree, p = fixed_case(mode)
     expected = expected_outcomes(token_tree, p)
     assert math.isclose(sum(expected.values()), 1.0, abs_tol=TOL)
-    assert (
-        sum(v > 0.01 for v in expected.values()) >= 10
-    )  # a walk with many likely outcomes, not a few
+    # a walk with many likely outcomes, not a few
+    assert sum(v > 0.01 for v in expected.values()) >= 10
     counts = sampled_outcomes(token_tree, p, 3000, seed=1)
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
 def test_verify_tree_in_float32_leaves_its_inputs_alone() -> None:
     """The loop's dtype: float32 p, q in another dtype (cast to p's), and p, q, tokens unchanged."""
-    for mode in tree.MODES:
+    for mode in MODES:
         token_tree, p64 = fixed_case(mode)
         p = p64.float()
         before = (p.clone(), token_tree.q.clone(), token_tree.tokens.clone())
         gen = torch.Generator().manual_seed(0)
         for _ in range(50):
             out = verify_tree(p, token_tree, gen).read()
-            assert isinstance(
-                out, verify.Verification
-            )  # the loop reads tokens, accepted, overlap as from verify_step
-            assert (
-                p[out.path[-1] + 1 if out.path else 0, out.tokens[-1]] > 0
-            )  # a token the target allows
+            # the loop reads tokens, accepted, overlap as from verify_step
+            assert isinstance(out, verify.Verification)
+            # a token the target allows
+            assert p[out.path[-1] + 1 if out.path else 0, out.tokens[-1]] > 0
         assert all(torch.equal(a, b) for a, b in zip(before, (p, token_tree.q, token_tree.tokens)))
 
 
@@ -510,13 +503,12 @@ def test_verify_tree_greedy_is_verify_tree_on_one_hot_distributions(broken: bool
     gen = torch.Generator().manual_seed(0)
     greedy, differences = Sampling(temperature=0), 0
     for case in range(240):
-        mode, vocab, n = tree.MODES[case % 3], 2 + case % 4, 1 + case % 9
+        mode, vocab, n = MODES[case % 3], 2 + case % 4, 1 + case % 9
         parents = random_parents(n, gen, max_children=1 if mode == "without_replacement" else None)
         target_logits = torch.randint(0, 3, (n + 1, vocab), generator=gen).double()
         draft_logits = torch.randint(0, 3, (n + 1, vocab), generator=gen).double()
-        agree = (
-            torch.rand(n + 1, generator=gen) < 0.7
-        )  # a draft that often agrees, so that paths get long
+        # a draft that often agrees, so that paths get long
+        agree = torch.rand(n + 1, generator=gen) < 0.7
         draft_logits[agree] = target_logits[agree]
         p, q = warp(target_logits, greedy), warp(draft_logits, greedy)
         if mode == "deterministic":  # any children: top choices, repeats, anything
@@ -606,8 +598,8 @@ def test_tree_helpers() -> None:
     mask = t.ancestor_mask()
     assert mask[8].nonzero().view(-1).tolist() == [1, 4, 8]
     assert mask.sum().item() == 2 * 1 + 4 * 2 + 4 * 3
-    assert len(tree.branching_parents((3, 2, 1, 1))) == 21
-    assert tree.branching_parents(()) == []
+    assert len(branching_parents((3, 2, 1, 1))) == 21
+    assert branching_parents(()) == []
     empty = TokenTree.from_branching(torch.zeros(0, dtype=torch.long), (), "deterministic")
     p = distribution([0, 1, 0]).view(1, 3)
     assert verify_tree(p, empty, torch.Generator().manual_seed(0)).read().tokens == [1]
@@ -818,7 +810,7 @@ def test_children_drawn_from_warped_q_but_judged_with_raw_q_are_caught(mode: str
     "exact and sampled",
     rejects=("bonus from the parent's p",),
 )
-@pytest.mark.parametrize("mode", tree.MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_bonus_from_the_parents_p_is_caught(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """g. the bonus token at an accepted leaf drawn from its parent's p instead of the
     leaf's own row: caught exactly on whole trees and by the sampled walk."""
