@@ -64,6 +64,7 @@ from speculative import (
     speculative_generate,
     speculative_generate_batch,
 )
+from speculative.draft.protocol import trait
 from speculative.engine.cost import expected_tokens_per_iteration
 from weights import load_drafter, load_model, load_tokenizer
 
@@ -110,7 +111,7 @@ def draft_call_time(drafter, target, rows: int, context: int, calls: int) -> flo
     net = network(drafter)
     if net is None:
         return 0.0
-    if hasattr(drafter, "head"):
+    if trait(drafter, "head") is not None:
         net.setup_cache(rows, context + 4)
         feats = torch.randn(rows, 1, net.config.dim)
         tokens = torch.randint(0, target.config.vocab_size, (rows, 1))

@@ -85,6 +85,9 @@ class Eagle3Head(CachedStack):
     it reads; ``target_dim``: the target's width (the head's own, ``config.dim``, is the same
     in every published head, since it adds the target's embeddings)."""
 
+    # The target's embedding table serves it (speculative.draft.protocol.Head: P-EAGLE's has its own).
+    embed = None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -114,6 +117,11 @@ class Eagle3Head(CachedStack):
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
+
+    @property
+    def reads_features(self) -> tuple[int, ...]:
+        """What the target's calls return for it (Llama's return_hidden): the inputs of its target layers."""
+        return self.target_layers
 
     def set_vocabulary(self, target_ids: torch.Tensor) -> None:
         """The draft vocabulary: draft id i is target id ``target_ids[i]`` (ascending, distinct)."""

@@ -24,6 +24,14 @@ class FeatureHead(CachedStack):
     """fc([feature; embedding]) -> one decoder block -> the predicted next feature. Its block
     keeps a KV cache and takes the model's one cached call (model/model.py)."""
 
+    # What a drafter and the set-ups read of a head (speculative.draft.protocol.Head), declared here
+    # because model/fast reads them and cannot import speculative/: it reads the target's final
+    # features, and the target's output head and embedding table serve it.
+    reads_features: bool | tuple[int, ...] = True
+    draft_logits = None
+    target_ids = None
+    embed = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

@@ -54,11 +54,9 @@ def check_stop_ids(eos_id: Any) -> frozenset[int]:
     non-negative ints."""
     if eos_id is None:
         return frozenset()
-    ids = (
-        [eos_id]
-        if _is_int(eos_id) or not isinstance(eos_id, (Sequence, set, frozenset))
-        else list(eos_id)
-    )
+    ids = [eos_id]
+    if not _is_int(eos_id) and isinstance(eos_id, (Sequence, set, frozenset)):
+        ids = list(eos_id)
     if isinstance(eos_id, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in ids):
         raise ValueError(
             f"eos_id must be a token id >= 0, several of them, or None; got {eos_id!r}"
@@ -119,9 +117,10 @@ def usable_logits(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     samples before it reads the flag, so that no sampling kernel meets a NaN (CUDA's
     multinomial would stop the device); the flag's read then raises. ``finite``: one flag for
     all (finite_flag), or one per row of logits (finite_rows)."""
-    return torch.where(
-        finite.unsqueeze(-1) if finite.dim() else finite, logits, logits.new_zeros(())
-    )
+    keep = finite
+    if finite.dim():  # one flag per row: the same for each of the row's V logits
+        keep = finite.unsqueeze(-1)
+    return torch.where(keep, logits, logits.new_zeros(()))
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -144,7 +143,8 @@ def read_host(parts: Sequence[torch.Tensor], finite: torch.Tensor | None = None)
     host = torch.cat(flat).tolist() if flat else []
     if finite is not None and not host.pop():
         raise NonFiniteLogitsError()
-    out, at = [], 0
+    out = []
+    at = 0  # where this part's values start in host
     for part in parts:
         values = host[at : at + part.numel()]
         at += part.numel()
@@ -188,9 +188,10 @@ def check_pair(
     both tokenizers are given.
     """
     v_target = target.config.vocab_size
-    v_draft = (
-        draft.config.vocab_size if hasattr(draft, "config") else getattr(draft, "vocab_size", None)
-    )
+    # A model has a config; a drafter declares its vocab_size, None when it has none (the default of
+    # speculative.draft.protocol.DEFAULTS, read here as it is: this module lies below the drafters).
+    config = getattr(draft, "config", None)
+    v_draft = config.vocab_size if config is not None else getattr(draft, "vocab_size", None)
     if v_draft is not None and v_target != v_draft:
         raise PairMismatchError(
             f"the draft's vocabulary has {v_draft} tokens but the target's has {v_target}: "

@@ -132,9 +132,8 @@ def load_feature_head(
         tensor,
     ) in state.items():  # the checkpoint loader's check (NonFiniteWeightsError names both)
         check_finite(path, name, tensor, tensor)
-    embedding = (
-        target.embed_tokens.weight
-    )  # never prepacked or quantized: the target's device and dtype
+    # never prepacked or quantized: the target's device and dtype
+    embedding = target.embed_tokens.weight
     state = {
         name: t.to(device=embedding.device, dtype=dtype or embedding.dtype)
         for name, t in state.items()

@@ -216,9 +216,8 @@ def load_eagle3_head(
             f"EAGLE-3 head {head_name} was trained for another target, whose weights differ from "
             f"{target_name}'s (fingerprint mismatch): train one for it with train.py eagle3"
         )
-    shape.max_seq_len = (
-        target.config.max_seq_len
-    )  # it drafts at the target's positions (published heads say 2048)
+    # it drafts at the target's positions (published heads say 2048)
+    shape.max_seq_len = target.config.max_seq_len
     with torch.device("meta"):
         head = (
             Eagle3Head(shape, layers, info["draft_vocab"], info["norm_before_residual"])
@@ -228,15 +227,13 @@ def load_eagle3_head(
             )
         )
     state = _tensors(directory, info["layout"])
-    table = state.pop(
-        "embed_tokens.weight", None
-    )  # the target's own embeddings are used (EAGLE-3 copies them)
+    # the target's own embeddings are used (EAGLE-3 copies them)
+    table = state.pop("embed_tokens.weight", None)
     own_table = None
     if info["mask"] is not None:
         own_table = _peagle_inputs(state, table, target, info["mask"], directory)
-    if (
-        "d2t" not in state and info["draft_vocab"] == shape.vocab_size
-    ):  # one vocabulary: identity maps
+    # one vocabulary: identity maps
+    if "d2t" not in state and info["draft_vocab"] == shape.vocab_size:
         state["d2t"] = torch.zeros(shape.vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(shape.vocab_size, dtype=torch.bool)
     expected = {

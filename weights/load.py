@@ -38,7 +38,7 @@ from model.scale.memory import check_memory
 from model.scale.quantize import INT4_DTYPES
 from speculative import PairMismatchError, check_pair
 from speculative.draft.protocol import trait
-from speculative.draft.registry import DRAFTERS, named
+from speculative.draft.registry import DEFAULT_KIND, DRAFTERS, DrafterKind, named
 from weights.checkpoint import (
     CheckpointError,
     load_model,
@@ -48,7 +48,7 @@ from weights.checkpoint import (
     sampling_defaults,
     stop_ids,
 )
-from weights.drafters import folder_kind, load_drafter
+from weights.drafters import folder_kind
 from weights.eagle3 import proposal_length, target_shape
 from weights.registry import (
     FOR_OTHER_TARGETS,
@@ -80,7 +80,7 @@ def draft_kind(name_or_path: str | os.PathLike | None, planning: bool = False) -
         and str(name_or_path) not in SHIPPED
         and not Path(name_or_path).expanduser().is_dir()
     ):
-        return "model"
+        return DEFAULT_KIND
     return folder_kind(resolve(name_or_path)).name
 
 
@@ -105,6 +105,11 @@ def plan_configs(
     return target_config, plan_config(draft) if memory == "own" else None
 
 
+def registered(kind: str | None) -> DrafterKind | None:
+    """The registration of a drafter kind named by a pair (speculative.draft.DRAFTERS), None for none."""
+    return None if kind is None else DRAFTERS[kind]
+
+
 def is_checkpoint(kind: str | None) -> bool:
     """Whether a drafter kind is built from a Llama checkpoint (a draft model, or a parallel draft)."""
     return kind is not None and DRAFTERS[kind].network == "checkpoint"
@@ -121,9 +126,8 @@ class PairSpec:
 
     target: str
     draft: str | None
-    kind: (
-        str | None
-    )  # None (no draft), or a drafter kind's name: "model", "head", "eagle3", "lookup", ...
+    # None (no draft), or a drafter kind's name: "model", "head", "eagle3", "lookup", ...
+    kind: str | None
     target_dir: Path
     draft_dir: Path | None  # a draft model's or a feature head's folder
     target_config: ModelConfig
@@ -197,36 +201,29 @@ class PairSpec:
         prepare_for_decoding; ``prepare_models=False`` leaves every network as loaded, for
         :meth:`Pair.set_up` (model.fast.setup.choose_setups or default_setups)."""
         start = time.perf_counter()
-        if tensor_parallel or quantize is not None:
+        sharded = tensor_parallel or quantize is not None
+        if sharded:
             target = load_model_tp(self.target_dir, device, dtype, quantize=quantize)
-            draft = (
-                load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False)
-                if is_checkpoint(self.kind)
-                else None
-            )
             draft_dtype = dtype
         else:
             draft_dtype = draft_dtype or dtype
             target = load_model(self.target_dir, device=device, dtype=dtype)
-            draft = (
-                load_model(self.draft_dir, device=device, dtype=draft_dtype)
-                if is_checkpoint(self.kind)
-                else None
-            )
-        drafter = draft  # a draft model is returned as the model itself (the loops wrap it)
-        if (
-            is_checkpoint(self.kind) and self.kind != "model"
-        ):  # a parallel draft: its drafter around it
-            drafter = DRAFTERS[self.kind].build(draft, target)
-        elif (
-            not is_checkpoint(self.kind) and self.kind is not None
-        ):  # a head is checked against its target; any
-            # other kind is built from what its loader reads, or from nothing
-            drafter = load_drafter(
-                self.draft_dir or self.draft, target, self.target, dtype=draft_dtype
-            )
+        kind = registered(self.kind)
+        network = None  # what the kind's drafter is built from: none for a drafter without files
+        if kind is not None and kind.network == "checkpoint" and sharded:
+            # a checkpoint is read as the target is (int8 applies), whole on every rank
+            network = load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False)
+        elif kind is not None and kind.needs_files:
+            # a head is checked against its target by its loader
+            network = kind.load(self.draft_dir, target, self.target, device, draft_dtype)
+        drafter = None
+        if kind is not None and kind.bare:
+            drafter = network  # a draft model is returned as the model itself (the loops wrap it)
+        elif kind is not None:
+            drafter = kind.build(network, target)
+        draft = network if is_checkpoint(self.kind) else None
         networks = (
-            [net for net in (target, draft, getattr(drafter, "head", None)) if net is not None]
+            [net for net in (target, draft, trait(drafter, "head")) if net is not None]
             if prepare_models
             else []
         )
@@ -267,14 +264,15 @@ class Pair:
     @property
     def draft_model(self) -> Llama | None:
         """The draft model, when the drafter is one (or is built around one, a parallel draft)."""
-        if self.kind == "model":
+        kind = registered(self.kind)
+        if kind is not None and kind.bare:
             return self.draft
-        return trait(self.draft, "model") if self.draft is not None else None
+        return trait(self.draft, "model")
 
     @property
     def head(self) -> torch.nn.Module | None:
         """The feature head, when the drafter is one."""
-        return trait(self.draft, "head") if self.draft is not None else None
+        return trait(self.draft, "head")
 
     @property
     def draft_dtype(self) -> torch.dtype | None:
@@ -336,11 +334,12 @@ class Pair:
     def with_models(self, target: Llama, draft_model: Llama | None = None) -> Pair:
         """The same pair with other target and draft model objects (model.fast.setup.choose_setups
         returns copies): a feature head's drafter is built anew around the new target."""
-        draft = draft_model if self.kind == "model" else self.draft
-        if is_checkpoint(self.kind) and self.kind != "model":
-            draft = DRAFTERS[self.kind].build(draft_model, target)
-        if is_head(self.kind):
-            draft = DRAFTERS[self.kind].build(self.draft.head, target)
+        kind = registered(self.kind)
+        draft = self.draft
+        if kind is not None and kind.network == "checkpoint":
+            draft = draft_model if kind.bare else kind.build(draft_model, target)
+        elif kind is not None and kind.network == "head":
+            draft = kind.build(self.head, target)
         return replace(self, target=target, draft=draft)
 
 
@@ -358,11 +357,9 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
     tokenizer = load_tokenizer(target_dir)
     if is_checkpoint(kind):  # check_pair reads only .config and the tokenizers
         # a parallel draft's vocabulary is the target's plus its mask id (pard_token) at the end
-        own = (
-            draft_config
-            if kind == "model" or draft_config.vocab_size != target_config.vocab_size + 1
-            else replace(draft_config, vocab_size=target_config.vocab_size)
-        )
+        own = draft_config
+        if draft_config.vocab_size == target_config.vocab_size + DRAFTERS[kind].extra_ids:
+            own = replace(draft_config, vocab_size=target_config.vocab_size)
         try:
             check_pair(
                 SimpleNamespace(config=target_config),
@@ -445,36 +442,55 @@ def _target_config(target: str | os.PathLike) -> ModelConfig | None:
         return None
 
 
-def named_draft(args: Any) -> str | None:
+def named_draft(target: str | os.PathLike, draft: str | None, no_draft: bool = False) -> str | None:
     """The scripts' draft: None with --no-draft, else --draft, or :func:`default_draft` of --target."""
-    if args.no_draft:
+    if no_draft:
         return None
-    if args.draft is None:
-        args.draft, args.draft_defaulted = default_draft(args.target), True
-    return args.draft
+    if draft is None:
+        return default_draft(target)
+    return draft
 
 
-def read_named_pair(args: Any) -> PairSpec:
-    """:func:`read_pair` of a command line's ``--target`` and ``--draft`` (none with ``--no-draft``):
-    ``args`` is the scripts' namespace. A draft that cannot speculate for the target says, when it is
-    the default draft under another target, how to name one."""
-    named_draft(args)
-    if getattr(args, "draft_defaulted", False) and not getattr(args, "gamma_given", True):
-        args.gamma = (
-            proposal_length(resolve(args.draft)) or args.gamma
-        )  # the default head's own, measured
+@dataclass(frozen=True)
+class NamedPair:
+    """What a command line's --target, --draft, --no-draft and --gamma mean (:func:`read_named_pair`)."""
+
+    spec: PairSpec  # the pair, read
+    # --draft, or the target's default draft when none was named; None with --no-draft
+    draft: str | None
+    defaulted: bool  # the draft is the target's default, not named
+    gamma: int | str  # --gamma, or a default head's own draft length when --gamma was not given
+
+
+def read_named_pair(
+    target: str,
+    draft: str | None,
+    gamma: int | str,
+    *,
+    no_draft: bool = False,
+    gamma_given: bool = True,
+) -> NamedPair:
+    """:func:`read_pair` of a command line's ``--target`` and ``--draft`` (none with ``--no-draft``),
+    and the ``gamma`` to run: the one given, or, where the draft is the target's default and
+    ``gamma_given`` is False, the draft length its own config proposes (a speculators head's, measured
+    for it). A draft that cannot speculate for the target says, when it is the default draft under
+    another target, how to name one."""
+    chosen = named_draft(target, draft, no_draft)
+    defaulted = chosen is not None and draft is None
+    if defaulted and not gamma_given:
+        gamma = proposal_length(resolve(chosen)) or gamma
     try:
-        return read_pair(args.target, None if args.no_draft else args.draft)
+        spec = read_pair(target, chosen)
     except PairMismatchError as err:
         hint = ""
-        if getattr(args, "draft_defaulted", False):
+        if defaulted:
             hint = f" (--draft defaults to {DEFAULT_DRAFT}; name a draft of the target's family, or --no-draft)"
         raise PairMismatchError(f"{err}{hint}") from None
+    return NamedPair(spec, chosen, defaulted, gamma)
 
 
 def load_named_pair(
-    args: Any,
-    spec: PairSpec,
+    named: NamedPair,
     device: torch.device,
     dtype: torch.dtype,
     *,
@@ -487,65 +503,72 @@ def load_named_pair(
     world_size: int = 1,
     flag: str,
     draft_dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    setup: str = "default",
+    stack: bool = True,
+    prepack: bool = True,
+    cache_dir: str | os.PathLike | None = None,
 ) -> tuple[Pair, Setups]:
-    """The pair ``spec`` loaded as a command line asks (``args``: --quantize, --setup, --no-fuse,
-    --no-prepack, --cache-dir, and the names for messages): refused first when KV caches of
-    ``positions`` x ``rows`` do not fit (model.scale.memory.check_memory; this rank's share of
-    ``world_size``), then loaded and set up (:meth:`Pair.set_up`) for the widths that ``gamma``
-    calls (model.fast.compile.decode_widths, up to ``gamma_max``), ``rows`` rows, a ``tree`` and
+    """The pair ``named`` loaded as a command line asks (--quantize, --setup, not --no-fuse: ``stack``,
+    not --no-prepack: ``prepack``, --cache-dir): refused first when KV caches of ``positions`` x
+    ``rows`` do not fit (model.scale.memory.check_memory; this rank's share of ``world_size``), then
+    loaded and set up (:meth:`Pair.set_up`) for the widths that ``gamma`` calls
+    (model.fast.compile.decode_widths, up to ``gamma_max``), ``rows`` rows, a ``tree`` and
     ``cache_len`` positions (default ``positions``). The default set-up takes compiled steps from
-    the cache (none with --no-fuse, --no-prepack or tensor parallelism, whose shards are not
-    cached). The drafter runs in ``draft_dtype`` (--draft-dtype), else in :meth:`PairSpec.draft_dtype`.
-    A set-up that does not apply is one ValueError led by ``flag``, the flag that asked; so is --quantize int4
-    anywhere but on a CPU in float32 or bfloat16 (torch's packed int4 kernel)."""
-    if args.quantize == "int4" and (device.type != "cpu" or dtype not in INT4_DTYPES):
+    the cache (none without ``stack`` or ``prepack``, or under tensor parallelism, whose shards are
+    not cached). The drafter runs in ``draft_dtype`` (--draft-dtype), else in
+    :meth:`PairSpec.draft_dtype`. A set-up that does not apply is one ValueError led by ``flag``,
+    the flag that asked; so is --quantize int4 anywhere but on a CPU in float32 or bfloat16 (torch's
+    packed int4 kernel)."""
+    spec = named.spec
+    if quantize == "int4" and (device.type != "cpu" or dtype not in INT4_DTYPES):
         raise ValueError(
             f"--quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
             f"{device.type} in {str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype"
         )
     planned = spec.planned_draft
     check_memory(
-        (args.target, spec.target_config),
-        None if planned is None else (args.draft, planned),
+        (spec.target, spec.target_config),
+        None if planned is None else (named.draft, planned),
         positions,
         dtype,
         device,
         tp_size=world_size,
-        quantize=args.quantize,
+        quantize=quantize,
         batch=rows,
     )
     try:
         pair = spec.load(
             device,
             dtype,
-            quantize=args.quantize,
+            quantize=quantize,
             tensor_parallel=world_size > 1,
             prepare_models=False,
             draft_dtype=draft_dtype or spec.draft_dtype(device, dtype),
         )
-    except (
-        CheckpointError
-    ) as err:  # a default head whose target has the shape but not the weights it was made for
-        if not getattr(args, "draft_defaulted", False):
+    except CheckpointError as err:
+        # a default head whose target has the shape but not the weights it was made for
+        if not named.defaulted:
             raise
         raise CheckpointError(
-            f"{err} (--draft defaulted to {args.draft}, trained for a model of this shape; name "
+            f"{err} (--draft defaulted to {named.draft}, trained for a model of this shape; name "
             "another --draft, or --no-draft)"
         ) from None
     widths = decode_widths(gamma, gamma_max) if spec.kind else (1,)
-    store = None if args.no_fuse or args.no_prepack or world_size > 1 else StepCache(args.cache_dir)
+    store = None  # compiled steps are cached for one process's stacked and prepacked models only
+    if stack and prepack and world_size <= 1:
+        store = StepCache(cache_dir)
     try:
         return pair.set_up(
-            args.setup,
+            setup,
             widths,
             positions if cache_len is None else cache_len,
             batch=rows,
             tree=tree if spec.kind else None,
             store=store,
-            stack=not args.no_fuse,
-            prepack=not args.no_prepack,
+            stack=stack,
+            prepack=prepack,
         )
-    except (
-        ValueError
-    ) as err:  # a set-up that does not apply, or --compile force that cannot compile
+    except ValueError as err:
+        # a set-up that does not apply, or --compile force that cannot compile
         raise ValueError(f"{flag}: {err}") from None

@@ -29,9 +29,8 @@ LLAMA2 = {
 # drafter trained here for a real model that is not (SmolLM2-135M-Instruct: its README says where to get it).
 SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled", "tiny-draft-parallel")
 SHIPPED_HEADS = ("tiny-eagle", "tiny-eagle3", "smollm2-eagle3")
-FOR_OTHER_TARGETS = (
-    "smollm2-eagle3",
-)  # each the default --draft of a target of its target's shape
+# each the default --draft of a target of its target's shape
+FOR_OTHER_TARGETS = ("smollm2-eagle3",)
 SHIPPED = SHIPPED_MODELS + SHIPPED_HEADS
 
 
@@ -69,9 +68,8 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
             f"license) and put it at {where}, or set {ENV_VAR} to the folder that holds {dirname}"
         )
     path = Path(name).expanduser()
-    if path.is_dir() or (
-        path.is_file() and path.suffix.lower() == ".gguf"
-    ):  # a GGUF file is a checkpoint too
+    # a GGUF file is a checkpoint too
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return path
     if os.sep in name or name.startswith("."):
         raise UnknownCheckpointError(f"checkpoint directory {name} does not exist")

@@ -40,11 +40,11 @@ from typing import Any
 import torch
 
 from model import call as calls
-from speculative.draft.protocol import Draft, drafted, draw_rows, newest, pad_rows
+from speculative.draft.protocol import Draft, drafted, draw_rows, head_trait, newest, pad_rows
 from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling, full_width
-from speculative.verify.tree import TokenTree
+from speculative.verify.token_tree import TokenTree
 
 
 class FeatureDrafter:
@@ -53,14 +53,16 @@ class FeatureDrafter:
     or EAGLE-3's (model.eagle3_head.Eagle3Head: three layers' features fused, its own output
     layer over a reduced vocabulary). The bookkeeping above is the same for both; they differ
     in what the target returns (``reads_features``: True, or the layer ids), how a feature is
-    stored (``head.project``) and where logits come from (:meth:`_logits`)."""
+    stored (``head.project``) and where logits come from (:meth:`_logits`): what the head
+    protocol declares (speculative.draft.protocol.Head)."""
 
     def __init__(self, head: Any, target: Any) -> None:
         self.head, self.target = head, target
-        self.reads_features = getattr(head, "target_layers", None) or True
+        self.reads_features = head_trait(head, "reads_features")
         self.vocab_size = target.config.vocab_size
         # EAGLE-3: the target id of each draft id, None when the two vocabularies are one
-        ids = head.target_ids() if hasattr(head, "draft_logits") else None
+        target_ids = head_trait(head, "target_ids")
+        ids = target_ids() if head_trait(head, "draft_logits") is not None else None
         same = ids is not None and len(ids) == self.vocab_size and bool((ids.diff() == 1).all())
         self.ids = None if ids is None or same else ids
         self.max_seq_len = head.config.max_seq_len
@@ -91,17 +93,17 @@ class FeatureDrafter:
     def features(self) -> torch.Tensor:
         """The table of the head's input features by position, every committed call's projected."""
         if self.unprojected:
-            with (
-                torch.inference_mode()
-            ):  # the table is the engine's (made in inference mode), whoever reads it
+            # the table is the engine's (made in inference mode), whoever reads it
+            with torch.inference_mode():
                 self._project()
         return self.table
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: the target's, or as a head that has its own says (P-EAGLE's), in the
         head's dtype (a head may run in another than its target: weights.load.PairSpec.draft_dtype)."""
-        if hasattr(self.head, "embed"):
-            return self.head.embed(ids, self.target.embed_tokens).to(self.head.dtype)
+        own = head_trait(self.head, "embed")
+        if own is not None:
+            return own(ids, self.target.embed_tokens).to(self.head.dtype)
         return self.target.embed_tokens(ids).to(self.head.dtype)
 
     def _logits(self, feature: torch.Tensor) -> torch.Tensor:
@@ -109,12 +111,13 @@ class FeatureDrafter:
         vocabulary's logits are placed at their target ids and -inf elsewhere: every warp
         then gives those ids probability 0, so q is zero outside the draft vocabulary and the
         token drawn and its q are one distribution (the verifier needs nothing more)."""
-        if not hasattr(self.head, "draft_logits"):
+        draft_logits = head_trait(self.head, "draft_logits")
+        if draft_logits is None:
             logits = self.target.lm_head(feature.to(self.target.dtype))
         elif self.ids is None:
-            logits = self.head.draft_logits(feature)
+            logits = draft_logits(feature)
         else:
-            small = self.head.draft_logits(feature)
+            small = draft_logits(feature)
             logits = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
             logits[..., self.ids] = small
         return full_width(logits)
@@ -136,7 +139,9 @@ class FeatureDrafter:
             return draw_rows(self._logits(predicted), samplings, generators, probs)
         small: list[torch.Tensor] = []
         tokens = self.ids[
-            draw_rows(self.head.draft_logits(predicted), samplings, generators, small)
+            draw_rows(
+                head_trait(self.head, "draft_logits")(predicted), samplings, generators, small
+            )
         ]
         if small:
             q = small[0].new_zeros((*small[0].shape[:-1], self.vocab_size))
@@ -249,9 +254,8 @@ class FeatureDrafter:
         self.unprojected.append(
             (hidden.to(self.head.dtype, copy=True), list(lengths), list(hidden_starts))
         )
-        if (
-            len(self.unprojected) >= 256
-        ):  # bounded: long runs of plain steps hold a few hundred rows at most
+        # bounded: long runs of plain steps hold a few hundred rows at most
+        if len(self.unprojected) >= 256:
             self._project()
         self.known = [length - 1 for length in lengths]
         self.next = [min(n, length - 1) for n, length in zip(self.next, lengths)]
@@ -278,9 +282,8 @@ class FeatureDrafter:
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
         table = self.features  # projected now: the calls kept hold the old rows
-        if rows != list(
-            range(len(rows))
-        ):  # only what the kept rows hold (next, known), not the whole context
+        # only what the kept rows hold (next, known), not the whole context
+        if rows != list(range(len(rows))):
             self.head.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
             index = torch.tensor(rows, dtype=torch.long, device=table.device)
             known = max(self.known[r] for r in rows)

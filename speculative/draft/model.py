@@ -15,13 +15,14 @@ from speculative.draft.protocol import (
     drafted,
     draw_rows,
     is_drafter,
+    is_model,
     newest,
     pad_rows,
 )
 from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling
-from speculative.verify.tree import TokenTree
+from speculative.verify.token_tree import TokenTree
 
 
 class ModelDrafter:
@@ -66,14 +67,18 @@ class ModelDrafter:
         starts = list(self.next)
         feeds = [row[nxt:] if g else row[:1] for row, nxt, g in zip(ids, starts, gammas)]
         widths = [len(f) if g else 0 for f, g in zip(feeds, gammas)]
-        batch, tokens, probs = pad_rows(feeds, device), [], []
+        batch = pad_rows(feeds, device)
+        tokens = []  # x_i of every row, [B] per step
+        probs = []  # q_i of every row, [B, V] per step
         for i in range(steps):
             call = calls.ragged(starts, batch.shape[1], self.model.cache_len, device)
             logits = newest(self.model(batch, call), widths if i == 0 else [1])  # [B, V]
             live = [gen if g > i else None for gen, g in zip(generators, gammas)]
             tokens.append(draw_rows(logits, samplings, live, probs))
             starts = [s + w if g > i else s for s, w, g in zip(starts, widths, gammas)]
-            batch, widths = tokens[-1].view(-1, 1), [1] * len(ids)
+            # from the second call on, every row feeds its newest token
+            batch = tokens[-1].view(-1, 1)
+            widths = [1] * len(ids)
         self.next = [len(row) + g - 1 if g else nxt for row, g, nxt in zip(ids, gammas, self.next)]
         return drafted(tokens, probs, gammas, steps, device)
 
@@ -91,7 +96,8 @@ class ModelDrafter:
         further depth over all nodes so far, placed after the sequence with tree attention
         (the nodes are re-fed each time: a call of a small draft costs its fixed overhead
         more than its rows). Its cache slots from L on then hold tree nodes: next = L."""
-        length, start = len(ids), self.next[0]
+        length = len(ids)
+        start = self.next[0]
         feed = torch.tensor([ids[start:]], dtype=torch.long, device=device)
         root = self.model(feed, calls.chain(start, length - start, device))[0, -1]
         self.next[0] = length
@@ -114,9 +120,8 @@ class ModelDrafter:
         self.next = [min(nxt, length - 1) for nxt, length in zip(self.next, lengths)]
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
-        if rows != list(
-            range(len(rows))
-        ):  # the slots holding true inputs (next), not the whole context
+        if rows != list(range(len(rows))):
+            # the slots holding true inputs (next), not the whole context
             self.model.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
         self.next = [self.next[r] for r in rows] + [0] * new
 
@@ -125,7 +130,7 @@ def as_drafter(draft: Any) -> Drafter:
     """A drafter as it is, or a plain model (anything with a ``config``) wrapped in ModelDrafter."""
     if is_drafter(draft):
         return draft
-    if hasattr(draft, "config") and callable(draft):
+    if is_model(draft):
         return ModelDrafter(draft)
     raise TypeError(
         f"draft must be a model (with .config, callable as model(tokens, call)) or a drafter "
@@ -142,5 +147,6 @@ register_drafter(
         loader="weights.drafters:read_draft_model",
         network="checkpoint",
         memory="own",
+        bare=True,
     )
 )

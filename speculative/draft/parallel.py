@@ -37,11 +37,11 @@ import torch
 from model import call as calls
 from speculative.draft.eagle import FeatureDrafter
 from speculative.draft.model import ModelDrafter
-from speculative.draft.protocol import Draft
+from speculative.draft.protocol import Draft, head_trait
 from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling, sample_rows, warp_rows
-from speculative.verify.tree import TokenTree
+from speculative.verify.token_tree import TokenTree
 
 
 class ParallelDrafter(ModelDrafter):
@@ -89,9 +89,8 @@ class ParallelDrafter(ModelDrafter):
         logits = self.model(batch, call)  # [B, width, V']
         steps = max(max(gammas), 1)
         if len(ids) == 1 or len({len(row) - nxt for row, nxt in zip(ids, self.next)}) == 1:
-            first = (
-                len(ids[0]) - self.next[0] - 1
-            )  # the last real token's column, the same in every row
+            # the last real token's column, the same in every row
+            first = len(ids[0]) - self.next[0] - 1
             out = logits[:, first : first + steps]
         else:  # each row's last real token and the masks after it
             cols = torch.tensor(
@@ -189,18 +188,16 @@ class ParallelFeatureDrafter(FeatureDrafter):
         feats, embs, outs = [], [], []
         for b, (row, g) in enumerate(zip(ids, gammas)):
             lo = self.next[b]
-            hi = (
-                len(row) - 1 if g else lo + 1
-            )  # a row that drafts nothing feeds a placeholder at its next slot
+            # a row that drafts nothing feeds a placeholder at its next slot
+            hi = len(row) - 1 if g else lo + 1
             tokens = torch.tensor(row[lo + 1 : hi + 1] or [0], dtype=torch.long, device=device)
             masks = max(g - 1, 0)
             feats.append(torch.cat([self.features[b, lo:hi], mask_feature.expand(masks, -1)]))
             embs.append(torch.cat([self.embed(tokens), mask_embedding.expand(masks, -1)]))
             outs.append([min(hi - lo - 1 + j, hi - lo - 1 + masks) for j in range(steps)])
         width = max(len(f) for f in feats)
-        feat = torch.stack(
-            [torch.cat([f, f[-1:].expand(width - len(f), -1)]) for f in feats]
-        )  # padded: any finite
+        # padded: any finite
+        feat = torch.stack([torch.cat([f, f[-1:].expand(width - len(f), -1)]) for f in feats])
         emb = torch.stack([torch.cat([e, e[-1:].expand(width - len(e), -1)]) for e in embs])
         out = self.head(
             feat, emb, calls.ragged(list(self.next), width, self.head.cache_len, device)
@@ -225,11 +222,13 @@ class ParallelFeatureDrafter(FeatureDrafter):
         if max(gammas, default=0) == 0:
             return Draft(torch.empty(len(ids), 0, dtype=torch.long, device=device), list(gammas))
         predicted = self._call(ids, gammas, device)
-        if self.ids is not None and all(
-            s.greedy for s in samplings
-        ):  # the head's own argmax, mapped
+        # the head's own argmax, mapped
+        if self.ids is not None and all(s.greedy for s in samplings):
             return Draft(
-                self.ids[self.head.draft_logits(predicted).argmax(-1)], list(gammas), None, 1
+                self.ids[head_trait(self.head, "draft_logits")(predicted).argmax(-1)],
+                list(gammas),
+                None,
+                1,
             )
         return draw_positions(self._logits(predicted), samplings, generators, gammas)
 
@@ -261,6 +260,7 @@ register_drafter(
         recognizes=lambda config: "pard_token" in config,
         network="checkpoint",
         memory="own",
+        extra_ids=1,  # its mask id, after the target's vocabulary
     )
 )
 register_drafter(

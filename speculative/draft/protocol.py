@@ -22,15 +22,21 @@ stream); a single prompt is a batch of one. A drafter is four calls, the engine'
 
 A drafter that can also grow token trees has ``propose_tree(ids, branching, mode, sampling,
 generator, device) -> (TokenTree, calls) | None`` for row 0 (speculative.draft.trees); the
-model and feature drafters do, prompt lookup does not.
+model and feature drafters do, prompt lookup does not (its ``propose_tree`` is the default, None:
+:func:`grows_trees` asks).
 
 Besides the four calls, the engine and the tools read a few attributes, all declared on
 :class:`Drafter` with the value that a drafter without them has (:data:`DEFAULTS`, read with
 :func:`trait`): what it reads of the target (``reads_features``), the ids and lengths it can
 handle (``vocab_size``, ``max_seq_len``), whether one call drafts the whole chain
-(``parallel``: gamma="auto" then weighs a call's cost once, not per token), and the networks it
+(``parallel``: gamma="auto" then weighs a call's cost once, not per token), the networks it
 runs (``model``, a draft model; ``head``, a head on the target's features), which the set-ups
-of model/fast prepare and the benchmarks time. Nothing else of a drafter is read anywhere.
+of model/fast prepare and the benchmarks time, and ``propose_tree``. A head is read the same
+way: :class:`Head`, :data:`HEAD_DEFAULTS`, :func:`head_trait`. Nothing else of a drafter or a
+head is read anywhere.
+
+A draft handed to the loops may also be a plain model (:func:`is_model`: anything callable with
+a ``config``), which they wrap in a ModelDrafter (speculative.draft.model.as_drafter).
 
 A deterministic drafter (prompt lookup, or any drafter at temperature 0) reports q = None:
 its q is one-hot on each token it proposed. Algorithm 1 then accepts x with probability
@@ -46,13 +52,14 @@ from one call: PARD, P-EAGLE). docs/drafters.md compares them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from speculative.sampling import Sampling, full_width, sample_rows, warp_rows
-from speculative.verify.tree import TokenTree
+from speculative.verify.token_tree import TokenTree
 
 
 @dataclass
@@ -78,16 +85,17 @@ class Drafter(Protocol):
     """Anything that proposes tokens for the engine (see the module docstring). The attributes
     may be left out: :data:`DEFAULTS` holds what the engine then takes."""
 
-    reads_features: (
-        bool | tuple[int, ...]
-    )  # commit() wants the target's features (True: final; a tuple: layers)
+    # commit() wants the target's features (True: final; a tuple: layers)
+    reads_features: bool | tuple[int, ...]
     vocab_size: int | None  # the ids it proposes lie below this (None: any id of the sequence)
     max_seq_len: int | None  # the longest sequence it can draft for (None: no limit of its own)
     parallel: (
         bool  # one call drafts the whole chain (PARD, P-EAGLE): its cost does not grow with gamma
     )
     model: Any  # the draft model it runs (a model.Llama), or None
-    head: Any  # the head on the target's features it runs, or None
+    head: Any  # the head on the target's features it runs (a Head), or None
+    # row 0's token tree (see the module docstring), or None for a drafter that drafts chains only
+    propose_tree: Callable[..., tuple[TokenTree, int] | None] | None
 
     def start(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
@@ -118,7 +126,9 @@ DEFAULTS: dict[str, Any] = {
     "parallel": False,
     "model": None,
     "head": None,
+    "propose_tree": None,
 }
+DRAFTER_METHODS = ("start", "propose", "commit", "keep_rows")  # the four calls every drafter has
 
 
 def trait(drafter: Any, name: str) -> Any:
@@ -128,14 +138,58 @@ def trait(drafter: Any, name: str) -> Any:
 
 def is_drafter(obj: Any) -> bool:
     """Whether ``obj`` has the four calls of a drafter (its attributes may be left to DEFAULTS)."""
-    return all(
-        callable(getattr(obj, name, None)) for name in ("start", "propose", "commit", "keep_rows")
-    )
+    return all(callable(getattr(obj, name, None)) for name in DRAFTER_METHODS)
 
 
 def grows_trees(drafter: Any) -> bool:
-    """Whether a drafter can grow token trees (it has ``propose_tree``)."""
-    return callable(getattr(drafter, "propose_tree", None))
+    """Whether a drafter can grow token trees (its ``propose_tree`` is not the default, None)."""
+    return callable(trait(drafter, "propose_tree"))
+
+
+def is_model(obj: Any) -> bool:
+    """Whether a draft is a plain model (callable as ``model(tokens, call)``, with a ``config``), which
+    the loops wrap in a drafter, rather than a drafter."""
+    return callable(obj) and hasattr(obj, "config")
+
+
+@runtime_checkable
+class Head(Protocol):
+    """A network on the target's features that a feature drafter runs (speculative.draft.eagle,
+    speculative.draft.parallel): model.feature_head.FeatureHead (EAGLE), model.eagle3_head.Eagle3Head
+    (EAGLE-3) and PEagleHead (P-EAGLE). Its calls are the model's cached call, ``setup_cache``,
+    ``move_cache``, ``cache_len`` and ``project``; the attributes below may be left out:
+    :data:`HEAD_DEFAULTS` holds what a drafter and the set-ups of model/fast then take (the heads of
+    model/ declare every one of them, since model/fast reads them there and cannot import this)."""
+
+    config: Any  # its LLaMA shape (a model.ModelConfig): its width and longest sequence
+    dtype: torch.dtype
+    device: torch.device
+    # what the target's calls return for it (Llama's return_hidden): its final features (True), or
+    # the inputs of the target layers it names (a tuple, EAGLE-3's)
+    reads_features: bool | tuple[int, ...]
+    # its own output layer: its outputs [..., dim] -> logits over its draft vocabulary; None: the
+    # target's output head reads its outputs, over the target's vocabulary
+    draft_logits: Callable[[torch.Tensor], torch.Tensor] | None
+    # () -> the target id of each id of its draft vocabulary [draft_vocab]; None without draft_logits
+    target_ids: Callable[[], torch.Tensor] | None
+    # (ids, the target's embedding table) -> token embeddings of its own (P-EAGLE's); None: the target's
+    embed: Callable[[torch.Tensor, Any], torch.Tensor] | None
+
+    def project(self, features: torch.Tensor) -> torch.Tensor: ...
+
+
+# What a drafter and the set-ups take for an attribute a head does not have (the Head protocol's).
+HEAD_DEFAULTS: dict[str, Any] = {
+    "reads_features": True,
+    "draft_logits": None,
+    "target_ids": None,
+    "embed": None,
+}
+
+
+def head_trait(head: Any, name: str) -> Any:
+    """A head's protocol attribute, or its default (:data:`HEAD_DEFAULTS`)."""
+    return getattr(head, name, HEAD_DEFAULTS[name])
 
 
 def draw_rows(

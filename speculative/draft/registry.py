@@ -13,7 +13,11 @@ imports). The registration says:
 * ``network``: what ``build`` receives, "checkpoint" (a Llama loaded as a target is: tensor
   parallelism and int8 apply, its own config counts in the memory plan) or "head" (a network on
   the target's features: one block of the target's shape in the plan), or None;
-* ``memory``: how the memory plan counts it ("none", "own" or "target-block").
+* ``memory``: how the memory plan counts it ("none", "own" or "target-block");
+* ``bare``: a loaded pair hands its network over as the drafter, unbuilt (a draft model: the loops
+  wrap a model themselves, and a caller of weights.load_pair gets the model);
+* ``extra_ids``: the ids its checkpoint has after the target's vocabulary (a parallel draft's mask
+  id), left out when the two vocabularies are compared.
 
 ``loader``, ``recognizes`` and ``toy`` may be "MODULE:OBJECT" strings, read when first needed: a
 drafter in speculative/ names its file reader in weights/ without importing it (the layers of
@@ -21,16 +25,21 @@ docs/layout.md), and a drafter of one's own may keep all three in its one file.
 
 Outside this package a kind comes from ``--draft MODULE:OBJECT`` (a DrafterKind, or a drafter class
 or factory of the target) or from an installed package's entry point in the group
-``speculative_llama.drafters`` (:func:`find`).
+``speculative_llama.drafters`` (:func:`find`). MODULE is a dotted module name or a .py file:
+:func:`load_object` reads every MODULE:OBJECT of the project, ``python -m speculative.prove``'s too.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ENTRY_POINTS = "speculative_llama.drafters"
@@ -41,9 +50,8 @@ class DrafterKind:
     name: str
     description: str  # one line, for --help and the docs
     build: Callable[[Any, Any], Any]  # build(loaded network or None, target) -> a drafter
-    toy: (
-        str | Callable[[Any], Any]
-    )  # for the proofs: toy(small float64 target) -> a drafter, or "MODULE:OBJECT"
+    # for the proofs: toy(small float64 target) -> a drafter, or "MODULE:OBJECT"
+    toy: str | Callable[[Any], Any]
     loader: str | Callable[..., Any] | None = (
         None  # (folder, target, target_name, device, dtype) -> network
     )
@@ -54,6 +62,8 @@ class DrafterKind:
     memory: str = (
         "none"  # the memory plan: "none", "own" (its config) or "target-block" (one target block)
     )
+    bare: bool = False  # a loaded pair's drafter is its network itself (a draft model)
+    extra_ids: int = 0  # ids of its checkpoint after the target's vocabulary (a mask id)
 
     @property
     def needs_files(self) -> bool:
@@ -80,14 +90,82 @@ def register_drafter(kind: DrafterKind) -> DrafterKind:
 
 
 def resolved(what: Any) -> Any:
-    """``what`` itself, or the object a "MODULE:OBJECT" string names."""
-    if not isinstance(what, str):
-        return what
-    module, _, name = what.partition(":")
-    obj: Any = importlib.import_module(module)
+    """``what`` itself, or the object a "MODULE:OBJECT" string names (:func:`load_object`)."""
+    return load_object(what) if isinstance(what, str) else what
+
+
+# ----------------------------------------------------------------------------- MODULE:OBJECT
+# The one reader of the names that `--draft MODULE:OBJECT`, `python -m speculative.prove
+# MODULE:OBJECT` and a registration's "MODULE:OBJECT" strings give.
+class UnresolvedError(ValueError):
+    """A MODULE:OBJECT that names nothing; the message is one line."""
+
+
+def names_object(spec: str) -> bool:
+    """Whether ``spec`` reads as MODULE:OBJECT: a dotted module name or a .py file, a colon, and a
+    (dotted) name in it."""
+    where, _, name = spec.rpartition(":")
+    if not where or not all(part.isidentifier() for part in name.split(".")):
+        return False
+    return is_file(where) or all(part.isidentifier() for part in where.split("."))
+
+
+def is_file(where: str) -> bool:
+    """Whether the MODULE of a MODULE:OBJECT is a .py file (or a path), not a dotted module name."""
+    return where.endswith(".py") or "/" in where or "\\" in where
+
+
+def load_object(spec: str) -> Any:
+    """The object ``MODULE:OBJECT`` names: MODULE a dotted module name, or a .py file (imported as
+    ``python file.py`` would import it, its folder on the module path), OBJECT a (dotted) name in
+    it. UnresolvedError, one line, when it names nothing or its module does not import."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise UnresolvedError(
+            "expected MODULE:OBJECT (a dotted module name or a .py file, then a name in it), "
+            f"got {spec!r}"
+        )
+    obj = module_of_file(where) if is_file(where) else imported(where)
     for part in name.split("."):
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise UnresolvedError(f"{where} has no {name!r}") from None
     return obj
+
+
+def imported(where: str) -> ModuleType:
+    """The module of a dotted name; UnresolvedError naming the module that is missing or what
+    importing it raised."""
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as error:
+        if error.name and (where == error.name or where.startswith(error.name + ".")):
+            raise UnresolvedError(f"no module named {where!r}") from None
+        raise UnresolvedError(f"importing {where} raised ModuleNotFoundError: {error}") from None
+    except Exception as error:
+        raise UnresolvedError(f"importing {where} raised {type(error).__name__}: {error}") from None
+
+
+def module_of_file(where: str) -> ModuleType:
+    """A .py file as a module, named ``_file_STEM`` and kept in sys.modules, so that its functions
+    find their module (dataclasses, the checker's patches); its folder goes on the module path,
+    for its own imports of the files beside it, as ``python file.py``."""
+    path = Path(where)
+    if not path.is_file():
+        raise UnresolvedError(f"no file {where}")
+    module_name = f"_file_{path.stem}"
+    if str(path.resolve().parent) not in sys.path:
+        sys.path.append(str(path.resolve().parent))
+    loader = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[module_name] = module
+    try:
+        loader.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[module_name]
+        raise UnresolvedError(f"importing {where} raised {type(error).__name__}: {error}") from None
+    return module
 
 
 def drafter_kind(name: str) -> DrafterKind:
@@ -106,7 +184,7 @@ def find(name: str) -> DrafterKind | None:
     name = str(name)
     if name in DRAFTERS:
         return DRAFTERS[name]
-    if ":" in name and not name.startswith(("/", ".")):
+    if names_object(name):
         return _from_object(name)
     for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
         if point.name == name:
@@ -135,13 +213,10 @@ def _from_object(spec: str) -> DrafterKind:
     """``--draft MODULE:OBJECT``: the module is imported (its registrations run) and the object is a
     registered kind's name, a DrafterKind, or a drafter class or factory, called with the target when
     it takes an argument. ValueError in one line when it cannot be had."""
-    module, _, attribute = spec.partition(":")
     try:
-        obj = resolved(spec)
-    except ModuleNotFoundError as error:
-        raise ValueError(f"--draft {spec}: no module named {error.name!r}") from None
-    except AttributeError:
-        raise ValueError(f"--draft {spec}: {module} has no {attribute!r}") from None
+        obj = load_object(spec)
+    except UnresolvedError as error:
+        raise ValueError(f"--draft {spec}: {error}") from None
     if isinstance(obj, DrafterKind):
         return DRAFTERS.get(obj.name) or register_drafter(obj)
     if isinstance(obj, str) and obj in DRAFTERS:

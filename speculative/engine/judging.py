@@ -15,7 +15,7 @@ from speculative.sampling import Sampling, sample_rows, warp, warp_rows
 from speculative.verify import tree as trees
 from speculative.verify.registry import rule as registered
 from speculative.verify.token import verify_greedy
-from speculative.verify.tree import TokenTree
+from speculative.verify.token_tree import TokenTree
 from speculative.verify.verdict import Verdict, Verification, together
 
 

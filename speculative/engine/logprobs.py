@@ -7,18 +7,11 @@ OpenAI's ``logprobs`` (and ``echo``) are served from these records (speculative/
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
+from speculative.engine.rows import Logprob, Row
 from speculative.inputs import NonFiniteLogitsError, read_host
-
-if TYPE_CHECKING:
-    from speculative.engine.engine import Row
-
-Logprob = tuple[
-    float, list[tuple[int, float]]
-]  # a token's log p and the top (id, log p), p the target's at T = 1
 
 
 def record_logprobs(
@@ -70,9 +63,8 @@ def record_prompts(rows: list[Row], starts: list[int], logits: torch.Tensor) -> 
     )
     for b in asking:
         n = len(rows[b].prompt) - 1
-        if not all(
-            math.isfinite(value) for value, _ in records[:n]
-        ):  # finite logits give a finite log p
+        # finite logits give a finite log p
+        if not all(math.isfinite(value) for value, _ in records[:n]):
             rows[b].error = NonFiniteLogitsError()
         rows[b].prompt_record += records[:n]
         records = records[n:]

@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from speculative.engine.logprobs import Logprob
 from speculative.engine.stats import GenerationResult, SpeculativeStats
 from speculative.sampling import Sampling
 
 Callback = Callable[[list[int], list[bool]], None]
+# a token's log p and the top (id, log p), p the target's at T = 1 (speculative/engine/logprobs.py)
+Logprob = tuple[float, list[tuple[int, float]]]
 
 
 class RowFailedError(RuntimeError):
@@ -48,9 +49,8 @@ class Row:
     # per emitted token: (its log p, [(id, log p) of the top ones]), p the target's own at temperature 1
     logprob_record: list[Logprob] = field(default_factory=list)
     echo: bool = False  # also record the prompt's tokens (from the call that reads the prompt)
-    prompt_record: list[Logprob | None] = field(
-        default_factory=list
-    )  # per prompt token; None for the first
+    # per prompt token; None for the first
+    prompt_record: list[Logprob | None] = field(default_factory=list)
 
     @property
     def length(self) -> int:

@@ -4,23 +4,18 @@ make a drafter for a toy target, and the one-line errors for anything else (:cla
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from speculative.draft.registry import DRAFTERS, find
+from speculative.draft.protocol import DRAFTER_METHODS, is_drafter, trait
+from speculative.draft.registry import DRAFTERS, UnresolvedError, find, load_object
 from speculative.proofs.branching import Broken, Contract, NotApplicable
 from speculative.verify.registry import RULES
-
-DRAFTER_METHODS = ("start", "propose", "commit", "keep_rows")
 
 
 class InputError(Exception):
@@ -43,14 +38,12 @@ class Subject:
             raise InputError(
                 f"making the drafter {self.label} raised {type(error).__name__}: {error}"
             ) from None
-        if isinstance(drafter, type) or not all(
-            callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS
-        ):
+        if isinstance(drafter, type) or not is_drafter(drafter):
             raise InputError(
                 f"{self.label} made {kind_of(drafter)}, not a drafter "
                 f"(an object with {', '.join(DRAFTER_METHODS)})"
             )
-        if getattr(drafter, "model", None) is target:
+        if trait(drafter, "model") is target:
             raise InputError(
                 f"{self.label} called with the toy target drafts with the target itself; pass a "
                 "function that builds a draft for it, e.g. speculative.prove:model_drafter"
@@ -70,7 +63,7 @@ def can_call(function: Callable, count: int) -> bool | None:
 
 def subject(obj: Any, label: str) -> Subject:
     """What ``obj`` is: a drafter, a drafter factory or a verifier; InputError for anything else."""
-    if not isinstance(obj, type) and all(callable(getattr(obj, m, None)) for m in DRAFTER_METHODS):
+    if not isinstance(obj, type) and is_drafter(obj):
         return Subject(label, "drafter", make=lambda target: obj)
     if callable(obj):
         if can_call(obj, 4) and not can_call(obj, 1):
@@ -116,40 +109,10 @@ def load(spec: str) -> tuple[Any, str]:
             f"expected MODULE:OBJECT (a dotted module name or a .py file, then a name in it), or a "
             f"registered rule ({', '.join(RULES)}) or drafter ({', '.join(DRAFTERS)}), got {spec!r}"
         )
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        path = Path(where)
-        if not path.is_file():
-            raise InputError(f"no file {where}")
-        module_name = f"_prove_{path.stem}"
-        if (
-            str(path.resolve().parent) not in sys.path
-        ):  # its own imports of files beside it, as `python file.py`
-            sys.path.append(str(path.resolve().parent))
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = (
-            module  # so that its functions find their module (dataclasses, the patches)
-        )
-        try:
-            loader.loader.exec_module(module)
-        except Exception as error:
-            del sys.modules[module_name]
-            raise InputError(f"importing {where} raised {type(error).__name__}: {error}") from None
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as error:
-            if error.name and (where == error.name or where.startswith(error.name + ".")):
-                raise InputError(f"no module named {where!r}") from None
-            raise InputError(f"importing {where} raised ModuleNotFoundError: {error}") from None
-        except Exception as error:
-            raise InputError(f"importing {where} raised {type(error).__name__}: {error}") from None
-    obj = module
-    for part in name.split("."):
-        if not hasattr(obj, part):
-            raise InputError(f"{where} has no {name!r}")
-        obj = getattr(obj, part)
-    return obj, spec
+    try:
+        return load_object(spec), spec
+    except UnresolvedError as error:
+        raise InputError(str(error)) from None
 
 
 @contextmanager

@@ -8,7 +8,6 @@ import copy
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,29 +32,10 @@ def shipped_for_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     save_eagle3_head(head, tmp_path / "weights" / "head", target, target_name="tiny-target")
     monkeypatch.setattr(weights.load, "WEIGHTS_DIR", tmp_path / "weights")
     monkeypatch.setattr(weights.load, "FOR_OTHER_TARGETS", ("head",))
-    monkeypatch.setattr(
-        weights.registry, "WEIGHTS_DIR", tmp_path / "weights"
-    )  # where names are found
+    # where names are found
+    monkeypatch.setattr(weights.registry, "WEIGHTS_DIR", tmp_path / "weights")
     monkeypatch.setattr(weights.registry, "SHIPPED", ("head",))
     return tmp_path
-
-
-def args_for(target: str | Path, **given: object) -> SimpleNamespace:
-    return SimpleNamespace(
-        **{
-            "target": str(target),
-            "draft": None,
-            "no_draft": False,
-            "quantize": None,
-            "setup": "default",
-            "no_fuse": False,
-            "no_prepack": False,
-            "cache_dir": None,
-            "gamma": 4,
-            "gamma_given": False,
-            **given,
-        }
-    )
 
 
 def test_a_target_of_the_head_s_shape_gets_the_head_and_others_the_pair_s_draft(
@@ -63,9 +43,8 @@ def test_a_target_of_the_head_s_shape_gets_the_head_and_others_the_pair_s_draft(
 ) -> None:
     assert default_draft(WEIGHTS_DIR / "tiny-target") == "head"
     assert default_draft(WEIGHTS_DIR / "tiny-draft") == DEFAULT_DRAFT  # another shape
-    assert (
-        default_draft(shipped_for_tiny / "missing") == DEFAULT_DRAFT
-    )  # the pair's reading says what is wrong
+    # the pair's reading says what is wrong
+    assert default_draft(shipped_for_tiny / "missing") == DEFAULT_DRAFT
 
 
 def test_the_default_head_for_another_model_of_its_shape_is_refused_naming_the_default(
@@ -78,12 +57,10 @@ def test_the_default_head_for_another_model_of_its_shape_is_refused_naming_the_d
     for name in ("tokenizer.model", "tokenizer_config.json"):
         if (WEIGHTS_DIR / "tiny-target" / name).exists():
             shutil.copy(WEIGHTS_DIR / "tiny-target" / name, folder / name)
-    args = args_for(folder)
     with pytest.raises(CheckpointError, match="fingerprint mismatch.*--draft defaulted to head"):
-        spec = read_named_pair(args)
+        named = read_named_pair(str(folder), None, 4, gamma_given=False)
         load_named_pair(
-            args,
-            spec,
+            named,
             torch.device("cpu"),
             torch.float32,
             positions=32,
@@ -103,11 +80,12 @@ def test_the_default_head_brings_its_own_draft_length_unless_one_is_given(
     data = json.loads(config.read_text())
     data["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 3
     config.write_text(json.dumps(data))
-    args = args_for(WEIGHTS_DIR / "tiny-target")
-    assert read_named_pair(args).draft == "head" and args.gamma == 3
-    given = args_for(WEIGHTS_DIR / "tiny-target", gamma=6, gamma_given=True)
-    read_named_pair(given)
-    assert given.gamma == 6
-    named = args_for(WEIGHTS_DIR / "tiny-target", draft="lookup")
-    read_named_pair(named)
-    assert named.gamma == 4
+    target = str(WEIGHTS_DIR / "tiny-target")
+    defaulted = read_named_pair(target, None, 4, gamma_given=False)
+    assert defaulted.draft == "head" and defaulted.spec.draft == "head" and defaulted.gamma == 3
+    assert defaulted.defaulted
+    assert read_named_pair(target, None, 6, gamma_given=True).gamma == 6
+    named = read_named_pair(target, "lookup", 4, gamma_given=False)
+    assert named.gamma == 4 and not named.defaulted
+    alone = read_named_pair(target, "lookup", 4, no_draft=True, gamma_given=False)
+    assert alone.draft is None and alone.spec.kind is None and not alone.defaulted
