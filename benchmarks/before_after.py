@@ -417,12 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     roots = {"before": args.before.resolve(), "after": args.after.resolve()}
     got = warm(args, roots, cases) if args.warm else as_commands(args, roots, cases)
     compiled = any(CASES[c].compiled for c in cases)
-    how = (
-        f"warm processes, {args.rounds} rounds"
-        if args.warm
-        else f"generate.py commands, {args.repeats} repeats"
-        + (f" ({args.compiled_repeats} of the compiled cases)" if compiled else "")
-    )
+    if args.warm:
+        how = f"warm processes, {args.rounds} rounds"
+    else:
+        how = f"generate.py commands, {args.repeats} repeats"
+        if compiled:
+            how += f" ({args.compiled_repeats} of the compiled cases)"
     lines = [
         f"Command: `{command_line('before_after', argv)}`",
         "",

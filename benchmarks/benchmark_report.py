@@ -50,9 +50,8 @@ class Runs:
     alpha: list[float] = field(default_factory=list)
     c: list[float] = field(default_factory=list)
     tau: list[float] = field(default_factory=list)  # tokens per target call
-    gamma: list[float] = field(
-        default_factory=list
-    )  # mean gamma drafted (differs from the setting under auto)
+    # mean gamma drafted (differs from the setting under auto)
+    gamma: list[float] = field(default_factory=list)
     # the paper's eq. 1 and Theorem 3.8 over the gamma each iteration actually drafted (SpeculativeStats)
     predicted_tau: list[float] = field(default_factory=list)
     predicted_speedup: list[float] = field(default_factory=list)
@@ -64,9 +63,8 @@ class Runs:
     verify_call: list[float] = field(default_factory=list)
     overhead: list[float] = field(default_factory=list)
     iteration: list[float] = field(default_factory=list)
-    tokens: dict[int, list[int]] = field(
-        default_factory=dict
-    )  # prompt index -> tokens of the first repeat
+    # prompt index -> tokens of the first repeat
+    tokens: dict[int, list[int]] = field(default_factory=dict)
 
     def add(
         self, seconds: float, tokens: list[int], stats: Any, prompt: int, first_repeat: bool
@@ -185,6 +183,15 @@ def refined_speedup(cell: dict[str, Runs], runs: Runs) -> float | None:
 
 
 # ----------------------------------------------------------------------------- tables
+def method_label(method: Method) -> str:
+    """A summary row's name: the target alone, or a drafter at its best fixed gamma or at auto."""
+    if method.key == "target":
+        return "target alone"
+    if method.fixed:
+        return f"{method.drafter}, best γ"
+    return f"{method.drafter}, γ = auto"
+
+
 def summary_table(
     results: Results,
     threads: int,
@@ -213,15 +220,7 @@ def summary_table(
             for r in rows:
                 if r is None:
                     continue
-                label = (
-                    "target alone"
-                    if r.method.key == "target"
-                    else (
-                        f"{r.method.drafter}, best γ"
-                        if r.method.fixed
-                        else f"{r.method.drafter}, γ = auto"
-                    )
-                )
+                label = method_label(r.method)
                 lines.append(
                     f"| {prompt_set.name} | {temperature_name(temperature)} | {label} | {r.gamma_text} | "
                     f"{r.tps:.1f} | {fmt(r.speedup, '.2f', '×')} | {fmt(r.alpha, '.3f')} | {fmt(r.tau)} | "
@@ -304,11 +303,10 @@ class Goal:
         asked = f"≥ {self.speedup:g}×" + (
             f" with α ≥ {self.alpha:g}" if self.alpha is not None else ""
         )
-        stretch = (
-            f"; stretch {self.stretch:g}×: {'met' if r.speedup >= self.stretch else 'not met'}"
-            if self.stretch
-            else ""
-        )
+        stretch = ""
+        if self.stretch:
+            stretch_met = "met" if r.speedup >= self.stretch else "not met"
+            stretch = f"; stretch {self.stretch:g}×: {stretch_met}"
         return (
             f"{self.drafter} on {self.prompt_set}, {temperature_name(self.temperature)}, γ = {r.gamma_text}: "
             f"{r.speedup:.2f}× the target alone, α {fmt(r.alpha, '.3f')} (goal {asked}: "
@@ -385,11 +383,9 @@ def goals(
             if best is None or not hf or not hf.tps:
                 continue
             ratio = best.tps / median(hf.tps)
-            goal = (
-                f" (goal ≥ 3×: {'met' if ratio >= 3 else 'NOT met'})"
-                if "defaults" in hf_label
-                else ""
-            )
+            goal = ""
+            if "defaults" in hf_label:  # the goal is against transformers' own defaults
+                goal = f" (goal ≥ 3×: {'met' if ratio >= 3 else 'NOT met'})"
             out.append(
                 f"stories, {temperature_name(temperature)}: the best speculative run ({best.method.label}) "
                 f"is {ratio:.2f}× the tokens/s of transformers' {hf_label}{goal}."
@@ -529,9 +525,11 @@ def render(
                     for text in [prediction_agreement(cell, methods[prompt_set.name], name)]
                     if text
                 ]
-                lines += ["", "Against the predictions:", ""] + agreement if agreement else []
+                if agreement:
+                    lines += ["", "Against the predictions:", ""] + agreement
                 lines += decomposition(cell, methods[prompt_set.name])
-                hf, base = cell.get("hf target"), median(cell["target"].tps)
+                hf = cell.get("hf target")
+                base = median(cell["target"].tps)
                 if hf and hf.tps and base:
                     lines += [
                         "",
@@ -639,6 +637,16 @@ def plot_cost_model(
     save_figure(fig, path)
 
 
+def bar_label(drafter: str, k: int, g: int) -> str | None:
+    """The legend's name of a drafter's bar ``k`` (0: best fixed gamma, 1: auto) in group ``g``:
+    named in the first group only, so that the legend lists each once."""
+    if g != 0:
+        return None
+    if k == 0:
+        return f"{drafter}, best γ"
+    return f"{drafter}, γ = auto"
+
+
 def plot_drafters(
     path: Path, title: str, rep: Report, methods: dict[str, list[Method]], results: Results
 ) -> None:
@@ -675,9 +683,7 @@ def plot_drafters(
                         color=color,
                         hatch="//" if k else None,
                         edgecolor="white",
-                        label=(f"{drafter}, best γ" if k == 0 else f"{drafter}, γ = auto")
-                        if g == 0
-                        else None,
+                        label=bar_label(drafter, k, g),
                     )
                     ax.text(
                         x,

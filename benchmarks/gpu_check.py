@@ -148,9 +148,8 @@ def check_7b_decode(
     """
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(
-        torch.bfloat16
-    )  # built in bf16 directly: no float32 copy of 7B ever exists
+    # built in bf16 directly: no float32 copy of 7B ever exists
+    torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
             model = Llama(config).eval()
@@ -218,9 +217,10 @@ def check_compiled_decode(
 ) -> dict[str, Any]:
     """Decode tokens/s of one random model, eager and then compiled (one-token steps), and
     each against the bandwidth bound."""
+    # deferred: Inductor loads only for the checks that compile
     from model.fast.compile import (
         compile_for_decoding,
-    )  # deferred: Inductor loads only for the checks that compile
+    )
 
     model = random_model(config, device, dtype)
     out = {"eager": bound_entry(model, decode_tokens_per_second(model, steps=steps), bandwidth)}
@@ -316,9 +316,8 @@ def check_shipped_pair(
         draft = load_model("tiny-draft", device, dtype)
         prompt = load_tokenizer("tiny-target").encode("Once upon a time", bos=True)
         with torch.inference_mode():
-            autoregressive_generate(
-                target, prompt, 8, temperature=0.0
-            )  # warm-up (kernels, allocator)
+            # warm-up (kernels, allocator)
+            autoregressive_generate(target, prompt, 8, temperature=0.0)
             speculative_generate(target, draft, prompt, 8, gamma=gamma, temperature=0.0)
             alone = autoregressive_generate(target, prompt, max_new_tokens, temperature=0.0)
             spec = speculative_generate(

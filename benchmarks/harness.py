@@ -5,13 +5,14 @@ module as ``benchmarks.harness``. It imports nothing heavy itself (torch only in
 functions that need it), so that a parent process that only starts others, or a start-up
 timed from the process's birth, pays nothing for it.
 
-* Timing: one timer of a call, :func:`time_call` (what it measured: :class:`Timing`), and one
-  :func:`median`; :func:`copy_bandwidth` (a large copy, timed by it), :class:`Progress`. No
-  script times a call of its own: those that read a clock for something else (a process's
-  start-up, a server's stream, a section's duration) say so where they read it. One step of a
-  set-up (compiled.py, startup.py, llama_cpp.py, step_profile.py) is timed by
-  model.fast.setup.step_ms instead, the timer with which generate.py chooses its set-up, so
-  that a page's step time is the one that choice saw.
+* Timing: one timer of a call, :func:`time_call`: model.fast.timing's, the same with which
+  generate.py chooses its set-up (runtime code imports nothing from here, so the timer lives
+  there); one :func:`median` of figures; :func:`copy_bandwidth` (a large copy, timed by it),
+  :class:`Progress`. No script times a call of its own: those that read a clock for something
+  else (a process's start-up, a server's stream, a section's duration) say so where they read
+  it. One step of a set-up (compiled.py, startup.py, llama_cpp.py) is timed by
+  model.fast.setup.step_ms, the set-up choice's own measurement on that timer, so that a page's
+  step time is the one that choice saw.
 * Turns: set-ups that take turns, so that a machine whose speed drifts slows them all alike:
   :func:`turn_order`; warm processes, one per checkout, that answer one round at a time
   (:class:`WarmProcess`, :func:`answer_rounds`, :func:`take_turns`), run on another checkout's
@@ -40,7 +41,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,20 +61,6 @@ def median(values: Iterable[float], default: Any = None) -> Any:
 NAN = float("nan")
 
 
-@dataclass(frozen=True)
-class Timing:
-    """What :func:`time_call` measured: seconds of each timed call (one figure, seconds per call,
-    when the calls were timed together), and what the last call returned."""
-
-    seconds: list[float]
-    result: Any
-
-    @property
-    def median(self) -> float:
-        """The median of the calls: a call that another process interrupted does not move it."""
-        return median(self.seconds)
-
-
 def time_call(
     fn: Callable[[], Any],
     repeats: int = 1,
@@ -82,47 +68,14 @@ def time_call(
     warmup: int = 0,
     together: bool = False,
     device: Any = None,
-) -> Timing:
-    """The one timer of benchmarks/: ``repeats`` calls of ``fn`` by the wall clock
-    (time.perf_counter), after ``warmup`` untimed ones.
+) -> Any:
+    """The one timer of a call, model.fast.timing.time_call, which the set-up choice of
+    generate.py times with too (its docstring says what the options do): imported when first
+    called, as this module imports no package of the checkout at its top (see the module
+    docstring). Returns its Timing: ``.seconds``, ``.median``, ``.result``."""
+    from model.fast.timing import time_call as timer
 
-    Each call is timed alone, or (``together``) all of them between two readings of the clock,
-    for calls too short to time one by one: then one figure, their seconds per call. ``device``
-    (a CUDA device, or anything torch.device takes): the clock is read only after the device
-    has finished what was queued, before the first timed call and after each timed one (after
-    the last, with ``together``), as a launch that returns before its kernels run would
-    otherwise be timed short. A CPU device, or None, waits for nothing."""
-    wait = _waiter(device)
-    result = None
-    for _ in range(warmup):
-        result = fn()
-    wait()
-    if together:
-        start = time.perf_counter()
-        for _ in range(repeats):
-            result = fn()
-        wait()
-        return Timing([(time.perf_counter() - start) / repeats], result)
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        wait()
-        seconds.append(time.perf_counter() - start)
-    return Timing(seconds, result)
-
-
-def _waiter(device: Any) -> Callable[[], None]:
-    """A function that waits for ``device``'s queued work: torch.cuda.synchronize on a CUDA
-    device, nothing otherwise (decided once, outside the timed calls)."""
-    if device is None:
-        return lambda: None
-    import torch  # deferred: see the module docstring
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return lambda: None
-    return lambda: torch.cuda.synchronize(device)
+    return timer(fn, repeats, warmup=warmup, together=together, device=device)
 
 
 def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -139,7 +92,9 @@ class Progress:
     """``[done/total] elapsed, about N s left; what`` on one line of stderr, rewritten per step."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.total = total
+        self.done = 0
+        self.start = time.perf_counter()
 
     def step(self, what: str) -> None:
         self.done += 1
@@ -395,9 +350,16 @@ def network(drafter: Any) -> Any:
     """The network a drafter runs (a draft model, a feature head), for the decoding set-up; None for a lookup."""
     import torch  # deferred: see the module docstring
 
-    for name in ("model", "head"):
-        if isinstance(getattr(drafter, name, None), torch.nn.Module):
-            return getattr(drafter, name)
+    try:  # deferred too: a warm child of before_after.py imports the packages of the checkout it measures
+        from speculative.draft.protocol import trait
+
+        networks = [trait(drafter, name) for name in ("model", "head")]
+    except ImportError:
+        # a checkout from before the protocol's defaults (trait): its drafters' attributes as they are
+        networks = [getattr(drafter, name, None) for name in ("model", "head")]
+    for net in networks:
+        if isinstance(net, torch.nn.Module):
+            return net
     return None
 
 

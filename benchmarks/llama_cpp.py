@@ -81,9 +81,8 @@ from benchmarks.harness import (
 )
 
 TITLE = "Against llama.cpp"
-VALID = (
-    ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
-)  # --chat's requests
+# --chat's requests
+VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
 
 GAMMA = 4
 
@@ -132,9 +131,8 @@ def ours_chat(
     """generate.py on a real target: one chat request, every token decoded (--ignore-eos), in ``setup`` (the
     compiled-step cache, an empty one for eager; the dtype)."""
     cache, dtype = setup
-    quantized, _, compute = dtype.rpartition(
-        "-"
-    )  # a dtype, or int4-DTYPE: int4 block weights computing in DTYPE
+    # a dtype, or int4-DTYPE: int4 block weights computing in DTYPE
+    quantized, _, compute = dtype.rpartition("-")
     cmd = [
         sys.executable,
         str(ROOT / "generate.py"),
@@ -161,7 +159,10 @@ def ours_chat(
         "--cache-dir",
         cache,
     ]
-    cmd += ["--no-draft"] if not draft else ["--draft", args.draft] if args.draft else []
+    if not draft:
+        cmd.append("--no-draft")
+    elif args.draft:
+        cmd += ["--draft", args.draft]
     return generate_speed(cmd)
 
 
@@ -319,9 +320,8 @@ def llama_decode(
             *common,
         ]
         pattern = r"eval time =\s+[\d.]+ ms /\s+\d+ runs\s+\(\s*[\d.]+ ms per token,\s+([\d.]+) tokens per second\)"
-    for _ in range(
-        3
-    ):  # now and then the log's last lines are lost at exit (its writer is a thread of its own)
+    # now and then the log's last lines are lost at exit (its writer is a thread of its own)
+    for _ in range(3):
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
         )

@@ -102,11 +102,10 @@ class Server:
     def __init__(
         self, mode: str, args: argparse.Namespace, root: Path = ROOT, flags: list[str] | None = None
     ) -> None:
-        flags = (
-            ["--speculation", mode, *(["--threads", str(args.threads)] if args.threads else [])]
-            if flags is None
-            else flags
-        )
+        if flags is None:
+            flags = ["--speculation", mode]
+            if args.threads:
+                flags += ["--threads", str(args.threads)]
         command = [
             sys.executable,
             str(root / "serve.py"),
@@ -219,9 +218,8 @@ async def level(
         max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2
     )
     async with httpx.AsyncClient(limits=limits) as client:
-        start = (
-            time.perf_counter()
-        )  # the level's wall time, every client at once (awaited: not a call)
+        # the level's wall time, every client at once (awaited: not a call)
+        start = time.perf_counter()
         await asyncio.wait_for(
             asyncio.gather(*(client_loop(i, client) for i in range(concurrency))),
             timeout=args.level_timeout,
@@ -283,9 +281,8 @@ def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
             server
         ) in servers.values():  # warm-up: first calls, the allocator, the policy's first updates
             asyncio.run(level(server.url, 1, 2, args, server.model))
-        if (
-            args.neighbour
-        ):  # after start-up: the servers calibrated alone, and meet it while serving
+        # after start-up: the servers calibrated alone, and meet it while serving
+        if args.neighbour:
             neighbour = Neighbour()
         runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in servers}
         for concurrency in args.concurrency:
@@ -557,9 +554,8 @@ def markdown(document: dict[str, Any]) -> str:
             )
         lines.append("")
     labels = list(by_mode)
-    if len(labels) > 1 and not {"on", "off", "load"} <= set(
-        labels
-    ):  # servers compared: tokens/s side by side
+    # servers compared: tokens/s side by side
+    if len(labels) > 1 and not {"on", "off", "load"} <= set(labels):
         lines += [
             "| clients | "
             + " | ".join(f"{label} tokens/s" for label in labels)

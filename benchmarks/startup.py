@@ -94,13 +94,10 @@ def set_up(args: argparse.Namespace, dtype: str, kind: str, store: str) -> tuple
     )
     if draft_dtype:
         pair.draft.to(getattr(torch, draft_dtype))
-    weights = sum(
-        p.numel() * p.element_size() for p in pair.target.parameters()
-    )  # as loaded: before prepacking
-    positions, widths = (
-        64 + args.max_new_tokens + args.gamma + 2,
-        decode_widths(args.gamma, args.gamma),
-    )
+    # the target's weight bytes as loaded: before prepacking
+    weights = sum(p.numel() * p.element_size() for p in pair.target.parameters())
+    positions = 64 + args.max_new_tokens + args.gamma + 2
+    widths = decode_widths(args.gamma, args.gamma)
     if kind == "eager":
         return (*pair.set_up("default", widths, positions), weights)
     if kind.startswith("compiled"):

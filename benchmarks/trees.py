@@ -74,6 +74,7 @@ from benchmarks.harness import (
 from model import call as cache_calls
 from model.call import CacheCall
 from speculative import autoregressive_generate, speculative_generate
+from speculative.draft.protocol import grows_trees
 from speculative.draft.trees import TREE_MODES, check_tree
 from speculative.inputs import model_device
 from speculative.verify.tree import TokenTree, branching_parents
@@ -105,7 +106,11 @@ class Config(Method):
 
     @property
     def kind(self) -> str:
-        return "target" if self.key == "target" else "tree" if self.tree else self.verify
+        if self.key == "target":
+            return "target"
+        if self.tree:
+            return "tree"
+        return self.verify
 
     @property
     def setting(self) -> str:
@@ -135,7 +140,7 @@ def configs_for(
         configs += [Config("spec", g, name) for g in args.gammas]
         if temperature > 0:
             configs += [Config("spec", g, name, verify="block") for g in args.gammas]
-        if hasattr(drafter, "propose_tree"):  # a draft model or a feature head
+        if grows_trees(drafter):  # a draft model or a feature head
             configs += [Config("spec", len(s), name, tree=s) for s in args.shapes]
     return configs
 
@@ -193,7 +198,8 @@ def call_inputs(
     """What the timed calls feed at slot len(prefix): for N = 0 one token, a plain step; for N > 0 the root and
     N nodes placed as the loop places an N-node tree (model.call.tree)."""
     device = model_device(target)
-    start, token = len(prefix), prefix[-1]
+    start = len(prefix)
+    token = prefix[-1]
     parents = branching_parents(COST_SHAPE)
     feeds = {0: (torch.tensor([[token]], device=device), cache_calls.chain(start, 1, device))}
     for n in nodes:
@@ -278,9 +284,8 @@ def measure(
                         f"prompt {i}, {temperature_name(t)}, repeat {r}, {c.label}: "
                         f"{len(tokens) / seconds:.1f} tokens/s"
                     )
-        if (
-            args.nodes
-        ):  # one round of call timings per repeat, so that they too see the run's changing load
+        # one round of call timings per repeat, so that they too see the run's changing load
+        if args.nodes:
             time_calls(target, prefix, args.nodes, args.calls, costs)
     progress.end()
     return results, costs
@@ -337,7 +342,11 @@ def gain(new: Row | None, old: Row | None) -> float | None:
 
 
 def verdict(value: float | None, goal: float) -> str:
-    return "–" if value is None else "met" if value >= goal else "NOT met"
+    if value is None:
+        return "–"
+    if value >= goal:
+        return "met"
+    return "NOT met"
 
 
 def block_gains(
@@ -634,7 +643,8 @@ def plot(
 
 def in_run_ratio(cell: dict[str, Runs], config: Config) -> float | None:
     """The median target call of a configuration's runs against the target alone's median step."""
-    runs, step = cell.get(config.label), median(cell["target"].ar_step)
+    runs = cell.get(config.label)
+    step = median(cell["target"].ar_step)
     verify = median(runs.verify_call) if runs else None
     return verify / step if verify is not None and step else None
 
@@ -761,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(args.target, dtype=torch.float32)
     drafters, notes = load_drafters(args.drafters, target, args.target)
     for name, drafter in drafters.items():
-        if not hasattr(drafter, "propose_tree"):
+        if not grows_trees(drafter):
             notes.append(f"drafter {name} cannot build trees: chains only")
     if not drafters:
         sys.exit("error: no drafter loaded")

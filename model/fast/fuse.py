@@ -5,7 +5,7 @@ CPU, a kernel launch on a GPU, and on a CPU with prepacked weights oneDNN's own 
 call). q, k and v are three products of the same normalised input, and so are gate and up
 in the MLP: stacking their weights makes two products out of five per layer, and the
 rotary embedding then turns the query and key heads in one go (what it saves per step:
-``python -m benchmarks.step_times``). Checkpoints keep the Hugging Face layout; this is done
+``python -m benchmarks.widths --subject pair``). Checkpoints keep the Hugging Face layout; this is done
 after loading, for inference, like model/fast/prepack.py, by giving each stacked module a
 class of its own (:func:`in_front`), so that model/model.py knows nothing of it.
 

@@ -34,6 +34,7 @@ import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from model.fast.compile import (
 )
 from model.fast.fuse import prepare_for_decoding
 from model.fast.prepack import prepack_linears, prepack_supported
+from model.fast.timing import time_call
 
 SETUPS = ("plain", "stacked", "prepacked", "compiled")
 # Copies of a model are built to time them only below this size; a larger one gets the
@@ -142,8 +144,9 @@ def apply_setup(
 
 @torch.inference_mode()
 def step_ms(model: nn.Module, widths: Sequence[int], hidden: bool, calls: int = 15) -> float:
-    """One cached call at each width after a 32-token prefix, median of ``calls``, summed (ms),
-    in the cache the model has (a compiled model's static one stays in place)."""
+    """One cached call at each width after a 32-token prefix, median of ``calls`` after two
+    untimed ones (time_call, the one timer), summed (ms), in the cache the model has (a compiled
+    model's static one stays in place)."""
     prefix = min(32, model.cache_len - max(widths) - 1)
     prompt = torch.zeros(1, prefix, dtype=torch.long, device=model.device)
     model(prompt, CacheCall.of(torch.arange(prefix, device=model.device).unsqueeze(0)))
@@ -151,14 +154,8 @@ def step_ms(model: nn.Module, widths: Sequence[int], hidden: bool, calls: int = 
     for width in widths:
         tokens = torch.ones(1, width, dtype=torch.long, device=model.device)
         call = CacheCall.of(torch.arange(prefix, prefix + width, device=model.device).unsqueeze(0))
-        times = []
-        for _ in range(calls + 2):
-            start = time.perf_counter()
-            model(tokens, call, return_hidden=hidden)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            times.append(time.perf_counter() - start)
-        total += sorted(times[2:])[len(times[2:]) // 2]
+        step = partial(model, tokens, call, return_hidden=hidden)
+        total += time_call(step, calls, warmup=2, device=model.device).median
     return 1e3 * total
 
 
@@ -292,9 +289,8 @@ class Setups:
     target: nn.Module
     draft: nn.Module | None
     choices: list[tuple[str, SetupChoice]]
-    notes: list[str] = field(
-        default_factory=list
-    )  # cache entries refused on the way (one line each)
+    # cache entries refused on the way (one line each)
+    notes: list[str] = field(default_factory=list)
     hint: str | None = None  # the default run's word on what compiling would gain here
 
     def record(self, store: Any, target: nn.Module) -> None:
@@ -368,15 +364,16 @@ def tree_sizes(branching: Sequence[int]) -> list[int]:
 def prepack_outside_step(head: nn.Module) -> None:
     """An EAGLE-3 head's compiled step runs its block alone: its fc (``project``) and output layer
     (``draft_logits``) run eagerly at every draft step, so they are prepacked, as an eager model's
-    products are."""
-    if hasattr(head, "draft_logits"):
+    products are. A head without an output layer of its own (``draft_logits`` None, as the heads of
+    model/ declare: speculative.draft.protocol.Head) runs its fc inside the step."""
+    if head.draft_logits is not None:
         prepack_linears(head, only=("fc", "lm_head"))
 
 
 def features_for(head: nn.Module | None) -> bool | tuple[int, ...]:
-    """What the target's steps return for a feature head: nothing without one, the inputs of the
-    layers an EAGLE-3 head reads (its ``target_layers``), else the final features."""
-    return False if head is None else (getattr(head, "target_layers", None) or True)
+    """What the target's steps return for a feature head: nothing without one, else what the head
+    declares it reads (``reads_features``: the final features, or an EAGLE-3 head's layers)."""
+    return False if head is None else head.reads_features
 
 
 def choose_setups(
@@ -443,9 +440,8 @@ def choose_setups(
 def cacheable(model: nn.Module) -> bool:
     """Whether a model's compiled steps can come from the cache: a CPU model, not int8, not a
     tensor-parallel shard (one of SHARED_BYTES or more is kept with its weights shared)."""
-    int8 = any(
-        t.dtype == torch.int8 for t in model.buffers()
-    )  # model/scale/quantize.py's weights, by their dtype
+    # model/scale/quantize.py's weights, by their dtype
+    int8 = any(t.dtype == torch.int8 for t in model.buffers())
     return model.device.type == "cpu" and not int8 and not all_reduces(model)
 
 

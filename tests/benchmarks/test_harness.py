@@ -1,45 +1,31 @@
-"""The harness's one timer and one median (benchmarks/harness.py), on a counting function: what is
-called, what is timed, what comes back. Nothing here measures the machine."""
+"""The harness's timer and its one median (benchmarks/harness.py): the timer is the runtime's one
+(model/fast/timing.py, tested in tests/model/fast/test_timing.py), reached through the harness;
+the median of figures, with its default. Nothing here measures the machine."""
 
 from __future__ import annotations
 
 import math
 
-from benchmarks.harness import NAN, Timing, median, per_prompt, time_call
+from benchmarks.harness import NAN, median, per_prompt, time_call
+from model.fast.timing import Timing
 
 
-def counter() -> tuple[list[int], object]:
+def test_the_harness_times_with_the_one_timer() -> None:
     calls: list[int] = []
 
     def fn() -> int:
         calls.append(len(calls))
         return len(calls)
 
-    return calls, fn
-
-
-def test_each_call_timed_alone_after_the_warm_up() -> None:
-    calls, fn = counter()
-    timing = time_call(fn, 5, warmup=3)
-    assert len(calls) == 8 and len(timing.seconds) == 5 and all(s >= 0 for s in timing.seconds)
-    assert timing.result == 8  # the last call's
-    assert timing.median == median(timing.seconds)
-
-
-def test_calls_timed_together_give_one_figure_per_call() -> None:
-    calls, fn = counter()
-    timing = time_call(fn, 4, together=True, device="cpu")  # a CPU device waits for nothing
-    assert len(calls) == 4 and len(timing.seconds) == 1 and timing.result == 4
-
-
-def test_one_call_by_default() -> None:
-    timing = time_call(lambda: "done")
-    assert isinstance(timing, Timing) and len(timing.seconds) == 1 and timing.result == "done"
+    timing = time_call(fn, 5, warmup=3, device="cpu")
+    assert isinstance(timing, Timing)  # model.fast.timing's, not a second implementation
+    assert len(calls) == 8 and len(timing.seconds) == 5 and timing.result == 8
+    together = time_call(fn, 4, together=True)
+    assert len(calls) == 12 and len(together.seconds) == 1 and together.result == 12
 
 
 def test_the_median_and_its_default() -> None:
     assert median([3.0, 1.0, 2.0]) == 2.0 and median(iter([1.0, 2.0])) == 1.5
     assert median([]) is None and math.isnan(median([], NAN))
-    assert (
-        per_prompt([[1.0, 5.0], [3.0, 2.0]]) == 4.0
-    )  # the best round per prompt (3, 5), then their median
+    # the best round per prompt (3, 5), then their median
+    assert per_prompt([[1.0, 5.0], [3.0, 2.0]]) == 4.0
