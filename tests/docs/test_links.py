@@ -80,8 +80,8 @@ def test_relative_links_resolve(path: Path) -> None:
 
 # ----------------------------------------------------------------------------- one machine per page
 # A figure is only comparable with figures measured on the same machine. A page names the machine its
-# figures come from (a results page in its machine table, a docs page in words); these are the ways a page
-# names one, each mapped to one machine. An AMD part is named by its family and model as lscpu gives them.
+# figures come from (a results page in its machine table, a docs page in words), and a page that quotes a
+# results page quotes that page's machine; these are the ways a page names one, each mapped to one machine. An AMD part is named by its family and model as lscpu gives them.
 MACHINE = re.compile(r"\bZen ?(\d)|cpu family (\d+), model (\d+)|\b(Xeon)")
 ZEN = {("25", "1"): "3", ("25", "17"): "4", ("26", "2"): "5"}  # (family, model) -> Zen generation
 
@@ -116,20 +116,49 @@ def cited_pages(text: str, folder: Path, root: Path = ROOT) -> set[Path]:
     return {p for p in pages if p.suffix == ".md" and p.is_file() and (root / "docs") in p.parents}
 
 
+INDEXES = ("docs/README.md", "docs/results/README.md")  # they list pages and give no figures
+
+
+def cited_machines(page: Path, root: Path = ROOT) -> dict[str, set[str]]:
+    """The machines of the results pages ``page`` cites (links or names), by page: the figures it quotes
+    from them are theirs."""
+    results = root / "docs" / "results"
+    cited = {}
+    for p in sorted(cited_pages(page.read_text(), page.parent, root)):
+        name = str(p.relative_to(root))
+        if results in p.parents and p.resolve() != page.resolve() and name not in INDEXES:
+            cited[name] = machines(p.read_text())
+    return cited
+
+
 def mixed_machines(page: Path, root: Path = ROOT) -> list[str]:
-    """What makes ``page`` cite another machine's figures: it names two machines, or it names one and cites
-    (links or names) a docs page that names another."""
+    """What makes ``page`` mix machines' figures: it names two machines; it names one and cites (links or
+    names) a docs page that names another; or the results pages it cites are of two machines or more.
+    An index (docs/README.md, docs/results/README.md) lists pages of every machine and is not judged."""
+    if str(page.relative_to(root)) in INDEXES:
+        return []
     text = page.read_text()
     here = machines(text)
     if len(here) > 1:
         return [f"names {len(here)} machines: {', '.join(sorted(here))}"]
-    if not here:
+    if here:
+        (name,) = here
+        return [
+            f"cites {p.relative_to(root)} ({', '.join(sorted(machines(p.read_text())))}) from a page of {name}"
+            for p in sorted(cited_pages(text, page.parent, root))
+            if str(p.relative_to(root)) not in INDEXES
+            and machines(p.read_text())
+            and machines(p.read_text()) != here
+        ]
+    by_machine: dict[str, list[str]] = {}
+    for cited, named in cited_machines(page, root).items():
+        for machine in named:
+            by_machine.setdefault(machine, []).append(cited)
+    if len(by_machine) < 2:
         return []
-    (name,) = here
     return [
-        f"cites {p.relative_to(root)} ({', '.join(sorted(machines(p.read_text())))}) from a page of {name}"
-        for p in sorted(cited_pages(text, page.parent, root))
-        if machines(p.read_text()) and machines(p.read_text()) != here
+        f"cites results pages of {len(by_machine)} machines: "
+        + "; ".join(f"{m}: {', '.join(pages)}" for m, pages in sorted(by_machine.items()))
     ]
 
 
@@ -146,7 +175,12 @@ def test_the_machine_check_finds_a_page_that_mixes_machines(tmp_path: Path) -> N
         "Measured on a Zen 5: [zen4](results/zen4.md), [plain](plain.md), docs/results/zen5.md."
     )
     same = tmp_path / "docs" / "same.md"
-    same.write_text("On a Zen 4 (see [the run](results/zen4.md#setup)).")
+    same.write_text(
+        "On a Zen 4 (see [the run](results/zen4.md#setup), [every run](results/README.md))."
+    )
+    (tmp_path / "docs" / "results" / "README.md").write_text(
+        "[a](zen4.md) [b](zen5.md): Zen 4, Zen 5"
+    )
     assert machines(zen4.read_text()) == {"Zen 4"} and machines("cpu family 26, model 9") == {
         "family 26 model 9"
     }
@@ -158,6 +192,30 @@ def test_the_machine_check_finds_a_page_that_mixes_machines(tmp_path: Path) -> N
         mixed_machines(same, tmp_path) == []
         and mixed_machines(tmp_path / "docs" / "plain.md", tmp_path) == []
     )
+
+
+def test_the_machine_check_finds_a_page_that_cites_two_machines_results(tmp_path: Path) -> None:
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (results / "README.md").write_text("[a](a_zen4.md) [b](b_zen5.md)")
+    (results / "a_zen4.md").write_text("| CPU | AMD EPYC (cpu family 25, model 17) | 2026-12-05 |")
+    (results / "b_zen5.md").write_text("2 cores of a Zen 5, 2026-12-04: 1.46x.")
+    (results / "c_zen4.md").write_text("Zen 4 again, 2026-12-05.")
+    teaching = tmp_path / "docs" / "teaching.md"
+    teaching.write_text(
+        "The guard gains 1.10x ([a](results/a_zen4.md)) and 1.46x (docs/results/b_zen5.md)."
+    )
+    one = tmp_path / "docs" / "one.md"
+    one.write_text("1.10x ([a](results/a_zen4.md)), 0.97x ([c](results/c_zen4.md#x)).")
+    assert cited_machines(teaching, tmp_path) == {
+        "docs/results/a_zen4.md": {"Zen 4"},
+        "docs/results/b_zen5.md": {"Zen 5"},
+    }
+    assert mixed_machines(teaching, tmp_path) == [
+        "cites results pages of 2 machines: Zen 4: docs/results/a_zen4.md; Zen 5: docs/results/b_zen5.md"
+    ]
+    assert mixed_machines(one, tmp_path) == []
+    assert mixed_machines(results / "README.md", tmp_path) == []  # an index is not judged
 
 
 @pytest.mark.parametrize(
