@@ -72,10 +72,8 @@ class CacheCall:
         """A call from tensors, its bounds read from them. By default each token is rotated as its
         slot and sees its row's slots up to its own (causal)."""
         positions = slots if positions is None else positions
-        low, top = (
-            min(int(slots.min()), int(positions.min())),
-            max(int(slots.max()), int(positions.max())),
-        )
+        low = min(int(slots.min()), int(positions.min()))
+        top = max(int(slots.max()), int(positions.max()))
         if low < 0:
             raise ValueError(f"slots and positions must be >= 0, got {low}")
         if visible is None:
@@ -159,9 +157,8 @@ def counting(stop: int, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     counts = _COUNTS.get(device)
     if counts is None or counts.shape[0] < stop:
-        with torch.inference_mode(
-            False
-        ):  # a normal tensor: one made in inference mode would refuse autograd later
+        # a normal tensor: one made in inference mode would refuse autograd later
+        with torch.inference_mode(False):
             counts = _COUNTS[device] = torch.arange(max(stop, 4096), device=device)
     return counts[:stop]
 
@@ -215,7 +212,8 @@ def tree(start: int, prefix: int, nodes: Any, device: torch.device | str) -> Cac
     the nodes and, among the nodes, itself and its ancestors: what it would see if its branch
     were the sequence. ``nodes``: a token tree (speculative.verify.tree.TokenTree: num_nodes,
     depths(), ancestor_mask())."""
-    n, first = nodes.num_nodes, start + prefix
+    n = nodes.num_nodes
+    first = start + prefix  # the nodes. first slot; the root sits at the one before
     if start < 0 or (prefix == 0 and start == 0):
         raise ValueError(f"a tree needs its root before it: start {start}, {prefix} chain tokens")
     slots = torch.arange(start, first + n, device=device).unsqueeze(0)

@@ -117,16 +117,19 @@ def last_level_cache_bytes() -> int | None:
     sizes: dict[int, int] = {}
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
-            value = (
-                int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1]]
-                if size[-1] in "KMG"
-                else int(size)
-            )
+            level = int((index / "level").read_text())
+            value = _cache_bytes((index / "size").read_text().strip())
         except (OSError, ValueError, IndexError, KeyError):
             continue
         sizes[level] = max(sizes.get(level, 0), value)
     return sizes[max(sizes)] if sizes else None
+
+
+def _cache_bytes(size: str) -> int:
+    """A sysfs cache size ("48K", "2M", or a plain count) in bytes."""
+    if size[-1] in "KMG":
+        return int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1]]
+    return int(size)
 
 
 def describe_cpu(lscpu: bool = False) -> CPU:

@@ -51,9 +51,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.float16, torch.bfloat16):
             return self.weight * self._normalise(x.float()).to(x.dtype)
-        return self.weight * self._normalise(
-            x
-        )  # no cast: a small draft's step pays for every operator call
+        # no cast: a small draft's step pays for every operator call
+        return self.weight * self._normalise(x)
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -177,11 +176,9 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            config.n_heads,
-            config.n_kv_heads,
-            config.head_dim,
-        )
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
         self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
@@ -296,7 +293,8 @@ class CachedStack(nn.Module):
         self._rope = torch.stack(
             rope_tables(self.config, max_seq_len + 1, self.device, self.dtype), 1
         )
-        self.cache_len, self.cache_batch = max_seq_len, max_batch_size
+        self.cache_len = max_seq_len
+        self.cache_batch = max_batch_size
 
     def move_cache(
         self,

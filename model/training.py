@@ -125,7 +125,9 @@ def evaluate(
 # batches of EVAL_BATCH windows; summary.json's held_out_loss, once at the end, averages
 # FINAL_EVAL_BATCHES. The windows are drawn from one fixed seed, so the log's are the first
 # of the summary's, and both files name how many they average.
-EVAL_BATCH, LOG_EVAL_BATCHES, FINAL_EVAL_BATCHES = 8, 8, 32
+EVAL_BATCH = 8
+LOG_EVAL_BATCHES = 8
+FINAL_EVAL_BATCHES = 32
 
 
 def held_out(
@@ -139,10 +141,8 @@ def held_out(
             "eval_loss": evaluate(model, data, seq_len, LOG_EVAL_BATCHES, EVAL_BATCH),
             "eval_windows": LOG_EVAL_BATCHES * EVAL_BATCH,
         }
-    loss, windows = (
-        evaluate(model, data, seq_len, FINAL_EVAL_BATCHES, EVAL_BATCH),
-        FINAL_EVAL_BATCHES * EVAL_BATCH,
-    )
+    loss = evaluate(model, data, seq_len, FINAL_EVAL_BATCHES, EVAL_BATCH)
+    windows = FINAL_EVAL_BATCHES * EVAL_BATCH
     return {
         "held_out_loss": loss,
         "held_out_windows": windows,

@@ -63,7 +63,9 @@ class ChatTemplate:
     def __init__(
         self, source: str, tokens: dict[str, str] | None = None, origin: str = "the chat template"
     ) -> None:
-        self.source, self.tokens, self.origin = source, dict(tokens or {}), origin
+        self.source = source
+        self.tokens = dict(tokens or {})
+        self.origin = origin
         environment = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )

@@ -406,11 +406,9 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
                 gguf.tokenizer_json(), config, origin=f"{directory}'s tokenizer"
             )
             template = config.get("chat_template")
-            source = (
-                (template, f"{directory}'s tokenizer.chat_template")
-                if isinstance(template, str)
-                else None
-            )
+            source = None
+            if isinstance(template, str):
+                source = (template, f"{directory}'s tokenizer.chat_template")
         else:
             config = read_json(directory / "tokenizer_config.json")
             if (directory / "tokenizer.model").is_file():
@@ -426,13 +424,12 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
                     "tokenizer.json"
                 )
             source = template_source(directory, config)
-        tokenizer.chat = (
-            chat_template(source[0], config, source[1])
-            if source
-            else LLAMA2_CHAT
-            if tokenizer.kind == "sentencepiece" and marked_for_chat(directory)
-            else None
-        )
+        if source:
+            tokenizer.chat = chat_template(source[0], config, source[1])
+        elif tokenizer.kind == "sentencepiece" and marked_for_chat(directory):
+            tokenizer.chat = LLAMA2_CHAT  # a Llama-2 chat model without a template of its own
+        else:
+            tokenizer.chat = None
     except (TokenizerError, ChatTemplateError, GGUFError, UnicodeDecodeError) as err:
         raise CheckpointError(str(err).splitlines()[0]) from None
     tokenizer.name = str(name_or_path)

@@ -182,10 +182,8 @@ def read_llama2c(path: str | Path) -> tuple[Llama2cHeader, dict[str, torch.Tenso
         offset += count
     _check_rope_tables(path, header, tensors.pop("rope.cos"), tensors.pop("rope.sin"))
     for i in range(header.n_layers):
-        q, k = (
-            f"model.layers.{i}.self_attn.q_proj.weight",
-            f"model.layers.{i}.self_attn.k_proj.weight",
-        )
+        q = f"model.layers.{i}.self_attn.q_proj.weight"
+        k = f"model.layers.{i}.self_attn.k_proj.weight"
         tensors[q] = interleaved_to_rotate_half(tensors[q], header.n_heads)
         tensors[k] = interleaved_to_rotate_half(tensors[k], header.n_kv_heads)
     return header, tensors
@@ -264,7 +262,8 @@ def convert_llama2c(
     The tokenizer is checked against the checkpoint's vocabulary size and supplies the
     BOS/EOS ids; without one, llama2.c's fixed ids 1 and 2 are used.
     """
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint = Path(checkpoint)
+    out = Path(out)
     header = read_llama2c_header(checkpoint)
     bos_id, eos_id = 1, 2
     if tokenizer is not None:

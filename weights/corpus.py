@@ -164,9 +164,8 @@ def chat_requests(
     for _ in range(count):
         doc = rng.choice(docs)
         start = rng.randrange(max(1, len(doc) - passage_chars))
-        start = (
-            doc.find(". ", start) + 2 if start and ". " in doc[start:] else 0
-        )  # from a sentence's start
+        # from a sentence's start
+        start = doc.find(". ", start) + 2 if start and ". " in doc[start:] else 0
         passage = doc[start : start + passage_chars]
         passage = passage[: passage.rfind(".") + 1] or passage  # to a sentence's end
         nouns = sorted(set(re.findall(r"\b(?:a|an|the) ([a-z]{4,})\b", doc.lower())) - NOT_SUBJECTS)

@@ -51,7 +51,12 @@ GGUF_SUFFIX = ".gguf"
 _GGUF_MISSING = 'reading a GGUF file needs the gguf package: pip install -e ".[gguf]"'
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+NORMAL = 1
+UNKNOWN = 2
+CONTROL = 3
+USER_DEFINED = 4
+UNUSED = 5
+BYTE = 6
 
 # Per-layer GGUF leaf name -> HF module name under model.layers.N.
 _LAYER_TENSORS = {
@@ -124,6 +129,17 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def _is_kind(value: Any, kind: type) -> bool:
+    """Whether a metadata value is of ``kind``: a bool is no number, and an int is whole."""
+    if kind is list:
+        return isinstance(value, list)
+    if kind in (int, float):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return False
+        return kind is float or float(value).is_integer()
+    return isinstance(value, kind)
+
+
 # What GGUFReader (numpy memmap, struct-like parsing, enum lookups, utf-8 decoding) raises on a bad file.
 _READ_ERRORS = (
     ValueError,
@@ -184,16 +200,7 @@ class GGUFFile:
             raise GGUFError(
                 f"{self.path}: metadata {key} is unreadable ({_first_line(err)})"
             ) from None
-        ok = (
-            isinstance(value, list)
-            if kind is list
-            else isinstance(value, (int, float)) and not isinstance(value, bool)
-            if kind in (int, float)
-            else isinstance(value, kind)
-        )
-        if kind is int and ok and not float(value).is_integer():
-            ok = False
-        if not ok:
+        if not _is_kind(value, kind):
             raise GGUFError(f"{self.path}: metadata {key} is {value!r}, expected {kind.__name__}")
         if kind is float and field.types == [self._float32]:
             # The shortest decimal that is this float32 (1e-05, not 9.999999747378752e-06): the config's own value.
@@ -239,9 +246,8 @@ class GGUFFile:
         self.hidden_dim = self._count("llama.feed_forward_length")
         self.n_heads = self._count("llama.attention.head_count")
         kv = self._reader.fields.get("llama.attention.head_count_kv")
-        if (
-            kv is not None and len(kv.types) > 1
-        ):  # a per-layer array: only one shared value is implemented
+        # a per-layer array: only one shared value is implemented
+        if kv is not None and len(kv.types) > 1:
             counts = set(self._get("llama.attention.head_count_kv", list))
             if len(counts) != 1:
                 raise GGUFError(
@@ -337,9 +343,8 @@ class GGUFFile:
         }
         for name, (hf, shape) in self._expected.items():
             tensor = self._tensors[name]
-            stored = tuple(
-                int(n) for n in reversed(tensor.shape)
-            )  # ggml's ne order is PyTorch's reversed
+            # ggml's ne order is PyTorch's reversed
+            stored = tuple(int(n) for n in reversed(tensor.shape))
             if stored != shape:
                 raise GGUFError(
                     f"{self.path}: tensor {name} ({hf}) has shape {list(stored)} but the metadata "
@@ -357,9 +362,8 @@ class GGUFFile:
         shape = tuple(int(n) for n in reversed(tensor.shape))
         kind = tensor.tensor_type
         try:
-            if (
-                kind == gguf.GGMLQuantizationType.F64
-            ):  # exact enough; dequantize() has no case for it
+            # exact enough; dequantize() has no case for it
+            if kind == gguf.GGMLQuantizationType.F64:
                 values = np.asarray(tensor.data, dtype=np.float32)
             else:
                 values = gguf.quants.dequantize(tensor.data, kind)
@@ -389,9 +393,8 @@ class GGUFFile:
         out: dict[str, torch.Tensor] = {}
         for name, (hf, _shape) in self._expected.items():
             values = self._dequantize(name)
-            if (
-                not values.flags.writeable or values.dtype != np.float32
-            ):  # memory-mapped F32 data is read-only
+            # memory-mapped F32 data is read-only
+            if not values.flags.writeable or values.dtype != np.float32:
                 values = np.array(values, dtype=np.float32)
             tensor = torch.from_numpy(values)
             if not bool(torch.isfinite(tensor).all()):
@@ -427,11 +430,11 @@ class GGUFFile:
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self._get("llama.rope.scaling.type", str)
         factor = self._get("llama.rope.scaling.factor", float)
-        legacy = self._get(
-            "llama.rope.scale_linear", float
-        )  # the key older llama.cpp wrote for linear scaling
+        # the key older llama.cpp wrote for linear scaling
+        legacy = self._get("llama.rope.scale_linear", float)
         if kind is None and legacy is not None and legacy != 1.0:
-            kind, factor = "linear", legacy
+            kind = "linear"
+            factor = legacy
         linear = None
         if kind == "linear":
             if factor is None or not factor > 0:
@@ -589,11 +592,8 @@ class GGUFFile:
         """TemplateProcessing that adds BOS (and EOS) as tokenizer.ggml.add_bos_token (add_eos_token) say."""
         bos, eos = self._token_id("bos_token_id"), self._token_id("eos_token_id")
         before = [bos] if self._add_bos(kind) and bos is not None else []
-        after = (
-            [eos]
-            if self._get("tokenizer.ggml.add_eos_token", bool, False) and eos is not None
-            else []
-        )
+        add_eos = self._get("tokenizer.ggml.add_eos_token", bool, False)
+        after = [eos] if add_eos and eos is not None else []
 
         def special(i: int, type_id: int) -> dict[str, Any]:
             return {"SpecialToken": {"id": tokens[i], "type_id": type_id}}
@@ -639,9 +639,8 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: a gpt2 tokenizer needs tokenizer.ggml.merges")
         pairs = []
         for merge in merges:
-            cut = merge.find(
-                " ", 1
-            )  # the left part may itself start with a space, never the separator
+            # the left part may itself start with a space, never the separator
+            cut = merge.find(" ", 1)
             if cut < 0:
                 raise GGUFError(
                     f"{self.path}: merge {merge!r} is not two tokens separated by a space"
@@ -749,9 +748,8 @@ def _split_then(pattern: str, byte_level: dict[str, Any]) -> dict[str, Any]:
 def _vocab(tokens: list[str]) -> dict[str, int]:
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
-        vocab.setdefault(
-            token, i
-        )  # a duplicated spelling keeps its first id, as a lookup by text finds it
+        # a duplicated spelling keeps its first id, as a lookup by text finds it
+        vocab.setdefault(token, i)
     return vocab
 
 
@@ -891,9 +889,8 @@ def convert_gguf(
 
     gguf = GGUFFile(path)
     wanted = _dtype_of(dtype) or gguf.stored_dtype()
-    tokenizer = (
-        gguf.tokenizer_json()
-    )  # before any file is written: a bad tokenizer leaves no half folder
+    # before any file is written: a bad tokenizer leaves no half folder
+    tokenizer = gguf.tokenizer_json()
     out = Path(out_dir)
     tensors = gguf.tensors(dtype=wanted)
     config = dict(gguf.hf_config(), torch_dtype=str(wanted).removeprefix("torch."))

@@ -109,10 +109,10 @@ class RunFolder:
         if not path.is_file():
             return
         if self._state is None:
-            self._state = torch.load(
-                path, map_location="cpu", weights_only=False
-            )  # a GPU's run goes on anywhere
-        saved, wanted = self._state.get("config"), model.config.to_hf()
+            # a GPU's run goes on anywhere
+            self._state = torch.load(path, map_location="cpu", weights_only=False)
+        saved = self._state.get("config")
+        wanted = model.config.to_hf()
         if saved is not None and saved != wanted:
             diffs = [
                 f"{(names or {}).get(key, key)} {saved.get(key)} there, {wanted.get(key)} now"
@@ -154,7 +154,8 @@ class RunFolder:
         if not path.is_file():
             return 0
         self.check(model, names)
-        state, self._state = self._state, None
+        state = self._state
+        self._state = None  # freed: the model and the optimizer hold it now
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
@@ -204,9 +205,8 @@ class RunFolder:
         template (weights.corpus.chat_prompts, ``seed`` + 1), each followed by the target's answer, to a
         stop id or ``length`` tokens (speculative.engine.generation.conversations). The rows answered at
         once (32 on a CPU, 512 on a GPU) follow the data already there (:meth:`made_with`)."""
-        from speculative.engine.generation import (
-            conversations,
-        )  # the engine, only where answers are made
+        # the engine, only where answers are made
+        from speculative.engine.generation import conversations
 
         prompts = chat_prompts(
             corpus, tokenizer, count, seed + 1, target.config.max_seq_len - length
@@ -248,11 +248,14 @@ class RunFolder:
         ``every`` items. A run stopped while it writes goes on from the last piece saved, and a later
         run that asks for more items adds to them, as long as ``make`` gives the same items for the
         same positions; data made from another ``made_from`` is made again."""
-        path, tokens, ends = self.out / "data.pt", torch.empty(0, dtype=torch.long), []
+        path = self.out / "data.pt"
+        tokens = torch.empty(0, dtype=torch.long)
+        ends: list[int] = []  # where each item's tokens end in the stream
         if path.is_file():
             saved = torch.load(path, weights_only=True)
             if isinstance(saved, dict) and saved.get("made_from") == made_from and "ends" in saved:
-                tokens, ends = saved["tokens"], list(saved["ends"])
+                tokens = saved["tokens"]
+                ends = list(saved["ends"])
         if len(ends) < count:
             print(f"{what} into {path} ({len(ends)} of {count} there)", flush=True)
         while len(ends) < count:

@@ -145,10 +145,8 @@ class StepCache:
                 (work / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
                 try:
                     os.replace(work, self.folder(key))
-                except (
-                    OSError
-                ):  # another builder (with no lock to share) renamed its whole entry first
-                    pass
+                except OSError:
+                    pass  # another builder (with no lock to share) renamed its whole entry first
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         found = self.find(key)

@@ -181,9 +181,8 @@ class JsonTokenizer(Tokenizer):
     def __init__(
         self, text: str, config: dict[str, Any] | None = None, origin: str = "tokenizer.json"
     ) -> None:
-        from tokenizers import (
-            Tokenizer as Backend,
-        )  # imported here: a SentencePiece checkpoint never needs it
+        # imported here: a SentencePiece checkpoint never needs it
+        from tokenizers import Tokenizer as Backend
 
         try:
             self.backend = Backend.from_str(text)
@@ -274,7 +273,8 @@ def without_dummy_prefix(proto: bytes) -> bytes:
 
     def fields(data: bytes) -> list[tuple[int, int, bytes]]:
         """(field number, wire type, the field's whole encoding) in order."""
-        out, i = [], 0
+        out = []
+        i = 0
         while i < len(data):
             start = i
             key, i = varint(data, i)

@@ -101,14 +101,14 @@ class StepProgram(nn.Module):
 
     def __init__(self, model: nn.Module, hidden: bool) -> None:
         super().__init__()
-        self.model, self.hidden, self.n_inputs = model, hidden, len(model.example_inputs(1, 1))
+        self.model = model
+        self.hidden = hidden
+        self.n_inputs = len(model.example_inputs(1, 1))
 
     def forward(self, *args: torch.Tensor) -> Any:
-        inputs, (slots, positions, visible), caches = (
-            args[: self.n_inputs],
-            args[self.n_inputs : self.n_inputs + 3],
-            args[self.n_inputs + 3 :],
-        )
+        inputs = args[: self.n_inputs]
+        slots, positions, visible = args[self.n_inputs : self.n_inputs + 3]
+        caches = args[self.n_inputs + 3 :]
         layers = self.model.layers
         for layer, k, v in zip(layers, caches[0::2], caches[1::2]):
             layer.self_attn.cache = _Buffers(k, v)
@@ -131,7 +131,8 @@ def example_call(model: nn.Module, rows: int, width: int, window: int) -> tuple[
 
 # The example sizes export traces the dynamic dimensions at: distinct, and none 0 or 1 (which export
 # would specialise on). A package checks at each call that a size lies in the range export found.
-EXAMPLE_SLOTS, EXAMPLE_WINDOW = 67, 37
+EXAMPLE_SLOTS = 67
+EXAMPLE_WINDOW = 37
 
 
 def build_package(
@@ -150,10 +151,10 @@ def build_package(
     args = (*example_call(model, rows, width, window), *caches)
     any_size = torch.export.Dim.AUTO(min=1)
     inputs = len(args) - len(caches)
-    shapes = (
-        (*[None] * (inputs - 1), {2: any_size}, *[{2: any_size}] * len(caches)),
-    )  # forward(*args)
-    saved, cached = model._rope, [layer.self_attn.cache for layer in model.layers]
+    # forward(*args)
+    shapes = ((*[None] * (inputs - 1), {2: any_size}, *[{2: any_size}] * len(caches)),)
+    saved = model._rope
+    cached = [layer.self_attn.cache for layer in model.layers]
     model._rope = torch.stack(
         rope_tables(model.config, model.config.max_seq_len + 1, model.device, model.dtype), 1
     )
@@ -286,7 +287,9 @@ def load_packages(
     shape and probe it against the eager step; an entry that fails to load or to agree is
     discarded and, with ``build``, compiled once again. Returns the steps, how many shapes were
     loaded as found and how many were built."""
-    runners, loaded, built = {}, 0, 0
+    runners = {}
+    loaded = 0  # shapes found in the cache and loaded
+    built = 0  # shapes compiled by this call
     for shape, (key, path) in found.items():
         fresh = False
         for attempt in range(2):
@@ -310,25 +313,24 @@ def load_packages(
                     ) from None
                 except CompileError:
                     raise
-                except (
-                    Exception
-                ) as err:  # export, Inductor or the C++ compiler: one line, never a traceback
+                # export, Inductor or the C++ compiler: one line, never a traceback
+                except Exception as err:
                     raise CompileError(
                         f"compiling the {describe(key)} failed ({first_line(err)})"
                     ) from None
-                built, fresh = built + 1, True
+                built += 1
+                fresh = True
             try:
                 runner = load_package(path)
                 if mode == "shared":
-                    runner.load_constants(
-                        shared_constants(model, runner), False, True, True
-                    )  # user-managed
+                    # user-managed
+                    runner.load_constants(shared_constants(model, runner), False, True, True)
                 error = probe(model, runner, *shape, hidden)
-                problem = (
-                    None
-                    if error <= tolerance(model.dtype)
-                    else f"its probe call differs from the eager step by {error:.1e} (relative)"
-                )
+                problem = None
+                if not error <= tolerance(model.dtype):  # NaN included
+                    problem = (
+                        f"its probe call differs from the eager step by {error:.1e} (relative)"
+                    )
             except Exception as err:  # a library that does not load or run here
                 problem = f"it does not load ({first_line(err)})"
             if problem is None:
@@ -342,13 +344,11 @@ def load_packages(
             )
             store.discard(key)
             path = None
+            if not again and not build:
+                raise NotCachedError(f"the {describe(key)} failed its check")
             if not again:
-                raise (
-                    NotCachedError(f"the {describe(key)} failed its check")
-                    if not build
-                    else CompileError(
-                        f"the compiled {describe(key)} failed its check twice ({problem})"
-                    )
+                raise CompileError(
+                    f"the compiled {describe(key)} failed its check twice ({problem})"
                 )
     return PackagedSteps(model, runners), loaded, built
 

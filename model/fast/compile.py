@@ -79,7 +79,8 @@ MODES: dict[str, tuple[str, bool]] = {
 }
 
 
-CompileError, NotCachedError = aot.CompileError, aot.NotCachedError
+CompileError = aot.CompileError
+NotCachedError = aot.NotCachedError
 
 
 @dataclass
@@ -141,7 +142,8 @@ class CompiledSteps:
         # other features than those compiled runs eagerly.
         if shape is None or (return_hidden and return_hidden != self.hidden):
             return None
-        (rows, width), slots = shape, model.layers[0].self_attn.cache.k.shape[2]
+        rows, width = shape
+        slots = model.layers[0].self_attn.cache.k.shape[2]
         # The window: the call's own for packages (their window is dynamic; at least 2 slots, a size
         # export does not specialise on), the whole cache for a torch.compile'd step (static shapes).
         window = min(slots, max(2, call.window)) if self.dynamic else slots
@@ -194,7 +196,8 @@ class Compiled:
             # Packages take a cache of any length: a longer one now, with every compiled row (padding writes them).
             super().setup_cache(max(steps.rows), max_seq_len)
             steps.fn.new_cache(self)
-        self.cache_len, self.cache_batch = max_seq_len, max_batch_size
+        self.cache_len = max_seq_len
+        self.cache_batch = max_batch_size
 
     def run(self, inputs: tuple[torch.Tensor, ...], call: CacheCall, return_hidden: bool) -> Any:
         out = None if self.compiled is None else self.compiled(self, inputs, call, return_hidden)
@@ -259,12 +262,13 @@ def compile_for_decoding(
     mode = mode or default_mode(model)
     if mode not in MODES:
         raise CompileError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    # a package cannot call a prepacked layer's Python operator
     packaged = (
         store is not None
         and model.device.type == "cpu"
         and mode in aot.PACKAGE_OPTIONS
         and not any(isinstance(m, PrepackedLinear) for m in model.modules())
-    )  # a package cannot call their Python operator
+    )
     # A package serves any cache length up to the context; the buffer set up now holds the widest call.
     steps = CompiledSteps(
         None,
@@ -359,9 +363,8 @@ def compile_steps(
             where = torch.arange(width, device=model.device).expand(batch, width).contiguous()
             visible = torch.ones(batch, width, slots, dtype=torch.bool, device=model.device)
             try:
-                for _ in range(
-                    2 if mode == "reduce-overhead" else 1
-                ):  # CUDA graphs record on a later call
+                calls = 2 if mode == "reduce-overhead" else 1  # CUDA graphs record on a later call
+                for _ in range(calls):
                     fn(
                         *model.example_inputs(batch, width),
                         where,
@@ -411,14 +414,12 @@ def check_compiler(device: torch.device) -> None:
     """Raise CompileError when Inductor's C++ compiler (CXX, else g++) cannot build on this CPU."""
     if device.type != "cpu":
         return
-    from torch._inductor import (
-        cpp_builder,
-    )  # deferred: importing Inductor takes seconds, and most runs never compile
+    # deferred: importing Inductor takes seconds, and most runs never compile
+    from torch._inductor import cpp_builder
 
     try:
-        compiler = (
-            cpp_builder.get_cpp_compiler()
-        )  # the first of $CXX (else g++) that runs --version
+        # the first of $CXX (else g++) that runs --version
+        compiler = cpp_builder.get_cpp_compiler()
     except Exception:
         named = torch._inductor.config.cpp.cxx[-1]  # what Inductor tried
         raise CompileError(
@@ -436,7 +437,8 @@ def decode_widths(gamma: int | str, gamma_max: int) -> tuple[int, ...]:
     a call of another width is padded to the next one (a few wasted rows of arithmetic, against
     a compile of tens of seconds per width on a CPU)."""
     if gamma == "auto":
-        widths, k = {1, 2, 3}, 2
+        widths = {1, 2, 3}
+        k = 2  # widths up to 2^k + 1 are in
         while 2 ** (k - 1) < gamma_max:
             widths.add(min(2**k + 1, gamma_max + 1))
             k += 1

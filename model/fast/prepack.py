@@ -16,7 +16,7 @@ differs from ``F.linear`` only by the order of float32 additions (about 1e-6 rel
 
 Bfloat16 has the same cost on a CPU with native bf16 (AVX-512 BF16, AMX): ``F.linear`` sends it
 to oneDNN, which reorders the weight at every call, so a product costs about twice the packed
-one (``python -m benchmarks.matmul_rows --dtypes``), and bfloat16 weights are prepacked there
+one (``python -m benchmarks.widths --subject matmul --dtypes``), and bfloat16 weights are prepacked there
 too. Float16 is not: its one-row product is already a fast memory-bound kernel, and this oneDNN
 has no float16 reorder where the CPU lacks AVX-512 FP16 (docs/compiled.md: why float16
 speculation gained nothing).
@@ -67,7 +67,8 @@ class PrepackedLinear(nn.Module):
     def __deepcopy__(self, memo: dict) -> PrepackedLinear:  # a copy gets its own key
         copied = PrepackedLinear.__new__(PrepackedLinear)
         nn.Module.__init__(copied)
-        copied.out_features, copied.in_features = self.out_features, self.in_features
+        copied.out_features = self.out_features
+        copied.in_features = self.in_features
         copied.packed = self.packed.clone()
         copied.key = register(copied)
         return copied

@@ -80,9 +80,8 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100-40gb": DeviceSpec("NVIDIA A100 40GB (SXM)", int(40e9), 1.555e12),
 }
 
-DEFAULT_RESERVE = (
-    2**30
-)  # 1 GiB: CUDA context (~0.5 GB), cuBLAS and NCCL workspaces, allocator slack
+# 1 GiB: CUDA context (~0.5 GB), cuBLAS and NCCL workspaces, allocator slack
+DEFAULT_RESERVE = 2**30
 
 
 def device_spec(name: str) -> DeviceSpec:
@@ -327,9 +326,8 @@ def plan(
         kv_bytes_per_position(config_draft, dtype, 1, batch) if config_draft is not None else 0
     )
     workspace = reserve
-    if (
-        quantize == "int8"
-    ):  # Int8Linear's forward off a CPU casts the weight to the activation dtype: one at a time
+    # Int8Linear's forward off a CPU casts the weight to the activation dtype: one at a time
+    if quantize == "int8":
         shapes = sharded_shapes(config_target, tp_size)
         if config_draft is not None:
             shapes += block_linear_shapes(config_draft)
@@ -391,10 +389,8 @@ def cheapest_fit(
         settings.update(changes)
         try:
             return plan(config_target, config_draft, **settings).fits  # type: ignore[arg-type]
-        except (
-            ValueError
-        ):  # a split the heads do not allow (TensorParallelError), an unusable device
-            return False
+        except ValueError:
+            return False  # a split the heads do not allow (TensorParallelError), an unusable device
 
     if fits():
         return None

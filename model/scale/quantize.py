@@ -65,7 +65,8 @@ class Int8Linear(nn.Module):
             raise ValueError(
                 f"need one scale per output row: weight {list(weight.shape)}, scale {list(scale.shape)}"
             )
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
 
@@ -76,7 +77,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's CPU int8 kernel (_weight_int8pack_mm) does without the float copy, but on a CPU both lose to
-        # float32 (python -m benchmarks.matmul_rows --dtypes float32 int8 int4; docs/compiled.md).
+        # float32 (python -m benchmarks.widths --subject matmul --dtypes float32 int8 int4; docs/compiled.md).
         return F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -146,15 +147,13 @@ def dequantize_int4_weight(
 ) -> torch.Tensor:
     """The float32 matrix an int4 layer multiplies by: (code - 8) * scale + zero, group by group."""
     group_size = codes.shape[1] // scale.shape[1]
-    return (codes.float() - 8) * scale.repeat_interleave(group_size, 1) + zero.repeat_interleave(
-        group_size, 1
-    )
+    scales = scale.repeat_interleave(group_size, 1)  # [out, in]: each group's scale per column
+    zeros = zero.repeat_interleave(group_size, 1)  # [out, in]
+    return (codes.float() - 8) * scales + zeros
 
 
-INT4_DTYPES = (
-    torch.float32,
-    torch.bfloat16,
-)  # what torch's packed int4 kernel computes in on a CPU
+# what torch's packed int4 kernel computes in on a CPU
+INT4_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Int4Linear(nn.Module):

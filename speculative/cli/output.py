@@ -14,7 +14,9 @@ import torch
 from speculative.serving.text import TextStream
 from speculative.verify.tree import branching_parents
 
-GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
+GREEN = "\033[32m"
+YELLOW = "\033[33m"
+RESET = "\033[0m"
 
 
 LEGEND = (
@@ -36,22 +38,25 @@ def compile_cache(store: Any, action: str) -> int:
         key = ", ".join(f"{k} {v}" for k, v in entry.key.items()) or entry.problem
         print(f"  {entry.path.name[:12]}  {entry.size / 1e6:7.1f} MB  {entry.built}  {key}")
     measured = store.measurements()
+    models_measured = sum(len(m) for m in measured.values() if isinstance(m, dict))
     print(
-        f"measured: {sum(len(m) for m in measured.values() if isinstance(m, dict))} models on {len(measured)} "
-        "machines (the default run uses a model's compiled steps only where they measured faster)"
+        f"measured: {models_measured} models on {len(measured)} machines (the default run uses a "
+        "model's compiled steps only where they measured faster)"
     )
     for machine, models in measured.items():
         print(f"  on {machine}:")
-        for key, m in models.items() if isinstance(models, dict) else []:
+        if not isinstance(models, dict):
+            continue
+        for key, m in models.items():
             try:
                 eager = ", ".join(f"{setup} {ms:.3f}" for setup, ms in m["eager_ms"].items())
-                verdict = (
-                    "faster: the default uses them"
-                    if m["faster"]
-                    else "slower: the default stays eager"
-                )
+                if m["faster"]:
+                    verdict = "faster: the default uses them"
+                else:
+                    verdict = "slower: the default stays eager"
+                words = key.split()
                 print(
-                    f"    {m['model']} {key.split()[0][:12]} {' '.join(key.split()[1:3])}: {eager} -> compiled "
+                    f"    {m['model']} {words[0][:12]} {' '.join(words[1:3])}: {eager} -> compiled "
                     f"{m['compiled_ms']:.3f} ms a step ({verdict}); built in {m['build_s']:.0f}s on {m['date']}"
                 )
             except (KeyError, TypeError, AttributeError, ValueError):
@@ -71,12 +76,10 @@ class Streamer:
     def __init__(
         self, tokenizer: Any, prompt_ids: list[int], out: TextIO, color: bool, prefix: str = ""
     ) -> None:
-        self.text, self.out, self.color, self.prefix = (
-            TextStream(tokenizer, prompt_ids),
-            out,
-            color,
-            prefix,
-        )
+        self.text = TextStream(tokenizer, prompt_ids)
+        self.out = out
+        self.color = color
+        self.prefix = prefix
 
     def __call__(self, new_ids: Sequence[int], from_draft: Sequence[bool]) -> None:
         runs: list[tuple[bool, str]] = []  # consecutive pieces of one colour, merged
@@ -101,9 +104,8 @@ class Streamer:
 
     def finish(self) -> None:
         """The end of the text, and a newline."""
-        self.write(
-            self.text.finish() + "\n"
-        )  # whatever was held back (a truly broken byte sequence)
+        # whatever was held back (a truly broken byte sequence)
+        self.write(self.text.finish() + "\n")
 
 
 class StepClock:
@@ -144,11 +146,13 @@ def busy_hint(
     steps = [(b - a, size) for a, b, size in zip(times, times[1:], sizes[1:])]
     if not steps:
         return None
-    modal = max(set(size for _, size in steps), key=[size for _, size in steps].count)
+    step_sizes = [size for _, size in steps]
+    modal = max(set(step_sizes), key=step_sizes.count)
     same = sorted(seconds for seconds, size in steps if size == modal)
     if len(same) < 10:
         return None
-    fast, slow = same[len(same) // 10], same[(9 * len(same)) // 10]
+    fast = same[len(same) // 10]
+    slow = same[(9 * len(same)) // 10]
     if slow < BUSY_SPREAD * fast:
         return None
     return (
@@ -168,22 +172,24 @@ def header_line(
 ) -> str:
     """The run's first line on stderr: the pair, where it runs, and the whole decoding setup."""
     speculative = pair.draft is not None
-    dtype_name = str(dtype).removeprefix("torch.") + (
-        f" with {args.quantize} weights" if args.quantize else ""
-    )
+    dtype_name = str(dtype).removeprefix("torch.")
+    if args.quantize:
+        dtype_name += f" with {args.quantize} weights"
     if pair.draft_dtype not in (None, dtype):
         dtype_name += f", the drafter in {str(pair.draft_dtype).removeprefix('torch.')}"
-    tuning = [f"{pair.fused} projection groups stacked"] if pair.fused else []
-    tuning += [f"{pair.prepacked} layers oneDNN-prepacked"] if pair.prepacked else []
+    tuning = []
+    if pair.fused:
+        tuning.append(f"{pair.fused} projection groups stacked")
+    if pair.prepacked:
+        tuning.append(f"{pair.prepacked} layers oneDNN-prepacked")
     if tuning:
         dtype_name += f" ({', '.join(tuning)})"
     if world_size > 1:
         dtype_name += f", tensor-parallel over {world_size} ranks"
-    names = (
-        f"draft {args.draft} -> target {args.target}"
-        if speculative
-        else f"target {args.target} alone"
-    )
+    if speculative:
+        names = f"draft {args.draft} -> target {args.target}"
+    else:
+        names = f"target {args.target} alone"
     return (
         f"{names} on {device} in {dtype_name} (loaded in {pair.load_s:.1f}s), "
         f"{sampling_setup(args, seed, speculative)}"
@@ -195,36 +201,49 @@ def sampling_setup(args: argparse.Namespace, seed: int | None, speculative: bool
     if args.temperature == 0:
         text = "greedy (temperature 0)"
     else:
-        notes = [] if args.seed is not None else ["fresh; --seed repeats it"]
-        notes += ["prompt i uses seed + i"] if args.prompts_file is not None else []
+        notes = []
+        if args.seed is None:
+            notes.append("fresh; --seed repeats it")
+        if args.prompts_file is not None:
+            notes.append("prompt i uses seed + i")
         text = (
             f"temperature {args.temperature:g}, top-k {args.top_k or 'off'}, top-p {args.top_p or 'off'}, "
-            f"seed {seed}" + (f" ({'; '.join(notes)})" if notes else "")
+            f"seed {seed}"
         )
+        if notes:
+            text += f" ({'; '.join(notes)})"
     if not speculative:
         return text
     if args.tree == "auto":
-        return (
-            text
-            + f", tree auto (each iteration's shape by this run's timings, children {args.tree_mode})"
-        )
-    guarded = (
-        ""
-        if not args.guard or args.gamma == "auto"
-        else ", guarded (plain steps where "
-        + (
-            "recorded costs say speculating loses)"
-            if args.guard == "recorded"
-            else "speculating loses)"
-        )
-    )
+        return f"{text}, tree auto (each iteration's shape by this run's timings, children {args.tree_mode})"
+    guarded = _guard_note(args)
     if args.tree:
         shape = ",".join(map(str, args.tree))
-        return (
-            text
-            + f", tree {shape} ({len(branching_parents(args.tree))} nodes, children {args.tree_mode}){guarded}"
-        )
-    return text + f", gamma {args.gamma}, {args.verify}-wise verification{guarded}"
+        nodes = len(branching_parents(args.tree))
+        return f"{text}, tree {shape} ({nodes} nodes, children {args.tree_mode}){guarded}"
+    return f"{text}, gamma {args.gamma}, {args.verify}-wise verification{guarded}"
+
+
+def _guard_note(args: argparse.Namespace) -> str:
+    """The header's words for the guard: nothing when it is off or gamma is auto (which always
+    weighs speculating against plain steps), else which costs it goes by."""
+    if not args.guard.on or args.gamma == "auto":
+        return ""
+    if args.guard.mode == "recorded":
+        return ", guarded (plain steps where recorded costs say speculating loses)"
+    return ", guarded (plain steps where speculating loses)"
+
+
+def guard_setting(args: argparse.Namespace, speculative: bool) -> bool | str:
+    """--json's ``settings.guard``: "recorded" (by costs recorded on this machine), true (by the
+    run's own timings: the timed guard, and gamma or tree "auto", which always measure), or false."""
+    if not speculative:
+        return False
+    if args.gamma == "auto" or args.tree == "auto":
+        return True
+    if args.guard.mode == "recorded":
+        return "recorded"
+    return args.guard.on
 
 
 def run_settings(
@@ -239,19 +258,20 @@ def run_settings(
 ) -> dict[str, Any]:
     """--json's ``settings``: what the run used (top_k, top_p and seed are None when greedy)."""
     speculative = pair.draft is not None
+    draft_dtype = None
+    if speculative:
+        draft_dtype = str(pair.draft_dtype or dtype).removeprefix("torch.")
+    guard = guard_setting(args, speculative)
     return {
         "target": args.target,
         "draft": None if args.no_draft else args.draft,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "gamma": args.gamma if speculative else None,
-        "draft_dtype": str(pair.draft_dtype or dtype).removeprefix("torch.")
-        if speculative
-        else None,
+        "draft_dtype": draft_dtype,
         "verify": args.verify if speculative else None,
         "tree": args.tree if speculative else None,
-        "guard": speculative
-        and (args.gamma == "auto" or args.tree == "auto" or args.guard),  # or "recorded"
+        "guard": guard,
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,

@@ -61,46 +61,49 @@ def summary_lines(stats: dict[str, Any], speculative: bool, compare: bool = Fals
     draft, α, γ and c next to the measured and predicted tokens per target call and the
     predicted speedup (``compare``: the run measures it too, so the line does not say how)."""
     tps = stats.get("tokens_per_second")
+    speed = f"{tps:.1f}" if tps else "?"
+    calls = f"{stats.get('target_calls')} target calls"
+    if speculative:
+        calls += f", {stats.get('draft_calls')} draft calls"
+    else:
+        calls += " (one per token)"
     reason = stats.get("stop_reason")
     lines = [
-        f"{stats.get('new_tokens')} new tokens at {f'{tps:.1f}' if tps else '?'} tokens/s (decoding: the "
-        f"prompt's pass and loading excluded); {stats.get('target_calls')} target calls"
-        + (f", {stats.get('draft_calls')} draft calls" if speculative else " (one per token)")
-        + f"; stopped: {reason} ({STOP_REASONS.get(reason, 'unknown')})"
+        f"{stats.get('new_tokens')} new tokens at {speed} tokens/s (decoding: the prompt's pass and "
+        f"loading excluded); {calls}; stopped: {reason} ({STOP_REASONS.get(reason, 'unknown')})"
     ]
-    alpha, gamma, c = stats.get("acceptance_rate"), stats.get("gamma"), stats.get("cost_ratio")
+    alpha = stats.get("acceptance_rate")
+    gamma = stats.get("gamma")
     if speculative and alpha is not None and gamma is not None:
-        measured, predicted = (
-            stats.get("tokens_per_target_call"),
-            stats.get("predicted_tokens_per_target_call"),
-        )
-        drafted = stats.get("gamma_history") or []
-        mean = sum(drafted) / len(drafted) if drafted else None
-        # gamma is what was asked for (or auto's mean); near the end of the output or of the
-        # context fewer are drafted, and the prediction uses what each iteration drafted.
-        used = (
-            f" (drafted {mean:.2f} per iteration)"
-            if mean is not None and abs(mean - gamma) > 1e-9
-            else ""
-        )
-        iterations, calls = len(drafted), stats.get("draft_calls") or 0
-        k = f"{calls / iterations:.2f}" if iterations and calls else "g"
-        lines.append(
-            f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(c, '.3f')} (a draft call / a "
-            f"target call), k={k} draft calls per iteration: tau (tokens per target call) "
-            f"{_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
-            f"(1-alpha^(g+1))/(1-alpha) over the g drafted in each iteration; predicted speedup "
-            f"(1-alpha^(g+1))/((1-alpha)(k*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x"
-            + ("" if compare else " (--compare measures it)")
-        )
+        lines.append(_cost_model_line(stats, alpha, gamma, compare))
     if shapes := stats.get("tree_shapes"):  # --tree auto: what it chose
-        lines.append(
-            "tree auto: iterations by shape (none: a plain target step): "
-            + ", ".join(
-                f"{shape} {n}" for shape, n in sorted(shapes.items(), key=lambda item: -item[1])
-            )
-        )
+        by_count = sorted(shapes.items(), key=lambda item: -item[1])
+        counts = ", ".join(f"{shape} {n}" for shape, n in by_count)
+        lines.append(f"tree auto: iterations by shape (none: a plain target step): {counts}")
     return lines
+
+
+def _cost_model_line(stats: dict[str, Any], alpha: float, gamma: float, compare: bool) -> str:
+    """α, γ and c next to the measured and predicted tau and the predicted speedup."""
+    measured = stats.get("tokens_per_target_call")
+    predicted = stats.get("predicted_tokens_per_target_call")
+    drafted = stats.get("gamma_history") or []
+    mean = sum(drafted) / len(drafted) if drafted else None
+    # gamma is what was asked for (or auto's mean); near the end of the output or of the
+    # context fewer are drafted, and the prediction uses what each iteration drafted.
+    used = ""
+    if mean is not None and abs(mean - gamma) > 1e-9:
+        used = f" (drafted {mean:.2f} per iteration)"
+    draft_calls = stats.get("draft_calls") or 0
+    k = f"{draft_calls / len(drafted):.2f}" if drafted and draft_calls else "g"
+    how = "" if compare else " (--compare measures it)"
+    return (
+        f"cost model: alpha={alpha:.3f} gamma={gamma:g}{used} c={_num(stats.get('cost_ratio'), '.3f')} "
+        f"(a draft call / a target call), k={k} draft calls per iteration: tau (tokens per target "
+        f"call) {_num(measured, '.2f')} measured vs {_num(predicted, '.2f')} predicted by "
+        f"(1-alpha^(g+1))/(1-alpha) over the g drafted in each iteration; predicted speedup "
+        f"(1-alpha^(g+1))/((1-alpha)(k*c+1)) = {_num(stats.get('predicted_speedup'), '.2f')}x{how}"
+    )
 
 
 def compare_stats(
@@ -109,19 +112,15 @@ def compare_stats(
     """--compare: both decode speeds, their ratio (the measured speedup) and the predicted one.
     ``stats``: the speculative run's :func:`stats_dict`; ``baseline``: the target alone's result.
     Greedy runs say whether the tokens are the same, else where they part."""
-    fast, slow = stats.get("tokens_per_second"), baseline.stats.tokens_per_second
+    fast = stats.get("tokens_per_second")
+    slow = baseline.stats.tokens_per_second
     base_tokens = [int(t) for t in baseline.tokens]
-    same = (
-        None if temperature > 0 else base_tokens == tokens
-    )  # sampled runs draw differently, by design
-    first = (
-        None
-        if same is None or same
-        else next(
-            (i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b),
-            min(len(tokens), len(base_tokens)),
-        )
-    )
+    same = None  # sampled runs draw differently, by design
+    first = None
+    if not temperature > 0:
+        same = base_tokens == tokens
+        if not same:
+            first = _first_difference(tokens, base_tokens)
     # The cost model with the calls as measured: an iteration costs its drafter and verification calls as they
     # cost here (a verification of g + 1 tokens is not one step on a CPU), the prompt's pass left out as decode
     # speed leaves it out, plus the loop's own work (sampling, host reads) as the target alone pays it per token.
@@ -151,27 +150,33 @@ def compare_stats(
     }
 
 
+def _first_difference(tokens: list[int], base_tokens: list[int]) -> int:
+    """Where two token lists part: the first index where they differ, else the shorter's end."""
+    for i, (a, b) in enumerate(zip(tokens, base_tokens)):
+        if a != b:
+            return i
+    return min(len(tokens), len(base_tokens))
+
+
 def compare_line(compare: dict[str, Any]) -> str:
     """:func:`compare_stats` in one line: the measured speedup next to the predicted one."""
-    same, first = compare.get("same_tokens"), compare.get("first_difference")
+    same = compare.get("same_tokens")
     # Greedy outputs may part only at a near-tie of the target's top two logits (rounding:
     # docs/algorithm.md, numerics policy); sampled runs draw differently and are not compared.
-    tokens = (
-        ""
-        if same is None
-        else (
-            "; the same greedy tokens"
-            if same
-            else f"; the greedy tokens part at token {first} (see the numerics policy in "
+    if same is None:
+        tokens = ""
+    elif same:
+        tokens = "; the same greedy tokens"
+    else:
+        first = compare.get("first_difference")
+        tokens = (
+            f"; the greedy tokens part at token {first} (see the numerics policy in "
             "docs/algorithm.md)"
         )
-    )
     by_width = compare.get("predicted_speedup_measured_calls")
-    measured = (
-        ""
-        if by_width is None
-        else f", {by_width:.2f}x with the calls as measured (a verification's own cost)"
-    )
+    measured = ""
+    if by_width is not None:
+        measured = f", {by_width:.2f}x with the calls as measured (a verification's own cost)"
     return (
         f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
         f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s: measured speedup "
@@ -185,12 +190,16 @@ def batch_summary_lines(result: BatchResult, speculative: bool) -> list[str]:
     stats = result.stats
     reasons = Counter(row.stats.stop_reason for row in result.results)
     stopped = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
+    calls = f"{stats.iterations} target calls"
+    if speculative:
+        calls += f", {stats.draft_calls} draft calls"
+    else:
+        calls += " (one token per row each)"
     lines = [
         f"batch: {stats.prompts} prompts, batch size {stats.batch_size} (mean {_num(stats.mean_batch, '.2f')} "
         f"rows per target call), {stats.new_tokens} new tokens at {_num(stats.tokens_per_second, '.1f')} "
-        f"tokens/s over all rows (the prompts' passes included); {stats.iterations} target calls"
-        + (f", {stats.draft_calls} draft calls" if speculative else " (one token per row each)")
-        + f", {stats.decode_time_s:.2f}s decoding; stopped: {stopped}"
+        f"tokens/s over all rows (the prompts' passes included); {calls}, "
+        f"{stats.decode_time_s:.2f}s decoding; stopped: {stopped}"
     ]
     if speculative:
         lines.append(
@@ -204,17 +213,13 @@ def batch_summary_lines(result: BatchResult, speculative: bool) -> list[str]:
 def compare_batch(result: BatchResult, baseline: BatchResult, temperature: float) -> dict[str, Any]:
     """--compare of a batch: its total tokens/s with the draft and without, their ratio, and
     (greedy) the prompts whose tokens differ."""
-    fast, slow = result.stats.tokens_per_second, baseline.stats.tokens_per_second
+    fast = result.stats.tokens_per_second
+    slow = baseline.stats.tokens_per_second
     base_tokens = [[int(t) for t in row.tokens] for row in baseline.results]
-    differ = (
-        None
-        if temperature > 0
-        else [
-            i
-            for i, (row, base) in enumerate(zip(result.results, base_tokens))
-            if [int(t) for t in row.tokens] != base
-        ]
-    )
+    differ = None  # sampled runs draw differently, by design
+    if not temperature > 0:
+        pairs = enumerate(zip(result.results, base_tokens))
+        differ = [i for i, (row, base) in pairs if [int(t) for t in row.tokens] != base]
     return {
         "speculative_tokens_per_second": fast,
         "baseline_tokens_per_second": slow,
@@ -229,16 +234,15 @@ def compare_batch(result: BatchResult, baseline: BatchResult, temperature: float
 def batch_compare_line(compare: dict[str, Any]) -> str:
     """:func:`compare_batch` in one line."""
     differ = compare["differing_prompts"]
-    tokens = (
-        ""
-        if differ is None
-        else (
-            "; the same greedy tokens for every prompt"
-            if not differ
-            else f"; the greedy tokens differ for prompt(s) {', '.join(map(str, differ))} "
+    if differ is None:
+        tokens = ""
+    elif not differ:
+        tokens = "; the same greedy tokens for every prompt"
+    else:
+        tokens = (
+            f"; the greedy tokens differ for prompt(s) {', '.join(map(str, differ))} "
             "(see the numerics policy in docs/algorithm.md)"
         )
-    )
     return (
         f"compare: speculative {_num(compare['speculative_tokens_per_second'], '.1f')} tokens/s, target alone "
         f"{_num(compare['baseline_tokens_per_second'], '.1f')} tokens/s (both batched alike, all rows): measured "

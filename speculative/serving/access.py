@@ -71,11 +71,13 @@ class Guard:
     API key 401, before anything else reads it (see Access)."""
 
     def __init__(self, app: Any, access: Access) -> None:
-        self.app, self.access = app, access
+        self.app = app
+        self.access = access
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            headers, access = Headers(scope=scope), self.access
+            headers = Headers(scope=scope)
+            access = self.access
             if (
                 access.hosts is not None
                 and host_name(headers.get("host", "")).lower() not in access.hosts

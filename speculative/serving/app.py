@@ -50,7 +50,8 @@ def create_app(
 ) -> FastAPI:
     """The HTTP API over ``service`` (see the module docstring), open to ``access``, each
     connection within ``limits`` (speculative.serving.connections). The loop must be running."""
-    access, limits = access or Access(), limits or Limits()
+    access = access or Access()
+    limits = limits or Limits()
     app = FastAPI(title="speculative-llama", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.add_middleware(Bounds, limits=limits)  # middleware added later wraps what was added before
@@ -76,13 +77,12 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        message = (
-            f"no such path: {request.method} {request.url.path}"
-            if error.status_code == 404
-            else f"{request.method} is not allowed on {request.url.path}"
-            if error.status_code == 405
-            else str(error.detail)
-        )
+        if error.status_code == 404:
+            message = f"no such path: {request.method} {request.url.path}"
+        elif error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(error.detail)
         return error_response(
             error.status_code,
             message,
@@ -109,9 +109,8 @@ def create_app(
         try:
             too_long(service, [m.text for m in body.messages], "messages")
             turns = [(m.role, unicode_text(m.text, "messages")) for m in body.messages]
-            ids = await asyncio.to_thread(
-                encode_dialog, service.tokenizer, turns
-            )  # not on the event loop
+            # not on the event loop
+            ids = await asyncio.to_thread(encode_dialog, service.tokenizer, turns)
         except ValueError as error:
             raise ApiError(400, str(error), param="messages") from None
         return await answer(Exchange(service, request, ids, body, chat=True, limits=limits))
@@ -139,11 +138,17 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         loop = service.loop
-        stalled, draining = loop.stalled, loop.drain_until is not None
-        ok = loop.healthy and stalled is None and not draining
-        status = (
-            "ok" if ok else "stopped" if not loop.healthy else "draining" if draining else "stalled"
-        )
+        stalled = loop.stalled
+        draining = loop.drain_until is not None
+        if not loop.healthy:
+            status = "stopped"
+        elif draining:
+            status = "draining"
+        elif stalled is not None:
+            status = "stalled"
+        else:
+            status = "ok"
+        ok = status == "ok"
         body = {
             "status": status,
             "model": service.model,

@@ -21,9 +21,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-MAX_BODY_BYTES = (
-    4 << 20
-)  # a request body's size at most (the longest context's text fits many times over)
+# a request body's size at most (the longest context's text fits many times over)
+MAX_BODY_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,8 @@ class Bounds:
     """The ASGI side of :class:`Limits` (see the module docstring)."""
 
     def __init__(self, app: Any, limits: Limits = Limits()) -> None:
-        self.app, self.limits = app, limits
+        self.app = app
+        self.limits = limits
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -100,9 +100,8 @@ class Bounds:
             return
         replayed = False
 
-        async def replay() -> (
-            dict
-        ):  # the body, once; then the connection's own messages (a disconnect)
+        # the body, once; then the connection's own messages (a disconnect)
+        async def replay() -> dict:
             nonlocal replayed
             if replayed:
                 return await receive()
@@ -111,11 +110,9 @@ class Bounds:
 
         # The write deadline: one timer per request looks at the write in progress, if any,
         # every half deadline (a timeout around every write would cost a task per SSE chunk).
-        loop, task, timeout = (
-            asyncio.get_running_loop(),
-            asyncio.current_task(),
-            self.limits.write_timeout,
-        )
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        timeout = self.limits.write_timeout
         writing: list[float] = []  # when the write in progress began
         slow = False
 
@@ -151,7 +148,8 @@ class Bounds:
             timer.cancel()
 
     async def read(self, receive: Any) -> bytes | None:
-        body, more = b"", True
+        body = b""
+        more = True
         while more:
             message = await receive()
             if message["type"] != "http.request":

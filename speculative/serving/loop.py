@@ -33,9 +33,10 @@ from functools import cached_property
 from typing import Any
 
 from speculative.engine.engine import Engine, Row, RowFailedError
+from speculative.engine.gamma import FixedGamma
 from speculative.sampling import Sampling
 from speculative.serving.metrics import Metrics
-from speculative.serving.policy import Iteration, settle
+from speculative.serving.policy import Iteration, LoadGamma, settle
 from speculative.serving.threads import ThreadTuner
 
 GREEDY = Sampling(temperature=0.0)
@@ -50,7 +51,8 @@ class OverloadedError(Exception):
             f"the server is at capacity: {waiting} requests are waiting already; retry in "
             f"{retry_after} s"
         )
-        self.waiting, self.retry_after = waiting, retry_after
+        self.waiting = waiting
+        self.retry_after = retry_after
 
 
 class DeadlineError(Exception):
@@ -58,12 +60,13 @@ class DeadlineError(Exception):
     or not (it ran that long); ``seconds`` is the deadline."""
 
     def __init__(self, queue: bool, seconds: float) -> None:
-        super().__init__(
-            f"the request waited more than {seconds:g} s for a place in the batch (--queue-timeout)"
-            if queue
-            else f"the request ran longer than {seconds:g} s (--request-timeout)"
-        )
-        self.queue, self.seconds = queue, seconds
+        if queue:
+            message = f"the request waited more than {seconds:g} s for a place in the batch (--queue-timeout)"
+        else:
+            message = f"the request ran longer than {seconds:g} s (--request-timeout)"
+        super().__init__(message)
+        self.queue = queue
+        self.seconds = seconds
 
 
 @dataclass(eq=False)
@@ -91,12 +94,8 @@ class Ticket:
     done: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None  # when its latest tokens came (None: none yet)
-    seen: tuple[int, float, int, int] = (
-        0,
-        0.0,
-        0,
-        0,
-    )  # the row's target calls, overlap, verified, produced
+    # the row's target calls, overlap, verified, produced
+    seen: tuple[int, float, int, int] = (0, 0.0, 0, 0)
 
     @property
     def stop_reason(self) -> str | None:
@@ -106,6 +105,18 @@ class Ticket:
         if self.row is None:
             return "cancelled" if self.done else None
         return self.row.stats.stop_reason
+
+
+def chooser_name(policy: Callable[[Engine], int] | None) -> str:
+    """How a server chooses gamma, as the engine's gamma policy and /metrics name it: "load"
+    (LoadGamma), "off" or "fixed" (FixedGamma), or "outside" for any other chooser."""
+    if isinstance(policy, LoadGamma):
+        return "load"
+    if isinstance(policy, FixedGamma) and policy.gamma == 0:
+        return "off"
+    if isinstance(policy, FixedGamma):
+        return "fixed"
+    return "outside"
 
 
 class EngineLoop:
@@ -130,12 +141,14 @@ class EngineLoop:
     ) -> None:
         if max_waiting < 1:  # a request waits for the loop to take it: 0 would refuse every request
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
-        self.engine, self.max_waiting, self.policy = engine, max_waiting, policy
-        self.tuner = (
-            tuner  # the operators' thread count, chosen by measuring (speculative.serving.threads)
-        )
-        self.queue_timeout, self.request_timeout = queue_timeout, request_timeout
-        engine.policy = policy
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.policy = policy
+        # the operators' thread count, chosen by measuring (speculative.serving.threads)
+        self.tuner = tuner
+        self.queue_timeout = queue_timeout
+        self.request_timeout = request_timeout
+        engine.gamma_policy.steer(policy, chooser_name(policy))
         self.log = log or (lambda line: print(line, file=sys.stderr))
         self.lock = threading.Condition()
         self.inbox: deque[Ticket] = deque()
@@ -270,7 +283,8 @@ class EngineLoop:
                     ):
                         self.cut = len(self.inbox) + len(self.tickets)
                         break
-                    new, cancels = list(self.inbox), list(self.cancels)
+                    new = list(self.inbox)
+                    cancels = list(self.cancels)
                     self.inbox.clear()
                     self.cancels.clear()
                 for ticket in new:
@@ -327,7 +341,8 @@ class EngineLoop:
         waiting for a row after queue_timeout seconds, and any after request_timeout."""
         if self.queue_timeout is None and self.request_timeout is None:
             return
-        now, waiting = time.perf_counter(), {id(row) for row in self.engine.waiting}
+        now = time.perf_counter()
+        waiting = {id(row) for row in self.engine.waiting}
         for ticket in list(self.tickets.values()):
             age = now - ticket.submitted
             if ticket.cancelled or ticket.error is not None:
@@ -345,7 +360,8 @@ class EngineLoop:
             self.engine.cancel(ticket.row)
 
     def step(self) -> None:
-        engine, stats = self.engine, self.engine.stats
+        engine = self.engine
+        stats = engine.stats
         before = (stats.iterations, stats.draft_time_s, stats.target_time_s)
         probe = self.tuner is not None and self.tuner.probing is not None
         start = self.step_started = time.perf_counter()
@@ -356,7 +372,13 @@ class EngineLoop:
         if stats.iterations == before[0]:
             return  # only cancelled rows left
         rows = list(engine.rows) + [row for row in engine.finished if row.stats.target_calls]
-        took_part, prompt_read, tokens, overlap, positions, gamma = 0, False, 0, 0.0, 0, 0
+        # this iteration's figures, summed over the rows that took part in it
+        took_part = 0
+        prompt_read = False
+        tokens = 0
+        overlap = 0.0
+        positions = 0
+        gamma = 0
         for row in rows:
             ticket = self.tickets.get(row)
             if ticket is None:
@@ -392,9 +414,8 @@ class EngineLoop:
         self.metrics.observe(it)
         if self.tuner is not None and it.clean:
             self.tuner.observe((took_part, gamma), seconds)
-        if (
-            hasattr(self.policy, "observe") and not probe
-        ):  # a probe's times are not the chosen count's
+        # a probe's times are not the chosen count's
+        if isinstance(self.policy, LoadGamma) and not probe:
             self.policy.observe(it)
         if stats.iterations % 256 == 0:  # the engine's records of rows long gone
             stats.rows = [row.stats for row in [*engine.rows, *engine.waiting]]
@@ -412,7 +433,8 @@ class EngineLoop:
 
     def tokens_out(self, ticket: Ticket, ids: list[int]) -> None:
         """A row's tokens of this iteration: the latencies they close, then to its ticket."""
-        now, m = time.perf_counter(), self.metrics
+        now = time.perf_counter()
+        m = self.metrics
         if ticket.last_token is None:  # its first iteration: it waited until this step began
             m.queue.observe(max(0.0, self.step_started - ticket.submitted))
             m.first_token.observe(now - ticket.submitted)
@@ -481,10 +503,8 @@ class Service:
         """The most characters one token stands for (its piece's length; a tokenizer without
         pieces: 64), so that a text of more than context x this many characters is too long
         before it is tokenized."""
-        piece, size = (
-            getattr(self.tokenizer, "piece", None),
-            getattr(self.tokenizer, "vocab_size", None),
-        )
+        piece = getattr(self.tokenizer, "piece", None)
+        size = getattr(self.tokenizer, "vocab_size", None)
         if piece is None or not size:
             return 64
         return max(1, max(len(piece(i)) for i in range(size)))

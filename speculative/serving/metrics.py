@@ -21,7 +21,8 @@ class Histogram:
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = list(bounds)
         self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
-        self.sum, self.count = 0.0, 0
+        self.sum = 0.0
+        self.count = 0
 
     def observe(self, value: float, times: int = 1) -> None:
         at = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
@@ -30,7 +31,8 @@ class Histogram:
         self.count += times
 
     def samples(self) -> list[tuple[str, float]]:
-        out, running = [], 0
+        out = []
+        running = 0
         for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
             running += count
             out.append((f'_bucket{{le="{bound}"}}', running))
@@ -46,15 +48,18 @@ class Metrics:
 
     def __init__(self) -> None:
         self.started = time.time()
-        self.first_token, self.inter_token = Histogram(SECONDS), Histogram(SECONDS)
-        self.queue, self.latency = Histogram(SECONDS), Histogram(SECONDS)
+        self.first_token = Histogram(SECONDS)
+        self.inter_token = Histogram(SECONDS)
+        self.queue = Histogram(SECONDS)
+        self.latency = Histogram(SECONDS)
         self.prompt_tokens = 0
         self.last_step_s = 0.0
         self.iterations = 0
         self.speculating = 0  # iterations in which some row drafted
         self.tokens = 0
         self.row_iterations = 0
-        self.overlap, self.positions = 0.0, 0
+        self.overlap = 0.0
+        self.positions = 0
         self.outcomes: dict[str, int] = {}
         self.rejected = 0
         self.recent: deque[tuple[float, Iteration]] = deque()
@@ -105,7 +110,8 @@ class Metrics:
 
 def prometheus(loop: Any, prefix: str = "speculative_") -> str:
     """/metrics in the Prometheus text format (version 0.0.4)."""
-    m, window = loop.metrics, loop.metrics.window()
+    m = loop.metrics
+    window = m.window()
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, float]]) -> None:
@@ -241,6 +247,13 @@ def prometheus(loop: Any, prefix: str = "speculative_") -> str:
         "gauge",
         "Gamma of the last iteration (0: speculation off).",
         [("", loop.last_gamma)],
+    )
+    metric(
+        "gamma_policy",
+        "gauge",
+        "How gamma is chosen when a request does not pin it (speculative.engine.gamma_policy): "
+        "1 for the policy in use.",
+        [(f'{{policy="{loop.engine.gamma_policy.name}"}}', 1)],
     )
     policy = loop.policy
     if isinstance(policy, LoadGamma):

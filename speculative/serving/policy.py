@@ -71,20 +71,22 @@ class LoadGamma:
         if gamma_max < 1 or max_rows < 1:
             raise ValueError(f"gamma_max and max_rows must be >= 1, got {gamma_max} and {max_rows}")
         self.gamma_max, self.max_rows = gamma_max, max_rows
+        # the costs' moving average; alpha's counts, per position
         self.decay, self.fade = (
             decay,
             fade,
-        )  # the costs' moving average; alpha's counts, per position
+        )
         self.explore_every = (
             explore_every  # two iterations in this many re-measure a neighbour of the choice
         )
         self.cells: dict[
             tuple[int, int], list[float]
         ] = {}  # (B, g) -> [draft, target, rest] seconds
+        # faded sum of acceptance probabilities, and count
         self.accepted_mass, self.positions = (
             0.0,
             0.0,
-        )  # faded sum of acceptance probabilities, and count
+        )
         self.chosen: tuple[int, int] = (-1, 0)  # (iteration, gamma): decided once per iteration
         self.last_gamma = gamma_max
 
@@ -115,9 +117,8 @@ class LoadGamma:
         """Seconds of one iteration of ``rows`` rows drafting ``gamma``: measured at this B, else
         interpolated linearly between the nearest measured sizes (scaled from the largest above
         them); None when nothing is known for this gamma."""
-        known = sorted(
-            b for b, g in list(self.cells) if g == gamma
-        )  # a copy: the loop's thread may add a cell
+        # a copy: the loop's thread may add a cell
+        known = sorted(b for b, g in list(self.cells) if g == gamma)
         if not known:
             return None
         if rows in known:
@@ -221,9 +222,8 @@ class LoadGamma:
                         [sorted(column)[len(column) // 2] for column in zip(*parts)],
                         weight=1.0,
                     )
-                for row in (
-                    rows
-                ):  # what the calibration verified seeds alpha (else 1/2 until traffic comes)
+                # what the calibration verified seeds alpha (else 1/2 until traffic comes)
+                for row in rows:
                     self.accepted_mass += row.stats.overlap_sum
                     self.positions += row.stats.verified_positions
                 for row in rows:
@@ -232,9 +232,8 @@ class LoadGamma:
         finally:
             engine.policy = self
             engine.finished.clear()
-        window = 1 / (
-            1 - self.fade
-        )  # live traffic outweighs the calibration after about this many positions
+        # live traffic outweighs the calibration after about this many positions
+        window = 1 / (1 - self.fade)
         if self.positions > window:
             self.accepted_mass, self.positions = (
                 self.accepted_mass * window / self.positions,

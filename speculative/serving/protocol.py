@@ -26,13 +26,11 @@ class ApiError(Exception):
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = (
-            status,
-            message,
-            kind,
-            code,
-            param,
-        )
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.code = code
+        self.param = param
         self.headers = headers
 
     def response(self) -> JSONResponse:

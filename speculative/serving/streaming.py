@@ -51,7 +51,10 @@ class Exchange:
         chat: bool,
         limits: Limits | None = None,
     ) -> None:
-        self.service, self.request, self.body, self.chat = service, request, body, chat
+        self.service = service
+        self.request = request
+        self.body = body
+        self.chat = chat
         self.limits = limits or Limits()
         self.prompt = prompt
         self.echo = bool(getattr(body, "echo", None))
@@ -71,7 +74,8 @@ class Exchange:
         # A streamed request, or one with stop strings, reads every iteration's tokens as they
         # come; any other waits for the end, so its tokens are handed over once, and the event
         # loop is not woken (taking a core from the engine's threads) at every iteration.
-        eager, held = bool(body.stream or body.stop), []
+        eager = bool(body.stream or body.stop)
+        held: list[int] = []
 
         def tokens(ids: list[int]) -> None:
             if eager:
@@ -86,12 +90,17 @@ class Exchange:
 
         # a field the request leaves out takes the model's default (generation_config.json), else OpenAI's
         defaults = service.defaults
-        temperature = (
-            defaults.get("temperature", 1.0) if body.temperature is None else body.temperature
-        )
-        top_p = defaults.get("top_p") if body.top_p is None else body.top_p
-        top_p = None if top_p is None or top_p >= 1 else top_p
-        top_k = defaults.get("top_k") if body.top_k is None else body.top_k
+        temperature = body.temperature
+        if temperature is None:
+            temperature = defaults.get("temperature", 1.0)
+        top_p = body.top_p
+        if top_p is None:
+            top_p = defaults.get("top_p")
+        if top_p is not None and top_p >= 1:
+            top_p = None  # the whole distribution: no nucleus to cut
+        top_k = body.top_k
+        if top_k is None:
+            top_k = defaults.get("top_k")
         self.ticket = Ticket(
             prompt,
             max_tokens_of(service, body, len(prompt), chat) or 1,  # 0: one, never shown
@@ -216,24 +225,29 @@ class Exchange:
         """This request's speculation figures."""
         row = self.ticket.row
         stats = row.stats if row is not None else None
-        pinned = self.ticket.gamma
         used = list(stats.gamma_history) if stats else []
-        mode = self.service.speculation
+        tau = None
+        if stats and stats.target_calls:
+            tau = row.produced / stats.target_calls
         return {
-            "gamma": pinned
-            if pinned is not None
-            else self.service.gamma_max
-            if mode == "on"
-            else mode,
+            "gamma": self.gamma_shown(),
             "drafted_tokens": stats.drafted_tokens if stats else 0,
             "accepted_tokens": stats.accepted_draft_tokens if stats else 0,
             "acceptance_rate": stats.acceptance_rate if stats else None,
-            "tokens_per_target_call": row.produced / stats.target_calls
-            if stats and stats.target_calls
-            else None,
+            "tokens_per_target_call": tau,
             "target_calls": stats.target_calls if stats else 0,
             "mean_gamma": sum(used) / len(used) if used else None,
         }
+
+    def gamma_shown(self) -> int | str:
+        """The gamma this request ran under, as its answer shows it: its own pinned gamma, else
+        the server's gamma_max when speculation is on, else the server's mode (load, off, none)."""
+        if self.ticket.gamma is not None:
+            return self.ticket.gamma
+        mode = self.service.speculation
+        if mode == "on":
+            return self.service.gamma_max
+        return mode
 
     def logprobs(self, start: int, ids: list[int]) -> dict[str, Any] | None:
         """OpenAI's logprobs of the kept tokens start.. (``ids``): the target's own log-probability
@@ -241,7 +255,10 @@ class Exchange:
         if self.ticket.logprobs is None or self.ticket.row is None:
             return None
         record = self.ticket.row.logprob_record[start : start + len(ids)]
-        name = lambda token: token_text(self.service.tokenizer, token)  # noqa: E731
+
+        def name(token: int) -> str:
+            return token_text(self.service.tokenizer, token)
+
         if self.chat:
             return {
                 "content": [
@@ -262,13 +279,13 @@ class Exchange:
     def echoed(self) -> tuple[str, dict[str, Any] | None]:
         """With echo: the prompt's text and, with logprobs, the prompt tokens' log-probabilities
         under the target (the first token has none, as in OpenAI's answers)."""
-        text = (
-            self.body.prompt
-            if isinstance(self.body.prompt, str)
-            else self.body.prompt[0]
-            if isinstance(self.body.prompt[0], str)
-            else self.service.tokenizer.decode(self.prompt)
-        )
+        prompt = self.body.prompt
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt[0], str):
+            text = prompt[0]
+        else:
+            text = self.service.tokenizer.decode(self.prompt)  # the prompt came as token ids
         row = self.ticket.row
         if self.body.logprobs is None or row is None or len(row.prompt_record) != len(self.prompt):
             return text, None
@@ -310,14 +327,14 @@ class Exchange:
         return out
 
     def document(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
-        kind = (
-            ("chat.completion.chunk" if chunk else "chat.completion")
-            if self.chat
-            else "text_completion"
-        )
-        if (
-            chunk and self.include_usage
-        ):  # as OpenAI: usage null on every chunk but the last, which has it
+        if not self.chat:
+            kind = "text_completion"
+        elif chunk:
+            kind = "chat.completion.chunk"
+        else:
+            kind = "chat.completion"
+        if chunk and self.include_usage:
+            # as OpenAI: usage null on every chunk but the last, which has it
             extra["usage"] = extra.get("usage") if not choices else None
         return {
             "id": self.id,
@@ -329,6 +346,13 @@ class Exchange:
             **extra,
         }
 
+    def shows(self, text: str, ids: list[int]) -> bool:
+        """Whether an iteration's piece is worth a chunk of the stream: it adds text, or token ids
+        or log-probabilities that the request asked for."""
+        if text:
+            return True
+        return bool(ids and (self.body.return_token_ids or self.ticket.logprobs is not None))
+
     # ------------------------------------------------------------------------- the two ways to answer
     async def whole(self) -> JSONResponse:
         text: list[str] = []
@@ -336,9 +360,8 @@ class Exchange:
             async for piece, _ in self.pieces():
                 text.append(piece)
         except ClientGoneError:
-            return error_response(
-                499, "the client closed the request", code="client_closed"
-            )  # read by nobody
+            # read by nobody
+            return error_response(499, "the client closed the request", code="client_closed")
         finally:
             self.close()
         failed = self.failure()
@@ -381,34 +404,20 @@ class Exchange:
                     }
                     yield sse(self.document([opening], chunk=True))
                 piece: tuple[str, list[int]] | None = first
-                sent, echoed = (
-                    0,
-                    not self.echo,
-                )  # kept tokens handed out so far; the prompt, with echo
+                sent = 0  # kept tokens handed out so far
+                echoed = not self.echo  # the prompt, with echo
                 while piece is not None:
                     text, ids = piece
-                    if (
-                        piece is IDLE
-                    ):  # nothing to send for a while: a comment keeps the stream open
+                    if piece is IDLE:
+                        # nothing to send for a while: a comment keeps the stream open
                         yield ": keep-alive\n\n"
                     elif not echoed and self.failure() is None:
                         echoed = True
-                        yield sse(
-                            self.document(
-                                [self.choice("", [], None, delta=True, echo=True)], chunk=True
-                            )
-                        )
-                    if piece is not IDLE and (
-                        text
-                        or (
-                            ids and (self.body.return_token_ids or self.ticket.logprobs is not None)
-                        )
-                    ):
-                        yield sse(
-                            self.document(
-                                [self.choice(text, ids, None, delta=True, start=sent)], chunk=True
-                            )
-                        )
+                        prompt = self.choice("", [], None, delta=True, echo=True)
+                        yield sse(self.document([prompt], chunk=True))
+                    if piece is not IDLE and self.shows(text, ids):
+                        added = self.choice(text, ids, None, delta=True, start=sent)
+                        yield sse(self.document([added], chunk=True))
                     sent += len(ids)
                     try:
                         piece = await anext_or_none(pieces)
@@ -428,13 +437,8 @@ class Exchange:
                     )
                 else:
                     extra = {"usage": self.usage(), "speculation": self.speculation()}
-                    yield sse(
-                        self.document(
-                            [self.choice("", [], self.finish_reason, delta=True)],
-                            chunk=True,
-                            **extra,
-                        )
-                    )
+                    closing = self.choice("", [], self.finish_reason, delta=True)
+                    yield sse(self.document([closing], chunk=True, **extra))
                     if self.include_usage:
                         yield sse(self.document([], chunk=True, **extra))
                 yield "data: [DONE]\n\n"
@@ -506,11 +510,9 @@ def logprobs_of(body: Options, chat: bool) -> int | None:
 def token_text(tokenizer: Any, token: int) -> str:
     """A token's own text: its SentencePiece piece with the word-boundary mark as a space."""
     piece = getattr(tokenizer, "piece", None)
-    return (
-        piece(int(token)).replace("\u2581", " ")
-        if piece is not None
-        else tokenizer.decode([int(token)])
-    )
+    if piece is None:
+        return tokenizer.decode([int(token)])
+    return piece(int(token)).replace("\u2581", " ")
 
 
 async def answer(exchange: Exchange) -> Any:

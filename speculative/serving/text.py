@@ -108,9 +108,8 @@ class TextStream:
         self.tokenizer = tokenizer
         self.ids = [int(t) for t in prompt_ids]
         self.read = len(self.ids)  # tokens whose text is handed out (or is the prompt's)
-        self.start = max(
-            0, self.read - 4
-        )  # a few tokens of context: the window never starts at the new one
+        # a few tokens of context: the window never starts at the new one
+        self.start = max(0, self.read - 4)
 
     def add(self, token: int) -> str:
         """The text that is complete now that ``token`` follows ("" while a character waits)."""
@@ -144,7 +143,8 @@ class StopStrings:
     @staticmethod
     def _fallback(stop: str) -> list[int]:
         """fallback[k]: the longest proper prefix of stop[:k + 1] that is also its suffix."""
-        table, k = [0] * len(stop), 0
+        table = [0] * len(stop)
+        k = 0
         for i in range(1, len(stop)):
             while k and stop[i] != stop[k]:
                 k = table[k - 1]
@@ -159,7 +159,8 @@ class StopStrings:
         found = None
         for i, char in enumerate(text):
             for j, stop in enumerate(self.stops):
-                k, table = self.state[j], self.fallback[j]
+                k = self.state[j]
+                table = self.fallback[j]
                 while k and char != stop[k]:
                     k = table[k - 1]
                 if char == stop[k]:
@@ -184,8 +185,10 @@ class Output:
     completed it (``tokens`` are the ones kept)."""
 
     def __init__(self, tokenizer: Any, shown: Sequence[int], stops: Sequence[str]) -> None:
-        self.stream, self.stops = TextStream(tokenizer, shown), StopStrings(stops)
-        self.text, self.sent = "", 0
+        self.stream = TextStream(tokenizer, shown)
+        self.stops = StopStrings(stops)
+        self.text = ""
+        self.sent = 0
         self.tokens: list[int] = []
         self.stopped = False
 
@@ -199,7 +202,8 @@ class Output:
             found = self.stops.feed(piece, len(self.text)) if self.stops.stops else None
             self.text += piece
             if found is not None:
-                self.text, self.stopped = self.text[:found], True
+                self.text = self.text[:found]
+                self.stopped = True
         return self.release(self.stopped)
 
     def release(self, everything: bool) -> str:

@@ -83,19 +83,24 @@ class ThreadTuner:
     ) -> None:
         if most < 1:
             raise ValueError(f"most must be >= 1, got {most}")
-        self.counts, self.apply, self.log = ladder(most), apply, log
+        self.counts = ladder(most)
+        self.apply = apply
+        self.log = log
         self.threads = most
-        self.window, self.first_gap, self.longest_gap = window, first_gap, longest_gap
-        self.margin, self.abort, self.drift = margin, abort, drift
+        self.window = window
+        self.first_gap = first_gap
+        self.longest_gap = longest_gap
+        self.margin = margin
+        self.abort = abort
+        self.drift = drift
         self.clock = 0  # iterations observed
-        self.fresh = (
-            8 * window
-        )  # a time older than this many iterations is not compared with a probe's
-        self.recent: dict[
-            Shape, deque[tuple[int, float]]
-        ] = {}  # the current count's latest (clock, time) by shape
+        # a time older than this many iterations is not compared with a probe's
+        self.fresh = 8 * window
+        # the current count's latest (clock, time) by shape
+        self.recent: dict[Shape, deque[tuple[int, float]]] = {}
         self.usual: dict[Shape, float] = {}  # a slow average of this count's times by shape
-        self.gap, self.since = first_gap, 0
+        self.gap = first_gap  # iterations before the next probe (doubles after a vain one)
+        self.since = 0  # iterations since the last probe ended
         self.probing: int | None = None
         self.ratios: list[float] = []  # probe time / current count's recent median, same shape
         self.probe_iterations = 0
@@ -149,7 +154,8 @@ class ThreadTuner:
         self.probing = neighbours[0] if fewer else neighbours[self.turn % len(neighbours)]
         self.turn += not fewer
         self.probes += 1
-        self.ratios, self.probe_iterations = [], 0
+        self.ratios = []
+        self.probe_iterations = 0
         self.apply(self.probing)
 
     def conclude(self) -> None:
@@ -160,13 +166,15 @@ class ThreadTuner:
                 f"time of {self.threads})"
             )
             self.threads = self.probing
-            self.recent, self.usual = {}, {}
+            self.recent = {}
+            self.usual = {}
             self.gap = self.first_gap
             self.switches += 1
         else:
             self.apply(self.threads)
             self.gap = min(2 * self.gap, self.longest_gap)
-        self.probing, self.since = None, 0
+        self.probing = None
+        self.since = 0
 
 
 __all__ = ["ThreadTuner", "ladder"]

@@ -218,14 +218,16 @@ def run_catalogue(
                     command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout
                 )
                 failed = re.search(r"^FAILED (\S+)", out.stdout, re.MULTILINE)
-                first = (
-                    failed.group(1)
-                    if failed
-                    else ("" if out.returncode == 0 else out.stdout.strip()[-200:])
-                )
+                if failed:
+                    first = failed.group(1)
+                elif out.returncode == 0:
+                    first = ""
+                else:
+                    first = out.stdout.strip()[-200:]  # it failed without a FAILED line
                 verdict = "survived" if out.returncode == 0 else "caught"
             except subprocess.TimeoutExpired:
-                first, verdict = f"timed out after {timeout:.0f} s", "survived"
+                first = f"timed out after {timeout:.0f} s"
+                verdict = "survived"
             results.append((bug, verdict, first, time.perf_counter() - start))
     return results
 

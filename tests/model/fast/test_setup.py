@@ -73,8 +73,11 @@ def test_the_fastest_measured_candidate_is_kept(
     def fake_step_ms(model, widths, hidden, calls=15):
         packed = any(isinstance(m, PrepackedLinear) for m in model.modules())
         stacked = getattr(model.layers[0].self_attn, "qkv_proj", None) is not None
-        name = "prepacked" if packed else "stacked" if stacked else "plain"
-        return times[name]
+        if packed:
+            return times["prepacked"]
+        if stacked:
+            return times["stacked"]
+        return times["plain"]
 
     monkeypatch.setattr(setup_lib, "step_ms", fake_step_ms)
     model, choice = choose_setup(small(), ("plain", "stacked", "prepacked"), (1, 3), 24)
@@ -143,12 +146,13 @@ def test_the_compile_note_weighs_the_compile_time_against_the_run() -> None:
         "compiling took 2.0s and saves at most 1.0s over 1000 tokens: this run does not pay"
     )
     assert setups.compile_note(3000) is None  # saves 3 s
+    # nothing compiled
     assert (
         Setups(
             None, None, [("target", SetupChoice("stacked", {"plain": 1.0, "stacked": 0.5}))]
         ).compile_note(1)
         is None
-    )  # nothing compiled
+    )
     assert setups.lines == [target.line("target"), draft.line("draft")]
 
 
@@ -168,18 +172,16 @@ def test_choose_setups_returns_the_models_to_decode_with(monkeypatch: pytest.Mon
         random_llama(vocab=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32),
     )
     setups = choose_setups(target, ("plain", "stacked"), (1, 2, 5), 24, draft=draft, batch=3)
-    assert (
-        setups.target is not target and setups.draft is not draft
-    )  # the timed copies, not patched models
+    # the timed copies, not patched models
+    assert setups.target is not target and setups.draft is not draft
     assert kinds(setups.target) == kinds(setups.draft) == {"stacked"} and kinds(target) == {
         "separate"
     }
     assert [name for name, _ in setups.choices] == ["target", "draft"]
     assert timed == [(512, (1, 2, 5), False)] * 2 + [(32, (1, 2), False)] * 2
     alone = choose_setups(target, ("stacked",), (1,), 24)
-    assert (
-        alone.draft is None and alone.target is target and kinds(target) == {"stacked"}
-    )  # one set-up: applied
+    # one set-up: applied
+    assert alone.draft is None and alone.target is target and kinds(target) == {"stacked"}
     assert alone.lines == ["target: stacked (the only set-up asked for)"]
 
 
@@ -245,9 +247,8 @@ def test_int8_and_tensor_parallel_models_are_told_apart_without_their_classes() 
     itself made. Neither is kept in the compiled-step cache, and a shard is not compiled."""
     assert cacheable(small())
     assert not cacheable(quantize_int8(small()))
-    shard = parallelize(
-        small(), 2
-    )  # this rank's layers, built and never called: no process group needed
+    # this rank's layers, built and never called: no process group needed
+    shard = parallelize(small(), 2)
     assert not cacheable(shard)
     with pytest.raises(CompileError, match="tensor-parallel models are not compiled"):
         compile_for_decoding(shard, (1,))

@@ -49,9 +49,8 @@ NEW_TOKENS = 24
 def random_model(config: ModelConfig, seed: int) -> Llama:
     torch.manual_seed(seed)
     model = Llama(config)
-    with (
-        torch.no_grad()
-    ):  # RMSNorm weights start at 1; randomise them so a mis-sliced norm would show
+    # RMSNorm weights start at 1; randomise them so a mis-sliced norm would show
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
@@ -104,9 +103,8 @@ def rank_main(directory: str) -> None:
         out["int8_bytes"] = weight_bytes(quantized)
 
         target64 = load_model_tp(ckpt, "cpu", torch.float64)
-        draft64 = load_model_tp(
-            draft_ckpt, "cpu", torch.float64, shard=False
-        )  # replicated, rank 0's logits
+        # replicated, rank 0's logits
+        draft64 = load_model_tp(draft_ckpt, "cpu", torch.float64, shard=False)
         out["spec_greedy"] = speculative_generate(
             target64, draft64, PROMPT, NEW_TOKENS, gamma=3, temperature=0.0
         ).tokens
@@ -126,9 +124,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     torch.set_num_threads(1)
     directory = tmp_path_factory.mktemp("tp")
     target, draft = random_model(TARGET, 0), random_model(DRAFT, 1)
-    save_model(
-        target, directory / "target", max_shard_bytes=40_000
-    )  # several shards: slices cross files
+    # several shards: slices cross files
+    save_model(target, directory / "target", max_shard_bytes=40_000)
     save_model(draft, directory / "draft")
     launch_local(rank_main, WORLD, str(directory), timeout=150)
     return {
@@ -159,9 +156,8 @@ def test_cached_decode_equals_single_process(ranks: dict) -> None:
     with torch.inference_mode():
         reference = load_model(ranks["dir"] / "target", "cpu", torch.float32)(tokens()[:, :7])
     for result in ranks["results"]:
-        assert (
-            result["kv_heads"] == TARGET.n_kv_heads // WORLD
-        )  # each rank caches only its KV heads
+        # each rank caches only its KV heads
+        assert result["kv_heads"] == TARGET.n_kv_heads // WORLD
         assert (result["cached"] - reference).abs().max().item() < 1e-5
 
 
@@ -174,9 +170,8 @@ def test_each_rank_holds_half_the_sharded_weights(ranks: dict) -> None:
     for result in ranks["results"]:
         assert result["sharded_bytes"] * WORLD == sharded
         assert result["bytes"] == sharded // WORLD + replicated
-        assert (
-            result["storage_bytes"] == result["bytes"]
-        )  # no slice keeps its whole source tensor alive
+        # no slice keeps its whole source tensor alive
+        assert result["storage_bytes"] == result["bytes"]
 
 
 def test_replicated_draft_is_whole_on_every_rank(ranks: dict) -> None:
@@ -204,9 +199,8 @@ def test_all_ranks_share_one_seed(ranks: dict) -> None:
 def test_int8_tensor_parallel_close_and_half_the_bytes(ranks: dict) -> None:
     with torch.inference_mode():
         reference = load_model(ranks["dir"] / "target", "cpu", torch.float32)(tokens())
-    bound = (
-        0.025 * reference.std().item()
-    )  # LOGIT_BOUND of tests/model/scale/test_quantize.py, justified there
+    # LOGIT_BOUND of tests/model/scale/test_quantize.py, justified there
+    bound = 0.025 * reference.std().item()
     for result in ranks["results"]:
         assert (result["int8_logits"] - reference).abs().max().item() < bound
         # float32 -> int8 is 4x smaller for the block weights; embeddings/norms stay float32.
@@ -299,9 +293,8 @@ def test_cuda_tensor_parallel_logits(tmp_path: Path) -> None:
         reference = load_model(tmp_path / "target", "cuda", torch.float32)(tokens().cuda()).cpu()
     for r in range(WORLD):
         logits = torch.load(tmp_path / f"rank{r}.pt")
-        assert (
-            logits - reference
-        ).abs().max().item() < 1e-4  # TF32-free float32, different summation order
+        # TF32-free float32, different summation order
+        assert (logits - reference).abs().max().item() < 1e-4
 
 
 def cuda_rank_main(directory: str) -> None:

@@ -21,9 +21,8 @@ def test_expected_tokens_per_iteration_by_hand() -> None:
     )
     assert expected_tokens_per_iteration(0.5, 1) == pytest.approx(1.5, abs=1e-12)
     assert expected_tokens_per_iteration(1.0, 4) == 5.0  # the limit gamma + 1
-    assert expected_tokens_per_iteration(1 - 1e-13, 4) == pytest.approx(
-        5.0, abs=1e-9
-    )  # no cancellation
+    # no cancellation
+    assert expected_tokens_per_iteration(1 - 1e-13, 4) == pytest.approx(5.0, abs=1e-9)
     assert expected_tokens_per_iteration(0.0, 7) == 1.0
 
 
@@ -145,14 +144,12 @@ def test_speculation_is_turned_off_where_plain_steps_are_faster(kind: type) -> N
     first = retries(chosen[off:])[0] + off
     assert first == off - 2 + 16 and chosen[off:first] == [0] * (first - off)
     assert chosen[first : first + 4] == [4, 4, 0, 0]
-    assert (
-        retries(chosen)[-1] == first + 1 + 32 or retries(chosen)[-1] == first
-    )  # lost again: doubled
+    # lost again: doubled
+    assert retries(chosen)[-1] == first + 1 + 32 or retries(chosen)[-1] == first
     later, _ = run(auto, 400, 120, now, (0.010, 1.8), 0.005)
     gaps = [b - a for a, b in zip(retries(later), retries(later)[1:])]
-    assert (
-        gaps and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > 100
-    )  # it backs off while it loses
+    # it backs off while it loses
+    assert gaps and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > 100
     assert sum(g > 0 for g in later) <= 2 * (len(gaps) + 1)  # two speculating iterations a retry
 
 
@@ -219,9 +216,8 @@ def test_speculation_stays_on_where_it_pays_and_comes_back_when_it_starts_paying
     assert not auto.off
     assert [i for i, g in enumerate(chosen) if g == 0] == [2, 32, 64, 96]  # a plain probe in 32
     broke = kind()
-    chosen, now = run(
-        broke, 30, 0, 0.0, (0.010, 1), 0.005
-    )  # loses: off, a retry after 2 x 34 ms lost / 1%
+    # loses: off, a retry after 2 x 34 ms lost / 1%
+    chosen, now = run(broke, 30, 0, 0.0, (0.010, 1), 0.005)
     assert broke.off
     chosen, now = run(broke, 150, 30, now, (0.010, 4), 0.005)  # now it pays: on at the next retry
     assert not broke.off and chosen[-10:].count(0) <= 1 and retries(chosen)[0] == 36 - 30
@@ -247,9 +243,8 @@ def test_a_broken_on_off_rule_is_caught() -> None:
                 self.off = not self.off
 
     chosen, _ = run(Reversed(), 40, 0, 0.0, (0.010, 1.5), 0.005)
-    assert (
-        sum(g > 0 for g in chosen[5:]) > 20
-    )  # the first test's rule would speculate in at most a few of these
+    # the first test's rule would speculate in at most a few of these
+    assert sum(g > 0 for g in chosen[5:]) > 20
 
 
 # ----------------------------------------------------------------------------- recorded costs: generate.py's guard
@@ -302,12 +297,10 @@ def test_recorded_costs_by_hand() -> None:
     assert retries(
         decide(Switch(gamma=4, recorded=(0.005, 0.015, 0.010)), [1] * 400, NoisyClock(0))
     ) == [318]
-    paying = Switch(
-        gamma=4, recorded=(0.005, 0.012)
-    )  # 3 tokens a 12 ms iteration: 15 ms of plain steps
-    assert (
-        decide(paying, [3] * 100, NoisyClock(0)) == [4] * 100
-    )  # never off, and no plain probe needed
+    # 3 tokens a 12 ms iteration: 15 ms of plain steps
+    paying = Switch(gamma=4, recorded=(0.005, 0.012))
+    # never off, and no plain probe needed
+    assert decide(paying, [3] * 100, NoisyClock(0)) == [4] * 100
 
 
 def test_recorded_costs_charge_a_short_draft_in_proportion() -> None:
@@ -317,7 +310,8 @@ def test_recorded_costs_charge_a_short_draft_in_proportion() -> None:
     turns off; one that drafts nothing is a plain step, neither."""
 
     def run(tokens: float, depth: int, n: int = 60) -> list[int]:
-        auto, chosen = Switch(gamma=4, recorded=(0.005, 0.010)), []
+        auto = Switch(gamma=4, recorded=(0.005, 0.010))
+        chosen = []
         for i in range(n):
             gamma = auto.choose(i)
             chosen.append(gamma)

@@ -99,10 +99,11 @@ def test_tree(pair: tuple, temperature: float, mode: str, monkeypatch: pytest.Mo
         monkeypatch,
     )
     assert reads == out.stats.target_calls
+    # host lists: the model checks them without a read
     assert moved and all(
         isinstance(rows, list) and all(isinstance(slots, list) for slots in src + dst)
         for rows, src, dst in moved
-    )  # host lists: the model checks them without a read
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -300,8 +301,10 @@ def test_timing_never_waits_for_the_device(
     real = AutoGamma.update
 
     def fixed_times(self, overlaps, draft_step_s, target_call_s, **kwargs):
-        timed = draft_step_s is not None and target_call_s is not None
-        real(self, overlaps, 1e-3 if timed else None, 1e-2 if timed else None, **kwargs)
+        if draft_step_s is not None and target_call_s is not None:
+            real(self, overlaps, 1e-3, 1e-2, **kwargs)
+        else:
+            real(self, overlaps, None, None, **kwargs)
 
     real_observe = AutoGamma._observe
 
