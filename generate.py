@@ -71,6 +71,7 @@ from weights.load import (
     named_draft,
     plan_configs,
     read_named_pair,
+    registered,
     stored_dtype,
 )
 from weights.step_cache import ENV, default_dir
@@ -311,7 +312,8 @@ def setup_flag(args: argparse.Namespace) -> str:
 def print_plan(args: argparse.Namespace) -> int:
     """--plan: the per-GPU memory of this pair from configs only (model/scale/memory.py), and the
     cheapest change that fits when it does not (exit status 1)."""
-    target, draft = plan_configs(args.target, named_draft(args))
+    args.draft = named_draft(args.target, args.draft, args.no_draft)
+    target, draft = plan_configs(args.target, args.draft)
     tp = args.tp or int(os.environ.get("WORLD_SIZE", "1"))
     device = args.plan_device or ("auto" if torch.cuda.is_available() else "h200")
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16
@@ -346,7 +348,16 @@ def load(
     weights are read. Returns the pair (weights.load), the encoded prompts (the lines of
     --prompts-file, or [--prompt]), the set-ups chosen (None for the default set-up) and notes on
     the checkpoints (fields not classified, the model's own sampling defaults)."""
-    spec = read_named_pair(args)
+    named = read_named_pair(
+        args.target,
+        args.draft,
+        args.gamma,
+        no_draft=args.no_draft,
+        gamma_given=args.gamma_given,
+    )
+    args.draft = named.draft  # the default draft, when none was named
+    args.gamma = named.gamma  # a default head's own, when --gamma was not given
+    spec = named.spec
     if args.setup != "default" and world_size > 1:
         raise UsageError(
             f"{setup_flag(args)} is for one process: tensor-parallel shards keep the default set-up (a "
@@ -371,21 +382,19 @@ def load(
     for line, prompt_ids in enumerate(encoded, 1):
         if len(prompt_ids) >= context:
             where = f"--prompts-file line {line}: the prompt" if prompts else "the prompt"
-            names = " and ".join([args.target] + ([args.draft] if spec.kind == "model" else []))
+            models = [args.target]
+            kind = registered(spec.kind)
+            if kind is not None and kind.bare:  # a draft model's context bounds the run as well
+                models.append(args.draft)
+            names = " and ".join(models)
             raise UsageError(
                 f"{where} is {len(prompt_ids)} tokens, which leaves no room in the {context}-token "
                 f"context of {names}"
             )
-    shape = (
-        AutoTree().covering() if args.tree == "auto" else args.tree
-    )  # auto: room for its largest
-    ahead = (
-        len(branching_parents(shape))
-        if shape
-        else GAMMA_MAX
-        if args.gamma == "auto"
-        else args.gamma
-    )
+    shape = args.tree
+    if args.tree == "auto":  # room for its largest
+        shape = AutoTree().covering()
+    ahead = drafted_ahead(args, shape)
     if args.tree and ahead + 1 >= context:
         raise UsageError(
             f"--tree {','.join(map(str, shape))} has {ahead} nodes, which cannot fit in the "
@@ -395,14 +404,12 @@ def load(
         context,
         max(map(len, encoded)) + args.max_new_tokens + (0 if spec.kind is None else ahead + 1),
     )
-    rows = (
-        min(args.batch_size or len(encoded), len(encoded)) if prompts else 1
-    )  # the KV caches' rows
+    # the KV caches' rows
+    rows = min(args.batch_size or len(encoded), len(encoded)) if prompts else 1
     # The set-up of each model: the default (compiled steps from the cache, else stacked and prepacked at once),
     # or measured or forced (--setup, --compile) for the calls this run makes.
     pair, setups = load_named_pair(
-        args,
-        spec,
+        named,
         device,
         dtype,
         positions=positions,
@@ -414,6 +421,11 @@ def load(
         world_size=world_size,
         flag=setup_flag(args),
         draft_dtype=pick_dtype(args.draft_dtype, device) if args.draft_dtype else None,
+        quantize=args.quantize,
+        setup=args.setup,
+        stack=not args.no_fuse,
+        prepack=not args.no_prepack,
+        cache_dir=args.cache_dir,
     )
     return (
         pair,
@@ -421,6 +433,16 @@ def load(
         setups,
         spec.notes + [line for line in [model_defaults_note(args, spec.sampling_defaults)] if line],
     )
+
+
+def drafted_ahead(args: argparse.Namespace, shape: tuple[int, ...] | None) -> int:
+    """The most tokens an iteration reads past a row's sequence: a tree's nodes, or the most
+    gamma drafts (auto: GAMMA_MAX)."""
+    if shape:
+        return len(branching_parents(shape))
+    if args.gamma == "auto":
+        return GAMMA_MAX
+    return args.gamma
 
 
 def model_defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> str | None:
@@ -444,18 +466,16 @@ def model_defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> s
 
 def run(args: argparse.Namespace, given: set[str]) -> int:
     validate(args, given)
-    args.gamma_given = (
-        "gamma" in given
-    )  # a default drafter may come with its own (weights.load.read_named_pair)
-    is_main = (
-        int(os.environ.get("RANK", "0")) == 0
-    )  # only rank 0 prints; the others compute silently
+    # a default drafter may come with its own (weights.load.read_named_pair)
+    args.gamma_given = "gamma" in given
+    # Only rank 0 prints; the others compute silently.
+    is_main = int(os.environ.get("RANK", "0")) == 0
     notes = cmdline.unused_flags(args, given)
     for note in notes if is_main else []:
         print(f"warning: {note}", file=sys.stderr)
     if args.temperature == 0:  # the warned-about flags are dropped, so that settings show what ran
         args.top_k = args.top_p = args.seed = None
-    args.guard = cmdline.guarded(args.guard, args.temperature)
+    args.guard = cmdline.guarded(args.guard)
     args.verify = cmdline.verified(args.verify, args.temperature, args.tree)
     if args.plan:
         return print_plan(args)
@@ -474,9 +494,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         texts = cmdline.read_prompts(args.prompts_file)
     else:
         args.prompt = cmdline.read_prompt(args.prompt, world_size)
-    if (
-        world_size > 1
-    ):  # under torchrun: one process per GPU (cuda:LOCAL_RANK), NCCL; gloo on the CPU
+    # under torchrun: one process per GPU (cuda:LOCAL_RANK), NCCL; gloo on the CPU
+    if world_size > 1:
         if (
             pick_device(args.device).type == "cuda"
             and args.device is not None
@@ -486,7 +505,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
                 "under torchrun each rank uses GPU LOCAL_RANK: pass --device cuda, not a numbered one"
             )
         info = init_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        device, is_main = info.device, info.is_main
+        device = info.device
+        is_main = info.is_main
     else:
         device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device, None if args.quantize else stored_dtype(args.target))
@@ -500,9 +520,9 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     for line in load_notes if not args.json and is_main else []:
         print(f"note: {line}", file=sys.stderr)
     # Every rank draws the same random numbers: one seed, rank 0's (also a fresh one, shown for repeating the run).
-    seed = (
-        broadcast_seed(args.seed, device) if args.temperature > 0 else None
-    )  # greedy draws no random number
+    seed = None  # greedy draws no random number
+    if args.temperature > 0:
+        seed = broadcast_seed(args.seed, device)
     speculative = pair.draft is not None
     compare = args.compare and speculative
     sampling = dict(
@@ -512,12 +532,11 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         eos_id=() if args.ignore_eos else pair.stop_ids,
         seed=seed,
     )
-    guard, guard_note = args.guard, None
-    if (
-        guard == "recorded"
-    ):  # the default: costs measured once on this machine (speculative.cli.costs)
+    guard_note = None
+    # The default guard: costs measured once on this machine and set-up (speculative.cli.costs).
+    if args.guard.mode == "recorded":
         with torch.inference_mode():
-            guard, guard_note = costs.default_guard(
+            args.guard, guard_note = costs.default_guard(
                 args,
                 pair,
                 encoded[0],
@@ -525,7 +544,6 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
                 StepCache(args.cache_dir),
                 one_row=texts is None and world_size == 1,
             )
-        args.guard = "recorded" if guard else cmdline.unrecorded(args.temperature)
     lines = setups.lines
     settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
     if not args.json and is_main:
@@ -571,7 +589,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
                 verify=args.verify,
                 tree=args.tree,
                 tree_mode=args.tree_mode,
-                guard=guard or args.guard,
+                guard=args.guard,
                 **sampling,
             )
         else:
@@ -589,17 +607,15 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     sizes = list(getattr(result.stats, "gamma_history", [])) or [0] * len(step_clock.times)
     hint = output.busy_hint(step_clock.times, sizes, torch.get_num_threads(), device)
     comparison = None
-    if (
-        compare
-    ):  # the same prompt and settings, the target alone: every rank runs it, as it ran the first
+    # the same prompt and settings, the target alone: every rank runs it, as it ran the first
+    if compare:
         if streamer is not None:
             print(
                 "compare: now the target alone, on the same prompt with the same settings ...",
                 file=sys.stderr,
             )
-        with (
-            torch.inference_mode()
-        ):  # a callback, as in the first run, so that both loops copy tokens alike
+        # a callback, as in the first run, so that both loops copy tokens alike
+        with torch.inference_mode():
             baseline = autoregressive_generate(
                 pair.target,
                 prompt_ids,
@@ -641,7 +657,9 @@ def run_batch(
     completions are printed after the run, in prompt order, then the batch's summary; with
     --compare the same batch runs again with the target alone."""
     speculative = pair.draft is not None
-    compare, tokenizer, seed = args.compare and speculative, pair.tokenizer, sampling["seed"]
+    compare = args.compare and speculative
+    tokenizer = pair.tokenizer
+    seed = sampling["seed"]
     rows = min(args.batch_size or len(encoded), len(encoded))
     if not args.json:
         where = "standard input" if args.prompts_file == "-" else args.prompts_file
@@ -684,9 +702,9 @@ def run_batch(
     if not args.json:
         for doc, prompt_ids in zip(docs, encoded):
             seed_note = "" if doc["seed"] is None else f", seed {doc['seed']}"
-            prefix = (
-                "" if args.chat else tokenizer.decode(prompt_ids)
-            )  # as the single run prints it
+            prefix = ""  # as the single run prints it: a chat's prompt is not echoed
+            if not args.chat:
+                prefix = tokenizer.decode(prompt_ids)
             print(
                 f"--- prompt {doc['prompt_index']} (line {doc['line']}{seed_note}) ---\n{prefix}{doc['text']}"
             )

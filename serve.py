@@ -238,9 +238,9 @@ def validate(args: argparse.Namespace) -> None:
         "queue_timeout",
         "request_timeout",
     ):
-        least = (
-            0 if name in ("queue_timeout", "request_timeout") else 1e-9
-        )  # 0: no limit for the first two
+        least = 1e-9
+        if name in ("queue_timeout", "request_timeout"):  # 0: no limit
+            least = 0
         if not getattr(args, name) >= least:
             raise UsageError(
                 f"--{name.replace('_', '-')} must be {'>= 0' if least == 0 else '> 0'} seconds, got "
@@ -274,13 +274,14 @@ def load(
     """The pair as generate.py loads it (weights.load.read_named_pair and load_named_pair: the same
     set-up and compile choices, compiled steps kept in the same cache), for batches of up to
     --max-batch rows over the whole context. Returns it, the context, its set-up and what read_pair read."""
-    spec = read_named_pair(args)
+    named = read_named_pair(args.target, args.draft, args.gamma, no_draft=args.no_draft)
+    args.draft = named.draft  # the default draft, when none was named
+    spec = named.spec
     context = spec.context
     # The set-up: cached compiled steps for every batch size and width, else stacked and prepacked; or --setup's.
     gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
     pair, setups = load_named_pair(
-        args,
-        spec,
+        named,
         device,
         dtype,
         positions=context,
@@ -289,6 +290,11 @@ def load(
         gamma_max=args.gamma,
         flag=f"--setup {args.setup}",
         draft_dtype=pick_dtype(args.draft_dtype, device) if args.draft_dtype else None,
+        quantize=args.quantize,
+        setup=args.setup,
+        stack=not args.no_fuse,
+        prepack=not args.no_prepack,
+        cache_dir=args.cache_dir,
     )
     return pair, context, setups, spec
 
@@ -390,9 +396,8 @@ def run(args: argparse.Namespace) -> int:
     from speculative.serving.app import create_app  # FastAPI and pydantic: the serve extra too
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    listener = socket.socket(
-        family, socket.SOCK_STREAM, socket.IPPROTO_TCP
-    )  # so asyncio sets TCP_NODELAY
+    # IPPROTO_TCP named, so that asyncio sets TCP_NODELAY on the connections.
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((args.host, args.port))
@@ -418,9 +423,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if (warning := exposure_warning(args.host, access)) is not None:
         print(warning, file=sys.stderr, flush=True)
-    if (
-        service.draft and args.verify != cmdline.SAMPLED_RULE and RULES[args.verify].greedy
-    ):  # a named rule at T = 0
+    # a named rule at T = 0
+    if service.draft and args.verify != cmdline.SAMPLED_RULE and RULES[args.verify].greedy:
         print(
             f"note: --verify {args.verify} judges sampled requests; at temperature 0 a request gets "
             f"{RULES[args.verify].at_temperature_0}",

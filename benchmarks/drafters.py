@@ -61,15 +61,16 @@ from benchmarks.harness import (
 from model.fast.compile import decode_widths
 from speculative import autoregressive_generate, speculative_generate
 from speculative.cli import costs
-from speculative.cli.options import gamma_arg, guarded, unrecorded, verified
+from speculative.cli.options import gamma_arg, unrecorded, verified
+from speculative.engine.gamma_policy import OFF, TIMED, Guard
 from speculative.inputs import GAMMA_MAX
 from speculative.verify import RULES
 from weights import StepCache, load_tokenizer, read_pair
 from weights.corpus import chat_prompts, held_out_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-# --guard: None is generate.py's default (recorded costs); "greedy" its default before 2026-12-05 (timed when greedy)
-GUARDS = {"on": True, "off": False, "recorded": "recorded", "default": None, "greedy": None}
+# --guard: "default" is generate.py's (recorded costs); "greedy" its default before 2026-12-05 (timed when greedy)
+GUARDS = ("on", "off", "recorded", "default", "greedy")  # run_all's guard_for
 VALID = ROOT.parent / "shared" / "data" / "tinystories" / "tinystories_v1_valid_head.txt"
 
 
@@ -90,6 +91,18 @@ def load(
     return pair.target, pair.draft
 
 
+def guard_for(guard: str, temperature: float, recorded: tuple[float, ...] | None) -> Guard:
+    """run_all's ``guard`` as the engine's Guard."""
+    if guard == "on" or (guard == "greedy" and temperature == 0):
+        return TIMED
+    if guard == "off":
+        return OFF
+    # "recorded", "default", and "greedy" when sampled: generate.py's guard by recorded costs
+    if recorded:
+        return Guard("recorded", recorded)
+    return unrecorded(temperature)
+
+
 def run_all(
     target: Any,
     drafter: Any,
@@ -106,8 +119,7 @@ def run_all(
     when greedy, ``recorded`` when sampled); ``verify``: "token", "block", or "default" (generate.py's: block
     when sampled)."""
     rule = verified(None if verify == "default" else verify, temperature, None)
-    switch = guarded(True if guard == "greedy" and temperature == 0 else GUARDS[guard], temperature)
-    switch = (recorded or unrecorded(temperature)) if switch == "recorded" else switch
+    switch = guard_for(guard, temperature, recorded)
     most = GAMMA_MAX if gamma == "auto" else gamma
     total: dict[str, Any] = {
         "new": 0,

@@ -28,24 +28,31 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from model.fast.setup import machine
+from speculative.cli.options import unrecorded
+from speculative.draft.model import as_drafter
+from speculative.draft.protocol import trait
 from speculative.engine.engine import Engine
+from speculative.engine.gamma_policy import Guard
 
 COSTS = "guard_costs.json"  # the store's file of these records (beside measured.json)
+# a record's seconds, in Switch.recorded's order
 FIGURES = (
     "plain_s",
     "speculating_s",
     "catch_up_s",
-)  # a record's seconds, in Switch.recorded's order
+)
 TOKENS = 16  # new tokens a measurement decodes: a few iterations after the prompt's
 ROUNDS = 3  # runs that time the drafter catching up
+# iterations each way in turn, and their cycles: the run that times plain and speculating
 BLOCK, CYCLES = (
     4,
     6,
-)  # iterations each way in turn, and their cycles: the run that times plain and speculating
+)
 CONTEXT = 32  # the prompt's last tokens it starts from: a long prompt's pass would cost more than the rest
 # What a record means, in its key: 2 since the speculating iteration is the full depth's (:func:`full_depth`), 3
 # since plain and speculating iterations are timed in turns in one run; an older record is measured again.
 VERSION = 3
+# a run's arguments an Engine takes
 ENGINE = (
     "gamma",
     "tree",
@@ -54,17 +61,17 @@ ENGINE = (
     "temperature",
     "top_k",
     "top_p",
-)  # a run's arguments an Engine takes
+)
 
 
 def cost_key(target: Any, draft: Any, setups: Sequence[str], settings: dict[str, Any]) -> str:
     """What a record holds for: the shapes and dtypes of the target's and the drafter's networks with
     their configs (what a step costs depends on them, not on the weights' values, and hashing a large
     model's bytes would take seconds), the set-ups chosen, and the run's decoding ``settings``."""
-    networks = [
-        net
-        for net in (target, getattr(draft, "model", None), getattr(draft, "head", None), draft)
-        if hasattr(net, "config")
+    # a plain draft model is read as the model of its drafter
+    drafter = None if draft is None else as_drafter(draft)
+    networks = [target] + [
+        net for net in (trait(drafter, "model"), trait(drafter, "head")) if net is not None
     ]
     shapes = [
         repr(
@@ -160,9 +167,8 @@ def alternated(
     machine whose speed drifts (a VM, a neighbour) moves both sides of it together, and a cycle that a burst
     hit is outvoted. A context that ends before a cycle is complete uses the cycles completed (at least the
     iterations it has)."""
-    iterations = (
-        1 + 2 * block * cycles + block
-    )  # a last plain block: each speculating one has plain ones each side
+    # a last plain block: each speculating one has plain ones each side
+    iterations = 1 + 2 * block * cycles + block
     seconds, depths, gamma = timed(
         target,
         draft,
@@ -234,9 +240,8 @@ def catch_up(
         plain_steps + TOKENS,
         clock,
     )
-    if (
-        len(seconds) <= plain_steps + 1
-    ):  # the context ended first (a model of a short context): nothing to compare
+    # the context ended first (a model of a short context): nothing to compare
+    if len(seconds) <= plain_steps + 1:
         return 0.0
     return max(seconds[plain_steps] - statistics.median(seconds[plain_steps + 1 :]), 0.0)
 
@@ -270,12 +275,13 @@ def recorded(
 
 def default_guard(
     args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any, one_row: bool
-) -> tuple[tuple[float, ...] | bool, str | None]:
-    """generate.py's guard without --guard / --no-guard: the recorded costs of a chain or a named tree
-    (:func:`recorded`), and a note when they were measured now. False for a batch of prompts or a run over
-    several processes (each would measure its own), for gamma or tree "auto", and where nothing is drafted."""
+) -> tuple[Guard, str | None]:
+    """generate.py's guard without --guard / --no-guard: the recorded costs of a chain or a named
+    tree (:func:`recorded`), and a note when they were measured now. Where recorded costs do not
+    apply (a batch of prompts or a run over several processes, where each would measure its own;
+    gamma or tree "auto"; nothing drafted), the guard is options.unrecorded's."""
     if pair.draft is None or not one_row or args.gamma == "auto" or args.tree == "auto":
-        return False, None
+        return unrecorded(args.temperature), None
     run = dict(
         gamma=None if args.tree else args.gamma,
         tree=args.tree,
@@ -293,13 +299,12 @@ def default_guard(
         [choice.chosen for _, choice in setups.choices],
         run,
     )
-    note = (
-        (
-            "guard: measured here once, {:.2f} ms a plain step, {:.2f} ms a speculating iteration and {:.2f} ms more "
-            "for the first after plain steps, and recorded: later runs of this set-up read them (--compile-cache "
-            "clear forgets them)".format(*(seconds * 1e3 for seconds in costs))
+    note = None
+    if now:
+        milliseconds = (seconds * 1e3 for seconds in costs)
+        note = (
+            "guard: measured here once, {:.2f} ms a plain step, {:.2f} ms a speculating iteration "
+            "and {:.2f} ms more for the first after plain steps, and recorded: later runs of this "
+            "set-up read them (--compile-cache clear forgets them)".format(*milliseconds)
         )
-        if now
-        else None
-    )
-    return costs, note
+    return Guard("recorded", costs), note

@@ -15,7 +15,9 @@ import torch
 
 from model.host import describe_cpu
 from speculative.draft import DRAFTERS
+from speculative.engine.gamma_policy import OFF, RECORDED, TIMED, Guard
 from speculative.verify import RULES
+from speculative.verify.registry import SAMPLED_CHAIN_RULE, default_rule
 
 
 class UsageError(ValueError):
@@ -62,28 +64,40 @@ def gamma_arg(text: str) -> int | str:
         ) from None
 
 
-def guarded(asked: bool | None, temperature: float) -> bool | str:
-    """--guard / --no-guard (the run's own timings, or none), or by default "recorded": by costs measured once on
-    this machine and set-up (speculative.cli.costs), which a sampled run needs because the run's timings would make
-    its tokens follow the clock as well as its seed, and which spare a greedy one the timed switch's probes. Where
-    no costs apply (a batch, torchrun, gamma or tree "auto"): timed when greedy, none when sampled."""
-    return "recorded" if asked is None else asked
+def guarded(asked: bool | None) -> Guard:
+    """--guard (the run's own timings), --no-guard (none), or by default the recorded guard: costs
+    measured once on this machine and set-up (speculative.cli.costs), which a sampled run needs
+    because the run's timings would make its tokens follow the clock as well as its seed, and which
+    spare a greedy one the timed switch's probes. Its costs are read once the pair is loaded
+    (costs.default_guard); where none apply, :func:`unrecorded` is the guard."""
+    if asked is None:
+        return RECORDED
+    if asked:
+        return TIMED
+    return OFF
 
 
-def unrecorded(temperature: float) -> bool:
-    """The guard where recorded costs do not apply: timed when greedy, where the output is the target's greedy
-    tokens whatever the switch does; none when sampled, where it would follow the clock."""
-    return temperature == 0
+def unrecorded(temperature: float) -> Guard:
+    """The guard where recorded costs do not apply (a batch, torchrun, gamma or tree "auto", nothing
+    drafted): timed when greedy, where the output is the target's greedy tokens whatever the switch
+    does; none when sampled, where it would follow the clock."""
+    if temperature == 0:
+        return TIMED
+    return OFF
 
 
-SAMPLED_RULE = "block"  # how a sampled chain is verified unless --verify says otherwise (generate.py, serve.py)
+SAMPLED_RULE = SAMPLED_CHAIN_RULE  # serve.py's --verify default: the library's (speculative.verify)
 
 
 def verified(asked: str | None, temperature: float, tree: object) -> str:
-    """--verify, or by default block verification of a sampled chain: as exact as Algorithm 1's token-wise
-    rule and never fewer tokens accepted in expectation (Sun et al.), so the fastest exact rule
-    (docs/trees_and_blocks.md). Greedy both compare argmaxes, and a tree is verified by its own walk: token."""
-    return asked or (SAMPLED_RULE if temperature > 0 and tree is None else "token")
+    """--verify, or by default the library's rule (speculative.verify.default_rule: block
+    verification of a sampled chain, a tree's own walk). Greedy, every rule compares argmaxes, and
+    the run is named for the token-wise rule."""
+    if asked:
+        return asked
+    if temperature == 0:
+        return "token"
+    return default_rule(tree)
 
 
 def tree_arg(text: str) -> tuple[int, ...] | str:
@@ -174,9 +188,8 @@ def pick_dtype(name: str | None, device: torch.device, stored: str | None = None
     """``--dtype`` or, when not given, the fastest dtype that keeps the checkpoint's numerics: bfloat16
     (else float16) on a GPU; on a CPU the checkpoint's own bfloat16 (``stored``, its torch_dtype) where
     the CPU computes bfloat16 natively (docs/results/drafters_smollm2_bf16.md), else float32."""
-    bf16 = (
-        device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
-    )  # native: Ampere and newer
+    # native: Ampere and newer
+    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
     if name is None:
         if device.type in ("cuda", "mps"):
             return torch.bfloat16 if bf16 else torch.float16

@@ -44,7 +44,7 @@ import torch
 from model import call as calls
 from speculative.draft.model import as_drafter
 from speculative.draft.protocol import Draft, pad_rows, trait
-from speculative.engine.gamma import AutoGamma, Switch
+from speculative.engine.gamma_policy import Choice, GammaPolicy, Guard
 from speculative.engine.judging import judge_rows
 from speculative.engine.logprobs import record_logprobs, record_prompts
 from speculative.engine.rows import Callback, Row, RowFailedError, cut_at_eos
@@ -55,7 +55,7 @@ from speculative.engine.stats import (
     record_iteration,
     stop_reason,
 )
-from speculative.engine.trees import AutoTree, check_tree_request, fit_tree, keep_path
+from speculative.engine.trees import check_tree_request, fit_tree, keep_path
 from speculative.inputs import (
     NonFiniteLogitsError,
     check_gamma,
@@ -69,6 +69,7 @@ from speculative.inputs import (
     read_host,
 )
 from speculative.sampling import Sampling, make_generator
+from speculative.verify.registry import default_rule
 from speculative.verify.registry import rule as registered
 from speculative.verify.tree import branching_parents
 from speculative.verify.verdict import Verdict, Verification
@@ -80,19 +81,30 @@ class Engine:
     """Speculative decoding of many rows at once (see the module docstring).
 
     ``draft``: a model of the target's vocabulary (wrapped in speculative.draft.ModelDrafter),
-    any drafter, or None for the target alone. ``gamma``: tokens drafted per iteration, an int
-    >= 1 or "auto". ``verify``: the name of a registered rule (speculative.verify.RULES: "token",
-    Algorithm 1, or "block", Sun et al. 2025), which says what it does at temperature 0; or your own
+    any drafter, or None for the target alone.
+
+    ``gamma``: tokens drafted per iteration, an int >= 1 or "auto". How many each iteration really
+    drafts is the gamma policy's to say (``gamma_policy``, speculative.engine.gamma_policy: a row's
+    pinned gamma, a chooser from outside, "auto", the guard, a tree's shape).
+
+    ``verify``: the name of a registered rule (speculative.verify.RULES: "token", Algorithm 1, or
+    "block", Sun et al. 2025), which says what it does at temperature 0; None, the default, is
+    speculative.verify.default_rule's (block for a chain, the tree's walk for a tree); or your own
     verifier with their signature, ``rule(p [g+1, V], q [g, V], drafted [g], generator) ->
-    Verdict``, which then judges every chain, at temperature 0 too (on one-hot p and q):
-    what ``python -m speculative.prove`` runs through the engine. ``tree``: draft
-    a token tree of this branching per depth instead of a chain (one row; its depth takes
-    gamma's place), drawn by ``tree_mode``; "auto": the shape by measurement, iteration by iteration
-    (speculative.engine.trees.AutoTree). ``guard``: a fixed gamma or a named tree is turned off (plain target
-    steps) where this run measures that it loses (gamma.Switch; gamma="auto" always is), or, given (plain seconds
-    a token, seconds an iteration), where those recorded costs say so (no clock read).
-    ``max_rows``: rows in one call at most. ``cache_len``: the KV caches' length; None sizes them at the
-    first step for the rows added by then (a later row longer than that stops when the cache is full)."""
+    Verdict``, which then judges every chain, at temperature 0 too (on one-hot p and q): what
+    ``python -m speculative.prove`` runs through the engine.
+
+    ``tree``: draft a token tree of this branching per depth instead of a chain (one row; its depth
+    takes gamma's place), drawn by ``tree_mode``; "auto": the shape by measurement, iteration by
+    iteration (speculative.engine.trees.AutoTree).
+
+    ``guard`` (a gamma_policy.Guard; True is timed, a tuple of seconds recorded costs): a fixed
+    gamma or a named tree is turned off (plain target steps) where this run measures that it loses
+    (gamma.Switch; gamma="auto" always is), or where recorded costs say so (no clock read).
+
+    ``max_rows``: rows in one call at most. ``cache_len``: the KV caches' length; None sizes them at
+    the first step for the rows added by then (a later row longer than that stops when the cache is
+    full)."""
 
     def __init__(
         self,
@@ -103,48 +115,50 @@ class Engine:
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        verify: str = "token",
+        verify: str | Callable | None = None,
         tree: Sequence[int] | str | None = None,
         tree_mode: str = "without_replacement",
         max_rows: int = 1,
         cache_len: int | None = None,
-        guard: bool | tuple[float, ...] = False,
+        guard: Guard | bool | tuple[float, ...] = False,
     ) -> None:
-        self.target, self.drafter = target, None if draft is None else drafter_for(target, draft)
+        self.target = target
+        self.drafter = None
+        if draft is not None:
+            self.drafter = drafter_for(target, draft)
         self.sampling = Sampling(temperature, top_k, top_p)
+        if verify is None:  # the library's, generate.py's and serve.py's default
+            verify = default_rule(tree)
         if not callable(verify):
             registered(verify)  # ValueError for a name that is not registered
-        self.rule, self.tree, self.tree_mode, self.tree_auto = verify, None, tree_mode, None
+        self.rule = verify
+        self.tree = None
+        self.tree_mode = tree_mode
         if tree is not None:
             self.tree, gamma = check_tree_request(
                 tree, tree_mode, self.drafter, gamma, verify, max_rows
             )
-            self.tree_auto = (
-                AutoTree() if isinstance(tree, str) else None
-            )  # "auto": the shape by measurement
-        gamma = DEFAULT_GAMMA if gamma is None else gamma  # None: not given
-        self.gamma_max = check_gamma(gamma) if self.drafter is not None else 0
-        recorded = (
-            None if guard is True else guard
-        )  # costs given, or timed by the clock (AutoTree has its own)
-        guarded = (
-            Switch(self.gamma_max, recorded=recorded) if guard and not self.tree_auto else None
+        if gamma is None:  # not given
+            gamma = DEFAULT_GAMMA
+        self.gamma_max = 0
+        if self.drafter is not None:
+            self.gamma_max = check_gamma(gamma)
+        self.gamma_policy = GammaPolicy(
+            self.gamma_max,
+            auto=gamma == "auto",
+            guard=Guard.of(guard),
+            tree=self.tree,
+            tree_auto=tree == "auto",
+            parallel=trait(self.drafter, "parallel"),
         )
-        self.auto = (
-            None
-            if self.drafter is None
-            else AutoGamma(gamma_max=self.gamma_max, parallel=trait(self.drafter, "parallel"))
-            if gamma == "auto"
-            else guarded
-        )
-        self.gamma_setting = "auto" if isinstance(self.auto, AutoGamma) else self.gamma_max
         self.limit = min(
             target.config.max_seq_len,
             trait(self.drafter, "max_seq_len") or target.config.max_seq_len,
         )
-        self.slack = (
-            self.gamma_max if self.tree is None else len(branching_parents(self.tree))
-        )  # slots past a row
+        # The cache slots a row keeps free past its sequence: a chain's gamma, or a tree's nodes.
+        self.slack = self.gamma_max
+        if self.tree is not None:
+            self.slack = len(branching_parents(self.tree))
         if self.tree is not None and self.slack + 1 >= self.limit:
             raise ValueError(
                 f"the tree {self.tree} has {self.slack} nodes, which cannot fit in the "
@@ -152,7 +166,8 @@ class Engine:
             )
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
-        self.max_rows, self.cache_len = max_rows, cache_len
+        self.max_rows = max_rows
+        self.cache_len = cache_len
         self.device = model_device(target)
         self.rows: list[Row] = []
         self.waiting: deque[Row] = deque()
@@ -161,9 +176,6 @@ class Engine:
         self.clock: Clock | None = None
         self.pending: list[torch.Tensor] = []  # plain steps' tokens not read yet (Engine.defer)
         self.pending_finite: list[torch.Tensor] = []
-        self.policy: Callable[[Engine], int] | None = (
-            None  # gamma per iteration from outside (a server's)
-        )
 
     # ------------------------------------------------------------------------- rows in and out
     def add(
@@ -195,7 +207,8 @@ class Engine:
         check_seed(seed)
         prompt = check_prompt(prompt_ids, self.target.config.vocab_size, self.row_limit)
         stats = SpeculativeStats(
-            gamma_setting=self.gamma_setting,
+            gamma_setting=self.gamma_policy.setting,
+            gamma_policy=self.gamma_policy.name,
             accepted_per_position=[0] * self.gamma_max,
             tried_per_position=[0] * self.gamma_max,
         )
@@ -306,13 +319,13 @@ class Engine:
     def finish(self, row: Row, now: Any) -> None:
         row.done = True
         row.stats.new_tokens = row.produced
-        row.stats.stop_reason = (
-            "error"
-            if row.error
-            else "cancelled"
-            if row.cancelled
-            else stop_reason(row.ids[len(row.prompt) :], row.stop_ids, row.max_new_tokens)
-        )
+        if row.error:
+            row.stats.stop_reason = "error"
+        elif row.cancelled:
+            row.stats.stop_reason = "cancelled"
+        else:
+            new = row.ids[len(row.prompt) :]
+            row.stats.stop_reason = stop_reason(new, row.stop_ids, row.max_new_tokens)
         row.stats.stop_token = row.ids[-1] if row.stats.stop_reason == "eos" else None
         self.clock.add(row.stats, "decode_time_s", row.joined, now)
         self.finished.append(row)
@@ -344,53 +357,42 @@ class Engine:
         with torch.inference_mode():
             if self.clock is None:
                 self.start()
-            cancelled = (
-                self.retire(self.clock.mark()) if any(row.cancelled for row in self.rows) else []
-            )
+            cancelled = []
+            if any(row.cancelled for row in self.rows):
+                cancelled = self.retire(self.clock.mark())
             self.admit()
-            rows, clock = self.rows, self.clock
+            rows = self.rows
+            clock = self.clock
             if not rows:
                 return cancelled
-            gammas = [self.gamma_for(row) for row in rows]
+            choice = self.gamma_policy.choose(self, rows)  # each row's gamma, a tree's shape
             t0 = clock.mark()
-            draft = self.propose(rows, gammas)  # lines 1-3
+            draft = self.propose(rows, choice)  # lines 1-3
             t1 = clock.mark()
             logits, hidden = self.score(rows, draft)  # line 4
             t2 = clock.mark()
-            steps = self.verify(
-                rows, draft, logits
-            )  # lines 5-9 (None: nothing drafted, tokens left on the device)
+            # lines 5-9 (None: nothing drafted, the tokens left on the device)
+            steps = self.verify(rows, draft, logits)
             self.commit(rows, draft, steps, hidden)  # line 10
             t3 = clock.mark()
-            self.learn(
-                rows, draft, steps or [Verification([], 0, [])] * len(rows), (t0, t1, t2, t3)
-            )
+            if steps is None:  # deferred: nothing drafted, nothing verified on the host
+                steps = [Verification([], 0, [])] * len(rows)
+            self.learn(rows, draft, steps, (t0, t1, t2, t3))
             return cancelled + self.retire(t3)
 
-    def gamma_for(self, row: Row) -> int:
-        """The row's pinned gamma, or the engine's (``policy``, gamma="auto" or the fixed gamma),
-        shrunk so that an iteration (up to gamma + 1 tokens) never passes the row's
-        max_new_tokens or its context."""
-        if self.drafter is None:
-            return 0
-        g = (
-            row.gamma
-            if row.gamma is not None
-            else self.policy(self)
-            if self.policy
-            else self.auto.choose(self.stats.iterations)
-            if self.auto
-            else self.gamma_max
-        )
-        return max(
-            0,
-            min(
-                g,
-                self.gamma_max,
-                row.max_new_tokens - row.produced - 1,
-                self.row_limit - row.length - 1,
-            ),
-        )
+    def room(self, row: Row) -> int:
+        """The most ``row`` may draft this iteration: an iteration emits up to gamma + 1 tokens,
+        which must not pass the row's max_new_tokens or its context."""
+        return min(row.max_new_tokens - row.produced - 1, self.row_limit - row.length - 1)
+
+    @property
+    def policy(self) -> Callable[[Engine], int] | None:
+        """The chooser of gamma installed from outside (a server's), held by the gamma policy."""
+        return self.gamma_policy.outside
+
+    @policy.setter
+    def policy(self, chooser: Callable[[Engine], int] | None) -> None:
+        self.gamma_policy.steer(chooser)
 
     def verify(
         self, rows: list[Row], draft: Draft, logits: torch.Tensor
@@ -399,9 +401,8 @@ class Engine:
         cut at the row's first end id (even inside an accepted block), and the log-probabilities of
         what it emits recorded from these logits, the target's own laws. None when nothing was drafted and
         the rows stop by their count: the tokens stay on the device (Engine.defer)."""
-        finite = finite_rows(
-            logits
-        )  # read with the verdicts: a row whose logits are not finite fails alone
+        # Read with the verdicts: a row whose logits are not finite fails alone.
+        finite = finite_rows(logits)
         verdict = judge_rows(
             logits,
             draft,
@@ -415,9 +416,8 @@ class Engine:
             return None
         steps = self.read(rows, draft, verdict, finite)
         for b, (row, step) in enumerate(zip(rows, steps)):
-            if row.stop_ids and not row.stop_ids.isdisjoint(
-                step.tokens
-            ):  # a new object only where one is cut
+            # A new object only where one is cut.
+            if row.stop_ids and not row.stop_ids.isdisjoint(step.tokens):
                 steps[b] = replace(step, tokens=cut_at_eos(step.tokens, row.stop_ids))
         if draft.tree is None and any(row.logprobs is not None for row in rows):
             record_logprobs(
@@ -431,16 +431,20 @@ class Engine:
         """The verdicts and every logit row's finite flag in ONE copy. A row with a non-finite
         logit emits nothing and fails alone (``row.error``); the others' outcomes stand."""
         *host, flags = read_host([*verdict.parts, finite])
-        steps, at = verdict.finish(*host), 0
+        steps = verdict.finish(*host)
+        at = 0  # row b's logit rows in the flags: g_b + 1 of them
         for b, (row, n) in enumerate(zip(rows, [g + 1 for g in draft.lengths])):
             if not all(flags[at : at + n]):
-                row.error, steps[b] = NonFiniteLogitsError(), Verification([], 0, [])
+                row.error = NonFiniteLogitsError()
+                steps[b] = Verification([], 0, [])
             at += n
         return steps
 
-    def propose(self, rows: list[Row], gammas: list[int]) -> Draft:
-        """Lines 1-3: a chain of up to gammas[b] tokens for every row, or a tree for one row
-        that fits in the cache slots after its sequence. Nothing (a plain target step) where gamma is 0."""
+    def propose(self, rows: list[Row], choice: Choice) -> Draft:
+        """Lines 1-3: a chain of up to choice.gammas[b] tokens for every row, or a tree of
+        choice.shape for one row that fits in the cache slots after its sequence. Nothing (a
+        plain target step) where gamma is 0."""
+        gammas = choice.gammas
         nothing = Draft(
             torch.empty(len(rows), 0, dtype=torch.long, device=self.device), [0] * len(rows)
         )
@@ -456,18 +460,11 @@ class Engine:
                 self.device,
             )
         row = rows[0]
-        shape = (
-            self.tree_auto.choose(self.stats.iterations, row.stats.tree_shapes)
-            if self.tree_auto
-            else self.tree
-        )
-        levels = fit_tree(shape, gammas[0], self.cache_len - row.length)
-        grown = (
-            self.drafter.propose_tree(
-                row.ids, levels, self.tree_mode, row.sampling, row.generator, self.device
-            )
-            if levels
-            else None
+        levels = fit_tree(choice.shape, gammas[0], self.cache_len - row.length)
+        if not levels:
+            return nothing
+        grown = trait(self.drafter, "propose_tree")(
+            row.ids, levels, self.tree_mode, row.sampling, row.generator, self.device
         )
         if grown is None:  # the drafter has nothing to go on yet
             return nothing
@@ -479,12 +476,13 @@ class Engine:
         its draft, at its own cache position. Returns every row's logits for its g_b + 1
         positions L_b-1 .. L_b+g_b-1 (a tree: the root and every node), stacked as one
         [sum of (g_b + 1), V] tensor, and for a drafter that reads them the call's features."""
-        reads = trait(self.drafter, "reads_features") if self.drafter is not None else False
+        reads = False  # True: the final norm's output; a tuple: those layers' outputs
+        if self.drafter is not None:
+            reads = trait(self.drafter, "reads_features")
         starts = [row.target_next for row in rows]
         wanted = [g + 1 for g in draft.lengths]
-        if (
-            self.pending
-        ):  # plain steps, rows unchanged: each feeds its newest token, still on the device
+        # plain steps, rows unchanged: each feeds its newest token, still on the device
+        if self.pending:
             feed = self.pending[-1].view(-1, 1)
         else:
             unread = [row.ids[start:] for row, start in zip(rows, starts)]
@@ -504,23 +502,23 @@ class Engine:
                 if at:
                     index = torch.tensor(at, device=self.device).T
                     feed[index[0], index[1]] = draft.tokens[index[0], index[2]]
-        call = (
-            calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device)
-            if draft.tree is not None
-            else calls.ragged(starts, feed.shape[1], self.cache_len, self.device)
-        )  # a tree: nodes at depth
-        out = self.target(feed, call, return_hidden=reads) if reads else self.target(feed, call)
-        logits, hidden = out if reads else (out, None)
-        if any(
-            row.echo and start == 0 for row, start in zip(rows, starts)
-        ):  # read from column 0 of each row
+        if draft.tree is not None:  # a tree: each node at the position of its depth
+            call = calls.tree(starts[0], feed.shape[1] - draft.lengths[0], draft.tree, self.device)
+        else:
+            call = calls.ragged(starts, feed.shape[1], self.cache_len, self.device)
+        hidden = None
+        if reads:
+            logits, hidden = self.target(feed, call, return_hidden=reads)
+        else:
+            logits = self.target(feed, call)
+        # A prompt's log-probabilities are read from column 0 of its row.
+        if any(row.echo and start == 0 for row, start in zip(rows, starts)):
             record_prompts(rows, starts, logits)
         if len(rows) == 1:
             return logits[0, -wanted[0] :], hidden
         sizes = [len(row.ids) - start + g for row, start, g in zip(rows, starts, draft.lengths)]
-        if (
-            self.pending or len(set(sizes)) == 1 and len(set(wanted)) == 1
-        ):  # every row the same shape
+        same_shape = len(set(sizes)) == 1 and len(set(wanted)) == 1
+        if self.pending or same_shape:  # every row's positions at the same columns
             return logits[:, -wanted[0] :].reshape(-1, logits.shape[-1]), hidden
         at_row = [b for b, n in enumerate(wanted) for _ in range(n)]
         at_col = [size - n + j for size, n in zip(sizes, wanted) for j in range(n)]
@@ -538,7 +536,8 @@ class Engine:
         device) and rolls back: everything before its newest token is in the target's cache, whatever the other
         rows accepted (a tree's accepted path is first moved into place); the drafter learns the new lengths
         and, if it reads them, the target's features of the accepted paths."""
-        starts, steps = [row.target_next for row in rows], steps or []
+        starts = [row.target_next for row in rows]
+        steps = steps or []
         if draft.tree is not None and rows[0].error is None:
             hidden = keep_path(self.target, steps[0].path, rows[0].length, starts[0], hidden)
         for row, step in zip(rows, steps):
@@ -589,44 +588,15 @@ class Engine:
                 row.ids.extend(tokens[b * width : (b + 1) * width])
             else:
                 row.error = NonFiniteLogitsError()
-        self.pending, self.pending_finite = [], []
+        self.pending = []
+        self.pending_finite = []
 
     # ------------------------------------------------------------------------- what happened
     def learn(self, rows: list[Row], draft: Draft, steps: list[Verification], marks: tuple) -> None:
         """One iteration into the records (stats.record_iteration: marks before proposing, scoring,
-        verifying, after committing), gamma="auto"'s alpha and costs, and tree="auto"'s times."""
+        verifying, after committing) and into the gamma policy (its timings and estimates)."""
         record_iteration(self.stats, self.clock, rows, draft, steps, marks)
-        (t0, t1, t2, _), depth, clock = (
-            marks,
-            max(draft.depth(b) for b in range(len(rows))),
-            self.clock,
-        )
-        for auto in filter(
-            None, (self.auto, self.tree_auto)
-        ):  # whole iterations, start to start (t0..t2: pre-read)
-            auto.observe(
-                self.stats.iterations - 1,
-                depth,
-                sum(len(s.tokens) for s in steps) or len(rows),
-                t0,
-                clock,
-            )
-        if (
-            isinstance(self.auto, AutoGamma) and depth > 0
-        ):  # the first iteration also read prompts: not timed
-            timed = self.stats.iterations > 1
-            verified = [
-                (j + 1, o)
-                for step in steps
-                for j, o in enumerate(step.overlap[: step.accepted + 1])
-            ]
-            self.auto.update(
-                [o for _, o in verified],
-                clock.seconds(t0, t1) / (draft.calls or depth) if timed else None,  # per call
-                clock.seconds(t1, t2) if timed else None,
-                positions=[j for j, _ in verified],
-                width=depth + 1,
-            )
+        self.gamma_policy.observe(self, rows, draft, steps, marks)
 
 
 def drafter_for(target: Any, draft: Any) -> Any:

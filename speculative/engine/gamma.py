@@ -1,7 +1,8 @@
-"""The engine's own ways to decide gamma: gamma="auto" for one sequence (:class:`AutoGamma`),
-or one fixed answer (:class:`FixedGamma`); a row may also pin its own (``Row.gamma``). A
-server's gamma by the load (LoadGamma) drives an engine from outside and lives beside the
-server (speculative.serving.policy); the formulas both use are speculative.engine.cost's.
+"""The mechanisms that choose gamma by measurement: gamma="auto" (:class:`AutoGamma`), the guard
+(:class:`Switch`), and one fixed answer (:class:`FixedGamma`). One object owns them and asks them,
+the gamma policy (speculative.engine.gamma_policy.GammaPolicy), which also honours a row's pinned
+gamma and a server's gamma by the load (LoadGamma, speculative.serving.policy); the formulas are
+speculative.engine.cost's.
 
 gamma="auto" (:class:`AutoGamma`) estimates alpha from the exact per-position acceptance
 probabilities sum_x min(p_i, q_i) of the verified positions, and c from exponential moving
@@ -95,9 +96,8 @@ class Switch:
         None  # (iteration, gamma, tokens, start mark): timed when the next one starts
     )
     fade: float = 0.95  # weight of the past per new speculating iteration's tokens (AutoGamma: per position's alpha)
-    emitted: list[float] = field(
-        default_factory=lambda: [0.0, 0.0, 0.0]
-    )  # faded count, sum, sum of squares
+    # faded count, sum, sum of squares
+    emitted: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     rows: int = 1  # the tokens of a plain iteration
     # (plain seconds a token, seconds of a speculating iteration[, the seconds the first one after plain steps costs
     # more]) measured once and recorded: the clock is not read, and a retry is charged its drafter's catching up
@@ -151,9 +151,8 @@ class Switch:
                 * (self.gamma - gamma)
                 / self.gamma
             )
-        if (
-            gamma > 0
-        ):  # every speculating iteration's tokens count, clean or not: they vary, the seconds less so
+        # every speculating iteration's tokens count, clean or not: they vary, the seconds less so
+        if gamma > 0:
             w, total, squares = self.emitted
             self.emitted = [
                 self.fade * w + 1,
@@ -162,18 +161,16 @@ class Switch:
             ]
         else:
             self.rows = tokens  # a plain iteration emits one token a row
-        if (
-            self.recorded is not None
-        ):  # every speculating iteration is judged, at the recorded costs
+        # every speculating iteration is judged, at the recorded costs
+        if self.recorded is not None:
             if gamma == 0 or self.emitted[0] == 0:
                 return
         elif not clean or seconds <= 0:
             return
         elif gamma == 0:
             self.plain_s = self._average(self.plain_s, seconds / max(tokens, 1))
-        elif (
-            self.off or self.speculating is None
-        ):  # fresh after a pause: what it costs now, not before
+        # fresh after a pause: what it costs now, not before
+        elif self.off or self.speculating is None:
             self.speculating = [seconds]
         else:
             self.speculating = [*self.speculating, seconds][-3:]
@@ -187,17 +184,16 @@ class Switch:
         seconds, (w, total, squares) = min(self.speculating), self.emitted
         mean = total / w
         spread = (max(squares - total * mean, 0.0) + (self.gamma * self.rows / 2) ** 2) / (w + 1)
-        lost = 2 * (
-            seconds - (mean + math.sqrt(spread / w)) * self.plain_s
-        )  # what a retry's two iterations lose
+        # what a retry's two iterations lose
+        lost = 2 * (seconds - (mean + math.sqrt(spread / w)) * self.plain_s)
         losing = lost > 0
-        if losing and (
-            not self.off or gamma > 0 and iteration >= self.next_retry
-        ):  # off now, or a retry lost again
+        # off now, or a retry lost again
+        if losing and (not self.off or gamma > 0 and iteration >= self.next_retry):
             self.retry_after = self.retry_after * 2 if self.off else 16
+            # catching up
             lost += (
                 self.recorded[2] if self.recorded is not None and len(self.recorded) > 2 else 0.0
-            )  # catching up
+            )
             self.next_retry = iteration + max(
                 self.retry_after, math.ceil(lost / (self.budget * self.plain_s) - 1e-9)
             )
@@ -279,14 +275,20 @@ class AutoGamma(Switch):
             return dict(known).get(width, known[0][1])
         below = [k for k in known if k[0] < width]
         above = [k for k in known if k[0] > width]
-        (w0, t0), (w1, t1) = (
-            (below[-1], above[0]) if below and above else known[:2] if above else known[-2:]
-        )
+        if below and above:  # between two measured widths
+            (w0, t0), (w1, t1) = below[-1], above[0]
+        elif above:  # narrower than every measured width: the line through the two narrowest
+            (w0, t0), (w1, t1) = known[:2]
+        else:  # wider than every measured width: the line through the two widest
+            (w0, t0), (w1, t1) = known[-2:]
         return max(t0 + (t1 - t0) * (width - w0) / (w1 - w0), 0.0)
 
     def best_parallel(self) -> int:
         """The gamma in [1, gamma_max] with the most expected tokens per second (the smaller on ties)."""
-        best, rate_best, reach, tokens = 1, -1.0, 1.0, 1.0
+        best = 1
+        rate_best = -1.0
+        reach = 1.0  # alpha_1 ... alpha_g: the chance that all g drafted tokens are kept
+        tokens = 1.0  # expected tokens of an iteration drafting g
         for g in range(1, self.gamma_max + 1):
             reach *= self.alpha_at(g)
             tokens += reach

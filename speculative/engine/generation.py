@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from speculative.engine.engine import Callback, Engine
+from speculative.engine.gamma_policy import Guard
 from speculative.engine.stats import (
     AutoregressiveStats,
     BatchResult,
@@ -31,10 +32,10 @@ def speculative_generate(
     eos_id: int | Collection[int] | None = None,
     seed: int | None = None,
     callback: Callback | None = None,
-    verify: str = "token",
+    verify: str | None = None,
     tree: Sequence[int] | None = None,
     tree_mode: str = "without_replacement",
-    guard: bool | tuple[float, ...] = False,
+    guard: Guard | bool | tuple[float, ...] = False,
 ) -> GenerationResult[SpeculativeStats]:
     """Sample from ``target`` after ``prompt_ids``, with ``draft`` proposing up to ``gamma``
     tokens per target call (an int >= 1, or "auto"; None: DEFAULT_GAMMA). ``draft`` is a model of the target's
@@ -44,7 +45,9 @@ def speculative_generate(
 
     ``verify`` chooses lines 5-9: "token" (Algorithm 1, token by token) or "block" (Sun et
     al. 2025, speculative.verify.block: the block judged jointly, never fewer accepted tokens in
-    expectation). At temperature 0 both are the comparison of argmaxes (verify_greedy).
+    expectation); None, the default of generate.py and serve.py too, is block for a chain and the
+    tree's own walk for a tree (speculative.verify.default_rule). At temperature 0 both are the
+    comparison of argmaxes (verify_greedy).
 
     ``tree``: draft a token tree of this branching per depth instead of a chain, e.g.
     (3, 2, 1, 1) (speculative.draft.trees), score all of its nodes in one target call
@@ -53,11 +56,13 @@ def speculative_generate(
     "deterministic", the top-k; greedy decoding always takes the top-k). The tree's depth
     takes gamma's place (gamma must be left alone).
 
-    ``guard``: plain target steps wherever this run's own timings say that speculating loses
-    (speculative.engine.gamma.Switch; gamma="auto" always does so). The output's law is the same;
-    a sampled output then depends on the clock as well as the seed, unless ``guard`` is the recorded
-    (plain seconds a token, seconds a speculating iteration[, more for the first after plain steps]) that the
-    switch reads instead of the clock.
+    ``guard`` (a speculative.engine.gamma_policy.Guard, or True for "timed" and the costs for
+    "recorded"): plain target steps wherever this run's own timings say that speculating loses
+    (speculative.engine.gamma.Switch; gamma="auto" always does so), or where recorded costs (plain
+    seconds a token, seconds a speculating iteration[, more for the first after plain steps]) say
+    so. The output's law is the same; with the timed guard a sampled output depends on the clock as
+    well as the seed. Off by default: the library reads no clock and no file unless asked, while
+    generate.py reads costs it recorded on this machine (speculative.cli.costs) and hands them here.
 
     Stops after max_new_tokens (never more), after emitting eos_id, or any of several ids (even in the middle of an
     accepted block: nothing after it is emitted) or when prompt + output reaches the smaller
@@ -129,9 +134,9 @@ def speculative_generate_batch(
     top_p: float | None = None,
     eos_id: int | Collection[int] | None = None,
     seed: int | Sequence[int] | None = None,
-    verify: str = "token",
+    verify: str | None = None,
     batch_size: int | None = None,
-    guard: bool = False,
+    guard: Guard | bool = False,
 ) -> BatchResult:
     """speculative_generate for every prompt of ``prompts`` (token-id lists, any lengths), at
     most ``batch_size`` rows at a time (default: all), one target call per iteration for all

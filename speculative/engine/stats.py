@@ -31,14 +31,6 @@ def stop_reason(new_tokens: list[int], stop_ids: frozenset[int], max_new_tokens:
     return "max_new_tokens" if len(new_tokens) >= max_new_tokens else "max_seq_len"
 
 
-def clock(device: torch.device) -> float:
-    """perf_counter after waiting for the device: for a benchmark timing one call, never inside
-    a generation loop (a wait there is a host synchronisation; the loops use :class:`Clock`)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 class Clock:
     """A loop's timings that never wait for the device.
 
@@ -84,6 +76,9 @@ class SpeculativeStats:
     """Counters and timings of one speculative_generate call (see the module docstring)."""
 
     gamma_setting: int | str  # what was asked for: an int, or "auto"
+    gamma_policy: str = (
+        "fixed"  # how gamma was chosen (speculative.engine.gamma_policy: GammaPolicy.name)
+    )
     target_calls: int = 0  # target forwards = iterations (the prompt rides along with the first)
     draft_calls: int = (
         0  # the drafter's forwards (one per drafted token for a model, 0 for a lookup)
@@ -94,12 +89,10 @@ class SpeculativeStats:
     # [i]: how often draft position i+1 was accepted / was verified (all earlier ones accepted)
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
-    gamma_history: list[int] = field(
-        default_factory=list
-    )  # positions drafted ahead per iteration (tree: depth)
-    tree_shapes: dict[tuple[int, ...], int] = field(
-        default_factory=dict
-    )  # tree="auto": iterations per shape
+    # positions drafted ahead per iteration (tree: depth)
+    gamma_history: list[int] = field(default_factory=list)
+    # tree="auto": iterations per shape
+    tree_shapes: dict[tuple[int, ...], int] = field(default_factory=dict)
     overlap_sum: float = 0.0  # sum over verified positions of sum_x min(p, q)
     draft_time_s: float = 0.0  # wall time drafting (draft forwards, warping, sampling)
     target_time_s: float = 0.0  # wall time in target forwards (verification is loop work)
@@ -404,10 +397,11 @@ def record_iteration(
     ):
         clock.add(totals, name, start, end)
     for b, (row, step) in enumerate(zip(rows, steps)):
+        # a failed row verified nothing
         depth, stats = (
             (0 if row.error else draft.depth(b)),
             row.stats,
-        )  # a failed row verified nothing
+        )
         stats.record(
             depth,
             draft.calls if depth else 0,

@@ -73,12 +73,10 @@ class AutoTree:
     shapes: tuple[tuple[int, ...], ...] = AUTO_SHAPES
     window: int = 6  # clean iterations per shape in its figure
     probe_every: int = 8
-    rates: dict[tuple[int, ...], list[tuple[float, int]]] = field(
-        default_factory=dict
-    )  # shape -> (seconds, tokens)
-    seen: dict[tuple[int, ...], int] = field(
-        default_factory=dict
-    )  # shape -> iteration last measured
+    # shape -> (seconds, tokens)
+    rates: dict[tuple[int, ...], list[tuple[float, int]]] = field(default_factory=dict)
+    # shape -> iteration last measured
+    seen: dict[tuple[int, ...], int] = field(default_factory=dict)
     last: tuple[int, tuple[int, ...] | None] = (-1, None)  # (iteration, shape) chosen
     pending: tuple | None = (
         None  # (iteration, shape, tokens, start mark, clean): timed when the next starts
@@ -96,9 +94,8 @@ class AutoTree:
         """The shape of engine iteration ``iteration``, counted once in ``counts`` (a row's
         stats.tree_shapes)."""
         if self.last[0] != iteration:
-            timing = (
-                self.pending[1] if self.pending and self.pending[4] else None
-            )  # timed when this one starts
+            # timed when this one starts
+            timing = self.pending[1] if self.pending and self.pending[4] else None
             untried = [s for s in self.shapes if s not in self.rates and s != timing]
             again = (
                 self.pending
@@ -106,9 +103,8 @@ class AutoTree:
                 and self.pending[1]
                 and not self.pending[4]
             )
-            if (
-                again and self.pending[0] > 0
-            ):  # a draft just after a plain step caught up: its time is next
+            # a draft just after a plain step caught up: its time is next
+            if again and self.pending[0] > 0:
                 self.last = (iteration, self.pending[1])
             elif untried or not self.rates:  # (no rates: one shape only, waiting for its time)
                 self.last = (iteration, untried[0] if untried else timing)

@@ -26,11 +26,9 @@ class Rule:
 
     @property
     def at_temperature_0(self) -> str:
-        return (
-            "the comparison of argmaxes (the target's greedy tokens; the rule itself is not run)"
-            if self.greedy
-            else "the rule itself, on one-hot p and q"
-        )
+        if self.greedy:
+            return "the comparison of argmaxes (the target's greedy tokens; the rule itself is not run)"
+        return "the rule itself, on one-hot p and q"
 
 
 RULES: dict[str, Rule] = {}
@@ -42,6 +40,20 @@ def register_rule(name: str, verify: Callable, description: str, greedy: bool = 
         raise ValueError(f"a verification rule named {name!r} is registered already")
     RULES[name] = Rule(name, verify, description, greedy)
     return RULES[name]
+
+
+# How a sampled chain is verified unless told otherwise, by the library, generate.py and serve.py alike.
+SAMPLED_CHAIN_RULE = "block"
+
+
+def default_rule(tree: object = None) -> str:
+    """The rule every entry point uses unless told otherwise: block verification of a chain, as exact
+    as Algorithm 1's token-wise rule and never fewer tokens accepted in expectation (Sun et al.
+    2025), so the fastest exact rule (docs/trees_and_blocks.md); a token tree (any ``tree``) is
+    verified by its own walk, registered as "token". At temperature 0 both compare argmaxes."""
+    if tree is not None:
+        return "token"
+    return SAMPLED_CHAIN_RULE
 
 
 def rule(name: str) -> Rule:

@@ -66,9 +66,8 @@ NEW = 48  # tokens per reference request
 @contextlib.contextmanager
 def listening(service: Service, access=None) -> Iterator[str]:
     """The API over ``service`` on 127.0.0.1 at a free port, in a thread; its base URL."""
-    sock = socket.socket(
-        socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
-    )  # so asyncio sets TCP_NODELAY
+    # so asyncio sets TCP_NODELAY
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(
         uvicorn.Config(create_app(service, access), log_level="error", timeout_graceful_shutdown=1)
@@ -167,6 +166,7 @@ def references(shipped: SimpleNamespace, chat_target: Path) -> dict:
     refs["chat"] = run_generate(
         "--target", str(chat_target), "--prompt", "Tell me a story", "--chat"
     )
+    # a pinned gamma drafts every iteration: so does this one
     refs["pinned"] = run_generate(
         "--prompt",
         GREEDY_PROMPTS[0],
@@ -177,7 +177,7 @@ def references(shipped: SimpleNamespace, chat_target: Path) -> dict:
         "--gamma",
         "2",
         "--no-guard",
-    )  # a pinned gamma drafts every iteration: so does this one
+    )
     target, tokenizer = shipped.service.loop.engine.target, shipped.tokenizer
     with torch.inference_mode():
         for prompt in GREEDY_PROMPTS:
@@ -288,9 +288,8 @@ def test_a_pinned_seed_gets_generate_pys_tokens_alone_and_among_concurrent_reque
     """speculative_gamma 2 and seed 7 give generate.py --gamma 2 --seed 7's tokens, alone and while
     greedy and sampled requests share the batch; every greedy request stays generate.py's."""
     ref = references["pinned"]["tokens"]
-    assert (
-        shipped.service.loop.engine.rule == "block"
-    )  # serve.py's default, generate.py's for a sampled chain
+    # serve.py's default, generate.py's for a sampled chain
+    assert shipped.service.loop.engine.rule == "block"
 
     def pinned():
         return ids_of(
@@ -412,9 +411,8 @@ def test_every_answer_has_usage_and_its_speculation_figures(shipped) -> None:
 
 
 def test_models_health_and_metrics(shipped) -> None:
-    completion(
-        shipped, "Once upon a time", temperature=0
-    )  # tokens to count, whichever tests ran before on this server
+    # tokens to count, whichever tests ran before on this server
+    completion(shipped, "Once upon a time", temperature=0)
     models = shipped.client.models.list()
     assert [m.id for m in models.data] == ["tiny-target"] and models.data[0].model_extra[
         "context_length"
@@ -442,6 +440,13 @@ def test_models_health_and_metrics(shipped) -> None:
     ):
         assert f"speculative_{name}" in values, name
     assert {f'speculative_policy_gamma{{batch="{b}"}}' for b in range(1, 5)} <= set(values)
+    # the shipped server chooses gamma by the load, and says so
+    assert values['speculative_gamma_policy{policy="load"}'] == 1
+    assert not [
+        name
+        for name in values
+        if name.startswith("speculative_gamma_policy{") and "load" not in name
+    ]
     assert (
         values["speculative_generated_tokens_total"] > 0
         and values["speculative_iterations_total"] > 0
@@ -697,9 +702,8 @@ def test_an_api_key_a_host_allow_list_and_cors_only_when_asked() -> None:
             keyed.completions.create(model="toy", prompt=[1], max_tokens=2).usage.completion_tokens
             == 2
         )
-        assert (
-            httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-        )  # probes need no key
+        # probes need no key
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
         rebound = httpx.get(f"{server.url}/health", headers={"Host": "evil.example:80"}, timeout=10)
         assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
         asked = httpx.get(
@@ -796,9 +800,8 @@ def test_openai_valid_nulls_and_negative_seeds_are_accepted_with_a_system_finger
     }  # a pinned seed reproduces with a pinned gamma (docs/serving.md, Exactness)
     first, again = (httpx.post(url, json=body, timeout=30) for _ in range(2))
     assert first.status_code == 200, first.text
-    assert (
-        first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
-    )  # a pinned seed, folded
+    # a pinned seed, folded
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
     assert first.json()["system_fingerprint"].startswith("fp_")
     chat = httpx.post(
         f"{shipped.url}/v1/chat/completions",

@@ -77,9 +77,8 @@ def test_a_drafter_with_the_four_calls_alone_goes_through_every_engine_path(
         == alone[0]
     )
     auto = Engine(target, Minimal(), gamma="auto")
-    assert (
-        auto.auto is not None and auto.auto.parallel is False
-    )  # the declared default, not "always the largest"
+    # the declared default, not "always the largest"
+    assert auto.gamma_policy.switch is not None and auto.gamma_policy.switch.parallel is False
     assert (
         speculative_generate(target, Minimal(), prompts[0], 12, gamma="auto", temperature=0).tokens
         == alone[0]

@@ -77,6 +77,7 @@ def test_eagle3_first_tokens_have_the_target_distribution(
             top_k=sampling.top_k,
             top_p=sampling.top_p,
             seed=seed,
+            verify="token",  # the bugs catalogued are of the token-wise rule
         ).tokens
 
     counts = sample_counts(generate, RUNS, 1, 2)
@@ -225,10 +226,11 @@ def test_plain_steps_project_nothing_until_the_head_drafts_again(
     drafter, widths, real = FeatureDrafter(head, target), [], head.project
     monkeypatch.setattr(head, "project", lambda fused: widths.append(fused.shape[1]) or real(fused))
     engine = Engine(target, drafter, gamma=3, temperature=0.0, max_rows=1, cache_len=64, guard=True)
-    engine.auto.choose, engine.auto.observe = (
+    # off, then on
+    engine.gamma_policy.switch.choose, engine.gamma_policy.switch.observe = (
         (lambda i: 0 if i < 8 else 3),
         (lambda *args: None),
-    )  # off, then on
+    )
     row = engine.add([3, 1, 4], 16)
     for _ in range(8):  # the prompt's call and seven plain steps
         engine.step()
@@ -250,9 +252,8 @@ def test_q_is_the_warp_of_the_mapped_logits_and_zero_off_the_draft_vocabulary(
     target, head = llama64["target"], llama64["head"]
     drafter, seen = FeatureDrafter(head, target), []
     real = head.draft_logits
-    head.draft_logits = lambda hidden: (
-        seen.append(real(hidden)) or seen[-1]
-    )  # the head's own ids' logits
+    # the head's own ids' logits
+    head.draft_logits = lambda hidden: seen.append(real(hidden)) or seen[-1]
     target.setup_cache(1, 32)
     prompt = [1, 2, 3, 4]
     _, hidden = target(

@@ -80,9 +80,8 @@ def position_of_other_row(mp: pytest.MonkeyPatch) -> None:
 
     def commit(self, rows, draft, steps, hidden):
         real(self, rows, draft, steps, hidden)
-        for b, row in enumerate(
-            rows if steps is not None else []
-        ):  # None: plain steps left on the device
+        # None: plain steps left on the device
+        for b, row in enumerate(rows if steps is not None else []):
             other = steps[(b + 1) % len(steps)]
             row.target_next = row.length - 1 - steps[b].accepted + other.accepted
 
@@ -165,9 +164,8 @@ def install_chooser(mp: pytest.MonkeyPatch, box: dict) -> None:
         return verify.Verdict([], lambda: outcome)
 
     mp.setattr(drafter_module, "sample_rows", sample_rows)
-    mp.setattr(
-        judging, "sample_rows", sample_rows
-    )  # an iteration where no row drafted: t ~ p_1 per row
+    # an iteration where no row drafted: t ~ p_1 per row
+    mp.setattr(judging, "sample_rows", sample_rows)
     set_verify_step(mp, enumerated_verify)
 
 
@@ -236,6 +234,7 @@ def batch_law(
             PROMPTS,
             length,
             gamma=gamma,
+            verify="token",  # the rule enumerated here (token-wise, speculative.verify.token)
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=sampling.top_p,
@@ -360,17 +359,19 @@ def batch_samples(
                 prompts,
                 length,
                 gamma=2,
+                verify="token",  # the rule enumerated here (token-wise, speculative.verify.token)
                 temperature=sampling.temperature,
                 top_k=sampling.top_k,
                 top_p=sampling.top_p,
                 seed=len(prompts) * run,
             )
             rows = [tuple(r.tokens[:length]) for r in out.results]
+        # a broken variant may crash: an impossible outcome
         except (
             ValueError,
             IndexError,
             RuntimeError,
-        ):  # a broken variant may crash: an impossible outcome
+        ):
             rows = [(-1,) * length for _ in prompts]
         for counter, row in zip(counts, rows):
             counter[row] += 1

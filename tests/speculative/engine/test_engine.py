@@ -159,10 +159,11 @@ def test_a_cancelled_row_leaves_at_once_and_the_others_go_on(pair: dict, kind: s
     )
     engine.step()
     engine.step()
+    # nothing drafted: its tokens may be on the device
     calls, produced = (
         going.stats.target_calls,
         going.produced,
-    )  # nothing drafted: its tokens may be on the device
+    )
     engine.cancel(going)
     engine.cancel(dropped)  # still waiting: dropped at once
     assert (
@@ -412,10 +413,11 @@ def test_auto_gamma_off_and_on_again_is_still_the_target_s_greedy_output(pair: d
     engine = Engine(
         pair["target"], pair["draft"], gamma="auto", temperature=0.0, max_rows=1, cache_len=64
     )
-    engine.auto.off, engine.auto.next_retry = (
+    # plain steps from the start, speculating from iteration 5
+    engine.gamma_policy.switch.off, engine.gamma_policy.switch.next_retry = (
         True,
         5,
-    )  # plain steps from the start, speculating from iteration 5
+    )
     row = engine.add(PROMPTS[1], 24)
     engine.run()
     history = row.stats.gamma_history
@@ -440,10 +442,11 @@ def test_a_guarded_gamma_or_tree_off_and_on_again_is_still_the_target_s_greedy_o
         guard=True,
     )
     depth = 3 if tree is None else 2
-    engine.auto.off, engine.auto.next_retry = (
+    # plain steps from the start, a retry at iterations 5 and 6
+    engine.gamma_policy.switch.off, engine.gamma_policy.switch.next_retry = (
         True,
         5,
-    )  # plain steps from the start, a retry at iterations 5 and 6
+    )
     row = engine.add(PROMPTS[1], 24)
     engine.run()
     history = row.stats.gamma_history
@@ -477,7 +480,7 @@ def test_plain_steps_of_a_drafter_switched_off_stay_on_the_device(
             guard=True,
         )
         # the switch's answers, without its clock: plain for six iterations, then drafting again
-        engine.auto.choose, engine.auto.observe = (
+        engine.gamma_policy.switch.choose, engine.gamma_policy.switch.observe = (
             (lambda i: 0 if i < 6 else 3),
             (lambda *args: None),
         )
@@ -507,9 +510,8 @@ def test_a_sampled_run_guarded_by_recorded_costs_does_not_follow_the_clock(
     every iteration drafts where they pay, plain steps after the first drafting one where they lose. The timed
     guard under the same two clocks drafts differently (the test's power)."""
 
-    class Paced(
-        engine_module.Clock
-    ):  # a CPU clock whose marks are 1 ms apart, or 100 ms for the first ten
+    # a CPU clock whose marks are 1 ms apart, or 100 ms for the first ten
+    class Paced(engine_module.Clock):
         def __init__(self, device: torch.device) -> None:
             super().__init__(device)
             self.now, self.marks, self.slow_start = 0.0, 0, next(starts)
@@ -545,9 +547,8 @@ def test_a_sampled_run_guarded_by_recorded_costs_does_not_follow_the_clock(
     paying, losing = run((1.0, 0.5), False)[1], run((1.0, 100.0), False)[1]
     assert 0 not in paying[1:-4], paying
     assert sum(g > 0 for g in losing) == 1, losing  # the retry waits far past these 40 tokens
-    if (
-        kind == "model"
-    ):  # timed: the slow start makes its first speculating iterations look dear (a head's are later)
+    # timed: the slow start makes its first speculating iterations look dear (a head's are later)
+    if kind == "model":
         assert run(True, False)[1] != run(True, True)[1]
 
 
@@ -556,9 +557,9 @@ def test_the_guard_is_asked_for_and_not_doubled() -> None:
     has its own plain candidate (AutoTree), so guard adds nothing to either."""
     target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
     draft = noisy_copy(target, std=0.3, seed=1)
-    assert Engine(target, draft, gamma=3).auto is None
-    assert type(Engine(target, draft, gamma=3, guard=True).auto) is Switch
-    assert Engine(target, draft, gamma=3, guard=True).auto.gamma == 3
-    assert type(Engine(target, draft, gamma="auto", guard=True).auto) is AutoGamma
-    assert Engine(target, draft, tree="auto", guard=True).auto is None
-    assert Engine(target, None, guard=True).auto is None
+    assert Engine(target, draft, gamma=3).gamma_policy.switch is None
+    assert type(Engine(target, draft, gamma=3, guard=True).gamma_policy.switch) is Switch
+    assert Engine(target, draft, gamma=3, guard=True).gamma_policy.switch.gamma == 3
+    assert type(Engine(target, draft, gamma="auto", guard=True).gamma_policy.switch) is AutoGamma
+    assert Engine(target, draft, tree="auto", guard=True).gamma_policy.switch is None
+    assert Engine(target, None, guard=True).gamma_policy.switch is None

@@ -38,6 +38,7 @@ from tests.support.toy_models import (
 
 tree_module = importlib.import_module("speculative.verify.tree")
 engine_module = importlib.import_module("speculative.engine.engine")
+gamma_policy_module = importlib.import_module("speculative.engine.gamma_policy")
 real_reject = tree_module.reject_child
 real_tree_rules = tree_module.tree_rules
 
@@ -313,9 +314,8 @@ def test_auto_tries_every_shape_then_keeps_the_fastest_and_probes_the_others() -
     assert chosen[4:] == [(2, 1), (2, 1)] and set(auto.rates) == set(shapes)
     chosen, now = drive(auto, 18, cost, first=6, now=now)
     probes = [i for i, shape in enumerate(chosen, start=6) if shape != (2, 1)]
-    assert (
-        probes == [8, 16] and chosen[8 - 6] == (1, 1) and chosen[16 - 6] == ()
-    )  # the longest unseen first
+    # the longest unseen first
+    assert probes == [8, 16] and chosen[8 - 6] == (1, 1) and chosen[16 - 6] == ()
     # The plain step gets faster than (2, 1): once its probes show it, it is the one kept.
     chosen, _ = drive(auto, 120, {**cost, (): (0.2, 1)}, first=24, now=now)
     assert chosen[-8:].count(()) >= 6  # a probe now takes two iterations: catching up, then timed
@@ -366,7 +366,9 @@ def test_auto_tree_tokens_have_the_target_distribution(
     clock, so the window spans a change of shape in most runs."""
     if mutant is not None:
         MUTANTS[mutant](monkeypatch)
-    monkeypatch.setattr(engine_module, "AutoTree", lambda: AutoTree(shapes=((1,), (2, 1, 1), ())))
+    monkeypatch.setattr(
+        gamma_policy_module, "AutoTree", lambda: AutoTree(shapes=((1,), (2, 1, 1), ()))
+    )
     target, sampling, shapes = pair["target"], Sampling(temperature=1.0), []
 
     def generate(seed: int) -> list[int]:
