@@ -24,9 +24,8 @@ def test_the_rendered_requests_are_the_drafters_benchmark_prompts() -> None:
         [str(VALID)], tokenizer, 3, 0
     )
     request, text = rendered[0]
-    assert request in text and text.endswith(
-        "<|im_start|>assistant\n"
-    )  # ready for the assistant's answer
+    # ready for the assistant's answer
+    assert request in text and text.endswith("<|im_start|>assistant\n")
 
 
 def test_transformers_assisted_generation_is_timed_from_the_first_new_token(tmp_path: Path) -> None:

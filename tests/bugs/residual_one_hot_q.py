@@ -30,9 +30,8 @@ def verify(
     r = torch.rand(gamma, generator=generator, dtype=ratio.dtype, device=ratio.device)
     accepted = r < ratio
     one_hot = F.one_hot(drafted, p.shape[-1]).to(p.dtype)
-    fallback = torch.cat(
-        [residual_distribution(p[:gamma], one_hot), p[gamma:]]
-    )  # the bug: must be q
+    # the bug: must be q
+    fallback = torch.cat([residual_distribution(p[:gamma], one_hot), p[gamma:]])
     return Verdict(
         [accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)],
         leading_passes,

@@ -40,9 +40,8 @@ class NoCacheDrafter:
 
     def handed(self, logits: torch.Tensor, warped: torch.Tensor) -> torch.Tensor:
         """The q handed to the verifier for a token drawn from ``warped``."""
-        return torch.softmax(
-            logits, -1
-        )  # the bug: must be `warped`, the law the token was drawn from
+        # the bug: must be `warped`, the law the token was drawn from
+        return torch.softmax(logits, -1)
 
     @torch.no_grad()
     def propose(

@@ -29,9 +29,8 @@ def verify(
     gamma = drafted.shape[0]
     ratio = acceptance_probability(p[:gamma], q, drafted)
     eta = torch.rand(gamma, generator=generator, dtype=ratio.dtype, device=ratio.device)
-    kept = (
-        eta < ratio
-    )  # w_i would be min(1, w_{i-1} * ratio_i); the token-wise test keeps each on its own
+    # w_i would be min(1, w_{i-1} * ratio_i); the token-wise test keeps each on its own
+    kept = eta < ratio
     fallback = torch.cat([residual_distribution(p[:gamma], q), p[gamma:]])
     return Verdict(
         [kept, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)],

@@ -29,9 +29,8 @@ def verify(
     ratio = acceptance_probability(p[:gamma], q, drafted)
     r = torch.rand(gamma, generator=generator, dtype=ratio.dtype, device=ratio.device)
     accepted = r < ratio
-    at_token = q * F.one_hot(drafted, p.shape[-1]).to(
-        q.dtype
-    )  # the bug: q(x) e_x, must be all of q
+    # the bug: q(x) e_x, must be all of q
+    at_token = q * F.one_hot(drafted, p.shape[-1]).to(q.dtype)
     fallback = torch.cat([residual_distribution(p[:gamma], at_token), p[gamma:]])
     return Verdict(
         [accepted, drafted, sample(fallback, generator), expected_acceptance(p[:gamma], q)],

@@ -219,9 +219,8 @@ def test_explicit_chain_positions_and_causal_visibility_equal_the_chain_call_bit
     tokens = random_tokens(model, 2, prefix_len + seq, seed=seq)
     new = tokens[:, prefix_len:]
     slots = torch.arange(prefix_len, prefix_len + seq).repeat(2, 1)
-    chain = torch.arange(prefix_len, prefix_len + seq).repeat(
-        2, 1
-    )  # positions, a tensor of its own
+    # positions, a tensor of its own
+    chain = torch.arange(prefix_len, prefix_len + seq).repeat(2, 1)
     causal = (
         torch.ones(seq, prefix_len + seq, dtype=torch.bool)
         .tril(diagonal=prefix_len)

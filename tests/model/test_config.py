@@ -231,9 +231,8 @@ def test_real_config_matches_transformers(name: str) -> None:
     transformers = pytest.importorskip(
         "transformers", reason="transformers (the reference) is in the [test] extras"
     )
-    theirs = transformers.LlamaConfig.from_dict(
-        _real(name)
-    )  # a copy of its own: LlamaConfig writes into rope_scaling
+    # a copy of its own: LlamaConfig writes into rope_scaling
+    theirs = transformers.LlamaConfig.from_dict(_real(name))
     ours = ModelConfig.from_hf(_real(name))
     assert (
         ours.n_layers,
@@ -257,9 +256,8 @@ def test_real_config_matches_transformers(name: str) -> None:
         theirs.tie_word_embeddings,
     )
     assert ours.norm_eps == theirs.rms_norm_eps
-    rope = dict(
-        theirs.rope_parameters
-    )  # transformers 5 folds rope_theta and rope_scaling into one dict
+    # transformers 5 folds rope_theta and rope_scaling into one dict
+    rope = dict(theirs.rope_parameters)
     assert ours.rope_theta == rope.pop("rope_theta")
     rope_type = rope.pop("rope_type", "default")
     assert (ours.rope_scaling or {"rope_type": "default"}) == {"rope_type": rope_type, **rope}

@@ -35,9 +35,8 @@ def test_the_old_name_still_works_and_warns(new: str, monkeypatch: pytest.Monkey
         assert setting(new) == "from-the-old-name"
     monkeypatch.setenv(new, "from-the-new-name")
     with warnings.catch_warnings():
-        warnings.simplefilter(
-            "error"
-        )  # the new name set: read first, and nothing said of the old one
+        # the new name set: read first, and nothing said of the old one
+        warnings.simplefilter("error")
         assert setting(new) == "from-the-new-name"
     monkeypatch.setenv(new, "")  # empty is unset, as `VAR= command` means
     with pytest.warns(FutureWarning):
@@ -122,9 +121,8 @@ def test_the_cache_keys_entries_by_the_one_description() -> None:
     assert cpu.name and device_name(torch.device("cpu")).startswith(f"{cpu.name} ")
     if Path("/proc/cpuinfo").exists():
         assert cpu.flags and cpu.cpuinfo
-    assert (
-        describe_cpu().lscpu == {}
-    )  # lscpu is a subprocess: run only when asked (the benchmarks' pages)
+    # lscpu is a subprocess: run only when asked (the benchmarks' pages)
+    assert describe_cpu().lscpu == {}
 
 
 @pytest.mark.parametrize(

@@ -197,9 +197,8 @@ def test_going_past_the_cache_raises() -> None:
         with pytest.raises(ValueError, match=_outside(17)):
             model(tokens[:, :8], calls.chain(10, 8, "cpu"))
         with pytest.raises(ValueError, match=_outside(16)):
-            model(
-                tokens[:, :1], calls.chain(16, 1, "cpu")
-            )  # slot 16 is the scratch slot, never a token's
+            # slot 16 is the scratch slot, never a token's
+            model(tokens[:, :1], calls.chain(16, 1, "cpu"))
         with pytest.raises(ValueError, match="max_batch_size"):
             model(random_tokens(2, 1, model.config.vocab_size), calls.chain(10, 1, "cpu", rows=2))
         model(tokens[:, :6], calls.chain(10, 6, "cpu"))  # exactly filling the cache is fine
@@ -216,17 +215,14 @@ def test_a_bad_cache_call_raises_one_clear_error() -> None:
     see_all = torch.ones(1, 3, 7, dtype=torch.bool)
     with torch.no_grad():
         with pytest.raises(ValueError, match=_outside(17)):
-            model(
-                x, CacheCall.of(torch.tensor([[4, 5, 17]]))
-            )  # a slot past the cache (16 is the scratch slot)
+            # a slot past the cache (16 is the scratch slot)
+            model(x, CacheCall.of(torch.tensor([[4, 5, 17]])))
         with pytest.raises(ValueError, match=_outside(17)):
-            model(
-                x, CacheCall.of(slots, positions=torch.tensor([[4, 5, 17]]))
-            )  # a position past it
+            # a position past it
+            model(x, CacheCall.of(slots, positions=torch.tensor([[4, 5, 17]])))
         with pytest.raises(ValueError, match=_outside(16)):
-            model(
-                x, CacheCall(slots, slots, torch.ones(1, 3, 17, dtype=torch.bool), 17, 6)
-            )  # a window past it
+            # a window past it
+            model(x, CacheCall(slots, slots, torch.ones(1, 3, 17, dtype=torch.bool), 17, 6))
         with pytest.raises(
             ValueError, match=r"visible must be a BoolTensor \(1, 3, 7\) \(rows, tokens, window\)"
         ):
@@ -253,11 +249,12 @@ def test_a_bad_cache_call_raises_one_clear_error() -> None:
             model(x, calls.chain(4, 2, "cpu"))
         with pytest.raises(TypeError, match="takes a CacheCall"):
             model(x, 4)
+        # well formed
         assert model(x, CacheCall(slots, slots, see_all, 7, 6)).shape == (
             1,
             3,
             model.config.vocab_size,
-        )  # well formed
+        )
 
 
 def test_cache_and_uncached_forward_respect_max_position_embeddings() -> None:

@@ -37,12 +37,10 @@ def test_the_schedule_by_hand() -> None:
         1.0,
     ]  # linear warmup to the peak
     assert lr_at(4, 1.0, 4, 104) == pytest.approx(1.0)  # the cosine starts at the peak,
-    assert lr_at(54, 1.0, 4, 104) == pytest.approx(
-        0.1 + 0.9 * 0.5
-    )  # is halfway down at the middle,
-    assert (
-        lr_at(104, 1.0, 4, 104) == pytest.approx(0.1) == lr_at(500, 1.0, 4, 104)
-    )  # and stays at 10%
+    # is halfway down at the middle,
+    assert lr_at(54, 1.0, 4, 104) == pytest.approx(0.1 + 0.9 * 0.5)
+    # and stays at 10%
+    assert lr_at(104, 1.0, 4, 104) == pytest.approx(0.1) == lr_at(500, 1.0, 4, 104)
 
 
 def test_random_windows_are_next_token_pairs_of_the_stream() -> None:
@@ -62,9 +60,8 @@ def test_initialisation_scales_the_residual_outputs() -> None:
     up = torch.cat([layer.mlp.up_proj.weight.flatten() for layer in model.layers])
     assert up.std().item() == pytest.approx(0.02, rel=0.05)
     assert down.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert all(
-        torch.equal(p, norms[name]) for name, p in model.named_parameters() if p.dim() == 1
-    )  # left alone
+    # left alone
+    assert all(torch.equal(p, norms[name]) for name, p in model.named_parameters() if p.dim() == 1)
     head = torch.nn.Linear(4, 4)
     init_weights(head, 1)
     assert torch.equal(head.bias, torch.zeros(4))
@@ -83,9 +80,8 @@ def test_the_held_out_loss_reads_the_same_windows_every_time() -> None:
     model = random_llama(vocab=16, dim=16, max_seq_len=64).train()
     data = np.random.default_rng(0).integers(0, 16, 500).astype(np.uint16)
     first = evaluate(model, data, 16, batches=3, batch=2)
-    assert (
-        evaluate(model, data, 16, batches=3, batch=2) == first and model.training
-    )  # left in training mode
+    # left in training mode
+    assert evaluate(model, data, 16, batches=3, batch=2) == first and model.training
     one = evaluate(model, data, 16, batches=1, batch=2)  # the first of the three batches
     gen = torch.Generator().manual_seed(1234)
     assert one == pytest.approx(next_token_loss(model, *random_batch(data, 2, 16, gen)).item())
@@ -140,15 +136,14 @@ def test_fit_lowers_the_loss_logs_every_step_and_saves_on_schedule() -> None:
     assert last == 40 and [row["step"] for row in run.rows] == list(range(4, 41))
     assert list(run.rows[0]) == ["step", "loss", "seen", "tokens_per_s", "even"]  # step 4: even
     assert list(run.rows[1]) == ["step", "loss", "seen", "tokens_per_s"]
-    assert [row["seen"] for row in run.rows] == list(
-        range(3, 40)
-    )  # batch_loss sees the step before it is taken
+    # batch_loss sees the step before it is taken
+    assert [row["seen"] for row in run.rows] == list(range(3, 40))
     assert run.saved == [10, 20, 30, 40] and run.plots == ["t"] * 4
-    assert all(
-        saved is rng for saved in run.rngs
-    )  # the batch order's generator is saved with the state
+    # the batch order's generator is saved with the state
+    assert all(saved is rng for saved in run.rngs)
     assert optimizer.param_groups[0]["lr"] == lr_at(39, 1e-2, 5, 40)
     assert sum(r["loss"] for r in run.rows[-5:]) / 5 < run.rows[0]["loss"] - 0.5
+    # nothing left to do
     assert (
         fit(
             model,
@@ -166,7 +161,7 @@ def test_fit_lowers_the_loss_logs_every_step_and_saves_on_schedule() -> None:
             progress=False,
         )
         == 40
-    )  # nothing left to do
+    )
 
 
 def test_only_the_matrices_decay() -> None:

@@ -363,9 +363,8 @@ def test_stacked_projections_are_on_by_default_and_can_be_turned_off() -> None:
     assert plain["settings"]["fused_groups"] == 0
     target_layers = json.loads((TARGET / "config.json").read_text())["num_hidden_layers"]
     draft_layers = json.loads((DRAFT / "config.json").read_text())["num_hidden_layers"]
-    assert fused["settings"]["fused_groups"] == 2 * (
-        target_layers + draft_layers
-    )  # attention and MLP per block
+    # attention and MLP per block
+    assert fused["settings"]["fused_groups"] == 2 * (target_layers + draft_layers)
     assert_equal_up_to_a_near_tie(
         fused["tokens"], plain["tokens"], "stacked and plain greedy outputs"
     )
@@ -407,9 +406,8 @@ def test_streaming_detokenisation_keeps_spaces_and_multibyte_characters() -> Non
     tokenizer = load_tokenizer(TARGET)
     prompt = tokenizer.encode("Once upon a time")
     new = tokenizer.encode(" the café said 🙂 and Ünal smiled.", bos=False)
-    assert any(
-        tokenizer.piece(t).startswith("<0x") for t in new
-    )  # byte-fallback tokens are in there
+    # byte-fallback tokens are in there
+    assert any(tokenizer.piece(t).startswith("<0x") for t in new)
     out = io.StringIO()
     streamer = output.Streamer(tokenizer, prompt, out, color=False)
     for i, token in enumerate(new):
@@ -507,6 +505,7 @@ def test_pair_too_big_for_memory(capsys: pytest.CaptureFixture[str], tmp_path: P
     huge = tmp_path / "huge"
     huge.mkdir()
     config = json.loads((TARGET / "config.json").read_text())
+    # ~8e13 parameters
     config.update(
         hidden_size=8192,
         intermediate_size=28672,
@@ -514,7 +513,7 @@ def test_pair_too_big_for_memory(capsys: pytest.CaptureFixture[str], tmp_path: P
         num_key_value_heads=8,
         head_dim=128,
         num_hidden_layers=100_000,
-    )  # ~8e13 parameters
+    )
     (huge / "config.json").write_text(json.dumps(config))
     shutil.copy(TARGET / "tokenizer.model", huge)
     main_error(capsys, ["--target", str(huge), "--draft", str(DRAFT)], "KV cache", "free")
@@ -661,9 +660,8 @@ def test_unused_flags_warn_on_stderr_and_the_run_goes_on(
         "warning: --gamma has no effect with --no-draft: the target decodes alone",
         "warning: --system has no effect without --chat",
     ]
-    assert (
-        len(doc["tokens"]) == 3 and doc["settings"]["seed"] is None
-    )  # greedy: the seed was not used
+    # greedy: the seed was not used
+    assert len(doc["tokens"]) == 3 and doc["settings"]["seed"] is None
 
 
 def test_help_states_the_rule_for_unused_flags_and_the_exit_statuses(
@@ -876,9 +874,8 @@ def prompt_of(tokenizer: Any, length: int) -> str:
 @needs_pair
 def test_every_run_says_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
     tokenizer = load_tokenizer(TARGET)
-    doc, _ = main_json(
-        capsys, [*PAIR, "--max-new-tokens", "400"]
-    )  # the default story ends well before
+    # the default story ends well before
+    doc, _ = main_json(capsys, [*PAIR, "--max-new-tokens", "400"])
     assert doc["stats"]["stop_reason"] == "eos" and doc["tokens"][-1] == tokenizer.eos_id
     assert len(doc["tokens"]) < 400
     context = read_config(TARGET).max_seq_len
@@ -1011,12 +1008,10 @@ def test_compare_measures_the_speedup_next_to_the_prediction(
     )
     line = err[-1]
     assert line.startswith("compare: speculative ") and "target alone" in line, err
-    assert "measured speedup" in line and "predicted" in line and "greedy" not in line, (
-        line
-    )  # sampled: not compared
-    assert (
-        out.startswith(generate.DEFAULT_PROMPT) and out.count("\n") == 1
-    )  # the text once, not twice
+    # sampled: not compared
+    assert "measured speedup" in line and "predicted" in line and "greedy" not in line, line
+    # the text once, not twice
+    assert out.startswith(generate.DEFAULT_PROMPT) and out.count("\n") == 1
 
 
 @needs_pair
@@ -1069,9 +1064,8 @@ def test_busy_hint_from_step_times() -> None:
     assert hint is not None and hint.startswith("hint: ") and "--threads 1" in hint, hint
     assert output.busy_hint(times, [4] * 40, threads=1, device=cpu) is None  # nothing to suggest
     assert output.busy_hint(times, [4] * 40, threads=2, device=torch.device("cuda", 0)) is None
-    assert (
-        output.busy_hint(times[:8], [4] * 8, threads=2, device=cpu) is None
-    )  # too few steps to tell
+    # too few steps to tell
+    assert output.busy_hint(times[:8], [4] * 8, threads=2, device=cpu) is None
     # Iterations that drafted fewer tokens are cheaper by design: they are not compared with the rest.
     mixed = [0.008 * i + (0.02 if i % 2 else 0) for i in range(40)]
     assert (
@@ -1195,9 +1189,8 @@ def test_a_bfloat16_checkpoint_runs_in_bfloat16_where_the_cpu_computes_it(
     folder = tmp_path / "bf16-target"
     shutil.copytree(TARGET, folder)
     config = json.loads((folder / "config.json").read_text())
-    assert (
-        config["torch_dtype"] == "float16"
-    )  # the shipped target: stays float32 on a CPU either way
+    # the shipped target: stays float32 on a CPU either way
+    assert config["torch_dtype"] == "float16"
     (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
     native = "avx512_bf16" in flags
 
@@ -1215,9 +1208,8 @@ def test_a_bfloat16_checkpoint_runs_in_bfloat16_where_the_cpu_computes_it(
     assert dtype_of("--target", str(renamed)) == ("bfloat16" if native else "float32")
     assert dtype_of("--target", str(TARGET)) == "float32"
     assert dtype_of("--target", str(folder), "--dtype", "float32") == "float32"
-    assert (
-        dtype_of("--target", str(folder), "--quantize", "int8") == "float32"
-    )  # quantized: as before
+    # quantized: as before
+    assert dtype_of("--target", str(folder), "--quantize", "int8") == "float32"
 
 
 @needs_pair

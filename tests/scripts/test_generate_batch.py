@@ -220,9 +220,8 @@ def test_compare_runs_the_batch_with_the_target_alone_too(three: str) -> None:
     assert compare["measured_speedup"] == pytest.approx(
         compare["speculative_tokens_per_second"] / compare["baseline_tokens_per_second"]
     )
-    assert (
-        compare["same_tokens"] is True and compare["differing_prompts"] == []
-    )  # float64 greedy: exact
+    # float64 greedy: exact
+    assert compare["same_tokens"] is True and compare["differing_prompts"] == []
     assert compare["baseline_tokens"] == [row["tokens"] for row in doc["prompts"]]
     assert compare["baseline"]["draft_calls"] == 0 and doc["settings"]["compare"] is True
 

@@ -73,9 +73,8 @@ def test_greedy_output_is_the_target_alone(
     doc, _ = run(capsys, "--dtype", "float64", *argv)
     assert doc["tokens"] == alone_float64
     assert doc["stats"]["tokens_per_target_call"] >= 1
-    assert bool(doc["stats"]["tree_shapes"]) == (
-        argv == ["--tree", "auto"]
-    )  # what auto chose, by shape
+    # what auto chose, by shape
+    assert bool(doc["stats"]["tree_shapes"]) == (argv == ["--tree", "auto"])
 
 
 @needs_pair

@@ -203,9 +203,10 @@ def test_int4_in_bfloat16_quantizes_the_checkpoints_values() -> None:
         Int4Linear.from_float(exact.layers.get_submodule(name).weight.bfloat16(), 32)
         for name, _ in built
     ]
+    # its power
     assert any(
         not torch.equal(r.weight, layer.weight) for r, (_, layer) in zip(rounded_first, built)
-    )  # its power
+    )
     seq = load_tokenizer(TARGET).encode("Once upon a time", bos=True)
     prompt, compared = len(seq), 0
     with torch.inference_mode():
@@ -228,12 +229,13 @@ BF16 = 2
 
 def test_plan_70b_over_two_gpus_by_hand() -> None:
     tp = 2
+    # gate, up, down
     per_layer = (
         DIM * HEADS * HEAD_DIM  # q_proj
         + 2 * DIM * KV_HEADS * HEAD_DIM  # k_proj, v_proj
         + HEADS * HEAD_DIM * DIM  # o_proj
         + 3 * DIM * HIDDEN
-    )  # gate, up, down
+    )
     block_bytes = LAYERS * per_layer * BF16 // tp
     replicated_bytes = (2 * VOCAB * DIM + (2 * LAYERS + 1) * DIM) * BF16  # embed, lm_head, norms
     kv_bytes = 2 * LAYERS * (KV_HEADS // tp) * HEAD_DIM * CONTEXT * BF16

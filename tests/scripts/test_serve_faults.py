@@ -251,15 +251,15 @@ def test_bad_input_is_a_4xx_and_stops_nothing(server: Served) -> None:
     tiny = server.post(temperature=1e-300)  # stopped the server, exit 0
     assert tiny.status_code == 200
     assert tiny.json()["choices"][0]["text"] == server.post().json()["choices"][0]["text"]
+    # JSON allows it
     surrogate = httpx.post(
         f"{server.url}/v1/completions",
         timeout=30,
         headers={"Content-Type": "application/json"},
         content='{"model": "tiny-target", "prompt": "\\ud800"}',
-    )  # JSON allows it
-    assert (
-        surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt"
-    )  # was a 500
+    )
+    # was a 500
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt"
     cases = [
         (
             {"stop": ["x" * 1_000_000] * 4},
@@ -333,9 +333,8 @@ def test_a_stream_abandoned_midway_frees_its_row(server: Served) -> None:
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-    deadline = (
-        time.monotonic() + 1.5
-    )  # the request timeout (2 s) would call it an error, not a cancel
+    # the request timeout (2 s) would call it an error, not a cancel
+    deadline = time.monotonic() + 1.5
     while server.metric("requests_running") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.metric("requests_running") == 0
@@ -352,9 +351,8 @@ def test_slow_headers_and_slow_bodies_are_cut_off_so_idle_sockets_cannot_lock_ev
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(8)]
     idle[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
     try:
-        assert (
-            server.health().status_code == 503
-        )  # a ninth connection: --max-connections answers at once
+        # a ninth connection: --max-connections answers at once
+        assert server.health().status_code == 503
         started = time.monotonic()
         for sock in idle:
             assert sock.recv(1024) == b""  # closed by the server
@@ -363,10 +361,11 @@ def test_slow_headers_and_slow_bodies_are_cut_off_so_idle_sockets_cannot_lock_ev
         for sock in idle:
             sock.close()
     with socket.create_connection((host, int(port)), timeout=5) as sock:
+        # 8 of 100 bytes
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b'Content-Length: 100\r\n\r\n{"model"'
-        )  # 8 of 100 bytes
+        )
         reply = b""
         while chunk := sock.recv(4096):  # to the end: the server closes the connection
             reply += chunk

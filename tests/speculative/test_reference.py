@@ -221,9 +221,8 @@ def test_reference_emits_exactly_the_target_distribution(
 ) -> None:
     target = NGramModel(toy_table(vocab, orders[0], seed, holes))
     other = toy_table(vocab, orders[1], seed + 1, holes)
-    draft = NGramModel(
-        target.table if relation == "same" else other
-    )  # "same": a second object, its own cache
+    # "same": a second object, its own cache
+    draft = NGramModel(target.table if relation == "same" else other)
     # long enough that the first iteration drafts all gamma tokens, short enough to enumerate quickly
     prompt, length = (1 % vocab,), 1 + min(gamma, {2: 4, 3: 3, 4: 2}[vocab])
     got = decode_distribution(reference, target, draft, prompt, length, gamma, sampling)
@@ -403,9 +402,8 @@ def test_sampled_runs_pass_the_chi_square_test(
 @pytest.mark.parametrize(
     "name, sampling",
     [
-        pytest.param(
-            name, TOP if name == "temperature on p only" else Sampling(), id=name
-        )  # a no-op at temperature 1
+        # a no-op at temperature 1
+        pytest.param(name, TOP if name == "temperature on p only" else Sampling(), id=name)
         for name in ENUMERATED_MUTANTS
     ],
 )

@@ -30,12 +30,13 @@ import serve
 from speculative.engine.engine import Engine
 from speculative.serving.loop import EngineLoop
 
+# token ids (the shipped pair has 2048)
 ROW_FAULT, ENGINE_FAULT, STALL, GATE = (
     2001,
     2002,
     2003,
     2004,
-)  # token ids (the shipped pair has 2048)
+)
 GATE_FILE = "FAULTY_SERVE_GATE"  # the environment variable naming the gate's file
 LOAD_GATE_FILE = "FAULTY_SERVE_LOAD_GATE"  # the one naming the file that lets loading go on
 STALL_S = 2.5

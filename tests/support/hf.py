@@ -90,10 +90,11 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> torc
 
 def hf_model(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """A randomly initialised transformers ``LlamaForCausalLM`` for ``config``."""
+    # the reference oracle: heavy, only for these tests
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
-    )  # the reference oracle: heavy, only for these tests
+    )
 
     model = LlamaForCausalLM(LlamaConfig(**config))
     return randomize_(model, seed).to(dtype).eval()

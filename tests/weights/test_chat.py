@@ -67,9 +67,8 @@ def test_ids_equal_transformers_apply_chat_template(folder: Path, conversation: 
     rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if ours.kind == "sentencepiece":
         assert ours.chat.render(messages) == rendered
-        if (
-            conversation == "unicode and spacing"
-        ):  # runs of spaces: transformers' converted Llama tokenizer
+        # runs of spaces: transformers' converted Llama tokenizer
+        if conversation == "unicode and spacing":
             pytest.skip(
                 "differs from SentencePiece itself there (tests/weights/test_tokenizer.py: ours is "
                 "SentencePiece's, as Meta's reference is); the rendered text is equal"

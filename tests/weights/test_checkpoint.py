@@ -444,9 +444,8 @@ def test_a_folder_of_pytorch_model_bin_loads_as_its_safetensors_would(tmp_path: 
         one / "pytorch_model.bin",
     )
     assert torch.equal(load_model(one).lm_head.weight, reference.lm_head.weight)
-    torch.save(
-        {"weights": reference.state_dict(), "hook": print}, one / "pytorch_model.bin"
-    )  # not only tensors
+    # not only tensors
+    torch.save({"weights": reference.state_dict(), "hook": print}, one / "pytorch_model.bin")
     with pytest.raises(
         CheckpointError, match="pytorch_model.bin is not a readable PyTorch weights file"
     ) as error:

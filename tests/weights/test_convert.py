@@ -295,9 +295,8 @@ def test_truncated_checkpoint(tmp_path: Path) -> None:
         rf"implies {full}",
     ):
         convert_llama2c(path, tmp_path / "out")
-    path.write_bytes(
-        struct.pack("<7i", 32, 48, 2**30, 4, 2, 40, 16)
-    )  # absurd but well-formed: a size mismatch
+    # absurd but well-formed: a size mismatch
+    path.write_bytes(struct.pack("<7i", 32, 48, 2**30, 4, 2, 40, 16))
     with pytest.raises(CheckpointError, match=r"is truncated: 28 bytes"):
         convert_llama2c(path, tmp_path / "out")
     path.write_bytes(b"\x01\x00")

@@ -32,12 +32,12 @@ def test_story_openings_and_held_out_prompts(tmp_path: Path) -> None:
     ]  # the two-word story is short
     prompts = held_out_prompts([corpus], Words(), 2, 3, seed=5)
     assert len(prompts) == 2 and all(len(p) == 3 and p[0] == 1 for p in prompts)
-    assert prompts == held_out_prompts(
-        [corpus], Words(), 2, 3, seed=5
-    )  # the same prompts for the same seed
+    # the same prompts for the same seed
+    assert prompts == held_out_prompts([corpus], Words(), 2, 3, seed=5)
+    # all of them when there are fewer
     assert sorted(held_out_prompts([corpus], Words(), 9, 3, seed=5)) == sorted(
         [[1, 11, 12], [1, 11, 12], [1, 13, 14]]
-    )  # all of them when there are fewer
+    )
 
 
 def test_chat_requests_are_about_the_documents_and_the_same_for_a_seed(tmp_path: Path) -> None:

@@ -85,9 +85,8 @@ def test_an_official_head_without_layer_ids_reads_the_default_layers(tmp_path, t
     config = json.loads(path.read_text())
     del config["eagle_config"]
     path.write_text(json.dumps(config))
-    state = load_file(
-        tmp_path / "head" / "model.safetensors"
-    )  # the official files are often torch pickles
+    # the official files are often torch pickles
+    state = load_file(tmp_path / "head" / "model.safetensors")
     torch.save(state, tmp_path / "head" / "pytorch_model.bin")
     (tmp_path / "head" / "model.safetensors").unlink()
     assert load_eagle3_head(tmp_path / "head", target).target_layers == (2, 3, 3)

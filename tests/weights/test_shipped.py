@@ -32,9 +32,8 @@ def test_model_card_matches_the_files(name: str) -> None:
     tokenizer = load_tokenizer(name)
     n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     assert card_figure(name, "Parameters") == n_params == model.config.num_parameters()
-    masks = (
-        1 if "pard_token" in model.config.extra else 0
-    )  # a parallel draft's mask id, after the tokenizer's
+    # a parallel draft's mask id, after the tokenizer's
+    masks = 1 if "pard_token" in model.config.extra else 0
     assert (
         card_figure(name, "Vocabulary") == model.config.vocab_size == tokenizer.vocab_size + masks
     )
@@ -61,9 +60,8 @@ def test_the_smollm2_head_loads_for_its_target_and_is_its_default_draft() -> Non
     what --draft means under that target when none is named; the shipped target keeps its draft."""
     check_head_card("smollm2-eagle3", load_model(smollm2_gguf()), "SmolLM2-135M-Instruct")
     assert default_draft(smollm2_gguf()) == "smollm2-eagle3"
-    assert (
-        proposal_length(WEIGHTS_DIR / "smollm2-eagle3") == 4
-    )  # the draft length measured fastest (its card)
+    # the draft length measured fastest (its card)
+    assert proposal_length(WEIGHTS_DIR / "smollm2-eagle3") == 4
     assert default_draft("tiny-target") == "tiny-draft"
 
 

@@ -104,9 +104,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         and record["compiled_ms"] > 0
         and record["eager_ms"]["prepacked"] > 0
     )
-    mark_measured(
-        StepCache(cache), faster=True
-    )  # what a real model measures; the tests below check the decision
+    # what a real model measures; the tests below check the decision
+    mark_measured(StepCache(cache), faster=True)
     return {"folder": folder, "cache": cache, "first": json.loads(proc.stdout), "entry": entry}
 
 
@@ -234,9 +233,8 @@ def test_one_build_serves_every_length(built: dict[str, Any], tmp_path: Path) ->
     prompt = [1, 5, 9]
     tokens = autoregressive_generate(loaded, prompt, 128 - len(prompt), temperature=0).tokens
     assert len(tokens) == 128 - len(prompt) and loaded.compiled.built == 0
-    assert (
-        loaded.layers[0].self_attn.cache.k.shape[2] == 129
-    )  # grown to the context, and its scratch slot
+    # grown to the context, and its scratch slot
+    assert loaded.layers[0].self_attn.cache.k.shape[2] == 129
     assert far_from_argmax(stacked(built["folder"]), prompt, tokens) == []
 
 
@@ -330,6 +328,7 @@ def test_shared_packages_hold_no_weights_and_read_the_model_s_own(tmp_path: Path
     weights, handed the model's own tensors at load. Its file is smaller than the weights, it
     agrees with the eager step, and it reads the model's tensors where they are: a weight
     changed in place after loading changes the package's output as it changes the eager one's."""
+    # 8 MB of weights: more than a package's code
     model = random_llama(
         vocab=2048,
         dim=256,
@@ -340,7 +339,7 @@ def test_shared_packages_hold_no_weights_and_read_the_model_s_own(tmp_path: Path
         max_seq_len=64,
         seed=5,
         std=0.05,
-    )  # 8 MB of weights: more than a package's code
+    )
     fuse_projections(model)
     reference = copy.deepcopy(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -473,9 +472,8 @@ def test_the_default_run_notes_a_broken_entry_and_decodes_eagerly(
         and notes[0].endswith("; decoding eagerly")
     )
     assert "`--compile` builds them again" in notes[1]  # and how to have them back
-    out, _ = main_ok(
-        capsys, argv + ["--json"]
-    )  # the broken entry is gone: eager, the compiled run's tokens
+    # the broken entry is gone: eager, the compiled run's tokens
+    out, _ = main_ok(capsys, argv + ["--json"])
     assert (
         json.loads(out)["settings"]["setup"] == "default"
         and json.loads(out)["tokens"] == built["first"]["tokens"]
@@ -545,9 +543,8 @@ def test_a_broken_compiler_drops_the_compiled_candidate_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     argv = ["--target", str(built["folder"]), *RUN, "--cache-dir", str(tmp_path)]
-    with torch._inductor.config.patch(
-        {"cpp.cxx": (None, "/bin/false")}
-    ):  # what CXX=/bin/false sets
+    # what CXX=/bin/false sets
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/bin/false")}):
         out, err = main_ok(capsys, argv + ["--compile"])
         (line,) = json.loads(out)["settings"]["setup"]
         assert "compiled dropped: no working C++ compiler: /bin/false does not run" in line
@@ -597,10 +594,11 @@ def test_without_a_compiler_force_exits_2_in_one_line(
         "error: --compile force: no working C++ compiler: g++ does not run "
         "(install g++, or set CXX)"
     ]
+    # what a library caller gets
     with (
         torch._inductor.config.patch({"cpp.cxx": (None, str(tmp_path / "g++"))}),
         pytest.raises(CompileError, match="no working C.. compiler"),
-    ):  # what a library caller gets
+    ):
         compile_for_decoding(stacked(built["folder"]), (1,), cache_len=16, mode=MODE)
 
 

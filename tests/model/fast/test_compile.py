@@ -92,9 +92,8 @@ def test_the_step_is_the_cached_forward() -> None:
     slots = torch.tensor([[5, 6, 7], [3, 4, 5]])
     window = model.layers[0].self_attn.cache.k.shape[2]
     assert window == 25  # 24 slots and the scratch slot
-    visible = torch.arange(window) <= slots.unsqueeze(
-        -1
-    )  # each token sees its row up to its own slot
+    # each token sees its row up to its own slot
+    visible = torch.arange(window) <= slots.unsqueeze(-1)
     tokens = torch.tensor([[9, 10, 11], [12, 13, 0]])
     out = model.step(tokens, slots, slots, visible, window, False)
     again = model(tokens, calls.ragged([5, 3], 3, 24, "cpu"))  # rewrites the same entries
@@ -217,11 +216,12 @@ def count_compiled_calls(model: torch.nn.Module, counts: Counter) -> None:
     real = model.compiled.fn
 
     def counted(*args, _real=real):
+        # (*inputs, slots, positions, visible, window, hidden)
         where, visible, window = (
             args[-5],
             args[-3],
             args[-2],
-        )  # (*inputs, slots, positions, visible, window, hidden)
+        )
         rows, width = where.shape
         counts[f"rows{rows}"] += 1
         written = where < window - 1  # padding writes the scratch slot, the last one
@@ -297,9 +297,8 @@ def test_batch_and_tree_runs_use_their_buckets_and_never_recompile(bucketed_pair
                 )
     assert graphs() == before
     assert calls["rows4"] > 0 and calls["rows2"] > 0 and calls["rows1"] > 0 and calls["tree"] > 0
-    assert (
-        calls["tree11"] > 0 and calls["tree2"] > 0 and calls["tree6"] > 0
-    )  # the target's and the draft's
+    # the target's and the draft's
+    assert calls["tree11"] > 0 and calls["tree2"] > 0 and calls["tree6"] > 0
 
 
 def test_compiled_batch_and_tree_greedy_is_the_target_up_to_near_ties(bucketed_pair: dict) -> None:
@@ -335,9 +334,8 @@ def test_a_compiled_tree_call_uses_its_mask() -> None:
         dtype=torch.bool,
     )
     slots, positions = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[5, 6, 6, 7, 7]])
-    visible = torch.ones(
-        1, 5, 10, dtype=torch.bool
-    )  # every cached slot 0..4, then the mask over the nodes
+    # every cached slot 0..4, then the mask over the nodes
+    visible = torch.ones(1, 5, 10, dtype=torch.bool)
     visible[0, :, 5:] = mask
     call = CacheCall(slots, positions, visible, 10, 9)
     # the builder makes this call for the tree with these parents (root at slot 4, nodes from 5)
@@ -443,9 +441,8 @@ def test_an_int4_model_compiles_with_its_packed_codes(dtype: torch.dtype) -> Non
     eager = copy.deepcopy(model)
     compile_for_decoding(model, (1, 3), cache_len=24, mode="default")
     eager.setup_cache(1, 24)
-    tolerance = (
-        1e-5 if dtype == torch.float32 else 3e-2
-    )  # bfloat16: its rounding, fused differently
+    # bfloat16: its rounding, fused differently
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     with torch.inference_mode():
         feeds = [
             (torch.tensor([[1, 2, 3, 4]]), 0),

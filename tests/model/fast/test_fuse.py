@@ -57,9 +57,8 @@ TOKENS = torch.randint(0, CONFIG.vocab_size, (2, 40), generator=torch.Generator(
 def test_fused_logits_equal_plain_ones() -> None:
     plain = random_model()
     fused = copy.deepcopy(plain)
-    assert (
-        fuse_projections(fused) == 2 * CONFIG.n_layers
-    )  # one attention and one MLP group per block
+    # one attention and one MLP group per block
+    assert fuse_projections(fused) == 2 * CONFIG.n_layers
     attention, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
     assert attention.q_proj is None and attention.k_proj is None and mlp.gate_proj is None
     assert attention.qkv_proj.weight.shape == ((6 + 2 * 2) * CONFIG.head_dim, CONFIG.dim)
@@ -67,9 +66,8 @@ def test_fused_logits_equal_plain_ones() -> None:
     with torch.inference_mode():
         assert plain(TOKENS).abs().max() > 1.0
     assert max_difference(plain, fused, TOKENS) < 1e-12
-    assert (
-        fused.layers[0].self_attn.cache.k.shape[1] == 2
-    )  # the cache reads the KV head count from the stack
+    # the cache reads the KV head count from the stack
+    assert fused.layers[0].self_attn.cache.k.shape[1] == 2
     assert fuse_projections(fused) == 0  # nothing left to fuse
 
 

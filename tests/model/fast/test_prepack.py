@@ -103,15 +103,12 @@ def test_only_plain_large_float32_cpu_layers_are_swapped() -> None:
     assert (holder.big.in_features, holder.big.out_features) == (512, 512)
     assert type(holder.small) is nn.Linear and type(holder.biased) is nn.Linear
     assert type(holder.subclass) is AllReduceLinear
-    assert (
-        prepack_linears(random_model(dtype=torch.float64)) == 0
-    )  # PyTorch does not repack per call for it
-    assert (
-        prepack_linears(random_model(dtype=torch.float16)) == 0
-    )  # not prepacked: see model/fast/prepack.py
-    bf16 = random_model(
-        dtype=torch.bfloat16
-    )  # oneDNN reorders bfloat16 at every call: packed where native
+    # PyTorch does not repack per call for it
+    assert prepack_linears(random_model(dtype=torch.float64)) == 0
+    # not prepacked: see model/fast/prepack.py
+    assert prepack_linears(random_model(dtype=torch.float16)) == 0
+    # oneDNN reorders bfloat16 at every call: packed where native
+    bf16 = random_model(dtype=torch.bfloat16)
     assert (prepack_linears(bf16) > 0) == packable(torch.bfloat16)
 
 

@@ -248,9 +248,8 @@ def test_check_memory_counts_batch_rows_and_ranks(monkeypatch: pytest.MonkeyPatc
             ("7b", LLAMA2_CONFIGS["7b"]), None, 1024, torch.bfloat16, cpu, tp_size=2, batch=4
         )
     monkeypatch.setattr(memory_lib, "available_bytes", lambda device: None)
-    assert (
-        check_memory(("7b", LLAMA2_CONFIGS["7b"]), None, 1024, torch.bfloat16, cpu) is None
-    )  # cannot tell
+    # cannot tell
+    assert check_memory(("7b", LLAMA2_CONFIGS["7b"]), None, 1024, torch.bfloat16, cpu) is None
 
 
 def test_plan_suggestion_words_the_cheapest_fit() -> None:
@@ -260,9 +259,8 @@ def test_plan_suggestion_words_the_cheapest_fit() -> None:
         plan_suggestion(t70, d7, torch.bfloat16, 1, None, "h200")
         == "the cheapest change that fits: --quantize int8"
     )
-    huge = replace(
-        LLAMA2_CONFIGS["13b"], n_layers=1000, n_heads=5, n_kv_heads=5
-    )  # 240 GB int8, heads split by none
+    # 240 GB int8, heads split by none
+    huge = replace(LLAMA2_CONFIGS["13b"], n_layers=1000, n_heads=5, n_kv_heads=5)
     assert plan_suggestion(huge, None, torch.bfloat16, 1, None, "a100-40gb") == (
         "no single change of --dtype, --quantize, --tp or --plan-device fits it: use a smaller pair"
     )
@@ -270,11 +268,9 @@ def test_plan_suggestion_words_the_cheapest_fit() -> None:
 
 def test_int4_bytes_are_half_a_byte_a_weight_and_a_scale_and_zero_per_group() -> None:
     # 4096 x 4096: 8 MiB of codes, and 4096 rows x 128 groups x (4-byte scale + 4-byte zero) = 4 MiB (bfloat16: 2)
-    assert (
-        memory_lib.linear_bytes([(4096, 4096)], torch.float32, "int4") == 12582912
-    )  # 8388608 + 4194304
-    assert (
-        memory_lib.linear_bytes([(4096, 4096)], torch.bfloat16, "int4") == 10485760
-    )  # 8388608 + 2097152
+    # 8388608 + 4194304
+    assert memory_lib.linear_bytes([(4096, 4096)], torch.float32, "int4") == 12582912
+    # 8388608 + 2097152
+    assert memory_lib.linear_bytes([(4096, 4096)], torch.bfloat16, "int4") == 10485760
     with pytest.raises(ValueError, match="'int8' or 'int4'"):
         memory_lib.linear_bytes([(8, 8)], torch.float32, "int2")

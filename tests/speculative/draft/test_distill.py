@@ -69,9 +69,8 @@ def test_the_distillation_loss_is_the_divergence_over_the_generated_positions() 
     loss = distill_loss("tv", target, draft, seqs, prompt_tokens=4)
     p = F.softmax(target(seqs)[:, 3:-1], -1)
     q = F.softmax(draft(seqs)[:, 3:-1], -1)
-    assert loss.item() == pytest.approx(
-        (0.5 * (p - q).abs().sum(-1)).mean().item()
-    )  # positions 4..9 predicted
+    # positions 4..9 predicted
+    assert loss.item() == pytest.approx((0.5 * (p - q).abs().sum(-1)).mean().item())
     loss.backward()
     assert all(param.grad is None for param in target.parameters())
     assert any(
@@ -106,9 +105,8 @@ def test_eagle_losses_train_the_head_only() -> None:
 
 def test_a_draft_equal_to_its_target_is_always_accepted() -> None:
     target = random_llama(vocab=16, dim=32, max_seq_len=64, dtype=torch.float64)
-    twin = random_llama(
-        vocab=16, dim=32, max_seq_len=64, dtype=torch.float64
-    )  # the same weights, another cache
+    # the same weights, another cache
+    twin = random_llama(vocab=16, dim=32, max_seq_len=64, dtype=torch.float64)
     got = measure_acceptance(target, twin, [[1, 2, 3], [4, 5]], new_tokens=10, gamma=3, seed=0)
     assert set(got) == {
         f"{k}_{t}" for k in ("alpha", "acceptance", "tau") for t in ("greedy", "t1")

@@ -203,9 +203,8 @@ def test_parallel_greedy_output_is_the_target_greedy_output(
     for drafter in (llama64["close"], ParallelFeatureDrafter(llama64["head"], target)):
         out = speculative_generate(target, drafter, prompt, 16, temperature=0, **shape)
         assert out.tokens == reference_greedy(target, prompt, 16)
-        assert out.stats.draft_calls == sum(
-            1 for g in out.stats.gamma_history if g
-        )  # one call per iteration
+        # one call per iteration
+        assert out.stats.draft_calls == sum(1 for g in out.stats.gamma_history if g)
 
 
 def test_parallel_rows_of_a_batch_each_get_the_target_greedy_output(llama64: dict) -> None:
@@ -216,9 +215,8 @@ def test_parallel_rows_of_a_batch_each_get_the_target_greedy_output(llama64: dic
         assert [r.tokens for r in batch.results] == [
             reference_greedy(target, p, 12) for p in prompts
         ]
-    assert (
-        batch.stats.draft_calls < batch.stats.iterations
-    )  # one call per iteration (none in the first)
+    # one call per iteration (none in the first)
+    assert batch.stats.draft_calls < batch.stats.iterations
 
 
 def test_q_i_is_the_warp_of_the_call_s_i_th_position_and_the_mask_is_never_drafted(
@@ -227,9 +225,8 @@ def test_q_i_is_the_warp_of_the_call_s_i_th_position_and_the_mask_is_never_draft
     """q_i against a no-cache forward over the prompt and i - 1 masks (the mask id in the
     target's range too: it must get probability 0)."""
     drafter = llama64["drafter"]
-    inside = ParallelDrafter(
-        drafter.model, mask_id=7, vocab_size=16
-    )  # a mask inside the target's ids
+    # a mask inside the target's ids
+    inside = ParallelDrafter(drafter.model, mask_id=7, vocab_size=16)
     prompt = [1, 2, 3, 4]
     sampling = Sampling(temperature=0.7, top_k=6, top_p=0.95)
     for d, mask in ((drafter, 16), (inside, 7)):

@@ -133,9 +133,8 @@ def test_padding_past_the_end_of_the_cache_is_dropped(llama64: dict) -> None:
     model = llama64["target"]
     model.setup_cache(2, 8)
     ragged(model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 1], [1, 2, 0, 0, 0, 0, 0, 0]]), [0, 0])
-    out = ragged(
-        model, torch.tensor([[2, 0, 0], [3, 4, 5]]), [7, 2]
-    )  # row 0's padding runs off the end
+    # row 0's padding runs off the end
+    out = ragged(model, torch.tensor([[2, 0, 0], [3, 4, 5]]), [7, 2])
     assert torch.allclose(
         out[0, 0], model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 2]]))[0, -1], atol=1e-12, rtol=0
     )
@@ -184,9 +183,8 @@ def test_feature_head_per_row_positions(llama64: dict) -> None:
     )
     alone = [head(feats[b : b + 1], emb[b : b + 1])[0] for b in range(2)]
     head.setup_cache(2, 12)
-    head(
-        feats[:, :4], emb[:, :4], calls.ragged([0, 0], 4, 12, "cpu")
-    )  # row 0 then reads 4.., row 1 re-reads 2..
+    # row 0 then reads 4.., row 1 re-reads 2..
+    head(feats[:, :4], emb[:, :4], calls.ragged([0, 0], 4, 12, "cpu"))
     out = head(feats[:, 2:], emb[:, 2:], calls.ragged([2, 2], 4, 12, "cpu"))
     assert torch.allclose(out[0], alone[0][2:], atol=1e-12) and torch.allclose(
         out[1], alone[1][2:], atol=1e-12

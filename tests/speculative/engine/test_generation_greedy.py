@@ -366,9 +366,8 @@ def test_rollback_bookkeeping(seed: int, gamma: int) -> None:
         callback=lambda ids, flags: seen.append((ids, flags)),
     )
     final = prompt + out.tokens
-    assert (
-        0 < out.stats.accepted_draft_tokens < out.stats.drafted_tokens
-    )  # both branches were exercised
+    # both branches were exercised
+    assert 0 < out.stats.accepted_draft_tokens < out.stats.drafted_tokens
 
     iterations = iterations_from_callback(len(prompt), seen)
     gammas = out.stats.gamma_history
@@ -592,6 +591,5 @@ def test_same_seed_same_output_and_no_seed_varies() -> None:
     ):
         assert gen_fn(5).tokens == gen_fn(5).tokens
         assert gen_fn(5).tokens != gen_fn(6).tokens
-        assert (
-            len({tuple(gen_fn(None).tokens) for _ in range(3)}) > 1
-        )  # ~6^-30 chance of a false failure
+        # ~6^-30 chance of a false failure
+        assert len({tuple(gen_fn(None).tokens) for _ in range(3)}) > 1

@@ -24,10 +24,11 @@ def chain_table(vocab: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_any_stop_id_ends_the_row_inside_an_accepted_block(temperature: float) -> None:
+    # 0 -> 1 -> 2 -> ... certainly
     target, draft = (
         NGramModel(chain_table(8)),
         NGramModel(chain_table(8)),
-    )  # 0 -> 1 -> 2 -> ... certainly
+    )
     seen: list[list[int]] = []
     out = speculative_generate(
         target,

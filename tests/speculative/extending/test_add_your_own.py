@@ -64,15 +64,13 @@ def test_the_command_line_runs_them_by_name(toys: None, capsys: pytest.CaptureFi
     assert drafted["tokens"] == alone["tokens"]  # greedy: the target's tokens, whatever the drafter
     assert drafted["stats"]["drafted_tokens"] > 0
     judged, err = main_json(capsys, [*argv, "--verify", "product", "--temperature", "0"])
-    assert (
-        judged["tokens"] == alone["tokens"]
-    )  # greedy=False: the rule judged one-hot p and q itself
+    # greedy=False: the rule judged one-hot p and q itself
+    assert judged["tokens"] == alone["tokens"]
     assert not any("--verify" in line for line in err)  # nothing to warn about: the rule ran
     sampled, _ = main_json(
         capsys, [*argv, "--verify", "product", "--temperature", "1", "--seed", "3"]
     )
     assert len(sampled["tokens"]) == 24
-    _, err = main_ok(
-        capsys, [*argv, "--verify", "block", "--no-color"]
-    )  # a rule that gives way at T = 0 says so
+    # a rule that gives way at T = 0 says so
+    _, err = main_ok(capsys, [*argv, "--verify", "block", "--no-color"])
     assert "note: at temperature 0, --verify block is the comparison of argmaxes" in "\n".join(err)

@@ -32,9 +32,8 @@ class RepeatDrafter:
         device: torch.device,
     ) -> Draft:
         rows = [[row[-1]] * g for row, g in zip(ids, gammas)]
-        return Draft(
-            pad_rows(rows, device, max(gammas, default=0)), list(gammas)
-        )  # q None: one-hot
+        # q None: one-hot
+        return Draft(pad_rows(rows, device, max(gammas, default=0)), list(gammas))
 
     def commit(self, lengths: list[int], hidden: Any = None, hidden_starts: Any = None) -> None:
         pass

@@ -58,10 +58,11 @@ def test_one_verification_has_the_law_worked_out_by_hand() -> None:
     p = torch.tensor([[0.5, 0.5], [0.2, 0.8]], dtype=torch.float64)
     q = torch.tensor([[0.8, 0.2]], dtype=torch.float64)
     expected = {(0, 0): 5 / 8 * 0.2, (0, 1): 5 / 8 * 0.8, (1,): 3 / 8}
+    # one drafted token: block verification is the same rule
     for rule in (
         verify_step,
         verify_block,
-    ):  # one drafted token: block verification is the same rule
+    ):
         got = verifier_outcomes(rule, p, q, torch.tensor([0]))
         assert got.keys() == expected.keys() and all(
             abs(got[k] - expected[k]) < 1e-15 for k in expected

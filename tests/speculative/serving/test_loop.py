@@ -145,6 +145,7 @@ def test_observe_updates_alpha_and_only_clean_iterations_update_costs() -> None:
     )
     assert policy.alpha == pytest.approx((5.4 + 1) / (6 + 2))
     assert policy.cost(2, 3) == pytest.approx(0.8 * 10.0 + 0.2 * 20.0)
+    # a prompt was read: not an iteration's cost
     policy.observe(
         Iteration(
             rows=2,
@@ -157,7 +158,7 @@ def test_observe_updates_alpha_and_only_clean_iterations_update_costs() -> None:
             positions=0,
             clean=False,
         )
-    )  # a prompt was read: not an iteration's cost
+    )
     assert policy.cost(2, 3) == pytest.approx(0.8 * 10.0 + 0.2 * 20.0)
 
 
@@ -170,9 +171,8 @@ def test_calibration_measures_every_gamma_and_leaves_the_engine_as_new(pair: dic
     assert seconds > 0 and engine.idle and engine.policy is policy and not engine.finished
     assert set(policy.cells) == {(b, g) for b in (1, 2, 4) for g in range(4)}
     assert all(sum(parts) > 0 for parts in policy.cells.values())
-    assert all(
-        policy.cells[b, g][0] > 0 for b in (1, 2, 4) for g in (1, 2, 3)
-    )  # drafting was timed
+    # drafting was timed
+    assert all(policy.cells[b, g][0] > 0 for b in (1, 2, 4) for g in (1, 2, 3))
     row = engine.add(PROMPTS[0], 12, seed=5, sampling=Sampling(1.0), gamma=2)
     engine.run()
     alone = speculative_generate(
@@ -201,9 +201,8 @@ def test_calibration_seeds_alpha_from_what_it_verified(pair: dict) -> None:
         PROMPTS[2],
         rounds=5,
     )
-    assert (
-        policy.positions == pytest.approx(1 / (1 - policy.fade)) and policy.alpha != 0.5
-    )  # more than the window
+    # more than the window
+    assert policy.positions == pytest.approx(1 / (1 - policy.fade)) and policy.alpha != 0.5
 
 
 class Collector:
@@ -279,9 +278,8 @@ def test_a_full_queue_refuses_with_retry_after_and_a_cancel_frees_a_row(pair: di
         first, second, third = Collector(), Collector(), Collector()
         running = loop.submit(first.ticket(PROMPTS[0], 100))
         deadline = time.monotonic() + 5
-        while (
-            loop.inbox and time.monotonic() < deadline
-        ):  # the loop takes it, then waits at the gate
+        # the loop takes it, then waits at the gate
+        while loop.inbox and time.monotonic() < deadline:
             time.sleep(0.001)
         waiting = loop.submit(second.ticket(PROMPTS[1], 5))
         assert loop.waiting == 2

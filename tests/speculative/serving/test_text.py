@@ -49,9 +49,8 @@ def test_the_llama2_chat_format_by_hand(tokenizer, monkeypatch) -> None:
 def test_a_text_stream_hands_out_the_whole_text_and_never_half_a_character(tokenizer) -> None:
     prompt = tokenizer.encode("Once upon a time")
     new = tokenizer.encode(" the café said 🙂 and Ünal smiled.", bos=False)
-    assert any(
-        tokenizer.piece(t).startswith("<0x") for t in new
-    )  # byte-fallback pieces are in there
+    # byte-fallback pieces are in there
+    assert any(tokenizer.piece(t).startswith("<0x") for t in new)
     stream = TextStream(tokenizer, prompt)
     pieces = [stream.add(token) for token in new]
     assert "" in pieces  # a character's first bytes wait for the rest
