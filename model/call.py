@@ -210,7 +210,7 @@ def tree(start: int, prefix: int, nodes: Any, device: torch.device | str) -> Cac
     with prefix 0 the root is already at slot start - 1), then the tree's N nodes at the next
     slots. Node j is rotated as the root's position + its depth, and sees every slot before
     the nodes and, among the nodes, itself and its ancestors: what it would see if its branch
-    were the sequence. ``nodes``: a token tree (speculative.verify.tree.TokenTree: num_nodes,
+    were the sequence. ``nodes``: a token tree (speculative.verify.token_tree.TokenTree: num_nodes,
     depths(), ancestor_mask())."""
     n = nodes.num_nodes
     first = start + prefix  # the nodes. first slot; the root sits at the one before
