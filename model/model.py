@@ -138,7 +138,7 @@ class KVCache(nn.Module):
         One row copies whole head vectors (index_copy); rows with their own slots scatter, which
         reads an index per element (an index_put costs about twice either). A 16-bit cache is
         scattered as its bits (int16): on a CPU a bfloat16 or float16 scatter_ copies the whole
-        cache at every call (torch 2.13: 15 ms at 8 rows of 8,192 slots, against 4 us as int16)."""
+        cache at every call, where the int16 scatter writes only the new slots (CHANGELOG)."""
         batch = k.shape[0]
         if batch == 1:
             self.k[:1].index_copy_(2, slots.view(-1), k)

@@ -246,7 +246,7 @@ def check_finite(path: Path, name: str, tensor: torch.Tensor, tensor_slice: Any)
     """NonFiniteWeightsError if ``tensor`` (as loaded: converted, maybe one rank's slice) holds NaN or inf.
 
     aminmax propagates NaN and returns inf when there is one, and it allocates two scalars,
-    where isfinite().all() would allocate a bool per element and run ~100x slower on a CPU.
+    where isfinite().all() would allocate a bool per element and run far slower on a CPU.
     Only when the check fails is more work done: counting, and reading the stored tensor
     again to tell damage on disk from a finite value that overflows the dtype loaded in.
     """

@@ -6,8 +6,8 @@ and lays them out once for its C++ GEMM template (model/fast/compile.py), and fr
 weights into oneDNN tensors, which Inductor's graph cache cannot pickle ("mkldnn tensors
 unpickleable": counter ``fxgraph_cache_bypass``), and AOTAutograd's cache skips frozen graphs.
 So every process traced, froze, lowered and generated the whole graph again; only the
-autotuning results and the C++ compiles were served from the cache (docs/compiled.md: where a
-second process spent its 37 + 8 s). A package holds what that work produced -- the generated
+autotuning results and the C++ compiles were served from the cache (docs/compiled.md says where a
+second process spent its time). A package holds what that work produced -- the generated
 kernels built into one shared library and the frozen, packed weights -- so loading it is
 opening a library and reading the constants.
 
