@@ -441,19 +441,16 @@ class Report:
 
 
 def other_pages(page: str | Path) -> str:
-    """The paragraph that points to the other generated pages, linked from ``page`` wherever it is written."""
-
-    def to(name: str) -> str:
-        return f"[{name}]({link(page, RESULTS / name)})"
-
+    """The paragraph that points to the other questions' scripts, and to the index of their pages
+    (linked from ``page`` wherever it is written): a results page reports one run on one machine, so
+    it links no page of another run."""
+    index = f"[docs/results/README.md]({link(page, RESULTS / 'README.md')})"
     return (
-        f"Other benchmark pages: chains verified token by token and as a block, and token trees, in "
-        f"{to('benchmarks_trees.md')} (`python -m benchmarks.trees`); batched speculation against the batched "
-        f"target alone, batch 1..32, with the crossover, in {to('benchmarks_batch.md')} and "
-        f"{to('benchmarks_batch_continuous.md')} (`python -m benchmarks.batch`); eager against compiled steps in "
-        f"{to('benchmarks_compiled.md')} (`python -m benchmarks.compiled`); start-up in "
-        f"{to('benchmarks_startup.md')} (`python -m benchmarks.startup`); llama.cpp in "
-        f"{to('benchmarks_llama_cpp.md')} (`python -m benchmarks.llama_cpp`). Each page is one run on one machine."
+        "Other questions have scripts of their own: chains verified token by token and as a block, "
+        "and token trees (`python -m benchmarks.trees`); batched speculation against the batched "
+        "target alone, with the crossover (`python -m benchmarks.batch`); eager against compiled "
+        "steps (`python -m benchmarks.compiled`); start-up (`python -m benchmarks.startup`); "
+        f"llama.cpp (`python -m benchmarks.llama_cpp`). Their pages are indexed by question in {index}."
     )
 
 
