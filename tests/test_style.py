@@ -22,10 +22,17 @@ def nested_conditionals(source: str) -> list[int]:
 
 
 def test_the_check_finds_a_nested_conditional() -> None:
-    source = (
-        'x = 1 if a else 2\ny = "a" if a else "b" if b else "c"\nz = (1 if a else 2) if b else 3\n'
+    # nested in a branch (line 2, continued on 3), and in the test (line 4, continued on 5)
+    source = "\n".join(
+        [
+            "x = 1 if a else 2",
+            "y = 'a' if a else \\",
+            "    'b' if b else 'c'",
+            "z = (1 if a else 2) \\",
+            "    if b else 3",
+        ]
     )
-    assert nested_conditionals(source) == [2, 3]
+    assert nested_conditionals(source) == [2, 4]
 
 
 def test_no_nested_conditional_expression_in_the_project() -> None:

@@ -299,7 +299,10 @@ def test_cuda_tensor_parallel_logits(tmp_path: Path) -> None:
 
 def cuda_rank_main(directory: str) -> None:
     two_gpus = torch.cuda.device_count() >= 2
-    info = init_distributed(None if two_gpus else "cuda:0", backend=None if two_gpus else "gloo")
+    if two_gpus:
+        info = init_distributed(None, backend=None)
+    else:
+        info = init_distributed("cuda:0", backend="gloo")
     with torch.inference_mode():
         model = load_model_tp(Path(directory) / "target", info.device, torch.float32)
         logits = model(tokens().to(info.device)).cpu()

@@ -315,7 +315,9 @@ def test_recorded_costs_charge_a_short_draft_in_proportion() -> None:
         for i in range(n):
             gamma = auto.choose(i)
             chosen.append(gamma)
-            auto.observe(i, depth if gamma else 0, tokens if gamma else 1, float(i), NoisyClock(i))
+            drafted = depth if gamma else 0
+            emitted = tokens if gamma else 1
+            auto.observe(i, drafted, emitted, float(i), NoisyClock(i))
         return chosen
 
     assert run(1.6, 1) == [4] * 60
