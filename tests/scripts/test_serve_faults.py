@@ -24,6 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from speculative.engine.engine import Engine
+from speculative.serving.loop import EngineLoop
+from tests.support import faulty_serve
 from tests.support.faulty_serve import (
     ENGINE_FAULT,
     GATE,
@@ -401,20 +404,34 @@ def test_a_slow_reader_holds_up_no_one(tmp_path: Path) -> None:
         served.process.stderr.close()
 
 
-def test_an_exception_in_one_row_fails_that_request_alone(server: Served) -> None:
+def test_importing_the_faults_plants_none_of_them() -> None:
+    """This module imports the marker ids, and every pytest worker imports this module: the faults
+    are planted only in the server's own process, never in the tests' engines."""
+    assert Engine.step is not faulty_serve.step
+    assert EngineLoop.tokens_out is not faulty_serve.tokens_out
+
+
+def test_an_exception_in_one_row_fails_that_request_alone() -> None:
     """An exception raised for one row (here its tokens' handler) escaped the engine's step and
     stopped the loop: every request failed and serve.py exited. Now that request gets a 500 and
-    the others go on."""
-    with ThreadPoolExecutor(2) as pool:
-        fine = pool.submit(server.post, max_tokens=40)
-        failed = server.post([1, ROW_FAULT, 261], max_tokens=40)
-        fine = fine.result(timeout=30)
-    assert failed.status_code == 500 and failed.json()["error"]["code"] == "request_failed", (
-        failed.text
-    )
-    assert "planted" in failed.json()["error"]["message"]
-    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 40
-    server.answers_correctly()
+    the others go on. Two rows and no deadlines, so that a slow machine only makes it slower (with
+    the module's server, one row and a 1 s queue deadline, the faulty request could time out
+    waiting behind the other on a busy machine)."""
+    served = launch("--max-batch", "2", "--queue-timeout", "0")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            fine = pool.submit(served.post, max_tokens=40)
+            failed = served.post([1, ROW_FAULT, 261], max_tokens=40)
+            fine = fine.result(timeout=60)
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "request_failed", (
+            failed.text
+        )
+        assert "planted" in failed.json()["error"]["message"]
+        assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 40
+        served.answers_correctly()
+    finally:
+        served.stop()
+        served.process.stderr.close()
 
 
 def read_stream(server: Served) -> list[str]:

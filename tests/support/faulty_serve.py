@@ -78,9 +78,16 @@ def start(args, here: bool = False):
     return real_start(args, here)
 
 
-Engine.step = step
-EngineLoop.tokens_out = tokens_out
-serve.start = start
+def plant() -> None:
+    """The faults in place: only in the server's own process (``python -m tests.support.faulty_serve``).
+    A test that imports this module for its marker ids must not get them: under pytest every test
+    module is imported by every worker, and a planted step would fail any later test whose prompt
+    happens to hold a marker id."""
+    Engine.step = step
+    EngineLoop.tokens_out = tokens_out
+    serve.start = start
+
 
 if __name__ == "__main__":
+    plant()
     sys.exit(serve.main(sys.argv[1:]))
