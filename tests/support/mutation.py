@@ -162,6 +162,15 @@ CATALOGUE = [
         "prompt lookup copies after the first occurrence, not the latest: slower drafts, still exact",
         exactness=False,
     ),
+    Bug(
+        "suffix's latest occurrence",
+        "speculative/draft/suffix.py",
+        "    return max(children, key=lambda t: (children[t].count, children[t].last))",
+        "    return max(children, key=lambda t: children[t].last)",
+        "suffix decoding follows the latest occurrence, not the most frequent continuation: "
+        "slower drafts, still exact",
+        exactness=False,
+    ),
 ]
 
 

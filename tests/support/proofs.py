@@ -51,6 +51,7 @@ SECTIONS = {
         "tests/speculative/draft/test_drafted_q.py",
         "tests/speculative/draft/test_protocol.py",
         "tests/speculative/draft/test_lookup.py",
+        "tests/speculative/draft/test_suffix.py",
         "tests/speculative/draft/test_eagle.py",
         "tests/speculative/draft/test_eagle3.py",
         "tests/speculative/draft/test_parallel.py",
