@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from speculative.draft.protocol import Draft, pad_rows
+from speculative.draft.protocol import Draft, copied_chains
 from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.sampling import Sampling
 
@@ -90,8 +90,7 @@ class PromptLookupDrafter:
         found = [
             row.lookup(row_ids, g) if g else [] for row, row_ids, g in zip(self.rows, ids, gammas)
         ]
-        width = max(map(len, found), default=0)
-        return Draft(pad_rows(found, device, width), [len(f) for f in found])
+        return copied_chains(found, device)
 
     def commit(
         self,

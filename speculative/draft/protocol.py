@@ -237,6 +237,13 @@ def pad_rows(rows: list[list[int]], device: torch.device, width: int | None = No
     )
 
 
+def copied_chains(found: list[list[int]], device: torch.device) -> Draft:
+    """The Draft of a drafter that copies tokens rather than drawing them (prompt lookup, suffix
+    decoding): row b's chain found[b] (possibly empty), q one-hot on each token, no forward."""
+    width = max(map(len, found), default=0)
+    return Draft(pad_rows(found, device, width), [len(chain) for chain in found])
+
+
 def newest(out: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """Each row's output at its last real (unpadded) position: [B, T, ...] -> [B, ...]."""
     if len(set(widths)) == 1:  # no padding (a single row, or every row fed one token)

@@ -418,7 +418,8 @@ FREQUENCIES_AS_Q = (
         "            row.continuation(row_ids, g) if g else Continuation()",
     ),
     (
-        "        width = max(map(len, found), default=0)\n        return Draft(pad_rows(found, device, width), [len(f) for f in found])",
+        "        return copied_chains(found, device)",
+        "        from speculative.draft.protocol import pad_rows\n\n"
         "        width = max((len(f.tokens) for f in found), default=0)\n"
         "        tokens = pad_rows([f.tokens for f in found], device, width)\n"
         "        return Draft(tokens, [len(f.tokens) for f in found], frequency_q(found, width))",
