@@ -25,13 +25,28 @@ generator, device) -> (TokenTree, calls) | None`` for row 0 (speculative.draft.t
 model and feature drafters do, prompt lookup does not (its ``propose_tree`` is the default, None:
 :func:`grows_trees` asks).
 
+A drafter that keeps something of a request for the requests after it (suffix decoding's store of
+earlier responses, speculative.draft.responses) has two hooks more, both optional (None: the
+engine calls nothing):
+
+* ``joined(memories)``: right after ``keep_rows(rows, new)`` with new > 0, the memory of each of
+  the ``new`` rows, in order: what the caller gave Engine.add as ``memory`` (serve.py: the
+  partition of the store for the request's API key), None by default. A drafter reads, for a row,
+  only the memory that row joined with;
+* ``finished(rows, ids, prompt_lengths)``: right before ``keep_rows`` drops rows that ended
+  (finished or cancelled; not those that failed), their indexes among the current rows, their
+  whole sequences and their prompts' lengths.
+
+A memory changes what is proposed, never the output's law: that is exact whatever is proposed,
+as long as q says what it was drawn from (one-hot for a copied token), so it changes speed only.
+
 Besides the four calls, the engine and the tools read a few attributes, all declared on
 :class:`Drafter` with the value that a drafter without them has (:data:`DEFAULTS`, read with
 :func:`trait`): what it reads of the target (``reads_features``), the ids and lengths it can
 handle (``vocab_size``, ``max_seq_len``), whether one call drafts the whole chain
 (``parallel``: gamma="auto" then weighs a call's cost once, not per token), the networks it
 runs (``model``, a draft model; ``head``, a head on the target's features), which the set-ups
-of model/fast prepare and the benchmarks time, and ``propose_tree``. A head is read the same
+of model/fast prepare and the benchmarks time, ``propose_tree``, ``joined`` and ``finished``. A head is read the same
 way: :class:`Head`, :data:`HEAD_DEFAULTS`, :func:`head_trait`. Nothing else of a drafter or a
 head is read anywhere.
 
@@ -96,6 +111,10 @@ class Drafter(Protocol):
     head: Any  # the head on the target's features it runs (a Head), or None
     # row 0's token tree (see the module docstring), or None for a drafter that drafts chains only
     propose_tree: Callable[..., tuple[TokenTree, int] | None] | None
+    # the memories (Engine.add's memory) of the rows keep_rows just added, or None (no hook)
+    joined: Callable[[list[Any]], None] | None
+    # (rows, sequences, prompt lengths) of the rows that ended, before keep_rows drops them; or None
+    finished: Callable[[list[int], list[list[int]], list[int]], None] | None
 
     def start(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
@@ -127,6 +146,8 @@ DEFAULTS: dict[str, Any] = {
     "model": None,
     "head": None,
     "propose_tree": None,
+    "joined": None,
+    "finished": None,
 }
 DRAFTER_METHODS = ("start", "propose", "commit", "keep_rows")  # the four calls every drafter has
 

@@ -190,6 +190,7 @@ class Engine:
         gamma: int | None = None,
         logprobs: int | None = None,
         echo: bool = False,
+        memory: Any = None,
     ) -> Row:
         """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
         temperature, top-k and top-p (default: the engine's). ``gamma``: pin its drafted tokens
@@ -202,7 +203,9 @@ class Engine:
         stop_reason "error", and the other rows go on; so does a row whose callback raises
         (``row.error`` a RowFailedError). ``logprobs``: record each emitted token's
         log-probability and this many top ones (``row.logprob_record``); ``echo``: the prompt's
-        too (``row.prompt_record``), from the target call that reads it."""
+        too (``row.prompt_record``), from the target call that reads it. ``memory``: what the
+        drafter may read of earlier requests and keep of this one (its ``joined`` and ``finished``
+        hooks, speculative.draft.protocol; serve.py's partition of a suffix cache), None: nothing."""
         check_max_new_tokens(max_new_tokens)
         check_seed(seed)
         prompt = check_prompt(prompt_ids, self.target.config.vocab_size, self.row_limit)
@@ -244,6 +247,7 @@ class Engine:
             gamma=gamma,
             logprobs=logprobs,
             echo=echo,
+            memory=memory,
         )
         self.waiting.append(row)
         self.stats.prompts += 1
@@ -297,6 +301,9 @@ class Engine:
                 self.rows.append(row)
         if self.drafter is not None and len(self.rows) > old:
             self.drafter.keep_rows(list(range(old)), len(self.rows) - old)
+            joined = trait(self.drafter, "joined")
+            if joined is not None:
+                joined([row.memory for row in self.rows[old:]])
 
     def retire(self, now: Any) -> list[Row]:
         """Rows that finished leave the batch (and every KV cache); the rest move up."""
@@ -306,6 +313,11 @@ class Engine:
         self.flush()
         for row in done:
             self.finish(row, now)
+        finished = trait(self.drafter, "finished")
+        if finished is not None:  # before keep_rows drops them: their responses, for later requests
+            ended = [b for b, row in enumerate(self.rows) if row.done and row.error is None]
+            rows = [self.rows[b] for b in ended]
+            finished(ended, [row.ids for row in rows], [len(row.prompt) for row in rows])
         kept = [b for b, row in enumerate(self.rows) if not row.done]
         self.rows = [self.rows[b] for b in kept]
         if kept != list(range(len(kept))):  # the slots the kept rows hold, not the whole context

@@ -51,6 +51,8 @@ class Row:
     echo: bool = False  # also record the prompt's tokens (from the call that reads the prompt)
     # per prompt token; None for the first
     prompt_record: list[Logprob | None] = field(default_factory=list)
+    # what the drafter keeps across requests for it (Engine.add's memory: a serve.py partition)
+    memory: Any = None
 
     @property
     def length(self) -> int:
