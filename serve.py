@@ -16,9 +16,13 @@ current batch size, with the live alpha and step costs measured at start-up and 
 drafts --gamma tokens, "off" never drafts. A request can pin its own gamma ("speculative_gamma"): a seeded
 request with a pinned gamma gets generate.py's tokens for that gamma and seed whatever the load.
 
-It listens on 127.0.0.1 unless --host says otherwise, with no key unless --api-key is given. Exit status: 0
-after Ctrl-C or a SIGTERM whose requests all finished within --grace, 1 when the engine failed, 2 for bad
-input (one ``error: ...`` line), 3 when SIGTERM's grace cut requests.
+It listens on 127.0.0.1 unless --host says otherwise, with no key unless --api-key is given (repeat it for
+several clients: what the server keeps of one client's requests, the suffix cache, is never used for another's).
+With --draft suffix, earlier responses are indexed too, per API key, within --suffix-cache-tokens tokens in all
+(speculative/draft/responses.py); --plan prints the memory the server would hold, that cache's bound included,
+and exits. Exit status: 0 after Ctrl-C or a SIGTERM whose requests all finished within --grace (or a plan that
+fits), 1 when the engine failed (or the plan does not fit), 2 for bad input (one ``error: ...`` line), 3 when
+SIGTERM's grace cut requests.
 """
 
 from __future__ import annotations
@@ -34,9 +38,19 @@ from typing import Any
 import torch
 
 from model.fast.setup import SETUPS, Setups
+from model.scale.memory import DEVICES, plan, plan_suggestion
 from speculative import Engine
 from speculative.cli import options as cmdline
-from speculative.cli.options import UsageError, add_dtype_flags, pick_device, pick_dtype, rules_help
+from speculative.cli.options import (
+    DTYPES,
+    UsageError,
+    add_dtype_flags,
+    pick_device,
+    pick_dtype,
+    rules_help,
+)
+from speculative.draft.protocol import trait
+from speculative.draft.responses import STORE_TOKENS, ResponseStore, bytes_per_node
 from speculative.engine import DEFAULT_GAMMA
 from speculative.engine.gamma import FixedGamma
 from speculative.inputs import GAMMA_MAX
@@ -49,6 +63,8 @@ from weights.load import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     load_named_pair,
+    named_draft,
+    plan_configs,
     read_named_pair,
     stored_dtype,
 )
@@ -120,8 +136,10 @@ def build_parser() -> cmdline.ArgumentParser:
     add("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     add(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECULATIVE_API_KEY if set, else no key)",
+        help="require 'Authorization: Bearer KEY' on /v1; repeatable, one key per client, whose suffix caches "
+        "are kept apart (default: $SPECULATIVE_API_KEY if set, else no key)",
     )
     add(
         "--allowed-hosts",
@@ -216,7 +234,26 @@ def build_parser() -> cmdline.ArgumentParser:
         help="auto: the target's generation_config.json gives the sampling defaults (temperature, top_k, top_p, "
         "max tokens) of the fields a request leaves out; none: OpenAI's defaults (default %(default)s)",
     )
+    add(
+        "--suffix-cache-tokens",
+        type=int,
+        default=STORE_TOKENS,
+        help="tokens of earlier responses a drafter that keeps them (--draft suffix) indexes, all API keys "
+        "together, the oldest evicted first; each key reads only its own; 0: none (default %(default)s)",
+    )
     add("--access-log", action="store_true", help="log every request on stderr")
+    add = parser.add_argument_group("plan").add_argument
+    add(
+        "--plan",
+        action="store_true",
+        help="print the memory the server would hold (weights, KV caches for --max-batch rows, the suffix "
+        "cache's bound) and exit: 0 when it fits, 1 when not; no weights read",
+    )
+    add(
+        "--plan-device",
+        default=None,
+        help=f"--plan's GPU: {', '.join(DEVICES)} or auto (default: auto, or h200)",
+    )
     return parser
 
 
@@ -251,6 +288,10 @@ def validate(args: argparse.Namespace) -> None:
             f"--max-waiting must be >= 1 (a request waits for the engine's loop to take it), got "
             f"{args.max_waiting}"
         )
+    if args.suffix_cache_tokens < 0:
+        raise UsageError(
+            f"--suffix-cache-tokens must be >= 0 (0: none), got {args.suffix_cache_tokens}"
+        )
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must lie in 0..65535, got {args.port}")
     if args.compile and args.setup != "default":
@@ -266,6 +307,44 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(
             "serve.py runs in one process: tensor parallelism (torchrun) is not supported"
         )
+
+
+def suffix_cache_line(tokens: int) -> str:
+    """The suffix cache's bound, as --plan and the start-up note say it."""
+    if not tokens:
+        return "suffix cache across requests: none (--suffix-cache-tokens 0)"
+    store = ResponseStore(tokens)
+    return (
+        f"suffix cache across requests (host memory): at most {tokens} tokens of earlier responses, all API keys together, "
+        f"at most {store.most_bytes() / 1e6:.1f} MB (estimated: {store.max_depth} trie nodes a token, "
+        f"{bytes_per_node()} bytes a node as measured here); held only by a drafter that keeps earlier "
+        "responses (--draft suffix)"
+    )
+
+
+def print_plan(args: argparse.Namespace) -> int:
+    """--plan: generate.py's memory plan (model/scale/memory.py, configs only) for --max-batch rows over
+    the whole context, and the suffix cache's bound."""
+    args.draft = named_draft(args.target, args.draft, args.no_draft)
+    target, draft = plan_configs(args.target, args.draft)
+    device = args.plan_device or ("auto" if torch.cuda.is_available() else "h200")
+    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16
+    result = plan(
+        target,
+        draft,
+        dtype,
+        quantize=args.quantize,
+        device_name=device,
+        batch=args.max_batch,
+        target_name=args.target,
+        draft_name=args.draft,
+    )
+    print(result.render())
+    suggestion = plan_suggestion(target, draft, dtype, 1, args.quantize, device)
+    if suggestion:
+        print(f"  {suggestion}")
+    print(suffix_cache_line(args.suffix_cache_tokens))
+    return 0 if result.fits else 1
 
 
 def load(
@@ -340,6 +419,11 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
             f"batch size now {chosen} (it follows the live alpha and step costs)",
             file=sys.stderr,
         )
+    # A drafter that keeps earlier responses (the protocol's joined hook) gets the per-key store.
+    responses = None
+    if args.suffix_cache_tokens and trait(engine.drafter, "joined") is not None:
+        responses = ResponseStore(args.suffix_cache_tokens)
+        print(f"note: {suffix_cache_line(args.suffix_cache_tokens)}", file=sys.stderr)
     # Fewer threads when they measure faster (a neighbour on the cores), on a CPU with threads to spare.
     tuner = None
     if args.threads is None and device.type == "cpu":
@@ -370,6 +454,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         args.draft if speculative else None,
         stop_ids=frozenset(pair.stop_ids),
         defaults=defaults,
+        responses=responses,
     )
 
 
@@ -391,6 +476,8 @@ def defaults_note(args: argparse.Namespace, defaults: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
+    if args.plan:
+        return print_plan(args)
     import uvicorn  # the serve extra: pip install -e ".[serve]"
 
     from speculative.serving.app import create_app  # FastAPI and pydantic: the serve extra too
@@ -417,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
     access = access_for(args.host, args.api_key, args.allowed_hosts, args.cors_origin)
     print(
         f"serving {service.model} (draft {service.draft or 'none'}, speculation {how}, at most {args.max_batch} "
-        f"rows) on http://{host}:{port} -- {'API key required' if access.api_key else 'no authentication'}",
+        f"rows) on http://{host}:{port} -- {keys_said(len(access.keys))}",
         file=sys.stderr,
         flush=True,
     )
@@ -490,6 +577,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 3
     return 0
+
+
+def keys_said(count: int) -> str:
+    """How the start-up line says the keys."""
+    if count == 0:
+        return "no authentication"
+    if count == 1:
+        return "API key required"
+    return f"API key required ({count} keys, each with its own suffix cache)"
 
 
 def main(argv: list[str] | None = None) -> int:

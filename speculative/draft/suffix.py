@@ -47,9 +47,16 @@ share nothing.
 
 This is a chain. SuffixDecoding proposes a tree of the top continuations by score, verified at
 once; growing that tree where the cost model says the wider verification pays is the next step
-(``propose_tree``, speculative.draft.trees). So are the paper's cross-request tree over earlier
-responses (in serve.py, kept per API key) and its choice of the best-scoring match among
-several match lengths; this drafter takes the longest.
+(``propose_tree``, speculative.draft.trees). So is the paper's choice of the best-scoring match
+among several match lengths; this drafter takes the longest.
+
+**Across requests.** A row may also have a *memory* (Engine.add's ``memory``, handed over by the
+protocol's ``joined`` hook): a partition of a store of earlier responses
+(speculative.draft.responses; serve.py keeps one per API key). The row's proposal is then the
+better of its own index's continuation and the partition's, by the expected number of tokens
+kept (:attr:`Continuation.expected`; a tie keeps the row's own), and its response goes into the
+partition when it ends (the ``finished`` hook). Without a memory (generate.py) nothing crosses
+requests.
 """
 
 from __future__ import annotations
@@ -99,6 +106,18 @@ class Continuation:
         for f in self.frequencies:
             score *= f
         return score
+
+    @property
+    def expected(self) -> float:
+        """The expected number of its tokens kept, by the same estimate: the sum over its prefixes
+        of their chance to be kept whole (f1 + f1 f2 + ...; the paper's score of a speculation
+        tree, a sum over its nodes, for a chain). 0 for an empty proposal."""
+        total = 0.0
+        kept = 1.0
+        for f in self.frequencies:
+            kept *= f
+            total += kept
+        return total
 
 
 def most_frequent(children: dict[int, Node]) -> int:
@@ -178,21 +197,28 @@ class SuffixIndex:
         self.update(ids)
         longest = min(self.max_match, len(self.suffixes) - 1)
         match = next((k for k in range(longest, 0, -1) if self.suffixes[k].children), 0)
-        found = Continuation(match=match)
-        limit = min(gamma, int(self.spec_factor * match))
-        node = self.suffixes[match]
-        score = 1.0
-        while len(found.tokens) < limit and node.children:
-            token = most_frequent(node.children)
-            child = node.children[token]
-            frequency = child.count / sum(c.count for c in node.children.values())
-            if score * frequency < self.min_score:
-                break
-            score *= frequency
-            found.tokens.append(token)
-            found.frequencies.append(frequency)
-            node = child
-        return found
+        return follow(self.suffixes[match], match, gamma, self.spec_factor, self.min_score)
+
+
+def follow(
+    node: Node, match: int, gamma: int, spec_factor: float, min_score: float
+) -> Continuation:
+    """The chain from ``node`` (the context of a match of ``match`` tokens), greedily by frequency,
+    within the adaptive length (steps 2 and 3 of the module docstring)."""
+    found = Continuation(match=match)
+    limit = min(gamma, int(spec_factor * match))
+    score = 1.0
+    while len(found.tokens) < limit and node.children:
+        token = most_frequent(node.children)
+        child = node.children[token]
+        frequency = child.count / sum(c.count for c in node.children.values())
+        if score * frequency < min_score:
+            break
+        score *= frequency
+        found.tokens.append(token)
+        found.frequencies.append(frequency)
+        node = child
+    return found
 
 
 def check_arguments(
@@ -242,9 +268,13 @@ class SuffixDrafter:
         self.min_score = min_score
         self.window = max_tokens or FALLBACK_MAX_TOKENS
         self.rows: list[SuffixIndex] = []
+        # each row's share of a store of earlier responses (joined: a server's partition for the
+        # request's API key, speculative.draft.responses), or None: the row's own text alone
+        self.memories: list[Any] = []
 
     def start(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
         self.rows = []
+        self.memories = []
         if self.max_tokens is None:
             self.window = max(cache_len, self.max_depth) if cache_len else FALLBACK_MAX_TOKENS
 
@@ -263,10 +293,23 @@ class SuffixDrafter:
         device: torch.device,
     ) -> Draft:
         found = [
-            row.continuation(row_ids, g).tokens if g else []
-            for row, row_ids, g in zip(self.rows, ids, gammas)
+            self.continuation(b, row_ids, g).tokens if g else []
+            for b, (row_ids, g) in enumerate(zip(ids, gammas))
         ]
         return copied_chains(found, device)
+
+    def continuation(self, b: int, ids: list[int], gamma: int) -> Continuation:
+        """Row b's proposal: its own index's continuation, or the one its memory of earlier
+        responses gives where that one expects more tokens kept (Continuation.expected; a tie
+        keeps the row's own, from the request's own text)."""
+        own = self.rows[b].continuation(ids, gamma)
+        memory = self.memories[b]
+        if memory is None:
+            return own
+        earlier = memory.continuation(ids, gamma)
+        if earlier.expected > own.expected:
+            return earlier
+        return own
 
     def commit(
         self,
@@ -278,6 +321,21 @@ class SuffixDrafter:
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
         self.rows = [self.rows[r] for r in rows] + [self.index() for _ in range(new)]
+        self.memories = [self.memories[r] for r in rows] + [None] * new
+
+    def joined(self, memories: list[Any]) -> None:
+        """The memories of the rows that keep_rows just added, the last ``len(memories)`` rows (the
+        protocol's hook): a partition of a store of earlier responses each, or None."""
+        if memories:
+            self.memories[-len(memories) :] = memories
+
+    def finished(self, rows: list[int], ids: list[list[int]], prompt_lengths: list[int]) -> None:
+        """Rows that end (the protocol's hook, before keep_rows drops them): each one's response
+        goes into its memory, for the requests that come after it under the same key."""
+        for b, sequence, prompt_length in zip(rows, ids, prompt_lengths):
+            memory = self.memories[b]
+            if memory is not None:
+                memory.add(sequence, prompt_length)
 
 
 register_drafter(

@@ -166,7 +166,8 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(
-            prometheus(service.loop), media_type="text/plain; version=0.0.4; charset=utf-8"
+            prometheus(service.loop, responses=service.responses),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
     return app

@@ -86,6 +86,9 @@ class Ticket:
         None  # record the tokens' log-probabilities and this many top ones (None: not)
     )
     echo: bool = False  # and the prompt's (Engine.add)
+    # what the drafter reads of earlier requests and keeps of this one: the partition of the
+    # suffix cache for the request's API key (Engine.add's memory; None: nothing)
+    memory: Any = None
     on_tokens: Callable[[list[int]], None] = lambda ids: None
     on_done: Callable[[Ticket], None] = lambda ticket: None
     row: Row | None = None
@@ -322,6 +325,7 @@ class EngineLoop:
                 gamma=ticket.gamma,
                 logprobs=ticket.logprobs,
                 echo=ticket.echo,
+                memory=ticket.memory,
                 callback=lambda ids, drafted: self.tokens_out(ticket, ids),
             )
         except (
@@ -482,6 +486,10 @@ class Service:
     # the model's sampling defaults for the fields a request leaves out (temperature, top_k, top_p,
     # max_new_tokens: weights.checkpoint.sampling_defaults); empty: OpenAI's
     defaults: dict[str, Any] = field(default_factory=dict)
+    # suffix decoding's store of earlier responses, one partition per API key (a
+    # speculative.draft.responses.ResponseStore); None: none (--suffix-cache-tokens 0, or a drafter
+    # without the protocol's joined hook)
+    responses: Any = None
 
     def __post_init__(self) -> None:
         if self.stop_ids is None:
@@ -512,6 +520,13 @@ class Service:
     @property
     def vocab_size(self) -> int:
         return self.loop.engine.target.config.vocab_size
+
+    def memory(self, key: int | None) -> Any:
+        """The partition of the suffix cache for API key number ``key`` (access.Guard's; None: a
+        server without keys, whose requests share one), or None without a cache."""
+        if self.responses is None:
+            return None
+        return self.responses.partition(key)
 
 
 __all__ = ["DeadlineError", "EngineLoop", "OverloadedError", "Service", "Ticket"]

@@ -108,8 +108,9 @@ class Metrics:
         }
 
 
-def prometheus(loop: Any, prefix: str = "speculative_") -> str:
-    """/metrics in the Prometheus text format (version 0.0.4)."""
+def prometheus(loop: Any, prefix: str = "speculative_", responses: Any = None) -> str:
+    """/metrics in the Prometheus text format (version 0.0.4); with ``responses`` (a
+    speculative.draft.responses.ResponseStore, the suffix cache), its size too."""
     m = loop.metrics
     window = m.window()
     lines: list[str] = []
@@ -284,6 +285,38 @@ def prometheus(loop: Any, prefix: str = "speculative_") -> str:
                 for (b, g), parts in cells
                 for part, value in zip(("draft", "target", "rest"), parts)
             ],
+        )
+    if responses is not None:
+        figures = responses.figures()
+        for name, help_text, value in (
+            (
+                "max_tokens",
+                "The suffix cache's budget in tokens, all API keys together.",
+                figures.max_tokens,
+            ),
+            ("tokens", "Tokens of earlier responses in the suffix cache now.", figures.tokens),
+            ("nodes", "Nodes of the suffix cache's tries now.", figures.nodes),
+            (
+                "bytes",
+                "The suffix cache's size now, estimated: its nodes x the bytes one took when measured.",
+                figures.bytes,
+            ),
+            ("keys", "API keys with responses in the suffix cache now.", len(figures.partitions)),
+        ):
+            metric(f"suffix_cache_{name}", "gauge", help_text, [("", value)])
+        held = sorted(figures.partitions.items())
+        metric(
+            "suffix_cache_key_tokens",
+            "gauge",
+            "Tokens in the suffix cache by API key, named by its number (1: the first --api-key), "
+            "never the key itself; anonymous on a server without keys.",
+            [(f'{{key="{key}"}}', tokens) for key, (_, tokens) in held],
+        )
+        metric(
+            "suffix_cache_key_responses",
+            "gauge",
+            "Responses in the suffix cache by API key, named as above.",
+            [(f'{{key="{key}"}}', count) for key, (count, _) in held],
         )
     return "\n".join(lines) + "\n"
 

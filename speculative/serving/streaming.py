@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from speculative.engine.engine import RowFailedError
 from speculative.inputs import NonFiniteLogitsError
 from speculative.sampling import Sampling
+from speculative.serving.access import key_of
 from speculative.serving.connections import Limits
 from speculative.serving.loop import DeadlineError, OverloadedError, Service, Ticket
 from speculative.serving.protocol import ApiError, Options, error_response
@@ -112,6 +113,7 @@ class Exchange:
             on_done=done,
             logprobs=logprobs_of(body, chat),
             echo=self.echo and body.logprobs is not None,
+            memory=service.memory(key_of(request)),
         )
         self.watcher: asyncio.Task | None = None
 

@@ -405,8 +405,8 @@ STALE_AFTER_ROLLBACK = (
         "        pass",
     ),
     (
-        "            node = child\n        return found",
-        "            node = child\n"
+        "        return follow(self.suffixes[match], match, gamma, self.spec_factor, self.min_score)",
+        "        found = follow(self.suffixes[match], match, gamma, self.spec_factor, self.min_score)\n"
         "        self.update(self.seen + found.tokens)\n        return found",
     ),
 )
@@ -414,8 +414,8 @@ STALE_AFTER_ROLLBACK = (
 # evenly), while the token is the argmax: Algorithm 1 then accepts min(1, p(x) / f) > p(x).
 FREQUENCIES_AS_Q = (
     (
-        "            row.continuation(row_ids, g).tokens if g else []",
-        "            row.continuation(row_ids, g) if g else Continuation()",
+        "            self.continuation(b, row_ids, g).tokens if g else []",
+        "            self.continuation(b, row_ids, g) if g else Continuation()",
     ),
     (
         "        return copied_chains(found, device)",
@@ -479,3 +479,145 @@ def test_the_chi_square_rejects_frequencies_reported_as_q(toy: dict) -> None:
     module.frequency_q = frequency_q
     p_value = chi_square(toy, module)
     assert p_value < P_VALUE, f"frequencies-as-q not caught (p = {p_value:.3g})"
+
+
+# ----------------------------------------------------------------------------- across requests
+# speculative/draft/responses.py: the store of earlier responses that serve.py keeps per API key.
+responses = importlib.import_module("speculative.draft.responses")
+
+
+def substring_counts(sequences: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
+    """Every substring of at most ``depth`` tokens of the sequences, with its occurrences."""
+    counts: dict[tuple[int, ...], int] = {}
+    for seq in sequences:
+        for start in range(len(seq)):
+            for end in range(start + 1, min(start + depth, len(seq)) + 1):
+                counts[tuple(seq[start:end])] = counts.get(tuple(seq[start:end]), 0) + 1
+    return counts
+
+
+def kept_by_budget(
+    history: list[tuple[str, list[int]]], budget: int
+) -> list[tuple[str, list[int]]]:
+    """The newest responses that fit in ``budget`` tokens together (each cut to its last budget
+    tokens): the oldest leave first."""
+    kept: list[tuple[str, list[int]]] = []
+    total = 0
+    for key, seq in reversed([(k, s[-budget:]) for k, s in history]):
+        if total + len(seq) > budget:
+            break
+        kept.insert(0, (key, seq))
+        total += len(seq)
+    return kept
+
+
+@pytest.mark.parametrize("budget, depth", [(40, 4), (25, 6), (200, 16), (7, 3)])
+def test_eviction_keeps_the_budget_and_the_counts_of_the_responses_kept(budget, depth) -> None:
+    """After every response: the tokens held stay within the budget, the responses kept are the
+    newest that fit, and each key's trie is exactly the substring counts of its kept responses,
+    recounted here from scratch (the nodes counted too)."""
+    rng = random.Random(budget)
+    store = responses.ResponseStore(budget, max_match=depth - 1, max_depth=depth)
+    history: list[tuple[str, list[int]]] = []
+    for _ in range(60):
+        key = rng.choice("abc")
+        seq = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+        store.add(key, seq)
+        history.append((key, seq))
+        kept = kept_by_budget(history, budget)
+        assert store.tokens == sum(len(s) for _, s in kept) <= budget
+        for key in "abc":
+            want = substring_counts([s for k, s in kept if k == key], depth)
+            trie = store.tries.get(key)
+            got = {p: count for p, (count, _) in dump(trie.root).items()} if trie else {}
+            assert got == want
+            assert (trie.nodes if trie else 0) == len(want)
+        figures = store.figures()
+        assert figures.tokens == store.tokens and figures.nodes == sum(
+            len(substring_counts([s for k, s in kept if k == key], depth)) for key in "abc"
+        )
+        assert figures.partitions == {
+            key: (sum(1 for k, _ in kept if k == key), sum(len(s) for k, s in kept if k == key))
+            for key in "abc"
+            if any(k == key for k, _ in kept)
+        }
+
+
+def leaks(module) -> list[int]:
+    """What key "b" is proposed after key "a" alone left a response: [] unless text crosses."""
+    store = module.ResponseStore(1000, max_match=3, max_depth=8)
+    store.partition("a").add([9, 9, 1, 2, 3, 4, 5, 6, 7], 2)
+    assert store.partition("a").continuation([1, 2, 3], 4).tokens == [4, 5, 6]
+    drafter = suffix.SuffixDrafter()
+    drafter.keep_rows([], 1)
+    drafter.joined([store.partition("b")])
+    return (
+        drafter.continuation(0, [8, 1, 2, 3], 4).tokens
+        + store.partition("b").continuation([1, 2, 3], 4).tokens
+    )
+
+
+MERGED_PARTITIONS = (
+    (
+        "        return self.store.continuation(self.key, ids, gamma)",
+        "        return self.store.continuation(None, ids, gamma)",
+    ),
+    (
+        "            self.store.add(self.key, ids[",
+        "            self.store.add(None, ids[",
+    ),
+)
+
+
+def test_one_keys_responses_are_never_proposed_for_another_key() -> None:
+    assert leaks(responses) == []
+    assert leaks(mutated(responses, *MERGED_PARTITIONS)) == [4, 5, 6, 4, 5, 6]
+
+
+def test_a_response_is_stored_after_its_prompts_last_match_tokens() -> None:
+    store = responses.ResponseStore(100, max_match=2, max_depth=4)
+    store.partition(None).add([1, 2, 3, 4, 5, 6], 4)  # prompt 1 2 3 4, response 5 6
+    assert list(store.order) == [(None, [3, 4, 5, 6])]
+    store.partition(None).add([7, 8], 2)  # nothing generated: nothing stored
+    assert store.tokens == 4 and store.figures().partitions == {"anonymous": (1, 4)}
+
+
+def test_the_proposal_with_more_tokens_expected_wins_and_a_tie_keeps_the_rows_own() -> None:
+    c = suffix.Continuation([1, 2], [0.5, 0.5], 2)
+    assert c.expected == pytest.approx(0.75) and suffix.Continuation().expected == 0
+    store = responses.ResponseStore(100, max_match=2, max_depth=8, spec_factor=4.0, min_score=0.0)
+    memory = store.partition("k")
+    memory.add([0, 0, 5, 6, 7, 8], 2)  # after "0 5": 6 7 8, seen once
+    drafter = suffix.SuffixDrafter(max_match=2, max_depth=8, spec_factor=4.0, min_score=0.0)
+    drafter.keep_rows([], 1)
+    drafter.joined([memory])
+    # the row's own text has "5" followed by 9 then by 6: the store's "0 5" -> 6 7 8 expects more
+    assert drafter.continuation(0, [5, 9, 5, 6, 4, 0, 5], 3).tokens == [6, 7, 8]
+    # the same chain in the row's own text: a tie, the row's own is kept (its frequencies equal)
+    own = [0, 5, 6, 7, 8, 0, 5]
+    assert drafter.continuation(0, own, 3) == drafter.rows[0].continuation(own, 3)
+
+
+def test_a_warm_store_keeps_greedy_outputs_the_target_alones_and_drafts_from_it() -> None:
+    """Through the engine (memory rows, the joined and finished hooks): requests under one key
+    repeat an earlier one's answer, drafted from the store, and every output is the target's."""
+    from speculative import Engine
+
+    target = NGramModel.random(5, 2, seed=3, scale=3.0)
+    store = responses.ResponseStore(500)
+    engine = Engine(target, suffix.SuffixDrafter(), gamma=4, temperature=0, cache_len=64)
+    prompts = [[1, 2, 3], [4, 0, 1], [1, 2, 3], [4, 0, 1], [1, 2, 3]]
+    rows = [engine.add(p, 24, memory=store.partition("k")) for p in prompts[:2]]
+    engine.run()
+    first = sum(row.stats.drafted_tokens for row in rows)
+    assert store.figures().partitions["k"][0] == 2
+    again = [engine.add(p, 24, memory=store.partition("k")) for p in prompts[2:]]
+    engine.run()
+    for row, prompt in zip(rows + again, prompts):
+        assert row.result().tokens == reference_greedy_toy(target, prompt, 24)
+    # the repeats were drafted from the store: more per row than the first requests, all accepted
+    assert min(row.stats.drafted_tokens for row in again) > first / 2
+    cold = Engine(target, suffix.SuffixDrafter(), gamma=4, temperature=0, cache_len=64)
+    alone = cold.add(prompts[2], 24)
+    cold.run()
+    assert again[0].stats.accepted_draft_tokens > alone.stats.accepted_draft_tokens
