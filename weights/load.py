@@ -37,6 +37,8 @@ from model.host import describe_cpu
 from model.scale.memory import check_memory
 from model.scale.quantize import INT4_DTYPES
 from speculative import PairMismatchError, check_pair
+from speculative.draft.hybrid import HybridDrafter
+from speculative.draft.model import as_drafter
 from speculative.draft.protocol import trait
 from speculative.draft.registry import DEFAULT_KIND, DRAFTERS, DrafterKind, named
 from weights.checkpoint import (
@@ -73,6 +75,7 @@ def draft_kind(name_or_path: str | os.PathLike | None, planning: bool = False) -
     raises UnknownCheckpointError."""
     if name_or_path is None:
         return None
+    name_or_path = split_hybrid(name_or_path)[1]
     if named(str(name_or_path)) is not None:
         return str(name_or_path)
     if (
@@ -82,6 +85,31 @@ def draft_kind(name_or_path: str | os.PathLike | None, planning: bool = False) -
     ):
         return DEFAULT_KIND
     return folder_kind(resolve(name_or_path)).name
+
+
+# A hybrid proposer's name: the copier, "+", and the model drafter's name (a head or a draft model)
+HYBRID_COPIERS = ("suffix",)
+HYBRID = "hybrid"  # the copier beside the target's default drafter (named_draft spells it out)
+# The gamma of a drafter whose chains end where its own score says (suffix decoding, a hybrid), where
+# none is given: the longest copied chain one verification takes (a hybrid's model drafter drafts its
+# own, shorter length; docs/drafters.md, "The hybrid proposer")
+ADAPTIVE_GAMMA = 16
+ADAPTIVE_DRAFTERS = ("suffix",)
+HYBRID_MODEL_GAMMA = 4  # a hybrid's model drafter's draft length, where its config proposes none
+
+
+def split_hybrid(name: str | os.PathLike) -> tuple[str | None, str | os.PathLike]:
+    """A draft name's copier and model drafter: ("suffix", "smollm2-eagle3") for
+    "suffix+smollm2-eagle3" (speculative.draft.hybrid), (None, name) for any other name."""
+    copier, plus, rest = str(name).partition("+")
+    if plus and copier in HYBRID_COPIERS and rest:
+        return copier, rest
+    return None, name
+
+
+def adapts_length(draft: str) -> bool:
+    """Whether a draft name's chains end where its own score says: suffix decoding, or a hybrid."""
+    return split_hybrid(draft)[0] is not None or str(draft) in ADAPTIVE_DRAFTERS
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -135,6 +163,8 @@ class PairSpec:
     tokenizer: Tokenizer  # the target's (a draft model's is the same: check_pair)
     stop_ids: tuple[int, ...] = ()  # every id that ends a generation (weights.checkpoint.stop_ids)
     generation: dict[str, Any] = field(default_factory=dict)  # the target's generation_config.json
+    copier: str | None = None  # a hybrid's copier ("suffix") beside the drafter of ``kind``
+    model_gamma: int = 4  # a hybrid's model drafter's own draft length
 
     @property
     def notes(self) -> list[str]:
@@ -221,6 +251,7 @@ class PairSpec:
             drafter = network  # a draft model is returned as the model itself (the loops wrap it)
         elif kind is not None:
             drafter = kind.build(network, target)
+        drafter = hybrid_of(self.copier, drafter, self.model_gamma)
         draft = network if is_checkpoint(self.kind) else None
         networks = (
             [net for net in (target, draft, trait(drafter, "head")) if net is not None]
@@ -238,6 +269,8 @@ class PairSpec:
             fused,
             prepacked,
             self.stop_ids,
+            self.copier,
+            self.model_gamma,
         )
 
 
@@ -257,6 +290,8 @@ class Pair:
     fused: int = 0
     prepacked: int = 0
     stop_ids: tuple[int, ...] = ()  # every id that ends a generation (PairSpec.stop_ids)
+    copier: str | None = None  # a hybrid's copier (PairSpec.copier)
+    model_gamma: int = 4
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.target, self.draft, self.tokenizer))
@@ -265,7 +300,7 @@ class Pair:
     def draft_model(self) -> Llama | None:
         """The draft model, when the drafter is one (or is built around one, a parallel draft)."""
         kind = registered(self.kind)
-        if kind is not None and kind.bare:
+        if kind is not None and kind.bare and self.copier is None:
             return self.draft
         return trait(self.draft, "model")
 
@@ -340,7 +375,16 @@ class Pair:
             draft = draft_model if kind.bare else kind.build(draft_model, target)
         elif kind is not None and kind.network == "head":
             draft = kind.build(self.head, target)
-        return replace(self, target=target, draft=draft)
+        else:
+            return replace(self, target=target)
+        return replace(self, target=target, draft=hybrid_of(self.copier, draft, self.model_gamma))
+
+
+def hybrid_of(copier: str | None, drafter: Any, model_gamma: int) -> Any:
+    """``drafter`` itself, or with a copier beside it: a hybrid proposer (speculative.draft.hybrid)."""
+    if copier is None or drafter is None:
+        return drafter
+    return HybridDrafter(DRAFTERS[copier].build(None, None), as_drafter(drafter), model_gamma)
 
 
 def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None) -> PairSpec:
@@ -349,9 +393,15 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
     Raises UnknownCheckpointError or CheckpointError for a name or folder that is not there
     or broken, and speculative.PairMismatchError, naming both, when a draft model does not
     share the target's vocabulary and tokenizer."""
-    kind = draft_kind(draft)
+    copier = None
+    model_draft = draft
+    if draft is not None:
+        copier, model_draft = split_hybrid(draft)
+    kind = draft_kind(model_draft)
     target_dir = resolve(target)
-    draft_dir = resolve(draft) if kind is not None and DRAFTERS[kind].needs_files else None
+    draft_dir = None
+    if kind is not None and DRAFTERS[kind].needs_files:
+        draft_dir = resolve(model_draft)
     target_config = read_config(target_dir)
     draft_config = read_config(draft_dir) if is_checkpoint(kind) else None
     tokenizer = load_tokenizer(target_dir)
@@ -383,6 +433,8 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
         tokenizer,
         stop_ids(target_config, generation, tokenizer),
         generation,
+        copier,
+        (proposal_length(draft_dir) if copier and draft_dir else None) or HYBRID_MODEL_GAMMA,
     )
 
 
@@ -448,6 +500,8 @@ def named_draft(target: str | os.PathLike, draft: str | None, no_draft: bool = F
         return None
     if draft is None:
         return default_draft(target)
+    if draft == HYBRID:
+        return f"{HYBRID_COPIERS[0]}+{default_draft(target)}"
     return draft
 
 
@@ -479,6 +533,8 @@ def read_named_pair(
     defaulted = chosen is not None and draft is None
     if defaulted and not gamma_given:
         gamma = proposal_length(resolve(chosen)) or gamma
+    elif chosen is not None and not gamma_given and adapts_length(chosen):
+        gamma = ADAPTIVE_GAMMA
     try:
         spec = read_pair(target, chosen)
     except PairMismatchError as err:
@@ -555,6 +611,8 @@ def load_named_pair(
             "another --draft, or --no-draft)"
         ) from None
     widths = decode_widths(gamma, gamma_max) if spec.kind else (1,)
+    if spec.copier is not None:  # the model drafter's verifications, besides the copier's longest
+        widths = tuple(sorted({*widths, spec.model_gamma + 1}))
     store = None  # compiled steps are cached for one process's stacked and prepacked models only
     if stack and prepack and world_size <= 1:
         store = StepCache(cache_dir)

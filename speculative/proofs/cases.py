@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from speculative.draft.eagle import FeatureDrafter
+from speculative.draft.hybrid import HybridDrafter
 from speculative.draft.model import ModelDrafter
 from speculative.draft.parallel import ParallelDrafter, ParallelFeatureDrafter
+from speculative.draft.suffix import SuffixDrafter
 from speculative.proofs.toys import (
     NGramModel,
     noisy_copy,
@@ -204,3 +206,15 @@ def peagle_drafter(target: torch.nn.Module) -> ParallelFeatureDrafter:
     """The parallel feature drafter (P-EAGLE) around a random head whose draft vocabulary leaves
     out token 1: every chain from one head call."""
     return ParallelFeatureDrafter(random_peagle_head(target, seed=5, std=0.3), target)
+
+
+def hybrid_drafter(target: torch.nn.Module) -> HybridDrafter:
+    """The hybrid proposer (speculative.draft.hybrid): suffix decoding beside a random feature head,
+    each iteration the one whose expected accepted length is larger. On the toy's small vocabulary
+    the sequence repeats itself often, so both of them draft, and rows switch between them."""
+    return HybridDrafter(SuffixDrafter(), feature_drafter(target), model_gamma=2)
+
+
+def hybrid_model_drafter(target: torch.nn.Module) -> HybridDrafter:
+    """The hybrid proposer around a draft model (catching up on the iterations the copier drafted)."""
+    return HybridDrafter(SuffixDrafter(), model_drafter(target), model_gamma=2)
