@@ -279,6 +279,30 @@ def llama_decode(
     """Decode tokens/s as llama.cpp reports them: llama-completion on ``target`` alone, or with ``draft_file``
     llama-speculative-simple (``spec_type``, ``gamma`` drafted, every draft kept); ``options``: the sampling
     flags."""
+    cmd = llama_command(args, target, draft_file, spec_type, gamma, prompt, context, options)
+    pattern = COMPLETION_SPEED if draft_file is None else SPECULATIVE_SPEED
+    proc = run_llama(cmd, pattern)
+    # llama-completion prints the prompt's eval line first ("prompt eval time"), then the decode's
+    return float(re.findall(pattern, proc.stderr + proc.stdout)[-1])
+
+
+SPECULATIVE_SPEED = r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s"
+COMPLETION_SPEED = r"eval time =\s+[\d.]+ ms /\s+\d+ runs\s+\(\s*[\d.]+ ms per token,\s+([\d.]+) tokens per second\)"
+
+
+def llama_command(
+    args: Any,
+    target: str,
+    draft_file: str | None,
+    spec_type: str,
+    gamma: int,
+    prompt: str,
+    context: int,
+    options: list[str],
+) -> list[str]:
+    """llama-completion's command line on ``target`` alone (``draft_file`` None), else
+    llama-speculative-simple's with ``draft_file`` (``spec_type``, ``gamma`` drafted, every draft kept);
+    ``args``: ``bin``, ``max_new_tokens`` and ``threads``."""
     common = [
         "-p",
         prompt,
@@ -291,7 +315,7 @@ def llama_decode(
         *options,
     ]
     if draft_file is not None:
-        cmd = [
+        return [
             str(args.bin / "llama-speculative-simple"),
             "-m",
             target,
@@ -309,17 +333,19 @@ def llama_decode(
             str(args.threads),
             *common,
         ]
-        pattern = r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s"
-    else:
-        cmd = [
-            str(args.bin / "llama-completion"),
-            "-m",
-            target,
-            "-no-cnv",
-            "--no-display-prompt",
-            *common,
-        ]
-        pattern = r"eval time =\s+[\d.]+ ms /\s+\d+ runs\s+\(\s*[\d.]+ ms per token,\s+([\d.]+) tokens per second\)"
+    return [
+        str(args.bin / "llama-completion"),
+        "-m",
+        target,
+        "-no-cnv",
+        "--no-display-prompt",
+        *common,
+    ]
+
+
+def run_llama(cmd: list[str], pattern: str) -> subprocess.CompletedProcess:
+    """A llama.cpp tool run to its end, its log holding ``pattern``; SystemExit with its last lines if it
+    fails."""
     # now and then the log's last lines are lost at exit (its writer is a thread of its own)
     for _ in range(3):
         proc = subprocess.run(
@@ -332,8 +358,7 @@ def llama_decode(
         raise SystemExit(
             f"{Path(cmd[0]).name} failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}"
         )
-    # llama-completion prints the prompt's eval line first ("prompt eval time"), then the decode's
-    return float(found[-1])
+    return proc
 
 
 def bench_steps(gguf: Path, args: Any) -> tuple[float, float]:

@@ -373,25 +373,35 @@ def run_bench(
     new_tokens: int,
     temperature: float,
     device: torch.device,
+    peers: Sequence[Any] = (),
 ) -> Bench:
     """Every question's turns by every set-up, in turns question by question; the second turn
-    after the target alone's answer to the first."""
-    bench = Bench({s.name: {task: [] for task in tasks} for s in setups})
+    after the target alone's answer to the first. ``peers`` (benchmarks/spec_bench_peers.py) take
+    their turns among them."""
+    bench = Bench({s.name: {task: [] for task in tasks} for s in [*setups, *peers]})
     tokenizer = setups[0].pair.tokenizer
     stop_ids = setups[0].pair.stop_ids
-    progress = Progress(sum(len(q.turns) for qs in tasks.values() for q in qs) * len(setups))
+    progress = Progress(
+        sum(len(q.turns) for qs in tasks.values() for q in qs) * (len(setups) + len(peers))
+    )
     index = 0
     for task, questions in tasks.items():
         for question in questions:
             answers: list[str] = []
-            done: dict[str, list[Turn]] = {s.name: [] for s in setups}
+            done: dict[str, list[Turn]] = {s.name: [] for s in [*setups, *peers]}
             for j in range(len(question.turns)):
                 whole = encode(conversation(question.turns, answers))
                 prompt_ids = last_tokens(whole, room)
                 bench.cut += len(prompt_ids) < len(whole)
                 bench.turns += 1
                 seed = 1000 * question.id + j if temperature > 0 else None
-                for setup in turn_order(setups, index):
+                for setup in turn_order([*setups, *peers], index):
+                    if not isinstance(setup, SetUp):  # a peer: its own process, its own clock
+                        done[setup.name].append(
+                            setup.turn(prompt_ids, new_tokens, temperature, seed)
+                        )
+                        progress.step(f"{task} question {question.id} turn {j + 1}, {setup.name}")
+                        continue
                     timing = time_call(
                         partial(generate, setup, prompt_ids, new_tokens, temperature, seed),
                         device=device,
@@ -434,8 +444,9 @@ def page(
     chat: bool,
     device: torch.device,
     dtype: torch.dtype,
+    peers: Sequence[Any] = (),
 ) -> str:
-    names = [s.name for s in setups]
+    names = [s.name for s in [*setups, *peers]]
     drafting = names[1:]
     counts = ", ".join(f"{task} {len(tasks[task])}" for task in TASKS)
     which = "the whole set"
@@ -483,7 +494,8 @@ def page(
         "",
         *markdown_table(
             ["set-up", "decode set-up", "guard", "tokens equal to the target alone's"],
-            [[s.name, setup_text(s), guard_text(s), identity.get(s.name, "")] for s in setups],
+            [[s.name, setup_text(s), guard_text(s), identity.get(s.name, "")] for s in setups]
+            + [[p.name, p.text, "", identity[p.name]] for p in peers],
         ),
     ]
     return "\n".join(lines) + "\n"
@@ -556,6 +568,13 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="the results page (markdown), and its figures beside it (.json)"
     )
     parser.add_argument("--plot", default=None, help="a PNG of the speed-up by task")
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="llama.cpp=BIN_DIR,MODEL.gguf[,HEAD.gguf] | transformers=HF_DIR[,N...]",
+        help="a peer in the same turns (repeatable; benchmarks/spec_bench_peers.py)",
+    )
     args = parser.parse_args(argv)
     if args.per_task is not None and args.per_task < 1:
         parser.error("--per-task must be at least 1")
@@ -588,6 +607,9 @@ def run(args: Any, argv: list[str] | None, questions: list[Question]) -> int:
     device = pick_device(args.device)
     dtype = pick_dtype(None, device, stored_dtype(args.target))
     named_pairs = read_setups(args)
+    from benchmarks.spec_bench_peers import make_peers
+
+    peers = make_peers(args.peer, named_pairs[0], torch.get_num_threads())
     tokenizer = named_pairs[0].spec.tokenizer
     context = min(named.spec.context for named in named_pairs)
     chat = has_chat_template(tokenizer)
@@ -617,17 +639,21 @@ def run(args: Any, argv: list[str] | None, questions: list[Question]) -> int:
         set_guards(setups, first, args.temperature)
         for setup in setups:  # warm-up, untimed
             generate(setup, first, min(16, args.max_new_tokens), args.temperature, 0)
+        for peer in peers:
+            peer.turn(first, min(16, args.max_new_tokens), args.temperature, 0)
         bench = run_bench(
-            setups, tasks, encode, room, args.max_new_tokens, args.temperature, device
+            setups, tasks, encode, room, args.max_new_tokens, args.temperature, device, peers
         )
+    for peer in peers:
+        peer.close()
     table = figures(bench.runs)
-    text = page(args, argv, setups, bench, table, tasks, chat, device, dtype)
+    text = page(args, argv, setups, bench, table, tasks, chat, device, dtype, peers)
     print(text)
     if args.out:
         write_page(args.out, text)
         Path(args.out).with_suffix(".json").write_text(json.dumps(table, indent=2) + "\n")
     if args.plot:
-        plot(table, [s.name for s in setups[1:]], args.plot)
+        plot(table, [s.name for s in [*setups[1:], *peers]], args.plot)
     if args.temperature == 0:
         differ = [s.name for s in setups[1:] if same_tokens(bench.runs, s.name)[0] != bench.turns]
         if differ:
