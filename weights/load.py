@@ -393,6 +393,8 @@ def read_pair(target: str | os.PathLike, draft: str | os.PathLike | None = None)
     Raises UnknownCheckpointError or CheckpointError for a name or folder that is not there
     or broken, and speculative.PairMismatchError, naming both, when a draft model does not
     share the target's vocabulary and tokenizer."""
+    if draft == HYBRID:
+        draft = named_draft(target, HYBRID)
     copier = None
     model_draft = draft
     if draft is not None:
