@@ -473,7 +473,7 @@ class Eagle3(Chain):
         "head: {parameters:,} parameters; target layers {layers}; draft vocabulary {draft_vocab} "
         "ids covering {coverage:.1%} of the training tokens; data: {data}"
     )
-    settings = ("draft_vocab", "coverage", "layers", "data", "loss", "ttt_steps")
+    settings = ("init", "draft_vocab", "coverage", "layers", "data", "loss", "ttt_steps")
 
     def build(self) -> nn.Module:
         a = self.a
@@ -486,6 +486,13 @@ class Eagle3(Chain):
             raise UsageError(
                 f"--ttt-steps must lie in 1..{a.seq_len - 1} and --draft-vocab in 0..{vocab}"
             )
+        if a.init:  # a head to go on training: its own layers and draft vocabulary
+            head = load_eagle3_head(a.init, self.target, a.target, torch.float32)
+            if isinstance(head, PEagleHead):
+                raise UsageError(f"--init {a.init} is a P-EAGLE head; eagle3 takes an EAGLE-3 head")
+            self.layers = list(head.target_layers)
+            self.draft_vocab = head.draft_vocab
+            return head.requires_grad_(True)
         self.layers = list(layers)
         self.draft_vocab = a.draft_vocab or vocab
         # One block of the target's shape.
@@ -512,6 +519,10 @@ class Eagle3(Chain):
             counted = self.tokens[:, self.a.prompt_tokens :]
         else:  # the stream's first two million tokens
             counted = torch.from_numpy(self.corpus[:2_000_000].astype(np.int64))
+        if self.a.init:  # its vocabulary stays: the share of the data it covers
+            kept = self.model.target_ids().to(counted.device)
+            self.coverage = float(torch.isin(counted, kept).double().mean())
+            return
         self.coverage = start_vocabulary(self.model, self.target, counted)
 
     def objective(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -522,7 +533,7 @@ class Eagle3(Chain):
             tokens,
             a.ttt_steps,
             decay=a.ttt_decay,
-            regression=a.loss == "regression",
+            loss=a.loss,
             bf16=a.bf16,
         )
 

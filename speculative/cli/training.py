@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from speculative.cli.options import ArgumentParser, add_flags
-from speculative.draft import distill
+from speculative.draft import distill, ttt
 from speculative.engine.generation import ACCEPTANCE_NOTES
 
 # Each table names a flag once, as cli.options.add_flags reads it: (type, default, help[, choices])
@@ -95,8 +95,16 @@ OPTIONS: dict[str, Any] = {
     "--loss": (
         str,
         "soft-ce",
-        "soft cross-entropy, or EAGLE-1's regression + 0.5 x it",
-        ["soft-ce", "regression"],
+        "soft cross-entropy, EAGLE-1's regression + 0.5 x it, or a loss of the acceptance "
+        "alpha = sum min(p, q): 1 - alpha (tv), -log alpha (lk-alpha), or the LK blend "
+        "exp(-3 alpha) KL + (1 - exp(-3 alpha)) (1 - alpha) (lk-lambda)",
+        list(ttt.LOSSES),
+    ),
+    "--init": (
+        str,
+        None,
+        "an EAGLE-3 head to start from, with its target layers and draft vocabulary "
+        "(default: a new head)",
     ),
     "--draft-vocab": (
         int,
@@ -237,8 +245,8 @@ COMMANDS: dict[str, Command] = {
     "eagle3": Command(
         help="train an EAGLE-3 head: fused features of three target layers, training-time test, "
         "the target's own continuations, a reduced vocabulary",
-        flags="--corpus --eval-corpus --data --sequences --seq-len --ttt-steps --ttt-decay --loss "
-        "--draft-vocab --layers --bf16 --device --cache-dir",
+        flags="--init --corpus --eval-corpus --data --sequences --seq-len --ttt-steps --ttt-decay "
+        "--loss --draft-vocab --layers --bf16 --device --cache-dir",
     ),
     "parallel": Command(
         help="adapt a draft model to parallel drafting (PARD): a mask token, gamma tokens from one "

@@ -16,6 +16,11 @@ target's own next-token distribution, restricted to the draft vocabulary and ren
 vocabulary is p renormalised there, which is also this loss's minimum). The regression loss
 of EAGLE-1 (the head's normalised output against the target's final feature) is kept as an
 option for the ablation.
+
+The soft cross-entropy reaches acceptance only through its minimum: a head that cannot reach
+it spends its capacity on matching the target's tail, which a drafted token's acceptance
+sum_x min(p, q) = 1 - TV(p, q) does not reward. The LK losses (Samarin et al. 2026, arXiv
+2602.23881; vLLM's speculators package) train on that acceptance itself (:data:`LOSSES`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,62 @@ def start_vocabulary(head: Any, target: Any, tokens: torch.Tensor) -> float:
     return coverage
 
 
+# The LK losses' blend temperature: lambda = exp(-eta * alpha) leans on the KL while the draft
+# overlaps little with the target and on the acceptance once it overlaps much (the paper's best
+# hybrid setting, speculators' default).
+LK_ETA = 3.0
+
+# Below it -log(alpha) is capped: a position the head misses entirely would otherwise give an
+# unbounded loss and gradient (speculators' floor).
+LK_FLOOR = 1e-5
+
+
+def acceptance(p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """sum_x min(p(x), q(x)) per position [...]: the chance that a token drafted from q is
+    accepted by a target whose law is p (p may hold less than 1 on the draft vocabulary: the
+    target's mass outside it is never drafted, hence never accepted)."""
+    return torch.minimum(p, log_q.exp()).sum(-1)
+
+
+def soft_cross_entropy(p_kept: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """-sum_x p(x) log q(x) per position, p renormalised on the draft vocabulary."""
+    return -(p_kept * log_q).sum(-1)
+
+
+def total_variation(p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """1 - alpha per position: the share of drafted tokens rejected (its gradient is the
+    acceptance's, and vanishes where q misses p's mode entirely)."""
+    return 1 - acceptance(p, log_q)
+
+
+def lk_alpha(p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """LK^alpha, -log(alpha) per position: TV's gradient scaled by 1 / alpha, so that the
+    positions the head drafts worst pull hardest (for a one-hot p it is the cross-entropy)."""
+    return -acceptance(p, log_q).clamp_min(LK_FLOOR).log()
+
+
+def lk_lambda(p: torch.Tensor, p_kept: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """LK^lambda per position: lambda KL(p_kept || q) + (1 - lambda) TV(p, q), lambda =
+    exp(-LK_ETA alpha) with alpha held constant (it chooses the blend, it is not trained)."""
+    alpha = acceptance(p, log_q)
+    weight = torch.exp(-LK_ETA * alpha.detach())
+    kl = (torch.xlogy(p_kept, p_kept) - p_kept * log_q).sum(-1)
+    return weight * kl + (1 - weight) * (1 - alpha)
+
+
+# --loss: the per-position loss of a head's log q [..., V'] against the target's p on the draft
+# vocabulary (p_draft: its own probabilities there; p_kept: renormalised there). The acceptance
+# losses take p_draft, whose overlap with q is what verification accepts; the divergences take
+# p_kept, a distribution. "regression" is soft-ce beside EAGLE-1's regression (ttt_losses).
+LOSSES: dict[str, Any] = {
+    "soft-ce": lambda p_draft, p_kept, log_q: soft_cross_entropy(p_kept, log_q),
+    "regression": lambda p_draft, p_kept, log_q: soft_cross_entropy(p_kept, log_q),
+    "tv": lambda p_draft, p_kept, log_q: total_variation(p_draft, log_q),
+    "lk-alpha": lambda p_draft, p_kept, log_q: lk_alpha(p_draft, log_q),
+    "lk-lambda": lk_lambda,
+}
+
+
 def _attend_chain(
     q: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], groups: int
 ) -> torch.Tensor:
@@ -79,14 +140,19 @@ def ttt_losses(
     steps: int,
     *,
     decay: float = 0.8,
-    regression: bool = False,
+    loss: str = "soft-ce",
     bf16: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The weighted loss of ``steps`` unrolled drafting steps on sequences [B, T], and per step
     (depth 1..steps): its loss and the alpha of its distribution against the target's,
     sum_x min(p, q) averaged over positions (the acceptance it would get at that depth
-    reading true tokens). ``regression``: add EAGLE-1's smooth-L1 of norm(output) on the
-    target's next final feature, and weigh the cross-entropy 0.5 (its two losses)."""
+    reading true tokens). ``loss`` names the loss of each step (:data:`LOSSES`); "regression"
+    adds EAGLE-1's smooth-L1 of norm(output) on the target's next final feature, and weighs the
+    cross-entropy 0.5 (its two losses)."""
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
+    regression = loss == "regression"
+    per_position = LOSSES[loss]
     batch, length = tokens.shape
     with torch.no_grad(), torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits, fused = target(tokens, return_hidden=head.target_layers)
@@ -121,16 +187,16 @@ def ttt_losses(
             attended = _attend_chain(q, past, groups).transpose(1, 2).reshape(batch, n, -1)
             out = layer.finish(residual, attn.o_proj(attended))
             log_q = F.log_softmax(head.draft_logits(out).float(), dim=-1)
+            seen = p_draft[:, k + 1 : k + 1 + n]  # [B, n, V']
             wanted = p_kept[:, k + 1 : k + 1 + n]
-            ce = -(wanted * log_q).sum(-1).mean()
-            loss = ce
+            step_loss = per_position(seen, wanted, log_q).mean()
             if regression:  # EAGLE-1's two losses: half the cross-entropy, and the regression
-                loss = 0.5 * ce + F.smooth_l1_loss(head.norm(out), final[:, k + 1 : k + 1 + n])
-            total = total + decay**k * loss
-            with torch.no_grad():
-                per_step["loss"].append(loss.item())
-                per_step["alpha"].append(
-                    torch.minimum(p_draft[:, k + 1 : k + 1 + n], log_q.exp()).sum(-1).mean().item()
+                step_loss = 0.5 * step_loss + F.smooth_l1_loss(
+                    head.norm(out), final[:, k + 1 : k + 1 + n]
                 )
+            total = total + decay**k * step_loss
+            with torch.no_grad():
+                per_step["loss"].append(step_loss.item())
+                per_step["alpha"].append(acceptance(seen, log_q).mean().item())
             hidden = out
     return total, per_step

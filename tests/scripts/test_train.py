@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import train
 from model import training
@@ -469,6 +470,30 @@ def test_eagle3_head_trains_on_the_target_s_own_text_and_resumes(
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --layers takes three layer ids in 0..3, got 1,2,9"
     ]
+
+
+@needs_shared
+def test_an_eagle3_run_goes_on_from_a_trained_head(
+    corpus: dict[str, Path], targets: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """--init: the run starts from the head's weights, target layers and draft vocabulary (not
+    --layers' nor --draft-vocab's): no step exports it as it was; a step of an acceptance loss
+    (--loss lk-lambda) moves it."""
+    eagle3(targets[0], corpus, tmp_path / "first", 2, *QUICK, "--layers", "0,1,3")
+    first = tmp_path / "first" / "hf"
+    weights = load_file(first / "model.safetensors")
+    extra = ("--init", str(first), "--layers", "2,2,1", "--draft-vocab", "128")
+    summary = eagle3(targets[0], corpus, tmp_path / "same", 0, *QUICK, *extra)
+    assert summary["layers"] == [0, 1, 3] and summary["draft_vocab"] == 256, summary
+    assert summary["init"] == str(first)
+    again = load_file(tmp_path / "same" / "hf" / "model.safetensors")
+    assert again.keys() == weights.keys()
+    assert all(torch.equal(again[name], weights[name]) for name in weights)
+    summary = eagle3(targets[0], corpus, tmp_path / "lk", 1, *QUICK, *extra, "--loss", "lk-lambda")
+    assert summary["loss"] == "lk-lambda"
+    moved = load_file(tmp_path / "lk" / "hf" / "model.safetensors")
+    assert torch.equal(moved["d2t"], weights["d2t"])
+    assert not torch.equal(moved["fc.weight"], weights["fc.weight"])
 
 
 def parallel(
