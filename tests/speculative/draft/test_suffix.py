@@ -547,7 +547,8 @@ def leaks(module) -> list[int]:
     """What key "b" is proposed after key "a" alone left a response: [] unless text crosses."""
     store = module.ResponseStore(1000, max_match=3, max_depth=8)
     store.partition("a").add([9, 9, 1, 2, 3, 4, 5, 6, 7], 2)
-    assert store.partition("a").continuation([1, 2, 3], 4).tokens == [4, 5, 6]
+    # a match of 3, continued up to gamma (the default factor allows 4 x 3)
+    assert store.partition("a").continuation([1, 2, 3], 4).tokens == [4, 5, 6, 7]
     drafter = suffix.SuffixDrafter()
     drafter.keep_rows([], 1)
     drafter.joined([store.partition("b")])
@@ -571,7 +572,7 @@ MERGED_PARTITIONS = (
 
 def test_one_keys_responses_are_never_proposed_for_another_key() -> None:
     assert leaks(responses) == []
-    assert leaks(mutated(responses, *MERGED_PARTITIONS)) == [4, 5, 6, 4, 5, 6]
+    assert leaks(mutated(responses, *MERGED_PARTITIONS)) == [4, 5, 6, 7, 4, 5, 6, 7]
 
 
 def test_a_response_is_stored_after_its_prompts_last_match_tokens() -> None:
@@ -604,8 +605,10 @@ def test_a_warm_store_keeps_greedy_outputs_the_target_alones_and_drafts_from_it(
     from speculative import Engine
 
     target = NGramModel.random(5, 2, seed=3, scale=3.0)
-    store = responses.ResponseStore(500)
-    engine = Engine(target, suffix.SuffixDrafter(), gamma=4, temperature=0, cache_len=64)
+    store = responses.ResponseStore(500, spec_factor=1.0)
+    engine = Engine(
+        target, suffix.SuffixDrafter(spec_factor=1.0), gamma=4, temperature=0, cache_len=64
+    )
     prompts = [[1, 2, 3], [4, 0, 1], [1, 2, 3], [4, 0, 1], [1, 2, 3]]
     rows = [engine.add(p, 24, memory=store.partition("k")) for p in prompts[:2]]
     engine.run()
@@ -617,7 +620,9 @@ def test_a_warm_store_keeps_greedy_outputs_the_target_alones_and_drafts_from_it(
         assert row.result().tokens == reference_greedy_toy(target, prompt, 24)
     # the repeats were drafted from the store: more per row than the first requests, all accepted
     assert min(row.stats.drafted_tokens for row in again) > first / 2
-    cold = Engine(target, suffix.SuffixDrafter(), gamma=4, temperature=0, cache_len=64)
+    cold = Engine(
+        target, suffix.SuffixDrafter(spec_factor=1.0), gamma=4, temperature=0, cache_len=64
+    )
     alone = cold.add(prompts[2], 24)
     cold.run()
     assert again[0].stats.accepted_draft_tokens > alone.stats.accepted_draft_tokens
