@@ -56,6 +56,7 @@ from weights.registry import (
     FOR_OTHER_TARGETS,
     SHIPPED,
     WEIGHTS_DIR,
+    WITH_SUFFIX,
     UnknownCheckpointError,
     resolve,
 )
@@ -105,6 +106,13 @@ def split_hybrid(name: str | os.PathLike) -> tuple[str | None, str | os.PathLike
     if plus and copier in HYBRID_COPIERS and rest:
         return copier, rest
     return None, name
+
+
+def hybrid_name(draft: str) -> str:
+    """suffix decoding beside ``draft`` ("suffix+NAME"), or ``draft`` itself where it has it already."""
+    if split_hybrid(draft)[0] is not None:
+        return draft
+    return f"{HYBRID_COPIERS[0]}+{draft}"
 
 
 def adapts_length(draft: str) -> bool:
@@ -464,7 +472,8 @@ DEFAULT_DRAFT = "tiny-draft"
 def default_draft(target: str | os.PathLike) -> str:
     """``--draft`` when none is named: for a target of the shape a shipped drafter of FOR_OTHER_TARGETS was
     trained for (hidden size, vocabulary, layers: a head's fingerprint check then tells whether it is that
-    very model), that drafter; else the shipped pair's draft (refused, with a hint, under another target)."""
+    very model), that drafter, beside suffix decoding where WITH_SUFFIX names it ("suffix+NAME", a hybrid);
+    else the shipped pair's draft (refused, with a hint, under another target)."""
     config = _target_config(target)
     if config is None:
         return DEFAULT_DRAFT
@@ -474,6 +483,8 @@ def default_draft(target: str | os.PathLike) -> str:
             trained_for = json.loads((folder / "config.json").read_text())["target_shape"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
+        if trained_for == target_shape(config) and name in WITH_SUFFIX:
+            return hybrid_name(name)
         if trained_for == target_shape(config):
             return name
     return DEFAULT_DRAFT
@@ -503,7 +514,7 @@ def named_draft(target: str | os.PathLike, draft: str | None, no_draft: bool = F
     if draft is None:
         return default_draft(target)
     if draft == HYBRID:
-        return f"{HYBRID_COPIERS[0]}+{default_draft(target)}"
+        return hybrid_name(default_draft(target))
     return draft
 
 
@@ -533,10 +544,10 @@ def read_named_pair(
     another target, how to name one."""
     chosen = named_draft(target, draft, no_draft)
     defaulted = chosen is not None and draft is None
-    if defaulted and not gamma_given:
-        gamma = proposal_length(resolve(chosen)) or gamma
-    elif chosen is not None and not gamma_given and adapts_length(chosen):
+    if chosen is not None and not gamma_given and adapts_length(chosen):
         gamma = ADAPTIVE_GAMMA
+    elif defaulted and not gamma_given:
+        gamma = proposal_length(resolve(chosen)) or gamma
     try:
         spec = read_pair(target, chosen)
     except PairMismatchError as err:

@@ -31,6 +31,9 @@ SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled", "tiny-d
 SHIPPED_HEADS = ("tiny-eagle", "tiny-eagle3", "smollm2-eagle3")
 # each the default --draft of a target of its target's shape
 FOR_OTHER_TARGETS = ("smollm2-eagle3",)
+# of those, the ones that run beside suffix decoding by default (a hybrid, speculative/draft/hybrid.py):
+# the fastest exact set-up measured for their target on Spec-Bench (docs/results/README.md lists the page)
+WITH_SUFFIX = ("smollm2-eagle3",)
 SHIPPED = SHIPPED_MODELS + SHIPPED_HEADS
 
 

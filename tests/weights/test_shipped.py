@@ -13,7 +13,7 @@ from speculative import FeatureDrafter, autoregressive_generate
 from tests.support.checkpoints import needs_smollm2, smollm2_gguf
 from weights import load_drafter, load_model, load_tokenizer, read_config
 from weights.eagle3 import proposal_length
-from weights.load import default_draft
+from weights.load import default_draft, read_named_pair
 from weights.registry import FOR_OTHER_TARGETS, SHIPPED, SHIPPED_HEADS, SHIPPED_MODELS, WEIGHTS_DIR
 
 MAX_SHIPPED_BYTES = 80 * 10**6  # everything tracked in weights/ stays within 80 MB
@@ -57,9 +57,12 @@ def test_head_card_matches_the_files_and_the_head_loads_for_its_target(name: str
 @needs_smollm2
 def test_the_smollm2_head_loads_for_its_target_and_is_its_default_draft() -> None:
     """smollm2-eagle3 loads for the GGUF that the model card names, says what its card says, and is
-    what --draft means under that target when none is named; the shipped target keeps its draft."""
+    what --draft means under that target when none is named, beside suffix decoding (the hybrid
+    measured fastest on Spec-Bench); the shipped target keeps its draft."""
     check_head_card("smollm2-eagle3", load_model(smollm2_gguf()), "SmolLM2-135M-Instruct")
-    assert default_draft(smollm2_gguf()) == "smollm2-eagle3"
+    assert default_draft(smollm2_gguf()) == "suffix+smollm2-eagle3"
+    named = read_named_pair(str(smollm2_gguf()), None, 4, gamma_given=False)
+    assert (named.draft, named.gamma, named.defaulted) == ("suffix+smollm2-eagle3", 16, True)
     # the draft length measured fastest (its card)
     assert proposal_length(WEIGHTS_DIR / "smollm2-eagle3") == 4
     assert default_draft("tiny-target") == "tiny-draft"
