@@ -348,8 +348,14 @@ def run_llama(cmd: list[str], pattern: str) -> subprocess.CompletedProcess:
     fails."""
     # now and then the log's last lines are lost at exit (its writer is a thread of its own)
     for _ in range(3):
+        # errors="replace": a token may end inside a UTF-8 character, and llama.cpp prints its bytes as they come
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+            cmd,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=600,
+            stdin=subprocess.DEVNULL,
         )
         found = re.findall(pattern, proc.stderr + proc.stdout)
         if found or proc.returncode:
