@@ -172,7 +172,7 @@ class PairSpec:
     stop_ids: tuple[int, ...] = ()  # every id that ends a generation (weights.checkpoint.stop_ids)
     generation: dict[str, Any] = field(default_factory=dict)  # the target's generation_config.json
     copier: str | None = None  # a hybrid's copier ("suffix") beside the drafter of ``kind``
-    model_gamma: int = 4  # a hybrid's model drafter's own draft length
+    model_gamma: int = HYBRID_MODEL_GAMMA  # a hybrid's model drafter's own draft length
 
     @property
     def notes(self) -> list[str]:
@@ -299,7 +299,7 @@ class Pair:
     prepacked: int = 0
     stop_ids: tuple[int, ...] = ()  # every id that ends a generation (PairSpec.stop_ids)
     copier: str | None = None  # a hybrid's copier (PairSpec.copier)
-    model_gamma: int = 4
+    model_gamma: int = HYBRID_MODEL_GAMMA
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.target, self.draft, self.tokenizer))

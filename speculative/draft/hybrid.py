@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from speculative.draft.protocol import Draft, trait
+from speculative.draft.protocol import Draft, pad_rows, trait
 from speculative.draft.suffix import Continuation, SuffixDrafter
 from speculative.sampling import Sampling
 
@@ -194,9 +194,7 @@ class HybridDrafter:
         """One Draft of every row's chain: q is the model's on the rows it drafted and one-hot
         on the copied rows, or None (one-hot everywhere) when the model reported none."""
         width = max(map(len, chains), default=0)
-        tokens = torch.zeros(len(chains), width, dtype=torch.long, device=device)  # [B, width]
-        for b, chain in enumerate(chains):
-            tokens[b, : len(chain)] = torch.tensor(chain, dtype=torch.long, device=device)
+        tokens = pad_rows(chains, device, width)  # [B, width]
         lengths = [len(chain) for chain in chains]
         calls = 0 if modelled is None else modelled.calls
         if modelled is None or modelled.q is None:
