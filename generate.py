@@ -44,7 +44,7 @@ from speculative import (
     speculative_generate,
     speculative_generate_batch,
 )
-from speculative.cli import costs, output, report
+from speculative.cli import costs, output, pricing, report
 from speculative.cli import options as cmdline
 from speculative.cli.options import (
     DTYPES,
@@ -533,6 +533,13 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         seed=seed,
     )
     guard_note = None
+    one_row = texts is None and world_size == 1
+    # A drafter that chooses its draft length by what an iteration costs here: costs measured
+    # once on this machine and set-up (speculative.cli.pricing), before the guard measures it.
+    with torch.inference_mode():
+        price_note = pricing.price(
+            args, pair, encoded[0], setups, StepCache(args.cache_dir), one_row
+        )
     # The default guard: costs measured once on this machine and set-up (speculative.cli.costs).
     if args.guard.mode == "recorded":
         with torch.inference_mode():
@@ -542,7 +549,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
                 encoded[0],
                 setups,
                 StepCache(args.cache_dir),
-                one_row=texts is None and world_size == 1,
+                one_row=one_row,
             )
     lines = setups.lines
     settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)
@@ -562,7 +569,10 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     if not args.json and is_main:
         for line in lines:
             print(f"setup: {line}", file=sys.stderr)
-        for line in [*setups.notes, *filter(None, [cmdline.rule_note(args, given), guard_note])]:
+        for line in [
+            *setups.notes,
+            *filter(None, [cmdline.rule_note(args, given), price_note, guard_note]),
+        ]:
             print(f"note: {line}", file=sys.stderr)
         if setups.compile_note(args.max_new_tokens):
             print(f"note: {setups.compile_note(args.max_new_tokens)}", file=sys.stderr)

@@ -75,7 +75,7 @@ from benchmarks.harness import (
     write_page,
 )
 from speculative import autoregressive_generate, speculative_generate
-from speculative.cli import costs
+from speculative.cli import costs, pricing
 from speculative.cli.options import gamma_arg, pick_device, pick_dtype, verified
 from speculative.engine import DEFAULT_GAMMA
 from speculative.inputs import GAMMA_MAX
@@ -312,7 +312,9 @@ def load_setups(
 
 def set_guards(setups: list[SetUp], prompt_ids: list[int], temperature: float) -> None:
     """generate.py's default guard of each drafting set-up: costs recorded on this machine
-    (speculative.cli.costs.default_guard, measured now where none are recorded)."""
+    (speculative.cli.costs.default_guard, measured now where none are recorded); and before it,
+    for a drafter that chooses its draft length by cost, that drafter's costs
+    (speculative.cli.pricing)."""
     for setup in setups[1:]:
         run = SimpleNamespace(
             gamma=setup.gamma,
@@ -323,6 +325,9 @@ def set_guards(setups: list[SetUp], prompt_ids: list[int], temperature: float) -
             top_k=None,
             top_p=None,
         )
+        # a drafter that chooses its draft length by measured costs gets them first, as in
+        # generate.py (speculative.cli.pricing)
+        pricing.price(run, setup.pair, prompt_ids, setup.chosen, StepCache(), one_row=True)
         setup.guard, note = costs.default_guard(
             run, setup.pair, prompt_ids, setup.chosen, StepCache(), one_row=True
         )

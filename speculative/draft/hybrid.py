@@ -27,6 +27,14 @@ retrieval-or-model choice (Hu et al. 2024, arXiv 2411.10666).
   proposes nothing and the model drafts; a model that cannot draft yet (a head before the
   target's first features) leaves the iteration to the copier.
 
+**With measured costs** (the ``priced`` hook; generate.py measures them once per machine and
+set-up, speculative.cli.costs.iteration_costs) the choice is by expected tokens per second instead:
+the copier's chain is cut to its prefix with the most (1 + expected accepted) / seconds of an
+iteration verifying it, the model's chain is worth (1 + a + ... + a^m) / seconds of an iteration
+with the model drafting, and a plain step 1 / its seconds; the best of the three is drafted. A
+count alone treats a long chain as free, which it is not where a wide verification costs
+markedly more than a step (a compiled target on a CPU with few cores; docs/drafters.md).
+
 The engine's gamma bounds the copier's chain (its room and the guard's choice); the model drafts
 at most ``model_gamma`` of it. So a hybrid runs with a long gamma (the longest copy worth one
 verification) while the model keeps the draft length it was trained for.
@@ -47,6 +55,7 @@ from typing import Any
 
 import torch
 
+from speculative.draft.costs import IterationCosts
 from speculative.draft.protocol import Draft, pad_rows, trait
 from speculative.draft.suffix import Continuation, SuffixDrafter
 from speculative.sampling import Sampling
@@ -123,6 +132,8 @@ class HybridDrafter:
         self.head = trait(drafter, "head")
         self.records: list[RowRecord] = []
         self.pending: list[Pending] = []
+        # what an iteration costs (the priced hook), or None: the choice is by accepted tokens
+        self.costs: IterationCosts | None = None
 
     def start(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
         self.copier.start(max_rows, cache_len, target)
@@ -130,17 +141,32 @@ class HybridDrafter:
         self.records = []
         self.pending = []
 
-    def choose(self, record: RowRecord, chain: Continuation, gamma: int) -> str:
-        """Which drafter drafts this row: "copier", "model" or "none" (gamma 0)."""
+    def choose(
+        self, record: RowRecord, chain: Continuation, gamma: int
+    ) -> tuple[str, Continuation]:
+        """Which drafter drafts this row, "copier", "model" or "none" (gamma 0, or with measured
+        costs a plain step expected to be fastest), and the copier's chain as it would draft it."""
         if gamma == 0:
-            return "none"
-        if not chain.tokens:
-            return "model"
-        copied = record.copier_scale * chain.expected
+            return "none", chain
         modelled = model_estimate(record.model_alpha, min(gamma, self.model_gamma))
-        if copied >= modelled:
-            return "copier"
-        return "model"
+        if self.costs is None:  # by expected accepted tokens
+            if not chain.tokens:
+                return "model", chain
+            if record.copier_scale * chain.expected >= modelled:
+                return "copier", chain
+            return "model", chain
+        # by expected tokens per second: the copier's best prefix, the model's own length, or a
+        # plain step (where the model's cost was not measured, it is not drafted)
+        chain, copied_rate = chain.priced(self.costs, record.copier_scale)
+        plain_rate = 1.0 / self.costs.verify(0)
+        model_rate = 0.0
+        if self.costs.model_s is not None:
+            model_rate = (1.0 + modelled) / self.costs.model_s
+        if chain.tokens and copied_rate >= model_rate:
+            return "copier", chain
+        if model_rate > plain_rate:
+            return "model", chain
+        return "none", chain
 
     def propose(
         self,
@@ -155,9 +181,11 @@ class HybridDrafter:
             self.copier.continuation(b, row_ids, g) if g else Continuation()
             for b, (row_ids, g) in enumerate(zip(ids, gammas))
         ]
-        sources = [
+        chosen = [
             self.choose(record, chain, g) for record, chain, g in zip(self.records, found, gammas)
         ]
+        sources = [source for source, _ in chosen]
+        found = [chain for _, chain in chosen]
         model_gammas = [
             min(g, self.model_gamma) if source == "model" else 0
             for g, source in zip(gammas, sources)
@@ -234,6 +262,14 @@ class HybridDrafter:
             RowRecord.fresh(self.model_prior) for _ in range(new)
         ]
         self.pending = []
+
+    def priced(self, costs: IterationCosts) -> None:
+        """What an iteration costs, measured on this machine (the protocol's hook): by the tokens
+        the target verifies, and with the model drafting (``model_s``). From now on each row
+        drafts whichever of the copier's best prefix, the model's chain and a plain step is
+        expected to give the most tokens per second."""
+        self.costs = costs
+        self.copier.priced(costs)
 
     # serve.py's memory of earlier responses per API key reaches the copier (speculative.draft.protocol)
     def joined(self, memories: list[Any]) -> None:

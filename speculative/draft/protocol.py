@@ -40,13 +40,23 @@ engine calls nothing):
 A memory changes what is proposed, never the output's law: that is exact whatever is proposed,
 as long as q says what it was drawn from (one-hot for a copied token), so it changes speed only.
 
+A drafter whose chain has a length of its own (suffix decoding, a hybrid) may choose that length
+by what an iteration costs on the machine. It has one hook more, optional too:
+
+* ``priced(costs)``: a speculative.draft.costs.IterationCosts, the seconds of an iteration by
+  the number of tokens it verifies (and, for a hybrid, with its model drafting), measured once
+  per machine and set-up (speculative.cli.costs.iteration_costs); given before the first
+  ``start``, or between runs. Costs are constants of a run, never its clock, so a seeded run
+  still repeats.
+
 Besides the four calls, the engine and the tools read a few attributes, all declared on
 :class:`Drafter` with the value that a drafter without them has (:data:`DEFAULTS`, read with
 :func:`trait`): what it reads of the target (``reads_features``), the ids and lengths it can
 handle (``vocab_size``, ``max_seq_len``), whether one call drafts the whole chain
 (``parallel``: gamma="auto" then weighs a call's cost once, not per token), the networks it
 runs (``model``, a draft model; ``head``, a head on the target's features), which the set-ups
-of model/fast prepare and the benchmarks time, ``propose_tree``, ``joined`` and ``finished``. A head is read the same
+of model/fast prepare and the benchmarks time, ``propose_tree``, ``joined``, ``finished`` and
+``priced``. A head is read the same
 way: :class:`Head`, :data:`HEAD_DEFAULTS`, :func:`head_trait`. Nothing else of a drafter or a
 head is read anywhere.
 
@@ -115,6 +125,8 @@ class Drafter(Protocol):
     joined: Callable[[list[Any]], None] | None
     # (rows, sequences, prompt lengths) of the rows that ended, before keep_rows drops them; or None
     finished: Callable[[list[int], list[list[int]], list[int]], None] | None
+    # the measured costs of an iteration (an IterationCosts), to choose its draft length; or None
+    priced: Callable[[Any], None] | None
 
     def start(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
@@ -148,6 +160,7 @@ DEFAULTS: dict[str, Any] = {
     "propose_tree": None,
     "joined": None,
     "finished": None,
+    "priced": None,
 }
 DRAFTER_METHODS = ("start", "propose", "commit", "keep_rows")  # the four calls every drafter has
 

@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from speculative.draft.costs import IterationCosts, best_prefix
 from speculative.draft.protocol import Draft, copied_chains
 from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.sampling import Sampling
@@ -116,12 +117,35 @@ class Continuation:
         """The expected number of its tokens kept, by the same estimate: the sum over its prefixes
         of their chance to be kept whole (f1 + f1 f2 + ...; the paper's score of a speculation
         tree, a sum over its nodes, for a chain). 0 for an empty proposal."""
+        return self.expected_by_length()[-1] if self.tokens else 0.0
+
+    def expected_by_length(self, scale: float = 1.0) -> list[float]:
+        """For k = 1..len(tokens), the expected number of the first k tokens kept (f1, f1 + f1 f2,
+        ...), each times ``scale`` (how the estimates have come out so far, by a caller that
+        keeps that record)."""
+        totals = []
         total = 0.0
         kept = 1.0
         for f in self.frequencies:
             kept *= f
             total += kept
-        return total
+            totals.append(scale * total)
+        return totals
+
+    def cut(self, length: int) -> Continuation:
+        """Its first ``length`` tokens."""
+        return Continuation(self.tokens[:length], self.frequencies[:length], self.match)
+
+    def priced(
+        self, costs: IterationCosts | None, scale: float = 1.0
+    ) -> tuple[Continuation, float]:
+        """The prefix worth verifying by the measured ``costs`` (costs.best_prefix: the most
+        expected tokens per second, none where a plain step is faster), and its expected tokens
+        per second; the whole chain, and no rate (0), without costs."""
+        if costs is None:
+            return self, 0.0
+        length, rate = best_prefix(self.expected_by_length(scale), costs)
+        return self.cut(length), rate
 
 
 def most_frequent(children: dict[int, Node]) -> int:
@@ -275,6 +299,9 @@ class SuffixDrafter:
         # each row's share of a store of earlier responses (joined: a server's partition for the
         # request's API key, speculative.draft.responses), or None: the row's own text alone
         self.memories: list[Any] = []
+        # what an iteration costs by the tokens it verifies (the priced hook), or None: the
+        # whole chain is proposed, as long as min_score, spec_factor and gamma let it run
+        self.costs: IterationCosts | None = None
 
     def start(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
         self.rows = []
@@ -297,10 +324,17 @@ class SuffixDrafter:
         device: torch.device,
     ) -> Draft:
         found = [
-            self.continuation(b, row_ids, g).tokens if g else []
+            self.continuation(b, row_ids, g).priced(self.costs)[0].tokens if g else []
             for b, (row_ids, g) in enumerate(zip(ids, gammas))
         ]
         return copied_chains(found, device)
+
+    def priced(self, costs: IterationCosts) -> None:
+        """What an iteration costs by the tokens it verifies, measured on this machine (the
+        protocol's hook): from now on each chain is cut to the prefix with the most expected
+        tokens per second (Continuation.priced), and a chain that no prefix makes worth more than
+        a plain step is not proposed."""
+        self.costs = costs
 
     def continuation(self, b: int, ids: list[int], gamma: int) -> Continuation:
         """Row b's proposal: its own index's continuation, or the one its memory of earlier

@@ -13,6 +13,9 @@ step) / (time of a target call) the expected speedup over plain decoding is
     speedup(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))      (theorem 3.8)
 
 docs/cost_model.md derives both and compares them with measured runs.
+
+A drafter whose chain has a length of its own (suffix decoding, a hybrid) replaces both
+assumptions by measurement: speculative.draft.costs.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.draft.costs import IterationCosts
 from speculative.draft.eagle import FeatureDrafter
 from speculative.draft.hybrid import HybridDrafter
 from speculative.draft.model import ModelDrafter
@@ -213,6 +214,27 @@ def hybrid_drafter(target: torch.nn.Module) -> HybridDrafter:
     each iteration the one whose expected accepted length is larger. On the toy's small vocabulary
     the sequence repeats itself often, so both of them draft, and rows switch between them."""
     return HybridDrafter(SuffixDrafter(), feature_drafter(target), model_gamma=2)
+
+
+# Costs under which a priced chain is cut (two tokens cost a plain step, more cost twice as much)
+# and a plain step sometimes beats the model: every choice of speculative.draft.hybrid happens.
+PRICED = IterationCosts((1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0), model_s=1.6)
+
+
+def priced_suffix_drafter(target: torch.nn.Module) -> SuffixDrafter:
+    """Suffix decoding with its chains cut by measured costs (the priced hook): a chain, a shorter
+    one or none, chosen from what is known before the iteration."""
+    drafter = SuffixDrafter()
+    drafter.priced(PRICED)
+    return drafter
+
+
+def priced_hybrid_drafter(target: torch.nn.Module) -> HybridDrafter:
+    """The hybrid proposer choosing by tokens per second (the priced hook): the copier's best
+    prefix, the head's chain, or a plain step."""
+    drafter = hybrid_drafter(target)
+    drafter.priced(PRICED)
+    return drafter
 
 
 def hybrid_model_drafter(target: torch.nn.Module) -> HybridDrafter:

@@ -54,17 +54,17 @@ def test_the_estimates_by_hand() -> None:
 def test_the_choice_by_hand() -> None:
     drafter = hybrid.HybridDrafter(SuffixDrafter(), object(), model_gamma=4)
     fresh = hybrid.RowRecord()  # the model's prior: 0.5 a position, 0.9375 for four positions
-    assert drafter.choose(fresh, chain([1.0, 1.0]), gamma=16) == "copier"  # 2 against 0.9375
-    assert drafter.choose(fresh, chain([0.5, 0.5]), gamma=16) == "model"  # 0.75 against 0.9375
-    assert drafter.choose(fresh, chain([]), gamma=16) == "model"  # no match: nothing to copy
-    assert drafter.choose(fresh, chain([1.0, 1.0]), gamma=0) == "none"
+    assert drafter.choose(fresh, chain([1.0, 1.0]), gamma=16)[0] == "copier"  # 2 against 0.9375
+    assert drafter.choose(fresh, chain([0.5, 0.5]), gamma=16)[0] == "model"  # 0.75 against 0.9375
+    assert drafter.choose(fresh, chain([]), gamma=16)[0] == "model"  # no match: nothing to copy
+    assert drafter.choose(fresh, chain([1.0, 1.0]), gamma=0)[0] == "none"
     # at gamma 1 the model drafts one token (0.5 expected): one sure copied token wins
-    assert drafter.choose(fresh, chain([0.6]), gamma=1) == "copier"
+    assert drafter.choose(fresh, chain([0.6]), gamma=1)[0] == "copier"
     # a copier that came out worse than its estimates is scaled down: (0 + 1) / (9 + 1)
     doubted = hybrid.RowRecord(copier_accepted=0.0, copier_estimated=9.0)
     assert doubted.copier_scale == pytest.approx(0.1)
     assert (
-        drafter.choose(doubted, chain([1.0, 1.0, 1.0]), gamma=16) == "model"
+        drafter.choose(doubted, chain([1.0, 1.0, 1.0]), gamma=16)[0] == "model"
     )  # 0.3 against 0.9375
 
 
