@@ -624,6 +624,10 @@ def load_named_pair(
             "another --draft, or --no-draft)"
         ) from None
     widths = decode_widths(gamma, gamma_max) if spec.kind else (1,)
+    if spec.kind and named.draft is not None and adapts_length(named.draft):
+        # chains whose length varies from one iteration to the next: the ladder of widths that
+        # gamma "auto" compiles, so that a short chain is not padded to the longest verification
+        widths = decode_widths("auto", gamma if isinstance(gamma, int) else gamma_max)
     if spec.copier is not None:  # the model drafter's verifications, besides the copier's longest
         widths = tuple(sorted({*widths, spec.model_gamma + 1}))
     store = None  # compiled steps are cached for one process's stacked and prepacked models only

@@ -89,3 +89,32 @@ def test_the_default_head_brings_its_own_draft_length_unless_one_is_given(
     assert named.gamma == 4 and not named.defaulted
     alone = read_named_pair(target, "lookup", 4, no_draft=True, gamma_given=False)
     assert alone.draft is None and alone.spec.kind is None and not alone.defaulted
+
+
+@pytest.mark.parametrize(
+    "draft, gamma, widths",
+    [
+        ("lookup", 4, (1, 2, 5)),  # a fixed draft length: its one verification width
+        ("suffix", 16, (1, 2, 3, 5, 9, 17)),  # chains of any length: the ladder
+        ("suffix", 6, (1, 2, 3, 5, 7)),
+    ],
+)
+def test_a_drafter_whose_length_varies_is_compiled_for_the_ladder_of_widths(
+    draft: str, gamma: int, widths: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = []
+    monkeypatch.setattr(
+        weights.load.Pair, "set_up", lambda self, setup, widths, *a, **k: asked.append(widths)
+    )
+    named = read_named_pair(str(WEIGHTS_DIR / "tiny-target"), draft, gamma, gamma_given=True)
+    load_named_pair(
+        named,
+        torch.device("cpu"),
+        torch.float32,
+        positions=64,
+        rows=1,
+        gamma=gamma,
+        gamma_max=gamma,
+        flag="--setup",
+    )
+    assert asked == [widths]
