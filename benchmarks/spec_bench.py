@@ -476,6 +476,7 @@ def page(
         "the context. Set-ups in turns question by question, on "
         f"{device.type} in {str(dtype).removeprefix('torch.')}, with generate.py's verification rule "
         f"({verified(None, args.temperature, None)}) and guard (speculative.cli.costs.default_guard).",
+        *mixed_note(setups),
         "",
         *machine_lines(info, flags),
         "",
@@ -509,6 +510,31 @@ def page(
 def shown_path(path: str) -> str:
     """A path as the page shows it: relative to the repository root (../shared/...), where it can be."""
     return os.path.relpath(Path(path).resolve(), ROOT)
+
+
+def target_setup(setup: SetUp) -> str:
+    """How the set-up's target decodes: "compiled", or the eager set-up chosen."""
+    for name, choice in setup.chosen.choices:
+        if name == "target":
+            return choice.chosen
+    return "stacked and prepacked"
+
+
+def mixed_note(setups: Sequence[SetUp]) -> list[str]:
+    """A warning, as lines of the page, where the set-ups' targets decode differently (compiled
+    in some, eager in others): their speed-ups then compare set-ups as well as drafters."""
+    kinds: dict[str, list[str]] = {}
+    for setup in setups:
+        kinds.setdefault(target_setup(setup), []).append(setup.name)
+    if len(kinds) < 2:
+        return []
+    parts = "; ".join(f"{kind} in {', '.join(names)}" for kind, names in kinds.items())
+    return [
+        "",
+        f"**Warning: the target does not decode the same way in every set-up** ({parts}). A "
+        "speed-up here measures the set-up as well as the drafter: build each one's compiled "
+        "steps first (`generate.py --compile` with its `--draft`) for a comparison of drafters.",
+    ]
 
 
 def setup_text(setup: SetUp) -> str:

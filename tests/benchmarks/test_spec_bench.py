@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -206,3 +207,15 @@ def test_a_smoke_run_on_the_tiny_pair(tmp_path: Path, capsys: pytest.CaptureFixt
         "tiny-draft, γ = 4",
         "lookup, γ = 4",
     }
+
+
+def test_a_page_warns_where_the_targets_decode_differently() -> None:
+    def setup(name: str, target: str) -> spec_bench.SetUp:
+        chosen = SimpleNamespace(choices=[("target", SimpleNamespace(chosen=target))], lines=[])
+        return spec_bench.SetUp(name, None, 4, chosen)
+
+    same = [setup("target alone", "compiled"), setup("suffix", "compiled")]
+    assert spec_bench.mixed_note(same) == []
+    mixed = [*same, setup("lookup", "prepacked")]
+    (_, warning) = spec_bench.mixed_note(mixed)
+    assert "compiled in target alone, suffix; prepacked in lookup" in warning
