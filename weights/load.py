@@ -54,9 +54,9 @@ from weights.drafters import folder_kind
 from weights.eagle3 import proposal_length, target_shape
 from weights.registry import (
     FOR_OTHER_TARGETS,
+    MEASURED_DEFAULTS,
     SHIPPED,
     WEIGHTS_DIR,
-    WITH_SUFFIX,
     UnknownCheckpointError,
     resolve,
 )
@@ -470,10 +470,21 @@ DEFAULT_DRAFT = "tiny-draft"
 
 
 def default_draft(target: str | os.PathLike) -> str:
-    """``--draft`` when none is named: for a target of the shape a shipped drafter of FOR_OTHER_TARGETS was
-    trained for (hidden size, vocabulary, layers: a head's fingerprint check then tells whether it is that
-    very model), that drafter, beside suffix decoding where WITH_SUFFIX names it ("suffix+NAME", a hybrid);
-    else the shipped pair's draft (refused, with a hint, under another target)."""
+    """``--draft`` when none is named: the target's own drafter (:func:`own_drafter`), or the set-up
+    measured faster for its target where MEASURED_DEFAULTS names one: suffix decoding alone, or the head
+    beside it ("suffix+NAME", a hybrid)."""
+    own = own_drafter(target)
+    measured = MEASURED_DEFAULTS.get(own)
+    if measured == HYBRID:
+        return hybrid_name(own)
+    return measured or own
+
+
+def own_drafter(target: str | os.PathLike) -> str:
+    """The drafter trained for ``target``: for a target of the shape a shipped drafter of FOR_OTHER_TARGETS
+    was trained for (hidden size, vocabulary, layers: a head's fingerprint check then tells whether it is
+    that very model), that drafter; else the shipped pair's draft (refused, with a hint, under another
+    target). ``--draft hybrid`` runs it beside suffix decoding."""
     config = _target_config(target)
     if config is None:
         return DEFAULT_DRAFT
@@ -483,8 +494,6 @@ def default_draft(target: str | os.PathLike) -> str:
             trained_for = json.loads((folder / "config.json").read_text())["target_shape"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if trained_for == target_shape(config) and name in WITH_SUFFIX:
-            return hybrid_name(name)
         if trained_for == target_shape(config):
             return name
     return DEFAULT_DRAFT
@@ -514,7 +523,7 @@ def named_draft(target: str | os.PathLike, draft: str | None, no_draft: bool = F
     if draft is None:
         return default_draft(target)
     if draft == HYBRID:
-        return hybrid_name(default_draft(target))
+        return hybrid_name(own_drafter(target))
     return draft
 
 

@@ -31,9 +31,10 @@ SHIPPED_MODELS = ("tiny-target", "tiny-draft", "tiny-draft-undistilled", "tiny-d
 SHIPPED_HEADS = ("tiny-eagle", "tiny-eagle3", "smollm2-eagle3")
 # each the default --draft of a target of its target's shape
 FOR_OTHER_TARGETS = ("smollm2-eagle3",)
-# of those, the ones that run beside suffix decoding by default (a hybrid, speculative/draft/hybrid.py):
-# the fastest exact set-up measured for their target on Spec-Bench (docs/results/README.md lists the page)
-WITH_SUFFIX = ("smollm2-eagle3",)
+# of those, the ones whose target runs another set-up by default: the fastest exact one measured for that
+# target on Spec-Bench (docs/results/README.md lists the page), "suffix" (suffix decoding alone) or "hybrid"
+# (the head beside suffix decoding, speculative/draft/hybrid.py)
+MEASURED_DEFAULTS = {"smollm2-eagle3": "suffix"}
 SHIPPED = SHIPPED_MODELS + SHIPPED_HEADS
 
 

@@ -118,3 +118,17 @@ def test_a_drafter_whose_length_varies_is_compiled_for_the_ladder_of_widths(
         flag="--setup",
     )
     assert asked == [widths]
+
+
+@pytest.mark.parametrize(
+    "measured, default",
+    [({}, "head"), ({"head": "suffix"}, "suffix"), ({"head": "hybrid"}, "suffix+head")],
+)
+def test_a_measured_default_replaces_the_head_and_hybrid_keeps_the_head(
+    shipped_for_tiny: Path, monkeypatch: pytest.MonkeyPatch, measured: dict, default: str
+) -> None:
+    monkeypatch.setattr(weights.load, "MEASURED_DEFAULTS", measured)
+    target = str(WEIGHTS_DIR / "tiny-target")
+    assert weights.load.own_drafter(target) == "head"
+    assert default_draft(target) == default
+    assert weights.load.named_draft(target, "hybrid") == "suffix+head"

@@ -13,7 +13,7 @@ from speculative import FeatureDrafter, autoregressive_generate
 from tests.support.checkpoints import needs_smollm2, smollm2_gguf
 from weights import load_drafter, load_model, load_tokenizer, read_config
 from weights.eagle3 import proposal_length
-from weights.load import default_draft, read_named_pair
+from weights.load import default_draft, own_drafter, read_named_pair
 from weights.registry import FOR_OTHER_TARGETS, SHIPPED, SHIPPED_HEADS, SHIPPED_MODELS, WEIGHTS_DIR
 
 MAX_SHIPPED_BYTES = 80 * 10**6  # everything tracked in weights/ stays within 80 MB
@@ -55,14 +55,18 @@ def test_head_card_matches_the_files_and_the_head_loads_for_its_target(name: str
 
 
 @needs_smollm2
-def test_the_smollm2_head_loads_for_its_target_and_is_its_default_draft() -> None:
+def test_the_smollm2_head_loads_for_its_target_whose_default_is_measured() -> None:
     """smollm2-eagle3 loads for the GGUF that the model card names, says what its card says, and is
-    what --draft means under that target when none is named, beside suffix decoding (the hybrid
-    measured fastest on Spec-Bench); the shipped target keeps its draft."""
+    the drafter of that target (--draft hybrid runs it beside suffix decoding); what --draft means
+    there when none is named is suffix decoding alone, measured fastest on Spec-Bench
+    (weights.registry.MEASURED_DEFAULTS); the shipped target keeps its draft."""
     check_head_card("smollm2-eagle3", load_model(smollm2_gguf()), "SmolLM2-135M-Instruct")
-    assert default_draft(smollm2_gguf()) == "suffix+smollm2-eagle3"
+    assert own_drafter(smollm2_gguf()) == "smollm2-eagle3"
+    assert default_draft(smollm2_gguf()) == "suffix"
     named = read_named_pair(str(smollm2_gguf()), None, 4, gamma_given=False)
-    assert (named.draft, named.gamma, named.defaulted) == ("suffix+smollm2-eagle3", 16, True)
+    assert (named.draft, named.gamma, named.defaulted) == ("suffix", 16, True)
+    hybrid = read_named_pair(str(smollm2_gguf()), "hybrid", 4, gamma_given=False)
+    assert (hybrid.draft, hybrid.gamma) == ("suffix+smollm2-eagle3", 16)
     # the draft length measured fastest (its card)
     assert proposal_length(WEIGHTS_DIR / "smollm2-eagle3") == 4
     assert default_draft("tiny-target") == "tiny-draft"
