@@ -148,6 +148,23 @@ class Continuation:
         return self.cut(length), rate
 
 
+@dataclass
+class Calibration:
+    """How one row's estimates have come out: the copied tokens the target kept, against the number
+    its chains' frequencies expected. Frequencies are counts in the text, not the target's
+    probabilities: a target that samples keeps far fewer copied tokens than the counts say, a
+    greedy one that copies its input often more. Measured costs weigh a chain's estimate by
+    ``scale`` before choosing its length (Continuation.priced)."""
+
+    accepted: float = 0.0
+    estimated: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        """(accepted + 1) / (estimated + 1): 1 before the row has drafted."""
+        return (self.accepted + 1.0) / (self.estimated + 1.0)
+
+
 def most_frequent(children: dict[int, Node]) -> int:
     """The token that most often followed; of equal counts, the one seen latest."""
     return max(children, key=lambda t: (children[t].count, children[t].last))
@@ -302,10 +319,16 @@ class SuffixDrafter:
         # what an iteration costs by the tokens it verifies (the priced hook), or None: the
         # whole chain is proposed, as long as min_score, spec_factor and gamma let it run
         self.costs: IterationCosts | None = None
+        # each row's record of its estimates against what was kept, and this iteration's
+        # proposal (the length it followed, its unscaled estimate), or None where it drafted none
+        self.calibrations: list[Calibration] = []
+        self.pending: list[tuple[int, float] | None] = []
 
     def start(self, max_rows: int = 0, cache_len: int = 0, target: Any = None) -> None:
         self.rows = []
         self.memories = []
+        self.calibrations = []
+        self.pending = []
         if self.max_tokens is None:
             self.window = max(cache_len, self.max_depth) if cache_len else FALLBACK_MAX_TOKENS
 
@@ -323,17 +346,27 @@ class SuffixDrafter:
         generators: list[torch.Generator],
         device: torch.device,
     ) -> Draft:
-        found = [
-            self.continuation(b, row_ids, g).priced(self.costs)[0].tokens if g else []
-            for b, (row_ids, g) in enumerate(zip(ids, gammas))
-        ]
+        found = []
+        self.pending = []
+        for b, (row_ids, g) in enumerate(zip(ids, gammas)):
+            chain = self.proposal(b, row_ids, g)
+            found.append(chain.tokens)
+            self.pending.append((len(row_ids), chain.expected) if chain.tokens else None)
         return copied_chains(found, device)
+
+    def proposal(self, b: int, ids: list[int], gamma: int) -> Continuation:
+        """Row b's chain as drafted: its continuation, cut where measured costs are known by the
+        tokens per second its estimate promises, scaled by the row's calibration."""
+        if not gamma:
+            return Continuation()
+        chain = self.continuation(b, ids, gamma)
+        return chain.priced(self.costs, self.calibrations[b].scale)[0]
 
     def priced(self, costs: IterationCosts) -> None:
         """What an iteration costs by the tokens it verifies, measured on this machine (the
         protocol's hook): from now on each chain is cut to the prefix with the most expected
-        tokens per second (Continuation.priced), and a chain that no prefix makes worth more than
-        a plain step is not proposed."""
+        tokens per second (Continuation.priced, the estimate scaled by the row's Calibration), and
+        a chain that no prefix makes worth more than a plain step is not proposed."""
         self.costs = costs
 
     def continuation(self, b: int, ids: list[int], gamma: int) -> Continuation:
@@ -355,11 +388,21 @@ class SuffixDrafter:
         hidden: torch.Tensor | None = None,
         hidden_starts: list[int] | None = None,
     ) -> None:
-        pass  # nothing to roll back: the indexes hold only the sequences' own tokens
+        # nothing to roll back (the indexes hold only the sequences' own tokens); each proposal's
+        # outcome goes into its row's calibration: the tokens kept, the last one the target's own
+        for calibration, pending, length in zip(self.calibrations, self.pending, lengths):
+            if pending is not None:
+                calibration.accepted += max(0, length - pending[0] - 1)
+                calibration.estimated += pending[1]
+        self.pending = []
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
         self.rows = [self.rows[r] for r in rows] + [self.index() for _ in range(new)]
         self.memories = [self.memories[r] for r in rows] + [None] * new
+        self.calibrations = [self.calibrations[r] for r in rows] + [
+            Calibration() for _ in range(new)
+        ]
+        self.pending = []
 
     def joined(self, memories: list[Any]) -> None:
         """The memories of the rows that keep_rows just added, the last ``len(memories)`` rows (the

@@ -94,6 +94,35 @@ def test_the_suffix_drafter_cuts_its_chain_by_cost() -> None:
     assert drafter.propose([ids], [8], [None], [None], torch.device("cpu")).lengths == [0]
 
 
+def test_the_suffix_drafter_calibrates_its_estimates_by_what_was_kept() -> None:
+    """A row whose copied tokens were rarely kept (a target that samples) has its estimates
+    scaled down, until a wide call is not worth its chain; by hand: (kept + 1) / (estimated + 1)."""
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3]
+    drafter = SuffixDrafter(spec_factor=4.0)
+    drafter.priced(IterationCosts((1.0, 1.5, 1.5, 1.5, 1.5, 2.0, 2.0, 2.0, 2.0)))
+    drafter.start(1, 128)
+    drafter.keep_rows([], new=1)
+    drafter.rows[0].update(ids)
+    cpu = torch.device("cpu")
+    # 8 sure tokens: 9 for 2.0 (4.5 a second) against 5 for 1.5 (3.3) and 1 for 1.0
+    assert drafter.propose([ids], [8], [None], [None], cpu).lengths == [8]
+    drafter.commit([len(ids) + 1])  # none of the 8 kept: the target's own token only
+    assert (drafter.calibrations[0].accepted, drafter.calibrations[0].estimated) == (0.0, 8.0)
+    assert drafter.calibrations[0].scale == pytest.approx(1 / 9)
+    # now 8 promise 8/9 kept: 0.94 a second, 4 promise 4/9: 0.96, a plain step 1: nothing
+    assert drafter.propose([ids], [8], [None], [None], cpu).lengths == [0]
+    drafter.commit([len(ids) + 1])  # a row that drafted nothing records nothing
+    assert drafter.calibrations[0].estimated == 8.0
+    # a row that kept what it copied is trusted again: 8 of 8 kept, scale (8 + 1) / (16 + 1)
+    drafter.calibrations[0] = type(drafter.calibrations[0])(accepted=8.0, estimated=16.0)
+    assert drafter.propose([ids], [8], [None], [None], cpu).lengths == [8]
+    drafter.commit([len(ids) + 9])
+    assert drafter.calibrations[0].accepted == 16.0 and drafter.calibrations[0].estimated == 24.0
+    # a new row starts afresh
+    drafter.keep_rows([0], new=1)
+    assert drafter.calibrations[1].scale == 1.0
+
+
 def test_the_hybrid_chooses_by_tokens_per_second() -> None:
     drafter = HybridDrafter(SuffixDrafter(), object(), model_gamma=4)
     fresh = RowRecord()  # the model's prior, 0.5 a position: 1.9375 tokens with the target's own

@@ -414,8 +414,8 @@ STALE_AFTER_ROLLBACK = (
 # evenly), while the token is the argmax: Algorithm 1 then accepts min(1, p(x) / f) > p(x).
 FREQUENCIES_AS_Q = (
     (
-        "            self.continuation(b, row_ids, g).priced(self.costs)[0].tokens if g else []",
-        "            self.continuation(b, row_ids, g).priced(self.costs)[0] if g else Continuation()",
+        "            found.append(chain.tokens)",
+        "            found.append(chain)",
     ),
     (
         "        return copied_chains(found, device)",
