@@ -50,14 +50,14 @@ tokens where the copier did (speculative.draft.protocol).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from speculative.draft.costs import IterationCosts
 from speculative.draft.protocol import Draft, pad_rows, trait
-from speculative.draft.suffix import Continuation, SuffixDrafter
+from speculative.draft.suffix import Calibration, Continuation, SuffixDrafter
 from speculative.sampling import Sampling
 
 # The model's acceptance before a row has any of its own: a prior worth PRIOR_WEIGHT verified
@@ -69,11 +69,11 @@ PRIOR_WEIGHT = 8.0
 @dataclass
 class RowRecord:
     """What one row's drafts have come to so far: the copier's accepted tokens against its
-    estimates, and the model's accepted tokens against the drafted positions the target verified
-    (starting from ``model_prior`` over PRIOR_WEIGHT positions)."""
+    estimates (suffix decoding's own Calibration), and the model's accepted tokens against the
+    drafted positions the target verified (starting from ``model_prior`` over PRIOR_WEIGHT
+    positions)."""
 
-    copier_accepted: float = 0.0
-    copier_estimated: float = 0.0
+    copier: Calibration = field(default_factory=Calibration)
     model_accepted: float = MODEL_PRIOR * PRIOR_WEIGHT
     model_verified: float = PRIOR_WEIGHT
 
@@ -83,7 +83,7 @@ class RowRecord:
 
     @property
     def copier_scale(self) -> float:
-        return (self.copier_accepted + 1.0) / (self.copier_estimated + 1.0)
+        return self.copier.scale
 
     @property
     def model_alpha(self) -> float:
@@ -245,8 +245,8 @@ class HybridDrafter:
         for record, pending, length in zip(self.records, self.pending, lengths):
             accepted = max(0, length - pending.length - 1)  # the last new token is the target's own
             if pending.source == "copier":
-                record.copier_accepted += accepted
-                record.copier_estimated += pending.estimate
+                record.copier.accepted += accepted
+                record.copier.estimated += pending.estimate
             elif pending.source == "model":
                 # verified positions: the accepted ones and the first rejected one, if any
                 record.model_accepted += accepted

@@ -24,7 +24,7 @@ import torch
 
 import generate
 from speculative import speculative_generate
-from speculative.draft.suffix import Continuation, SuffixDrafter
+from speculative.draft.suffix import Calibration, Continuation, SuffixDrafter
 from speculative.proofs import check
 from speculative.proofs.cases import feature_drafter, hybrid_drafter, hybrid_model_drafter
 from speculative.proofs.toys import random_llama
@@ -61,7 +61,7 @@ def test_the_choice_by_hand() -> None:
     # at gamma 1 the model drafts one token (0.5 expected): one sure copied token wins
     assert drafter.choose(fresh, chain([0.6]), gamma=1)[0] == "copier"
     # a copier that came out worse than its estimates is scaled down: (0 + 1) / (9 + 1)
-    doubted = hybrid.RowRecord(copier_accepted=0.0, copier_estimated=9.0)
+    doubted = hybrid.RowRecord(copier=Calibration(accepted=0.0, estimated=9.0))
     assert doubted.copier_scale == pytest.approx(0.1)
     assert (
         drafter.choose(doubted, chain([1.0, 1.0, 1.0]), gamma=16)[0] == "model"
@@ -91,7 +91,7 @@ def test_commit_records_what_each_drafter_got() -> None:
     # row 0 kept 2 of 5 copied tokens (+ the target's own), row 1 all 4 of the model's (+ 1)
     drafter.commit([13, 25])
     copier_row, model_row = drafter.records
-    assert (copier_row.copier_accepted, copier_row.copier_estimated) == (2.0, 3.0)
+    assert (copier_row.copier.accepted, copier_row.copier.estimated) == (2.0, 3.0)
     assert copier_row.copier_scale == pytest.approx(3 / 4)
     prior = hybrid.MODEL_PRIOR * hybrid.PRIOR_WEIGHT
     assert model_row.model_accepted == pytest.approx(prior + 4)
