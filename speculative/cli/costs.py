@@ -273,6 +273,25 @@ def recorded(
     return measured, True
 
 
+def decoding_run(args: Any) -> dict[str, Any]:
+    """A command line's decoding settings as an engine run takes them (a tree's gamma is its
+    shape's): what a record of costs is measured with and keyed by."""
+    return dict(
+        gamma=None if args.tree else args.gamma,
+        tree=args.tree,
+        tree_mode=args.tree_mode,
+        verify=args.verify,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
+
+
+def chosen_setups(setups: Any) -> list[str]:
+    """The set-up chosen for each model (model.fast.setup.Setups), as a record's key names them."""
+    return [choice.chosen for _, choice in setups.choices]
+
+
 def default_guard(
     args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any, one_row: bool
 ) -> tuple[Guard, str | None]:
@@ -282,22 +301,8 @@ def default_guard(
     gamma or tree "auto"; nothing drafted), the guard is options.unrecorded's."""
     if pair.draft is None or not one_row or args.gamma == "auto" or args.tree == "auto":
         return unrecorded(args.temperature), None
-    run = dict(
-        gamma=None if args.tree else args.gamma,
-        tree=args.tree,
-        tree_mode=args.tree_mode,
-        verify=args.verify,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-    )
     costs, now = recorded(
-        store,
-        pair.target,
-        pair.draft,
-        prompt_ids,
-        [choice.chosen for _, choice in setups.choices],
-        run,
+        store, pair.target, pair.draft, prompt_ids, chosen_setups(setups), decoding_run(args)
     )
     note = None
     if now:

@@ -30,7 +30,15 @@ from typing import Any
 import torch
 
 from model.fast.setup import machine
-from speculative.cli.costs import CONTEXT, COSTS, ENGINE, alternated, cost_key
+from speculative.cli.costs import (
+    CONTEXT,
+    COSTS,
+    ENGINE,
+    alternated,
+    chosen_setups,
+    cost_key,
+    decoding_run,
+)
 from speculative.draft.costs import IterationCosts
 from speculative.draft.protocol import Draft, copied_chains, trait
 from speculative.engine.engine import Engine
@@ -190,23 +198,8 @@ def price(
     hook = trait(pair.draft, "priced")
     if hook is None or not one_row or args.gamma == "auto" or args.tree:
         return None
-    run = dict(
-        gamma=args.gamma,
-        tree=None,
-        tree_mode=args.tree_mode,
-        verify=args.verify,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-    )
-    costs, now = recorded(
-        store,
-        pair.target,
-        pair.draft,
-        prompt_ids,
-        [choice.chosen for _, choice in setups.choices],
-        run,
-    )
+    run = {**decoding_run(args), "tree": None}  # no tree here: its gamma is args.gamma
+    costs, now = recorded(store, pair.target, pair.draft, prompt_ids, chosen_setups(setups), run)
     hook(costs)
     if not now:
         return None
