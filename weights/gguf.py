@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from weights.gguf_blocks import LAYOUTS, GroupCodes, block_codes
+
 GGUF_SUFFIX = ".gguf"
 _GGUF_MISSING = 'reading a GGUF file needs the gguf package: pip install -e ".[gguf]"'
 
@@ -407,6 +409,35 @@ class GGUFFile:
                 tensor = pairs_to_halves(tensor, self.n_kv_heads)
             out[hf] = tensor.to(device=device, dtype=dtype).contiguous()
         return out
+
+    def codes(self) -> dict[str, GroupCodes]:
+        """The matrices stored in a block kind of weights/gguf_blocks.py, as the file's own codes under
+        their HF names (q/k rows back in rotate-half order, as :meth:`tensors` gives them); the others
+        (float kinds, K-quants) are absent: read them with :meth:`tensors`."""
+        out: dict[str, GroupCodes] = {}
+        for name, (hf, shape) in self._expected.items():
+            tensor = self._tensors[name]
+            if len(shape) != 2 or tensor.tensor_type.name not in LAYOUTS:
+                continue
+            try:
+                codes = block_codes(tensor.data, tensor.tensor_type.name, shape)
+            except ValueError as err:
+                raise GGUFError(f"{self.path}: tensor {name} is unreadable ({err})") from None
+            heads = {".attn_q.weight": self.n_heads, ".attn_k.weight": self.n_kv_heads}
+            for suffix, n_heads in heads.items():
+                if name.endswith(suffix):
+                    order = pairs_to_halves(torch.arange(shape[0]), n_heads)
+                    codes = codes.rows(order)
+            out[hf] = codes
+        return out
+
+    def quantized(self) -> bool:
+        """Whether any matrix is stored as 4-bit codes this project reads as they are."""
+        return any(
+            LAYOUTS.get(self._tensors[name].tensor_type.name, (0, False, 0))[2] == 4
+            for name, (_, shape) in self._expected.items()
+            if len(shape) == 2
+        )
 
     @property
     def tied(self) -> bool:
