@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from model.fast.progress import BuildProgress
 from model.host import describe_cpu
 from model.model import KVCache, rope_tables
 
@@ -282,11 +283,15 @@ def load_packages(
     note: Callable[[str], None],
     build: bool,
     check: Callable[[], None],
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[PackagedSteps, int, int]:
     """Build what is missing (``check()`` first: it raises when no compiler can), load every
     shape and probe it against the eager step; an entry that fails to load or to agree is
-    discarded and, with ``build``, compiled once again. Returns the steps, how many shapes were
+    discarded and, with ``build``, compiled once again. ``progress`` gets the lines of
+    model/fast/progress.py while steps are built. Returns the steps, how many shapes were
     loaded as found and how many were built."""
+    missing = sum(path is None for _, path in found.values())
+    building = BuildProgress(missing, progress or (lambda line: None))
     runners = {}
     loaded = 0  # shapes found in the cache and loaded
     built = 0  # shapes compiled by this call
@@ -297,15 +302,18 @@ def load_packages(
                 if not build:
                     raise NotCachedError(f"the {describe(key)} is not in the cache")
                 check()
+                if len(building.done) >= building.total:  # a refused entry built again
+                    building.total += 1
                 try:
-                    path = store.build(
-                        key,
-                        lambda p, s=shape: build_package(model, *s, hidden, mode, p),
-                        wait=lambda k=key: note(
-                            f"compiled-step cache: another process is building "
-                            f"the {describe(k)}; waiting for it"
-                        ),
-                    )
+                    with building.building(describe(key)):
+                        path = store.build(
+                            key,
+                            lambda p, s=shape: build_package(model, *s, hidden, mode, p),
+                            wait=lambda k=key: note(
+                                f"compiled-step cache: another process is building "
+                                f"the {describe(k)}; waiting for it"
+                            ),
+                        )
                 except OSError as err:
                     raise CompileError(
                         f"the compiled-step cache cannot be written ({err.strerror or err}: "

@@ -223,6 +223,7 @@ def compile_for_decoding(
     store: Any = None,
     build: bool = True,
     note: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> CompiledSteps:
     """Compile ``model``'s cached forward for every batch size in ``rows`` and every call
     width in ``widths``, with a static KV cache of ``cache_len`` positions (default: the
@@ -235,7 +236,8 @@ def compile_for_decoding(
     ``store`` (a weights.step_cache.StepCache; a CPU model in the "autotune" or "default" mode):
     every shape is loaded from it, and the missing ones compiled into it first (model/fast/aot.py);
     with ``build=False`` nothing is compiled, and a shape it lacks is a NotCachedError error before the
-    model is touched. ``note`` gets one line per entry refused or waited for.
+    model is touched. ``note`` gets one line per entry refused or waited for, ``progress`` the
+    lines that say what is being built (model/fast/progress.py), as they happen.
 
     Prepacked layers (model/fast/prepack.py) stay oneDNN products inside the graph. Refused
     (CompileError): tensor-parallel shards (their collectives are not captured)."""
@@ -308,6 +310,7 @@ def compile_for_decoding(
             note or steps.notes.append,
             build,
             lambda: check_compiler(model.device),
+            progress,
         )
     else:
         steps.fn = compile_steps(model, steps.shapes, slots, hidden, mode)
