@@ -74,6 +74,7 @@ from weights.load import (
     registered,
     stored_dtype,
 )
+from weights.reading import settle_reading
 from weights.step_cache import ENV, default_dir
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -107,10 +108,11 @@ def build_parser() -> cmdline.ArgumentParser:
     add_dtype_flags(add)
     add(
         "--quantize",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "file", "none"],
         default=None,
-        help="int8 block weights, or int4 in groups of 32 (a CPU, float32 or bfloat16): another target (default: "
-        "none)",
+        help="int8 block weights; int4 in groups of 32 (a CPU, float32 or bfloat16): another target; file: a 4-bit "
+        "GGUF's own codes through torch's int4 kernel; none: read as floats (default: a 4-bit GGUF on a CPU as "
+        "measured faster here, once, of its codes and float32; any other checkpoint as stored)",
     )
     add(
         "--plan",
@@ -509,6 +511,9 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         is_main = info.is_main
     else:
         device = pick_device(args.device)
+    args.quantize, args.dtype, reading = settle_reading(
+        args.target, args.quantize, args.dtype, device, args.cache_dir, world_size
+    )
     dtype = pick_dtype(args.dtype, device, None if args.quantize else stored_dtype(args.target))
     if "no_prepack" in given and is_main and (device.type != "cpu" or not packable(dtype)):
         print(
@@ -517,6 +522,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
             file=sys.stderr,
         )
     pair, encoded, setups, load_notes = load(args, device, dtype, world_size, texts)
+    if reading is not None:
+        load_notes = [reading, *load_notes]
     for line in load_notes if not args.json and is_main else []:
         print(f"note: {line}", file=sys.stderr)
     # Every rank draws the same random numbers: one seed, rank 0's (also a fresh one, shown for repeating the run).

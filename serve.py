@@ -68,6 +68,7 @@ from weights.load import (
     read_named_pair,
     stored_dtype,
 )
+from weights.reading import settle_reading
 from weights.step_cache import ENV, default_dir
 
 CALIBRATION_TEXT = "Once upon a time, there was a little girl named Lily. She liked to play"
@@ -98,9 +99,10 @@ def build_parser() -> cmdline.ArgumentParser:
     add_dtype_flags(add)
     add(
         "--quantize",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "file", "none"],
         default=None,
-        help="int8 or (a CPU) int4 block weights (default: none)",
+        help="int8 or (a CPU) int4 block weights; file: a 4-bit GGUF's own codes; none: read as floats (default: "
+        "a 4-bit GGUF on a CPU as measured faster here, of its codes and float32; else none)",
     )
     add(
         "--no-prepack", action="store_true", help="no float32 weights prepacked for oneDNN on a CPU"
@@ -383,6 +385,9 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     start the engine's thread (or, ``here``, leave its loop to the calling thread), and return
     what the API serves."""
     device = pick_device(args.device)
+    args.quantize, args.dtype, reading = settle_reading(
+        args.target, args.quantize, args.dtype, device, args.cache_dir
+    )
     dtype = pick_dtype(args.dtype, device, None if args.quantize else stored_dtype(args.target))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -392,6 +397,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         print(f"setup: {line}", file=sys.stderr)
     defaults = spec.sampling_defaults if args.generation_config == "auto" else {}
     for line in [
+        *[reading] * bool(reading),
         *spec.notes,
         *setups.notes,
         *[setups.hint] * bool(setups.hint),

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,6 +53,7 @@ from weights.checkpoint import (
 )
 from weights.drafters import folder_kind
 from weights.eagle3 import proposal_length, target_shape
+from weights.gguf import is_gguf
 from weights.registry import (
     FOR_OTHER_TARGETS,
     MEASURED_DEFAULTS,
@@ -250,7 +252,9 @@ class PairSpec:
         network = None  # what the kind's drafter is built from: none for a drafter without files
         if kind is not None and kind.network == "checkpoint" and sharded:
             # a checkpoint is read as the target is (int8 applies), whole on every rank
-            network = load_model_tp(self.draft_dir, device, dtype, quantize=quantize, shard=False)
+            # a file's own codes where the drafter's file has them
+            own = quantize if quantize != "file" or is_gguf(self.draft_dir) else None
+            network = load_model_tp(self.draft_dir, device, dtype, quantize=own, shard=False)
         elif kind is not None and kind.needs_files:
             # a head is checked against its target by its loader
             network = kind.load(self.draft_dir, target, self.target, device, draft_dtype)
@@ -334,6 +338,7 @@ class Pair:
         store: Any = None,
         stack: bool = True,
         prepack: bool = True,
+        progress: Callable[[str], None] | None = None,
     ) -> tuple[Pair, Setups]:
         """The pair set up to decode, from its networks as loaded (PairSpec.load with
         prepare_models=False), for calls of ``widths`` tokens, ``batch`` rows, a ``tree``, and
@@ -341,7 +346,8 @@ class Pair:
         the compiled steps that ``store`` holds for this run, else stacked and prepacked as
         ``stack`` and ``prepack`` say), or a request of model.fast.setup.candidates, measured or forced
         by model.fast.setup.choose_setups, compiled steps kept in ``store`` (a weights.StepCache)
-        when one is given (their packages take a cache of any length: one build serves every run)."""
+        when one is given (their packages take a cache of any length: one build serves every run);
+        ``progress`` gets a line as each compiled step is built and every few seconds meanwhile."""
         # Deferred: model.fast.setup loads Inductor's config (about a second), which loading a pair does not need.
         from model.fast.setup import candidates, choose_setups, default_setups
 
@@ -363,6 +369,7 @@ class Pair:
                 cache_len,
                 store=store,
                 note=notes.append,
+                progress=progress,
                 **models,
             )
             setups.notes = notes
@@ -567,6 +574,11 @@ def read_named_pair(
     return NamedPair(spec, chosen, defaulted, gamma)
 
 
+def say_progress(line: str) -> None:
+    """A compile's progress line, on stderr as it happens (model/fast/progress.py)."""
+    print(f"compile: {line}", file=sys.stderr, flush=True)
+
+
 def load_named_pair(
     named: NamedPair,
     device: torch.device,
@@ -599,9 +611,9 @@ def load_named_pair(
     the flag that asked; so is --quantize int4 anywhere but on a CPU in float32 or bfloat16 (torch's
     packed int4 kernel)."""
     spec = named.spec
-    if quantize == "int4" and (device.type != "cpu" or dtype not in INT4_DTYPES):
+    if quantize in ("int4", "file") and (device.type != "cpu" or dtype not in INT4_DTYPES):
         raise ValueError(
-            f"--quantize int4 runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
+            f"--quantize {quantize} runs on a CPU in float32 or bfloat16 (torch's packed int4 kernel), not "
             f"{device.type} in {str(dtype).removeprefix('torch.')}: add --device cpu, or drop --dtype"
         )
     planned = spec.planned_draft
@@ -652,6 +664,7 @@ def load_named_pair(
             store=store,
             stack=stack,
             prepack=prepack,
+            progress=say_progress,
         )
     except ValueError as err:
         # a set-up that does not apply, or --compile force that cannot compile

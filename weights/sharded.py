@@ -20,6 +20,7 @@ function serves ``generate.py --quantize int8`` on one GPU.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,13 +28,21 @@ import torch.distributed as dist
 from torch import nn
 
 from model import Llama, ModelConfig
+from model.scale.codes import int4_layer
 from model.scale.memory import LLAMA2_CONFIGS
-from model.scale.quantize import Int4Linear, Int8Linear, quantize_weight
+from model.scale.quantize import INT4_DTYPES, Int4Linear, Int8Linear, quantize_weight
 from model.scale.tensor_parallel import check_divisible, parallelize, shard_index, sync_logits
-from weights.checkpoint import SUPPORTED_DTYPES, CheckpointError, read_config, read_tensors
+from weights.checkpoint import (
+    SUPPORTED_DTYPES,
+    CheckpointError,
+    gguf_file,
+    read_config,
+    read_tensors,
+)
+from weights.gguf import GGUFError, is_gguf
 from weights.registry import UnknownCheckpointError, resolve
 
-QUANTIZE_MODES = (None, "int8", "int4")
+QUANTIZE_MODES = (None, "int8", "int4", "file")
 
 
 def load_model_tp(
@@ -59,7 +68,7 @@ def load_model_tp(
             f"dtype {dtype} is not supported; use float32, bfloat16, float16 or float64"
         )
     if quantize not in QUANTIZE_MODES:
-        raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
+        raise ValueError(f"quantize must be None, 'int8', 'int4' or 'file', got {quantize!r}")
     device = torch.device(device)
     if shard and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -88,14 +97,45 @@ def load_model_tp(
         return tensor
 
     for name, tensor in read_tensors(directory, config, take):
-        _place(model, name.removeprefix("model."), tensor, quantize, dtype)
+        _place(
+            model,
+            name.removeprefix("model."),
+            tensor,
+            None if quantize == "file" else quantize,
+            dtype,
+        )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if quantize == "file":
+        if world_size > 1:
+            raise CheckpointError("a file's own codes are not split between ranks")
+        use_file_codes(model, directory, dtype)
     left = [n for n, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
     if left:
         raise CheckpointError(f"{directory}: tensors never filled in: {', '.join(left[:5])}")
     model.eval()
     return sync_logits(model) if sync else model
+
+
+def use_file_codes(model: Llama, directory: Path, dtype: torch.dtype) -> None:
+    """Replace the block linears a GGUF file stores as 4-bit codes (Q4_0, Q4_1) with torch's int4
+    kernel over those codes, computing in ``dtype`` (model/scale/codes.py), in place. The rest (norms,
+    the embedding, 8-bit or K-quant matrices, the output head) stays as read, dequantized."""
+    if not is_gguf(directory):
+        raise CheckpointError(f"{directory} is not a GGUF file: it has no codes of its own to keep")
+    if dtype not in INT4_DTYPES:
+        raise CheckpointError(
+            f"a file's 4-bit codes run in float32 or bfloat16 (torch's int4 kernel), not {dtype}"
+        )
+    try:
+        stored = gguf_file(directory).codes()
+    except GGUFError as err:
+        raise CheckpointError(str(err)) from None
+    for name, codes in stored.items():
+        if codes.bits != 4 or not name.startswith("model.layers."):
+            continue
+        parent, _, child = name.removeprefix("model.").removesuffix(".weight").rpartition(".")
+        setattr(model.get_submodule(parent), child, int4_layer(codes, dtype))
 
 
 def _place(

@@ -135,13 +135,14 @@ def sharded_shapes(config: ModelConfig, tp: int) -> list[tuple[int, int]]:
 
 def linear_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype, quantize: str | None) -> int:
     """Bytes of linear weights: dtype bytes each; with int8 1 byte each + one dtype scale per output
-    row; with int4 half a byte each + a dtype scale and zero per group of 32."""
+    row; with int4 (or a file's own 4-bit codes) half a byte each + a dtype scale and zero per group
+    of 32."""
     if quantize is None:
         return sum(o * i for o, i in shapes) * dtype_bytes(dtype)
-    if quantize == "int4":
+    if quantize in ("int4", "file"):
         return sum(o * i // 2 + o * (i // 32) * 2 * dtype_bytes(dtype) for o, i in shapes)
     if quantize != "int8":
-        raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
+        raise ValueError(f"quantize must be None, 'int8', 'int4' or 'file', got {quantize!r}")
     return sum(o * i + o * dtype_bytes(dtype) for o, i in shapes)
 
 

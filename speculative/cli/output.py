@@ -173,7 +173,9 @@ def header_line(
     """The run's first line on stderr: the pair, where it runs, and the whole decoding setup."""
     speculative = pair.draft is not None
     dtype_name = str(dtype).removeprefix("torch.")
-    if args.quantize:
+    if args.quantize == "file":
+        dtype_name += " with the file's 4-bit codes"
+    elif args.quantize:
         dtype_name += f" with {args.quantize} weights"
     if pair.draft_dtype not in (None, dtype):
         dtype_name += f", the drafter in {str(pair.draft_dtype).removeprefix('torch.')}"

@@ -130,15 +130,30 @@ def test_a_short_answer_ends_at_the_end_of_its_turn(folder: Path) -> None:
     assert "<|im_end|>" not in doc["text"] and "Paris" in doc["text"]
 
 
-def test_the_gguf_file_runs_as_it_is(folder: Path) -> None:
-    """--target FILE.gguf: the same tokens as the folder converted from it."""
+def test_the_gguf_file_runs_as_it_is(folder: Path, tmp_path: Path) -> None:
+    """--target FILE.gguf --quantize none: the same tokens as the folder converted from it. Without
+    --quantize the 4-bit file is read as measured once on this machine (weights/reading.py): the
+    run says which, and decodes as that reading named by its flags does."""
     args = ["--no-draft", "--chat", "--prompt", PROMPTS[1], "--max-new-tokens", "16", "--json"]
     from_file, from_folder = (
-        cli("--target", str(smollm2_gguf()), *args),
+        cli("--target", str(smollm2_gguf()), "--quantize", "none", *args),
         cli("--target", str(folder), *args),
     )
     assert from_file.returncode == 0, from_file.stderr
     assert json.loads(from_file.stdout)["tokens"] == json.loads(from_folder.stdout)["tokens"]
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    default = cli("--target", str(smollm2_gguf()), *cache, *args[:-1])
+    assert default.returncode == 0, default.stderr
+    note = next(line for line in default.stderr.splitlines() if "the 4-bit file is read as" in line)
+    named = {
+        "float32 floats": ["--quantize", "none"],
+        "float32 codes": ["--quantize", "file", "--dtype", "float32"],
+        "bfloat16 codes": ["--quantize", "file", "--dtype", "bfloat16"],
+    }
+    (flags,) = [f for name, f in named.items() if f"read as {name} (" in note]
+    again = cli("--target", str(smollm2_gguf()), *cache, *flags, *args)
+    default = cli("--target", str(smollm2_gguf()), *cache, *args)
+    assert json.loads(default.stdout)["tokens"] == json.loads(again.stdout)["tokens"]
 
 
 def test_int4_on_the_q4_1_file_is_the_file_s_own_codes(folder: Path) -> None:

@@ -272,5 +272,5 @@ def test_int4_bytes_are_half_a_byte_a_weight_and_a_scale_and_zero_per_group() ->
     assert memory_lib.linear_bytes([(4096, 4096)], torch.float32, "int4") == 12582912
     # 8388608 + 2097152
     assert memory_lib.linear_bytes([(4096, 4096)], torch.bfloat16, "int4") == 10485760
-    with pytest.raises(ValueError, match="'int8' or 'int4'"):
+    with pytest.raises(ValueError, match="'int8', 'int4' or 'file'"):
         memory_lib.linear_bytes([(8, 8)], torch.float32, "int2")
