@@ -20,18 +20,29 @@ from torch import nn
 
 from model.fast.prepack import PrepackedLinear, prepack_linears
 from model.model import MLP, Attention, apply_rope
+from model.scale.quantize import Int4Linear
 
 
 def _plain(*layers: nn.Module | None) -> bool:
     """Plain bias-free nn.Linear layers on one device and dtype (not int8, not prepacked,
-    not an all-reducing tensor-parallel layer)."""
+    not an all-reducing tensor-parallel layer), or int4 layers of one input size, group size and
+    dtype (model/scale/quantize.py)."""
+    if all(type(layer) is Int4Linear for layer in layers):
+        first = layers[0]
+        return all(
+            (x.in_features, x.group_size, x.scales_and_zeros.dtype)
+            == (first.in_features, first.group_size, first.scales_and_zeros.dtype)
+            for x in layers
+        )
     if any(type(layer) is not nn.Linear or layer.bias is not None for layer in layers):
         return False
     weights = [layer.weight for layer in layers]
     return all(w.device == weights[0].device and w.dtype == weights[0].dtype for w in weights)
 
 
-def _stacked(*layers: nn.Linear) -> nn.Linear:
+def _stacked(*layers: nn.Module) -> nn.Module:
+    if type(layers[0]) is Int4Linear:
+        return Int4Linear.stacked(layers)
     weight = torch.cat([layer.weight.detach() for layer in layers])
     stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     stacked.weight = nn.Parameter(weight, requires_grad=False)

@@ -21,6 +21,8 @@ and int8 is a way to *fit* a model (70B on one 80 GB GPU), not a speedup, unless
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,6 +180,25 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_float(cls, weight: torch.Tensor, group_size: int = 32) -> Int4Linear:
         return cls(*quantize_int4_weight(weight, group_size))
+
+    @classmethod
+    def stacked(cls, layers: Sequence[Int4Linear]) -> Int4Linear:
+        """One layer whose outputs are ``layers``' outputs one after another (model/fast/fuse.py). The
+        kernel packs each output row on its own, so the packed rows and their scales concatenate
+        as they are (tests/model/scale/test_quantize.py checks this against the separate layers)."""
+        first = layers[0]
+        same = (first.in_features, first.group_size, first.scales_and_zeros.dtype)
+        if any((x.in_features, x.group_size, x.scales_and_zeros.dtype) != same for x in layers):
+            raise ValueError("only int4 layers of one input size, group size and dtype stack")
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.in_features, out.group_size = first.in_features, first.group_size
+        out.out_features = sum(x.out_features for x in layers)
+        out.register_buffer("weight", torch.cat([x.weight for x in layers]))
+        out.register_buffer(
+            "scales_and_zeros", torch.cat([x.scales_and_zeros for x in layers], dim=1)
+        )
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (

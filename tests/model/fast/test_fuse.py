@@ -18,7 +18,7 @@ from model import Llama, ModelConfig
 from model.call import chain
 from model.fast.fuse import fuse_projections
 from model.fast.prepack import prepack_linears, prepack_supported
-from model.scale.quantize import Int8Linear
+from model.scale.quantize import Int4Linear, Int8Linear, quantize_int4
 from speculative import autoregressive_generate, speculative_generate
 from tests.support.hf import randomize_
 from weights import save_model
@@ -136,3 +136,30 @@ def test_a_fused_model_is_not_saved(tmp_path) -> None:
     fuse_projections(model)
     with pytest.raises(ValueError, match="stacked"):
         save_model(model, tmp_path / "fused")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_layers_stack_to_the_same_logits(dtype) -> None:
+    """int4 projections (model/scale/quantize.py) stack too: the packed rows and scales concatenate.
+    The kernel computes each output row alone, so the stacked model's logits are the unstacked
+    one's exactly; a stack whose scales were put in the wrong order must not be."""
+    plain = random_model(dtype=torch.float32)
+    quantize_int4(plain)
+    plain = plain.to(dtype)
+    stacked = copy.deepcopy(plain)
+    assert fuse_projections(stacked) == 2 * CONFIG.n_layers
+    assert isinstance(stacked.layers[0].self_attn.qkv_proj, Int4Linear)
+    tokens = TOKENS[:1]
+    assert max_difference(plain, stacked, tokens) == 0.0
+    qkv = stacked.layers[0].self_attn.qkv_proj
+    n_q = CONFIG.dim
+    qkv.scales_and_zeros = torch.cat(
+        [qkv.scales_and_zeros[:, n_q:], qkv.scales_and_zeros[:, :n_q]], dim=1
+    )
+    assert max_difference(plain, stacked, tokens) > 0.1
+
+
+def test_int4_layers_of_other_groups_do_not_stack() -> None:
+    layers = [Int4Linear.from_float(torch.randn(32, 64), g) for g in (32, 64)]
+    with pytest.raises(ValueError, match="one input size, group size and dtype"):
+        Int4Linear.stacked(layers)
