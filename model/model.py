@@ -215,11 +215,33 @@ class Attention(nn.Module):
         if write is not None:
             k, v = self.cache.write(*write, k, v)
         causal = write is None and seq > 1  # no cache: plain causal attention
-        gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
-        )
+        out = attend(q, k, v, mask, causal)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over k, v [B, KV, S, D], H a multiple of KV (grouped-query
+    attention: query head h reads KV head h // (H / KV)); mask [B, 1, T, S] or None.
+
+    On a CPU in bfloat16 or float16, PyTorch's kernel for grouped heads costs several times its
+    float32 time, and more the longer the cache (docs/quantized.md). There, the query heads
+    that share a KV head are folded into the query rows instead, [B, KV, group * T, D], which is
+    the same attention: each folded row still sees its own token's mask row."""
+    batch, heads, tokens, dim = q.shape
+    group = heads // k.shape[1]
+    folded = q.device.type == "cpu" and q.element_size() == 2 and group > 1 and not causal
+    if not folded:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=group > 1
+        )
+    rows = q.reshape(batch, k.shape[1], group * tokens, dim)
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(batch, 1, group, tokens, mask.shape[-1])
+        mask = mask.reshape(batch, 1, group * tokens, -1)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
+    return out.view(batch, heads, tokens, dim)
 
 
 class MLP(nn.Module):
