@@ -59,6 +59,7 @@ PACKAGE_OPTIONS: dict[str, dict[str, Any]] = {
         "autotune_num_choices_displayed": 0,
         "max_autotune_report_choices_stats": False,
     },
+    "frozen": {"freezing": True},
     "default": {},
     "shared": {
         "aot_inductor.package_constants_in_so": False

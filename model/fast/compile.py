@@ -70,8 +70,12 @@ MODE_ENV = "SPECULATIVE_COMPILE_MODE"
 # handed the model's own tensors when they are loaded (model/fast/aot.py): one copy of the weights
 # for the eager model and every compiled shape, where "autotune" keeps a frozen copy per shape.
 SHARED_BYTES = 1 << 30
+# "frozen" (the CPU default for a model with int4 layers): frozen weights, no GEMM timed. Autotuning
+# adds Inductor's own int4 template as a choice for every int4 product, and rendering it made each
+# shape's build half as long again for a step a few percent faster (docs/quantized.md).
 MODES: dict[str, tuple[str, bool]] = {
     "autotune": ("max-autotune-no-cudagraphs", True),
+    "frozen": ("default", True),
     "default": ("default", False),
     "shared": ("default", False),
     "reduce-overhead": ("reduce-overhead", False),
@@ -323,11 +327,19 @@ def compile_for_decoding(
 
 def default_mode(model: nn.Module) -> str:
     """The mode compile_for_decoding uses when given none: CUDA graphs on a GPU; else $MODE_ENV, or
-    "shared" for a model of SHARED_BYTES or more (one copy of its weights), else "autotune"."""
+    "shared" for a model of SHARED_BYTES or more (one copy of its weights), "frozen" for one with
+    int4 layers, else "autotune"."""
     if model.device.type == "cuda":
         return "reduce-overhead"
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    return setting(MODE_ENV) or ("shared" if size >= SHARED_BYTES else "autotune")
+    if setting(MODE_ENV):
+        return setting(MODE_ENV)
+    if size >= SHARED_BYTES:
+        return "shared"
+    # int4 layers (model/scale/quantize.py) keep their packed codes as uint8
+    if any(b.dtype == torch.uint8 for b in model.buffers()):
+        return "frozen"
+    return "autotune"
 
 
 def all_reduces(model: nn.Module) -> bool:

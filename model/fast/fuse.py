@@ -20,20 +20,19 @@ from torch import nn
 
 from model.fast.prepack import PrepackedLinear, prepack_linears
 from model.model import MLP, Attention, apply_rope
-from model.scale.quantize import Int4Linear
+
+
+def _stacks_itself(*layers: nn.Module | None) -> bool:
+    """Layers of one class that stacks its own kind: a ``stacked(layers)`` classmethod that builds
+    one layer whose outputs are theirs in order, or raises ValueError (model/scale/quantize.py's
+    Int4Linear, whose packed codes this module cannot read)."""
+    kind = type(layers[0])
+    return all(type(layer) is kind for layer in layers) and callable(getattr(kind, "stacked", None))
 
 
 def _plain(*layers: nn.Module | None) -> bool:
     """Plain bias-free nn.Linear layers on one device and dtype (not int8, not prepacked,
-    not an all-reducing tensor-parallel layer), or int4 layers of one input size, group size and
-    dtype (model/scale/quantize.py)."""
-    if all(type(layer) is Int4Linear for layer in layers):
-        first = layers[0]
-        return all(
-            (x.in_features, x.group_size, x.scales_and_zeros.dtype)
-            == (first.in_features, first.group_size, first.scales_and_zeros.dtype)
-            for x in layers
-        )
+    not an all-reducing tensor-parallel layer)."""
     if any(type(layer) is not nn.Linear or layer.bias is not None for layer in layers):
         return False
     weights = [layer.weight for layer in layers]
@@ -41,12 +40,22 @@ def _plain(*layers: nn.Module | None) -> bool:
 
 
 def _stacked(*layers: nn.Module) -> nn.Module:
-    if type(layers[0]) is Int4Linear:
-        return Int4Linear.stacked(layers)
     weight = torch.cat([layer.weight.detach() for layer in layers])
     stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     stacked.weight = nn.Parameter(weight, requires_grad=False)
     return stacked
+
+
+def stack(*layers: nn.Module | None) -> nn.Module | None:
+    """One layer whose outputs are ``layers``' outputs in order, or None where they do not stack."""
+    if _plain(*layers):
+        return _stacked(*layers)
+    if _stacks_itself(*layers):
+        try:  # a class that refuses these layers (other group sizes, dtypes) leaves them apart
+            return type(layers[0]).stacked(layers)
+        except ValueError:
+            return None
+    return None
 
 
 class StackedAttention:
@@ -89,8 +98,8 @@ def in_front(module: nn.Module, front: type, prefix: str) -> None:
 
 def fuse_projections(model: nn.Module) -> int:
     """Replace q/k/v_proj by one ``qkv_proj`` and gate/up_proj by one ``gate_up_proj`` in
-    every attention and MLP of ``model`` whose layers are plain nn.Linear, in place;
-    returns how many groups were fused.
+    every attention and MLP of ``model`` whose layers stack (plain nn.Linear, or a class that
+    stacks its own kind), in place; returns how many groups were fused.
 
     For inference only: the fused model is not saved by weights.save_model (its parameter
     names are no longer the checkpoint's) and the originals are dropped, so memory does
@@ -98,25 +107,23 @@ def fuse_projections(model: nn.Module) -> int:
     """
     fused = 0
     for module in list(model.modules()):  # a list: the loop adds modules
-        if (
-            isinstance(module, Attention)
-            and not isinstance(module, StackedAttention)
-            and _plain(module.q_proj, module.k_proj, module.v_proj)
-        ):
+        if isinstance(module, Attention) and not isinstance(module, StackedAttention):
+            qkv = stack(module.q_proj, module.k_proj, module.v_proj)
+            if qkv is None:
+                continue
             module.qkv_heads = (
                 module.q_proj.out_features // module.head_dim,
                 module.k_proj.out_features // module.head_dim,
             )
-            module.qkv_proj = _stacked(module.q_proj, module.k_proj, module.v_proj)
+            module.qkv_proj = qkv
             module.q_proj = module.k_proj = module.v_proj = None
             in_front(module, StackedAttention, "Stacked")
             fused += 1
-        elif (
-            isinstance(module, MLP)
-            and not isinstance(module, StackedMLP)
-            and _plain(module.gate_proj, module.up_proj)
-        ):
-            module.gate_up_proj = _stacked(module.gate_proj, module.up_proj)
+        elif isinstance(module, MLP) and not isinstance(module, StackedMLP):
+            gate_up = stack(module.gate_proj, module.up_proj)
+            if gate_up is None:
+                continue
+            module.gate_up_proj = gate_up
             module.gate_proj = module.up_proj = None
             in_front(module, StackedMLP, "Stacked")
             fused += 1

@@ -628,3 +628,21 @@ def test_a_compiled_feature_head_drafts_as_the_eager_one() -> None:
     assert (
         counts["rows1"] > 0 and counts["tree"] > 0 and (counts["rows4"] > 0 or counts["rows2"] > 0)
     )
+
+
+def test_the_default_mode_follows_the_layers(monkeypatch) -> None:
+    """A CPU model compiles in "autotune"; one with int4 layers in "frozen" (no GEMM timed: its
+    builds take half as long again with Inductor's int4 template rendered for every product)."""
+    from model import Llama, ModelConfig
+    from model.fast.compile import MODE_ENV, default_mode
+    from model.scale.quantize import quantize_int4
+
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    config = ModelConfig(
+        dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, hidden_dim=128, max_seq_len=32
+    )
+    model = Llama(config).eval()
+    assert default_mode(model) == "autotune"
+    assert default_mode(quantize_int4(model)) == "frozen"
+    monkeypatch.setenv(MODE_ENV, "default")
+    assert default_mode(model) == "default"
