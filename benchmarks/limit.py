@@ -48,7 +48,10 @@ from benchmarks.harness import (
 )
 from benchmarks.widths import MAX_WIDTH, START, compiled_targets, ms_per_call, prepared
 from model.fast.prepack import prepack_supported
-from weights import load_model
+from model.scale.quantize import Int4Linear
+from weights import StepCache, load_model
+from weights.reading import file_reading
+from weights.sharded import load_model_tp
 
 VERIFY_WIDTH = 5  # a verification of 4 drafted tokens
 TITLE = "A decode step against the memory limit"
@@ -56,10 +59,17 @@ TITLE = "A decode step against the memory limit"
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a one-token step reads of ``model``'s weights: each parameter once (a tied weight
-    once), an embedding table that is not also the output head one row only."""
+    once), the codes, scales and zeros of int4 layers, an embedding table that is not also the
+    output head one row only."""
     seen: set[int] = set()
     total = 0
-    for _, parameter in model.named_parameters():
+    codes = [
+        t
+        for m in model.modules()
+        if isinstance(m, Int4Linear)
+        for t in (m.weight, m.scales_and_zeros)
+    ]
+    for parameter in [p for _, p in model.named_parameters()] + codes:
         if parameter.data_ptr() in seen:
             continue
         seen.add(parameter.data_ptr())
@@ -76,7 +86,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def read_bandwidth(nbytes: int, rounds: int) -> float:
     """Bytes per second of a sum over a float32 buffer of ``nbytes``: the best of ``rounds``
-    medians of 5 sums, after one untimed."""
+    medians of 5 sums, after one untimed. A lower bound of what the machine can read: a product
+    with many independent streams of loads may read faster (a share of the limit over 100%)."""
     buffer = torch.ones(max(nbytes // 4, 1))
     best = 0.0
     for _ in range(rounds):
@@ -113,13 +124,29 @@ def set_ups(args: argparse.Namespace) -> dict[str, tuple[torch.dtype, Any]]:
             torch.bfloat16,
             prepared(args.target, torch.bfloat16, True, True, VERIFY_WIDTH),
         )
+    codes = file_reading(args.target, StepCache()) is not None  # a 4-bit GGUF: its codes too
+    if codes:
+        for dtype in (torch.float32, torch.bfloat16):
+            name = f"{str(dtype).removeprefix('torch.')} with the file's 4-bit codes, stacked"
+            models[name] = (dtype, prepared(args.target, dtype, True, True, VERIFY_WIDTH, "file"))
     if args.compiled is not None:
         compiled, built = compiled_targets(
             argparse.Namespace(target=args.target, compiled=args.compiled, dtypes=["float32"]),
             START + MAX_WIDTH + VERIFY_WIDTH,
         )
+        if codes:
+            more, _ = compiled_targets(
+                argparse.Namespace(
+                    target=args.target,
+                    compiled=args.compiled,
+                    dtypes=["bfloat16"],
+                    quantize="file",
+                ),
+                START + MAX_WIDTH + VERIFY_WIDTH,
+            )
+            compiled.update(more)
         if VERIFY_WIDTH in built:
-            models.update({name: (torch.float32, model) for name, model in compiled.items()})
+            models.update({name: (m.dtype, m) for name, m in compiled.items()})
         else:
             print(
                 f"the compiled steps of --gamma {args.compiled} have no call of {VERIFY_WIDTH} "
@@ -134,14 +161,23 @@ def table(args: argparse.Namespace) -> list[str]:
     float32_bytes = weight_bytes(plain)
     del plain
     lines = [f"Target `{args.target}`, {float32_bytes / 1e6:.0f} MB of float32 weights a step."]
+    # a 4-bit file's codes as loaded, before any set-up packs them out of sight
+    codes_bytes = {}
+    if file_reading(args.target, StepCache()) is not None:
+        for dtype in (torch.float32, torch.bfloat16):
+            codes_bytes[dtype] = weight_bytes(
+                load_model_tp(args.target, dtype=dtype, quantize="file")
+            )
     for threads in args.threads:
         torch.set_num_threads(threads)
         bandwidth = read_bandwidth(float32_bytes, args.rounds)
         models = set_ups(args)
         times = step_ms({name: model for name, (_, model) in models.items()}, args.rounds)
         rows = []
-        for name, (dtype, _) in models.items():
+        for name, (dtype, model) in models.items():
             nbytes = float32_bytes * dtype.itemsize // 4
+            if any(isinstance(m, Int4Linear) for m in model.modules()):
+                nbytes = codes_bytes[dtype]
             limit_ms = nbytes / bandwidth * 1e3
             one, verify = times[name, 1], times[name, VERIFY_WIDTH]
             rows.append(

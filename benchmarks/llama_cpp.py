@@ -393,8 +393,11 @@ def bench_steps(gguf: Path, args: Any) -> tuple[float, float]:
 def our_steps(
     setup: tuple[str, str], threads: int, target: str = "tiny-target"
 ) -> tuple[float, float]:
-    """ms of one target call of 1 and of 5 tokens, in the set-up a default run in ``dtype`` gets from ``cache``."""
+    """ms of one target call of 1 and of 5 tokens, in the set-up a default run in ``dtype`` gets from ``cache``
+    (a dtype, or QUANTIZE-DTYPE as --dtypes takes it)."""
     cache, dtype = setup
+    quantized, _, compute = dtype.rpartition("-")
+    quantized = quantized or None
     code = f"""
 import json, torch
 torch.set_num_threads({threads})
@@ -402,7 +405,7 @@ from model.fast.setup import step_ms
 from weights import StepCache, read_pair
 from model.fast.compile import decode_widths
 spec = read_pair({target!r}, "lookup")
-pair = spec.load(dtype=getattr(torch, {dtype!r}), prepare_models=False)
+pair = spec.load(dtype=getattr(torch, {compute!r}), quantize={quantized!r}, prepare_models=False)
 pair, _ = pair.set_up("default", decode_widths({GAMMA}, {GAMMA}), 512, store=StepCache({cache!r}))
 pair.target.setup_cache(1, 256)
 best = [min(step_ms(pair.target, (w,), False) for _ in range(5)) for w in (1, {GAMMA + 1})]
@@ -472,13 +475,13 @@ def main(argv: list[str] | None = None) -> int:
         "--dtypes",
         nargs="+",
         default=["float32", "bfloat16"],
-        help="with --chat: ours, each a dtype or int4-DTYPE (generate.py --quantize int4 --dtype "
-        "DTYPE: a Q4_1 file's own 4-bit codes, compared with llama.cpp's Q4_1 row)",
+        help="ours, each a dtype, int4-DTYPE (generate.py --quantize int4 --dtype DTYPE) or file-DTYPE (a 4-bit "
+        "file's own codes, --quantize file), the last two compared with llama.cpp's Q4_1 row",
     )
     parser.add_argument(
         "--compiled",
         action="store_true",
-        help="with --chat: ours also after one --compile in each "
+        help="with --chat or --steps-only: ours also after one --compile in each "
         "dtype (the steps of --cache-dir: build them first with generate.py --target ... --compile, "
         "with the drafter and with --no-draft)",
     )
@@ -710,6 +713,8 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
         "float16": "f16",  # ours' dtypes as llama.cpp's labels name them
         "int4-float32": "Q4_1",
         "int4-bfloat16": "Q4_1",
+        "file-float32": "Q4_1",
+        "file-bfloat16": "Q4_1",
     }  # groups of 32 codes with a scale and an offset each
     for t in (0.0, 1.0):
 
@@ -743,20 +748,27 @@ def chat_decode(args: Any, argv: list[str] | None) -> int:
 
 
 def steps_only(args: Any, argv: list[str] | None) -> int:
-    """--steps-only: a real model's one-token step and 5-token call, ours (eager float32, its default set-up
-    without compiled steps) beside llama.cpp's on each GGUF file, in turns, the fastest of --rounds."""
+    """--steps-only: a real model's one-token step and 5-token call, ours in each of --dtypes (its default
+    set-up without compiled steps, and with --compiled the one it gets from the compiled-step cache)
+    beside llama.cpp's on each GGUF file, in turns, the fastest of --rounds."""
+    from weights.step_cache import default_dir
+
     empty = tempfile.mkdtemp(prefix="llama-cpp-bench-empty-cache-")
+    cache = args.cache_dir or str(default_dir())
+    ours = [(f"this project, {d} (eager)", (empty, d)) for d in args.dtypes]
+    if args.compiled:
+        ours += [(f"this project, {d} (after --compile)", (cache, d)) for d in args.dtypes]
     files = [
         (f"llama.cpp {label}", path)
         for label, path in (item.split("=", 1) for item in args.steps_only)
     ]
     rows: dict[str, list[tuple[float, float]]] = {}
     for turn in range(args.rounds):
-        for label, path in turn_order([("this project, eager f32", None), *files], turn):
+        for label, where in turn_order([*ours, *files], turn):
             rows.setdefault(label, []).append(
-                our_steps((empty, "float32"), args.threads, args.target)
-                if path is None
-                else bench_steps(Path(path), args)
+                our_steps(where, args.threads, args.target)
+                if isinstance(where, tuple)
+                else bench_steps(Path(where), args)
             )
     lines = [
         f"llama.cpp built from llama-cpp-python 0.3.36's sources; ours on `{Path(args.target).name}`; run on "

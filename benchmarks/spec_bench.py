@@ -82,6 +82,7 @@ from speculative.inputs import GAMMA_MAX
 from speculative.serving.text import continuation_text, encode_dialog, encode_prompt
 from weights import StepCache
 from weights.load import load_named_pair, named_draft, read_named_pair, stored_dtype
+from weights.reading import settle_reading
 
 QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -290,9 +291,14 @@ def read_setups(args: Any) -> list[Any]:
 
 
 def load_setups(
-    named_pairs: list[Any], device: torch.device, dtype: torch.dtype, positions: int
+    named_pairs: list[Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    positions: int,
+    quantize: str | None = None,
 ) -> list[SetUp]:
-    """Each pair loaded and set up as generate.py loads it (the default set-up)."""
+    """Each pair loaded and set up as generate.py loads it (the default set-up; ``quantize``: the
+    reading of a 4-bit file, weights/reading.py)."""
     setups = []
     for named in named_pairs:
         pair, chosen = load_named_pair(
@@ -304,6 +310,7 @@ def load_setups(
             gamma=named.gamma,
             gamma_max=GAMMA_MAX,
             flag="--setup default",
+            quantize=quantize,
         )
         name = BASELINE if named.draft is None else f"{named.draft}, γ = {named.gamma}"
         setups.append(SetUp(name, pair, named.gamma, chosen))
@@ -474,7 +481,7 @@ def page(
         f"conversation after the target alone's answer to the first. {sampling.capitalize()}, at most {args.max_new_tokens} new tokens "
         f"a turn, end of turn honoured; {bench.cut} of {bench.turns} prompts kept their last tokens to fit "
         "the context. Set-ups in turns question by question, on "
-        f"{device.type} in {str(dtype).removeprefix('torch.')}, with generate.py's verification rule "
+        f"{device.type} in {str(dtype).removeprefix('torch.')}{args.reading}, with generate.py's verification rule "
         f"({verified(None, args.temperature, None)}) and guard (speculative.cli.costs.default_guard).",
         *mixed_note(setups),
         "",
@@ -636,7 +643,12 @@ def run(args: Any, argv: list[str] | None, questions: list[Question]) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    dtype = pick_dtype(None, device, stored_dtype(args.target))
+    # the target read as generate.py reads it by default (a 4-bit file: as measured on this machine)
+    quantize, dtype_name, _ = settle_reading(args.target, None, None, device, None)
+    dtype = pick_dtype(dtype_name, device, None if quantize else stored_dtype(args.target))
+    args.reading = ""
+    if quantize == "file":
+        args.reading = " (the 4-bit file's own codes)"
     named_pairs = read_setups(args)
     from benchmarks.spec_bench_peers import make_peers
 
@@ -664,7 +676,7 @@ def run(args: Any, argv: list[str] | None, questions: list[Question]) -> int:
             file=sys.stderr,
         )
         return 2
-    setups = load_setups(named_pairs, device, dtype, positions)
+    setups = load_setups(named_pairs, device, dtype, positions, quantize)
     first = last_tokens(encode(conversation(tasks[TASKS[0]][0].turns, [])), room)
     with torch.inference_mode():
         set_guards(setups, first, args.temperature)

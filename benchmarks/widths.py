@@ -75,6 +75,7 @@ from model.scale.quantize import Int4Linear, Int8Linear, quantize_weight
 from speculative.inputs import GAMMA_MAX
 from weights import StepCache, load_model, read_pair
 from weights.load import default_draft
+from weights.sharded import load_model_tp
 
 START = 100  # cache position of the timed calls: a prompt's worth of context before them
 MAX_WIDTH = 64
@@ -146,9 +147,20 @@ def lowest_ms(
     return best
 
 
-def prepared(name: str, dtype: torch.dtype, stack: bool, prepack: bool, widest: int) -> Any:
-    """The model ``name`` in ``dtype``, set up for decoding, with a cache for calls up to ``widest``."""
-    model = load_model(name, dtype=dtype).eval()
+def prepared(
+    name: str,
+    dtype: torch.dtype,
+    stack: bool,
+    prepack: bool,
+    widest: int,
+    quantize: str | None = None,
+) -> Any:
+    """The model ``name`` in ``dtype``, set up for decoding, with a cache for calls up to ``widest``;
+    ``quantize="file"``: a 4-bit GGUF's own codes (weights/sharded.py)."""
+    if quantize is None:
+        model = load_model(name, dtype=dtype).eval()
+    else:
+        model = load_model_tp(name, dtype=dtype, quantize=quantize).eval()
     prepare_for_decoding(model, stack=stack, prepack=prepack)
     model.setup_cache(1, START + MAX_WIDTH + widest)
     return model
@@ -288,13 +300,14 @@ def compiled_targets(
     the cache is left out, with a note."""
     built = decode_widths(args.compiled, GAMMA_MAX)
     models = {}
+    quantize = getattr(args, "quantize", None)
     for dtype in args.dtypes:
         loaded = read_pair(args.target, default_draft(args.target)).load(
-            dtype=getattr(torch, dtype), prepare_models=False
+            dtype=getattr(torch, dtype), quantize=quantize, prepare_models=False
         )
         ready, report = loaded.set_up("default", built, widest, store=StepCache())
         if report.choices and report.choices[0][1].chosen == "compiled":
-            models[f"compiled, {dtype}"] = ready.target
+            models[f"compiled, {dtype}" + (f", {quantize}" if quantize else "")] = ready.target
         else:
             print(
                 f"no compiled steps in the cache for {dtype}: run generate.py --target "
