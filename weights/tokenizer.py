@@ -63,6 +63,13 @@ class Tokenizer:
     def piece(self, token_id: int) -> str:
         raise NotImplementedError
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for in decoded text, alone: a word-boundary mark as a space, a
+        byte piece (``<0xE2>``) as its byte, a byte-level BPE piece (``Ġcapital``) as the bytes it
+        encodes, a special token as its own text. A character split over several tokens gives each
+        of them part of its UTF-8 bytes (what OpenAI's ``logprobs`` report as ``bytes``)."""
+        raise NotImplementedError
+
     def token_id(self, piece: str) -> int | None:
         """The id of a piece or special token (None: not in the vocabulary)."""
         raise NotImplementedError
@@ -156,6 +163,9 @@ class SentencePieceTokenizer(Tokenizer):
     def piece(self, token_id: int) -> str:
         return self.sp.id_to_piece(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return _metaspace_bytes(self.sp.id_to_piece(token_id))
+
     def token_id(self, piece: str) -> int | None:
         token_id = self.sp.piece_to_id(piece)
         return (
@@ -198,9 +208,10 @@ class JsonTokenizer(Tokenizer):
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
         self.bos_id: int | None = self._named(config, "bos_token", origin)
         self.eos_id: int | None = self._named(config, "eos_token", origin)
-        self._special = {
-            t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special
-        }
+        added = self.backend.get_added_tokens_decoder()
+        self._special = {t.content: i for i, t in added.items() if t.special}
+        self._added = set(added)
+        self._byte_level = _decodes_byte_level(text)
 
     def _named(self, config: dict[str, Any], key: str, origin: str) -> int | None:
         token = config.get(key)
@@ -235,6 +246,14 @@ class JsonTokenizer(Tokenizer):
             raise IndexError(f"token id {token_id} is out of range")
         return piece
 
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self.piece(token_id)
+        if token_id in self._added:  # written as it is, never byte-encoded
+            return piece.encode()
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR.get(char, 0x3F) for char in piece)
+        return _metaspace_bytes(piece)
+
     def token_id(self, piece: str) -> int | None:
         return self.backend.token_to_id(piece)
 
@@ -244,6 +263,44 @@ class JsonTokenizer(Tokenizer):
 
     def serialized(self) -> bytes:
         return self.text.encode()
+
+
+def _gpt2_byte_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode), reversed: each of the 256 bytes is one
+    printable character, the printable ASCII and Latin-1 bytes themselves, the rest shifted past 255
+    in byte order (so a space is written "Ġ", U+0120)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + shifted)] = byte
+            shifted += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_chars()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _metaspace_bytes(piece: str) -> bytes:
+    """A SentencePiece piece's bytes: a byte-fallback piece as its byte, ▁ as a space."""
+    if match := _BYTE_PIECE.fullmatch(piece):
+        return bytes([int(match.group(1), 16)])
+    return piece.replace("\u2581", " ").encode()
+
+
+def _decodes_byte_level(text: str) -> bool:
+    """Whether a tokenizer.json's decoder is byte-level BPE's (alone or in a sequence)."""
+    try:
+        decoder = json.loads(text).get("decoder")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(decoder, dict):
+        return False
+    parts = decoder.get("decoders") or [decoder]
+    return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
 
 
 def without_dummy_prefix(proto: bytes) -> bytes:

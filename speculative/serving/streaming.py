@@ -261,15 +261,18 @@ class Exchange:
         def name(token: int) -> str:
             return token_text(self.service.tokenizer, token)
 
+        def token_bytes(token: int) -> list[int]:
+            return list(self.service.tokenizer.token_bytes(int(token)))
+
         if self.chat:
             return {
                 "content": [
                     {
                         "token": name(t),
                         "logprob": v,
-                        "bytes": list(name(t).encode()),
+                        "bytes": token_bytes(t),
                         "top_logprobs": [
-                            {"token": name(i), "logprob": w, "bytes": list(name(i).encode())}
+                            {"token": name(i), "logprob": w, "bytes": token_bytes(i)}
                             for i, w in tops
                         ],
                     }
@@ -510,11 +513,10 @@ def logprobs_of(body: Options, chat: bool) -> int | None:
 
 
 def token_text(tokenizer: Any, token: int) -> str:
-    """A token's own text: its SentencePiece piece with the word-boundary mark as a space."""
-    piece = getattr(tokenizer, "piece", None)
-    if piece is None:
-        return tokenizer.decode([int(token)])
-    return piece(int(token)).replace("\u2581", " ")
+    """A token's own text: the bytes it stands for (weights.tokenizer.Tokenizer.token_bytes), as
+    UTF-8, a character split over tokens shown as the replacement character in each (as vLLM does;
+    ``token_bytes`` lists the bytes themselves)."""
+    return tokenizer.token_bytes(int(token)).decode("utf-8", errors="replace")
 
 
 async def answer(exchange: Exchange) -> Any:

@@ -101,6 +101,9 @@ class Letters:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(97 + int(i)) for i in ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        return chr(97 + int(token)).encode()
+
 
 @contextlib.contextmanager
 def toy_server(
