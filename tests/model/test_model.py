@@ -356,14 +356,14 @@ def test_rolled_rope_is_the_rotate_half_formula_bit_for_bit() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 40), (2, 9, 3, 5, 40), (1, 8, 2, 3, 17), (1, 4, 4, 2, 9)])
+@pytest.mark.parametrize(
+    "shape", [(1, 9, 3, 1, 40), (2, 9, 3, 5, 40), (1, 8, 2, 3, 17), (1, 4, 4, 2, 9)]
+)
 def test_attention_with_grouped_heads_is_plain_attention(dtype, shape) -> None:
     """model.model.attend folds a 16-bit CPU call's grouped query heads into rows: it must be the
     attention of every query head over its own KV head (h // group), under each token's mask row,
     to the dtype's rounding of a float64 reference written here, and a fold that pairs query heads
     with the wrong KV head must not pass."""
-    import torch.nn.functional as F
-
     from model.model import attend
 
     batch, heads, kv, tokens, slots = shape
@@ -383,6 +383,10 @@ def test_attention_with_grouped_heads_is_plain_attention(dtype, shape) -> None:
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got - want).abs().max() < tolerance
     if group > 1:  # query head h paired with KV head h % KV: a wrong fold
-        wrong = q.reshape(batch, group, kv, tokens, 64).transpose(1, 2).reshape(batch, heads, tokens, 64)
+        wrong = (
+            q.reshape(batch, group, kv, tokens, 64)
+            .transpose(1, 2)
+            .reshape(batch, heads, tokens, 64)
+        )
         bad = attend(wrong.to(dtype), k.to(dtype), v.to(dtype), mask.to(dtype), False).double()
         assert (bad - want).abs().max() > 10 * tolerance

@@ -59,9 +59,7 @@ def assert_one_error_line(status: int, stderr: str, stdout: str, *fragments: str
     assert status == 2, stderr
     assert "Traceback" not in stderr
     # a compile's progress lines (model/fast/progress.py) may come before the error
-    lines = [
-        line for line in stderr.strip("\n").splitlines() if not line.startswith("compile: ")
-    ]
+    lines = [line for line in stderr.strip("\n").splitlines() if not line.startswith("compile: ")]
     assert len(lines) == 1, stderr
     assert lines[0].startswith("error: "), lines[0]
     for fragment in fragments:

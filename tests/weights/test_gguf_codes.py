@@ -12,11 +12,19 @@ import torch
 import torch.nn.functional as F
 
 from model.scale.codes import GROUP, GroupCodes, dequantize, int4_layer
-from tests.weights.test_gguf import SMALL, gpt2_vocab, write_gguf  # noqa: F401 (a fixture)
+from tests.weights.test_gguf import SMALL, byte_level_vocab, write_gguf
 from weights.gguf import GGUFFile
 from weights.gguf_blocks import block_codes
 
 gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture
+def gpt2_vocab() -> dict:
+    """A byte-level vocabulary for the test files (tests/weights/test_gguf.py's)."""
+    return byte_level_vocab()
+
+
 Q = gguf.GGMLQuantizationType
 
 
@@ -72,7 +80,9 @@ def test_int4_layer_multiplies_by_the_codes(kind, dtype):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got, want, atol=tol * want.abs().max(), rtol=0), (got - want).abs().max()
     # the layer must not be multiplying by the shifted codes without their zero
-    wrong = F.linear(x, (codes.codes.float().view(64, 4, GROUP) * codes.scale[..., None]).view(64, 128))
+    wrong = F.linear(
+        x, (codes.codes.float().view(64, 4, GROUP) * codes.scale[..., None]).view(64, 128)
+    )
     if kind == "Q4_1":
         assert not torch.allclose(got, wrong, atol=tol * want.abs().max(), rtol=0)
 

