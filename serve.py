@@ -28,6 +28,7 @@ SIGTERM's grace cut requests.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -537,6 +538,15 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=5,
         http=header_deadline(http_protocol(), args.read_timeout),
     )
+    if args.access_log:
+        # log_level="warning" keeps uvicorn's own start-up lines quiet, and Config sets every uvicorn
+        # logger to it, access lines (logged at INFO) included: lift that one back, and send its
+        # lines to stderr with the server's others (uvicorn's own configuration writes them to stdout)
+        access_logger = logging.getLogger("uvicorn.access")
+        access_logger.setLevel(logging.INFO)
+        for handler in access_logger.handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(sys.stderr)
     server = uvicorn.Server(config)
 
     def http() -> None:  # uvicorn in a thread of its own; when it stops, so does the engine

@@ -52,6 +52,7 @@ class Served:
     process: subprocess.Popen
     url: str = ""
     log: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None  # drains stderr into log until the pipe closes
 
     def post(self, prompt=PROMPT, timeout: float = 30, **fields) -> httpx.Response:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
@@ -133,7 +134,8 @@ def launch(
                 started.set()
         started.set()
 
-    threading.Thread(target=read, daemon=True).start()
+    served.reader = threading.Thread(target=read, daemon=True)
+    served.reader.start()
     if wait:
         assert started.wait(120) and served.url, served.log
     return served
@@ -471,3 +473,22 @@ def test_a_stuck_engine_shows_in_health_and_the_deadlines_answer_for_it(server: 
     assert lines.count(": keep-alive") >= 2 and lines[-1] == "data: [DONE]", lines
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "queue_timeout"
     server.answers_correctly()
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["access-log", "no-access-log"])
+def test_access_log_prints_a_line_per_request(flag: bool) -> None:
+    """--access-log printed nothing (uvicorn's access logger was held at WARNING with the rest): a
+    line per request on stderr with it, none without, read to the end of the process's stderr."""
+    served = launch(*(["--access-log"] if flag else []), faults=False)
+    try:
+        assert served.health().status_code == 200
+        assert served.post().status_code == 200
+    finally:
+        served.stop()
+    served.reader.join(60)  # every line the process wrote has been read
+    lines = [line for line in served.log if "/v1/completions" in line or "/health" in line]
+    if flag:
+        assert any("POST /v1/completions" in line and "200" in line for line in lines), served.log
+        assert any("GET /health" in line for line in lines), served.log
+    else:
+        assert lines == [], served.log
