@@ -92,9 +92,16 @@ class Options(Strict):
         """OpenAI's seeds are int64; the generators take 0..2^63 - 1: a negative one is folded there."""
         return None if seed is None else seed % 2**63
 
-    # accepted at the value that changes nothing (refused otherwise, below): what clients send by default
+    # accepted at the value that changes nothing (refused otherwise, validation.py): what clients send by default
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # {} or null
+    # OpenAI's fields that change nothing a server without tools or storage makes (as vLLM does):
+    # accepted and ignored
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     speculative_gamma: Annotated[int, Field(ge=0)] | None = None
     return_token_ids: bool = False
 

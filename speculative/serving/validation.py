@@ -101,6 +101,13 @@ def check_common(service: Service, body: Options) -> None:
                 "speculation reproduces exactly); only 0 or null",
                 param=name,
             )
+    if body.logit_bias:
+        raise ApiError(
+            400,
+            "logit_bias is not supported (it would change the target's distribution, which "
+            "speculation reproduces exactly); only {} or null",
+            param="logit_bias",
+        )
     if body.max_tokens == 0 and not getattr(body, "echo", None):
         raise ApiError(
             400,
