@@ -94,6 +94,7 @@ class Ticket:
     row: Row | None = None
     error: Exception | None = None
     cancelled: bool = False
+    stop_string: bool = False  # cancelled because its text met a stop string
     done: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     last_token: float | None = None  # when its latest tokens came (None: none yet)
@@ -102,9 +103,11 @@ class Ticket:
 
     @property
     def stop_reason(self) -> str | None:
-        """eos, max_new_tokens, max_seq_len, cancelled or error (None while it runs)."""
+        """eos, max_new_tokens, max_seq_len, stop_string, cancelled or error (None while it runs)."""
         if self.error is not None:
             return "error"
+        if self.stop_string:
+            return "stop_string"
         if self.row is None:
             return "cancelled" if self.done else None
         return self.row.stats.stop_reason
@@ -248,13 +251,14 @@ class EngineLoop:
             self.lock.notify()
         return ticket
 
-    def cancel(self, ticket: Ticket) -> None:
-        """Stop a request (its client left, or it met a stop string): its row leaves the batch
-        before the next iteration. Nothing happens to a request that is done."""
+    def cancel(self, ticket: Ticket, stop_string: bool = False) -> None:
+        """Stop a request (its client left, or, ``stop_string``, its text met a stop string): its row
+        leaves the batch before the next iteration. Nothing happens to a request that is done."""
         if ticket.done:
             return
         with self.lock:
             ticket.cancelled = True
+            ticket.stop_string = stop_string
             self.cancels.append(ticket)
             self.lock.notify()
 

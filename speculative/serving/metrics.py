@@ -135,7 +135,7 @@ def prometheus(loop: Any, prefix: str = "speculative_", responses: Any = None) -
     metric(
         "requests_total",
         "counter",
-        "Requests that ended, by how (eos, max_new_tokens, max_seq_len, "
+        "Requests that ended, by how (eos, max_new_tokens, max_seq_len, stop_string, "
         "cancelled, error) or were refused (rejected, queue full).",
         [
             (f'{{outcome="{k}"}}', v)

@@ -162,7 +162,7 @@ class Exchange:
                 continue  # tokens of the iteration that was running when the stop string was met
             text = self.output.add(ids)
             if self.output.stopped:
-                self.service.loop.cancel(self.ticket)
+                self.service.loop.cancel(self.ticket, stop_string=True)
             yield text, self.output.tokens[kept:]
         yield self.output.finish(), []
 

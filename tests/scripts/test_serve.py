@@ -390,6 +390,24 @@ def test_stop_strings_end_the_text_before_them(shipped, references) -> None:
     assert text == cut and ids == kept and chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_finish_is_counted_as_one(shipped, references) -> None:
+    """/metrics counted a request that met a stop string as cancelled, as if its client had left."""
+    outcomes = shipped.service.loop.metrics.outcomes
+    before = dict(outcomes)
+    full = references[GREEDY_PROMPTS[0]]["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 6]
+    for stream in (False, True):
+        answer = completion(shipped, GREEDY_PROMPTS[0], temperature=0, stop=stop, stream=stream)
+        if stream:
+            streamed(answer)
+    deadline = time.monotonic() + 60  # the row leaves after the answer's last chunk
+    while outcomes.get("stop_string", 0) < before.get("stop_string", 0) + 2:
+        assert time.monotonic() < deadline, outcomes
+        time.sleep(0.02)
+    assert outcomes.get("cancelled", 0) == before.get("cancelled", 0)
+    assert 'outcome="stop_string"' in httpx.get(f"{shipped.url}/metrics", timeout=10).text
+
+
 def test_every_answer_has_usage_and_its_speculation_figures(shipped) -> None:
     plain = completion(shipped, "Lily and Tom", temperature=0, extra_body={"speculative_gamma": 0})
     figures = plain.model_extra["speculation"]
