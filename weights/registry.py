@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from model.host import setting
@@ -51,6 +52,44 @@ def search_dirs() -> list[Path]:
     return dirs
 
 
+# a Hugging Face Hub id: owner/name, as the Hub allows them (letters, digits, -, _, .)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps downloaded repositories: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub (read here without importing it: nothing is ever downloaded)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local copy of Hub repository ``repo_id`` in the Hugging Face cache: the snapshot its
+    ``main`` ref names (or the only one there is), when it holds a config.json or a GGUF file.
+    Otherwise one line saying how to get the files."""
+    root = hub_cache() / f"models--{repo_id.replace('/', '--')}"
+    snapshots = root / "snapshots"
+    ref = root / "refs" / "main"
+    candidates = []
+    if ref.is_file():
+        candidates.append(snapshots / ref.read_text().strip())
+    if snapshots.is_dir():
+        candidates += sorted(p for p in snapshots.iterdir() if p.is_dir())
+    for snapshot in candidates:
+        if (snapshot / "config.json").is_file():
+            return snapshot
+        ggufs = sorted(snapshot.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    raise UnknownCheckpointError(
+        f"{repo_id} is neither a folder here nor in the Hugging Face cache ({hub_cache()}): nothing is "
+        f"downloaded at run time; get it with `hf download {repo_id}` (huggingface_hub), then pass the "
+        "same id or the folder"
+    )
+
+
 def resolve(name_or_path: str | os.PathLike) -> Path:
     """The checkpoint directory (or GGUF file) for a short name or a path; a clear error when it is not there."""
     name = str(name_or_path)
@@ -75,6 +114,10 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     # a GGUF file is a checkpoint too
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return path
+    if path.suffix.lower() == ".gguf":
+        raise UnknownCheckpointError(f"GGUF file {name} does not exist")
+    if HUB_ID.fullmatch(name):
+        return hub_snapshot(name)
     if os.sep in name or name.startswith("."):
         raise UnknownCheckpointError(f"checkpoint directory {name} does not exist")
     known = ", ".join(list(LLAMA2) + list(SHIPPED))

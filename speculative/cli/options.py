@@ -312,7 +312,13 @@ def rule_note(args: argparse.Namespace, given: set[str]) -> str | None:
 
 # ----------------------------------------------------------------------------- prompts
 def read_prompt(text: str, world_size: int) -> str:
-    """--prompt as given, or standard input for ``-`` (its trailing newlines dropped: ``echo`` adds one)."""
+    """--prompt as given, or standard input for ``-`` (its trailing newlines dropped: ``echo`` adds one).
+    An empty one is refused here, before anything is loaded."""
+    if text == "":
+        raise UsageError(
+            '--prompt is empty: give the text to continue, e.g. --prompt "Once upon a time" (or leave '
+            "--prompt out for the default one)"
+        )
     if text != "-":
         return text
     if world_size > 1:

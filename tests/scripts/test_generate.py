@@ -1237,3 +1237,13 @@ def test_ignore_eos_decodes_every_token_past_an_end_of_sequence_id(
         ignored["stats"]["stop_reason"] == "max_new_tokens" and ignored["tokens"] == free["tokens"]
     )
     assert ignored["settings"]["ignore_eos"] is True and stopped["settings"]["ignore_eos"] is False
+
+
+def test_an_empty_prompt_is_refused_before_loading(capsys, monkeypatch) -> None:
+    """--prompt "" was refused only after the models had loaded, as "give at least one token id"."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded a model for an empty prompt")
+
+    monkeypatch.setattr(generate, "load_named_pair", never)
+    main_error(capsys, ["--prompt", ""], "--prompt is empty", "Once upon a time")
