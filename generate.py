@@ -87,6 +87,7 @@ def build_parser() -> cmdline.ArgumentParser:
     )
     add = parser.add_argument_group("models").add_argument
     add(
+        "-m",
         "--target",
         default=DEFAULT_TARGET,
         help="7b, 70b, 7b-chat, ..., or a folder (default %(default)s)",
@@ -160,9 +161,16 @@ def build_parser() -> cmdline.ArgumentParser:
         help=f"compiled steps' cache (default: ${ENV}, else {default_dir()})",
     )
     add("--no-fuse", action="store_true", help="no stacked q/k/v and gate/up products")
-    add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add(
+        "-t",
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice)",
+    )
     add = parser.add_argument_group("prompt").add_argument
     add(
+        "-p",
         "--prompt",
         default=DEFAULT_PROMPT,
         help="the text to continue, - for stdin (default %(default)r)",
@@ -227,6 +235,7 @@ def build_parser() -> cmdline.ArgumentParser:
     )
     add("--top-p", type=float, default=None, help="nucleus sampling, 0 < p <= 1 (default: all)")
     add(
+        "-n",
         "--max-new-tokens",
         type=int,
         default=DEFAULT_MAX_NEW_TOKENS,

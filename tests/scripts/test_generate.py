@@ -1247,3 +1247,16 @@ def test_an_empty_prompt_is_refused_before_loading(capsys, monkeypatch) -> None:
 
     monkeypatch.setattr(generate, "load_named_pair", never)
     main_error(capsys, ["--prompt", ""], "--prompt is empty", "Once upon a time")
+
+
+def test_the_usual_short_forms_are_the_long_flags(capsys) -> None:
+    """llama.cpp's -m -p -n -t: the same run as --target --prompt --max-new-tokens --threads."""
+    short, _ = main_ok(capsys, ["-m", "tiny-target", "-p", "Once", "-n", "6", "-t", "1", "--json"])
+    long, _ = main_ok(
+        capsys,
+        ["--target", "tiny-target", "--prompt", "Once", "--max-new-tokens", "6", "--threads", "1"]
+        + ["--json"],
+    )
+    short_doc, long_doc = json.loads(short), json.loads(long)
+    assert short_doc["tokens"] == long_doc["tokens"] and len(short_doc["tokens"]) == 6
+    assert short_doc["settings"]["threads"] == long_doc["settings"]["threads"] == 1
