@@ -39,7 +39,15 @@ from typing import Any
 import torch
 
 from model.fast.setup import SETUPS, Setups
-from model.scale.memory import DEVICES, plan, plan_suggestion
+from model.scale.memory import (
+    DEVICES,
+    available_bytes,
+    default_context,
+    gb,
+    kv_bytes_per_position,
+    plan,
+    plan_suggestion,
+)
 from speculative import Engine
 from speculative.cli import options as cmdline
 from speculative.cli.options import (
@@ -164,6 +172,14 @@ def build_parser() -> cmdline.ArgumentParser:
         help="rows per target call at most (default %(default)s)",
     )
     add(
+        "-c",
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="positions a request may hold, prompt and answer (default: the model's context, at most "
+        "4096 and at most what a KV cache of 1 GiB for --max-batch rows holds; printed at start)",
+    )
+    add(
         "--max-connections",
         type=int,
         default=256,
@@ -266,6 +282,8 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.gamma > GAMMA_MAX:
         raise UsageError(f"--gamma must be at most {GAMMA_MAX}, got {args.gamma}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UsageError(f"--max-model-len must be >= 2 positions, got {args.max_model_len}")
     if args.max_connections < 1:
         raise UsageError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not args.grace >= 0:
@@ -350,6 +368,33 @@ def print_plan(args: argparse.Namespace) -> int:
     return 0 if result.fits else 1
 
 
+def serving_context(
+    args: argparse.Namespace, spec: PairSpec, device: torch.device, dtype: torch.dtype
+) -> int:
+    """The positions a row may hold: --max-model-len, else the default that model.scale.memory
+    sizes to the KV cache of --max-batch rows; printed with what the cache takes."""
+    per_position = kv_bytes_per_position(spec.target_config, dtype, 1, args.max_batch)
+    if spec.planned_draft is not None:
+        per_position += kv_bytes_per_position(spec.planned_draft, dtype, 1, args.max_batch)
+    if args.max_model_len is not None:
+        if args.max_model_len > spec.context:
+            raise UsageError(
+                f"--max-model-len {args.max_model_len} is longer than the model's context, "
+                f"{spec.context} positions"
+            )
+        context, how = args.max_model_len, "--max-model-len"
+    else:
+        context = default_context(spec.context, per_position, available_bytes(device))
+        how = f"the default; --max-model-len up to {spec.context}"
+    print(
+        f"note: context {context} positions a request ({how}): a KV cache of "
+        f"{gb(context * per_position)} for {args.max_batch} rows",
+        file=sys.stderr,
+        flush=True,
+    )
+    return context
+
+
 def load(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype
 ) -> tuple[Pair, int, Setups, PairSpec]:
@@ -359,7 +404,7 @@ def load(
     named = read_named_pair(args.target, args.draft, args.gamma, no_draft=args.no_draft)
     args.draft = named.draft  # the default draft, when none was named
     spec = named.spec
-    context = spec.context
+    context = serving_context(args, spec, device, dtype)
     # The set-up: cached compiled steps for every batch size and width, else stacked and prepacked; or --setup's.
     gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
     pair, setups = load_named_pair(

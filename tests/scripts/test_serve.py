@@ -35,6 +35,7 @@ import uvicorn
 import generate
 import serve
 from speculative import Engine
+from speculative.cli.options import UsageError
 from speculative.engine.gamma import FixedGamma
 from speculative.serving.access import Access
 from speculative.serving.app import create_app
@@ -52,7 +53,7 @@ from tests.support.toy_models import (
     reference_greedy,
     sequence_distribution,
 )
-from weights import load_tokenizer
+from weights import load_tokenizer, read_pair
 
 # Under pytest -n, the module's server and reference runs start once, on one worker (pyproject.toml: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("test_serve")
@@ -1203,3 +1204,20 @@ def test_the_retry_after_estimate_is_bounded() -> None:
     now = time.perf_counter()
     loop.metrics.ends.extend([now] * 3)  # 0.3 requests per second over the window
     assert loop.retry_after(6) == math.ceil(6 / 0.3) and loop.retry_after(600) == 60
+
+
+def test_max_model_len_sizes_the_context_and_is_checked(chat_target, capsys) -> None:
+    """-c/--max-model-len: the positions a request may hold (vLLM's --max-model-len, llama.cpp's -c);
+    longer than the model's context is one line and status 2, before anything is loaded."""
+    args = serve.build_parser().parse_args(["--target", str(chat_target), "-c", "128"])
+    serve.validate(args)
+    spec = read_pair(str(chat_target), "tiny-draft")
+    assert serve.serving_context(args, spec, torch.device("cpu"), torch.float32) == 128
+    assert "context 128 positions a request (--max-model-len)" in capsys.readouterr().err
+    args.max_model_len = spec.context + 1
+    with pytest.raises(UsageError, match=f"longer than the model's context, {spec.context}"):
+        serve.serving_context(args, spec, torch.device("cpu"), torch.float32)
+    args.max_model_len = None
+    assert serve.serving_context(args, spec, torch.device("cpu"), torch.float32) == spec.context
+    with pytest.raises(UsageError, match="--max-model-len must be >= 2"):
+        serve.validate(serve.build_parser().parse_args(["-c", "1"]))
