@@ -370,9 +370,9 @@ def print_plan(args: argparse.Namespace) -> int:
 
 def serving_context(
     args: argparse.Namespace, spec: PairSpec, device: torch.device, dtype: torch.dtype
-) -> int:
+) -> tuple[int, str]:
     """The positions a row may hold: --max-model-len, else the default that model.scale.memory
-    sizes to the KV cache of --max-batch rows; printed with what the cache takes."""
+    sizes to the KV cache of --max-batch rows; and a note of it with what the cache takes."""
     per_position = kv_bytes_per_position(spec.target_config, dtype, 1, args.max_batch)
     if spec.planned_draft is not None:
         per_position += kv_bytes_per_position(spec.planned_draft, dtype, 1, args.max_batch)
@@ -386,13 +386,11 @@ def serving_context(
     else:
         context = default_context(spec.context, per_position, available_bytes(device))
         how = f"the default; --max-model-len up to {spec.context}"
-    print(
-        f"note: context {context} positions a request ({how}): a KV cache of "
-        f"{gb(context * per_position)} for {args.max_batch} rows",
-        file=sys.stderr,
-        flush=True,
+    note = (
+        f"context {context} positions a request ({how}): a KV cache of "
+        f"{gb(context * per_position)} for {args.max_batch} rows"
     )
-    return context
+    return context, note
 
 
 def load(
@@ -404,7 +402,7 @@ def load(
     named = read_named_pair(args.target, args.draft, args.gamma, no_draft=args.no_draft)
     args.draft = named.draft  # the default draft, when none was named
     spec = named.spec
-    context = serving_context(args, spec, device, dtype)
+    context, args.context_note = serving_context(args, spec, device, dtype)  # printed once loaded
     # The set-up: cached compiled steps for every batch size and width, else stacked and prepacked; or --setup's.
     gamma = "auto" if args.speculation == "load" else args.gamma  # the widths the engine will call
     pair, setups = load_named_pair(
@@ -443,6 +441,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         print(f"setup: {line}", file=sys.stderr)
     defaults = spec.sampling_defaults if args.generation_config == "auto" else {}
     for line in [
+        args.context_note,
         *[reading] * bool(reading),
         *spec.notes,
         *setups.notes,

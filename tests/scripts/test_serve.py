@@ -1206,18 +1206,48 @@ def test_the_retry_after_estimate_is_bounded() -> None:
     assert loop.retry_after(6) == math.ceil(6 / 0.3) and loop.retry_after(600) == 60
 
 
-def test_max_model_len_sizes_the_context_and_is_checked(chat_target, capsys) -> None:
+def test_max_model_len_sizes_the_context_and_is_checked(chat_target) -> None:
     """-c/--max-model-len: the positions a request may hold (vLLM's --max-model-len, llama.cpp's -c);
     longer than the model's context is one line and status 2, before anything is loaded."""
     args = serve.build_parser().parse_args(["--target", str(chat_target), "-c", "128"])
     serve.validate(args)
     spec = read_pair(str(chat_target), "tiny-draft")
-    assert serve.serving_context(args, spec, torch.device("cpu"), torch.float32) == 128
-    assert "context 128 positions a request (--max-model-len)" in capsys.readouterr().err
+    context, note = serve.serving_context(args, spec, torch.device("cpu"), torch.float32)
+    assert context == 128 and "context 128 positions a request (--max-model-len)" in note
     args.max_model_len = spec.context + 1
     with pytest.raises(UsageError, match=f"longer than the model's context, {spec.context}"):
         serve.serving_context(args, spec, torch.device("cpu"), torch.float32)
     args.max_model_len = None
-    assert serve.serving_context(args, spec, torch.device("cpu"), torch.float32) == spec.context
+    assert serve.serving_context(args, spec, torch.device("cpu"), torch.float32)[0] == spec.context
     with pytest.raises(UsageError, match="--max-model-len must be >= 2"):
         serve.validate(serve.build_parser().parse_args(["-c", "1"]))
+
+
+def test_finish_reason_at_the_max_tokens_boundary(shipped, references) -> None:
+    """A stop string completed by the max_tokens-th token is a "stop"; with one token fewer allowed,
+    the same request runs out first and is a "length". Streamed and not."""
+    prompt = GREEDY_PROMPTS[0]
+    tokens = references[prompt]["tokens"]
+    prefix = shipped.tokenizer.encode(prompt, bos=True)
+
+    def text(count: int) -> str:  # the answer's text after ``count`` tokens
+        whole = shipped.tokenizer.decode(prefix + tokens[:count])
+        return whole[len(shipped.tokenizer.decode(prefix)) :]
+
+    # a token k whose last characters first appear in the answer there
+    k, stop = next(
+        (k, text(k)[-4:])
+        for k in range(8, NEW)
+        if len(text(k)) >= 4 and text(k)[-4:] not in text(k - 1) and text(k)[-4:].strip()
+    )
+    for stream in (False, True):
+        for allowed, reason in ((k, "stop"), (k - 1, "length")):
+            answer = completion(
+                shipped, prompt, temperature=0, stop=[stop], max_tokens=allowed, stream=stream
+            )
+            if stream:
+                chunks = list(answer)
+                finish = chunks[-1].choices[0].finish_reason
+            else:
+                finish = answer.choices[0].finish_reason
+            assert finish == reason, (stream, allowed, stop)
