@@ -41,6 +41,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -410,14 +411,17 @@ class GGUFFile:
             out[hf] = tensor.to(device=device, dtype=dtype).contiguous()
         return out
 
-    def codes(self) -> dict[str, GroupCodes]:
+    def codes(self, only: Collection[str] | None = None) -> dict[str, GroupCodes]:
         """The matrices stored in a block kind of weights/gguf_blocks.py, as the file's own codes under
         their HF names (q/k rows back in rotate-half order, as :meth:`tensors` gives them); the others
-        (float kinds, K-quants) are absent: read them with :meth:`tensors`."""
+        (float kinds, K-quants) are absent: read them with :meth:`tensors`. ``only``: those HF names
+        alone (the others' blocks are not decoded)."""
         out: dict[str, GroupCodes] = {}
         for name, (hf, shape) in self._expected.items():
             tensor = self._tensors[name]
             if len(shape) != 2 or tensor.tensor_type.name not in LAYOUTS:
+                continue
+            if only is not None and hf not in only:
                 continue
             try:
                 codes = block_codes(tensor.data, tensor.tensor_type.name, shape)
@@ -431,13 +435,15 @@ class GGUFFile:
             out[hf] = codes
         return out
 
-    def quantized(self) -> bool:
-        """Whether any matrix is stored as 4-bit codes this project reads as they are."""
-        return any(
-            LAYOUTS.get(self._tensors[name].tensor_type.name, (0, False, 0))[2] == 4
-            for name, (_, shape) in self._expected.items()
-            if len(shape) == 2
-        )
+    def four_bit_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The block matrices stored as 4-bit codes this project reads as they are, by HF name, with
+        their shapes: read from the tensor table, no block decoded."""
+        return {
+            hf: shape
+            for name, (hf, shape) in self._expected.items()
+            if hf.startswith("model.layers.")
+            and LAYOUTS.get(self._tensors[name].tensor_type.name, (0, False, 0))[2] == 4
+        }
 
     @property
     def tied(self) -> bool:

@@ -60,16 +60,18 @@ class Reading:
         )
 
 
-def four_bit_codes(target: str | os.PathLike) -> list[GroupCodes]:
-    """The block matrices a GGUF target stores as 4-bit codes ([] for any other checkpoint)."""
+def gguf_of(target: str | os.PathLike) -> Any:
+    """The opened GGUF file of ``target`` (weights.gguf.GGUFFile), or None for any other checkpoint."""
     try:
         path = resolve(target)
     except (UnknownCheckpointError, CheckpointError, OSError):
-        return []
-    if not is_gguf(path):
-        return []
-    codes = gguf_file(Path(path)).codes()
-    return [c for n, c in codes.items() if c.bits == 4 and n.startswith("model.layers.")]
+        return None
+    return gguf_file(Path(path)) if is_gguf(path) else None
+
+
+def four_bit_codes(file: Any) -> list[GroupCodes]:
+    """The block matrices ``file`` (a GGUFFile) stores as 4-bit codes, decoded."""
+    return list(file.codes(file.four_bit_shapes()).values())
 
 
 def time_pass(codes: list[GroupCodes], quantize: str | None, dtype: torch.dtype) -> float:
@@ -97,10 +99,11 @@ def file_reading(
     4-bit GGUF file, or a dtype its codes do not run in."""
     if dtype not in (None, "float32", "bfloat16"):
         return None
-    codes = four_bit_codes(target)
-    if not codes:
+    file = gguf_of(target)
+    four_bit = file.four_bit_shapes() if file is not None else {}
+    if not four_bit:
         return None
-    shapes = repr(sorted({c.shape for c in codes})) + f"x{len(codes)}"
+    shapes = repr(sorted(set(four_bit.values()))) + f"x{len(four_bit)}"
     key = "4-bit file " + hashlib.blake2b(shapes.encode(), digest_size=8).hexdigest()
     where = machine(torch.device("cpu"))
     seen = store.measured(where, key, file=READINGS)
@@ -108,6 +111,7 @@ def file_reading(
     if recorded:
         timings = {name: float(seen[name]) for name, _, _ in CANDIDATES}
     else:
+        codes = four_bit_codes(file)  # decoded only to be timed
         timings = {
             name: time_pass(codes, quantize, dtype)
             for name, quantize, dtype in CANDIDATES

@@ -128,12 +128,11 @@ def use_file_codes(model: Llama, directory: Path, dtype: torch.dtype) -> None:
             f"a file's 4-bit codes run in float32 or bfloat16 (torch's int4 kernel), not {dtype}"
         )
     try:
-        stored = gguf_file(directory).codes()
+        file = gguf_file(directory)
+        stored = file.codes(file.four_bit_shapes())
     except GGUFError as err:
         raise CheckpointError(str(err)) from None
     for name, codes in stored.items():
-        if codes.bits != 4 or not name.startswith("model.layers."):
-            continue
         parent, _, child = name.removeprefix("model.").removesuffix(".weight").rpartition(".")
         setattr(model.get_submodule(parent), child, int4_layer(codes, dtype))
 

@@ -108,4 +108,7 @@ def test_file_codes_equal_its_tensors(tmp_path, gpt2_vocab, kind):
     assert set(codes) == matrices
     for name, c in codes.items():
         assert torch.equal(dequantize(c), tensors[name]), name
-    assert file.quantized() == (kind != "Q8_0")
+    four_bit = file.four_bit_shapes()
+    assert four_bit == (
+        {} if kind == "Q8_0" else {n: c.shape for n, c in codes.items() if ".layers." in n}
+    )
