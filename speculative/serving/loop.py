@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -44,13 +44,14 @@ GREEDY = Sampling(temperature=0.0)
 
 # ----------------------------------------------------------------------------- requests
 class OverloadedError(Exception):
-    """The waiting queue is full; ``retry_after`` is the estimated wait in whole seconds."""
+    """The waiting queue is full (for ``rows`` more: a request's n choices); ``retry_after`` is the
+    estimated wait in whole seconds."""
 
-    def __init__(self, waiting: int, retry_after: int) -> None:
-        super().__init__(
-            f"the server is at capacity: {waiting} requests are waiting already; retry in "
-            f"{retry_after} s"
-        )
+    def __init__(self, waiting: int, retry_after: int, rows: int = 1) -> None:
+        message = f"the server is at capacity: {waiting} requests are waiting already"
+        if rows > 1:
+            message += f", and this request's {rows} choices would wait beside them"
+        super().__init__(f"{message}; retry in {retry_after} s")
         self.waiting = waiting
         self.retry_after = retry_after
 
@@ -236,6 +237,14 @@ class EngineLoop:
     def submit(self, ticket: Ticket) -> Ticket:
         """Queue a request; raises OverloadedError when max_waiting requests wait already, and
         RuntimeError when the loop is not running."""
+        self.submit_all([ticket])
+        return ticket
+
+    def submit_all(self, tickets: Sequence[Ticket]) -> None:
+        """Queue a request's rows (its n choices) together: all of them, or none with
+        OverloadedError when they would take the waiting requests past max_waiting. Each row waits
+        for a place in the batch as a request of its own does, so each counts as one, in the bound
+        and in /metrics (a request of n rows refused counts n rejected)."""
         with self.lock:
             if not self.healthy or self.drain_until is not None:
                 raise RuntimeError(
@@ -244,12 +253,11 @@ class EngineLoop:
                     else "the server is shutting down"
                 )
             waiting = self.waiting
-            if waiting >= self.max_waiting:
-                self.metrics.rejected += 1
-                raise OverloadedError(waiting, self.retry_after(waiting))
-            self.inbox.append(ticket)
+            if waiting + len(tickets) > self.max_waiting:
+                self.metrics.rejected += len(tickets)
+                raise OverloadedError(waiting, self.retry_after(waiting), len(tickets))
+            self.inbox.extend(tickets)
             self.lock.notify()
-        return ticket
 
     def cancel(self, ticket: Ticket, stop_string: bool = False) -> None:
         """Stop a request (its client left, or, ``stop_string``, its text met a stop string): its row

@@ -136,7 +136,8 @@ def prometheus(loop: Any, prefix: str = "speculative_", responses: Any = None) -
         "requests_total",
         "counter",
         "Requests that ended, by how (eos, max_new_tokens, max_seq_len, stop_string, "
-        "cancelled, error) or were refused (rejected, queue full).",
+        "cancelled, error) or were refused (rejected, queue full); each of a request's n choices "
+        "counts as one.",
         [
             (f'{{outcome="{k}"}}', v)
             for k, v in sorted({**m.outcomes, "rejected": m.rejected}.items())

@@ -83,7 +83,8 @@ class Options(Strict):
     )
     stream: bool | None = False  # null: OpenAI's default, as for every nullable field here
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = 1
+    # choices, each its own row and sample; at most validation.MAX_CHOICES and the server's --max-waiting
+    n: Annotated[int, Field(ge=1)] | None = 1
     user: str | None = None
 
     @field_validator("seed")

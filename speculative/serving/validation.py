@@ -20,6 +20,7 @@ MAX_STOPS = 4  # as OpenAI
 COMPLETION_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; a chat's is what the context leaves
 )
+MAX_CHOICES = 128  # n at most, as OpenAI; a server's --max-waiting may bound it lower (choices_of)
 
 
 def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -55,6 +56,21 @@ def stops_of(stop: str | list[str] | None) -> list[str]:
             param="stop",
         )
     return [unicode_text(s, "stop") for s in stops]
+
+
+def choices_of(service: Service, body: Options) -> int:
+    """The request's n, checked: at most MAX_CHOICES, and at most the server's --max-waiting,
+    since a request's n rows are queued together and each counts as a waiting request (more would
+    be refused with 429 even by an idle server)."""
+    n = body.n or 1
+    bound = service.loop.max_waiting
+    if MAX_CHOICES <= bound:
+        limit, why = MAX_CHOICES, "as OpenAI's"
+    else:
+        limit, why = bound, "the server's --max-waiting: a request's choices wait for rows together"
+    if n > limit:
+        raise ApiError(400, f"n can be at most {limit} here ({why}), got {n}", param="n")
+    return n
 
 
 def max_tokens_of(service: Service, body: Options, prompt_tokens: int, chat: bool) -> int:
@@ -127,6 +143,7 @@ def check_common(service: Service, body: Options) -> None:
             f"max_tokens ({body.max_tokens}) and max_completion_tokens ({chat_max}) differ: give one",
             param="max_completion_tokens",
         )
+    choices_of(service, body)
     gamma = body.speculative_gamma
     if gamma is not None and gamma > service.gamma_max:
         limit = (
@@ -174,7 +191,10 @@ def prompt_ids(service: Service, prompt: str | list[str] | list[int]) -> list[in
     if isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise ApiError(
-                400, f"one prompt per request (n = 1), got a list of {len(prompt)}", param="prompt"
+                400,
+                f"one prompt per request, got a list of {len(prompt)} (n asks for several choices "
+                "of one prompt)",
+                param="prompt",
             )
         return service.tokenizer.encode(unicode_text(prompt[0], "prompt"), bos=True)
     vocab = service.vocab_size

@@ -476,6 +476,227 @@ def test_models_health_and_metrics(shipped) -> None:
     assert all(0 <= values[f'speculative_policy_gamma{{batch="{b}"}}'] <= 4 for b in range(1, 5))
 
 
+# ----------------------------------------------------------------------------- n choices
+def by_choice(chunks) -> dict[int, SimpleNamespace]:
+    """Each choice's text, token ids and finish_reasons (as they came) in a stream's chunks, by index."""
+    out: dict[int, SimpleNamespace] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            got = out.setdefault(choice.index, SimpleNamespace(text="", ids=[], finishes=[]))
+            got.text += (
+                getattr(choice, "text", None)
+                or getattr(getattr(choice, "delta", None), "content", None)
+                or ""
+            )
+            got.ids += (choice.model_extra or {}).get("token_ids", [])
+            if choice.finish_reason is not None:
+                got.finishes.append(choice.finish_reason)
+    return out
+
+
+def finish_of(ids: list[int]) -> str:
+    """A request of NEW tokens without stop strings: "length" when it made them all, else it met EOS."""
+    if len(ids) == NEW:
+        return "length"
+    return "stop"
+
+
+def test_n_choices_are_samples_seeded_seed_plus_i_and_a_repeat_repeats_them(
+    shipped, references
+) -> None:
+    """n was refused. Choice i of a request seeded s samples with seed s + i (generate.py's
+    convention for prompt i of a --prompts-file): with a pinned gamma, choice 0 is generate.py
+    --seed 7's tokens and choice i the single request seeded 7 + i; the same request again gives the
+    same n texts; the choices differ; usage counts the prompt once and every choice's tokens; the
+    speculation figures are the choices' together."""
+    prompt = GREEDY_PROMPTS[0]
+
+    def ask(seed: int, n: int):
+        return completion(
+            shipped, prompt, temperature=1, seed=seed, n=n, extra_body={"speculative_gamma": 2}
+        )
+
+    first = ask(7, 3)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    ids = [ids_of(c) for c in first.choices]
+    assert ids[0] == references["pinned"]["tokens"]
+    singles = [ask(7 + i, 1) for i in range(3)]
+    assert ids == [ids_of(single.choices[0]) for single in singles]
+    assert [c.text for c in first.choices] == [single.choices[0].text for single in singles]
+    assert len({tuple(t) for t in ids}) == 3  # distinct seeds, distinct samples
+    assert [c.finish_reason for c in first.choices] == [finish_of(t) for t in ids]
+    again = ask(7, 3)
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]
+    assert first.usage.prompt_tokens == len(shipped.tokenizer.encode(prompt, bos=True))
+    assert first.usage.completion_tokens == sum(map(len, ids))
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    figures = first.model_extra["speculation"]
+    for name in ("drafted_tokens", "accepted_tokens", "target_calls"):
+        assert figures[name] == sum(single.model_extra["speculation"][name] for single in singles)
+    assert figures["gamma"] == 2 and figures["mean_gamma"] <= 2
+    assert 0 < figures["acceptance_rate"] <= 1 and figures["tokens_per_target_call"] > 1
+    # the largest seed, folded from -1: its next choice's seed is 2^63, still a generator's seed
+    edge = completion(shipped, prompt, temperature=1, seed=-1, n=2, max_tokens=4)
+    assert [c.index for c in edge.choices] == [0, 1] and all(ids_of(c) for c in edge.choices)
+
+
+def test_n_choices_stream_each_under_its_index_to_its_own_finish(shipped) -> None:
+    """A stream of n choices: every chunk names its choice; each choice gets its own finish_reason
+    chunk, once; one last chunk has the usage; the texts are those of the same request whole."""
+    options = {"temperature": 1, "seed": 11, "n": 3, "extra_body": {"speculative_gamma": 2}}
+    whole = completion(shipped, GREEDY_PROMPTS[1], **copy.deepcopy(options))
+    chunks = list(
+        completion(
+            shipped,
+            GREEDY_PROMPTS[1],
+            stream=True,
+            stream_options={"include_usage": True},
+            **copy.deepcopy(options),
+        )
+    )
+    got = by_choice(chunks)
+    assert sorted(got) == [0, 1, 2]
+    for choice in whole.choices:
+        assert got[choice.index].text == choice.text and got[choice.index].ids == ids_of(choice)
+        assert got[choice.index].finishes == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat = {"model": "tiny-target", "messages": messages, "max_tokens": 24, **options}
+    whole = shipped.client.chat.completions.create(**copy.deepcopy(chat))
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert len({c.message.content for c in whole.choices}) > 1
+    chunks = list(shipped.client.chat.completions.create(stream=True, **copy.deepcopy(chat)))
+    got = by_choice(chunks)
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role]
+    assert sorted(roles) == [0, 1, 2]
+    for choice in whole.choices:
+        assert got[choice.index].text == choice.message.content
+        assert got[choice.index].finishes == [choice.finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_choices_without_a_seed_differ_and_greedy_ones_are_alike(shipped, references) -> None:
+    """Without a seed each choice has a generator of its own (not one seed for all); at
+    temperature 0 the n choices are the same greedy text, each cut by the stop string it meets."""
+    sampled = completion(shipped, "Lily and Tom", temperature=1, n=4)
+    assert len({c.text for c in sampled.choices}) > 1
+    ref = references[GREEDY_PROMPTS[0]]
+    greedy = completion(shipped, GREEDY_PROMPTS[0], temperature=0, n=2)
+    assert [ids_of(c) for c in greedy.choices] == [ref["tokens"]] * 2
+    stop = ref["text"][len(ref["text"]) // 2 : len(ref["text"]) // 2 + 6]
+    cut = completion(shipped, GREEDY_PROMPTS[0], temperature=0, n=2, stop=stop)
+    assert [c.text for c in cut.choices] == [ref["text"][: ref["text"].index(stop)]] * 2
+    assert [c.finish_reason for c in cut.choices] == ["stop", "stop"]
+
+
+def test_n_choices_have_their_own_logprobs_and_echo_streamed_or_not() -> None:
+    """Each choice's log-probabilities are the target's own for that choice's tokens; with echo
+    each choice starts with the prompt and its scores, whole or streamed."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        logp = torch.log_softmax(target(torch.tensor([prompt]))[0], dim=-1)
+    scored = [float(logp[i, t]) for i, t in enumerate(prompt[1:])]
+
+    def own(ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            logp = torch.log_softmax(target(torch.tensor([prompt + ids]))[0], dim=-1)
+        return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(ids)]
+
+    with toy_server(target, noisy_copy(target, std=0.2, seed=1)) as server:
+        options = {"model": "toy", "prompt": prompt, "max_tokens": 10, "temperature": 0.9}
+        options |= {"seed": 4, "n": 3, "logprobs": 2, "extra_body": {"return_token_ids": True}}
+        whole = server.client.completions.create(**copy.deepcopy(options))
+        assert len({tuple(ids_of(c)) for c in whole.choices}) > 1
+        for choice in whole.choices:
+            assert choice.logprobs.token_logprobs == pytest.approx(own(ids_of(choice)), abs=1e-9)
+            assert choice.logprobs.tokens == [chr(97 + t) for t in ids_of(choice)]
+        echoed = server.client.completions.create(echo=True, **copy.deepcopy(options))
+        for plain, choice in zip(whole.choices, echoed.choices):
+            assert choice.text == "bcd" + plain.text
+            assert choice.logprobs.token_logprobs[0] is None
+            assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+                scored + own(ids_of(plain)), abs=1e-9
+            )
+        chunks = list(
+            server.client.completions.create(stream=True, echo=True, **copy.deepcopy(options))
+        )
+        got = by_choice(chunks)
+        values: dict[int, list] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                if choice.logprobs:
+                    values.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+        for plain, choice in zip(whole.choices, echoed.choices):
+            assert got[plain.index].text == choice.text
+            assert values[plain.index][0] is None
+            assert values[plain.index][1:] == pytest.approx(choice.logprobs.token_logprobs[1:])
+
+
+def test_a_request_s_choices_count_as_rows_in_the_queue_and_in_metrics() -> None:
+    """A request of n choices queues n rows, all or none: with --max-waiting 3 and one request
+    waiting, n = 2 is taken and n = 3 gets 429 (counted 3 rejected); n = 4 could never wait beside
+    nothing and is a 400. Each choice's end counts as a request's in /metrics."""
+    target = random_llama(vocab=16, dim=16, max_seq_len=64, seed=0, dtype=torch.float64)
+    with toy_server(target, None, max_rows=1, max_waiting=3) as server:
+        gate, step = threading.Event(), server.engine.step
+        server.engine.step = lambda: (gate.wait(10), step())[1]
+
+        def wait_for(count: int) -> None:
+            deadline = time.monotonic() + 10
+            while server.loop.waiting < count:
+                assert time.monotonic() < deadline, server.loop.waiting
+                time.sleep(0.005)
+
+        def ask(n: int):
+            return server.client.completions.create(model="toy", prompt=[1, 2], max_tokens=4, n=n)
+
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(ask, 1)
+            wait_for(1)
+            pair = pool.submit(ask, 2)
+            wait_for(3)
+            code, body, headers = error_of(lambda: ask(1))
+            assert code == 429 and body["code"] == "queue_full"
+            code, body, headers = error_of(lambda: ask(3))
+            assert (
+                code == 429 and "3 choices" in body["message"] and int(headers["retry-after"]) >= 1
+            )
+            code, body, _ = error_of(lambda: ask(4))
+            assert code == 400 and body["param"] == "n" and "at most 3" in body["message"]
+            gate.set()
+            assert held.result(timeout=30).usage.completion_tokens == 4
+            answer = pair.result(timeout=30)
+        assert [c.index for c in answer.choices] == [0, 1]
+        assert answer.usage.completion_tokens == 8 and answer.usage.prompt_tokens == 2
+        assert server.loop.metrics.rejected == 4
+        deadline = time.monotonic() + 10
+        while server.loop.metrics.outcomes.get("max_new_tokens", 0) < 3:
+            assert time.monotonic() < deadline, server.loop.metrics.outcomes
+            time.sleep(0.01)
+        assert server.loop.metrics.outcomes == {"max_new_tokens": 3}
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'speculative_requests_total{outcome="rejected"} 4' in text
+
+
+def test_a_client_that_leaves_a_stream_of_n_choices_frees_all_its_rows() -> None:
+    target = random_llama(vocab=16, dim=16, max_seq_len=512, seed=0, dtype=torch.float64)
+    with toy_server(target, None, step_delay=0.01) as server:
+        stream = server.client.completions.create(
+            model="toy", prompt=[1, 2], max_tokens=400, n=3, stream=True
+        )
+        for _, _chunk in zip(range(4), stream):
+            pass
+        stream.close()
+        deadline = time.monotonic() + 10
+        while server.loop.metrics.outcomes.get("cancelled", 0) < 3:
+            assert time.monotonic() < deadline, server.loop.metrics.outcomes
+            time.sleep(0.02)
+        assert server.loop.metrics.outcomes == {"cancelled": 3}
+        assert server.loop.running == 0 and server.loop.metrics.tokens < 600
+
+
 # ----------------------------------------------------------------------------- disconnects
 def test_a_client_that_disconnects_frees_its_row_at_once() -> None:
     """A streamed request closed after two chunks and a plain one whose client times out: both
@@ -514,7 +735,12 @@ def error_of(call) -> tuple[int, dict, httpx.Headers]:
         ({"temperature": 3}, 400, "temperature"),
         ({"top_p": 0}, 400, "top_p"),
         ({"max_tokens": 0}, 400, "0 only with echo"),
-        ({"n": 2}, 400, "n:"),
+        ({"n": 0}, 400, "n:"),
+        (
+            {"n": 65},
+            400,
+            "n can be at most 64",
+        ),  # serve.py's --max-waiting: the choices wait together
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         (
             {"stop": ["x" * 1025]},
@@ -818,6 +1044,28 @@ def test_fields_that_change_nothing_here_are_accepted_and_ignored(shipped) -> No
         both = httpx.post(f"{shipped.url}/v1/{path}", json={**request, **lenient}, timeout=30)
         assert plain.status_code == both.status_code == 200, both.text
         assert plain.json()["choices"] == both.json()["choices"]
+
+
+def test_the_openai_client_s_lenient_fields_are_accepted(shipped) -> None:
+    """The same fields as above, as the openai client sends them (its own parameters where it has
+    them): the answers are those without them, token for token."""
+    lenient = {"logit_bias": {}, "user": "ann"}
+    extra = {"parallel_tool_calls": True, "store": False, "metadata": {"run": "7"}}
+    plain = completion(shipped, "Once", temperature=0, max_tokens=6)
+    both = completion(shipped, "Once", temperature=0, max_tokens=6, extra_body=extra, **lenient)
+    assert ids_of(both.choices[0]) == ids_of(plain.choices[0]) and both.choices[0].text
+    chat = {
+        "model": "tiny-target",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    plain = shipped.client.chat.completions.create(**chat)
+    both = shipped.client.chat.completions.create(
+        **chat, **lenient, parallel_tool_calls=True, store=False, metadata={"run": "7"}
+    )
+    assert both.choices[0].message.content == plain.choices[0].message.content
+    assert both.usage.completion_tokens == plain.usage.completion_tokens == 6
 
 
 def test_openai_valid_nulls_and_negative_seeds_are_accepted_with_a_system_fingerprint(
