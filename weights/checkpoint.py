@@ -14,7 +14,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +139,40 @@ class _Held:
         return self.tensor[index]
 
 
+class _GGUFSlice:
+    """A GGUF file's weight, read through the slicing interface of a safetensors slice: its shape from
+    the tensor table, its values dequantized when they are read."""
+
+    def __init__(self, file: GGUFFile, name: str, shape: tuple[int, ...]) -> None:
+        self.file, self.name, self.shape = file, name, shape
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.file.tensor(self.name)[index]
+
+
+class _GGUFView:
+    """A GGUF file opened as safe_open opens a file: a weight is dequantized when it is read, so that
+    loading holds one weight in float32 at a time."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.file = file
+        self.shapes = file.shapes()
+
+    def __enter__(self) -> _GGUFView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def get_slice(self, name: str) -> _GGUFSlice:
+        return _GGUFSlice(self.file, name, self.shapes[name])
+
+
 class _HeldFile:
-    """Tensors in memory (a pytorch_model.bin, a GGUF file's), opened as safe_open opens a file."""
+    """Tensors in memory (a pytorch_model.bin's), opened as safe_open opens a file."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
@@ -181,21 +213,26 @@ def _opened_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
 
 
 def read_tensors(
-    directory: Path, config: ModelConfig, take: Callable[[str, Any], torch.Tensor]
+    directory: Path,
+    config: ModelConfig,
+    take: Callable[[str, Any], torch.Tensor],
+    skip: Collection[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of the checkpoint in ``directory``, as (HF name, tensor), after checking that the
     names and shapes are exactly those ``config`` implies.
 
     ``take(name, tensor_slice)`` reads one tensor from its memory-mapped safetensors slice (all of
-    it, or the rows one tensor-parallel rank needs); broken files become CheckpointError.
+    it, or the rows one tensor-parallel rank needs); broken files become CheckpointError. ``skip``:
+    names whose shapes are checked but whose values are neither read nor yielded (a GGUF file's 4-bit
+    matrices, which a loader takes as their own codes).
     """
-    held: dict[str, torch.Tensor] | None = None  # a GGUF file's tensors, dequantized once
+    view: _GGUFView | None = None  # a GGUF file's tensors, each dequantized when it is read
     if is_gguf(directory):
         try:
-            held = gguf_file(directory).tensors()
+            view = _GGUFView(gguf_file(directory))
         except GGUFError as err:
             raise CheckpointError(str(err)) from None
-        files = dict.fromkeys(held, directory)
+        files = dict.fromkeys(view.shapes, directory)
     else:
         files = weight_files(directory)
     # Checkpoints written before transformers made it a non-persistent buffer (the Llama-2 *-hf
@@ -226,7 +263,7 @@ def read_tensors(
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         try:
-            with _HeldFile(held) if held is not None else _open(path) as f:
+            with view if view is not None else _open(path) as f:
                 for name in names:
                     tensor_slice = f.get_slice(name)
                     shape = tuple(tensor_slice.get_shape())
@@ -235,10 +272,14 @@ def read_tensors(
                             f"{path.name}: tensor {name} has shape {list(shape)} but config.json "
                             f"implies {list(expected[name])}"
                         )
+                    if name in skip:
+                        continue
                     tensor = take(name, tensor_slice)
                     check_finite(path, name, tensor, tensor_slice)
                     yield name, tensor
-        except (SafetensorError, OSError, GGUFError) as err:
+        except GGUFError as err:  # worded by weights/gguf.py, the file named
+            raise CheckpointError(str(err)) from None
+        except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({err})") from None
 
 

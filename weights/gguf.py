@@ -393,23 +393,34 @@ class GGUFFile:
 
         ``lm_head.weight`` is absent when the head is tied to the embedding (no ``output.weight``).
         """
-        out: dict[str, torch.Tensor] = {}
-        for name, (hf, _shape) in self._expected.items():
-            values = self._dequantize(name)
-            # memory-mapped F32 data is read-only
-            if not values.flags.writeable or values.dtype != np.float32:
-                values = np.array(values, dtype=np.float32)
-            tensor = torch.from_numpy(values)
-            if not bool(torch.isfinite(tensor).all()):
-                raise GGUFError(
-                    f"{self.path}: tensor {name} holds NaN or infinite values: the file is damaged"
-                )
-            if name.endswith(".attn_q.weight"):
-                tensor = pairs_to_halves(tensor, self.n_heads)
-            elif name.endswith(".attn_k.weight"):
-                tensor = pairs_to_halves(tensor, self.n_kv_heads)
-            out[hf] = tensor.to(device=device, dtype=dtype).contiguous()
-        return out
+        return {hf: self.tensor(hf).to(device=device, dtype=dtype) for hf in self.shapes()}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's HF name and shape, from the tensor table: nothing is read."""
+        return {hf: shape for hf, shape in self._expected.values()}
+
+    def tensor(self, hf_name: str) -> torch.Tensor:
+        """One weight by its HF name, dequantized to float32, q/k rows back in rotate-half order.
+        One at a time, so that a loader holds one weight in float32 at once, not the whole model."""
+        name = self._by_hf()[hf_name]
+        values = self._dequantize(name)
+        # memory-mapped F32 data is read-only
+        if not values.flags.writeable or values.dtype != np.float32:
+            values = np.array(values, dtype=np.float32)
+        tensor = torch.from_numpy(values)
+        if not bool(torch.isfinite(tensor).all()):
+            raise GGUFError(
+                f"{self.path}: tensor {name} holds NaN or infinite values: the file is damaged"
+            )
+        if name.endswith(".attn_q.weight"):
+            tensor = pairs_to_halves(tensor, self.n_heads)
+        elif name.endswith(".attn_k.weight"):
+            tensor = pairs_to_halves(tensor, self.n_kv_heads)
+        return tensor.contiguous()
+
+    def _by_hf(self) -> dict[str, str]:
+        """HF name -> the file's own name."""
+        return {hf: name for name, (hf, _shape) in self._expected.items()}
 
     def codes(self, only: Collection[str] | None = None) -> dict[str, GroupCodes]:
         """The matrices stored in a block kind of weights/gguf_blocks.py, as the file's own codes under

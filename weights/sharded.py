@@ -96,7 +96,9 @@ def load_model_tp(
             tensor = tensor.clone(memory_format=torch.contiguous_format)
         return tensor
 
-    for name, tensor in read_tensors(directory, config, take):
+    # a file's 4-bit matrices are taken as their own codes (use_file_codes), never dequantized
+    skip = four_bit_names(directory) if quantize == "file" else ()
+    for name, tensor in read_tensors(directory, config, take, skip):
         _place(
             model,
             name.removeprefix("model."),
@@ -115,6 +117,16 @@ def load_model_tp(
         raise CheckpointError(f"{directory}: tensors never filled in: {', '.join(left[:5])}")
     model.eval()
     return sync_logits(model) if sync else model
+
+
+def four_bit_names(directory: Path) -> set[str]:
+    """The HF names of the matrices a GGUF file stores as 4-bit codes (none for another checkpoint)."""
+    if not is_gguf(directory):
+        return set()
+    try:
+        return set(gguf_file(directory).four_bit_shapes())
+    except GGUFError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def use_file_codes(model: Llama, directory: Path, dtype: torch.dtype) -> None:
