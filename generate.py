@@ -6,6 +6,7 @@
     python generate.py --compare                         # both, one after the other: the measured speedup
     echo "Once upon a time" | python generate.py --prompt - --json
     python generate.py --prompts-file prompts.txt        # one prompt per line, decoded together in a batch
+    python generate.py -m 7b-chat --interactive          # a conversation: type a turn, /reset, /exit
 
 (In a clone set up by the README's quick start: .venv/bin/python generate.py.)
 
@@ -44,7 +45,7 @@ from speculative import (
     speculative_generate,
     speculative_generate_batch,
 )
-from speculative.cli import costs, output, pricing, report
+from speculative.cli import chat, costs, output, pricing, report
 from speculative.cli import options as cmdline
 from speculative.cli.options import (
     DTYPES,
@@ -180,7 +181,13 @@ def build_parser() -> cmdline.ArgumentParser:
         action="store_true",
         help="the prompt as a user's turn, in the target's own chat template",
     )
-    add("--system", default=None, help="system prompt for --chat (default: none)")
+    add("--system", default=None, help="system prompt for --chat and --interactive (default: none)")
+    add(
+        "-i",
+        "--interactive",
+        action="store_true",
+        help="a conversation in the target's chat template: type a turn, /reset, /exit",
+    )
     add(
         "--prompts-file",
         default=None,
@@ -310,6 +317,9 @@ def validate(args: argparse.Namespace, given: set[str]) -> None:
         raise UsageError("token trees are not batched; drop --tree or --prompts-file")
     if args.prompts_file is not None and "prompt" in given:
         raise UsageError("give --prompt or --prompts-file, not both")
+    if args.interactive:  # its turns are user turns in the chat template: --system applies
+        chat.check_flags(given)
+        args.chat = True
 
 
 def setup_flag(args: argparse.Namespace) -> str:
@@ -369,6 +379,8 @@ def load(
     args.draft = named.draft  # the default draft, when none was named
     args.gamma = named.gamma  # a default head's own, when --gamma was not given
     spec = named.spec
+    if args.interactive:
+        chat.check_template(spec.tokenizer, args.target)
     if args.setup != "default" and world_size > 1:
         raise UsageError(
             f"{setup_flag(args)} is for one process: tensor-parallel shards keep the default set-up (a "
@@ -415,6 +427,8 @@ def load(
         context,
         max(map(len, encoded)) + args.max_new_tokens + (0 if spec.kind is None else ahead + 1),
     )
+    if args.interactive:  # one conversation's caches grow to the whole context
+        positions = context
     # the KV caches' rows
     rows = min(args.batch_size or len(encoded), len(encoded)) if prompts else 1
     # The set-up of each model: the default (compiled steps from the cache, else stacked and prepacked at once),
@@ -495,6 +509,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.interactive and world_size > 1:
+        raise UsageError("--interactive is a conversation in one process, not under torchrun")
     texts = None  # the prompts of --prompts-file, decoded as one batch
     if args.prompts_file is not None:
         if world_size > 1:
@@ -601,6 +617,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
             color,
             prefix="" if args.chat else tokenizer.decode(prompt_ids),
         )
+    if args.interactive:  # turns from stdin, one engine for the whole conversation
+        return chat.converse(args, pair, sampling, color)
     step_clock = output.StepClock(streamer)
     # NonFiniteLogitsError (a ValueError) from either loop ends the run in main(): one error line, no tokens.
     with torch.inference_mode():

@@ -24,6 +24,12 @@ Bookkeeping, with L tokens in the sequence and the target's cache holding 0..L-2
 All of this is per row (speculative.draft): one features table, one head cache row and one
 known/next pair per row.
 
+A row that goes on from the row that left its slot (the ``resumed`` hook, a conversation's next
+turn) shares its first tokens with it, and the target reads it only from there on: the features
+table keeps that row's features of the shared positions (the target read them all), and the head
+its slots whose inputs lie in them, positions 0..shared-2 (position j reads x_{j+1}). As for a
+new row, nothing is drafted before the target's first call for it.
+
 On the first iteration no feature is known yet: the drafter proposes nothing, and the
 loop's first target call (which reads the prompt) is a plain step.
 
@@ -40,7 +46,15 @@ from typing import Any
 import torch
 
 from model import call as calls
-from speculative.draft.protocol import Draft, drafted, draw_rows, head_trait, newest, pad_rows
+from speculative.draft.protocol import (
+    Draft,
+    drafted,
+    draw_rows,
+    head_trait,
+    left_behind,
+    newest,
+    pad_rows,
+)
 from speculative.draft.registry import DrafterKind, register_drafter
 from speculative.draft.trees import grow_tree
 from speculative.sampling import Sampling, full_width
@@ -73,6 +87,7 @@ class FeatureDrafter:
         self.unprojected: list[tuple[torch.Tensor, list[int], list[int]]] = []
         self.known: list[int] = []  # row b: positions 0..known[b]-1 hold the target's own features
         self.next: list[int] = []  # row b: the head's first cache slot not holding a true input
+        self.left: dict[int, int] = {}  # a free slot -> the next of the row that left it
 
     def start(self, max_rows: int, cache_len: int, target: Any = None) -> None:
         if target is not None and target is not self.target:
@@ -88,6 +103,7 @@ class FeatureDrafter:
             device=self.head.device,
         )
         self.known, self.next, self.unprojected = [], [], []
+        self.left = {}
 
     @property
     def features(self) -> torch.Tensor:
@@ -282,6 +298,7 @@ class FeatureDrafter:
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
         table = self.features  # projected now: the calls kept hold the old rows
+        self.left = left_behind(self.left, self.next, rows)
         # only what the kept rows hold (next, known), not the whole context
         if rows != list(range(len(rows))):
             self.head.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
@@ -290,6 +307,14 @@ class FeatureDrafter:
             table[: len(rows), :known] = table[:, :known].index_select(0, index)
         self.known = [self.known[r] for r in rows] + [0] * new
         self.next = [self.next[r] for r in rows] + [0] * new
+
+    def resumed(self, rows: list[int], shared: list[int]) -> None:
+        """New rows that go on from the row that left their slot (the protocol's hook): its features
+        of the shared positions stay in the table (the target read them all, and reads the new row
+        from ``shared`` on), and the head's slots whose inputs lie in them are kept. ``known`` stays 0:
+        nothing is drafted before the target's first call for the row, as for a new row."""
+        for b, count in zip(rows, shared):
+            self.next[b] = max(0, min(self.left.pop(b, 0), count - 1))
 
 
 HEAD_TYPE = "llama-feature-head"  # the model_type of an EAGLE-1 head's config.json (weights.drafters writes it)

@@ -130,6 +130,9 @@ class HybridDrafter:
         self.max_seq_len = trait(drafter, "max_seq_len")
         self.model = trait(drafter, "model")
         self.head = trait(drafter, "head")
+        # a row that goes on from an earlier one: the model drafter keeps what it can (its hook, or
+        # None: it reads the row from 0); the copier's index is built from the sequence anyway
+        self.resumed = trait(drafter, "resumed")
         self.records: list[RowRecord] = []
         self.pending: list[Pending] = []
         # what an iteration costs (the priced hook), or None: the choice is by accepted tokens

@@ -16,6 +16,7 @@ from speculative.draft.protocol import (
     draw_rows,
     is_drafter,
     is_model,
+    left_behind,
     newest,
     pad_rows,
 )
@@ -31,6 +32,8 @@ class ModelDrafter:
     For each row it remembers only ``next``, its first cache slot not holding a token of the
     row's sequence: next = L + gamma - 1 after proposing, min(next, L' - 1) after verification
     (docs/kv_cache.md, "The two models' bookkeeping", says why that is the whole rollback).
+    A row that goes on from the one that left its slot (the ``resumed`` hook) keeps the slots that
+    hold the tokens the two share: next = min(that row's next, the shared tokens).
 
     The model is used only through its cached call ``model(tokens, call)``, ``setup_cache``,
     ``move_cache`` and ``config.vocab_size`` / ``config.max_seq_len``.
@@ -43,10 +46,12 @@ class ModelDrafter:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.config.max_seq_len
         self.next: list[int] = []
+        self.left: dict[int, int] = {}  # a free slot -> the next of the row that left it
 
     def start(self, max_rows: int, cache_len: int, target: Any = None) -> None:
         self.model.setup_cache(max_rows, cache_len)
         self.next = []
+        self.left = {}
 
     def propose(
         self,
@@ -120,10 +125,17 @@ class ModelDrafter:
         self.next = [min(nxt, length - 1) for nxt, length in zip(self.next, lengths)]
 
     def keep_rows(self, rows: list[int], new: int = 0) -> None:
+        self.left = left_behind(self.left, self.next, rows)
         if rows != list(range(len(rows))):
             # the slots holding true inputs (next), not the whole context
             self.model.move_cache(rows, upto=max(1, *(self.next[r] for r in rows)))
         self.next = [self.next[r] for r in rows] + [0] * new
+
+    def resumed(self, rows: list[int], shared: list[int]) -> None:
+        """New rows that go on from the row that left their slot (the protocol's hook): the slots
+        holding tokens that the two rows share are kept, the rest read at the next proposal."""
+        for b, count in zip(rows, shared):
+            self.next[b] = min(self.left.pop(b, 0), count)
 
 
 def as_drafter(draft: Any) -> Drafter:

@@ -49,14 +49,27 @@ by what an iteration costs on the machine. It has one hook more, optional too:
   ``start``, or between runs. Costs are constants of a run, never its clock, so a seeded run
   still repeats.
 
+A drafter with a cache of its own may keep what it read of a finished row for the row that goes on
+from it (Engine.add's ``continues``: a conversation's next turn), with one hook more, optional too
+(None: the engine calls nothing, and the drafter reads the new row from 0 as any new row):
+
+* ``resumed(rows, shared)``: right after ``keep_rows(rows, new)`` (and ``joined``) added them,
+  the indexes of new rows whose first ``shared[i]`` tokens are those of the row that last left
+  the same slot of the caches, and which the target will not read again: its call starts at
+  ``shared[i]``, so a drafter that reads the target's features gets them from there on only. A
+  drafter keeps what it computed from those tokens in that slot (what it holds of the row that
+  left it: :func:`left_behind` keeps count) and reads the rest as for a new row. The engine calls it
+  only in an engine of one row, whose slot no other row used since. A drafter that reads the
+  target's features and has no such hook makes the target read the row from 0.
+
 Besides the four calls, the engine and the tools read a few attributes, all declared on
 :class:`Drafter` with the value that a drafter without them has (:data:`DEFAULTS`, read with
 :func:`trait`): what it reads of the target (``reads_features``), the ids and lengths it can
 handle (``vocab_size``, ``max_seq_len``), whether one call drafts the whole chain
 (``parallel``: gamma="auto" then weighs a call's cost once, not per token), the networks it
 runs (``model``, a draft model; ``head``, a head on the target's features), which the set-ups
-of model/fast prepare and the benchmarks time, ``propose_tree``, ``joined``, ``finished`` and
-``priced``. A head is read the same
+of model/fast prepare and the benchmarks time, ``propose_tree``, ``joined``, ``finished``,
+``priced`` and ``resumed``. A head is read the same
 way: :class:`Head`, :data:`HEAD_DEFAULTS`, :func:`head_trait`. Nothing else of a drafter or a
 head is read anywhere.
 
@@ -127,6 +140,8 @@ class Drafter(Protocol):
     finished: Callable[[list[int], list[list[int]], list[int]], None] | None
     # the measured costs of an iteration (an IterationCosts), to choose its draft length; or None
     priced: Callable[[Any], None] | None
+    # (rows, shared) of the new rows that go on from the row that last left their slot; or None
+    resumed: Callable[[list[int], list[int]], None] | None
 
     def start(self, max_rows: int, cache_len: int, target: Any) -> None: ...
 
@@ -161,6 +176,7 @@ DEFAULTS: dict[str, Any] = {
     "joined": None,
     "finished": None,
     "priced": None,
+    "resumed": None,
 }
 DRAFTER_METHODS = ("start", "propose", "commit", "keep_rows")  # the four calls every drafter has
 
@@ -259,6 +275,19 @@ def drafted(
         return Draft(torch.empty(len(gammas), 0, dtype=torch.long, device=device), list(gammas))
     q = torch.stack(probs, dim=1) if probs else None  # [B, steps, V]
     return Draft(torch.stack(tokens, dim=1), list(gammas), q, calls)
+
+
+def left_behind(left: dict[int, Any], states: list[Any], rows: list[int]) -> dict[int, Any]:
+    """What the cache slots that no row holds after ``keep_rows(rows)`` still hold: slot -> the
+    drafter's own state (its ``next``, ...) of the row that last left it, for ``resumed``. ``left``:
+    the same before the call, ``states``: each current row's. Rows that stay in their slots
+    (rows == 0..len(rows)-1) leave the slots of the others as they were; a move writes over slots,
+    and then nothing is kept. A slot that a row holds has no entry after the next call."""
+    if rows != list(range(len(rows))):
+        return {}
+    kept = {slot: state for slot, state in left.items() if slot >= len(states)}
+    kept.update({slot: states[slot] for slot in range(len(rows), len(states))})
+    return kept
 
 
 def pad_rows(rows: list[list[int]], device: torch.device, width: int | None = None) -> torch.Tensor:

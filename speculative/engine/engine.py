@@ -22,6 +22,14 @@ finished row leaves at once (the KV caches drop it, model.move_cache compacts th
 takes its place. A row can also be stopped from outside (:meth:`Engine.cancel`, a server's client that left):
 it leaves at the start of the next step, before that step computes anything for it.
 
+A row may go on from a finished one (``Engine.add``'s ``continues``: a conversation's next turn, whose prompt
+is the earlier turn's sequence and more). In an engine of one row the KV caches still hold what the target
+read of that row, so the new row's first call starts at the first token where the two differ (at most where
+the cache ends) instead of at 0; a drafter with a cache of its own keeps what it can through its
+``resumed`` hook (speculative.draft.protocol). The tokens are those of a fresh row with the same prompt: only
+the positions read differ, as they do between the calls of any row (the numerics policy). Where the
+earlier row was cancelled or failed, or another row used the caches since, the row reads from 0.
+
 Each row has its own sampling settings (``Engine.add``'s ``sampling``) and seed: row b draws everything from its own
 torch.Generator, in the order a batch of one would, so its tokens do not depend on the other rows, up to the numerics
 policy (docs/algorithm.md: near-ties of a matmul of another shape). gamma="auto" and ``guard`` time all rows at once:
@@ -171,6 +179,9 @@ class Engine:
         self.device = model_device(target)
         self.rows: list[Row] = []
         self.waiting: deque[Row] = deque()
+        # the row whose tokens the caches' one slot holds (one row at most: a row that continues it
+        # reads on from what they hold)
+        self.resident: Row | None = None
         self.finished: list[Row] = []  # rows that are done, in the order they finished
         self.stats = BatchStats(prompts=0, batch_size=max_rows)
         self.clock: Clock | None = None
@@ -191,6 +202,7 @@ class Engine:
         logprobs: int | None = None,
         echo: bool = False,
         memory: Any = None,
+        continues: Row | None = None,
     ) -> Row:
         """Queue a request; it joins the batch at the next step with room. ``sampling``: its own
         temperature, top-k and top-p (default: the engine's). ``gamma``: pin its drafted tokens
@@ -205,7 +217,14 @@ class Engine:
         log-probability and this many top ones (``row.logprob_record``); ``echo``: the prompt's
         too (``row.prompt_record``), from the target call that reads it. ``memory``: what the
         drafter may read of earlier requests and keep of this one (its ``joined`` and ``finished``
-        hooks, speculative.draft.protocol; serve.py's partition of a suffix cache), None: nothing."""
+        hooks, speculative.draft.protocol; serve.py's partition of a suffix cache), None: nothing.
+        ``continues``: a finished row of this engine whose sequence the prompt goes on from (a
+        conversation's earlier turn; an engine of one row, ``max_rows=1``): the target reads the prompt
+        from the first token where it differs from that row's sequence, at most from where the cache
+        of that row ends, and its drafter keeps what its ``resumed`` hook can (``row.cached``: the
+        tokens not read again). The tokens are those of the same prompt without ``continues``; where
+        that row was cancelled or failed, another row ran since, or ``echo`` wants the whole prompt
+        read, the prompt is read from 0."""
         check_max_new_tokens(max_new_tokens)
         check_seed(seed)
         prompt = check_prompt(prompt_ids, self.target.config.vocab_size, self.row_limit)
@@ -235,6 +254,16 @@ class Engine:
             )
         if (logprobs is not None or echo) and self.tree is not None:
             raise ValueError("logprobs are recorded for chains only, not token trees")
+        if continues is not None and not isinstance(continues, Row):
+            raise ValueError(
+                f"continues must be a Row of this engine, got {type(continues).__name__}"
+            )
+        if continues is not None and self.max_rows != 1:
+            # with several rows the caches move rows between slots: what a finished row left is not kept
+            raise ValueError(
+                f"continues needs an engine of one row (max_rows=1), not {self.max_rows}: rows move "
+                "between the caches' slots and a finished row's cache is not kept"
+            )
         row = Row(
             prompt,
             max_new_tokens,
@@ -248,6 +277,7 @@ class Engine:
             logprobs=logprobs,
             echo=echo,
             memory=memory,
+            continues=continues,
         )
         self.waiting.append(row)
         self.stats.prompts += 1
@@ -289,21 +319,59 @@ class Engine:
         self.decode_start = self.clock.mark()
 
     def admit(self) -> None:
-        """Waiting rows take the free places, behind the rows already there."""
+        """Waiting rows take the free places, behind the rows already there; a row that continues the
+        one the caches hold reads on from what they hold (:meth:`cached_prefix`)."""
         old = len(self.rows)
         while self.waiting and len(self.rows) < self.max_rows:
             self.flush()
             row = self.waiting.popleft()
             row.joined = self.clock.mark()
+            row.cached = self.cached_prefix(row)
+            # let go: a conversation's rows would otherwise hold every earlier one
+            row.continues = None
             if self.is_done(row):  # its prompt fills the context already
                 self.finish(row, row.joined)
-            else:
-                self.rows.append(row)
+                continue
+            row.target_next = row.cached
+            self.rows.append(row)
+            self.resident = row
         if self.drafter is not None and len(self.rows) > old:
             self.drafter.keep_rows(list(range(old)), len(self.rows) - old)
             joined = trait(self.drafter, "joined")
             if joined is not None:
                 joined([row.memory for row in self.rows[old:]])
+            # a drafter without the hook reads a new row from 0, whatever the target skips
+            hook = trait(self.drafter, "resumed")
+            resumed = [
+                (b, row.cached) for b, row in enumerate(self.rows) if b >= old and row.cached
+            ]
+            if hook is not None and resumed:
+                hook([b for b, _ in resumed], [n for _, n in resumed])
+
+    def cached_prefix(self, row: Row) -> int:
+        """The first tokens of ``row``'s prompt that the target need not read: those that the row it
+        continues had too and that the caches still hold (the target read them: ``target_next``),
+        never the prompt's last token (its call gives the first new token's logits). 0 unless that
+        row finished by its own end (not cancelled, not failed) and was the last in the caches, and
+        unless the drafter can go on without them: one that reads the target's features needs the
+        positions the target reads, so it must keep the others through its ``resumed`` hook."""
+        previous = row.continues
+        if previous is None or previous is not self.resident or row.echo:
+            return 0
+        if not previous.done or previous.cancelled or previous.error is not None:
+            return 0
+        drafter = self.drafter
+        if (
+            drafter is not None
+            and trait(drafter, "reads_features")
+            and trait(drafter, "resumed") is None
+        ):
+            return 0
+        limit = min(previous.target_next, len(row.prompt) - 1)
+        shared = 0
+        while shared < limit and row.prompt[shared] == previous.ids[shared]:
+            shared += 1
+        return shared
 
     def retire(self, now: Any) -> list[Row]:
         """Rows that finished leave the batch (and every KV cache); the rest move up."""

@@ -53,6 +53,10 @@ class Row:
     prompt_record: list[Logprob | None] = field(default_factory=list)
     # what the drafter keeps across requests for it (Engine.add's memory: a serve.py partition)
     memory: Any = None
+    # the finished row whose sequence this one's prompt goes on from (Engine.add's continues), until it joins
+    continues: Row | None = None
+    # the first tokens of its prompt that the target's cache held when it joined (read again: 0)
+    cached: int = 0
 
     @property
     def length(self) -> int:
