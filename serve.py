@@ -34,6 +34,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from model.scale.memory import (
     plan_suggestion,
 )
 from speculative import Engine
+from speculative.cli import calibration, costs
 from speculative.cli import options as cmdline
 from speculative.cli.options import (
     DTYPES,
@@ -67,7 +69,7 @@ from speculative.serving.loop import EngineLoop, Service
 from speculative.serving.policy import LoadGamma
 from speculative.serving.threads import ThreadTuner, openmp_threads
 from speculative.verify import RULES
-from weights import NonFiniteWeightsError, Pair, PairSpec
+from weights import NonFiniteWeightsError, Pair, PairSpec, StepCache
 from weights.load import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -261,6 +263,12 @@ def build_parser() -> cmdline.ArgumentParser:
         "together, the oldest evicted first; each key reads only its own; 0: none (default %(default)s)",
     )
     add("--access-log", action="store_true", help="log every request on stderr")
+    add(
+        "--recalibrate",
+        action="store_true",
+        help="measure the cost model of --speculation load again, and record it (default: read what an "
+        "earlier start on this machine and set-up recorded)",
+    )
     add = parser.add_argument_group("plan").add_argument
     add(
         "--plan",
@@ -428,6 +436,9 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     """Load the pair, build the engine and its gamma policy (calibrated at start-up for "load"),
     start the engine's thread (or, ``here``, leave its loop to the calling thread), and return
     what the API serves."""
+    # a start takes seconds (minutes for a first --compile): say what it is doing
+    print(f"load: {args.target} ...", file=sys.stderr, flush=True)
+    began = time.perf_counter()
     device = pick_device(args.device)
     args.quantize, args.dtype, reading = settle_reading(
         args.target, args.quantize, args.dtype, device, args.cache_dir
@@ -437,6 +448,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         torch.set_num_threads(args.threads)
     most = torch.get_num_threads()
     pair, context, setups, spec = load(args, device, dtype)
+    print(f"load: done in {time.perf_counter() - began:.1f}s", file=sys.stderr, flush=True)
     for line in setups.lines:
         print(f"setup: {line}", file=sys.stderr)
     defaults = spec.sampling_defaults if args.generation_config == "auto" else {}
@@ -463,11 +475,20 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         policy = FixedGamma(0)
     elif speculative and args.speculation == "load":
         policy = LoadGamma(args.gamma, args.max_batch)
-        seconds = policy.calibrate(engine, pair.tokenizer.encode(CALIBRATION_TEXT))
+        # measured once per machine and set-up, then read (speculative.cli.calibration)
+        line = calibration.calibrated(
+            policy,
+            engine,
+            pair.draft,
+            pair.tokenizer.encode(CALIBRATION_TEXT),
+            StepCache(args.cache_dir),
+            costs.chosen_setups(setups),
+            fresh=args.recalibrate,
+            say=lambda text: print(text, file=sys.stderr, flush=True),
+        )
         chosen = ", ".join(f"{b}: {g}" for b, g, _ in policy.table())
         print(
-            f"cost model: every gamma measured at batch sizes up to {args.max_batch} in {seconds:.1f}s; gamma by "
-            f"batch size now {chosen} (it follows the live alpha and step costs)",
+            f"{line}; gamma by batch size now {chosen} (it follows the live alpha and step costs)",
             file=sys.stderr,
         )
     # A drafter that keeps earlier responses (the protocol's joined hook) gets the per-key store.

@@ -442,9 +442,10 @@ def available_bytes(device: torch.device) -> int | None:
 
 # A server's default context (serve.py without --max-model-len): the model's, but no longer than
 # llama.cpp's default (-c 4096), and no more KV cache than KV_BUDGET or a quarter of the free memory
-# for all its rows: a 135M model's full 8,192 positions for 16 rows of float32 took 6 GB.
+# for all its rows: a 135M model's full 8,192 positions for 16 rows of float32 took 6 GB. The budget
+# keeps a small model's server within 2 GB resident (the KV cache is held for every row at once).
 DEFAULT_CONTEXT = 4096
-KV_BUDGET = 2**30
+KV_BUDGET = 3 * 2**28
 CONTEXT_STEP = 256
 
 

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from speculative.engine.cost import expected_tokens_per_iteration
 from speculative.engine.engine import Engine
@@ -185,18 +186,18 @@ class LoadGamma:
         prompt: Sequence[int],
         sizes: Sequence[int] | None = None,
         rounds: int = 5,
+        progress: Callable[[int, int, int], None] | None = None,
     ) -> float:
         """Measure every gamma's iteration at each batch size in ``sizes`` (default 1, 2, 4, ...,
         max_rows) on ``engine`` itself, before it serves: B greedy rows of ``prompt`` step with
         gamma 0, 1, ..., gamma_max in turn, ``rounds`` times (so that a slow moment of a shared
         machine falls on every gamma alike), and each cell keeps its median. The positions it
         verified seed alpha (weighted as the last 1 / (1 - fade) of them at most, so that live
-        traffic soon outweighs them). Leaves the engine idle with this policy installed, and
-        returns the seconds it took."""
+        traffic soon outweighs them). ``progress(size, done, count)`` hears of each batch size
+        measured (the ``done``-th of ``count``). Leaves the engine idle with this policy installed,
+        and returns the seconds it took."""
         start = time.perf_counter()
-        sizes = sorted(
-            set(sizes or [*(2**k for k in range(max_rows_log(self.max_rows) + 1)), self.max_rows])
-        )
+        sizes = sorted(set(sizes or calibration_sizes(self.max_rows)))
         per_row = rounds * sum(g + 2 for g in range(self.gamma_max + 1)) + 2
         count = min(per_row, engine.row_limit - len(prompt) - 1)
         if count < per_row:
@@ -229,6 +230,8 @@ class LoadGamma:
                 for row in rows:
                     engine.cancel(row)
                 engine.step()  # they leave
+                if progress is not None:
+                    progress(size, sizes.index(size) + 1, len(sizes))
         finally:
             engine.policy = self
             engine.finished.clear()
@@ -241,6 +244,33 @@ class LoadGamma:
             )
         return time.perf_counter() - start
 
+    def snapshot(self) -> dict[str, Any]:
+        """What calibration measured, as JSON can keep it: every (B, g) cell's [draft, target, rest]
+        seconds, and alpha's faded counts (:meth:`restore` reads it back)."""
+        return {
+            "cells": [[b, g, *parts] for (b, g), parts in sorted(self.cells.items())],
+            "accepted_mass": self.accepted_mass,
+            "positions": self.positions,
+        }
+
+    def restore(self, record: Any) -> bool:
+        """Take the cells and alpha's counts of a :meth:`snapshot`, in place of a calibration; False
+        (nothing taken) when ``record`` is not one for this policy's gamma and batch sizes."""
+        try:
+            cells = {
+                (int(b), int(g)): [float(x) for x in parts] for b, g, *parts in record["cells"]
+            }
+            mass, positions = float(record["accepted_mass"]), float(record["positions"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        wanted = {
+            (b, g) for b in calibration_sizes(self.max_rows) for g in range(self.gamma_max + 1)
+        }
+        if set(cells) != wanted or any(len(parts) != 3 for parts in cells.values()):
+            return False
+        self.cells, self.accepted_mass, self.positions = cells, mass, positions
+        return True
+
     def table(self) -> list[tuple[int, int, float | None]]:
         """For every batch size, the gamma the policy would choose now and its predicted speedup."""
         out = []
@@ -248,6 +278,11 @@ class LoadGamma:
             gamma = self.best(rows)
             out.append((rows, gamma, self.speedup(rows, gamma) if gamma else 1.0))
         return out
+
+
+def calibration_sizes(max_rows: int) -> list[int]:
+    """The batch sizes :meth:`LoadGamma.calibrate` measures by default: 1, 2, 4, ... and max_rows."""
+    return sorted({*(2**k for k in range(max_rows_log(max_rows) + 1)), max_rows})
 
 
 def max_rows_log(max_rows: int) -> int:

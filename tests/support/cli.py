@@ -58,13 +58,21 @@ def cli(
 def assert_one_error_line(status: int, stderr: str, stdout: str, *fragments: str) -> None:
     assert status == 2, stderr
     assert "Traceback" not in stderr
-    # a compile's progress lines (model/fast/progress.py) may come before the error
-    lines = [line for line in stderr.strip("\n").splitlines() if not line.startswith("compile: ")]
+    lines = without_progress(stderr)
     assert len(lines) == 1, stderr
     assert lines[0].startswith("error: "), lines[0]
     for fragment in fragments:
         assert fragment.lower() in lines[0].lower(), (fragment, lines[0])
     assert stdout == ""
+
+
+# progress lines that may come before an error: loading, a compile's steps (model/fast/progress.py)
+PROGRESS = ("load: ", "compile: ")
+
+
+def without_progress(stderr: str) -> list[str]:
+    """``stderr``'s lines less the progress lines that may come before an error (:data:`PROGRESS`)."""
+    return [line for line in stderr.strip("\n").splitlines() if not line.startswith(PROGRESS)]
 
 
 def main_error(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:
