@@ -253,9 +253,10 @@ def recorded(
     prompt_ids: Sequence[int],
     setups: Sequence[str],
     run: dict[str, Any],
+    say: Callable[[str], None] | None = None,
 ) -> tuple[tuple[float, ...], bool]:
-    """The costs recorded in ``store`` for this machine and set-up, or measured now and recorded;
-    and whether they were measured now."""
+    """The costs recorded in ``store`` for this machine and set-up, or measured now (told to ``say``
+    first) and recorded; and whether they were measured now."""
     where, run = machine(target.device), {k: v for k, v in run.items() if k != "seed"}
     key = cost_key(target, draft, setups, run)
     seen = store.measured(where, key, file=COSTS) or {}
@@ -263,6 +264,11 @@ def recorded(
         return tuple(float(seen[name]) for name in FIGURES), False
     except (KeyError, TypeError, ValueError):
         pass
+    if say is not None:
+        say(
+            "measure: a plain step and a speculating iteration, for the guard, once on this machine "
+            "and set-up ..."
+        )
     measured = measure(target, draft, prompt_ids, run)
     store.record(
         where,
@@ -293,7 +299,13 @@ def chosen_setups(setups: Any) -> list[str]:
 
 
 def default_guard(
-    args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any, one_row: bool
+    args: Any,
+    pair: Any,
+    prompt_ids: Sequence[int],
+    setups: Any,
+    store: Any,
+    one_row: bool,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[Guard, str | None]:
     """generate.py's guard without --guard / --no-guard: the recorded costs of a chain or a named
     tree (:func:`recorded`), and a note when they were measured now. Where recorded costs do not
@@ -302,7 +314,13 @@ def default_guard(
     if pair.draft is None or not one_row or args.gamma == "auto" or args.tree == "auto":
         return unrecorded(args.temperature), None
     costs, now = recorded(
-        store, pair.target, pair.draft, prompt_ids, chosen_setups(setups), decoding_run(args)
+        store,
+        pair.target,
+        pair.draft,
+        prompt_ids,
+        chosen_setups(setups),
+        decoding_run(args),
+        say,
     )
     note = None
     if now:

@@ -160,9 +160,10 @@ def recorded(
     prompt_ids: Sequence[int],
     setups: Sequence[str],
     run: dict[str, Any],
+    say: Callable[[str], None] | None = None,
 ) -> tuple[IterationCosts, bool]:
-    """The costs recorded in ``store`` for this machine and set-up, or measured now and
-    recorded; and whether they were measured now."""
+    """The costs recorded in ``store`` for this machine and set-up, or measured now (told to ``say``
+    first) and recorded; and whether they were measured now."""
     where, run = machine(target.device), {k: v for k, v in run.items() if k != "seed"}
     key = cost_key(target, draft, setups, {**run, "record": KIND})
     seen = store.measured(where, key, file=COSTS) or {}
@@ -174,6 +175,11 @@ def recorded(
         ), False
     except (KeyError, TypeError, ValueError):
         pass
+    if say is not None:
+        say(
+            "measure: an iteration's costs by the tokens it verifies, once on this machine and "
+            "set-up ..."
+        )
     measured = measure(target, draft, prompt_ids, run)
     store.record(
         where,
@@ -189,7 +195,13 @@ def recorded(
 
 
 def price(
-    args: Any, pair: Any, prompt_ids: Sequence[int], setups: Any, store: Any, one_row: bool
+    args: Any,
+    pair: Any,
+    prompt_ids: Sequence[int],
+    setups: Any,
+    store: Any,
+    one_row: bool,
+    say: Callable[[str], None] | None = None,
 ) -> str | None:
     """generate.py's pricing of a drafter with the ``priced`` hook: its recorded costs
     (:func:`recorded`) handed to it, and a note when they were measured now. Nothing for another
@@ -199,7 +211,9 @@ def price(
     if hook is None or not one_row or args.gamma == "auto" or args.tree:
         return None
     run = {**decoding_run(args), "tree": None}  # no tree here: its gamma is args.gamma
-    costs, now = recorded(store, pair.target, pair.draft, prompt_ids, chosen_setups(setups), run)
+    costs, now = recorded(
+        store, pair.target, pair.draft, prompt_ids, chosen_setups(setups), run, say
+    )
     hook(costs)
     if not now:
         return None

@@ -181,3 +181,16 @@ def test_a_context_too_short_for_a_cycle_gives_its_iterations_mean() -> None:
         short, noisy_copy(short, std=0.3, seed=1), [1, 2, 3], RUN
     )
     assert plain_s == speculating_s >= 0
+
+
+def test_a_measurement_is_announced_and_a_read_is_not(
+    models, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """generate.py says what it waits for: one line before measuring, nothing when the record is read."""
+    target, draft = models
+    store, said = StepCache(tmp_path), []
+    monkeypatch.setattr(costs, "measure", lambda *args: (2e-3, 5e-3, 1e-3))
+    costs.recorded(store, target, draft, [1, 2, 3], ["prepacked"], RUN, said.append)
+    assert len(said) == 1 and said[0].startswith("measure: ")
+    costs.recorded(store, target, draft, [1, 2, 3], ["prepacked"], RUN, said.append)
+    assert len(said) == 1
