@@ -1501,3 +1501,24 @@ def test_finish_reason_at_the_max_tokens_boundary(shipped, references) -> None:
             else:
                 finish = answer.choices[0].finish_reason
             assert finish == reason, (stream, allowed, stop)
+
+
+def test_finish_reason_when_the_end_of_text_is_the_max_tokens_th_token(shipped) -> None:
+    """The shipped target ends "Once upon a time" with its end-of-text id (generate.py: stopped by eos).
+    Allowed exactly as many tokens, the answer is a "stop"; one fewer, a "length". Streamed and not."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert generate.main(["--prompt", GREEDY_PROMPTS[0], "-n", "400", "--json"]) == 0
+    done = json.loads(out.getvalue())
+    assert done["stats"]["stop_reason"] == "eos"
+    count = len(done["tokens"])  # the end-of-text id last among them
+    for stream in (False, True):
+        for allowed, reason in ((count, "stop"), (count - 1, "length")):
+            answer = completion(
+                shipped, GREEDY_PROMPTS[0], temperature=0, max_tokens=allowed, stream=stream
+            )
+            if stream:
+                finish = list(answer)[-1].choices[0].finish_reason
+            else:
+                finish = answer.choices[0].finish_reason
+            assert finish == reason, (stream, allowed)
