@@ -30,6 +30,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ from speculative.draft.trees import TREE_MODES
 from speculative.engine import DEFAULT_GAMMA
 from speculative.engine.trees import AutoTree
 from speculative.inputs import GAMMA_MAX
-from speculative.serving.text import continuation_text, encode_prompt
+from speculative.serving.text import Output, continuation_text, encode_prompt
 from speculative.verify import RULES
 from speculative.verify.tree import branching_parents
 from weights import NonFiniteWeightsError, Pair, StepCache
@@ -249,6 +250,23 @@ def build_parser() -> cmdline.ArgumentParser:
         help="stop after this many (default %(default)s)",
     )
     add(
+        "--stop",
+        action="append",
+        metavar="STRING",
+        help="end the text before this string once it is generated (repeatable; as llama.cpp's "
+        "--reverse-prompt and OpenAI's stop)",
+    )
+    add(
+        "-c",
+        "--ctx-size",
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most tokens a sequence may hold, prompt and output (as llama.cpp's -c; default: the "
+        "models' context)",
+    )
+    add(
         "--ignore-eos",
         action="store_true",
         help="decode all --max-new-tokens: no end-of-sequence id stops the run "
@@ -269,12 +287,16 @@ def build_parser() -> cmdline.ArgumentParser:
 def given_flags(argv: list[str] | None) -> set[str]:
     """The options the command line set (dest names), even to their default value.
 
-    Parsed a second time with every default replaced by a marker, because a parsed namespace
-    alone cannot tell ``--gamma 4`` from no --gamma at all."""
+    Parsed a second time with every default that is not None replaced by a marker, because a
+    parsed namespace alone cannot tell ``--gamma 4`` from no --gamma at all. A flag whose default
+    is None is given when it is not None (no value of one is None), and keeps its None: --stop
+    appends to it, which a marker would not take."""
     unset = object()
     probe = build_parser()
-    probe.set_defaults(**{dest: unset for dest in vars(probe.parse_args([]))})
-    return {dest for dest, value in vars(probe.parse_args(argv)).items() if value is not unset}
+    defaults = vars(probe.parse_args([]))
+    probe.set_defaults(**{dest: unset for dest, value in defaults.items() if value is not None})
+    parsed = vars(probe.parse_args(argv))
+    return {dest for dest, value in parsed.items() if value is not unset and value is not None}
 
 
 def validate(args: argparse.Namespace, given: set[str]) -> None:
@@ -287,7 +309,10 @@ def validate(args: argparse.Namespace, given: set[str]) -> None:
         )
     if args.top_p is not None and not (0 < args.top_p <= 1):
         raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p}")
-    for name in ("top_k", "max_new_tokens", "threads", "tp"):
+    args.stop = args.stop or []  # None when not given: given_flags tells it from an empty list
+    if "" in args.stop:
+        raise UsageError("--stop needs a string that is not empty")
+    for name in ("top_k", "max_new_tokens", "threads", "tp", "ctx_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.tree is not None and args.verify == "block" and not args.no_draft:
@@ -402,17 +427,23 @@ def load(
         for text in prompts or [args.prompt]
     ]
     context = spec.context
+    models = [args.target]
+    kind = registered(spec.kind)
+    if kind is not None and kind.bare:  # a draft model's context bounds the run as well
+        models.append(args.draft)
+    whose = f"of {' and '.join(models)}"
+    if args.ctx_size is not None and args.ctx_size > context:
+        raise UsageError(
+            f"--ctx-size {args.ctx_size} is more than the {context}-token context {whose}"
+        )
+    if args.ctx_size is not None:
+        context, whose = args.ctx_size, "that --ctx-size gives"
     for line, prompt_ids in enumerate(encoded, 1):
         if len(prompt_ids) >= context:
             where = f"--prompts-file line {line}: the prompt" if prompts else "the prompt"
-            models = [args.target]
-            kind = registered(spec.kind)
-            if kind is not None and kind.bare:  # a draft model's context bounds the run as well
-                models.append(args.draft)
-            names = " and ".join(models)
             raise UsageError(
                 f"{where} is {len(prompt_ids)} tokens, which leaves no room in the {context}-token "
-                f"context of {names}"
+                f"context {whose}"
             )
     shape = args.tree
     if args.tree == "auto":  # room for its largest
@@ -597,8 +628,8 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         and sys.stdout.isatty()
         and not os.environ.get("NO_COLOR")
     )
-    streamer = None
-    if not args.json and is_main:
+    printing = not args.json and is_main
+    if printing:
         for line in lines:
             print(f"setup: {line}", file=sys.stderr)
         for line in [
@@ -610,15 +641,21 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
             print(f"note: {setups.compile_note(args.max_new_tokens)}", file=sys.stderr)
         if color and speculative:
             print(output.LEGEND, file=sys.stderr)
+    if args.interactive:  # turns from stdin, one engine for the whole conversation
+        return chat.converse(args, pair, sampling, color)
+    # The text as it comes: printed, and watched for --stop on every rank, so that all ranks stop
+    # at the same iteration.
+    streamer = None
+    if printing or args.stop:
         streamer = output.Streamer(
             tokenizer,
             prompt_ids,
-            sys.stdout,
+            sys.stdout if printing else None,
             color,
             prefix="" if args.chat else tokenizer.decode(prompt_ids),
+            stops=args.stop,
         )
-    if args.interactive:  # turns from stdin, one engine for the whole conversation
-        return chat.converse(args, pair, sampling, color)
+    ends = dict(context=args.ctx_size, stop=streamer.stopped if args.stop else None)
     step_clock = output.StepClock(streamer)
     # NonFiniteLogitsError (a ValueError) from either loop ends the run in main(): one error line, no tokens.
     with torch.inference_mode():
@@ -634,16 +671,26 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
                 tree=args.tree,
                 tree_mode=args.tree_mode,
                 guard=args.guard,
+                **ends,
                 **sampling,
             )
         else:
             result = autoregressive_generate(
-                pair.target, prompt_ids, args.max_new_tokens, callback=step_clock, **sampling
+                pair.target,
+                prompt_ids,
+                args.max_new_tokens,
+                callback=step_clock,
+                **ends,
+                **sampling,
             )
     tokens = [int(t) for t in result.tokens]
-    stats = report.stats_dict(result.stats, speculative)
+    text = None  # the continuation's text, when a stop string cut it
     if streamer is not None:
         streamer.finish()
+    if streamer is not None and streamer.stopped():
+        tokens, text = streamer.tokens, streamer.shown
+    stats = report.stats_dict(result.stats, speculative)
+    if printing:
         for line in report.summary_lines(stats, speculative, compare=compare) + [
             f"note: {setups.hint}"
         ] * bool(setups.hint):
@@ -653,27 +700,32 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     comparison = None
     # the same prompt and settings, the target alone: every rank runs it, as it ran the first
     if compare:
-        if streamer is not None:
+        if printing:
             print(
                 "compare: now the target alone, on the same prompt with the same settings ...",
                 file=sys.stderr,
             )
         # a callback, as in the first run, so that both loops copy tokens alike
+        watcher = output.Streamer(tokenizer, prompt_ids, None, False, stops=args.stop)
         with torch.inference_mode():
             baseline = autoregressive_generate(
                 pair.target,
                 prompt_ids,
                 args.max_new_tokens,
-                callback=output.StepClock(),
+                callback=output.StepClock(watcher),
+                context=args.ctx_size,
+                stop=watcher.stopped if args.stop else None,
                 **sampling,
             )
+        if watcher.stopped():  # its tokens cut as the first run's are
+            baseline = replace(baseline, tokens=watcher.tokens)
         comparison = report.compare_stats(stats, baseline, tokens, args.temperature)
     if not is_main:
         return 0
 
     if args.json:
         doc = {
-            "text": continuation_text(tokenizer, prompt_ids, tokens),
+            "text": text if text is not None else continuation_text(tokenizer, prompt_ids, tokens),
             "tokens": tokens,
             "prompt_tokens": len(prompt_ids),
             "settings": settings,
@@ -722,22 +774,27 @@ def run_batch(
             gamma=args.gamma,
             verify=args.verify,
             guard=args.guard,
+            context=args.ctx_size,
             **sampling,
         )
     else:
         result = autoregressive_generate_batch(
-            pair.target, encoded, args.max_new_tokens, **sampling
+            pair.target, encoded, args.max_new_tokens, context=args.ctx_size, **sampling
         )
     docs = []
     for i, (text, prompt_ids, row) in enumerate(zip(texts, encoded, result.results)):
-        tokens = [int(t) for t in row.tokens]
+        tokens, shown = cut_at_stop(tokenizer, prompt_ids, row.tokens, args.stop)
+        if shown is not None:
+            row.stats.stop_reason = "stop_string"
         docs.append(
             {
                 "prompt_index": i,
                 "line": i + 1,
                 "prompt": text,
                 "seed": None if seed is None else seed + i,
-                "text": continuation_text(tokenizer, prompt_ids, tokens),
+                "text": shown
+                if shown is not None
+                else continuation_text(tokenizer, prompt_ids, tokens),
                 "tokens": tokens,
                 "prompt_tokens": len(prompt_ids),
                 "stats": report.stats_dict(row.stats, speculative),
@@ -763,7 +820,7 @@ def run_batch(
                 file=sys.stderr,
             )
         baseline = autoregressive_generate_batch(
-            pair.target, encoded, args.max_new_tokens, **sampling
+            pair.target, encoded, args.max_new_tokens, context=args.ctx_size, **sampling
         )
         comparison = report.compare_batch(result, baseline, args.temperature)
     if args.json:
@@ -778,6 +835,20 @@ def run_batch(
     elif comparison is not None:
         print(report.batch_compare_line(comparison), file=sys.stderr)
     return 0
+
+
+def cut_at_stop(
+    tokenizer: Any, prompt_ids: list[int], tokens: list[int], stops: list[str]
+) -> tuple[list[int], str | None]:
+    """A batch row's tokens up to the one that completed its first --stop string, and its text
+    before that string (None: it met none, and the tokens are all kept). The rows of a batch are
+    cut after the run: each runs on to its own end."""
+    text = Output(tokenizer, prompt_ids, stops)
+    text.add([int(t) for t in tokens])
+    text.finish()
+    if not text.stopped:
+        return text.tokens, None
+    return text.tokens, text.text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,8 @@ class Conversation:
         self.context = pair.target.config.max_seq_len
         if self.drafter is not None:
             self.context = min(self.context, trait(self.drafter, "max_seq_len") or self.context)
+        if args.ctx_size is not None:  # -c: generate.py checked that it fits
+            self.context = min(self.context, args.ctx_size)
         self.reset()
 
     def reset(self) -> None:
@@ -110,19 +112,28 @@ class Conversation:
             )
         return Engine(self.pair.target, self.drafter, **options)
 
-    def answer(self, text: str, prompt: list[int], callback: Any) -> Row:
+    def answer(self, text: str, prompt: list[int], streamer: output.Streamer) -> Row:
         """The answer to the user's turn ``text`` (``prompt``: :meth:`prompt`'s ids for it), its tokens
-        passed to ``callback`` as they come; the turn and the answer join the conversation. A row
-        that failed raises its error (non-finite logits: one line from generate.py)."""
+        passed to ``streamer`` as they come, and ended at the iteration whose text met a stop
+        string (--stop: stop_reason "stop_string", the answer cut before it); the turn and the
+        answer join the conversation. A row that failed raises its error (non-finite logits: one
+        line from generate.py)."""
         if self.engine is None:
             self.engine = self.new_engine()
+        engine = self.engine
         seed = self.sampling["seed"]
-        row = self.engine.add(
+
+        def seen(new_ids: list[int], from_draft: list[bool]) -> None:
+            streamer(new_ids, from_draft)
+            if streamer.stopped():
+                engine.cancel(row)
+
+        row = engine.add(
             prompt,
             self.args.max_new_tokens,
             eos_id=self.sampling["eos_id"],
             seed=None if seed is None else seed + self.turns,
-            callback=callback,
+            callback=seen,
             continues=self.previous,
         )
         try:
@@ -137,6 +148,9 @@ class Conversation:
         if row.error is not None:
             raise row.error
         shown = continuation_text(self.pair.tokenizer, prompt, row.ids[len(prompt) :])
+        if streamer.stopped():  # a cancelled row: the next turn reads the conversation from 0
+            row.stats.stop_reason = "stop_string"
+            shown = streamer.shown
         self.messages += [("user", text), ("assistant", shown.strip())]
         self.previous = row
         self.turns += 1
@@ -220,7 +234,9 @@ def turn(
             file=stderr,
         )
         return
-    streamer = output.Streamer(conversation.pair.tokenizer, prompt, stdout, color)
+    streamer = output.Streamer(
+        conversation.pair.tokenizer, prompt, stdout, color, stops=conversation.args.stop
+    )
     try:
         row = conversation.answer(text, prompt, streamer)
     except KeyboardInterrupt:

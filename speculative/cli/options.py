@@ -225,6 +225,8 @@ RUN_ONLY = (
     "top_p",
     "max_new_tokens",
     "ignore_eos",
+    "stop",
+    "ctx_size",
     "seed",
     "compare",
     "threads",

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 import torch
 
-from speculative.serving.text import TextStream
+from speculative.serving.text import Output
 from speculative.verify.tree import branching_parents
 
 GREEN = "\033[32m"
@@ -66,25 +66,49 @@ def compile_cache(store: Any, action: str) -> int:
 
 class Streamer:
     """The loop's callback: the text of each batch of new tokens to ``out`` as soon as it is
-    complete (speculative.serving.text.TextStream), drafted tokens the target accepted in green and its
-    own in yellow when ``color``.
+    complete (speculative.serving.text.Output), drafted tokens the target accepted in green and its
+    own in yellow when ``color``; ``out`` None writes nothing (--json, a rank that does not print).
+
+    ``stops``: the text ends before the first of these strings (--stop); text that may be the start
+    of one is held back until the next tokens show it is not, and :meth:`stopped` says one was met
+    (the run is then stopped at the end of that iteration, and :attr:`tokens` are those kept).
 
     ``prefix`` (the prompt's text) is written together with the first new text, not before
     the run: a run that fails before its first token (an error such as non-finite logits)
     leaves stdout empty."""
 
     def __init__(
-        self, tokenizer: Any, prompt_ids: list[int], out: TextIO, color: bool, prefix: str = ""
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        out: TextIO | None,
+        color: bool,
+        prefix: str = "",
+        stops: Sequence[str] = (),
     ) -> None:
-        self.text = TextStream(tokenizer, prompt_ids)
+        self.output = Output(tokenizer, prompt_ids, stops)
         self.out = out
         self.color = color
         self.prefix = prefix
 
+    def stopped(self) -> bool:
+        """Whether the text met a stop string (the loop's ``stop``)."""
+        return self.output.stopped
+
+    @property
+    def tokens(self) -> list[int]:
+        """The new tokens kept: all of them, or those up to the one that completed a stop string."""
+        return self.output.tokens
+
+    @property
+    def shown(self) -> str:
+        """The new text so far, cut before a stop string (after :meth:`finish`, all of it)."""
+        return self.output.text
+
     def __call__(self, new_ids: Sequence[int], from_draft: Sequence[bool]) -> None:
         runs: list[tuple[bool, str]] = []  # consecutive pieces of one colour, merged
         for token, drafted in zip(new_ids, from_draft):
-            piece = self.text.add(token)
+            piece = self.output.add([token])
             if piece and runs and runs[-1][0] == drafted:
                 runs[-1] = (drafted, runs[-1][1] + piece)
             elif piece:
@@ -98,14 +122,16 @@ class Streamer:
 
     def write(self, text: str) -> None:
         """``text`` to ``out`` at once, after the prefix if it has not been written yet."""
+        if self.out is None:
+            return
         self.out.write(self.prefix + text)
         self.prefix = ""
         self.out.flush()
 
     def finish(self) -> None:
         """The end of the text, and a newline."""
-        # whatever was held back (a truly broken byte sequence)
-        self.write(self.text.finish() + "\n")
+        # whatever was held back (the start of a stop string that never came, a broken byte sequence)
+        self.write(self.output.finish() + "\n")
 
 
 class StepClock:
@@ -279,6 +305,8 @@ def run_settings(
         "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens,
         "ignore_eos": args.ignore_eos,
+        "stop": list(args.stop),
+        "ctx_size": args.ctx_size,
         "seed": seed,
         "chat": args.chat,
         "quantize": args.quantize,

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 STOP_REASONS = {
     "eos": "the model ended the text (end-of-sequence)",
     "max_new_tokens": "--max-new-tokens reached",
-    "max_seq_len": "the context is full (max_seq_len)",
+    "max_seq_len": "the context is full (max_seq_len, or --ctx-size)",
+    "stop_string": "the text met a --stop string",
 }
 
 # What the two acceptance numbers mean, in the JSON itself (docs/cli.md has every field).
@@ -28,7 +29,7 @@ JSON_NOTES = {
     "tokens drafted after a rejection are counted but never verified",
     "tokens_per_second": "decode speed: new tokens over the loop's time after its first iteration (the prompt's)",
     "stop_reason": "eos: the model ended the text; max_new_tokens: --max-new-tokens reached; max_seq_len: the "
-    "context is full",
+    "context is full; stop_string: the text met a --stop string",
 }
 
 # And for a batch.

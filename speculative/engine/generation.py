@@ -4,12 +4,12 @@ speculative decoding and the target alone, for one prompt or a list of prompts."
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
-from speculative.engine.engine import Callback, Engine
+from speculative.engine.engine import Callback, Engine, Row
 from speculative.engine.gamma_policy import Guard
 from speculative.engine.stats import (
     AutoregressiveStats,
@@ -36,6 +36,8 @@ def speculative_generate(
     tree: Sequence[int] | None = None,
     tree_mode: str = "without_replacement",
     guard: Guard | bool | tuple[float, ...] = False,
+    context: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> GenerationResult[SpeculativeStats]:
     """Sample from ``target`` after ``prompt_ids``, with ``draft`` proposing up to ``gamma``
     tokens per target call (an int >= 1, or "auto"; None: DEFAULT_GAMMA). ``draft`` is a model of the target's
@@ -70,6 +72,12 @@ def speculative_generate(
     which. ``callback(new_ids, from_draft)`` sees each iteration's tokens: accepted draft
     tokens (True), then the target's own (False). Returns the new token ids and
     SpeculativeStats. Raises NonFiniteLogitsError if the target's logits are not finite.
+
+    ``context``: the most tokens the sequence may hold, fewer than the models' max_seq_len (the KV
+    caches are sized to it at most; stop_reason max_seq_len there). ``stop()``, asked after each
+    iteration's callback, True ends the row there (generate.py's --stop: the text met a stop string;
+    stop_reason "stop_string"): no token is generated after that iteration, whose tokens are all
+    returned (the caller cuts its text where the string begins).
     """
     wall_start = time.perf_counter()
     engine = Engine(
@@ -84,10 +92,7 @@ def speculative_generate(
         tree_mode=tree_mode,
         guard=guard,
     )
-    row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=callback)
-    engine.run()
-    if row.error is not None:
-        raise row.error
+    row = one_row(engine, prompt_ids, max_new_tokens, eos_id, seed, callback, context, stop)
     row.stats.wall_time_s = time.perf_counter() - wall_start
     return row.result()
 
@@ -102,6 +107,8 @@ def autoregressive_generate(
     eos_id: int | Collection[int] | None = None,
     seed: int | None = None,
     callback: Callback | None = None,
+    context: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> GenerationResult[AutoregressiveStats]:
     """The baseline: up to ``max_new_tokens`` tokens from ``model`` alone after ``prompt_ids``,
     one call per token, with the same warping and sampling as speculative decoding.
@@ -112,15 +119,54 @@ def autoregressive_generate(
     AutoregressiveStats. Raises NonFiniteLogitsError if the model's logits are not finite:
     at once when tokens are seen one by one (an EOS id or a callback), else when the loop
     ends (no token is returned): without them the tokens stay on the device until the end.
+    ``context`` and ``stop``: as speculative_generate's.
     """
     wall_start = time.perf_counter()
     engine = Engine(model, None, temperature=temperature, top_k=top_k, top_p=top_p)
-    row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=callback)
+    row = one_row(engine, prompt_ids, max_new_tokens, eos_id, seed, callback, context, stop)
+    row.stats.wall_time_s = time.perf_counter() - wall_start
+    return GenerationResult(tokens=row.result().tokens, stats=AutoregressiveStats.of(row.stats))
+
+
+def one_row(
+    engine: Engine,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    eos_id: int | Collection[int] | None,
+    seed: int | None,
+    callback: Callback | None,
+    context: int | None,
+    stop: Callable[[], bool] | None,
+) -> Row:
+    """One prompt through ``engine`` to its end; a row that failed raises its error. A ``stop()``
+    that says True cancels the row (Engine.cancel): it leaves at the end of the iteration it saw."""
+    cap_context(engine, context)
+    seen = callback
+    if stop is not None:
+
+        def seen(new_ids: list[int], from_draft: list[bool]) -> None:
+            if callback is not None:
+                callback(new_ids, from_draft)
+            if stop():
+                engine.cancel(row)
+
+    row = engine.add(prompt_ids, max_new_tokens, eos_id=eos_id, seed=seed, callback=seen)
     engine.run()
     if row.error is not None:
         raise row.error
-    row.stats.wall_time_s = time.perf_counter() - wall_start
-    return GenerationResult(tokens=row.result().tokens, stats=AutoregressiveStats.of(row.stats))
+    if row.cancelled:
+        row.stats.stop_reason = "stop_string"
+    return row
+
+
+def cap_context(engine: Engine, context: int | None) -> None:
+    """Rows stop at ``context`` tokens, fewer than the models' max_seq_len: the engine sizes its KV
+    caches to its limit at most (Engine.start)."""
+    if context is None:
+        return
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be an integer >= 1, got {context!r}")
+    engine.limit = min(engine.limit, context)
 
 
 def speculative_generate_batch(
@@ -137,6 +183,7 @@ def speculative_generate_batch(
     verify: str | None = None,
     batch_size: int | None = None,
     guard: Guard | bool = False,
+    context: int | None = None,
 ) -> BatchResult:
     """speculative_generate for every prompt of ``prompts`` (token-id lists, any lengths), at
     most ``batch_size`` rows at a time (default: all), one target call per iteration for all
@@ -146,8 +193,8 @@ def speculative_generate_batch(
 
     Each row's output has exactly the target's distribution, and row i's tokens are those of
     speculative_generate(target, draft, prompts[i], seed=seed + i, ...) (seed[i] for a list)
-    up to the numerics policy (speculative.engine). Token trees are not batched. ``guard``: as
-    speculative_generate's, for the whole batch."""
+    up to the numerics policy (speculative.engine). Token trees are not batched. ``guard`` and
+    ``context``: as speculative_generate's, for the whole batch."""
     return over_rows(
         target,
         draft,
@@ -156,6 +203,7 @@ def speculative_generate_batch(
         seed,
         batch_size,
         eos_id,
+        context,
         SpeculativeStats,
         gamma=gamma,
         temperature=temperature,
@@ -176,10 +224,12 @@ def autoregressive_generate_batch(
     eos_id: int | Collection[int] | None = None,
     seed: int | Sequence[int] | None = None,
     batch_size: int | None = None,
+    context: int | None = None,
 ) -> BatchResult:
     """autoregressive_generate for every prompt, one model call per token for all rows (each
     at its own position), at most ``batch_size`` rows at a time. Row i draws with seed + i,
-    as autoregressive_generate(model, prompts[i], seed=seed + i) does alone."""
+    as autoregressive_generate(model, prompts[i], seed=seed + i) does alone. ``context``: as
+    speculative_generate's."""
     return over_rows(
         model,
         None,
@@ -188,6 +238,7 @@ def autoregressive_generate_batch(
         seed,
         batch_size,
         eos_id,
+        context,
         AutoregressiveStats,
         temperature=temperature,
         top_k=top_k,
@@ -203,6 +254,7 @@ def over_rows(
     seed: Any,
     batch_size: Any,
     eos_id: int | Collection[int] | None,
+    context: int | None,
     kind: type,
     **settings: Any,
 ) -> BatchResult:
@@ -212,6 +264,7 @@ def over_rows(
     check_max_new_tokens(max_new_tokens)
     seeds = row_seeds(seed, len(prompts))
     engine = Engine(target, draft, max_rows=check_batch_size(batch_size, len(prompts)), **settings)
+    cap_context(engine, context)
     rows = []
     for i, (prompt, row_seed) in enumerate(zip(prompts, seeds)):
         try:

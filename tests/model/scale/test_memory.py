@@ -281,7 +281,9 @@ def test_a_servers_default_context_fits_its_kv_budget() -> None:
     quarter of the free memory) holds for all rows, in steps of 256. SmolLM2 (30 layers, 3 KV heads
     of 64) in bfloat16 for 16 rows: 2 x 30 x 3 x 64 x 2 bytes x 16 rows = 368,640 bytes a position."""
     per_position = 2 * 30 * 3 * 64 * 2 * 16
-    assert memory_lib.default_context(8192, per_position, None) == 2048  # 3 * 2**28 // 368640 = 2184
+    assert (
+        memory_lib.default_context(8192, per_position, None) == 2048
+    )  # 3 * 2**28 // 368640 = 2184
     assert memory_lib.default_context(8192, per_position, 2**31) == 1280  # a quarter of 2 GiB: 1456
     assert memory_lib.default_context(512, 1, None) == 512  # the tiny pair keeps its whole context
     assert memory_lib.default_context(100_000, 1, None) == 4096  # llama.cpp's default at most
