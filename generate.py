@@ -567,6 +567,11 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         is_main = info.is_main
     else:
         device = pick_device(args.device)
+    # what the run waits for before its header, on a terminal: loading, costs measured once per set-up
+    say = None
+    if not args.json and is_main and sys.stderr.isatty():
+        say = output.say
+        say(f"load: {args.target} ...")
     args.quantize, args.dtype, reading = settle_reading(
         args.target, args.quantize, args.dtype, device, args.cache_dir, world_size
     )
@@ -601,7 +606,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
     # once on this machine and set-up (speculative.cli.pricing), before the guard measures it.
     with torch.inference_mode():
         price_note = pricing.price(
-            args, pair, encoded[0], setups, StepCache(args.cache_dir), one_row
+            args, pair, encoded[0], setups, StepCache(args.cache_dir), one_row, say
         )
     # The default guard: costs measured once on this machine and set-up (speculative.cli.costs).
     if args.guard.mode == "recorded":
@@ -613,6 +618,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
                 setups,
                 StepCache(args.cache_dir),
                 one_row=one_row,
+                say=say,
             )
     lines = setups.lines
     settings = output.run_settings(args, pair, lines, device, dtype, world_size, seed, compare)

@@ -5,6 +5,7 @@ compiled-step cache's listing (docs/cli.md is their reference)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from time import perf_counter
 from typing import Any, TextIO
@@ -317,3 +318,8 @@ def run_settings(
         "threads": torch.get_num_threads(),
         "compare": compare,
     }
+
+
+def say(line: str) -> None:
+    """A progress line (what a run is waiting for), on stderr as it happens."""
+    print(line, file=sys.stderr, flush=True)

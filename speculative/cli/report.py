@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 STOP_REASONS = {
     "eos": "the model ended the text (end-of-sequence)",
     "max_new_tokens": "--max-new-tokens reached",
-    "max_seq_len": "the context is full (max_seq_len, or --ctx-size)",
+    "max_seq_len": "the context is full: max_seq_len, or --ctx-size",
     "stop_string": "the text met a --stop string",
 }
 

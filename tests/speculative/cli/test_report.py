@@ -71,7 +71,7 @@ def test_the_summary_says_when_fewer_were_drafted_and_what_is_unknown() -> None:
     )
     assert (
         "at ? tokens/s" in lines[0]
-        and "stopped: max_seq_len (the context is full (max_seq_len))" in lines[0]
+        and "stopped: max_seq_len (the context is full: max_seq_len, or --ctx-size)" in lines[0]
     )
     assert "gamma=4 (drafted 3.00 per iteration) c=n/a" in lines[1]
 
