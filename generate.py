@@ -281,6 +281,12 @@ def build_parser() -> cmdline.ArgumentParser:
     add = parser.add_argument_group("output").add_argument
     add("--json", action="store_true", help="one JSON object on stdout and nothing else")
     add("--no-color", action="store_true", help="no ANSI colours (used only on a terminal)")
+    add(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress lines (load:, measure:; they are shown only on a terminal anyway)",
+    )
     return parser
 
 
@@ -569,7 +575,7 @@ def run(args: argparse.Namespace, given: set[str]) -> int:
         device = pick_device(args.device)
     # what the run waits for before its header, on a terminal: loading, costs measured once per set-up
     say = None
-    if not args.json and is_main and sys.stderr.isatty():
+    if not args.json and not args.quiet and is_main and sys.stderr.isatty():
         say = output.say
         say(f"load: {args.target} ...")
     args.quantize, args.dtype, reading = settle_reading(

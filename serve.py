@@ -264,6 +264,12 @@ def build_parser() -> cmdline.ArgumentParser:
     )
     add("--access-log", action="store_true", help="log every request on stderr")
     add(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress lines at start-up (load:, the cost model's batch sizes); notes and errors stay",
+    )
+    add(
         "--recalibrate",
         action="store_true",
         help="measure the cost model of --speculation load again, and record it (default: read what an "
@@ -436,8 +442,13 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
     """Load the pair, build the engine and its gamma policy (calibrated at start-up for "load"),
     start the engine's thread (or, ``here``, leave its loop to the calling thread), and return
     what the API serves."""
-    # a start takes seconds (minutes for a first --compile): say what it is doing
-    print(f"load: {args.target} ...", file=sys.stderr, flush=True)
+
+    # a start takes seconds (minutes for a first --compile): say what it is doing, unless --quiet
+    def say(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    say(f"load: {args.target} ...")
     began = time.perf_counter()
     device = pick_device(args.device)
     args.quantize, args.dtype, reading = settle_reading(
@@ -448,7 +459,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
         torch.set_num_threads(args.threads)
     most = torch.get_num_threads()
     pair, context, setups, spec = load(args, device, dtype)
-    print(f"load: done in {time.perf_counter() - began:.1f}s", file=sys.stderr, flush=True)
+    say(f"load: done in {time.perf_counter() - began:.1f}s")
     for line in setups.lines:
         print(f"setup: {line}", file=sys.stderr)
     defaults = spec.sampling_defaults if args.generation_config == "auto" else {}
@@ -484,7 +495,7 @@ def start(args: argparse.Namespace, here: bool = False) -> Service:
             StepCache(args.cache_dir),
             costs.chosen_setups(setups),
             fresh=args.recalibrate,
-            say=lambda text: print(text, file=sys.stderr, flush=True),
+            say=say,
         )
         chosen = ", ".join(f"{b}: {g}" for b, g, _ in policy.table())
         print(

@@ -1354,6 +1354,19 @@ def test_output_holds_back_what_may_start_a_stop_string_and_cuts_at_its_token() 
 
 
 # ----------------------------------------------------------------------------- the script
+def test_serve_py_says_what_its_start_does_unless_quiet(capsys) -> None:
+    """A start's progress line (load:) comes before anything else it says, here an error found once
+    loading has begun (int4 layers in float16); --quiet leaves the error alone."""
+    argv = ["--quantize", "int4", "--dtype", "float16"]
+    assert serve.main(argv) == 2
+    said = capsys.readouterr().err.splitlines()
+    assert said[0] == "load: tiny-target ..."
+    assert said[-1].startswith("error: ") and "--quantize int4" in said[-1]
+    assert serve.main([*argv, "--quiet"]) == 2
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].startswith("error: ") and "--quantize int4" in said[0]
+
+
 def test_serve_py_refuses_bad_flags_in_one_line(capsys) -> None:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
