@@ -14,7 +14,10 @@ max(0, p - q) is one-hot on the target's argmax. No separate code path is needed
 correctness; the loop takes shortcuts that give the same tokens with fewer operators
 (argmax in place of sampling a one-hot row, speculative.verify.verify_greedy).
 
-All randomness of a generation call comes from one ``torch.Generator`` (:func:`make_generator`).
+All randomness of a generation call comes from one ``torch.Generator`` (:func:`make_generator`),
+except under a rule that draws with noise keyed by position (:class:`KeyedNoise`,
+:func:`sample_keyed`: speculative.verify.invariant), where the target's token at each position of a
+row is the Gumbel-max sample with noise that depends on the row's seed and that position alone.
 """
 
 from __future__ import annotations
@@ -165,6 +168,73 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -
         idle = torch.tensor([gen is None for gen in generators])
         tokens = torch.where(idle, probs.argmax(-1), tokens)
     return tokens
+
+
+MASK_64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """One step of SplitMix64 (Steele, Lea & Flood 2014): a bijection of 64-bit integers whose
+    outputs for consecutive inputs look independent, so that nearby (seed, position) keys seed
+    unrelated streams."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK_64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK_64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The seed of the noise at ``position`` of a row seeded ``seed``: a pure function of the two (63
+    bits, what torch.Generator.manual_seed takes whatever the platform)."""
+    return splitmix64(splitmix64(seed & MASK_64) ^ position) >> 1
+
+
+@dataclass(frozen=True)
+class KeyedNoise:
+    """Gumbel noise keyed by a row's seed and the absolute position of a token in its sequence:
+    G(position) [V] depends on nothing else (not on the iteration, the drafter, gamma, the batch, or
+    how many random numbers were drawn before), so the target's token at a position is the same
+    whoever asks for it. ``start`` is the position of the first token of a draw (row b's next token
+    is at len(ids)). Drawn on the CPU in float64 from a torch.Generator seeded by
+    :func:`noise_key`, so that the tokens do not depend on the device either."""
+
+    seed: int
+    start: int
+
+    def gumbel(self, count: int, vocab: int) -> torch.Tensor:
+        """G at positions start .. start + count - 1: [count, V] float64 on the CPU, each entry
+        -log(-log u) of a uniform u, clamped away from 0 so that every G is finite (a token of
+        probability 0 then never wins, log 0 + G = -inf)."""
+        rows = []
+        for position in range(self.start, self.start + count):
+            generator = torch.Generator().manual_seed(noise_key(self.seed, position))
+            u = torch.rand(vocab, generator=generator, dtype=torch.float64)
+            rows.append(-(-u.clamp(min=torch.finfo(torch.float64).tiny).log()).log())
+        return torch.stack(rows) if rows else torch.empty(0, vocab, dtype=torch.float64)
+
+
+def gumbel_noise(source: KeyedNoise | torch.Generator, count: int, vocab: int) -> torch.Tensor:
+    """[count, V] float64 Gumbel noise: keyed by position (a KeyedNoise), or the next draws of a
+    plain generator's stream (a caller of the four-argument verifier signature that keys nothing,
+    python -m speculative.prove: the same law, without the invariance)."""
+    if isinstance(source, KeyedNoise):
+        return source.gumbel(count, vocab)
+    u = torch.rand(count, vocab, generator=source, dtype=torch.float64, device=source.device)
+    return -(-u.clamp(min=torch.finfo(torch.float64).tiny).log()).log()
+
+
+def sample_keyed(probs: torch.Tensor, source: KeyedNoise | torch.Generator) -> torch.Tensor:
+    """One token per distribution by the Gumbel-max trick: probs [n, V] -> LongTensor [n], row i
+    argmax_x (log probs[i, x] + G_i(x)) with G_i the noise at position source.start + i.
+
+    With G_i(x) independent standard Gumbel variables, the argmax is x with probability
+    probs[i, x] (the Gumbel-max lemma: docs/algorithm.md, "A seed that repeats whatever the
+    drafter"), so each token has its law; and it is a function of probs and the noise alone, so
+    the same law and the same noise give the same token, whoever computes it. A one-hot row gives
+    its argmax. python -m speculative.prove enumerates this door as a draw from each row's law
+    (speculative.proofs.branching)."""
+    noise = gumbel_noise(source, probs.shape[0], probs.shape[-1]).to(probs.device)
+    return (probs.double().log() + noise).argmax(-1)
 
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator:

@@ -76,8 +76,8 @@ from speculative.inputs import (
     model_device,
     read_host,
 )
-from speculative.sampling import Sampling, make_generator
-from speculative.verify.registry import default_rule
+from speculative.sampling import KeyedNoise, Sampling, make_generator
+from speculative.verify.registry import default_rule, keyed
 from speculative.verify.registry import rule as registered
 from speculative.verify.tree import branching_parents
 from speculative.verify.verdict import Verdict, Verification
@@ -95,8 +95,10 @@ class Engine:
     drafts is the gamma policy's to say (``gamma_policy``, speculative.engine.gamma_policy: a row's
     pinned gamma, a chooser from outside, "auto", the guard, a tree's shape).
 
-    ``verify``: the name of a registered rule (speculative.verify.RULES: "token", Algorithm 1, or
-    "block", Sun et al. 2025), which says what it does at temperature 0; None, the default, is
+    ``verify``: the name of a registered rule (speculative.verify.RULES: "token", Algorithm 1,
+    "block", Sun et al. 2025, or "invariant", whose noise is keyed by seed and position so that a seed
+    gives the target alone's tokens whatever the drafter: its rows' plain steps draw with that noise
+    too), which says what it does at temperature 0; None, the default, is
     speculative.verify.default_rule's (block for a chain, the tree's walk for a tree); or your own
     verifier with their signature, ``rule(p [g+1, V], q [g, V], drafted [g], generator) ->
     Verdict``, which then judges every chain, at temperature 0 too (on one-hot p and q): what
@@ -483,13 +485,13 @@ class Engine:
         the rows stop by their count: the tokens stay on the device (Engine.defer)."""
         # Read with the verdicts: a row whose logits are not finite fails alone.
         finite = finite_rows(logits)
+        sources = [row.generator for row in rows]
+        if keyed(self.rule):
+            # noise keyed by the row's seed and the position of p_1's token, for the rule and for a
+            # plain step alike: the target's token at a position is the same whoever drafted
+            sources = [KeyedNoise(row.generator.initial_seed(), row.length) for row in rows]
         verdict = judge_rows(
-            logits,
-            draft,
-            [row.sampling for row in rows],
-            self.rule,
-            [row.generator for row in rows],
-            finite,
+            logits, draft, [row.sampling for row in rows], self.rule, sources, finite
         )
         if self.deferred(rows, draft):
             self.defer(rows, verdict.parts[0], finite)

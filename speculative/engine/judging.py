@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from speculative.draft.protocol import Draft
 from speculative.inputs import usable_logits
-from speculative.sampling import Sampling, sample_rows, warp, warp_rows
+from speculative.sampling import KeyedNoise, Sampling, sample_keyed, sample_rows, warp, warp_rows
 from speculative.verify import tree as trees
+from speculative.verify.registry import keyed
 from speculative.verify.registry import rule as registered
 from speculative.verify.token import verify_greedy
 from speculative.verify.token_tree import TokenTree
@@ -24,21 +25,24 @@ def judge_rows(
     draft: Draft,
     samplings: list[Sampling],
     rule: str | Callable,
-    generators: list[torch.Generator],
+    generators: list[torch.Generator] | list[KeyedNoise],
     finite: torch.Tensor,
 ) -> Verdict:
     """Lines 5-9 for every row, each with its own p, q, sampling and generator; their verdicts are read
     together. ``logits``: every row's g_b + 1 rows, stacked; ``finite``: their finite_rows (a
     sampled row verifies usable logits until the read checks them). Where nothing was drafted
-    t comes from p_1 alone; at temperature 0 the argmaxes of all rows and their drafts are the
+    t comes from p_1 alone, by the rule's noise keyed by position where it draws so (``generators``
+    are then KeyedNoise); at temperature 0 the argmaxes of all rows and their drafts are the
     parts, whatever B is."""
     greedy = all(s.greedy for s in samplings)
     if draft.tree is None and not any(draft.lengths):
-        tokens = (
-            logits.argmax(-1)
-            if greedy
-            else sample_rows(warp_rows(usable_logits(logits, finite), samplings), generators)
-        )
+        if greedy:
+            tokens = logits.argmax(-1)
+        elif keyed(rule):  # [B]: row b's Gumbel-max token at its own next position
+            probs = warp_rows(usable_logits(logits, finite), samplings)
+            tokens = torch.cat([sample_keyed(row[None], g) for row, g in zip(probs, generators)])
+        else:
+            tokens = sample_rows(warp_rows(usable_logits(logits, finite), samplings), generators)
         return Verdict([tokens], lambda host: [Verification([t], 0, []) for t in host])
     if greedy and draft.tree is None and greedy_shortcut(rule):
         return verify_greedy(logits.argmax(-1), draft.tokens, draft.lengths)

@@ -3,7 +3,11 @@
 Speculative decoding makes random choices of two kinds, and the code under proof makes them
 through two doors:
 
-* token draws, ``speculative.sampling.sample`` / ``sample_rows`` (a token from a law);
+* token draws, ``speculative.sampling.sample`` / ``sample_rows`` (a token from a law), and
+  ``sample_keyed``, the Gumbel-max draw with noise keyed by position, whose token has the law it is
+  given (the Gumbel-max lemma) and is enumerated as a draw from it; that is exact where no position's
+  noise decides two emitted tokens, which the rule that uses it ensures by keying the noise by the
+  position in the sequence (tests/speculative/verify/test_invariant.py checks that keying);
 * uniforms, ``torch.rand``, compared with thresholds (``r < p/q``, ``eta < h``).
 
 :class:`Branching` replaces both doors while it is installed. A draw becomes a branch per
@@ -391,9 +395,15 @@ class Branching:
         real = {
             "sample": sampling.sample,
             "sample_rows": sampling.sample_rows,
+            "sample_keyed": sampling.sample_keyed,
             "read_host": inputs.read_host,
         }
-        fake = {"sample": self.sample, "sample_rows": self.sample_rows, "read_host": self.read_host}
+        fake = {
+            "sample": self.sample,
+            "sample_rows": self.sample_rows,
+            "sample_keyed": self.sample,
+            "read_host": self.read_host,
+        }
         try:
             for module in list(sys.modules.values()):
                 space = getattr(module, "__dict__", None)

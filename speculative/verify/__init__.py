@@ -2,7 +2,8 @@
 
 A rule is ``rule(p [g+1, V], q [g, V], drafted [g], generator) -> Verdict`` (verdict.py: what a
 rule returns, read once into a Verification). The chain rules are registered here by name
-(:data:`RULES`): token-wise (token.py, Algorithm 1) and block (block.py, Sun et al. 2025). A
+(:data:`RULES`): token-wise (token.py, Algorithm 1), block (block.py, Sun et al. 2025) and
+drafter-invariant (invariant.py, Daliri et al. 2024: noise keyed by seed and position). A
 token tree is verified by its own walk (tree.py), chosen by drafting a tree, not by name.
 """
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from speculative.verify.block import verify_block
+from speculative.verify.invariant import verify_invariant
 from speculative.verify.token import verify_step
 
 
@@ -65,6 +66,16 @@ def rule(name: str) -> Rule:
     return RULES[name]
 
 
+def keyed(verify: str | Callable) -> bool:
+    """Whether a rule (a registered name or a verifier) draws with noise keyed by (seed, position),
+    as its function says (``keyed = True``, speculative.verify.invariant): the engine then hands it
+    a speculative.sampling.KeyedNoise per row in the generator's place, and draws the rows' plain
+    steps (nothing drafted, the target alone) with the same noise, so that the target alone gives
+    the tokens the rule gives."""
+    verifier = verify if callable(verify) else rule(verify).verify
+    return getattr(verifier, "keyed", False) is True
+
+
 register_rule(
     "token", verify_step, "token-wise: Algorithm 1, lines 5-9 (Leviathan et al. 2023)", greedy=True
 )
@@ -72,5 +83,12 @@ register_rule(
     "block",
     verify_block,
     "block-wise: the whole draft judged as one block (Sun et al. 2025)",
+    greedy=True,
+)
+register_rule(
+    "invariant",
+    verify_invariant,
+    "drafter-invariant: the target's Gumbel-max token at each position, noise keyed by seed and "
+    "position; a seed gives the target alone's tokens whatever the drafter (Daliri et al. 2024)",
     greedy=True,
 )

@@ -107,6 +107,20 @@ def test_sampled_runs_with_every_rule_complete_and_repeat(
 
 
 @needs_pair
+def test_the_invariant_rule_repeats_a_seed_whatever_the_drafter(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--verify invariant (speculative.verify.invariant): for a seed, the same sampled tokens with
+    the tiny draft at gamma 1 and 4 and with prompt lookup (float64: no near-tie can flip a token)."""
+    same = ["--dtype", "float64", "--verify", "invariant", "--temperature", "1", "--seed", "3"]
+    runs = [
+        run(capsys, *same, *argv)[0]["tokens"]
+        for argv in (["--gamma", "1"], ["--gamma", "4"], ["--draft", "lookup"])
+    ]
+    assert len(runs[0]) == int(NEW) and runs[0] == runs[1] == runs[2]
+
+
+@needs_pair
 @pytest.mark.parametrize(
     "argv, fragments",
     [

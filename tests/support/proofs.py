@@ -43,6 +43,7 @@ SECTIONS = {
     ],
     "Greedy identity": ["tests/speculative/engine/test_generation_greedy.py"],
     "Block verification": ["tests/speculative/verify/test_block.py"],
+    "Drafter-invariant verification": ["tests/speculative/verify/test_invariant.py"],
     "Token trees": [
         "tests/speculative/verify/test_tree.py",
         "tests/speculative/engine/test_generation_trees.py",

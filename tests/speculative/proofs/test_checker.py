@@ -26,6 +26,7 @@ from speculative.proofs.checker import check, main
 from speculative.proofs.exact import verifier_outcomes
 from speculative.proofs.subject import load
 from speculative.verify.block import verify_block
+from speculative.verify.invariant import verify_invariant
 from speculative.verify.token import verify_step
 from tests.support.paths import ROOT
 
@@ -84,7 +85,11 @@ def test_a_zero_draw_keeps_a_ruled_out_token_only_with_r_le_ratio() -> None:
 
 
 # ----------------------------------------------------------------------------- the built-ins pass
-@pytest.mark.parametrize("rule", [verify_step, verify_block], ids=["verify_step", "verify_block"])
+@pytest.mark.parametrize(
+    "rule",
+    [verify_step, verify_block, verify_invariant],
+    ids=["verify_step", "verify_block", "verify_invariant"],
+)
 def test_the_built_in_verifiers_pass(rule) -> None:
     report = check(rule, quick=True, properties=["exact", "zero", "greedy"])
     assert report.ok and statuses(report) == {
@@ -108,6 +113,7 @@ def test_the_built_in_drafters_pass(drafter) -> None:
     "spec, status",
     [
         ("speculative.verify:verify_step", "PASS"),
+        ("invariant", "PASS"),  # a registered rule by name; the engine hands it keyed noise
         ("speculative.prove:model_drafter", "PASS"),
         ("tests/bugs/bonus_from_p_gamma.py:verify", "FAIL"),
         ("tests/bugs/transformers_47932_unwarped_q.py:drafter", "FAIL"),
