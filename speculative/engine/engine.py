@@ -112,6 +112,9 @@ class Engine:
     gamma or a named tree is turned off (plain target steps) where this run measures that it loses
     (gamma.Switch; gamma="auto" always is), or where recorded costs say so (no clock read).
 
+    ``context``: the most tokens a row's sequence may hold, fewer than the models' max_seq_len (its
+    stop_reason max_seq_len there; the KV caches sized to it at most).
+
     ``max_rows``: rows in one call at most. ``cache_len``: the KV caches' length; None sizes them at
     the first step for the rows added by then (a later row longer than that stops when the cache is
     full)."""
@@ -131,6 +134,7 @@ class Engine:
         max_rows: int = 1,
         cache_len: int | None = None,
         guard: Guard | bool | tuple[float, ...] = False,
+        context: int | None = None,
     ) -> None:
         self.target = target
         self.drafter = None
@@ -165,6 +169,10 @@ class Engine:
             target.config.max_seq_len,
             trait(self.drafter, "max_seq_len") or target.config.max_seq_len,
         )
+        if context is not None:  # fewer than the models' max_seq_len (generate.py's --ctx-size)
+            if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+                raise ValueError(f"context must be an integer >= 1, got {context!r}")
+            self.limit = min(self.limit, context)
         # The cache slots a row keeps free past its sequence: a chain's gamma, or a tree's nodes.
         self.slack = self.gamma_max
         if self.tree is not None:

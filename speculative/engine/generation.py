@@ -91,8 +91,9 @@ def speculative_generate(
         tree=tree,
         tree_mode=tree_mode,
         guard=guard,
+        context=context,
     )
-    row = one_row(engine, prompt_ids, max_new_tokens, eos_id, seed, callback, context, stop)
+    row = one_row(engine, prompt_ids, max_new_tokens, eos_id, seed, callback, stop)
     row.stats.wall_time_s = time.perf_counter() - wall_start
     return row.result()
 
@@ -122,8 +123,8 @@ def autoregressive_generate(
     ``context`` and ``stop``: as speculative_generate's.
     """
     wall_start = time.perf_counter()
-    engine = Engine(model, None, temperature=temperature, top_k=top_k, top_p=top_p)
-    row = one_row(engine, prompt_ids, max_new_tokens, eos_id, seed, callback, context, stop)
+    engine = Engine(model, None, temperature=temperature, top_k=top_k, top_p=top_p, context=context)
+    row = one_row(engine, prompt_ids, max_new_tokens, eos_id, seed, callback, stop)
     row.stats.wall_time_s = time.perf_counter() - wall_start
     return GenerationResult(tokens=row.result().tokens, stats=AutoregressiveStats.of(row.stats))
 
@@ -135,12 +136,10 @@ def one_row(
     eos_id: int | Collection[int] | None,
     seed: int | None,
     callback: Callback | None,
-    context: int | None,
     stop: Callable[[], bool] | None,
 ) -> Row:
     """One prompt through ``engine`` to its end; a row that failed raises its error. A ``stop()``
     that says True cancels the row (Engine.cancel): it leaves at the end of the iteration it saw."""
-    cap_context(engine, context)
     seen = callback
     if stop is not None:
 
@@ -157,16 +156,6 @@ def one_row(
     if row.cancelled:
         row.stats.stop_reason = "stop_string"
     return row
-
-
-def cap_context(engine: Engine, context: int | None) -> None:
-    """Rows stop at ``context`` tokens, fewer than the models' max_seq_len: the engine sizes its KV
-    caches to its limit at most (Engine.start)."""
-    if context is None:
-        return
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"context must be an integer >= 1, got {context!r}")
-    engine.limit = min(engine.limit, context)
 
 
 def speculative_generate_batch(
@@ -263,8 +252,13 @@ def over_rows(
     prompts = check_prompts(prompts)
     check_max_new_tokens(max_new_tokens)
     seeds = row_seeds(seed, len(prompts))
-    engine = Engine(target, draft, max_rows=check_batch_size(batch_size, len(prompts)), **settings)
-    cap_context(engine, context)
+    engine = Engine(
+        target,
+        draft,
+        max_rows=check_batch_size(batch_size, len(prompts)),
+        context=context,
+        **settings,
+    )
     rows = []
     for i, (prompt, row_seed) in enumerate(zip(prompts, seeds)):
         try:

@@ -12,7 +12,6 @@ numerics policy), and without the guard, which would time the run first.
 from __future__ import annotations
 
 import io
-import os
 import re
 import subprocess
 import sys
@@ -26,9 +25,9 @@ from speculative import speculative_generate
 from speculative.serving.text import continuation_text, encode_dialog
 from tests.support.cli import (
     DRAFT,
-    ROOT,
     TARGET,
     assert_one_error_line,
+    cli,
     main_error,
     main_ok,
     needs_pair,
@@ -53,17 +52,7 @@ CACHED = re.compile(r"(\d+) of (\d+) prompt tokens from the cache")
 
 def converse(*args: str, stdin: str) -> subprocess.CompletedProcess[str]:
     """generate.py in a subprocess with one CPU thread, ``stdin`` its standard input (not a terminal)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env.pop("NO_COLOR", None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "generate.py"), *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
+    return cli(*args, stdin=stdin)
 
 
 def fresh_answers(target: Path, turns: list[str]) -> list[str]:

@@ -40,13 +40,15 @@ needs_pair = pytest.mark.skipif(
 
 
 def cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run generate.py in a subprocess with one CPU thread."""
+    """Run generate.py in a subprocess with one CPU thread (``stdin``: its standard input, not a
+    terminal)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
     full_env.pop("NO_COLOR", None)
     return subprocess.run(
         [sys.executable, str(ROOT / "generate.py"), *args],
+        input=stdin,
         capture_output=True,
         text=True,
         env=full_env,
